@@ -1,0 +1,136 @@
+"""The plan file: what to run, as chosen by ``gpipe plan`` and run by ``gpipe train``.
+
+A versioned JSON document. It is validated when loaded, so a hand-edited plan fails with one line
+naming the bad field before any process starts.
+
+Example::
+
+    {"version": 1,
+     "model": {"name": "transformer", "options": {"layers": 4, "d_model": 64},
+               "num_layers": 6, "parameter_count": 123456},
+     "partition": [3, 3], "batch_size": 32, "microbatches": 8,
+     "checkpoint": "except_last", "schedule": "gpipe",
+     "hardware": {"system": "cpu", "nodes": 1},
+     "predicted": {"step_time_s": 0.12, "bubble_fraction": 0.11}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sim.errors import GpipeInputError, require_positive
+from sim.schedule import check_checkpoint_policy, check_schedule_name
+from sim.timeline import write_json_atomic
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Which model: a built-in name (``mlp``, ``transformer``...) or ``package.module:factory``."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    num_layers: int = 0
+    parameter_count: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    partition: tuple[int, ...]  # layers per stage, first stage first
+    batch_size: int  # rows per mini-batch (one optimizer step)
+    microbatches: int
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
+    predicted: dict[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    @property
+    def stages(self) -> int:
+        return len(self.partition)
+
+    def __post_init__(self) -> None:
+        validate_partition(self.partition, self.model.num_layers)
+        require_positive("batch size", self.batch_size, "use --batch 1 or more")
+        require_positive("micro-batches (M)", self.microbatches, "use --microbatches 1 or more")
+        check_checkpoint_policy(self.checkpoint)
+        check_schedule_name(self.schedule)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["partition"] = list(self.partition)
+        return data
+
+
+def validate_partition(partition: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
+    """Check that ``partition`` gives every stage at least one layer and covers ``num_layers``."""
+    parts = tuple(partition)
+    if not parts:
+        raise GpipeInputError("partition is empty; give layers per stage, e.g. --partition 3,5")
+    if any(isinstance(p, bool) or not isinstance(p, int) or p <= 0 for p in parts):
+        raise GpipeInputError(f"partition {list(parts)} has a stage with no layers; every entry must be >= 1")
+    if num_layers and sum(parts) != num_layers:
+        raise GpipeInputError(
+            f"partition {','.join(map(str, parts))} sums to {sum(parts)} layers but the model has "
+            f"{num_layers}; make the entries add up to {num_layers}"
+        )
+    return parts
+
+
+def parse_partition(text: str) -> tuple[int, ...]:
+    """Parse ``"3,5"`` into ``(3, 5)`` with a one-line error for anything else."""
+    try:
+        return tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise GpipeInputError(f"bad partition {text!r}; expected layers per stage like 3,5") from None
+
+
+def plan_from_dict(data: Any) -> Plan:
+    if not isinstance(data, dict):
+        raise GpipeInputError("plan must be a JSON object; write one with gpipe plan --out plan.json")
+    version = data.get("version")
+    if version != PLAN_VERSION:
+        raise GpipeInputError(f"plan version {version!r} is not supported; this gpipe reads version "
+                              f"{PLAN_VERSION} (re-create it with gpipe plan --out)")
+    missing = [k for k in ("model", "partition", "batch_size", "microbatches") if k not in data]
+    if missing:
+        raise GpipeInputError(f"plan is missing {', '.join(missing)}; re-create it with gpipe plan --out")
+    model = data["model"]
+    if not isinstance(model, dict) or not isinstance(model.get("name"), str):
+        raise GpipeInputError("plan's model must be an object with a 'name'")
+    try:
+        return Plan(
+            model=ModelRef(name=model["name"], options=dict(model.get("options", {})),
+                           num_layers=int(model.get("num_layers", 0)),
+                           parameter_count=int(model.get("parameter_count", 0))),
+            partition=tuple(data["partition"]),
+            batch_size=data["batch_size"],
+            microbatches=data["microbatches"],
+            checkpoint=data.get("checkpoint", "except_last"),
+            schedule=data.get("schedule", "gpipe"),
+            hardware=dict(data.get("hardware", {"system": "cpu", "nodes": 1})),
+            predicted=dict(data.get("predicted", {})),
+            version=version,
+        )
+    except TypeError as exc:
+        raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        raise GpipeInputError(f"plan file {os.fspath(path)!r} does not exist; write one with gpipe plan --out") from None
+    except json.JSONDecodeError as exc:
+        raise GpipeInputError(f"plan file {os.fspath(path)!r} is not valid JSON ({exc})") from None
+    return plan_from_dict(data)
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(path, plan.to_dict())

@@ -1,0 +1,158 @@
+"""The timeline format shared by the simulator and the executor.
+
+A timeline is a list of :class:`Record` (one span of work or communication on one stage) plus
+:class:`MemorySample` points. Simulated and measured runs use this one format, so the same exporters
+(Chrome trace JSON that opens in Perfetto, plotly figures in :mod:`sim.figures`) serve both.
+Times are seconds from the start of the step (or of the run, for multi-step measurements).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+# Kinds of span beyond the compute kinds F/R/B of sim.schedule.Kind.
+SEND_ACTIVATION = "send_act"
+SEND_GRADIENT = "send_grad"
+RECV_WAIT = "recv_wait"  # time a stage sat waiting for a neighbour's tensor
+OPTIMIZER = "optimizer"
+
+KIND_NAMES = {
+    "F": "forward",
+    "R": "recompute",
+    "B": "backward",
+    SEND_ACTIVATION: "send activation",
+    SEND_GRADIENT: "send gradient",
+    RECV_WAIT: "wait for neighbour",
+    OPTIMIZER: "optimizer step",
+}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One span: ``stage`` did ``kind`` for ``microbatch`` (-1 when none) from start_s to end_s."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start_s: float
+    end_s: float
+    step: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Bytes held on ``stage`` from ``time_s`` on (until the next sample of that stage)."""
+
+    stage: int
+    time_s: float
+    bytes: int
+
+
+@dataclass
+class Timeline:
+    """Spans and memory samples of one run; ``source`` is ``"simulated"`` or ``"measured"``."""
+
+    records: list[Record] = field(default_factory=list)
+    memory: list[MemorySample] = field(default_factory=list)
+    source: str = "simulated"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stages(self) -> int:
+        seen = [r.stage for r in self.records] + [s.stage for s in self.memory]
+        return max(seen) + 1 if seen else 0
+
+    @property
+    def end_s(self) -> float:
+        return max((r.end_s for r in self.records), default=0.0)
+
+    def compute_records(self) -> list[Record]:
+        return [r for r in self.records if r.kind in ("F", "R", "B")]
+
+    def busy_s(self, stage: int) -> float:
+        """Seconds ``stage`` spent computing (forward, recompute, backward, optimizer)."""
+        return sum(r.duration_s for r in self.records
+                   if r.stage == stage and r.kind in ("F", "R", "B", OPTIMIZER))
+
+    def peak_memory_bytes(self, stage: int) -> int:
+        return max((s.bytes for s in self.memory if s.stage == stage), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "meta": self.meta,
+            "records": [asdict(r) for r in self.records],
+            "memory": [asdict(s) for s in self.memory],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Timeline":
+        return cls(
+            records=[Record(**r) for r in data.get("records", [])],
+            memory=[MemorySample(**s) for s in data.get("memory", [])],
+            source=data.get("source", "simulated"),
+            meta=dict(data.get("meta", {})),
+        )
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON: one thread per stage; opens in Perfetto and chrome://tracing."""
+        pid = 0
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"gpipe ({self.source})"}}
+        ]
+        for stage in range(self.stages):
+            events.append({"ph": "M", "pid": pid, "tid": stage, "name": "thread_name",
+                           "args": {"name": f"stage {stage}"}})
+        for r in self.records:
+            label = KIND_NAMES.get(r.kind, r.kind)
+            name = f"{label} {r.microbatch}" if r.microbatch >= 0 else label
+            events.append({
+                "ph": "X", "pid": pid, "tid": r.stage, "name": name, "cat": r.kind,
+                "ts": r.start_s * 1e6, "dur": max(r.duration_s, 0.0) * 1e6,
+                "args": {"microbatch": r.microbatch, "step": r.step},
+            })
+        for s in self.memory:
+            events.append({"ph": "C", "pid": pid, "tid": s.stage, "name": f"memory stage {s.stage}",
+                           "ts": s.time_s * 1e6, "args": {"bytes": s.bytes}})
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"meta": self.meta}}
+
+    def write_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_chrome_trace())
+
+
+def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
+    """Join per-rank timelines (each holding its own stages) into one, records sorted by start."""
+    merged = Timeline(source=source)
+    for t in timelines:
+        merged.records.extend(t.records)
+        merged.memory.extend(t.memory)
+        merged.meta.update(t.meta)
+    merged.records.sort(key=lambda r: (r.start_s, r.stage))
+    merged.memory.sort(key=lambda s: (s.time_s, s.stage))
+    return merged
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON so that a crash mid-write never leaves a truncated file: temp file, then rename."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
