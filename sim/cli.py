@@ -1,0 +1,67 @@
+"""The ``gpipe`` command. Subcommands live beside the code they drive and are imported lazily.
+
+Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int`` and must not
+import torch at module level, so ``gpipe simulate`` and ``gpipe plan`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from sim.errors import GpipeInputError
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "simulate": ("sim.simulate_cli", "predict one plan's timeline, bubble and memory"),
+    "plan": ("sim.plan_cli", "search for the fastest plan that fits memory"),
+    "train": ("executor.cli", "train a plan with the real pipeline executor (torchrun)"),
+    "calibrate": ("calibrate.cli", "profile this machine and fit the simulator's costs"),
+    "validate": ("calibrate.validate_cli", "compare predictions with measured runs the fit never saw"),
+    "demo": ("calibrate.demo", "the main job: calibrate, plan, simulate, train and report"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline planning, simulation and training")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(module=module_name)
+        if name == wanted:  # only the chosen subcommand's module is imported
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name and module_name.startswith(exc.name):
+                    continue
+                raise
+            module.add_arguments(sub_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        module = importlib.import_module(args.module)
+    except ModuleNotFoundError:
+        print(f"gpipe: error: '{args.command}' is not available in this installation", file=sys.stderr)
+        return 2
+    try:
+        return int(module.run(args) or 0)
+    except GpipeInputError as exc:
+        print(f"gpipe: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpipe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
