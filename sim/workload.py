@@ -32,6 +32,7 @@ class LayerCost:
     grad_bytes: int  # weight gradients, held for the whole step
     optimizer_bytes: int  # optimizer state (e.g. two slots for Adam or RMSProp)
     input_bytes: int = 0  # the layer's input: what a stage starting here stashes per micro-batch
+    optimizer_s: float = 0.0  # this layer's share of the once-per-step optimizer update
 
 
 class Workload(Protocol):
