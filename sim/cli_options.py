@@ -1,0 +1,84 @@
+"""Command-line flags shared by ``gpipe simulate``, ``plan`` and ``train``: one definition each."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sim.errors import GpipeInputError
+from sim.hardware import SYSTEMS
+from sim.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
+from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
+
+# flag -> (option name in the model's options, type, help)
+MODEL_FLAGS = {
+    "--layers": ("layers", int, "number of layers (transformer: blocks; cnn: conv blocks)"),
+    "--width": ("width", int, "mlp: hidden width"),
+    "--d-model": ("d_model", int, "transformer: model dimension"),
+    "--ff": ("ff", int, "transformer: feed-forward dimension"),
+    "--heads": ("heads", int, "transformer: attention heads"),
+    "--seq": ("seq", int, "transformer: sequence length"),
+    "--vocab": ("vocab", int, "transformer: vocabulary size"),
+    "--dropout": ("dropout", float, "transformer: dropout probability"),
+    "--channels": ("channels", int, "cnn: channels"),
+    "--image": ("image", int, "cnn: image side in pixels"),
+    "--classes": ("classes", int, "cnn: classes"),
+    "--dtype": ("dtype", str, "analytic models: fp32 (default) or bf16"),
+    "--optimizer-slots": ("optimizer_slots", int, "analytic models: optimizer state per parameter (2 for Adam)"),
+}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_model: str = "uniform") -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=default_model,
+                       help=f"built-in model ({', '.join(DEFAULT_OPTIONS)}) or package.module:factory "
+                            f"(default {default_model})")
+    for flag, (_, kind, help_text) in MODEL_FLAGS.items():
+        group.add_argument(flag, type=kind, default=None, help=help_text)
+    group.add_argument("--costs", default=None, metavar="FILE",
+                       help="measured costs from gpipe calibrate, in place of the analytic model")
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
+                           microbatches_default: int | None = 8) -> None:
+    group = parser.add_argument_group("pipeline")
+    group.add_argument("--stages", "-K", type=int, default=stages_default, help="pipeline stages K")
+    group.add_argument("--microbatches", "-M", type=int, default=microbatches_default,
+                       help="micro-batches per mini-batch M")
+    group.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
+    group.add_argument("--partition", default=None, help="layers per stage, e.g. 3,5 (default: balanced)")
+    group.add_argument("--checkpoint", default="except_last", help=f"re-materialization: {', '.join(CHECKPOINT_POLICIES)}")
+    group.add_argument("--schedule", default="gpipe", help=f"{', '.join(SCHEDULES)}")
+
+
+def add_hardware_arguments(parser: argparse.ArgumentParser, default: str = "ideal") -> None:
+    group = parser.add_argument_group("hardware")
+    group.add_argument("--hardware", default=default, help=f"one of {', '.join(SYSTEMS)} (default {default})")
+    group.add_argument("--nodes", type=int, default=1, help="nodes joined over InfiniBand (default 1)")
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model options the user gave explicitly; defaults are filled in by the model itself."""
+    options = {}
+    for flag, (name, _, _) in MODEL_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def batch_size(args: argparse.Namespace) -> int:
+    if args.batch is not None:
+        return args.batch
+    return DEFAULT_BATCH.get(args.model, 32)
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Fail before any work if an output file cannot be written."""
+    if path is None:
+        return
+    import os
+
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory):
+        raise GpipeInputError(f"{flag} {path!r}: directory {directory!r} does not exist; create it first")

@@ -1,0 +1,97 @@
+"""``gpipe simulate``: predict one plan's step time, bubble, memory and timeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_pipeline_arguments,
+                             batch_size, check_output_path, model_options)
+from sim.engine import SimResult, simulate
+from sim.errors import GpipeInputError, require_positive
+from sim.hardware import System, get_system
+from sim.plan import Plan, load_plan, parse_partition
+from sim.planner import Candidate, choose_partition
+from sim.schedule import check_checkpoint_policy, check_schedule_name
+from sim.stage_costs import CostTable
+from sim.resolve import resolve_workload
+from sim.report import fit_advice, format_summary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan file (other flags ignored)")
+    add_model_arguments(parser)
+    add_pipeline_arguments(parser)
+    add_hardware_arguments(parser)
+    parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"),
+                        help="how to split layers when --partition is not given")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto)")
+    parser.add_argument("--html", default=None, metavar="FILE", help="write a plotly timeline")
+    parser.add_argument("--allow-overflow", action="store_true",
+                        help="report a plan that does not fit memory instead of failing")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output_path(args.trace, "--trace")
+    check_output_path(args.html, "--html")
+    if args.plan:
+        plan = load_plan(args.plan)
+        system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
+        workload = resolve_workload(plan.model.name, plan.model.options, args.costs)
+        result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
+                          plan.checkpoint, plan.schedule)
+    else:
+        result, system = simulate_from_flags(args)
+    if not result.fits and not args.allow_overflow:
+        raise GpipeInputError(fit_advice(result, system))
+    emit(result, system, args)
+    return 0
+
+
+def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System]:
+    """Validate every flag before simulating, then run the simulation."""
+    require_positive("stages (K)", args.stages, "use --stages 1 or more")
+    require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
+    batch = batch_size(args)
+    require_positive("batch size", batch, "use --batch 1 or more")
+    check_checkpoint_policy(args.checkpoint)
+    check_schedule_name(args.schedule)
+    system = get_system(args.hardware, args.nodes)
+    workload = resolve_workload(args.model, model_options(args), args.costs)
+    if args.partition is not None:
+        partition = parse_partition(args.partition)
+    else:
+        if args.stages > workload.num_layers:
+            raise GpipeInputError(
+                f"{args.stages} stages for a model of {workload.num_layers} layers leaves a stage empty; "
+                f"use --stages {workload.num_layers} or fewer")
+        system.check_fits(args.stages)
+        table = CostTable(workload, system.device)
+        candidate = Candidate(args.stages, args.microbatches, args.checkpoint, args.schedule)
+        partition = choose_partition(table, system, batch, candidate, args.partitioner)
+        if partition is None:  # nothing fits: show the balanced split's overflow
+            memoryless = get_system("ideal")
+            partition = choose_partition(table, memoryless, batch, candidate, args.partitioner)
+    result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule)
+    return result, system
+
+
+def emit(result: SimResult, system: System, args: argparse.Namespace) -> None:
+    if args.trace:
+        result.timeline.write_chrome_trace(args.trace)
+    if args.html:
+        from sim.figures import timeline_figure, write_html
+
+        write_html(timeline_figure(result.timeline, title=f"Simulated step on {system.name}"), args.html)
+    if args.json:
+        data = result.to_dict()
+        data["hardware"] = {"system": system.name, "nodes": system.nodes}
+        json.dump(data, sys.stdout)
+        print()
+    else:
+        print(format_summary(result, system))
+        for flag, path in (("trace", args.trace), ("timeline", args.html)):
+            if path:
+                print(f"{flag} written to {path}")
