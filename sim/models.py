@@ -19,14 +19,17 @@ writes (weights read once per pass, activations read and written per op, no fusi
 
 Memory per layer and micro-batch (``saved_bytes``) counts what PyTorch autograd keeps for these
 modules: Linear and Conv2d save their input, ReLU its output, GELU its input, LayerNorm its input
-plus fp32 mean and rstd per row, BatchNorm2d its input (plus per-channel statistics, ignored),
+plus fp32 mean and rstd per token, BatchNorm2d its input (plus per-channel statistics, ignored),
 softmax its output, the attention matmuls q, k, v and the probabilities, dropout a one-byte mask
-per element (only when dropout > 0), Embedding its int64 indices, pooling its input. Each tensor is
+per element (only when dropout > 0; CUDA's fused kernel; on CPU PyTorch keeps a mask in the
+input's dtype), Embedding its int64 indices. Tensors that do not grow with the micro-batch (position
+ids, the causal mask, BatchNorm's per-channel statistics) are left out. Each tensor is
 counted once: a ReLU's output is the next layer's input and is counted there (the next layer's
 first op saves it), so summing a stage's layers counts every tensor once, except the last layer's
 saved output in the mlp and cnn (ReLU), which equals that stage's ``output_bytes``. The transformer
 block's count matches Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", eq. 1: s*b*h*(34 + 5*a*s/h) bytes at 16 bits with dropout.
+Transformer Models", eq. 1: s*b*h*(34 + 5*a*s/h) bytes at 16 bits with dropout, less their dropout
+on the attention probabilities (3*a*s^2*b), which the executor's model does not have.
 
 Limits: no kernel fusion, no flash attention (the (heads, seq, seq) scores are materialised, as
 in the explicit attention the executor runs), the causal mask saves no FLOPs, the loss after the
@@ -38,6 +41,7 @@ Optimizer state follows the parameters' dtype, as torch.optim does for a model c
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -93,7 +97,7 @@ class AnalyticWorkload:
         return sum(spec.params for spec in self.layers)
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
+        if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows <= 0:
             raise GpipeInputError(f"micro-batch rows must be a positive integer, got {rows!r}")
         flops_s = device.achieved_flops(self.dtype)
         bytes_s = device.achieved_bandwidth()
@@ -132,7 +136,11 @@ def mlp_layers(o: dict[str, Any]) -> list[LayerSpec]:
     """
     w, e = o["width"], DTYPE_BYTES[o["dtype"]]
     params = w * w + w
-    spec = LayerSpec("linear_relu", params, 2.0 * w * w, 4.0 * w * e, params * e, w * e, w * e, w * e)
+    spec = LayerSpec(
+        "linear_relu", params, flops_per_row=2.0 * w * w, traffic_bytes_per_row=4.0 * w * e,
+        fixed_traffic_bytes=params * e, saved_bytes_per_row=w * e, input_bytes_per_row=w * e,
+        output_bytes_per_row=w * e,
+    )
     return [spec] * o["layers"]
 
 
@@ -142,14 +150,14 @@ def transformer_layers(o: dict[str, Any]) -> list[LayerSpec]:
 
     With s = seq, d = d_model, f = ff, h = heads, V = vocab, e = dtype bytes, per row (sequence):
 
-    - Embedding (token + position): params V*d + s*d; F = 0; saved = 8s (int64 ids).
+    - Embedding (token + position): params V*d + s*d; F = 0; saved = 8s (int64 ids) [+ sd mask].
     - Block: params 4d^2 + 2df + 9d + f (LN 2d, QKV 3d^2+3d, proj d^2+d, LN 2d, fc1 df+f,
       fc2 fd+d). F = 2s(3d^2 + d^2 + 2df) + 4s^2*d (q.k^T and p.v, each 2*s*s*d over all heads).
       saved = e(8sd + 2sf + h*s^2) + 16s: LN1 in, LN1 out (QKV's input), q/k/v (3sd), softmax
       probs (h*s^2), attention out (proj's input), LN2 in, LN2 out (fc1's input), fc1 out (GELU's
-      input), GELU out (fc2's input), 4 fp32 LN statistics per token. Dropout p > 0 (after the
-      attention probabilities, the attention projection and the MLP, as nanoGPT places it) adds
-      masks h*s^2 + 2sd bytes and the dropped probabilities e*h*s^2 (saved by p.v).
+      input), GELU out (fc2's input), 4 fp32 LN statistics per token. Dropout p > 0 sits where
+      the executor puts it: after the embedding sum, the attention projection and the MLP (not on
+      the attention probabilities); each adds a mask of sd bytes.
     - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = 2sd*e + 8s.
     """
     L, s, d, f, h, V = (o[k] for k in ("layers", "seq", "d_model", "ff", "heads", "vocab"))
@@ -166,16 +174,17 @@ def transformer_layers(o: dict[str, Any]) -> list[LayerSpec]:
     block_params = 4 * d * d + 2 * d * f + 9 * d + f
     # Forward element traffic: 24sd (LN 2+2, QKV 1+3, q.k^T 2, p.v 1+1, transpose 2, proj 1+1,
     # residual adds 3+3, fc1 1, fc2 1) + 4sf (fc1 out, GELU 2, fc2 in) + 8hs^2 (scores written,
-    # scale 2, mask 2, softmax 2, read by p.v); dropout adds 2 per element plus its mask.
+    # scale 2, mask 2, softmax 2, read by p.v); each dropout reads and writes sd plus its mask.
     block_traffic = e * (24 * s * d + 4 * s * f + 8 * h * s * s) + 4 * STAT_BYTES * s
-    block_traffic += drop * ((2 * e + MASK_BYTES) * (h * s * s + 2 * s * d))
+    block_traffic += drop * (2 * e + MASK_BYTES) * 2 * s * d
     block_saved = e * (8 * s * d + 2 * s * f + h * s * s) + 4 * STAT_BYTES * s
-    block_saved += drop * ((MASK_BYTES + e) * h * s * s + MASK_BYTES * 2 * s * d)
+    block_saved += drop * MASK_BYTES * 2 * s * d
     block = LayerSpec(
         "block", params=block_params,
         flops_per_row=2.0 * s * (4 * d * d + 2 * d * f) + 4.0 * s * s * d,
         traffic_bytes_per_row=block_traffic, fixed_traffic_bytes=block_params * e,
-        saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * e, output_bytes_per_row=s * d * e,
+        saved_bytes_per_row=block_saved,
+        input_bytes_per_row=s * d * e, output_bytes_per_row=s * d * e,
     )
     head_params = 2 * d + d * V + V
     head = LayerSpec(
@@ -199,7 +208,7 @@ def cnn_layers(o: dict[str, Any]) -> list[LayerSpec]:
     - Block Conv2d(C, C, 3, pad 1) + BN + ReLU: params 9C^2 + C + 2C; F = 2*n^2*C*9C;
       saved = 2Cn^2*e.
     - Head AdaptiveAvgPool2d(1) + Flatten + Linear(C, k): params Ck + k; F = 2Ck;
-      saved = e(Cn^2 + C) (pool input, Linear input).
+      saved = C*e (Linear's input; pooling to 1x1 runs as a mean, which saves only shapes).
     Traffic per row: conv reads its input, writes Cn^2; BN reads twice (statistics, normalise)
     and writes once; ReLU reads and writes once. BN statistics per channel are not counted.
     """
@@ -223,7 +232,7 @@ def cnn_layers(o: dict[str, Any]) -> list[LayerSpec]:
     head = LayerSpec(
         "head", params=head_params, flops_per_row=2.0 * C * k,
         traffic_bytes_per_row=e * (C * area + 2 * C + k), fixed_traffic_bytes=head_params * e,
-        saved_bytes_per_row=e * (C * area + C),
+        saved_bytes_per_row=C * e,
         input_bytes_per_row=C * area * e, output_bytes_per_row=k * e,
     )
     return [stem] + [block] * L + [head]

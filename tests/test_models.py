@@ -1,0 +1,312 @@
+"""Analytic workloads: parameter counts and saved activations against torch references, roofline
+behaviour, option validation, and the paper's Transformer on TPUv3.
+
+The torch references below follow the layer lists in sim/models.py, built from plain torch.nn
+modules; torch is imported here only, never by sim.models.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from sim.errors import GpipeInputError
+from sim.hardware import H100_SXM, IDEAL_DEVICE, TPU_V3
+from sim.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
+from sim.models import (BUILTIN_MODELS, DTYPE_BYTES, LAYER_OVERHEAD_S, AnalyticWorkload,
+                        get_workload)
+from sim.workload import UniformWorkload
+
+
+# --- torch references ------------------------------------------------------------------------------
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block with explicit causal attention (nanoGPT's non-flash path)."""
+
+    def __init__(self, d: int, ff: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))  # (b, h, s, s)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        att = torch.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, s, d)
+        x = x + self.proj(y)
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def torch_layers(name: str, o: dict) -> list[nn.Module]:
+    if name == "mlp":
+        return [nn.Sequential(nn.Linear(o["width"], o["width"]), nn.ReLU()) for _ in range(o["layers"])]
+    if name == "transformer":
+        d = o["d_model"]
+        return ([Embedding(o["vocab"], o["seq"], d)]
+                + [Block(d, o["ff"], o["heads"]) for _ in range(o["layers"])]
+                + [nn.Sequential(nn.LayerNorm(d), nn.Linear(d, o["vocab"]))])
+    c = o["channels"]
+
+    def conv(cin: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(cin, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, o["classes"]))
+    return [conv(3)] + [conv(c) for _ in range(o["layers"])] + [head]
+
+
+def torch_input(name: str, o: dict, rows: int) -> torch.Tensor:
+    if name == "mlp":
+        return torch.randn(rows, o["width"])
+    if name == "transformer":
+        return torch.randint(0, o["vocab"], (rows, o["seq"]))
+    return torch.randn(rows, 3, o["image"], o["image"])
+
+
+def measured_saved_bytes(layer: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes autograd saves running ``layer`` on ``x``: distinct storages, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    return sum(seen.values()), out
+
+
+OPTION_SETS = [
+    ("mlp", {"layers": 3, "width": 48}),
+    ("mlp", {}),
+    ("transformer", {"layers": 2, "d_model": 32, "ff": 80, "heads": 4, "seq": 8, "vocab": 50}),
+    ("transformer", {}),
+    ("cnn", {"layers": 2, "channels": 8, "image": 6, "classes": 7}),
+    ("cnn", {}),
+]
+
+
+# --- parameter counts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,options", OPTION_SETS)
+def test_parameter_counts_equal_torch_reference(name: str, options: dict) -> None:
+    workload = get_workload(name, options)
+    layers = torch_layers(name, workload.describe()["options"])
+    assert workload.num_layers == len(layers)
+    per_layer = [sum(p.numel() for p in m.parameters()) for m in layers]
+    costs = workload.layer_costs(1, IDEAL_DEVICE)
+    assert [c.param_bytes // 4 for c in costs] == per_layer
+    assert workload.describe()["parameter_count"] == sum(per_layer)
+
+
+def test_paper_transformer_parameter_counts() -> None:
+    """GPipe (Huang et al. 2019): ~50.3M per layer; 32k embedding + softmax ~131M (no biases/LN)."""
+    workload = get_workload("transformer", {"layers": 1, "d_model": 2048, "ff": 8192, "heads": 32,
+                                            "seq": 1024, "vocab": 32000})
+    assert isinstance(workload, AnalyticWorkload)
+    embed, block, head = workload.layers
+    assert block.params == pytest.approx(50.3e6, rel=0.005)
+    position_params = 1024 * 2048  # the paper's figure counts the token table and softmax only
+    assert embed.params - position_params + head.params == pytest.approx(131e6, rel=0.005)
+
+
+# --- saved activations -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name,options", [OPTION_SETS[0], OPTION_SETS[2], OPTION_SETS[4]])
+def test_saved_bytes_match_autograd(name: str, options: dict) -> None:
+    """Each layer's saved_bytes equals what autograd keeps, less a saved ReLU output (its output
+    is the next layer's input and counted there)."""
+    rows = 3
+    workload = get_workload(name, options)
+    x = torch_input(name, workload.describe()["options"], rows)
+    for layer, cost in zip(torch_layers(name, workload.describe()["options"]),
+                           workload.layer_costs(rows, IDEAL_DEVICE)):
+        x = x.detach().requires_grad_(x.is_floating_point())
+        measured, out = measured_saved_bytes(layer, x)
+        ends_in_relu = isinstance(layer, nn.Sequential) and isinstance(layer[-1], nn.ReLU)
+        expected = cost.saved_bytes + (cost.output_bytes if ends_in_relu else 0)
+        # Per-call tensors that do not grow with rows, left out of the model: position ids,
+        # the (seq, seq) causal mask, BatchNorm's mean/invstd and running statistics (C fp32 each).
+        if cost.name == "embedding":
+            expected += options["seq"] * 8
+        elif name == "transformer" and cost.name == "block":
+            expected += options["seq"] ** 2
+        elif name == "cnn" and cost.name != "head":
+            expected += 4 * options["channels"] * 4
+        assert measured == expected, cost.name
+        assert out.numel() * out.element_size() == cost.output_bytes
+        assert x.numel() * x.element_size() == cost.input_bytes
+        x = out
+
+
+@pytest.mark.parametrize("name,options", OPTION_SETS[::2] + [
+    ("transformer", {"layers": 1, "d_model": 16, "ff": 24, "heads": 2, "seq": 6, "vocab": 30,
+                     "dropout": 0.1})])
+def test_executor_models_match(name: str, options: dict) -> None:
+    """The executor's own torch models, when present: same layers, parameters and saved bytes.
+    On CPU, PyTorch's dropout keeps its mask in the input's dtype (4 bytes here), not 1 byte."""
+    executor_models = pytest.importorskip("executor.models")
+    rows = 2
+    workload = get_workload(name, options)
+    model = executor_models.build_model(name, options)
+    model.train()
+    assert len(model) == workload.num_layers
+    assert sum(p.numel() for p in model.parameters()) == workload.describe()["parameter_count"]
+    x = torch_input(name, workload.describe()["options"], rows)
+    drop = options.get("dropout", 0.0) > 0
+    for layer, cost in zip(model, workload.layer_costs(rows, IDEAL_DEVICE)):
+        x = x.detach().requires_grad_(x.is_floating_point())
+        measured, x = measured_saved_bytes(layer, x)
+        if isinstance(layer, nn.Sequential) and isinstance(layer[-1], nn.ReLU):
+            measured -= x.numel() * x.element_size()
+        fixed = {"embedding": options.get("seq", 0) * 8, "block": options.get("seq", 0) ** 2,
+                 "stem": 16 * options.get("channels", 0),
+                 "conv_bn_relu": 16 * options.get("channels", 0)}.get(cost.name, 0)
+        masks = {"embedding": 1, "block": 2}.get(cost.name, 0) if drop else 0
+        cpu_mask_extra = masks * rows * options.get("seq", 0) * options.get("d_model", 0) * 3
+        assert measured == cost.saved_bytes + fixed + cpu_mask_extra, cost.name
+
+
+def test_transformer_block_saved_bytes_korthikanti() -> None:
+    """Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes at 16 bits with dropout.
+    Ours adds the fp32 LayerNorm statistics (16 bytes per token) they ignore and has no dropout on
+    the attention probabilities (their mask a*s^2*b plus dropped probabilities 2*a*s^2*b)."""
+    s, d, a, b = 128, 256, 8, 2
+    workload = get_workload("transformer", {"layers": 1, "d_model": d, "ff": 4 * d, "heads": a,
+                                            "seq": s, "dropout": 0.1, "dtype": "bf16"})
+    block = workload.layer_costs(b, IDEAL_DEVICE)[1]
+    assert block.saved_bytes == s * b * d * (34 + 5 * a * s / d) + 16 * s * b - 3 * a * s * s * b
+
+
+# --- roofline --------------------------------------------------------------------------------------
+def test_mlp_flops_linear_in_rows_and_times_grow() -> None:
+    workload = get_workload("mlp", {"width": 1024, "layers": 2})
+    assert isinstance(workload, AnalyticWorkload)
+    assert workload.layers[0].flops_per_row == 2 * 1024 * 1024
+    small, large = (workload.layer_costs(r, H100_SXM)[0] for r in (64, 4096))
+    assert large.forward_s > small.forward_s and large.backward_s > small.backward_s
+    assert large.saved_bytes == 64 * small.saved_bytes
+    assert large.backward_s - 2 * LAYER_OVERHEAD_S == pytest.approx(2 * (large.forward_s - LAYER_OVERHEAD_S))
+    for name in ("transformer", "cnn"):
+        times = [get_workload(name, {}).layer_costs(r, H100_SXM) for r in (1, 8, 64)]
+        for a, b in zip(times, times[1:]):
+            assert all(y.forward_s > x.forward_s for x, y in zip(a, b))
+
+
+def test_compute_bound_vs_memory_bound() -> None:
+    """A wide Linear at 1 row reads 64 MiB of weights for 33.6 MFLOP: memory-bound. At 8192 rows
+    it does 275 GFLOP on ~0.3 GB: compute-bound."""
+    w = 4096
+    workload = get_workload("mlp", {"width": w, "layers": 1})
+    flops_s, bytes_s = H100_SXM.achieved_flops("fp32"), H100_SXM.achieved_bandwidth()
+    weights = (w * w + w) * 4
+    one = workload.layer_costs(1, H100_SXM)[0]
+    assert one.forward_s == pytest.approx((weights + 16 * w) / bytes_s + LAYER_OVERHEAD_S)
+    rows = 8192
+    many = workload.layer_costs(rows, H100_SXM)[0]
+    assert many.forward_s == pytest.approx(2 * w * w * rows / flops_s + LAYER_OVERHEAD_S)
+    # bf16 halves the bytes and has 15x the peak on an H100: the big case gets much faster
+    fast = get_workload("mlp", {"width": w, "layers": 1, "dtype": "bf16"}).layer_costs(rows, H100_SXM)[0]
+    assert fast.forward_s < many.forward_s / 10
+    assert fast.param_bytes == many.param_bytes // 2
+
+
+def test_embedding_is_memory_bound() -> None:
+    workload = get_workload("transformer", {})
+    embed = workload.layer_costs(16, H100_SXM)[0]
+    assert embed.forward_s > LAYER_OVERHEAD_S  # no FLOPs counted, bytes only
+
+
+def test_optimizer_bytes_follow_slots() -> None:
+    """RMSProp in the paper: 12 bytes per parameter with fp32 weights (weight + two slots)."""
+    workload = get_workload("mlp", {"width": 64, "layers": 1})
+    cost = workload.layer_costs(1, IDEAL_DEVICE)[0]
+    params = 64 * 64 + 64
+    assert cost.param_bytes + cost.optimizer_bytes == 12 * params
+    assert cost.grad_bytes == cost.param_bytes
+    sgd = get_workload("mlp", {"width": 64, "layers": 1, "optimizer_slots": 0})
+    assert sgd.layer_costs(1, IDEAL_DEVICE)[0].optimizer_bytes == 0
+
+
+def test_paper_transformer_forward_time_on_tpu_v3() -> None:
+    """Transformer-L of the paper (d 2048, ff 8192, 32 heads, seq 1024) at batch 32, M = 8: 4 rows.
+
+    Block forward FLOPs = 2*s*(4d^2 + 2*d*ff)*rows + 4*s^2*d*rows = 4 x 111.7 GFLOP = 447 GFLOP.
+    At TPUv3's bf16 peak of 61.5 TFLOP/s per core that is 7.3 ms; the model's 50% efficiency gives
+    ~15 ms. Expect the order of 10 ms: between the peak bound and 3x it.
+    """
+    workload = get_workload("transformer", {"layers": 4, "d_model": 2048, "ff": 8192, "heads": 32,
+                                            "seq": 1024, "vocab": 32000, "dtype": "bf16"})
+    costs = workload.layer_costs(32 // 8, TPU_V3)
+    at_peak_s = 4 * (2 * 1024 * (4 * 2048**2 + 2 * 2048 * 8192) + 4 * 1024**2 * 2048) / 61.5e12
+    assert at_peak_s == pytest.approx(7.3e-3, rel=0.01)
+    for block in costs[1:-1]:
+        assert at_peak_s < block.forward_s < 3 * at_peak_s
+    assert costs[-1].forward_s > costs[0].forward_s  # softmax over 32k is heavy, the lookup is not
+    head_at_peak_s = 2 * 4 * 1024 * 2048 * 32000 / 61.5e12  # 537 GFLOP: 8.7 ms
+    assert head_at_peak_s < costs[-1].forward_s < 3 * head_at_peak_s
+
+
+# --- registry and validation -----------------------------------------------------------------------
+def test_registry_and_describe() -> None:
+    assert set(BUILTIN_MODELS) == set(DEFAULT_OPTIONS) == set(DEFAULT_BATCH)
+    assert isinstance(get_workload("uniform", {}), UniformWorkload)
+    assert get_workload("uniform", {"layers": 6}).num_layers == 6
+    info = get_workload("transformer", {"layers": 3}).describe()
+    assert info["name"] == "transformer" and info["num_layers"] == 5
+    assert info["options"] == {**DEFAULT_OPTIONS["transformer"], "layers": 3, "dtype": "fp32",
+                               "optimizer_slots": 2}
+    assert get_workload("cnn", {"channels": "8"}).describe()["options"]["channels"] == 8
+    assert set(DTYPE_BYTES) == {"fp32", "bf16"}
+
+
+@pytest.mark.parametrize("name,options,shown", [
+    ("mlp", {"width": 0}, "width=0"),
+    ("mlp", {"layers": -2}, "layers=-2"),
+    ("mlp", {"layers": 2.5}, "layers=2.5"),
+    ("cnn", {"channels": "many"}, "channels='many'"),
+    ("transformer", {"heads": 5}, "heads=5"),
+    ("transformer", {"dropout": 1.0}, "dropout=1.0"),
+    ("transformer", {"dtype": "fp64"}, "dtype='fp64'"),
+    ("transformer", {"widht": 3}, "widht"),
+    ("mlp", {"optimizer_slots": -1}, "optimizer_slots=-1"),
+    ("uniform", {"dtype": "bf16"}, "dtype"),
+    ("resnet", {}, "resnet"),
+])
+def test_bad_options_name_the_value(name: str, options: dict, shown: str) -> None:
+    with pytest.raises(GpipeInputError) as info:
+        get_workload(name, options)
+    message = str(info.value)
+    assert shown in message and "\n" not in message
+
+
+def test_bad_rows_and_missing_dtype() -> None:
+    workload = get_workload("mlp", {})
+    with pytest.raises(GpipeInputError, match="rows"):
+        workload.layer_costs(0, IDEAL_DEVICE)
+    cpu_like = IDEAL_DEVICE.__class__("cpu", {"fp32": 1e11}, 1e10, 2e10)
+    with pytest.raises(GpipeInputError, match="bf16"):
+        get_workload("mlp", {"dtype": "bf16"}).layer_costs(1, cpu_like)
+
+
+def test_models_module_does_not_import_torch() -> None:
+    code = "import sys, sim.models; sim.models.get_workload('transformer', {}); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
