@@ -1,0 +1,97 @@
+"""What one training run needs, in one JSON-serialisable dataclass shared by the CLI and workers.
+
+``gpipe train`` turns its flags (or a plan file) into a :class:`RunConfig`, validates it, writes it
+to a file and passes the path to every torchrun worker, so all ranks read identical settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from sim.errors import GpipeInputError, require_positive
+from sim.plan import ModelRef, Plan
+from sim.timeline import write_json_atomic
+
+OPTIMIZERS = ("sgd", "adam")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class RunConfig:
+    model: str
+    options: dict[str, Any] = field(default_factory=dict)
+    partition: tuple[int, ...] = ()
+    batch_size: int = 32
+    microbatches: int = 4
+    schedule: str = "gpipe"
+    checkpoint: str = "except_last"
+    seed: int = 0
+    loss: str = ""  # "" = the model's default
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    data: str = ""  # package.module:function, "" = built-in synthetic data
+    steps: int = 10
+    warmup_steps: int = 1  # steps left out of step_time_s
+    report: str = ""
+    trace: str = ""
+    save_every: int = 0
+    checkpoint_dir: str = ""
+    resume: bool = False
+    device: str = "cpu"
+    threads: int = 0  # torch threads per worker; 0 = cores / processes on this node
+    timeout_s: float = 300.0  # process-group timeout: a stuck receive fails after this
+    hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
+    predicted: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stages(self) -> int:
+        return len(self.partition)
+
+    def validate(self) -> "RunConfig":
+        require_positive("steps", self.steps, "use --steps 1 or more")
+        if self.optimizer not in OPTIMIZERS:
+            raise GpipeInputError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.device not in DEVICES:
+            raise GpipeInputError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.save_every < 0:
+            raise GpipeInputError(f"--save-every must be 0 (off) or positive, got {self.save_every}")
+        if (self.save_every or self.resume) and not self.checkpoint_dir:
+            raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
+        if self.lr <= 0:
+            raise GpipeInputError(f"learning rate must be positive, got {self.lr}")
+        return self
+
+    def plan(self, model_ref: ModelRef) -> Plan:
+        return Plan(model=model_ref, partition=tuple(self.partition), batch_size=self.batch_size,
+                    microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
+                    hardware=self.hardware, predicted=self.predicted)
+
+    @classmethod
+    def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
+        return cls(model=plan.model.name, options=dict(plan.model.options), partition=tuple(plan.partition),
+                   batch_size=plan.batch_size, microbatches=plan.microbatches, schedule=plan.schedule,
+                   checkpoint=plan.checkpoint, hardware=dict(plan.hardware),
+                   predicted=dict(plan.predicted), **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["partition"] = list(self.partition)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        known = {f.name for f in fields(cls)}
+        config = cls(**{k: v for k, v in data.items() if k in known})
+        config.partition = tuple(config.partition)
+        return config
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "RunConfig":
+        with open(path) as handle:
+            return cls.from_dict(json.load(handle))

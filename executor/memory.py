@@ -1,0 +1,75 @@
+"""Exact count of the activation memory a stage holds: saved-for-backward tensors plus its stash.
+
+What is counted (the same quantity the simulator predicts as activation memory): the union, over the
+micro-batches whose backward has not finished, of
+  * every tensor autograd saves for backward during a forward run with gradients enabled (a
+    ``never`` forward, or a recompute), seen through ``torch.autograd.graph.saved_tensors_hooks``;
+  * the stage's stashed boundary input of that micro-batch.
+Tensors are counted by storage: a storage saved several times (a ReLU output that the next Linear
+also saves, or a stash that the first layer saves) counts once, with its full ``nbytes``. The
+stage's parameters and buffers are excluded (they are weights, not activations). Not counted:
+gradients, optimizer state, temporaries freed inside a layer, and the output being sent.
+
+The peak is sampled after every forward and recompute (when a micro-batch's saved set is largest)
+and after every backward; it is exact for what it counts, not an allocator figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class ActivationCounter:
+    """Tracks saved and stashed storages per micro-batch; ``peak_bytes`` is the largest union seen."""
+
+    def __init__(self, excluded: list[torch.Tensor]) -> None:
+        self._excluded = {_storage_key(t)[0] for t in excluded}
+        self._live: dict[int, dict[int, int]] = {}  # micro-batch -> {storage ptr: nbytes}
+        self.peak_bytes = 0
+        self.current_bytes = 0
+
+    def _add(self, microbatch: int, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":
+            return
+        ptr, nbytes = _storage_key(tensor)
+        if ptr and ptr not in self._excluded:
+            self._live.setdefault(microbatch, {})[ptr] = nbytes
+
+    def stash(self, microbatch: int, tensor: torch.Tensor) -> None:
+        """The boundary input of ``microbatch`` is held until its backward."""
+        self._add(microbatch, tensor)
+
+    @contextlib.contextmanager
+    def saving(self, microbatch: int) -> Iterator[None]:
+        """Count what autograd saves for backward inside this block as held by ``microbatch``."""
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            self._add(microbatch, tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+
+    def release(self, microbatch: int) -> None:
+        """``microbatch``'s backward is done: its saved tensors and stash are freed."""
+        self._live.pop(microbatch, None)
+
+    def sample(self) -> int:
+        """Bytes held now (distinct storages), updating the peak."""
+        union: dict[int, int] = {}
+        for storages in self._live.values():
+            union.update(storages)
+        self.current_bytes = sum(union.values())
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return self.current_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes

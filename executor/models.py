@@ -1,0 +1,234 @@
+"""The torch models the executor trains: built-ins ``mlp``, ``transformer``, ``cnn`` and user factories.
+
+Every builder returns an ``nn.Sequential`` whose top-level children are the pipeline's layers (the
+partition counts them). Models are built from a seed, so every rank builds the same weights and
+keeps only its own stage's layers. The layer lists mirror the simulator's analytic models
+(``sim.models``) and read their defaults from :mod:`sim.model_defaults`.
+
+A user model is named ``package.module:function``; the function is called with the model options as
+keyword arguments (none by default) and must return an ``nn.Sequential``. Its data comes from
+``example_batch(batch_size)`` in the same module, or from ``--data package.module:function``
+(see :mod:`executor.data`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sim.errors import GpipeInputError
+from sim.model_defaults import DEFAULT_OPTIONS
+from sim.plan import ModelRef
+
+BUILTIN_MODELS = ("mlp", "transformer", "cnn")
+DEFAULT_LOSS = {"mlp": "mse", "transformer": "cross_entropy", "cnn": "cross_entropy"}
+LOSSES = ("mse", "cross_entropy")
+
+
+def is_builtin(name: str) -> bool:
+    return name in BUILTIN_MODELS
+
+
+def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A built-in model's defaults overlaid with ``options``; user models get ``options`` as given."""
+    if not is_builtin(name):
+        if ":" not in name:
+            raise GpipeInputError(f"unknown model {name!r}; choose one of {', '.join(BUILTIN_MODELS)} "
+                                  "or name a factory as package.module:function")
+        return dict(options or {})
+    merged: dict[str, Any] = dict(DEFAULT_OPTIONS[name])
+    for key, value in (options or {}).items():
+        if key not in merged:
+            raise GpipeInputError(f"model {name!r} has no option {key!r}; its options are "
+                                  f"{', '.join(merged)}")
+        try:
+            merged[key] = type(merged[key])(value)
+        except (TypeError, ValueError):
+            raise GpipeInputError(f"model option {key}={value!r} is not a "
+                                  f"{type(merged[key]).__name__}") from None
+    return merged
+
+
+# ----------------------------------------------------------------------------- transformer pieces
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: ids (rows, seq) -> (rows, seq, d_model)."""
+
+    def __init__(self, vocab: int, seq: int, d_model: int, dropout: float) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab, d_model)
+        self.position = nn.Embedding(seq, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.drop(self.token(ids) + self.position(positions))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise GpipeInputError(f"d_model={d_model} is not divisible by heads={heads}; "
+                                  "pick heads that divide d_model")
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, seq, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=2)
+        # (rows, heads, seq, head_dim)
+        q, k, v = (t.view(rows, seq, self.heads, d_model // self.heads).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d_model // self.heads)
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        attn = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        out = (attn @ v).transpose(1, 2).reshape(rows, seq, d_model)
+        return self.drop(self.proj(out))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(LN(x)); x + MLP(LN(x))."""
+
+    def __init__(self, d_model: int, ff: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, ff), nn.GELU(), nn.Linear(ff, d_model), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """LayerNorm then the vocabulary projection: (rows, seq, d_model) -> logits (rows, seq, vocab)."""
+
+    def __init__(self, d_model: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _mlp(o: dict[str, Any]) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(o["width"], o["width"]), nn.ReLU())
+                           for _ in range(o["layers"])])
+
+
+def _transformer(o: dict[str, Any]) -> nn.Sequential:
+    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"]) for _ in range(o["layers"])]
+    return nn.Sequential(Embedding(o["vocab"], o["seq"], o["d_model"], o["dropout"]), *blocks,
+                         Head(o["d_model"], o["vocab"]))
+
+
+def _conv_bn_relu(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+def _cnn(o: dict[str, Any]) -> nn.Sequential:
+    c = o["channels"]
+    body = [_conv_bn_relu(c, c) for _ in range(o["layers"])]
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, o["classes"]))
+    return nn.Sequential(_conv_bn_relu(3, c), *body, head)
+
+
+_BUILDERS: dict[str, Callable[[dict[str, Any]], nn.Sequential]] = {
+    "mlp": _mlp, "transformer": _transformer, "cnn": _cnn,
+}
+
+
+def load_object(spec: str, what: str) -> Any:
+    """Import ``package.module:attribute`` with a one-line error naming what failed."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise GpipeInputError(f"bad {what} {spec!r}; expected package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise GpipeInputError(f"cannot import {module_name!r} for {what} {spec!r} ({exc}); "
+                              "check the name and PYTHONPATH") from None
+    if not hasattr(module, attr):
+        raise GpipeInputError(f"{module_name!r} has no {attr!r} for {what} {spec!r}")
+    return getattr(module, attr)
+
+
+def build_model(name: str, options: dict[str, Any] | None = None, seed: int = 0) -> nn.Sequential:
+    """The whole model as an ``nn.Sequential``, weights drawn from ``seed`` (identical on every rank)."""
+    opts = resolve_options(name, options)
+    torch.manual_seed(seed)
+    if is_builtin(name):
+        return _BUILDERS[name](opts)
+    factory = load_object(name, "model factory")
+    model = factory(**opts)
+    if not isinstance(model, nn.Sequential):
+        raise GpipeInputError(f"model factory {name!r} returned {type(model).__name__}; "
+                              "it must return an nn.Sequential whose children are the pipeline layers")
+    return model
+
+
+def example_batch(name: str, options: dict[str, Any] | None, rows: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A synthetic (inputs, targets) mini-batch of ``rows`` samples, a pure function of ``seed``."""
+    opts = resolve_options(name, options)
+    if not is_builtin(name):
+        module_name = name.partition(":")[0]
+        fn = load_object(f"{module_name}:example_batch", "example data")
+        torch.manual_seed(seed)
+        return fn(rows)
+    gen = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        w = opts["width"]
+        return torch.randn(rows, w, generator=gen), torch.randn(rows, w, generator=gen)
+    if name == "transformer":
+        shape = (rows, opts["seq"])
+        return (torch.randint(0, opts["vocab"], shape, generator=gen),
+                torch.randint(0, opts["vocab"], shape, generator=gen))
+    size = opts["image"]
+    return (torch.randn(rows, 3, size, size, generator=gen),
+            torch.randint(0, opts["classes"], (rows,), generator=gen))
+
+
+def default_loss(name: str) -> str:
+    """The loss a built-in model trains with; ``mse`` for user models unless ``--loss`` says else."""
+    return DEFAULT_LOSS.get(name, "mse")
+
+
+def check_loss(loss: str) -> str:
+    if loss not in LOSSES:
+        raise GpipeInputError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
+    return loss
+
+
+def loss_function(loss: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Mean loss of one (micro-)batch; cross entropy flattens (rows, seq, classes) logits."""
+    check_loss(loss)
+    if loss == "mse":
+        return F.mse_loss
+
+    def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+    return cross_entropy
+
+
+def model_ref(name: str, options: dict[str, Any] | None = None, seed: int = 0) -> ModelRef:
+    """The plan's description of a model: resolved options, pipeline layers and parameter count."""
+    opts = resolve_options(name, options)
+    with torch.device("meta"):
+        model = build_model(name, opts, seed)
+    params = sum(p.numel() for p in model.parameters())
+    return ModelRef(name=name, options=opts, num_layers=len(model), parameter_count=params)

@@ -1,0 +1,82 @@
+"""Timing of a stage's actions in the shared timeline format (``sim.timeline``), source "measured".
+
+On CPU every span is two ``time.perf_counter`` reads. On CUDA a span is a pair of CUDA events on
+the current stream, read once per step in :meth:`Recorder.flush` (after one synchronize), so timing
+never serializes the stream mid-step; event times are placed on the host clock through an event
+recorded at the step's start. Times are seconds since ``origin_s``, a ``perf_counter`` reading
+taken right after a barrier on every rank, so ranks of one run share a time axis to within the
+barrier's skew (on one machine perf_counter is the same monotonic clock in every process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import torch
+
+from sim.timeline import MemorySample, Record, Timeline
+
+
+class Recorder:
+    """Collects :class:`Record` spans and :class:`MemorySample` points of one stage."""
+
+    def __init__(self, stage: int, device: torch.device, origin_s: float | None = None) -> None:
+        self.stage = stage
+        self.cuda = device.type == "cuda"
+        self.origin_s = time.perf_counter() if origin_s is None else origin_s
+        self.timeline = Timeline(source="measured")
+        self.step = 0
+        self._events: list[tuple[str, int, Any, Any]] = []
+        self._memory: list[tuple[Any, int]] = []
+        self._step_event: Any = None
+        self._step_host_s = 0.0
+
+    def now_s(self) -> float:
+        return time.perf_counter() - self.origin_s
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._step_host_s = self.now_s()
+            self._step_event = torch.cuda.Event(enable_timing=True)
+            self._step_event.record()
+
+    @contextlib.contextmanager
+    def span(self, kind: str, microbatch: int = -1) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((kind, microbatch, start, end))
+            return
+        start_s = self.now_s()
+        yield
+        self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), self.step))
+
+    def memory(self, nbytes: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._memory.append((event, nbytes))
+            return
+        self.timeline.memory.append(MemorySample(self.stage, self.now_s(), nbytes))
+
+    def flush(self) -> None:
+        """End of step: turn CUDA events into records (one synchronize); no-op on CPU."""
+        if not self.cuda or self._step_event is None:
+            return
+        torch.cuda.synchronize()
+        base_event, base_s = self._step_event, self._step_host_s
+        for kind, microbatch, start, end in self._events:
+            self.timeline.records.append(Record(
+                self.stage, kind, microbatch, base_s + base_event.elapsed_time(start) / 1e3,
+                base_s + base_event.elapsed_time(end) / 1e3, self.step))
+        for event, nbytes in self._memory:
+            self.timeline.memory.append(
+                MemorySample(self.stage, base_s + base_event.elapsed_time(event) / 1e3, nbytes))
+        self._events.clear()
+        self._memory.clear()

@@ -1,0 +1,142 @@
+"""How boundary tensors move between neighbouring stages: one small interface, two implementations.
+
+A stage announces every tensor it will receive in a step with :meth:`Transport.expect` (in the
+order its own schedule consumes them), then takes each with :meth:`Transport.recv`, and hands its
+outputs to :meth:`Transport.send`. Channels are ``"act"`` (activations, from stage k-1) and
+``"grad"`` (gradients, from stage k+1); the neighbour is implied by the channel.
+
+* :class:`LocalTransport` passes tensors through in-process mailboxes, so the whole pipeline can run
+  in one process (tests, debugging) with the same schedule walk.
+* :class:`DistTransport` uses ``torch.distributed`` point-to-point ops. Each boundary gets two
+  process groups, one per direction, so on every communicator messages flow one way and in the
+  same order on both ends: deadlock-free on NCCL (where a pair's sends and receives share a stream)
+  and on gloo. Receives are posted as early as announced, so data lands while the stage computes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+ACT = "act"
+GRAD = "grad"
+
+
+class Transport(Protocol):
+    def expect(self, channel: str, microbatch: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Announce a tensor this stage will receive (posting the receive, if the backend can)."""
+
+    def ready(self, channel: str, microbatch: int) -> bool:
+        """Whether :meth:`recv` would return without waiting (only the local transport knows)."""
+
+    def recv(self, channel: str, microbatch: int) -> torch.Tensor:
+        """The announced tensor, waiting for it if needed."""
+
+    def send(self, channel: str, microbatch: int, tensor: torch.Tensor) -> None:
+        """Send ``tensor``: activations to stage k+1 (``act``), gradients to stage k-1 (``grad``)."""
+
+    def finish_step(self) -> None:
+        """Wait for this step's sends to complete (their buffers may be freed after)."""
+
+
+class LocalMailboxes:
+    """Shared by the stages of one in-process pipeline: ``(stage, channel, micro-batch) -> tensor``."""
+
+    def __init__(self) -> None:
+        self.boxes: dict[tuple[int, str, int], torch.Tensor] = {}
+
+    def endpoint(self, stage: int) -> "LocalTransport":
+        return LocalTransport(self, stage)
+
+
+class LocalTransport:
+    """One stage's view of :class:`LocalMailboxes`; tensors are passed by reference, detached."""
+
+    def __init__(self, mailboxes: LocalMailboxes, stage: int) -> None:
+        self.mailboxes = mailboxes
+        self.stage = stage
+
+    def expect(self, channel: str, microbatch: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        pass
+
+    def ready(self, channel: str, microbatch: int) -> bool:
+        return (self.stage, channel, microbatch) in self.mailboxes.boxes
+
+    def recv(self, channel: str, microbatch: int) -> torch.Tensor:
+        key = (self.stage, channel, microbatch)
+        if key not in self.mailboxes.boxes:
+            raise RuntimeError(f"stage {self.stage} has no {channel} for micro-batch {microbatch}: "
+                               "the schedule walk is out of order")
+        return self.mailboxes.boxes.pop(key)
+
+    def send(self, channel: str, microbatch: int, tensor: torch.Tensor) -> None:
+        target = self.stage + 1 if channel == ACT else self.stage - 1
+        self.mailboxes.boxes[(target, channel, microbatch)] = tensor.detach()
+
+    def finish_step(self) -> None:
+        pass
+
+
+def boundary_groups(stages: int) -> dict[tuple[int, str], dist.ProcessGroup]:
+    """Two groups per boundary b (stages b and b+1): ``(b, "act")`` and ``(b, "grad")``.
+
+    Every rank must call this, in the same order, since ``new_group`` is collective.
+    """
+    groups = {}
+    for b in range(stages - 1):
+        for channel in (ACT, GRAD):
+            groups[(b, channel)] = dist.new_group([b, b + 1])
+    return groups
+
+
+class DistTransport:
+    """Point-to-point over ``torch.distributed``; rank == stage. Works with gloo and NCCL."""
+
+    def __init__(self, stage: int, groups: dict[tuple[int, str], dist.ProcessGroup],
+                 device: torch.device) -> None:
+        self.stage = stage
+        self.groups = groups
+        self.device = device
+        self._pending: dict[tuple[str, int], tuple[dist.Work, torch.Tensor]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup]:
+        # act flows k -> k+1 over boundary k; grad flows k+1 -> k over boundary k.
+        if channel == ACT:
+            peer = self.stage - 1 if incoming else self.stage + 1
+        else:
+            peer = self.stage + 1 if incoming else self.stage - 1
+        return peer, self.groups[(min(peer, self.stage), channel)]
+
+    def expect(self, channel: str, microbatch: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        peer, group = self._peer_and_group(channel, incoming=True)
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buffer, src=peer, group=group, tag=microbatch)
+        self._pending[(channel, microbatch)] = (work, buffer)
+
+    def ready(self, channel: str, microbatch: int) -> bool:
+        work, _ = self._pending[(channel, microbatch)]
+        return work.is_completed()
+
+    def recv(self, channel: str, microbatch: int) -> torch.Tensor:
+        key = (channel, microbatch)
+        if key not in self._pending:
+            raise RuntimeError(f"stage {self.stage} did not expect {channel} of micro-batch {microbatch}")
+        work, buffer = self._pending.pop(key)
+        work.wait()  # on CUDA this makes the current stream wait, not the host
+        return buffer
+
+    def send(self, channel: str, microbatch: int, tensor: torch.Tensor) -> None:
+        peer, group = self._peer_and_group(channel, incoming=False)
+        tensor = tensor.detach().contiguous()
+        self._sends.append((dist.isend(tensor, dst=peer, group=group, tag=microbatch), tensor))
+
+    def finish_step(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        if self._pending:
+            raise RuntimeError(f"stage {self.stage} ended a step with unreceived tensors "
+                               f"{sorted(self._pending)}")
