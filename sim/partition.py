@@ -3,10 +3,9 @@
 Two objectives:
 
 - :func:`min_max_partition` minimises the most expensive stage, the pipeline's bottleneck. It binary
-  searches the bottleneck over the O(L^2) candidate segment costs and checks each candidate
-  greedily: every stage takes as many layers as it can without exceeding the bottleneck or its
-  memory. Greedy is exact here because both limits are monotone (a shorter segment is never slower
-  and never needs more memory), whatever the per-stage memory limits are. O(L log L + K L log L).
+  searches the bottleneck over the O(L^2) candidate segment costs and checks each candidate by
+  sweeping which layer boundaries each stage can end on, O(K L) per check, so O(L^2 log L + K L log L)
+  in all. Exact, including with a different memory limit per stage.
 - :func:`min_variance_partition` is the GPipe paper's heuristic: minimise the variance of the stage
   costs (equivalently, with the total fixed, the sum of their squares), by dynamic programming in
   O(K L^2). It is kept for comparison; it can leave the bottleneck higher than necessary.
@@ -40,24 +39,55 @@ def _check(num_layers: int, stages: int) -> None:
             f"use --stages {num_layers} or fewer")
 
 
-def _greedy(prefix: list[float], stages: int, limit: float, fits: Fits | None) -> list[int] | None:
-    """Layers per stage when each stage extends as far as ``limit`` and memory allow, else None."""
+def _furthest_ends(prefix: list[float], stage: int, limit: float, fits: Fits | None) -> list[int]:
+    """For each first layer i, the furthest end j such that [i, j) is within ``limit`` and fits.
+
+    Both limits are monotone, so the furthest end never decreases with i: a two-pointer sweep.
+    ``ends[i] == i`` means not even layer i alone is allowed on this stage.
+    """
     num_layers = len(prefix) - 1
-    parts, first = [], 0
+    ends, j = [], 0
+    bound = limit * (1 + 1e-12)
+    for i in range(num_layers):
+        j = max(j, i)
+        while j < num_layers and prefix[j + 1] - prefix[i] <= bound and (fits is None or fits(stage, i, j + 1)):
+            j += 1
+        ends.append(j)
+    return ends
+
+
+def _feasible(prefix: list[float], stages: int, limit: float, fits: Fits | None) -> list[int] | None:
+    """Layers per stage with no stage above ``limit`` or over memory, or None if impossible.
+
+    Tracks which layer boundaries stage k can end on (reachable from boundary 0), O(K L) in all.
+    A greedy "take as much as you can" is not enough when memory limits differ per stage.
+    """
+    num_layers = len(prefix) - 1
+    reachable = [True] + [False] * num_layers  # boundaries reachable after 0 stages
+    history = []
     for k in range(stages):
-        remaining_stages = stages - k - 1
-        # the furthest end that leaves one layer for each remaining stage
-        last_end = num_layers - remaining_stages
-        end = bisect.bisect_right(prefix, prefix[first] + limit * (1 + 1e-12), first + 1, last_end + 1) - 1
-        if fits is not None:
-            while end > first and not fits(k, first, end):
-                end -= 1
-        if end <= first:
-            return None
-        if k == stages - 1 and end != num_layers:
-            return None
-        parts.append(end - first)
-        first = end
+        ends = _furthest_ends(prefix, k, limit, fits)
+        # mark [i + 1, ends[i]] for every reachable start i, with a difference array
+        delta = [0] * (num_layers + 2)
+        for i in range(num_layers):
+            if reachable[i] and ends[i] > i:
+                delta[i + 1] += 1
+                delta[ends[i] + 1] -= 1
+        running, after = 0, [False] * (num_layers + 1)
+        for b in range(num_layers + 1):
+            running += delta[b]
+            after[b] = running > 0
+        history.append((reachable, ends))
+        reachable = after
+    if not reachable[num_layers]:
+        return None
+    parts, end = [], num_layers
+    for k in range(stages - 1, -1, -1):
+        starts, ends = history[k]
+        start = next(i for i in range(end - 1, -1, -1) if starts[i] and ends[i] >= end)
+        parts.append(end - start)
+        end = start
+    parts.reverse()
     return parts
 
 
@@ -68,12 +98,12 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
     n = len(costs)
     candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
     low, high = 0, len(candidates) - 1
-    best = _greedy(prefix, stages, candidates[high], fits)
+    best = _feasible(prefix, stages, candidates[high], fits)
     if best is None:
         return None
     while low < high:
         middle = (low + high) // 2
-        parts = _greedy(prefix, stages, candidates[middle], fits)
+        parts = _feasible(prefix, stages, candidates[middle], fits)
         if parts is None:
             low = middle + 1
         else:

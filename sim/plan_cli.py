@@ -1,0 +1,163 @@
+"""``gpipe plan``: search for the fastest plan that fits, print a ranked table, write the plan file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from sim.cli_options import (add_hardware_arguments, add_model_arguments, batch_size, check_output_path,
+                             model_options)
+from sim.errors import GpipeInputError, require_positive
+from sim.hardware import get_system
+from sim.plan import ModelRef, Plan, save_plan
+from sim.planner import PlanOption, SearchResult, default_stage_options, search
+from sim.report import gib
+from sim.resolve import resolve_workload
+from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
+
+
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """``"1,2,4"`` or ``"1-64"`` (inclusive) or a mix: ``"1-4,8,16"``."""
+    values: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                low, high = (int(v) for v in part.split("-", 1))
+                values.extend(range(low, high + 1))
+            else:
+                values.append(int(part))
+    except ValueError:
+        raise GpipeInputError(f"{flag} {text!r} is not a list of integers; write e.g. 1,2,4 or 1-64") from None
+    for value in values:
+        require_positive(f"every value of {flag}", value, f"fix {text!r}")
+    if not values:
+        raise GpipeInputError(f"{flag} {text!r} is empty; write e.g. 1,2,4 or 1-64")
+    return sorted(set(values))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_hardware_arguments(parser, default="cpu")
+    parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
+    parser.add_argument("--stages-options", default=None, metavar="LIST",
+                        help="K values to try, e.g. 1,2,4,8 (default: powers of two up to devices and layers)")
+    parser.add_argument("--microbatch-options", default="1-64", metavar="LIST",
+                        help="M values to try, e.g. 1-64 or 1,4,32 (default 1-64)")
+    parser.add_argument("--checkpoints", default=",".join(CHECKPOINT_POLICIES), help="policies to try")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="schedules to try")
+    parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"))
+    parser.add_argument("--top", type=int, default=10, help="rows in the ranked table (default 10)")
+    parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
+    parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output_path(args.out, "--out")
+    require_positive("--top", args.top)
+    batch = batch_size(args)
+    require_positive("batch size", batch, "use --batch 1 or more")
+    checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
+    schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
+    system = get_system(args.hardware, args.nodes)
+    workload = resolve_workload(args.model, model_options(args), args.costs)
+    if args.stages_options:
+        stage_options = parse_int_list(args.stages_options, "--stages-options")
+        too_many = [k for k in stage_options if k > workload.num_layers]
+        if too_many:
+            raise GpipeInputError(f"--stages-options {too_many[0]} exceeds the model's {workload.num_layers} "
+                                  f"layers; use values up to {workload.num_layers}")
+        for k in stage_options:
+            system.check_fits(k)
+    else:
+        stage_options = default_stage_options(system, workload.num_layers)
+    microbatch_options = parse_int_list(args.microbatch_options, "--microbatch-options")
+    progress = None if args.quiet else _Progress()
+    result = search(workload, system, batch, stage_options, microbatch_options, checkpoints, schedules,
+                    args.partitioner, args.top, progress)
+    if progress:
+        progress.finish()
+    if result.best is None:
+        raise GpipeInputError(_nothing_fits(result, system))
+    description = workload.describe()
+    if args.out:
+        save_plan(to_plan(result.best, description, batch, system.name, system.nodes), args.out)
+    if args.json:
+        json.dump({"candidates": result.candidates, "simulated": result.simulated,
+                   "elapsed_s": result.elapsed_s,
+                   "ranked": [_option_dict(o) for o in result.ranked]}, sys.stdout)
+        print()
+    else:
+        print(format_table(result, description, system.name, batch))
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int) -> Plan:
+    c = option.candidate
+    assert option.result is not None and option.partition is not None
+    return Plan(
+        model=ModelRef(name=description["name"], options=description["options"],
+                       num_layers=description["num_layers"],
+                       parameter_count=description["parameter_count"]),
+        partition=tuple(option.partition), batch_size=batch, microbatches=c.microbatches,
+        checkpoint=c.checkpoint, schedule=c.schedule, hardware={"system": system, "nodes": nodes},
+        predicted=option.result.to_dict(),
+    )
+
+
+def _option_dict(option: PlanOption) -> dict:
+    c = option.candidate
+    assert option.result is not None
+    return {"stages": c.stages, "microbatches": c.microbatches, "checkpoint": c.checkpoint,
+            "schedule": c.schedule, "partition": option.partition, **{
+                k: v for k, v in option.result.to_dict().items() if k not in ("partition", "schedule", "checkpoint")}}
+
+
+def format_table(result: SearchResult, description: dict, system: str, batch: int) -> str:
+    head = (f"model {description['name']} ({description['num_layers']} layers, "
+            f"{description['parameter_count'] / 1e6:.1f}M parameters), batch {batch}, on {system}: "
+            f"{result.candidates} candidates, {result.simulated} simulated, {result.not_fitting} do not fit, "
+            f"{result.elapsed_s:.2f} s")
+    rows = [head, f"{'rank':>4} {'K':>3} {'M':>3} {'checkpoint':<11} {'schedule':<8} {'step ms':>10} "
+                  f"{'bubble':>7} {'samples/s':>10} {'peak mem':>10}  partition"]
+    for rank, option in enumerate(result.ranked, 1):
+        c = option.candidate
+        r = option.result
+        assert r is not None
+        rows.append(f"{rank:>4} {c.stages:>3} {c.microbatches:>3} {c.checkpoint:<11} {c.schedule:<8} "
+                    f"{r.step_time_s * 1e3:>10.3f} {r.bubble_fraction:>7.1%} "
+                    f"{r.throughput_samples_per_s:>10.1f} {gib(option.max_peak_memory_bytes):>10}  "
+                    f"{','.join(map(str, option.partition or []))}")
+    return "\n".join(rows)
+
+
+def _nothing_fits(result: SearchResult, system) -> str:
+    return (f"no plan among {result.candidates} candidates fits in {gib(system.device.memory_bytes)} per "
+            f"{system.device.name}; try more stages (--stages-options, --nodes), --checkpoints always, "
+            f"a smaller --batch, or a device with more memory")
+
+
+class _Progress:
+    """Progress on stderr for searches that take more than a moment."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, done: int, total: int, best: PlanOption | None) -> None:
+        now = time.perf_counter()
+        if now - self.started < 1.0 or now - self.last < 0.5:
+            return
+        self.last, self.shown = now, True
+        best_text = f", best {best.step_time_s * 1e3:.3f} ms" if best else ""
+        print(f"\rsimulating candidates in order of promise: {done}/{total}{best_text}",
+              end="", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.shown:
+            print(file=sys.stderr)

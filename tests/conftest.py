@@ -1,0 +1,41 @@
+"""Shared fixtures: small workloads with distinct stash and saved sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import pytest
+
+from sim.hardware import Device
+from sim.workload import LayerCost
+
+
+@dataclass(frozen=True)
+class ListWorkload:
+    """Layers with the given forward times; backward twice forward; memory per layer from args."""
+
+    forward_s: Sequence[float]
+    saved_bytes: int = 10
+    input_bytes: int = 1
+    param_bytes: int = 100
+    name: str = "list"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward_s)
+
+    def layer_costs(self, rows: int, device: Device) -> list[LayerCost]:
+        return [LayerCost(name=f"layer{i}", forward_s=f * rows, backward_s=2 * f * rows, recompute_s=f * rows,
+                          saved_bytes=self.saved_bytes * rows, output_bytes=self.input_bytes * rows,
+                          input_bytes=self.input_bytes * rows, param_bytes=self.param_bytes,
+                          grad_bytes=self.param_bytes, optimizer_bytes=0)
+                for i, f in enumerate(self.forward_s)]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "options": {}, "num_layers": self.num_layers, "parameter_count": 0}
+
+
+@pytest.fixture
+def list_workload():
+    return ListWorkload

@@ -1,0 +1,99 @@
+"""The command-line interface other tools script against."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sim.cli import main
+
+GPIPE = [sys.executable, "-m", "sim.cli"]
+
+
+def run(*args):
+    return subprocess.run([*GPIPE, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_simulate_json_interface():
+    proc = run("simulate", "--model", "uniform", "--layers", "16", "--stages", "4", "--microbatches", "8",
+               "--checkpoint", "never", "--hardware", "ideal", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["bubble_fraction"] == pytest.approx(3 / 11, abs=1e-9)
+    assert data["partition"] == [4, 4, 4, 4]
+    assert data["step_time_s"] == pytest.approx(11 * 4 * 3e-3)
+    assert data["throughput_samples_per_s"] > 0
+    assert [set(s) >= {"peak_memory_bytes", "busy_s"} for s in data["stages"]] == [True] * 4
+
+
+def test_simulate_writes_trace_and_html(tmp_path):
+    trace, html = tmp_path / "t.json", tmp_path / "t.html"
+    assert main(["simulate", "--model", "transformer", "--stages", "2", "--microbatches", "4", "--partition",
+                 "2,4", "--schedule", "1f1b", "--batch", "8", "--hardware", "h100-nvlink",
+                 "--trace", str(trace), "--html", str(html)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"forward 0", "backward 3"}
+    assert "plotly" in html.read_text()[:100000].lower()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stages", "0"], "stages (K) must be a positive integer, got 0"),
+    (["--microbatches", "-2"], "micro-batches (M) must be a positive integer, got -2"),
+    (["--batch", "0"], "batch size must be a positive integer, got 0"),
+    (["--stages", "17"], "17 stages for a model of 16 layers"),
+    (["--partition", "3,5"], "partition 3,5 sums to 8 layers but the model has 16"),
+    (["--model", "resnet"], "unknown model 'resnet'"),
+    (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["--schedule", "interleaved"], "unknown schedule 'interleaved'"),
+    (["--checkpoint", "sometimes"], "unknown checkpoint policy 'sometimes'"),
+    (["--hardware", "h100-nvlink", "--stages", "16", "--partition", "1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"],
+     "16 stages need 16 devices"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = run("simulate", "--model", "uniform", "--layers", "16", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
+def test_a_plan_that_does_not_fit_says_which_stage_and_what_to_do():
+    proc = run("simulate", "--model", "transformer", "--layers", "48", "--d-model", "2048", "--ff", "8192",
+               "--heads", "32", "--seq", "1024", "--vocab", "32000", "--batch", "32", "--stages", "2",
+               "--microbatches", "4", "--hardware", "tpu-v3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "does not fit in memory: stage" in proc.stderr and "over by" in proc.stderr
+
+
+def test_simulate_and_plan_do_not_import_torch(tmp_path):
+    code = ("import sys; from sim.cli import main; "
+            "main(['simulate', '--model', 'transformer', '--json']); "
+            f"main(['plan', '--model', 'mlp', '--quiet', '--out', r'{tmp_path / 'p.json'}']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_plan_writes_a_plan_that_simulate_reads_back(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run("plan", "--model", "transformer", "--hardware", "a100-nvlink", "--batch", "32",
+               "--microbatch-options", "1-32", "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "rank" in proc.stdout and "plan written to" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert plan["version"] == 1 and sum(plan["partition"]) == plan["model"]["num_layers"]
+    again = run("simulate", "--plan", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--microbatch-options", "1-x"], "--microbatch-options '1-x' is not a list of integers"),
+    (["--stages-options", "0,2"], "every value of --stages-options must be a positive integer, got 0"),
+    (["--stages-options", "64"], "--stages-options 64 exceeds the model's 6 layers"),
+    (["--batch", "-4"], "batch size must be a positive integer, got -4"),
+])
+def test_plan_bad_input(args, message):
+    proc = run("plan", "--model", "transformer", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr

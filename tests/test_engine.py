@@ -1,0 +1,116 @@
+"""The simulator against literal timelines, the bubble formula and the GPipe memory formula."""
+
+import pytest
+
+from sim.engine import simulate
+from sim.hardware import FREE_LINK, Link, System, get_system
+from sim.memory import peak_activation_bytes
+from sim.stage_costs import CostTable
+from sim.workload import UniformWorkload
+
+IDEAL = get_system("ideal")
+
+
+def spans(result, kinds=("F", "R", "B")):
+    return [(r.stage, f"{r.kind}{r.microbatch}", round(r.start_s * 1e3, 9), round(r.end_s * 1e3, 9))
+            for r in sorted(result.timeline.records, key=lambda r: (r.stage, r.start_s)) if r.kind in kinds]
+
+
+def test_two_stages_two_microbatches_literal_timeline():
+    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="never")
+    assert spans(result) == [
+        (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B1", 5, 7), (0, "B0", 7, 9),
+        (1, "F0", 1, 2), (1, "F1", 2, 3), (1, "B1", 3, 5), (1, "B0", 5, 7),
+    ]
+    assert result.step_time_s == pytest.approx(9e-3)
+
+
+def test_recompute_runs_before_the_gradient_arrives():
+    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="except_last")
+    assert spans(result) == [
+        (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B1", 5, 7), (0, "R0", 7, 8), (0, "B0", 8, 10),
+        (1, "F0", 1, 2), (1, "F1", 2, 3), (1, "B1", 3, 5), (1, "R0", 5, 6), (1, "B0", 6, 8),
+    ]
+
+
+def test_1f1b_literal_timeline():
+    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=3, microbatches=3, checkpoint="never",
+                      schedule="1f1b")
+    assert spans(result) == [
+        (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B0", 4, 6), (0, "F2", 6, 7), (0, "B1", 7, 9), (0, "B2", 10, 12),
+        (1, "F0", 1, 2), (1, "B0", 2, 4), (1, "F1", 4, 5), (1, "B1", 5, 7), (1, "F2", 7, 8), (1, "B2", 8, 10),
+    ]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8, 16, 24])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 7, 8, 32])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bubble_equals_the_formula_for_uniform_layers_and_free_links(stages, microbatches, schedule):
+    result = simulate(UniformWorkload(48), IDEAL, [48 // stages] * stages, batch_size=microbatches,
+                      microbatches=microbatches, checkpoint="never", schedule=schedule, record=False)
+    expected = (stages - 1) / (microbatches + stages - 1)
+    assert abs(result.bubble_fraction - expected) < 1e-9
+    assert result.step_time_s == pytest.approx((microbatches + stages - 1) * 3e-3 * 48 / stages)
+
+
+def test_link_latency_and_bandwidth_delay_the_next_stage():
+    link = Link("slow", bandwidth_bytes_per_s=1e9, latency_s=1e-3)
+    system = System("test", IDEAL.device, 8, link, link)
+    workload = UniformWorkload(2, activation_bytes=1_000_000)  # 1 ms on the wire + 1 ms latency
+    result = simulate(workload, system, [1, 1], batch_size=1, microbatches=1, checkpoint="never")
+    assert spans(result) == [(0, "F0", 0, 1), (0, "B0", 8, 10), (1, "F0", 3, 4), (1, "B0", 4, 6)]
+    sends = spans(result, kinds=("send_act", "send_grad"))
+    assert sends == [(0, "send_act0", 1, 3), (1, "send_grad0", 6, 8)]
+
+
+def test_shared_pcie_serialises_concurrent_transfers_on_one_node():
+    shared = Link("pcie", bandwidth_bytes_per_s=1e9, latency_s=0.0, shared=True)
+    dedicated = Link("nvlink", bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    workload = UniformWorkload(4, activation_bytes=2_000_000)  # 2 ms per transfer
+    times = {}
+    for link in (shared, dedicated):
+        system = System("t", IDEAL.device, 8, link, link)
+        times[link.name] = simulate(workload, system, [1, 1, 1, 1], batch_size=8, microbatches=8,
+                                    checkpoint="never").step_time_s
+    assert times["pcie"] > times["nvlink"]
+
+
+def test_gpipe_memory_formula_with_and_without_rematerialization(list_workload):
+    layers, stages, microbatches, rows = 8, 2, 4, 3
+    workload = list_workload([1e-3] * layers, saved_bytes=10, input_bytes=1)
+    per_stage_saved = (layers // stages) * 10 * rows
+    stash = 1 * rows
+    never = simulate(workload, IDEAL, [4, 4], rows * microbatches, microbatches, "never")
+    always = simulate(workload, IDEAL, [4, 4], rows * microbatches, microbatches, "always")
+    for stage in never.stages:
+        assert stage.peak_activation_bytes == microbatches * per_stage_saved
+    for stage in always.stages:
+        # all M boundary inputs stashed, plus one micro-batch's activations inside the stage (which
+        # include its own stashed input, counted once)
+        assert stage.peak_activation_bytes == (microbatches - 1) * stash + per_stage_saved
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_partitioner_memory_estimate_matches_the_simulation(list_workload, schedule, checkpoint):
+    workload = list_workload([1e-3, 2e-3, 1e-3, 3e-3, 1e-3, 1e-3], saved_bytes=7, input_bytes=2)
+    partition = [1, 2, 1, 2]
+    result = simulate(workload, IDEAL, partition, batch_size=10, microbatches=5, checkpoint=checkpoint,
+                      schedule=schedule)
+    table = CostTable(workload, IDEAL.device)
+    for k, cost in enumerate(table.stages(2, partition)):
+        estimate = peak_activation_bytes(cost, 4, 5, schedule, checkpoint, k)
+        assert estimate == result.stages[k].peak_activation_bytes
+
+
+def test_uneven_batch_splits_like_torch_chunk():
+    result = simulate(UniformWorkload(4), IDEAL, [2, 2], batch_size=10, microbatches=4)
+    assert result.microbatch_rows == [3, 3, 3, 1]
+    small = simulate(UniformWorkload(4), IDEAL, [2, 2], batch_size=2, microbatches=4)
+    assert small.microbatches == 2
+
+
+def test_memory_that_does_not_fit_is_reported():
+    tiny = System("tiny", IDEAL.device.__class__("tiny", {"fp32": 1e12}, 1024, 1e9), 8, FREE_LINK, FREE_LINK)
+    result = simulate(UniformWorkload(4), tiny, [2, 2], batch_size=4, microbatches=4)
+    assert not result.fits and not result.stages[0].fits

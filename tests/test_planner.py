@@ -1,0 +1,55 @@
+import pytest
+
+from sim.engine import simulate
+from sim.hardware import get_system
+from sim.models import get_workload
+from sim.planner import candidates, choose_partition, lower_bound_s, search
+from sim.stage_costs import CostTable
+
+
+def exhaustive(workload, system, batch, stage_options, microbatch_options):
+    table = CostTable(workload, system.device)
+    results = []
+    for c in candidates(stage_options, microbatch_options, batch):
+        partition = choose_partition(table, system, batch, c)
+        if partition is None:
+            continue
+        result = simulate(workload, system, partition, batch, c.microbatches, c.checkpoint, c.schedule,
+                          record=False)
+        assert lower_bound_s(table, batch, c, partition) <= result.step_time_s * (1 + 1e-12)
+        if result.fits:
+            results.append(result.step_time_s)
+    return sorted(results)
+
+
+@pytest.mark.parametrize("system_name", ["ideal", "h100-pcie", "p100-pcie"])
+def test_pruned_search_ranks_exactly_like_exhaustive_simulation(system_name):
+    workload = get_workload("transformer", {"layers": 6, "d_model": 256, "ff": 1024, "seq": 128, "vocab": 1000})
+    system = get_system(system_name)
+    result = search(workload, system, 16, [1, 2, 4], list(range(1, 17)), top=5)
+    expected = exhaustive(workload, system, 16, [1, 2, 4], list(range(1, 17)))
+    assert [o.step_time_s for o in result.ranked] == pytest.approx(expected[:5], rel=1e-12)
+    assert result.simulated < result.candidates
+
+
+def test_with_costs_linear_in_rows_the_best_plan_uses_all_stages_and_most_microbatches():
+    from conftest import ListWorkload
+
+    result = search(ListWorkload([1e-3] * 8), get_system("ideal"), 64, [1, 2, 4, 8], [1, 2, 4, 8, 16, 32, 64], top=3)
+    best = result.best.candidate
+    assert (best.stages, best.microbatches, best.checkpoint) == (8, 64, "never")
+
+
+def test_memory_limits_force_more_stages_or_rematerialization():
+    # the paper's Transformer-48 cannot fit on one 16 GB TPUv3 core
+    workload = get_workload("transformer", {"layers": 48, "d_model": 2048, "ff": 8192, "heads": 32,
+                                            "seq": 1024, "vocab": 32000})
+    result = search(workload, get_system("tpu-v3"), 32, [1, 2, 4, 8], [1, 4, 32])
+    assert result.best is not None and result.best.candidate.stages > 1
+    assert all(o.result.fits for o in result.ranked)
+    assert result.not_fitting > 0
+
+
+def test_duplicate_microbatch_splits_are_searched_once():
+    found = candidates([2], range(1, 9), batch_size=4, checkpoints=["never"], schedules=["gpipe"])
+    assert [c.microbatches for c in found] == [1, 2, 4]
