@@ -1,0 +1,94 @@
+"""Training state on disk: one shard per stage plus a manifest, each written atomically.
+
+Layout under ``--checkpoint-dir``::
+
+    step-000012/stage-0.pt ... stage-{K-1}.pt   # layers (buffers included), optimizer, RNG state
+    manifest.json                               # {"step": 12, "stages": K, "dir": "step-000012", ...}
+
+Every file is written to a temporary name and renamed (``os.replace``), and the manifest is written
+last, by rank 0, after every rank has finished its shard (a barrier). A kill at any moment leaves
+either the previous manifest, which names a complete older step directory, or the new one: never a
+half-written checkpoint. Older step directories are removed only after the new manifest is in
+place. Data and dropout are pure functions of (seed, step), so the step number is the data position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from executor.stage import PipelineStage
+from sim.errors import GpipeInputError
+from sim.timeline import write_json_atomic
+
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:06d}")
+
+
+def save_shard(root: str, step: int, stage: PipelineStage) -> None:
+    """Write ``stage``'s state after completing ``step`` (0-based) to its shard, atomically."""
+    directory = step_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    state: dict[str, Any] = {
+        "module": stage.module.state_dict(),
+        "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
+        "cpu_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, os.path.join(directory, f"stage-{stage.config.stage}.pt"))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_manifest(root: str, step: int, stages: int, losses: list[float], config: dict[str, Any]) -> None:
+    """Publish ``step`` as the latest checkpoint, then drop older step directories.
+
+    Called by one rank (the last stage, which holds the losses) after a barrier that follows every
+    rank's :func:`save_shard`.
+    """
+    write_json_atomic(os.path.join(root, MANIFEST), {
+        "step": step, "stages": stages, "dir": os.path.basename(step_dir(root, step)),
+        "losses": losses, "config": config,
+    })
+    for name in os.listdir(root):
+        if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) < step:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def read_manifest(root: str) -> dict[str, Any] | None:
+    path = os.path.join(root, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> None:
+    """Restore ``stage`` from the checkpoint the manifest names."""
+    if manifest["stages"] != stage.config.stages:
+        raise GpipeInputError(f"checkpoint in {root!r} has {manifest['stages']} stages but the plan has "
+                              f"{stage.config.stages}; resume with the same plan or a new --checkpoint-dir")
+    path = os.path.join(root, manifest["dir"], f"stage-{stage.config.stage}.pt")
+    state = torch.load(path, map_location=stage.device, weights_only=False)
+    stage.module.load_state_dict(state["module"])
+    if stage.optimizer is not None and state["optimizer"] is not None:
+        stage.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["cpu_rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])

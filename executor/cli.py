@@ -1,0 +1,198 @@
+"""``gpipe train``: validate a plan, then start torchrun with one worker process per stage.
+
+Takes a plan file (``--plan``) or the flags ``gpipe simulate`` takes (model, stages or partition,
+batch, micro-batches, schedule, checkpoint policy). The model is built and dry-run here first, so a
+bad plan fails with one line before any process starts. On one machine it runs
+``python -m torch.distributed.run --standalone --nproc-per-node K -m executor.worker CONFIG``; with
+``--nnodes N`` every node runs ``gpipe train`` with the same flags, ``--node-rank`` and a shared
+``--rdzv-endpoint HOST:PORT`` (c10d rendezvous), each starting K/N workers.
+
+torch is imported inside :func:`run` only, so ``gpipe --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from sim.errors import GpipeInputError, require_positive
+from sim.plan import load_plan, parse_partition
+from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_argument_group("what to train (a plan file, or the flags of gpipe simulate)")
+    what.add_argument("--plan", help="plan JSON written by gpipe plan --out")
+    what.add_argument("--model", help="mlp, transformer, cnn, or package.module:factory")
+    what.add_argument("--layers", type=int, help="the model's layers option (built-in models)")
+    what.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                      help="another model option, e.g. --option d_model=128 (repeatable)")
+    what.add_argument("--stages", type=int, help="K: stages; layers split evenly unless --partition")
+    what.add_argument("--partition", help="layers per stage, e.g. 3,5")
+    what.add_argument("--batch", type=int, help="rows per mini-batch")
+    what.add_argument("--microbatches", type=int, help="M: micro-batches per mini-batch")
+    what.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, help="re-materialization policy")
+    what.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
+    what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
+    what.add_argument("--data", help="package.module:function(batch_size, step=, seed=) -> (inputs, targets)")
+    what.add_argument("--seed", type=int, default=0)
+    how = parser.add_argument_group("how to train")
+    how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
+    how.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    how.add_argument("--lr", type=float, default=0.01)
+    how.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
+    how.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
+    how.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck receive fails")
+    how.add_argument("--warmup-steps", type=int, default=1, help="steps left out of step_time_s")
+    out = parser.add_argument_group("outputs and checkpoints")
+    out.add_argument("--report", help="write the measured report JSON here")
+    out.add_argument("--trace", help="write a Chrome trace (Perfetto) of the merged timeline here")
+    out.add_argument("--save-every", type=int, default=0, help="save training state every N steps")
+    out.add_argument("--checkpoint-dir", help="directory for --save-every and --resume")
+    out.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    out.add_argument("--max-restarts", type=int, default=0,
+                     help="torchrun restarts after a failure; each resumes from the last checkpoint")
+    nodes = parser.add_argument_group("several nodes (c10d rendezvous)")
+    nodes.add_argument("--nnodes", type=int, default=1)
+    nodes.add_argument("--node-rank", type=int, default=0)
+    nodes.add_argument("--rdzv-endpoint", help="HOST:PORT every node can reach (needed with --nnodes > 1)")
+    nodes.add_argument("--rdzv-id", default="gpipe", help="rendezvous id shared by the nodes of one run")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GpipeInputError(f"bad --option {item!r}; expected KEY=VALUE, e.g. --option width=512")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    if args.layers is not None:
+        options["layers"] = args.layers
+    return options
+
+
+def even_partition(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Split ``num_layers`` over ``stages`` as evenly as possible, earlier stages one more."""
+    require_positive("stages (K)", stages, "use --stages 1 or more")
+    if stages > num_layers:
+        raise GpipeInputError(f"--stages {stages} is more than the model's {num_layers} layers; "
+                              f"use at most {num_layers} stages")
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (1 if k < extra else 0) for k in range(stages))
+
+
+def config_from_args(args: argparse.Namespace):
+    """A validated :class:`RunConfig` from a plan file and/or flags (flags override the plan)."""
+    from executor.config import RunConfig
+    from executor.models import model_ref
+
+    extra = dict(steps=args.steps, seed=args.seed, loss=args.loss or "", optimizer=args.optimizer,
+                 lr=args.lr, data=args.data or "", report=args.report or "", trace=args.trace or "",
+                 save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
+                 device=args.device, threads=args.threads, timeout_s=args.timeout,
+                 warmup_steps=args.warmup_steps)
+    if args.plan:
+        config = RunConfig.from_plan(load_plan(args.plan), **extra)
+    else:
+        if not args.model:
+            raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")
+        config = RunConfig(model=args.model, **extra)
+    if args.model:
+        config.model = args.model
+    options = _options(args)
+    if options or args.model:
+        config.options = {**(config.options if not args.model else {}), **options}
+    ref = model_ref(config.model, config.options, config.seed)
+    config.options = dict(ref.options)
+    if args.partition:
+        config.partition = parse_partition(args.partition)
+    elif args.stages or not config.partition:
+        config.partition = even_partition(ref.num_layers, args.stages or 1)
+    if args.stages and len(config.partition) != args.stages:
+        raise GpipeInputError(f"--partition has {len(config.partition)} stages but --stages is {args.stages}")
+    if args.batch is not None:
+        config.batch_size = args.batch
+    elif not args.plan:
+        config.batch_size = _default_batch(config.model)
+    for name in ("microbatches", "checkpoint", "schedule"):
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    config.plan(ref)  # validates partition, batch, M, schedule and policy with one-line errors
+    return config.validate()
+
+
+def _default_batch(model: str) -> int:
+    try:
+        from sim.model_defaults import DEFAULT_BATCH
+        return int(DEFAULT_BATCH.get(model, 32))
+    except ImportError:
+        return 32
+
+
+def torchrun_command(config_path: str, stages: int, args: argparse.Namespace) -> list[str]:
+    """The torchrun command line that starts this node's workers."""
+    require_positive("--nnodes", args.nnodes)
+    if stages % args.nnodes:
+        raise GpipeInputError(f"{stages} stages do not split over --nnodes {args.nnodes}; "
+                              "use a node count that divides the number of stages")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages // args.nnodes),
+               "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.2"]
+    if args.nnodes == 1:
+        command.append("--standalone")
+    else:
+        if not args.rdzv_endpoint:
+            raise GpipeInputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT that every node can reach")
+        command += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+    return command + ["-m", "executor.worker", config_path]
+
+
+def _first_error(error_dir: str) -> str | None:
+    files = sorted(glob.glob(os.path.join(error_dir, "rank-*.json")), key=os.path.getmtime)
+    for path in files:
+        with open(path) as handle:
+            data = json.load(handle)
+        return f"rank {data['rank']}: {data['error']}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from executor.pipeline import prepare
+
+    config = config_from_args(args)
+    if args.max_restarts and not config.checkpoint_dir:
+        raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
+    prepare(config)  # a bad model or partition fails here, before any process starts
+    workdir = tempfile.mkdtemp(prefix="gpipe-train-")
+    try:
+        config_path = os.path.join(workdir, "config.json")
+        config.save(config_path)
+        error_dir = os.path.join(workdir, "errors")
+        os.makedirs(error_dir)
+        env = dict(os.environ, GPIPE_ERROR_DIR=error_dir)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
+        command = torchrun_command(config_path, config.stages, args)
+        per_node = config.stages // args.nnodes
+        env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
+        code = subprocess.call(command, env=env)
+        if code != 0:
+            first = _first_error(error_dir)
+            detail = first or "a worker died without an error message (killed?); see torchrun's output above"
+            print(f"gpipe: error: training failed: {detail}", file=sys.stderr)
+            return code if code > 0 else 1
+        return 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

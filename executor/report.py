@@ -1,0 +1,81 @@
+"""The ``--report`` JSON of a measured run, computed from the merged timeline.
+
+Fields: ``step_time_s`` (median over the steps after ``warmup_steps``), ``step_times_s`` (every
+step), ``losses`` (one per step, from step 0 when resumed), ``stages`` (per stage:
+``peak_activation_bytes`` as defined in :mod:`executor.memory`, ``busy_s`` the median per-step
+compute time, ``peak_allocated_bytes`` on CUDA), ``actions`` (median duration of every
+(stage, kind, micro-batch) over the measured steps, with its rows: what calibration fits), the
+``plan``, the run ``config`` and the ``timeline`` itself.
+
+A step's time is the gap between the end of its last span on any rank and the end of the
+previous step's (the first measured step counts from its first span), so steady-state step times
+include the inherent pipeline bubble and every overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from executor.data import split_rows
+from sim.timeline import OPTIMIZER, Timeline
+
+
+def step_times_s(timeline: Timeline) -> dict[int, float]:
+    ends: dict[int, float] = {}
+    starts: dict[int, float] = {}
+    for r in timeline.records:
+        ends[r.step] = max(ends.get(r.step, r.end_s), r.end_s)
+        starts[r.step] = min(starts.get(r.step, r.start_s), r.start_s)
+    result, previous_end = {}, None
+    for step in sorted(ends):
+        begin = starts[step] if previous_end is None else previous_end
+        result[step] = ends[step] - begin
+        previous_end = ends[step]
+    return result
+
+
+def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any], plan: dict[str, Any],
+                 peak_activation_bytes: list[int], peak_allocated_bytes: list[int] | None = None,
+                 first_step: int = 0) -> dict[str, Any]:
+    times = step_times_s(timeline)
+    measured = [s for s in sorted(times) if s >= first_step + config.get("warmup_steps", 1)]
+    if not measured:
+        measured = sorted(times)
+    busy: dict[tuple[int, int], float] = defaultdict(float)
+    durations: dict[tuple[int, str, int], list[float]] = defaultdict(list)
+    for r in timeline.records:
+        if r.step not in measured:
+            continue
+        if r.kind in ("F", "R", "B", OPTIMIZER):
+            busy[(r.stage, r.step)] += r.duration_s
+        if r.kind in ("F", "R", "B"):
+            durations[(r.stage, r.kind, r.microbatch)].append(r.duration_s)
+    rows = split_rows(config["batch_size"], config["microbatches"])
+    stages = []
+    for k in range(len(peak_activation_bytes)):
+        entry: dict[str, Any] = {
+            "stage": k,
+            "layers": config["partition"][k],
+            "peak_activation_bytes": peak_activation_bytes[k],
+            "busy_s": statistics.median([busy[(k, s)] for s in measured]) if measured else 0.0,
+        }
+        if peak_allocated_bytes is not None:
+            entry["peak_allocated_bytes"] = peak_allocated_bytes[k]
+        stages.append(entry)
+    actions = [{"stage": k, "kind": kind, "microbatch": m, "rows": rows[m],
+                "duration_s": statistics.median(values)}
+               for (k, kind, m), values in sorted(durations.items())]
+    step_time = statistics.median([times[s] for s in measured]) if measured else 0.0
+    return {
+        "step_time_s": step_time,
+        "step_times_s": [times[s] for s in sorted(times)],
+        "measured_steps": measured,
+        "losses": losses,
+        "stages": stages,
+        "actions": actions,
+        "plan": plan,
+        "config": config,
+        "timeline": timeline.to_dict(),
+    }

@@ -1,0 +1,192 @@
+"""The torchrun worker: one process per stage, rank == stage.
+
+Run as ``python -m executor.worker CONFIG.json`` under torchrun (``gpipe train`` does this). Every
+rank builds the whole model from the seed and validates it (a bad plan fails on every rank the same
+way, before any process group exists), keeps its stage's layers, trains ``steps`` mini-batches,
+saves checkpoints, and finally sends its timeline to rank 0, which writes ``--report`` and
+``--trace``.
+
+Failure handling: an exception prints ``gpipe: error: ...`` (user errors) or the traceback, writes
+the message to ``$GPIPE_ERROR_DIR/rank-R.txt`` when set (``gpipe train`` shows it at the end), and
+exits non-zero; torchrun then stops the other workers at once. A neighbour that dies makes the
+pending gloo receive fail when its socket closes; the process-group timeout (``timeout_s``) is the
+backstop for anything else. Fault injection for tests: ``GPIPE_FAULT_RANK``, ``GPIPE_FAULT_STEP``
+and ``GPIPE_FAULT`` (``kill``: SIGKILL itself; ``raise``: RuntimeError) act after the first action
+of that step, on the first attempt only (not after a torchrun restart).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from executor import checkpoint
+from executor.config import RunConfig
+from executor.data import batch_for_step
+from executor.models import model_ref
+from executor.pipeline import make_stage, prepare
+from executor.recording import Recorder
+from executor.report import build_report
+from executor.stage import PipelineStage
+from executor.transport import DistTransport, boundary_groups
+from sim.errors import GpipeInputError
+from sim.schedule import Action
+from sim.timeline import Timeline, merge, write_json_atomic
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _fault_hook(rank: int, step_ref: list[int]):
+    fault_rank = os.environ.get("GPIPE_FAULT_RANK")
+    if fault_rank is None or int(fault_rank) != rank or _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0:
+        return None
+    fault_step = _env_int("GPIPE_FAULT_STEP", 0)
+    mode = os.environ.get("GPIPE_FAULT", "kill")
+
+    def hook(index: int, action: Action) -> None:
+        if step_ref[0] == fault_step and index == 0:
+            if mode == "raise":
+                raise RuntimeError(f"injected fault on rank {rank} at step {fault_step} after {action}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def _setup_device(config: RunConfig, local_rank: int, local_world: int) -> tuple[torch.device, str]:
+    if config.device == "cuda":
+        if not torch.cuda.is_available():
+            raise GpipeInputError("--device cuda but this machine has no CUDA GPU; use --device cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device()), "nccl"
+    threads = config.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    return torch.device("cpu"), "gloo"
+
+
+def _save(config: RunConfig, stage: PipelineStage, step: int, losses: list[float]) -> None:
+    checkpoint.save_shard(config.checkpoint_dir, step, stage)
+    dist.barrier()
+    if stage.is_last:
+        checkpoint.write_manifest(config.checkpoint_dir, step, config.stages, losses, config.to_dict())
+
+
+def train(config: RunConfig) -> None:
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    if world != config.stages:
+        raise GpipeInputError(f"the plan has {config.stages} stages but torchrun started {world} processes; "
+                              f"start exactly one process per stage (nnodes x nproc-per-node = {config.stages})")
+    device, backend = _setup_device(config, local_rank, local_world)
+    prepared = prepare(config)  # validates before any communication
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
+    try:
+        groups = boundary_groups(config.stages)
+        dist.barrier()
+        recorder = Recorder(rank, device)  # origin right after the barrier on every rank
+        stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
+        del prepared
+        losses, start = _resume(config, stage)
+        step_ref = [start]
+        stage.after_action = _fault_hook(rank, step_ref)
+        first_step = start
+        for step in range(start, config.steps):
+            step_ref[0] = step
+            inputs = targets = None
+            if stage.is_first or stage.is_last:
+                inputs, targets = batch_for_step(config.model, config.options, config.batch_size,
+                                                 config.seed, step, config.data or None)
+            loss = stage.train_step(step, inputs, targets)
+            if stage.is_last:
+                losses.append(float(loss))  # type: ignore[arg-type]
+                print(f"gpipe: step {step} loss {loss:.6f}", flush=True)
+            if config.save_every and (step + 1) % config.save_every == 0:
+                _save(config, stage, step, losses)
+        _finish(config, stage, losses, first_step, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _resume(config: RunConfig, stage: PipelineStage) -> tuple[list[float], int]:
+    """Losses so far and the first step to run, from the last checkpoint when resuming."""
+    restarted = _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
+    if not config.checkpoint_dir or not (config.resume or restarted):
+        return [], 0
+    manifest = checkpoint.read_manifest(config.checkpoint_dir)
+    if manifest is None:
+        if config.resume and not restarted:
+            print(f"gpipe: no checkpoint in {config.checkpoint_dir!r} yet; starting from step 0", flush=True)
+        return [], 0
+    checkpoint.load_shard(config.checkpoint_dir, manifest, stage)
+    return list(manifest["losses"]), int(manifest["step"]) + 1
+
+
+def _finish(config: RunConfig, stage: PipelineStage, losses: list[float], first_step: int,
+            device: torch.device) -> None:
+    """Gather every rank's timeline to rank 0 and write the report and trace there."""
+    payload: dict[str, Any] = {
+        "timeline": stage.recorder.timeline.to_dict(),
+        "peak_activation_bytes": stage.counter.peak_bytes,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "losses": losses if stage.is_last else None,
+    }
+    gathered: list[Any] = [None] * config.stages if dist.get_rank() == 0 else []
+    dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return
+    timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
+    timeline.meta.update({"model": config.model, "partition": list(config.partition),
+                          "microbatches": config.microbatches, "schedule": config.schedule,
+                          "checkpoint": config.checkpoint, "device": device.type})
+    plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
+    allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
+    report = build_report(timeline, gathered[-1]["losses"], config.to_dict(), plan,
+                          [p["peak_activation_bytes"] for p in gathered], allocated, first_step)
+    if config.report:
+        write_json_atomic(config.report, report)
+    if config.trace:
+        timeline.write_chrome_trace(config.trace)
+    print(f"gpipe: trained {config.steps} steps, median step {report['step_time_s'] * 1e3:.2f} ms", flush=True)
+
+
+def _record_error(message: str) -> None:
+    directory = os.environ.get("GPIPE_ERROR_DIR")
+    if directory:
+        rank = os.environ.get("RANK", "0")
+        try:
+            write_json_atomic(os.path.join(directory, f"rank-{rank}.json"), {"rank": int(rank), "error": message})
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m executor.worker CONFIG.json (started by gpipe train)", file=sys.stderr)
+        return 2
+    rank = os.environ.get("RANK", "0")
+    try:
+        train(RunConfig.load(argv[0]))
+    except GpipeInputError as exc:
+        print(f"gpipe: error: {exc}", file=sys.stderr, flush=True)
+        _record_error(str(exc))
+        return 2
+    except Exception as exc:
+        traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        print(f"gpipe: error: rank {rank} failed: {message}", file=sys.stderr, flush=True)
+        _record_error(message)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
