@@ -3,14 +3,15 @@
 Each stage is a SimPy process walking its action list from :func:`sim.schedule.build_schedule`. A
 forward waits for the previous stage's activation, a backward for the next stage's gradient; a
 recompute waits for nothing but the device, so it can run before the gradient arrives (the GPipe
-paper's observation). Finished activations and gradients travel as transfer processes over link
-resources: a dedicated link per neighbour pair and direction, or, for PCIe through the host, one
-channel per node and direction that every transfer on that node queues for.
+paper's observation). Finished activations and gradients travel over first-come-first-served link
+channels: a dedicated one per neighbour pair and direction, or, for PCIe through the host, one per
+node and direction that every transfer on that node queues for (see :class:`_Links`).
 
 Limits of the model: compute and communication overlap perfectly (sends are asynchronous, as with
 copy engines and non-blocking NCCL calls); a device runs one action at a time and never stalls for
 other reasons (no kernel-launch jitter, no thermal throttling, no interference from other
-processes); a transfer costs latency + bytes / bandwidth with no protocol or congestion effects.
+processes); a transfer holds its channel for bytes / bandwidth and arrives a latency later, with no protocol or
+congestion effects.
 The optimizer update runs once per step after a stage's last backward.
 """
 
@@ -90,25 +91,33 @@ class SimResult:
 
 
 class _Links:
-    """SimPy resources for the links; free links (no latency, infinite bandwidth) get none."""
+    """The links as FIFO channels: one per neighbour pair and direction, or one per node and
+    direction where the link is shared (PCIe through the host).
 
-    def __init__(self, env: simpy.Environment, system: System, stages: int) -> None:
-        self.env = env
+    A transfer occupies its channel for bytes / bandwidth, from the moment the channel is free; its
+    latency is pipelined (it delays arrival, not the next transfer). Requests reach a channel in
+    simulated-time order, so a first-come-first-served resource reduces to the time the channel
+    next falls free: that closed form is what is kept, which saves most of SimPy's resource events.
+    """
+
+    def __init__(self, system: System, stages: int) -> None:
         self.system = system
-        self._resources: dict[tuple, simpy.Resource] = {}
         self.links: list[Link] = [system.link_between(k) for k in range(stages - 1)]
-
-    def resource(self, boundary: int, direction: str) -> simpy.Resource:
-        link = self.links[boundary]
-        key: tuple = (("shared", self.system.node_of(boundary), direction) if link.shared
-                      else (boundary, direction))
-        if key not in self._resources:
-            self._resources[key] = simpy.Resource(self.env, capacity=1)
-        return self._resources[key]
+        self._free_at_s: dict[tuple, float] = {}
 
     def is_free(self, boundary: int) -> bool:
         link = self.links[boundary]
         return link.latency_s == 0.0 and math.isinf(link.bandwidth_bytes_per_s)
+
+    def reserve(self, boundary: int, forward: bool, now_s: float, nbytes: int) -> tuple[float, float]:
+        """Book a transfer of ``nbytes`` over ``boundary``: (start_s, arrival_s)."""
+        link = self.links[boundary]
+        direction = "forward" if forward else "backward"
+        key: tuple = ((self.system.node_of(boundary), direction) if link.shared else (boundary, direction, 0))
+        start_s = max(now_s, self._free_at_s.get(key, 0.0))
+        wire_s = 0.0 if math.isinf(link.bandwidth_bytes_per_s) else nbytes / link.bandwidth_bytes_per_s
+        self._free_at_s[key] = start_s + wire_s
+        return start_s, start_s + wire_s + link.latency_s
 
 
 def simulate(workload: Workload, system: System, partition: Sequence[int], batch_size: int,
@@ -145,7 +154,7 @@ class _Run:
         self.costs = stage_costs
         self.checkpoint = checkpoint
         self.record = record
-        self.links = _Links(self.env, system, stages)
+        self.links = _Links(system, stages)
         m = len(rows)
         # activation_in[k][m]: stage k has micro-batch m's input; gradient_in[k][m]: its output grad
         self.activation_in = [[self.env.event() for _ in range(m)] for _ in range(stages)]
@@ -153,8 +162,8 @@ class _Run:
         self.busy_s = [0.0] * stages
         self.held_bytes = [0] * stages
         self.peak_bytes = [0] * stages
-        self.records: list[Record] = []
-        self.memory: list[MemorySample] = []
+        self.records: list[tuple] = []  # Record fields; tuples are cheaper in the hot loop
+        self.memory: list[tuple] = []  # MemorySample fields
         self.end_s = [0.0] * stages
 
     def cost(self, stage: int, microbatch: int) -> StageCost:
@@ -165,13 +174,13 @@ class _Run:
         if self.held_bytes[stage] > self.peak_bytes[stage]:
             self.peak_bytes[stage] = self.held_bytes[stage]
         if self.record:
-            self.memory.append(MemorySample(stage, self.env.now, self.held_bytes[stage]))
+            self.memory.append((stage, self.env.now, self.held_bytes[stage]))
 
     def stage_process(self, stage: int, actions):
         env = self.env
         microbatches = len(self.rows)
         if self.record:
-            self.memory.append(MemorySample(stage, 0.0, 0))
+            self.memory.append((stage, 0.0, 0))
         for action in actions:
             m = action.microbatch
             cost = self.cost(stage, m)
@@ -185,7 +194,7 @@ class _Run:
                 wait_start = env.now
                 yield waiting_on
                 if self.record and env.now > wait_start:
-                    self.records.append(Record(stage, RECV_WAIT, m, wait_start, env.now))
+                    self.records.append((stage, RECV_WAIT, m, wait_start, env.now))
             if kind is Kind.FORWARD:
                 duration = cost.forward_s
             elif kind is Kind.RECOMPUTE:
@@ -197,7 +206,7 @@ class _Run:
                 yield env.timeout(duration)
             self.busy_s[stage] += duration
             if self.record:
-                self.records.append(Record(stage, kind.value, m, start, env.now))
+                self.records.append((stage, kind.value, m, start, env.now))
             if kind is Kind.FORWARD:
                 stashed = recomputes(self.checkpoint, m, microbatches)
                 self._hold(stage, cost.stash_bytes if stashed else cost.saved_bytes)
@@ -216,7 +225,7 @@ class _Run:
             yield env.timeout(optimizer_s)
             self.busy_s[stage] += optimizer_s
             if self.record:
-                self.records.append(Record(stage, OPTIMIZER, -1, start, env.now))
+                self.records.append((stage, OPTIMIZER, -1, start, env.now))
         self.end_s[stage] = env.now
 
     def _send(self, source: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:
@@ -225,20 +234,12 @@ class _Run:
         if self.links.is_free(boundary):
             arrived.succeed()
             return
-        self.env.process(self._transfer(source, boundary, microbatch, nbytes, forward, arrived))
-
-    def _transfer(self, source: int, boundary: int, microbatch: int, nbytes: int, forward: bool,
-                  arrived: simpy.Event):
-        link = self.links.links[boundary]
-        resource = self.links.resource(boundary, "forward" if forward else "backward")
-        with resource.request() as granted:
-            yield granted
-            start = self.env.now
-            yield self.env.timeout(link.transfer_s(nbytes))
+        now = self.env.now
+        start, arrival = self.links.reserve(boundary, forward, now, nbytes)
         if self.record:
             kind = SEND_ACTIVATION if forward else SEND_GRADIENT
-            self.records.append(Record(source, kind, microbatch, start, self.env.now))
-        arrived.succeed()
+            self.records.append((source, kind, microbatch, start, arrival))
+        self.env.timeout(arrival - now).callbacks.append(lambda _event: arrived.succeed())
 
     def result(self, partition: tuple[int, ...], batch_size: int, schedule: str,
                checkpoint: str) -> SimResult:
@@ -254,8 +255,9 @@ class _Run:
                 stage=k, layers=partition[k], busy_s=self.busy_s[k], peak_memory_bytes=peak,
                 peak_activation_bytes=self.peak_bytes[k], static_bytes=static,
                 memory_capacity_bytes=capacity, fits=peak <= capacity))
-        timeline = Timeline(records=sorted(self.records, key=lambda r: (r.start_s, r.stage)),
-                            memory=self.memory, source="simulated",
+        records = [Record(*fields) for fields in sorted(self.records, key=lambda r: (r[3], r[0]))]
+        memory = [MemorySample._make(fields) for fields in self.memory]
+        timeline = Timeline(records=records, memory=memory, source="simulated",
                             meta={"schedule": schedule, "checkpoint": checkpoint,
                                   "partition": list(partition), "system": self.system.name})
         return SimResult(
