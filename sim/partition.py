@@ -5,7 +5,7 @@ Two objectives:
 - :func:`min_max_partition` minimises the most expensive stage, the pipeline's bottleneck. It binary
   searches the bottleneck over the O(L^2) candidate segment costs and checks each candidate by
   sweeping which layer boundaries each stage can end on, O(K L) per check, so O(L^2 log L + K L log L)
-  in all. Exact, including with a different memory limit per stage.
+  in all, with O(K L) calls of the memory check. Exact, including with a different memory limit per stage.
 - :func:`min_variance_partition` is the GPipe paper's heuristic: minimise the variance of the stage
   costs (equivalently, with the total fixed, the sum of their squares), by dynamic programming in
   O(K L^2). It is kept for comparison; it can leave the bottleneck higher than necessary.
@@ -39,34 +39,48 @@ def _check(num_layers: int, stages: int) -> None:
             f"use --stages {num_layers} or fewer")
 
 
-def _furthest_ends(prefix: list[float], stage: int, limit: float, fits: Fits | None) -> list[int]:
-    """For each first layer i, the furthest end j such that [i, j) is within ``limit`` and fits.
+def _memory_ends(num_layers: int, stage: int, fits: Fits | None) -> list[int]:
+    """For each first layer i, the furthest end j such that layers [i, j) fit ``stage``'s memory.
 
-    Both limits are monotone, so the furthest end never decreases with i: a two-pointer sweep.
-    ``ends[i] == i`` means not even layer i alone is allowed on this stage.
+    Fitting is monotone, so the furthest end never decreases with i: a two-pointer sweep with
+    O(L) calls of ``fits``. ``ends[i] == i`` means not even layer i alone fits.
     """
-    num_layers = len(prefix) - 1
+    if fits is None:
+        return [num_layers] * num_layers
     ends, j = [], 0
-    bound = limit * (1 + 1e-12)
     for i in range(num_layers):
         j = max(j, i)
-        while j < num_layers and prefix[j + 1] - prefix[i] <= bound and (fits is None or fits(stage, i, j + 1)):
+        while j < num_layers and fits(stage, i, j + 1):
             j += 1
         ends.append(j)
     return ends
 
 
-def _feasible(prefix: list[float], stages: int, limit: float, fits: Fits | None) -> list[int] | None:
+def _furthest_ends(prefix: list[float], limit: float, memory_ends: list[int]) -> list[int]:
+    """For each first layer i, the furthest end within ``limit`` and memory (two pointers again)."""
+    num_layers = len(prefix) - 1
+    ends, j = [], 0
+    bound = limit * (1 + 1e-12)
+    for i in range(num_layers):
+        j = max(j, i)
+        while j < num_layers and prefix[j + 1] - prefix[i] <= bound:
+            j += 1
+        ends.append(min(j, memory_ends[i]))
+    return ends
+
+
+def _feasible(prefix: list[float], limit: float, memory_ends: list[list[int]]) -> list[int] | None:
     """Layers per stage with no stage above ``limit`` or over memory, or None if impossible.
 
     Tracks which layer boundaries stage k can end on (reachable from boundary 0), O(K L) in all.
     A greedy "take as much as you can" is not enough when memory limits differ per stage.
     """
     num_layers = len(prefix) - 1
+    stages = len(memory_ends)
     reachable = [True] + [False] * num_layers  # boundaries reachable after 0 stages
     history = []
     for k in range(stages):
-        ends = _furthest_ends(prefix, k, limit, fits)
+        ends = _furthest_ends(prefix, limit, memory_ends[k])
         # mark [i + 1, ends[i]] for every reachable start i, with a difference array
         delta = [0] * (num_layers + 2)
         for i in range(num_layers):
@@ -97,13 +111,14 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
     prefix = _prefix(costs)
     n = len(costs)
     candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+    memory_ends = [_memory_ends(n, k, fits) for k in range(stages)]
     low, high = 0, len(candidates) - 1
-    best = _feasible(prefix, stages, candidates[high], fits)
+    best = _feasible(prefix, candidates[high], memory_ends)
     if best is None:
         return None
     while low < high:
         middle = (low + high) // 2
-        parts = _feasible(prefix, stages, candidates[middle], fits)
+        parts = _feasible(prefix, candidates[middle], memory_ends)
         if parts is None:
             low = middle + 1
         else:
