@@ -44,10 +44,10 @@ def save_shard(root: str, step: int, stage: PipelineStage) -> None:
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    os.close(fd)
     try:
-        torch.save(state, tmp)
-        with open(tmp, "rb") as handle:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, os.path.join(directory, f"stage-{stage.config.stage}.pt"))
     except BaseException:

@@ -72,6 +72,20 @@ def _setup_device(config: RunConfig, local_rank: int, local_world: int) -> tuple
     return torch.device("cpu"), "gloo"
 
 
+def _init_process_group(backend: str, rank: int, world: int, timeout: timedelta) -> None:
+    """``init_process_group`` on torchrun's store, under a prefix per restart attempt.
+
+    torchrun keeps its store across ``--max-restarts``; without the prefix a restarted worker could
+    read the previous attempt's addresses for the groups it creates and fail to connect.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(rank == 0 and not agent_store), timeout=timeout)
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gpipe/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
 def _save(config: RunConfig, stage: PipelineStage, step: int, losses: list[float]) -> None:
     checkpoint.save_shard(config.checkpoint_dir, step, stage)
     dist.barrier()
@@ -87,7 +101,7 @@ def train(config: RunConfig) -> None:
                               f"start exactly one process per stage (nnodes x nproc-per-node = {config.stages})")
     device, backend = _setup_device(config, local_rank, local_world)
     prepared = prepare(config)  # validates before any communication
-    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
+    _init_process_group(backend, rank, world, timedelta(seconds=config.timeout_s))
     try:
         groups = boundary_groups(config.stages)
         dist.barrier()

@@ -1,0 +1,138 @@
+"""Multi-process runs over gloo through ``gpipe train`` (torchrun): results, failures, restarts, nodes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from executor.config import RunConfig
+from executor.pipeline import LocalPipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MLP = ["--model", "mlp", "--option", "width=32", "--batch", "10", "--microbatches", "4"]
+pytestmark = pytest.mark.slow
+
+
+def gpipe(*args, env=None, timeout=120):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout, env=dict(os.environ, **(env or {})))
+    return result, time.monotonic() - started
+
+
+def local_losses(steps, **overrides):
+    config = RunConfig(model="mlp", options={"width": 32}, batch_size=10, microbatches=4, **overrides)
+    pipe = LocalPipeline(config)
+    return [pipe.run_step(s) for s in range(steps)]
+
+
+@pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "except_last"), ("1f1b", "always")])
+def test_two_processes_match_the_in_process_pipeline(tmp_path, schedule, checkpoint):
+    report = tmp_path / "report.json"
+    result, _ = gpipe("train", *MLP, "--stages", "2", "--steps", "3", "--schedule", schedule,
+                      "--checkpoint", checkpoint, "--report", str(report), "--trace", str(tmp_path / "t.json"))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    expected = local_losses(3, partition=(4, 4), schedule=schedule, checkpoint=checkpoint)
+    assert data["losses"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    assert data["step_time_s"] > 0 and len(data["stages"]) == 2
+    assert all(s["peak_activation_bytes"] > 0 and s["busy_s"] > 0 for s in data["stages"])
+    kinds = {r["kind"] for r in data["timeline"]["records"]}
+    assert {"F", "B", "recv_wait", "send_act", "send_grad", "optimizer"} <= kinds
+    assert data["plan"]["partition"] == [4, 4]
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+
+
+def test_four_processes_transformer(tmp_path):
+    report = tmp_path / "report.json"
+    result, _ = gpipe("train", "--model", "transformer", "--option", "d_model=32", "--option", "ff=64",
+                      "--option", "seq=8", "--option", "vocab=64", "--layers", "2", "--stages", "4",
+                      "--batch", "6", "--microbatches", "3", "--steps", "2", "--report", str(report))
+    assert result.returncode == 0, result.stderr
+    expected = LocalPipeline(RunConfig(model="transformer", options={"d_model": 32, "ff": 64, "seq": 8,
+                                                                      "vocab": 64, "layers": 2},
+                                       partition=(1, 1, 1, 1), batch_size=6, microbatches=3))
+    losses = [expected.run_step(s) for s in range(2)]
+    assert json.loads(report.read_text())["losses"] == pytest.approx(losses, rel=1e-6, abs=1e-7)
+
+
+def test_bad_partition_fails_before_training_with_one_line():
+    result, elapsed = gpipe("train", *MLP, "--partition", "3,4", "--steps", "1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "gpipe: error: partition 3,4 sums to 7 layers but the model has 8; make the entries add up to 8"]
+
+
+def test_wrong_number_of_processes_fails_on_every_rank(tmp_path):
+    config = RunConfig(model="mlp", options={"width": 32}, partition=(4, 4), batch_size=10, steps=1)
+    path = tmp_path / "config.json"
+    config.save(path)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             "3", "-m", "executor.worker", str(path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("the plan has 2 stages but torchrun started 3 processes") == 3
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise"])
+def test_a_failing_rank_ends_every_rank_quickly(mode):
+    result, elapsed = gpipe("train", *MLP, "--stages", "4", "--steps", "50",
+                            env={"GPIPE_FAULT_RANK": "2", "GPIPE_FAULT_STEP": "2", "GPIPE_FAULT": mode})
+    assert result.returncode != 0
+    assert elapsed < 60
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpipe: error: training failed")
+    if mode == "raise":
+        assert "rank 2: RuntimeError: injected fault on rank 2 at step 2" in last
+    assert "step 49" not in result.stdout
+
+
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+    full, _ = gpipe("train", *MLP, "--stages", "2", "--steps", "6", "--report", str(tmp_path / "full.json"))
+    assert full.returncode == 0, full.stderr
+    common = [*MLP, "--stages", "2", "--steps", "6", "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    killed, _ = gpipe("train", *common, env={"GPIPE_FAULT_RANK": "1", "GPIPE_FAULT_STEP": "3"})
+    assert killed.returncode != 0
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["step"] == 1  # steps 0-1 saved; the kill came during step 3, before the next save
+    resumed, _ = gpipe("train", *common, "--resume", "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
+    losses = json.loads((tmp_path / "resumed.json").read_text())["losses"]
+    assert losses == json.loads((tmp_path / "full.json").read_text())["losses"]
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
+    full = local_losses(5, partition=(4, 4))
+    result, _ = gpipe("train", *MLP, "--stages", "2", "--steps", "5", "--save-every", "1", "--checkpoint-dir",
+                      str(tmp_path / "ck"), "--max-restarts", "1", "--report", str(tmp_path / "r.json"),
+                      env={"GPIPE_FAULT_RANK": "0", "GPIPE_FAULT_STEP": "3"})
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["losses"] == pytest.approx(full, rel=1e-6, abs=1e-7)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_with_c10d_rendezvous(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [sys.executable, "-m", "sim.cli", "train", *MLP, "--stages", "2", "--steps", "2", "--nnodes", "2",
+              "--rdzv-endpoint", endpoint]
+    nodes = [subprocess.Popen([*common, "--node-rank", str(r), "--report", str(tmp_path / f"r{r}.json")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outputs = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    reports = [p for p in tmp_path.glob("r*.json")]
+    assert len(reports) == 1  # global rank 0 lives on one node and writes the report
+    losses = json.loads(reports[0].read_text())["losses"]
+    assert losses == pytest.approx(local_losses(2, partition=(4, 4)), rel=1e-6, abs=1e-7)
