@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan)
         system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
         workload = resolve_workload(plan.model.name, plan.model.options, args.costs)
+        if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (calibrate.costs)
+            workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
                           plan.checkpoint, plan.schedule)
     else:
@@ -60,9 +62,11 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System]:
     check_schedule_name(args.schedule)
     system = get_system(args.hardware, args.nodes)
     workload = resolve_workload(args.model, model_options(args), args.costs)
-    if args.partition is not None:
-        partition = parse_partition(args.partition)
-    else:
+    partition = parse_partition(args.partition) if args.partition is not None else None
+    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (calibrate.costs)
+        stages = len(partition) if partition is not None else args.stages
+        workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches)
+    if partition is None:
         if args.stages > workload.num_layers:
             raise GpipeInputError(
                 f"{args.stages} stages for a model of {workload.num_layers} layers leaves a stage empty; "

@@ -74,7 +74,11 @@ class CostTable:
     def stage(self, rows: int, first: int, end: int) -> StageCost:
         key = (rows, first, end)
         if key not in self._stages:
-            self._stages[key] = sum_stage(self.layers(rows)[first:end])
+            # A workload may know its stages better than a sum of layers (measured costs hold the
+            # exact union of saved storages and per-action constants): calibrate.costs uses this.
+            exact = getattr(self.workload, "stage_cost", None)
+            self._stages[key] = (exact(rows, first, end, self.device) if exact is not None
+                                 else sum_stage(self.layers(rows)[first:end]))
         return self._stages[key]
 
     def stages(self, rows: int, partition: Sequence[int]) -> list[StageCost]:
