@@ -1,0 +1,296 @@
+"""The costs file and the measured :class:`Workload` the simulator runs from it (``--costs FILE``).
+
+The file (JSON, ``version`` 1) holds what :mod:`calibrate.calibration` measured and fitted: the
+machine stamp, the model and its options, the per-layer profile (times per row count and thread
+count, exact saved bytes), the fitted link, the per-K pipeline fits (action scale and overhead per
+kind, send, optimizer and step overhead) and the fitted roofline efficiency. Torch-free to load.
+
+:class:`MeasuredWorkload` answers ``layer_costs(rows, device)`` from the profile, interpolating
+piecewise-linearly between measured row counts (linear extrapolation beyond them), and gives the
+simulator exact per-stage sums through ``stage_cost`` (see :class:`sim.stage_costs.CostTable`):
+the union of saved storages of consecutive layers, and the per-action and per-step constants the
+pipeline fits found, which a sum over layers cannot express. ``bind`` picks the fits for a stage
+count K (CPU runs give each of K processes cores/K threads, so K changes every time) and puts the
+fitted link into the ``cpu`` system. On any other catalog device, ``layer_costs`` falls back to the
+analytic model with the fitted efficiency (built-in models only): a what-if, not a measurement.
+
+Limits: a stage's forwards use one time whatever the micro-batch; under ``except_last`` it is the
+average of M-1 no-grad forwards and one forward with grad. Row counts far outside the profiled range
+are extrapolated. Stage 0 of the executor stashes views of the whole input batch, which it counts
+once; here each micro-batch stashes its own rows (identical when the input is small, as token ids).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from sim.errors import GpipeInputError
+from sim.hardware import LOCAL_CPU, Device, Link, System
+from sim.stage_costs import StageCost
+from sim.workload import LayerCost
+
+COSTS_VERSION = 1
+COSTS_KIND = "gpipe-costs"
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), xs ascending; linear extrapolation at both ends."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _positive(value: float, floor: float) -> float:
+    return value if value > floor else floor
+
+
+@dataclass(frozen=True)
+class Affine:
+    slope: float
+    intercept: float
+
+    def __call__(self, x: float) -> float:
+        return self.slope * x + self.intercept
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Affine":
+        return cls(float(data["slope"]), float(data["intercept"]))
+
+
+@dataclass(frozen=True)
+class PipelineFit:
+    """What executor runs with K processes add to the layer profile (see :mod:`calibrate.fit`)."""
+
+    threads: int
+    actions: dict[str, Affine]  # kind -> measured_s = slope * profiled_s + intercept
+    send: Affine  # seconds the sender spends in isend, from bytes
+    optimizer: Affine  # seconds of the optimizer step, from a stage's parameter bytes
+    step_overhead_s: float
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
+        return cls(int(data["threads"]), {k: Affine.from_dict(v) for k, v in data["actions"].items()},
+                   Affine.from_dict(data["send"]), Affine.from_dict(data["optimizer"]),
+                   float(data["step_overhead_s"]))
+
+
+IDENTITY = PipelineFit(1, {k: Affine(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
+
+
+class MeasuredWorkload:
+    """A model's measured costs on this machine, bound to a stage count K (default: the largest)."""
+
+    def __init__(self, data: dict[str, Any], stages: int | None = None, checkpoint: str = "except_last",
+                 microbatches: int | None = None) -> None:
+        self.data = data
+        model = data["model"]
+        self.name = f"{model['name']} (measured)"
+        self.model_name = model["name"]
+        self.options = dict(model["options"])
+        self.num_layers = int(model["num_layers"])
+        profile = data["profile"]
+        self.rows = [int(r) for r in profile["rows"]]
+        self.times = {int(t): kinds for t, kinds in profile["times_s"].items()}
+        self.memory = profile["memory"]
+        self.fits = {int(k): PipelineFit.from_dict(v) for k, v in data.get("pipeline", {}).items()}
+        self.stages = stages if stages is not None else max(self.fits, default=1)
+        self.checkpoint = checkpoint
+        self.microbatches = microbatches
+        self.device_name = data.get("catalog_device", LOCAL_CPU.name)
+        self.optimizer_slots = int(data.get("optimizer_slots", 0))
+
+    # ------------------------------------------------------------------ binding to a plan
+
+    def bind(self, system: System, stages: int, checkpoint: str = "except_last",
+             microbatches: int | None = None) -> tuple["MeasuredWorkload", System]:
+        """This workload for K=``stages``, and ``system`` with the fitted link if it is the one measured."""
+        bound = MeasuredWorkload(self.data, stages, checkpoint, microbatches)
+        link = self.data.get("link")
+        if link and system.name == self.data.get("system", "cpu"):
+            fitted = Link(f"fitted {link.get('name', 'link')}", float(link["bandwidth_bytes_per_s"]),
+                          float(link["latency_s"]))
+            system = replace(system, intra_link=fitted)
+        return bound, system
+
+    @property
+    def fit(self) -> PipelineFit:
+        if not self.fits:
+            return IDENTITY
+        nearest = min(self.fits, key=lambda k: (abs(k - self.stages), -k))
+        return self.fits[nearest]
+
+    def _threads(self) -> int:
+        wanted = self.fit.threads if self.fits else max(self.times)
+        return min(self.times, key=lambda t: (abs(t - wanted), t))
+
+    # ------------------------------------------------------------------ per layer
+
+    def profiled_s(self, kind: str, layer: int, rows: int) -> float:
+        """The isolated layer's median time for ``kind`` (F, R or B), interpolated in rows."""
+        values = self.times[self._threads()][kind][layer]
+        return _positive(interpolate(self.rows, values, rows), 1e-9)
+
+    def _mem(self, key: str, layer: int, rows: int) -> int:
+        return max(0, round(interpolate(self.rows, self.memory[layer][key], rows)))
+
+    def _forward_kind_s(self, layer: int, rows: int) -> float:
+        no_grad, with_grad = self.profiled_s("F", layer, rows), self.profiled_s("R", layer, rows)
+        if self.checkpoint == "never":
+            return with_grad
+        if self.checkpoint == "except_last":
+            m = self.microbatches or 1
+            return ((m - 1) * no_grad + with_grad) / m
+        return no_grad
+
+    def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
+        if device.name != self.device_name:
+            return self._what_if(rows, device)
+        fit = self.fit
+        costs = []
+        for i in range(self.num_layers):
+            params = int(self.memory[i]["param_bytes"])
+            own = self._mem("own_bytes", i, rows)
+            inp, out = self._mem("input_bytes", i, rows), self._mem("output_bytes", i, rows)
+            saved = own + inp + (out if self.memory[i]["saves_output"] else 0)
+            costs.append(LayerCost(
+                name=self.memory[i]["name"],
+                forward_s=fit.actions["F"].slope * self._forward_kind_s(i, rows),
+                backward_s=fit.actions["B"].slope * self.profiled_s("B", i, rows),
+                recompute_s=fit.actions["R"].slope * self.profiled_s("R", i, rows),
+                saved_bytes=saved, output_bytes=out, input_bytes=inp, param_bytes=params,
+                grad_bytes=params, optimizer_bytes=self.optimizer_slots * params,
+                optimizer_s=fit.optimizer.slope * params))
+        return costs
+
+    # ------------------------------------------------------------------ exact stage sums
+
+    def stage_saved_bytes(self, rows: int, first: int, end: int) -> int:
+        """Distinct bytes a stage of layers [first, end) holds for one micro-batch, input included."""
+        mem = self.memory
+        total = self._mem("input_bytes", first, rows)
+        for i in range(first, end):
+            total += self._mem("own_bytes", i, rows)
+            out = self._mem("output_bytes", i, rows)
+            if i < end - 1:
+                if mem[i]["saves_output"] or mem[i + 1]["saves_input"]:
+                    total += out
+            elif mem[i]["saves_output"]:
+                total += out
+        return total
+
+    def stage_cost(self, rows: int, first: int, end: int, device: Device) -> StageCost:
+        """Exact costs of the stage of layers [first, end) for a micro-batch of ``rows``."""
+        if device.name != self.device_name:
+            from sim.stage_costs import sum_stage
+
+            return sum_stage(self._what_if(rows, device)[first:end])
+        fit = self.fit
+        layers = range(first, end)
+        forward = sum(self._forward_kind_s(i, rows) for i in layers)
+        recompute = sum(self.profiled_s("R", i, rows) for i in layers)
+        backward = sum(self.profiled_s("B", i, rows) for i in layers)
+        inp = self._mem("input_bytes", first, rows)
+        out = self._mem("output_bytes", end - 1, rows)
+        params = sum(int(self.memory[i]["param_bytes"]) for i in layers)
+        return StageCost(
+            forward_s=fit.actions["F"](forward) + (fit.send(out) if end < self.num_layers else 0.0),
+            backward_s=fit.actions["B"](backward) + (fit.send(inp) if first > 0 else 0.0),
+            recompute_s=fit.actions["R"](recompute),
+            saved_bytes=self.stage_saved_bytes(rows, first, end),
+            stash_bytes=inp, output_bytes=out,
+            static_bytes=params * (2 + self.optimizer_slots),
+            optimizer_s=_positive(fit.optimizer(params) + fit.step_overhead_s, 0.0))
+
+    # ------------------------------------------------------------------ what-if on catalog devices
+
+    def efficient_device(self, device: Device) -> Device:
+        """``device`` with the efficiency fitted on the calibrated device (see module limits)."""
+        eff = self.data.get("efficiency")
+        if not eff:
+            raise GpipeInputError(
+                f"the costs file has no fitted efficiency (model {self.model_name!r} has no analytic "
+                f"form); simulate it on the machine it was measured on (--hardware {self.data.get('system', 'cpu')})")
+        return replace(device, efficiency=float(eff["efficiency"]),
+                       bandwidth_efficiency=float(eff["bandwidth_efficiency"]))
+
+    def _what_if(self, rows: int, device: Device) -> Sequence[LayerCost]:
+        from sim.models import get_workload
+
+        analytic = get_workload(self.model_name, self.options)
+        return analytic.layer_costs(rows, self.efficient_device(device))
+
+    def describe(self) -> dict:
+        return {"name": self.model_name, "options": dict(self.options), "num_layers": self.num_layers,
+                "parameter_count": sum(int(m["param_bytes"]) for m in self.memory) // 4,
+                "costs": {"machine": self.data.get("machine", {}), "stages": self.stages}}
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+def read_costs(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The costs file as a dict, checked for kind and version, with one-line errors."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        raise GpipeInputError(f"costs file {os.fspath(path)!r} does not exist; "
+                              "create it with gpipe calibrate --out FILE") from None
+    except json.JSONDecodeError as exc:
+        raise GpipeInputError(f"costs file {os.fspath(path)!r} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("kind") != COSTS_KIND:
+        raise GpipeInputError(f"{os.fspath(path)!r} is not a gpipe costs file; "
+                              "create one with gpipe calibrate --out FILE")
+    if data.get("version") != COSTS_VERSION:
+        raise GpipeInputError(f"costs file version {data.get('version')!r} is not supported; this gpipe "
+                              f"reads version {COSTS_VERSION} (re-run gpipe calibrate --force)")
+    return data
+
+
+def write_costs(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    from sim.timeline import write_json_atomic
+
+    write_json_atomic(path, {"kind": COSTS_KIND, "version": COSTS_VERSION, **data})
+
+
+def requested_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The model's full options as the executor builds it: built-in defaults overlaid (torch-free)."""
+    from sim.model_defaults import DEFAULT_OPTIONS
+
+    given = {k: v for k, v in options.items() if k not in ("dtype", "optimizer_slots")}
+    if options.get("dtype", "fp32") != "fp32":
+        raise GpipeInputError(f"dtype={options['dtype']!r}: measured costs are fp32; drop --dtype")
+    if model in DEFAULT_OPTIONS and model != "uniform":
+        return {**DEFAULT_OPTIONS[model], **given}
+    return given
+
+
+def check_model(data: dict[str, Any], model: str, options: dict[str, Any], path: str) -> None:
+    stored = data["model"]
+    wanted = requested_options(model, options)
+    same = stored["name"] == model and all(stored["options"].get(k) == v for k, v in wanted.items())
+    if not same:
+        raise GpipeInputError(
+            f"costs file {path!r} was measured for {stored['name']} {stored['options']}, not {model} "
+            f"{wanted}; pass the same model flags or run gpipe calibrate for this model")
+
+
+def load_costs_workload(path: str, model: str, options: dict[str, Any]) -> MeasuredWorkload:
+    """The measured workload of ``model`` with ``options`` from the costs file at ``path``."""
+    data = read_costs(path)
+    check_model(data, model, options, path)
+    return MeasuredWorkload(data)
+
+
+def costs_summary(data: dict[str, Any]) -> dict[str, Any]:
+    """The fitted numbers without the bulky profile, for printing."""
+    keep = {k: v for k, v in data.items() if k not in ("profile", "design")}
+    return json.loads(json.dumps(keep, default=lambda o: dataclasses.asdict(o)))

@@ -1,0 +1,156 @@
+"""Pure least-squares fits of the costs the simulator needs, with their residuals. No I/O, no torch.
+
+Every fit minimises *relative* residuals ``(predicted - measured) / measured`` with
+``scipy.optimize.least_squares``, so a 50 us action weighs as much as a 50 ms one: the validation
+goal is a relative error. The models, each affine in what was measured:
+
+* link (ping-pong): ``one_way_s = latency_s + bytes / bandwidth``                 (Hockney 1994)
+* actions in the pipeline, per (K, kind): ``measured_s = scale * profiled_s + overhead_s``, where
+  ``profiled_s`` sums the stage's layers from the isolated layer profile. ``scale`` absorbs
+  contention between the K processes sharing the machine; ``overhead_s`` the executor's per-action
+  work (seeding, recording, memory accounting) and the difference between one call over the stage
+  and separate calls per layer.
+* sends inside the pipeline, per K: ``send_s = a + bytes * b`` (the sender's own time in isend)
+* optimizer, per K: ``optimizer_s = a + param_bytes * b``
+* step overhead, per K: one constant added to every stage's end of step (data, zero_grad, posting
+  receives), fitted on whole-step times after the rest is fixed.
+* roofline efficiency: ``time_s = max(flops / (e * peak_flops), bytes / (b * peak_bandwidth)) +
+  overhead_s`` (Williams et al. 2009), the form :mod:`sim.models` uses, fitted on the layer profile.
+
+Limits: affine forms cannot capture cache effects that change with size other than through
+``profiled_s``; with one distinct x the slope and intercept are not identifiable and the fit keeps
+the slope (intercept 0), reported through ``identifiable``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import least_squares
+
+
+@dataclass(frozen=True)
+class AffineFit:
+    """``y = slope * x + intercept`` and the relative residuals of the points it was fitted on."""
+
+    slope: float
+    intercept: float
+    residuals: tuple[float, ...] = ()
+    identifiable: bool = True
+
+    def __call__(self, x: float) -> float:
+        return self.slope * x + self.intercept
+
+    @property
+    def rms_relative(self) -> float:
+        r = self.residuals
+        return math.sqrt(sum(v * v for v in r) / len(r)) if r else 0.0
+
+    @property
+    def worst_relative(self) -> float:
+        return max((abs(v) for v in self.residuals), default=0.0)
+
+    def to_dict(self) -> dict:
+        return {"slope": self.slope, "intercept": self.intercept, "points": len(self.residuals),
+                "rms_relative": self.rms_relative, "worst_relative": self.worst_relative,
+                "identifiable": self.identifiable}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AffineFit":
+        return cls(float(data["slope"]), float(data["intercept"]), (),
+                   bool(data.get("identifiable", True)))
+
+
+def fit_affine(x: Sequence[float], y: Sequence[float], slope_bounds: tuple[float, float] = (-np.inf, np.inf),
+               intercept_bounds: tuple[float, float] = (-np.inf, np.inf)) -> AffineFit:
+    """Least squares of ``y ~ slope * x + intercept`` on relative residuals; y must be positive."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(xs) != len(ys) or len(xs) == 0:
+        raise ValueError(f"need as many x as y and at least one point, got {len(xs)} and {len(ys)}")
+    if np.any(ys <= 0):
+        raise ValueError("relative residuals need positive measurements")
+    identifiable = len(np.unique(xs)) >= 2
+    if not identifiable:  # one distinct x: keep the line through the origin
+        slope = float(np.mean(ys / xs)) if xs[0] != 0 else 0.0
+        intercept = 0.0 if xs[0] != 0 else float(np.mean(ys))
+        residuals = tuple(float(v) for v in (slope * xs + intercept - ys) / ys)
+        return AffineFit(slope, intercept, residuals, identifiable=False)
+    # a linear start: ordinary least squares on relative residuals, then bounded refinement
+    design = np.stack([xs / ys, 1.0 / ys], axis=1)
+    start, *_ = np.linalg.lstsq(design, np.ones_like(ys), rcond=None)
+    lower = [slope_bounds[0], intercept_bounds[0]]
+    upper = [slope_bounds[1], intercept_bounds[1]]
+    start = np.clip(start, np.array(lower) + 1e-300, np.array(upper) - 1e-300)
+    scale = np.array([max(abs(start[0]), 1e-12), max(abs(start[1]), float(np.min(ys)) * 1e-3)])
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return (p[0] * xs + p[1] - ys) / ys
+
+    result = least_squares(residuals, start, bounds=(lower, upper), x_scale=scale, xtol=1e-15,
+                           ftol=1e-15, gtol=1e-15)
+    slope, intercept = (float(v) for v in result.x)
+    return AffineFit(slope, intercept, tuple(float(v) for v in residuals(result.x)))
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    residuals: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict:
+        worst = max((abs(v) for v in self.residuals), default=0.0)
+        return {"latency_s": self.latency_s, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                "points": len(self.residuals), "worst_relative": worst}
+
+
+def fit_link(nbytes: Sequence[float], one_way_s: Sequence[float]) -> LinkFit:
+    """Latency and bandwidth from ping-pong points (one-way seconds per message size)."""
+    line = fit_affine(nbytes, one_way_s, slope_bounds=(1e-15, np.inf), intercept_bounds=(0.0, np.inf))
+    return LinkFit(line.intercept, 1.0 / line.slope, line.residuals)
+
+
+def fit_constant(measured: Sequence[float], predicted: Sequence[float]) -> tuple[float, tuple[float, ...]]:
+    """The constant ``c`` minimising the relative residuals of ``predicted + c`` against ``measured``."""
+    m, p = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
+    if len(m) == 0:
+        return 0.0, ()
+
+    def residuals(c: np.ndarray) -> np.ndarray:
+        return (p + c[0] - m) / m
+
+    weights = 1.0 / m
+    start = float(np.sum((m - p) * weights ** 2) / np.sum(weights ** 2))
+    result = least_squares(residuals, [start], xtol=1e-15, ftol=1e-15, gtol=1e-15)
+    return float(result.x[0]), tuple(float(v) for v in residuals(result.x))
+
+
+@dataclass(frozen=True)
+class RooflineFit:
+    efficiency: float  # achieved fraction of peak FLOP/s
+    bandwidth_efficiency: float  # achieved fraction of peak memory bandwidth
+    residuals: tuple[float, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        rms = math.sqrt(sum(v * v for v in self.residuals) / len(self.residuals)) if self.residuals else 0.0
+        return {"efficiency": self.efficiency, "bandwidth_efficiency": self.bandwidth_efficiency,
+                "points": len(self.residuals), "rms_relative": rms}
+
+
+def fit_roofline(flops: Sequence[float], traffic_bytes: Sequence[float], times_s: Sequence[float],
+                 peak_flops: float, peak_bandwidth: float, overhead_s: float = 0.0) -> RooflineFit:
+    """Efficiencies e, b in (0, 1.5] so the roofline predicts the measured times (log residuals)."""
+    f, q, t = (np.asarray(v, dtype=float) for v in (flops, traffic_bytes, times_s))
+
+    def predict(p: np.ndarray) -> np.ndarray:
+        return np.maximum(f / (p[0] * peak_flops), q / (p[1] * peak_bandwidth)) + overhead_s
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return np.log(predict(p) / t)
+
+    result = least_squares(residuals, [0.3, 0.5], bounds=([1e-4, 1e-4], [1.5, 1.5]))
+    e, b = (float(v) for v in result.x)
+    return RooflineFit(e, b, tuple(float(v) for v in predict(result.x) / t - 1.0))

@@ -1,0 +1,263 @@
+"""Measure every layer of a model on the device it will train on: times per row count, exact bytes.
+
+Times, per layer and micro-batch size (rows), for the three passes the executor runs:
+  * ``F``: forward under ``no_grad`` (a re-materialized micro-batch's first forward);
+  * ``R``: forward with grad, counting saved tensors through ``saved_tensors_hooks`` as the
+    executor's :class:`executor.memory.ActivationCounter` does (a recompute, or a ``never`` forward);
+  * ``B``: backward of that forward from a random output gradient.
+The model's last layer is timed together with the loss, since the last stage computes it. Each
+figure is the median of repeated runs after warm-up runs that are discarded; repetitions continue
+until a time budget or a cap is reached, so small layers get many runs and large ones at least a few.
+Small micro-batches use the hardware less well, so times are kept per row count (a table), never
+scaled linearly from one size; :mod:`calibrate.costs` interpolates between the measured sizes.
+On CPU the table is measured once per thread count, since a K-stage run gives each of its K
+processes cores/K threads.
+
+Bytes, per layer and row count, exactly as the executor counts them (distinct storages, weights and
+buffers excluded): what the layer saves for backward apart from its input and output storages
+(``own_bytes``), whether it saves its input and its output, and the sizes of both. These are enough
+to compute the exact union a stage of consecutive layers holds (:func:`calibrate.costs.stage_saved_bytes`).
+
+Limits: layers are timed one at a time, so the pipeline's per-action overheads (seeding, recording,
+sends) are fitted later from executor runs; the timings are only as quiet as the machine is.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+KINDS = ("F", "R", "B")
+
+
+@dataclass
+class LayerMemory:
+    """One layer's saved-for-backward accounting at each profiled row count."""
+
+    name: str
+    param_bytes: int
+    own_bytes: list[int]  # saved storages other than the layer's input and output, per row count
+    input_bytes: list[int]
+    output_bytes: list[int]
+    saves_input: bool
+    saves_output: bool
+
+
+@dataclass
+class Profile:
+    """Per-layer measurements of one model on one device."""
+
+    rows: list[int]
+    # times_s[threads][kind][layer][row index], seconds
+    times_s: dict[int, dict[str, list[list[float]]]] = field(default_factory=dict)
+    memory: list[LayerMemory] = field(default_factory=list)
+    repetitions: dict[int, int] = field(default_factory=dict)  # threads -> total timed runs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "times_s": {str(t): kinds for t, kinds in self.times_s.items()},
+            "memory": [vars(m) for m in self.memory],
+            "repetitions": {str(t): n for t, n in self.repetitions.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+        return cls(rows=list(data["rows"]),
+                   times_s={int(t): kinds for t, kinds in data["times_s"].items()},
+                   memory=[LayerMemory(**m) for m in data["memory"]],
+                   repetitions={int(t): n for t, n in data.get("repetitions", {}).items()})
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class _SavedSet:
+    """Distinct storages saved for backward inside :meth:`hooks`, weights excluded."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.excluded = excluded
+        self.saved: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "meta":
+            ptr, nbytes = _storage(tensor)
+            if ptr and ptr not in self.excluded:
+                self.saved[ptr] = nbytes
+        return tensor
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return time.perf_counter() - start, result
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """How long to time each (layer, rows): warm-up runs dropped, then up to a budget."""
+
+    warmup: int = 2
+    min_runs: int = 5
+    max_runs: int = 40
+    budget_s: float = 0.05  # stop adding runs once this much time was spent timing
+
+
+class LayerRunner:
+    """Runs one layer's F, R and B passes (the loss included for the model's last layer)."""
+
+    def __init__(self, layer: nn.Module, excluded: set[int], loss: Callable | None,
+                 target: torch.Tensor | None, device: torch.device) -> None:
+        self.layer = layer
+        self.excluded = excluded
+        self.loss = loss
+        self.target = target
+        self.device = device
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layer(x)
+        if self.loss is not None:
+            return self.loss(y, self.target) * 0.5  # the executor scales by rows / batch rows
+        return y
+
+    def forward(self, x: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._out(x)
+
+    def forward_grad(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _SavedSet]:
+        leaf = x.detach().requires_grad_(True) if x.is_floating_point() else x
+        saved = _SavedSet(self.excluded)
+        with torch.enable_grad(), saved.hooks():
+            out = self._out(leaf)
+        return leaf, out, saved
+
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if out.requires_grad:
+            torch.autograd.backward(out, None if self.loss is not None else grad)
+
+
+def time_layer(runner: LayerRunner, x: torch.Tensor, repeats: Repeats) -> tuple[dict[str, float], int]:
+    """Median F, R and B seconds of one layer on input ``x``, and how many runs were timed."""
+    device = runner.device
+    samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    grad = None
+    spent = 0.0
+    runs = 0
+    while runs < repeats.warmup + repeats.max_runs:
+        f_s, _ = _timed(lambda: runner.forward(x), device)
+        r_s, (leaf, out, _) = _timed(lambda: runner.forward_grad(x), device)
+        if grad is None and runner.loss is None:
+            grad = torch.randn_like(out)
+        b_s, _ = _timed(lambda: runner.backward(out, grad), device)
+        del leaf, out
+        runs += 1
+        if runs <= repeats.warmup:
+            continue
+        for kind, value in zip(KINDS, (f_s, r_s, b_s)):
+            samples[kind].append(value)
+        spent += f_s + r_s + b_s
+        if runs - repeats.warmup >= repeats.min_runs and spent >= repeats.budget_s:
+            break
+    return {kind: statistics.median(values) for kind, values in samples.items()}, runs - repeats.warmup
+
+
+def layer_inputs(model: nn.Sequential, inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The input of every layer for ``inputs`` (each a fresh contiguous storage), by a no-grad pass."""
+    xs = []
+    x = inputs
+    with torch.no_grad():
+        for layer in model:
+            xs.append(x.clone().contiguous())
+            x = layer(x)
+    return xs
+
+
+def measure_memory(runner: LayerRunner, x: torch.Tensor) -> tuple[int, int, int, bool, bool]:
+    """(own, input, output bytes, saves input, saves output) of one grad forward on ``x``."""
+    _, out, saved = runner.forward_grad(x)
+    y = runner.layer(x.detach()) if runner.loss is not None else out
+    in_ptr, in_bytes = _storage(x)
+    out_ptr, out_bytes = _storage(y)
+    own = sum(n for ptr, n in saved.saved.items() if ptr not in (in_ptr, out_ptr))
+    return own, in_bytes, out_bytes, in_ptr in saved.saved, out_ptr in saved.saved
+
+
+def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                  loss: Callable, rows: list[int], threads: list[int], device: torch.device,
+                  repeats: Repeats = Repeats(),
+                  progress: Callable[[str], None] | None = None) -> Profile:
+    """Time and size every layer of ``model`` at each of ``rows`` and each thread count.
+
+    ``batch(rows)`` returns (inputs, targets) of that many rows; ``loss(output, target)`` is the
+    training loss. On CUDA ``threads`` is ignored beyond its first entry.
+    """
+    from executor.batchnorm import DeferredBatchNorm, recomputing
+
+    model = DeferredBatchNorm.convert(model).to(device)
+    model.train()
+    excluded = {_storage(t)[0] for t in list(model.parameters()) + list(model.buffers())}
+    last = len(model) - 1
+    profile = Profile(rows=sorted(set(rows)))
+    data = {}
+    for r in profile.rows:
+        inputs, targets = batch(r)
+        data[r] = (layer_inputs(model, inputs.to(device)), targets.to(device))
+    runners = {r: [LayerRunner(layer, excluded, loss if i == last else None,
+                               data[r][1] if i == last else None, device)
+                   for i, layer in enumerate(model)] for r in profile.rows}
+    with recomputing():  # deferred batch norm must not accumulate while profiling
+        profile.memory = _memory_table(model, runners, data, profile.rows)
+        for t in threads:
+            if device.type == "cpu":
+                torch.set_num_threads(t)
+            table: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+            total = 0
+            for i in range(len(model)):
+                per_rows: dict[str, list[float]] = {kind: [] for kind in KINDS}
+                for r in profile.rows:
+                    medians, runs = time_layer(runners[r][i], data[r][0][i], repeats)
+                    total += runs
+                    for kind in KINDS:
+                        per_rows[kind].append(medians[kind])
+                for kind in KINDS:
+                    table[kind].append(per_rows[kind])
+                if progress is not None:
+                    progress(f"layer {i + 1}/{len(model)} timed at {t} thread(s)")
+            profile.times_s[t] = table
+            profile.repetitions[t] = total
+            if device.type != "cpu":
+                break
+    return profile
+
+
+def _memory_table(model: nn.Sequential, runners: dict[int, list[LayerRunner]],
+                  data: dict[int, Any], rows: list[int]) -> list[LayerMemory]:
+    table = []
+    for i, layer in enumerate(model):
+        own, ins, outs, saves_in, saves_out = [], [], [], False, False
+        for r in rows:
+            o, a, b, si, so = measure_memory(runners[r][i], data[r][0][i])
+            own.append(o)
+            ins.append(a)
+            outs.append(b)
+            saves_in, saves_out = saves_in or si, saves_out or so
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        table.append(LayerMemory(type(layer).__name__, params, own, ins, outs, saves_in, saves_out))
+    return table

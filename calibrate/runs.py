@@ -1,0 +1,159 @@
+"""Traced executor runs for calibration and validation: many configurations per torchrun launch.
+
+Starting torchrun and importing torch costs seconds per launch, more than a small run itself, so the
+configurations that share a stage count K run one after another inside the same K worker processes
+(``python -m torch.distributed.run --nproc-per-node K -m calibrate.runs CONFIGS OUTDIR``). Each
+configuration runs exactly as ``gpipe train`` runs it: the executor's own :func:`prepare`,
+:func:`make_stage`, :class:`DistTransport`, :class:`Recorder` and :func:`build_report`, with
+cores/K threads per process; its first ``warmup_steps`` are left out of the step time as in
+``gpipe train``. Differences from a fresh ``gpipe train`` launch: the process, its allocator and the
+gloo groups are reused from the previous configuration.
+
+:func:`train_report` runs one plan through the real ``gpipe train`` command instead (the demo does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(threads: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
+                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Run every :class:`executor.config.RunConfig`; the reports come back in the same order."""
+    by_stages: dict[int, list[int]] = {}
+    for index, config in enumerate(configs):
+        by_stages.setdefault(config.stages, []).append(index)
+    reports: list[dict[str, Any]] = [{} for _ in configs]
+    for stages, indices in sorted(by_stages.items()):
+        if progress is not None:
+            progress(f"running {len(indices)} executor configuration(s) with K={stages}")
+        with tempfile.TemporaryDirectory(prefix="gpipe-runs-") as directory:
+            path = os.path.join(directory, "configs.json")
+            with open(path, "w") as handle:
+                json.dump([configs[i].to_dict() for i in indices], handle)
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(stages), "--monitor-interval", "0.2",
+                       "-m", "calibrate.runs", path, directory]
+            threads = max(1, (os.cpu_count() or 1) // stages)
+            done = subprocess.run(command, env=_env(threads), capture_output=True, text=True,
+                                  timeout=timeout_s)
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+                raise RuntimeError(f"executor runs with K={stages} failed: " + " | ".join(tail))
+            for position, index in enumerate(indices):
+                with open(os.path.join(directory, f"report-{position}.json")) as handle:
+                    reports[index] = json.load(handle)
+    return reports
+
+
+def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int = 1) -> dict[str, Any]:
+    """Train a plan file with ``gpipe train`` (torchrun, one process per stage); its report."""
+    command = [sys.executable, "-m", "sim.cli", "train", "--plan", plan_path, "--steps", str(steps),
+               "--warmup-steps", str(warmup_steps), "--report", report_path]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise RuntimeError("gpipe train failed: " + " | ".join(tail))
+    with open(report_path) as handle:
+        return json.load(handle)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _run_one(config: Any, rank: int, groups: dict, device: Any) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    from executor.data import batch_for_step
+    from executor.models import model_ref
+    from executor.pipeline import make_stage, prepare
+    from executor.recording import Recorder
+    from executor.report import build_report
+    from executor.transport import DistTransport
+    from sim.timeline import Timeline, merge
+
+    prepared = prepare(config)
+    dist.barrier()
+    recorder = Recorder(rank, device)
+    stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
+    del prepared
+    losses = []
+    for step in range(config.steps):
+        inputs = targets = None
+        if stage.is_first or stage.is_last:
+            inputs, targets = batch_for_step(config.model, config.options, config.batch_size,
+                                             config.seed, step, config.data or None)
+        loss = stage.train_step(step, inputs, targets)
+        if stage.is_last:
+            losses.append(float(loss))  # type: ignore[arg-type]
+    payload = {"timeline": stage.recorder.timeline.to_dict(),
+               "peak_activation_bytes": stage.counter.peak_bytes,
+               "peak_allocated_bytes": (torch.cuda.max_memory_allocated(device)
+                                        if device.type == "cuda" else None),
+               "losses": losses if stage.is_last else None}
+    gathered: list[Any] = [None] * config.stages if rank == 0 else []
+    dist.gather_object(payload, gathered if rank == 0 else None, dst=0)
+    if rank != 0:
+        return None
+    timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
+    plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
+    allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
+    return build_report(timeline, gathered[-1]["losses"], config.to_dict(), plan,
+                        [p["peak_activation_bytes"] for p in gathered], allocated, 0)
+
+
+def main(argv: list[str]) -> int:
+    """Worker entry point: run every configuration of the file in order, write report-N.json."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from executor.config import RunConfig
+    from executor.transport import boundary_groups
+    from sim.timeline import write_json_atomic
+
+    configs_path, out_dir = argv
+    with open(configs_path) as handle:
+        configs = [RunConfig.from_dict(c) for c in json.load(handle)]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = configs[0].device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(configs[0].threads or max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=configs[0].timeout_s))
+    try:
+        groups = boundary_groups(world)
+        for position, config in enumerate(configs):
+            if config.stages != world:
+                raise ValueError(f"configuration {position} has {config.stages} stages, world is {world}")
+            report = _run_one(config, rank, groups, device)
+            if report is not None:
+                write_json_atomic(os.path.join(out_dir, f"report-{position}.json"), report)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
