@@ -70,7 +70,8 @@ class LocalPipeline:
         self.config = config
         self.prepared = prepared or prepare(config)
         mailboxes = LocalMailboxes()
-        self.stages = [make_stage(config, self.prepared, k, mailboxes.endpoint(k))
+        device = torch.device(config.device)
+        self.stages = [make_stage(config, self.prepared, k, mailboxes.endpoint(k), device)
                        for k in range(config.stages)]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
