@@ -1,0 +1,206 @@
+"""Benchmark: the gpipe executor against torch.distributed.pipelining and unpipelined training.
+
+For each configuration (model, K, M, schedule), in one run on this machine:
+  * executor: ``gpipe train`` (torchrun, one process per stage, checkpoint ``never`` to match PyTorch's
+    schedules, which do not re-materialize); step time = median after warm-up, from its report;
+  * pytorch: ``torch.distributed.pipelining`` PipelineStage + ScheduleGPipe / Schedule1F1B on the same
+    model, partition, batch, M, threads per process and optimizer, launched the same way (this file
+    re-runs itself under torchrun); step time = median of the same steps, measured on rank 0 around
+    ``schedule.step`` + ``optimizer.step`` after a barrier;
+  * single: the whole model trained in one process with all cores, one batch per step;
+  * ideal: the executor's own per-micro-batch compute cost (F + B durations from its report) spread
+    over K devices with the K*M/(M+K-1) speed-up of a balanced pipeline; ``bottleneck`` uses the
+    slowest stage instead, (M+K-1) x its per-micro-batch cost, plus the optimizer step. ``overhead``
+    is the part of the executor's step outside that bound (communication, waits, Python).
+
+Usage: ``python benchmarks/executor_vs_pytorch.py [--steps 20] [--out benchmarks/results/...json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CONFIGS = [
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "stages": 2, "batch": 64, "microbatches": 4},
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "stages": 2, "batch": 64, "microbatches": 8},
+    {"model": "transformer", "options": {"layers": 4, "d_model": 128, "ff": 512, "seq": 64},
+     "stages": 2, "batch": 16, "microbatches": 4},
+]
+
+
+def _torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               *argv]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+
+
+def _env(threads: int) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
+
+
+def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        report_path = os.path.join(tmp, "report.json")
+        argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--stages", str(cfg["stages"]),
+                "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
+                "--checkpoint", "never", "--steps", str(steps), "--warmup-steps", str(warmup),
+                "--threads", str(threads), "--report", report_path]
+        for key, value in cfg["options"].items():
+            argv += ["--option", f"{key}={value}"]
+        result = subprocess.run(argv, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr[-3000:])
+        with open(report_path) as handle:
+            return json.load(handle)
+
+
+def ideal(report: dict, stages: int) -> dict:
+    """Compute-only bounds from the executor's own per-action durations."""
+    per_stage = [0.0] * stages
+    microbatches = 0
+    for action in report["actions"]:
+        per_stage[action["stage"]] += action["duration_s"]
+        microbatches = max(microbatches, action["microbatch"] + 1)
+    optimizer = max(0.0, max(s["busy_s"] for s in report["stages"]) - max(per_stage))
+    total = sum(per_stage)
+    balanced_s = total / (stages * microbatches / (microbatches + stages - 1))
+    bottleneck_s = (microbatches + stages - 1) * max(per_stage) / microbatches + optimizer
+    return {"compute_s": total, "ideal_balanced_s": balanced_s, "bottleneck_bound_s": bottleneck_s}
+
+
+def run_pytorch(cfg: dict, schedule: str, steps: int, warmup: int, threads: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(cfg, schedule=schedule, steps=steps, warmup=warmup, threads=threads,
+                   out=os.path.join(tmp, "pt.json"))
+        path = os.path.join(tmp, "job.json")
+        with open(path, "w") as handle:
+            json.dump(job, handle)
+        _torchrun(cfg["stages"], [os.path.abspath(__file__), "--pytorch-worker", path], _env(threads))
+        with open(job["out"]) as handle:
+            return json.load(handle)["step_time_s"]
+
+
+def pytorch_worker(path: str) -> None:
+    """One rank of torch.distributed.pipelining on the same model and partition."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from executor.cli import even_partition
+    from executor.data import batch_for_step
+    from executor.models import build_model, default_loss, loss_function
+    from executor.shapes import stage_module
+
+    with open(path) as handle:
+        job = json.load(handle)
+    torch.set_num_threads(job["threads"])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(job["model"], job["options"], 0)
+    partition = even_partition(len(model), world)
+    module = stage_module(model, partition, rank)
+    loss_fn = loss_function(default_loss(job["model"]))
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    cls = ScheduleGPipe if job["schedule"] == "gpipe" else Schedule1F1B
+    schedule = cls(stage, job["microbatches"], loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    times = []
+    for step in range(job["steps"]):
+        inputs, targets = batch_for_step(job["model"], job["options"], job["batch"], 0, step)
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(inputs)
+        elif rank == world - 1:
+            schedule.step(target=targets, losses=[])
+        else:
+            schedule.step()
+        optimizer.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        with open(job["out"], "w") as handle:
+            json.dump({"step_time_s": statistics.median(times[job["warmup"]:])}, handle)
+    dist.destroy_process_group()
+
+
+def run_single(cfg: dict, steps: int, warmup: int, threads: int) -> float:
+    import torch
+
+    from executor.data import batch_for_step
+    from executor.models import build_model, default_loss, loss_function
+
+    torch.set_num_threads(threads)
+    model = build_model(cfg["model"], cfg["options"], 0)
+    loss_fn = loss_function(default_loss(cfg["model"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    times = []
+    for step in range(steps):
+        inputs, targets = batch_for_step(cfg["model"], cfg["options"], cfg["batch"], 0, step)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--pytorch-worker":
+        pytorch_worker(sys.argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "executor_vs_pytorch.json"))
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    rows = []
+    for cfg in CONFIGS:
+        threads = max(1, cores // cfg["stages"])
+        single_s = run_single(cfg, args.steps, args.warmup, cores)
+        for schedule in ("gpipe", "1f1b"):
+            report = run_executor(cfg, schedule, args.steps, args.warmup, threads)
+            bounds = ideal(report, cfg["stages"])
+            pytorch_s = run_pytorch(cfg, schedule, args.steps, args.warmup, threads)
+            step_s = report["step_time_s"]
+            row = {"model": cfg["model"], "options": cfg["options"], "K": cfg["stages"], "M": cfg["microbatches"],
+                   "batch": cfg["batch"], "schedule": schedule, "executor_step_s": step_s,
+                   "pytorch_step_s": pytorch_s, "single_process_step_s": single_s, **bounds,
+                   "overhead_fraction": (step_s - bounds["bottleneck_bound_s"]) / step_s,
+                   "speedup_vs_pytorch": pytorch_s / step_s}
+            rows.append(row)
+            print(f"{cfg['model']:12s} K={cfg['stages']} M={cfg['microbatches']} {schedule:5s} "
+                  f"executor {step_s * 1e3:7.2f} ms  pytorch {pytorch_s * 1e3:7.2f} ms  "
+                  f"single {single_s * 1e3:7.2f} ms  ideal {bounds['ideal_balanced_s'] * 1e3:7.2f} ms  "
+                  f"bound {bounds['bottleneck_bound_s'] * 1e3:7.2f} ms  overhead {row['overhead_fraction']:.1%}",
+                  flush=True)
+    import torch
+
+    result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": cores,
+                          "torch": torch.__version__, "python": platform.python_version()},
+              "command": "python benchmarks/executor_vs_pytorch.py " + " ".join(sys.argv[1:]),
+              "steps": args.steps, "warmup": args.warmup, "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump(result, handle, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
