@@ -1,0 +1,93 @@
+"""How fast the simulator and the planner are, and how simulation cost grows with K x M.
+
+Writes benchmarks/results/sim_speed.json and prints a table. Wall times are the best of several
+repetitions (the minimum is the least noisy estimate on a shared machine).
+
+    .venv/bin/python benchmarks/sim_speed.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from sim.engine import simulate
+from sim.hardware import get_system
+from sim.models import get_workload
+from sim.planner import search
+from sim.workload import UniformWorkload
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "sim_speed.json")
+
+
+def best_of(repeats: int, fn) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def simulate_case(stages: int, microbatches: int, system: str, checkpoint: str, schedule: str,
+                  record: bool = True) -> float:
+    workload = UniformWorkload(stages)
+    sys_ = get_system(system, nodes=max(1, -(-stages // get_system(system).devices_per_node)))
+    return best_of(5 if stages * microbatches < 4096 else 3, lambda: simulate(
+        workload, sys_, [1] * stages, microbatches, microbatches, checkpoint, schedule, record=record))
+
+
+def main() -> int:
+    rows = []
+    for stages, microbatches in [(8, 32), (128, 128)]:
+        for system, checkpoint, schedule in [("ideal", "never", "gpipe"), ("h100-nvlink", "always", "gpipe"),
+                                             ("h100-pcie", "except_last", "1f1b")]:
+            seconds = simulate_case(stages, microbatches, system, checkpoint, schedule)
+            rows.append({"case": f"simulate K={stages} M={microbatches}", "system": system,
+                         "checkpoint": checkpoint, "schedule": schedule, "wall_s": seconds})
+    transformer = get_workload("transformer", {"layers": 48, "d_model": 1024, "ff": 4096, "heads": 16,
+                                               "seq": 512, "vocab": 32000})
+    for system in ("a100-nvlink", "tpu-v3"):
+        holder = {}
+
+        def plan():
+            holder["result"] = search(transformer, get_system(system), 64, [1, 2, 4, 8], list(range(1, 65)))
+
+        seconds = best_of(3, plan)
+        result = holder["result"]
+        rows.append({"case": "plan transformer-48, K 1,2,4,8 x M 1..64 x 3 policies x 2 schedules",
+                     "system": system, "wall_s": seconds, "candidates": result.candidates,
+                     "simulated": result.simulated})
+    # growth: time per simulated action over a grid of K x M (ideal links, gpipe, never)
+    growth = []
+    for stages in (4, 16, 64):
+        for microbatches in (8, 32, 128):
+            seconds = simulate_case(stages, microbatches, "h100-nvlink", "never", "gpipe")
+            growth.append({"K": stages, "M": microbatches, "KxM": stages * microbatches, "wall_s": seconds})
+    km = np.array([g["KxM"] for g in growth], dtype=float)
+    wall = np.array([g["wall_s"] for g in growth])
+    exponent, _ = np.polyfit(np.log(km), np.log(wall), 1)
+    summary = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "rows": rows, "growth": growth, "growth_exponent_in_KxM": float(exponent),
+        "microseconds_per_KxM": float(np.median(wall / km) * 1e6),
+    }
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as handle:
+        json.dump(summary, handle, indent=1)
+    for row in rows:
+        extra = f" ({row['simulated']} of {row['candidates']} simulated)" if "candidates" in row else ""
+        print(f"{row['case']:<75} {row['system']:<12} {row['wall_s'] * 1e3:9.1f} ms{extra}")
+    print(f"cost grows as (K x M)^{exponent:.2f}; median {summary['microseconds_per_KxM']:.1f} us per K x M")
+    print(f"results written to {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
