@@ -128,7 +128,9 @@ class MeasuredWorkload:
         return self.fits[nearest]
 
     def _threads(self) -> int:
-        wanted = self.fit.threads if self.fits else max(self.times)
+        """The profiled thread count of a K-process run: cores/K on CPU (one table on CUDA)."""
+        cores = int(self.data.get("machine", {}).get("cpu_cores", max(self.times)))
+        wanted = self.fit.threads if self.fits else max(1, cores // max(1, self.stages))
         return min(self.times, key=lambda t: (abs(t - wanted), t))
 
     # ------------------------------------------------------------------ per layer

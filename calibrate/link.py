@@ -1,7 +1,7 @@
 """Ping-pong between two ranks on the executor's own backend: one-way time per message size.
 
-Two processes are spawned on this host (``torch.multiprocessing``), joined by
-``torch.distributed`` over 127.0.0.1 with gloo for CPU tensors or NCCL for CUDA tensors (one GPU per
+Two processes are started on this host by torchrun (as the executor's workers are), joined by
+``torch.distributed`` over loopback with gloo for CPU tensors or NCCL for CUDA tensors (one GPU per
 rank, as the executor places stages). Rank 0 sends a tensor, rank 1 sends it back; half the median
 round trip is the one-way time. :func:`calibrate.fit.fit_link` turns the points into a latency and a
 bandwidth. Limits: it measures the link idle, between two processes doing nothing else; the cost a
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -21,23 +22,18 @@ from datetime import timedelta
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _worker(rank: int, port: int, device_type: str, sizes: list[int], repeats: int, out_path: str) -> None:
+def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) -> None:
+    """One rank's side of the ping-pong (started by torchrun); rank 0 writes the results."""
     import torch
     import torch.distributed as dist
 
+    rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
     try:
         results = []
         for size in sizes:
@@ -69,11 +65,20 @@ def _worker(rank: int, port: int, device_type: str, sizes: list[int], repeats: i
 def ping_pong(device_type: str = "cpu", sizes: tuple[int, ...] = DEFAULT_SIZES_BYTES,
               repeats: int = 20) -> list[dict[str, float]]:
     """``[{"bytes": n, "one_way_s": t}, ...]`` measured between two fresh local processes."""
-    import torch.multiprocessing as mp
+    from calibrate.runs import _env
 
     with tempfile.TemporaryDirectory(prefix="gpipe-link-") as directory:
         out_path = os.path.join(directory, "link.json")
-        mp.spawn(_worker, args=(free_port(), device_type, list(sizes), repeats, out_path), nprocs=2,
-                 join=True)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "--monitor-interval", "0.2", "-m", "calibrate.link", device_type,
+                   ",".join(map(str, sizes)), str(repeats), out_path]
+        done = subprocess.run(command, env=_env(1), capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError("link ping-pong failed: " + " | ".join(tail))
         with open(out_path) as handle:
             return list(json.load(handle))
+
+
+if __name__ == "__main__":
+    _measure(sys.argv[1], [int(v) for v in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4])

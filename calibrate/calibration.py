@@ -1,0 +1,286 @@
+"""Calibration from start to finish: profile, ping-pong, a design of executor runs, fit, costs dict.
+
+The design (:func:`calibration_design`) is a handful of runs chosen to make every fitted term
+identifiable: several micro-batch sizes (so per-action scale and overhead separate), both stage
+counts the machine has room for, a balanced and a skewed partition (different sums of layers per
+action and different boundary tensors), every checkpoint policy and both schedules. The held-out set
+of :mod:`calibrate.validate` is disjoint from it by construction.
+
+Fitting happens in two passes. First the per-action, send and optimizer fits, from the executor's
+own spans against the layer profile; then, with those fixed, one step-overhead constant per K from
+whole-step times, by simulating each design run with the fitted costs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from calibrate.costs import MeasuredWorkload
+from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
+from sim.schedule import recomputes
+from sim.stage_costs import stage_bounds
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One executor run: (K, M, partition, checkpoint, schedule) at a batch size."""
+
+    partition: tuple[int, ...]
+    microbatches: int
+    checkpoint: str
+    schedule: str
+    batch_size: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.partition)
+
+    def label(self) -> str:
+        parts = ",".join(map(str, self.partition))
+        return f"K={self.stages} M={self.microbatches} [{parts}] {self.checkpoint} {self.schedule}"
+
+
+def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
+    """A deliberately unbalanced split: the first stage gets about a quarter of the layers."""
+    if stages == 1:
+        return (num_layers,)
+    first = max(1, num_layers // 4)
+    rest = num_layers - first
+    base, extra = divmod(rest, stages - 1)
+    return (first,) + tuple(base + (1 if k < extra else 0) for k in range(stages - 1))
+
+
+def balanced(num_layers: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (1 if k < extra else 0) for k in range(stages))
+
+
+def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2) -> list[RunSpec]:
+    """The runs the fit learns from (small: every run costs a few seconds on 2 cores)."""
+    specs = [RunSpec(balanced(num_layers, 1), 2, "never", "gpipe", batch_size),
+             RunSpec(balanced(num_layers, 1), 8, "always", "gpipe", batch_size)]
+    if max_stages >= 2 and num_layers >= 2:
+        specs += [RunSpec(balanced(num_layers, 2), 4, "except_last", "gpipe", batch_size),
+                  RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
+                  RunSpec(balanced(num_layers, 2), 2, "never", "1f1b", batch_size)]
+    return specs
+
+
+def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, device: str = "cpu") -> Any:
+    from executor.config import RunConfig
+
+    return RunConfig(model=model, options=dict(options), partition=spec.partition,
+                     batch_size=spec.batch_size, microbatches=spec.microbatches,
+                     schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
+                     warmup_steps=1, device=device, timeout_s=120.0).validate()
+
+
+# ----------------------------------------------------------------------------- observations
+
+
+@dataclass
+class Observations:
+    """Measured spans of executor runs paired with what the layer profile predicts for them."""
+
+    actions: dict[tuple[int, str], tuple[list[float], list[float]]] = field(default_factory=dict)
+    sends: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
+    optimizer: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
+
+    @staticmethod
+    def _add(table: dict, key: Any, x: float, y: float) -> None:
+        xs, ys = table.setdefault(key, ([], []))
+        xs.append(x)
+        ys.append(y)
+
+
+def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], obs: Observations) -> None:
+    """Add one run's spans to ``obs``: compute actions, sends and optimizer steps of measured steps."""
+    k_count = spec.stages
+    bounds = stage_bounds(spec.partition)
+    rows_list = [a["rows"] for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"]
+    m_count = len(rows_list)
+    for action in report["actions"]:
+        first, end = bounds[action["stage"]]
+        kind, rows, m = action["kind"], action["rows"], action["microbatch"]
+        profile_kind = kind
+        if kind == "F" and not recomputes(spec.checkpoint, m, m_count):
+            profile_kind = "R"  # a forward that keeps its graph runs as a recompute does
+        x = sum(workload.profiled_s(profile_kind, i, rows) for i in range(first, end))
+        Observations._add(obs.actions, (k_count, kind), x, action["duration_s"])
+    measured = set(report["measured_steps"])
+    for record in report["timeline"]["records"]:
+        if record["step"] not in measured:
+            continue
+        duration = record["end_s"] - record["start_s"]
+        first, end = bounds[record["stage"]]
+        rows = _rows_of(spec, record["microbatch"])
+        if record["kind"] in ("send_act", "send_grad") and record["microbatch"] >= 0 and duration > 0:
+            key = "output_bytes" if record["kind"] == "send_act" else "input_bytes"
+            layer = end - 1 if record["kind"] == "send_act" else first
+            Observations._add(obs.sends, k_count, workload._mem(key, layer, rows), duration)
+        elif record["kind"] == "optimizer" and duration > 0:
+            params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
+            Observations._add(obs.optimizer, k_count, params, duration)
+
+
+def _rows_of(spec: RunSpec, microbatch: int) -> int:
+    from sim.microbatch import split_rows
+
+    rows = split_rows(spec.batch_size, spec.microbatches)
+    return rows[microbatch] if 0 <= microbatch < len(rows) else rows[0]
+
+
+def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per-K fits (``pipeline`` section of the costs file) and their residual summaries."""
+    pipeline: dict[str, Any] = {}
+    residuals: dict[str, Any] = {}
+    for k in sorted({k for k, _ in obs.actions}):
+        entry: dict[str, Any] = {"threads": threads_of[k], "actions": {}}
+        for kind in ("F", "R", "B"):
+            if (k, kind) in obs.actions:
+                xs, ys = obs.actions[(k, kind)]
+                line = fit_affine(xs, ys, slope_bounds=(0.2, 5.0))
+            else:
+                line = AffineFit(1.0, 0.0)
+            entry["actions"][kind] = line.to_dict()
+        entry["send"] = (fit_affine(*obs.sends[k], slope_bounds=(0.0, 1.0), intercept_bounds=(0.0, 1.0))
+                         if k in obs.sends else AffineFit(0.0, 0.0)).to_dict()
+        entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))
+                              if k in obs.optimizer else AffineFit(0.0, 0.0)).to_dict()
+        entry["step_overhead_s"] = 0.0
+        pipeline[str(k)] = entry
+        residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
+                             for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
+                             + [(f"action {kind}", entry["actions"][kind]) for kind in "FRB"]}
+    return pipeline, residuals
+
+
+def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> Any:
+    """Simulate one run spec with the costs in ``data``; the :class:`sim.engine.SimResult`."""
+    from sim.engine import simulate
+    from sim.hardware import get_system
+
+    workload, system = MeasuredWorkload(data).bind(get_system(system_name), spec.stages, spec.checkpoint,
+                                                   spec.microbatches)
+    return simulate(workload, system, spec.partition, spec.batch_size, spec.microbatches, spec.checkpoint,
+                    spec.schedule)
+
+
+def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
+                      system_name: str = "cpu") -> dict[str, Any]:
+    """Fit each K's step overhead on whole-step times (in place in ``data``); its residuals."""
+    summary = {}
+    for k in sorted({s.stages for s in specs}):
+        pairs = [(r["step_time_s"], predict(data, s, system_name).step_time_s)
+                 for s, r in zip(specs, reports) if s.stages == k]
+        constant, residuals = fit_constant([m for m, _ in pairs], [p for _, p in pairs])
+        data["pipeline"][str(k)]["step_overhead_s"] = constant
+        summary[str(k)] = {"step_overhead_s": constant, "points": len(pairs),
+                           "worst_relative": max((abs(v) for v in residuals), default=0.0)}
+    return summary
+
+
+# ----------------------------------------------------------------------------- efficiency
+
+
+def fit_efficiency(model: str, options: dict[str, Any], profile: dict[str, Any], device: Any) -> dict | None:
+    """Roofline efficiency of the analytic model against the measured forwards (built-ins only)."""
+    from sim.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, get_workload
+
+    if model not in BUILTIN_MODELS or model == "uniform":
+        return None
+    analytic = get_workload(model, options)
+    threads = max(int(t) for t in profile["times_s"])
+    times = profile["times_s"][str(threads)] if str(threads) in profile["times_s"] else profile["times_s"][threads]
+    flops, traffic, measured = [], [], []
+    for i, spec in enumerate(analytic.layers):  # type: ignore[attr-defined]
+        for j, rows in enumerate(profile["rows"]):
+            flops.append(spec.flops_per_row * rows)
+            traffic.append(spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes)
+            measured.append(times["F"][i][j])
+    fit = fit_roofline(flops, traffic, measured, device.peak_flops["fp32"], device.memory_bandwidth_bytes_per_s,
+                       LAYER_OVERHEAD_S)
+    return {**fit.to_dict(), "relative_to": device.name, "threads": threads}
+
+
+# ----------------------------------------------------------------------------- the whole thing
+
+
+def profile_rows(batch_size: int) -> list[int]:
+    """Row counts to profile: powers of two below the batch, and the batch; others interpolate."""
+    rows = {batch_size}
+    r = 1
+    while r < batch_size:
+        rows.add(r)
+        r *= 2
+    return sorted(rows)
+
+
+def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str = "cpu",
+              max_stages: int | None = None, steps: int = 5, quick: bool = False,
+              progress: Progress = print) -> dict[str, Any]:
+    """Measure and fit everything for ``model``; the costs file's content (see :mod:`calibrate.costs`)."""
+    import torch
+
+    from calibrate.link import ping_pong
+    from calibrate.machine import machine_stamp
+    from calibrate.profile import Repeats, profile_model
+    from calibrate.runs import run_configs
+    from executor.models import build_model, default_loss, example_batch, loss_function, model_ref
+    from sim.hardware import LOCAL_CPU
+
+    started = time.perf_counter()
+
+    def say(message: str) -> None:
+        progress(f"[{time.perf_counter() - started:6.1f}s] {message}")
+
+    ref = model_ref(model, options)
+    options = dict(ref.options)
+    cores = os.cpu_count() or 1
+    if max_stages is None:
+        max_stages = torch.cuda.device_count() if device == "cuda" else min(2, cores)
+    max_stages = max(1, min(max_stages, ref.num_layers))
+    stage_counts = sorted({1, max_stages})
+    threads_of = {k: (1 if device == "cuda" else max(1, cores // k)) for k in stage_counts}
+    rows = profile_rows(batch_size)
+    say(f"profiling {ref.num_layers} layers of {model} at rows {rows} with threads {sorted(set(threads_of.values()))}")
+    net = build_model(model, options, seed=0)
+    loss = loss_function(default_loss(model))
+    repeats = Repeats(min_runs=3, budget_s=0.02, max_runs=15) if quick else Repeats()
+    profile = profile_model(net, lambda r: example_batch(model, options, r, seed=1), loss, rows,
+                            sorted(set(threads_of.values()), reverse=True), torch.device(device), repeats,
+                            progress=say)
+    torch.set_num_threads(cores)
+    data: dict[str, Any] = {
+        "machine": machine_stamp(device), "system": "cpu" if device == "cpu" else "cuda",
+        "catalog_device": LOCAL_CPU.name if device == "cpu" else device,
+        "model": {"name": model, "options": options, "num_layers": ref.num_layers,
+                  "parameter_count": ref.parameter_count},
+        "batch_size": batch_size, "optimizer": "sgd", "optimizer_slots": 0,
+        "profile": profile.to_dict(), "pipeline": {},
+    }
+    if max_stages >= 2:
+        say("ping-pong between two ranks")
+        points = ping_pong(device)
+        link = fit_link([p["bytes"] for p in points], [p["one_way_s"] for p in points])
+        data["link"] = {"name": "gloo" if device == "cpu" else "nccl", **link.to_dict(), "measured": points}
+    specs = calibration_design(ref.num_layers, batch_size, max_stages)
+    configs = [run_config(model, options, s, steps, device) for s in specs]
+    reports = run_configs(configs, progress=say)
+    obs = Observations()
+    for spec, report in zip(specs, reports):
+        collect(MeasuredWorkload(data, spec.stages), spec, report, obs)
+    data["pipeline"], residuals = fit_pipeline(obs, threads_of)
+    residuals["step"] = fit_step_overhead(data, specs, reports)
+    data["fit_residuals"] = residuals
+    data["design"] = [{"run": s.label(), "measured_step_s": r["step_time_s"],
+                       "predicted_step_s": predict(data, s).step_time_s} for s, r in zip(specs, reports)]
+    if device == "cpu":
+        data["efficiency"] = fit_efficiency(model, options, data["profile"], LOCAL_CPU)
+    say("calibration done")
+    return data

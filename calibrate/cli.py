@@ -1,0 +1,123 @@
+"""``gpipe calibrate``: profile this machine for a model, fit the costs, write the costs file.
+
+A second run for the same machine, library versions, model, options and batch reuses the file
+unless ``--force`` is given, so scripts (and ``gpipe demo``) can call it unconditionally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from sim.cli_options import MODEL_FLAGS, check_output_path, model_options
+from sim.errors import GpipeInputError, require_positive
+from sim.model_defaults import DEFAULT_BATCH
+
+DEFAULT_MODEL = "transformer"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"mlp, transformer, cnn or package.module:factory (default {DEFAULT_MODEL})")
+    for flag, (_, kind, help_text) in MODEL_FLAGS.items():
+        if flag not in ("--dtype", "--optimizer-slots"):
+            group.add_argument(flag, type=kind, default=None, help=help_text)
+    parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
+    parser.add_argument("--out", default="costs.json", help="costs file to write (default costs.json)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="calibrate the CPU (gloo) or the GPUs (NCCL)")
+    parser.add_argument("--max-stages", type=int, default=None,
+                        help="largest K to calibrate (default: 2 on CPU, the GPU count on CUDA)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per executor run (first is warm-up)")
+    parser.add_argument("--quick", action="store_true", help="fewer timing repetitions (noisier)")
+    parser.add_argument("--force", action="store_true", help="measure again even if --out is up to date")
+    parser.add_argument("--json", action="store_true", help="print the fitted numbers as JSON")
+
+
+def cached(path: str, model: str, options: dict[str, Any], batch: int, device: str) -> dict[str, Any] | None:
+    """The costs at ``path`` if they were measured here, with these versions, for this model."""
+    from calibrate.costs import read_costs, requested_options
+    from calibrate.machine import machine_stamp, same_machine
+
+    if not os.path.exists(path):
+        return None
+    try:
+        data = read_costs(path)
+    except GpipeInputError:
+        return None
+    stored = data.get("model", {})
+    wanted = requested_options(model, options)
+    if (stored.get("name") != model or any(stored.get("options", {}).get(k) != v for k, v in wanted.items())
+            or data.get("batch_size") != batch):
+        return None
+    return data if same_machine(data.get("machine", {}), machine_stamp(device)) else None
+
+
+def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int, device: str = "cpu",
+                     max_stages: int | None = None, steps: int = 5, quick: bool = False, force: bool = False,
+                     progress=print) -> dict[str, Any]:
+    """Reuse the costs at ``path`` when valid (see :func:`cached`), else calibrate and write them."""
+    from calibrate.calibration import calibrate
+    from calibrate.costs import read_costs, write_costs
+
+    if not force:
+        data = cached(path, model, options, batch, device)
+        if data is not None:
+            progress(f"reusing {path} (same machine, versions and model; --force to measure again)")
+            return data
+    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress)
+    write_costs(data, path)
+    return read_costs(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output_path(args.out, "--out")
+    options = model_options(args)
+    batch = args.batch if args.batch is not None else DEFAULT_BATCH.get(args.model, 32)
+    require_positive("batch size", batch, "use --batch 1 or more")
+    require_positive("steps", args.steps, "use --steps 2 or more")
+    if args.max_stages is not None:
+        require_positive("--max-stages", args.max_stages, "use --max-stages 1 or more")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise GpipeInputError("--device cuda but this machine has no CUDA GPU; use --device cpu")
+    progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
+    data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
+                            args.quick, args.force, progress)
+    if args.json:
+        from calibrate.costs import costs_summary
+
+        json.dump(costs_summary(data), sys.stdout)
+        print()
+    else:
+        print(summary_text(data))
+        print(f"costs written to {args.out}")
+    return 0
+
+
+def summary_text(data: dict[str, Any]) -> str:
+    lines = [f"model {data['model']['name']} {data['model']['options']} batch {data['batch_size']}"]
+    link = data.get("link")
+    if link:
+        lines.append(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
+                     f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
+    for k, fit in sorted(data.get("pipeline", {}).items()):
+        acts = ", ".join(f"{kind} x{a['slope']:.3f}{a['intercept'] * 1e6:+.0f}us"
+                         for kind, a in fit["actions"].items())
+        lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; step overhead "
+                     f"{fit['step_overhead_s'] * 1e3:.2f} ms")
+    eff = data.get("efficiency")
+    if eff:
+        lines.append(f"efficiency vs {eff['relative_to']}: {eff['efficiency']:.3f} of peak FLOP/s, "
+                     f"{eff['bandwidth_efficiency']:.3f} of peak bandwidth")
+    for run in data.get("design", []):
+        error = (run["predicted_step_s"] - run["measured_step_s"]) / run["measured_step_s"]
+        lines.append(f"  fitted on {run['run']}: measured {run['measured_step_s'] * 1e3:.2f} ms, "
+                     f"predicted {run['predicted_step_s'] * 1e3:.2f} ms ({error * 100:+.1f}%)")
+    return "\n".join(lines)

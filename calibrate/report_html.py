@@ -1,0 +1,92 @@
+"""The demo's one-page HTML report: timelines, bubble and memory side by side, the error table.
+
+Built from plotly figures (:mod:`sim.figures` for the timelines, so they look as everywhere else)
+and a plain HTML table; plotly.js is embedded once, so the file opens offline.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Sequence
+
+import plotly.graph_objects as go
+
+from sim.timeline import Record, Timeline
+
+
+def one_step(report: dict[str, Any]) -> Timeline:
+    """The measured step whose time is the median, shifted to start at 0 (as a simulated step)."""
+    timeline = Timeline.from_dict(report["timeline"])
+    times = report["step_times_s"]
+    measured = report["measured_steps"] or list(range(len(times)))
+    median = sorted(measured, key=lambda s: times[s])[len(measured) // 2]
+    records = [r for r in timeline.records if r.step == median]
+    start = min(r.start_s for r in records)
+    end = max(r.end_s for r in records)
+    shifted = [Record(r.stage, r.kind, r.microbatch, r.start_s - start, r.end_s - start, 0) for r in records]
+    memory = [type(s)(s.stage, s.time_s - start, s.bytes) for s in timeline.memory if start <= s.time_s <= end]
+    return Timeline(records=shifted, memory=memory, source="measured", meta=dict(timeline.meta))
+
+
+def bubble_figure(predicted_busy_s: Sequence[float], predicted_step_s: float,
+                  measured_busy_s: Sequence[float], measured_step_s: float) -> go.Figure:
+    """Per stage: busy and idle (bubble) seconds, predicted beside measured."""
+    fig = go.Figure()
+    stages = [f"stage {k}" for k in range(len(predicted_busy_s))]
+    for label, busy, step, colour in (("predicted", predicted_busy_s, predicted_step_s, "#4C78A8"),
+                                      ("measured", measured_busy_s, measured_step_s, "#F58518")):
+        fig.add_trace(go.Bar(x=stages, y=[b * 1e3 for b in busy], name=f"{label} busy", marker_color=colour,
+                             offsetgroup=label))
+        fig.add_trace(go.Bar(x=stages, y=[max(step - b, 0.0) * 1e3 for b in busy], name=f"{label} idle (bubble)",
+                             marker_color=colour, opacity=0.35, offsetgroup=label,
+                             base=[b * 1e3 for b in busy]))
+    fig.update_layout(title="Busy and bubble per stage (ms per step)", barmode="group", height=380)
+    return fig
+
+
+def memory_figure(predicted_bytes: Sequence[int], measured_bytes: Sequence[int]) -> go.Figure:
+    """Per stage: peak activation memory, predicted beside measured (MiB)."""
+    stages = [f"stage {k}" for k in range(len(predicted_bytes))]
+    fig = go.Figure([go.Bar(x=stages, y=[b / 2**20 for b in predicted_bytes], name="predicted",
+                            marker_color="#4C78A8"),
+                     go.Bar(x=stages, y=[b / 2**20 for b in measured_bytes], name="measured",
+                            marker_color="#F58518")])
+    fig.update_layout(title="Peak activation memory per stage (MiB)", barmode="group", height=380)
+    return fig
+
+
+def error_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
+    """(quantity, predicted, measured, error) rows as an HTML table."""
+    head = "<tr><th>quantity</th><th>predicted</th><th>measured</th><th>error</th></tr>"
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def write_report(path: str, title: str, intro: str, timelines: go.Figure, bubble: go.Figure,
+                 memory: go.Figure, table_html: str, notes: Sequence[str]) -> None:
+    """Assemble the page: heading, timelines, bubble | memory, error table, notes."""
+    parts = [timelines.to_html(full_html=False, include_plotlyjs=True),
+             bubble.to_html(full_html=False, include_plotlyjs=False),
+             memory.to_html(full_html=False, include_plotlyjs=False)]
+    note_items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    page = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; }}
+.row {{ display: flex; gap: 1em; }} .row > div {{ flex: 1; min-width: 0; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+td, th {{ border: 1px solid #ccc; padding: 0.3em 0.8em; text-align: right; }}
+td:first-child, th:first-child {{ text-align: left; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p>{html.escape(intro)}</p>
+<h2>Predicted and measured step, same time axis</h2>
+{parts[0]}
+<div class="row"><div>{parts[1]}</div><div>{parts[2]}</div></div>
+<h2>Prediction error</h2>
+{table_html}
+<ul>{note_items}</ul>
+</body></html>
+"""
+    with open(path, "w") as handle:
+        handle.write(page)

@@ -1,0 +1,132 @@
+"""Held-out validation: predict runs the fit never saw, measure them with the executor, compare.
+
+The held-out design covers what the issue asks for: K in {1, 2} (and up to the stage count the
+machine has room for), M from 1 to 16 including values that do not divide the batch, balanced and
+skewed partitions, every checkpoint policy and both schedules. Any configuration that is also in
+the calibration design is dropped, so no prediction is of a run the fit learned from.
+
+Errors are relative to the measurement: ``(predicted - measured) / measured``. Step times compare
+the simulator's step with the executor's median step (warm-up excluded); memory compares each
+stage's predicted peak activation bytes with the executor's exact count (:mod:`executor.memory`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from calibrate.calibration import RunSpec, balanced, calibration_design, predict, run_config, skewed
+
+# (stages, microbatches, partition kind, checkpoint, schedule)
+HELD_OUT = [
+    (1, 1, "balanced", "never", "gpipe"),
+    (1, 3, "balanced", "except_last", "gpipe"),
+    (1, 5, "balanced", "never", "gpipe"),
+    (1, 16, "balanced", "always", "gpipe"),
+    (2, 1, "balanced", "except_last", "gpipe"),
+    (2, 3, "skewed", "never", "gpipe"),
+    (2, 4, "balanced", "always", "1f1b"),
+    (2, 5, "balanced", "never", "gpipe"),
+    (2, 6, "skewed", "except_last", "1f1b"),
+    (2, 7, "balanced", "always", "gpipe"),
+    (2, 12, "balanced", "except_last", "gpipe"),
+    (2, 16, "skewed", "never", "1f1b"),
+]
+
+
+def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
+                      limit: int | None = None) -> list[RunSpec]:
+    """The held-out runs for a model of ``num_layers`` layers, none of them in the calibration design."""
+    seen = set(calibration_design(num_layers, batch_size, max_stages))
+    specs = []
+    for stages, m, kind, checkpoint, schedule in HELD_OUT:
+        if stages > min(max_stages, num_layers):
+            continue
+        split = balanced if kind == "balanced" else skewed
+        spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size)
+        if spec not in seen and spec not in specs:
+            specs.append(spec)
+    return specs[:limit] if limit else specs
+
+
+@dataclass
+class Comparison:
+    run: str
+    predicted_step_s: float
+    measured_step_s: float
+    predicted_peak_bytes: list[int]
+    measured_peak_bytes: list[int]
+
+    @property
+    def step_error(self) -> float:
+        return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    @property
+    def memory_errors(self) -> list[float]:
+        return [(p - m) / m if m else (0.0 if p == 0 else float("inf"))
+                for p, m in zip(self.predicted_peak_bytes, self.measured_peak_bytes)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "predicted_step_s": self.predicted_step_s,
+                "measured_step_s": self.measured_step_s, "step_error": self.step_error,
+                "predicted_peak_activation_bytes": self.predicted_peak_bytes,
+                "measured_peak_activation_bytes": self.measured_peak_bytes,
+                "memory_errors": self.memory_errors}
+
+
+def compare(data: dict[str, Any], spec: RunSpec, report: dict[str, Any]) -> Comparison:
+    result = predict(data, spec, data.get("system", "cpu"))
+    return Comparison(spec.label(), result.step_time_s, report["step_time_s"],
+                      [s.peak_activation_bytes for s in result.stages],
+                      [s["peak_activation_bytes"] for s in report["stages"]])
+
+
+def summarize(comparisons: Sequence[Comparison]) -> dict[str, Any]:
+    steps = [abs(c.step_error) for c in comparisons]
+    memory = [abs(e) for c in comparisons for e in c.memory_errors]
+    return {"runs": len(comparisons),
+            "median_step_error": statistics.median(steps) if steps else 0.0,
+            "worst_step_error": max(steps, default=0.0),
+            "median_memory_error": statistics.median(memory) if memory else 0.0,
+            "worst_memory_error": max(memory, default=0.0)}
+
+
+def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
+             progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the held-out design for the model in the costs ``data``; the comparisons and summary."""
+    from calibrate.runs import run_configs
+
+    model = data["model"]
+    max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
+    specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit)
+    device = data.get("machine", {}).get("device", "cpu")
+    configs = [run_config(model["name"], model["options"], s, steps, device) for s in specs]
+    progress(f"validating on {len(specs)} held-out configurations ({steps} steps each)")
+    reports = run_configs(configs, progress=progress)
+    comparisons = [compare(data, s, r) for s, r in zip(specs, reports)]
+    return {"model": model, "machine": data.get("machine", {}), "steps": steps,
+            "summary": summarize(comparisons), "runs": [c.to_dict() for c in comparisons]}
+
+
+def _mib(values: Sequence[int]) -> str:
+    return "/".join(f"{v / 2**20:.2f}" for v in values)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A plain-text table: one line per run, then the median and worst errors."""
+    header = (f"{'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7}  "
+              f"{'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}")
+    lines = [header, "-" * len(header)]
+    for run in result["runs"]:
+        worst_mem = max((abs(e) for e in run["memory_errors"]), default=0.0)
+        lines.append(f"{run['run']:<40} {run['predicted_step_s'] * 1e3:>9.2f} "
+                     f"{run['measured_step_s'] * 1e3:>9.2f} {run['step_error'] * 100:>+6.1f}%  "
+                     f"{_mib(run['predicted_peak_activation_bytes']):>13} "
+                     f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%")
+    s = result["summary"]
+    lines.append("-" * len(header))
+    lines.append(f"step time error: median {s['median_step_error'] * 100:.1f}%, worst "
+                 f"{s['worst_step_error'] * 100:.1f}% over {s['runs']} runs; peak activation memory "
+                 f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""``gpipe validate --costs FILE``: predict held-out runs, measure them, print and write the errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sim.cli_options import check_output_path
+from sim.errors import GpipeInputError, require_positive
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--costs", required=True, metavar="FILE", help="costs file from gpipe calibrate")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run, the first is warm-up (default 5)")
+    parser.add_argument("--limit", type=int, default=None, help="run only the first N held-out configurations")
+    parser.add_argument("--out", default=None, metavar="FILE", help="write the results JSON here")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from calibrate.costs import read_costs
+    from calibrate.machine import machine_stamp, same_machine
+    from calibrate.validate import format_table, validate
+
+    check_output_path(args.out, "--out")
+    require_positive("steps", args.steps, "use --steps 2 or more")
+    if args.limit is not None:
+        require_positive("--limit", args.limit, "use --limit 1 or more")
+    data = read_costs(args.costs)
+    device = data.get("machine", {}).get("device", "cpu")
+    if not same_machine(data.get("machine", {}), machine_stamp(device)):
+        raise GpipeInputError(f"costs file {args.costs!r} was measured on another machine or library version; "
+                              "run gpipe calibrate here first")
+    progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
+    result = validate(data, args.steps, args.limit, progress)
+    if args.out:
+        from sim.timeline import write_json_atomic
+
+        write_json_atomic(args.out, result)
+    if args.json:
+        json.dump(result, sys.stdout)
+        print()
+    else:
+        print(format_table(result))
+        if args.out:
+            print(f"results written to {args.out}")
+    return 0
