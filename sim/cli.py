@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "train": ("executor.cli", "train a plan with the real pipeline executor (torchrun)"),
     "calibrate": ("calibrate.cli", "profile this machine and fit the simulator's costs"),
     "validate": ("calibrate.validate_cli", "compare predictions with measured runs the fit never saw"),
+    "paper": ("sim.paper_cli", "replay the GPipe paper's Table 2 (Transformer-48 on TPUv3) in simulation"),
     "demo": ("calibrate.demo", "the main job: calibrate, plan, simulate, train and report"),
 }
 

@@ -105,3 +105,97 @@ def compare_figure(timelines: Sequence[Timeline], labels: Sequence[str], title: 
 def write_html(fig: go.Figure, path: str | os.PathLike[str]) -> None:
     """Write a self-contained HTML file (plotly.js embedded, so it opens offline)."""
     fig.write_html(os.fspath(path), include_plotlyjs=True, full_html=True)
+
+
+# --- Curves: what-if sweeps and the bubble against M ---------------------------------------------
+K_COLOURS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]
+
+
+def _k_colour(stages: int) -> str:
+    return K_COLOURS[max(stages.bit_length() - 1, 0) % len(K_COLOURS)]
+
+
+def whatif_figure(points: Sequence, title: str = "What-if: step time, bubble and memory") -> go.Figure:
+    """One column per system, rows step time (ms), bubble (%) and peak memory (GiB) against M.
+
+    ``points`` are :class:`sim.whatif.SweepPoint`; one line per K. Crosses mark plans that do not
+    fit memory; the dashed line is the device's capacity.
+    """
+    systems = list(dict.fromkeys(p.system for p in points))
+    fig = make_subplots(rows=3, cols=len(systems), shared_xaxes=True, column_titles=systems,
+                        vertical_spacing=0.07, horizontal_spacing=0.05)
+    shown: set[int] = set()
+    for col, system in enumerate(systems, 1):
+        mine = [p for p in points if p.system == system]
+        for k in sorted({p.stages for p in mine}):
+            line = sorted((p for p in mine if p.stages == k), key=lambda p: p.microbatches)
+            for row, (values, fmt) in enumerate((
+                    ([p.step_time_s * 1e3 for p in line], "step %{y:.3f} ms"),
+                    ([p.bubble_fraction * 100 for p in line], "bubble %{y:.2f} %"),
+                    ([p.peak_memory_bytes / 2**30 for p in line], "peak %{y:.3f} GiB")), 1):
+                fig.add_trace(go.Scatter(
+                    x=[p.microbatches for p in line], y=values, mode="lines+markers",
+                    line_color=_k_colour(k), name=f"K={k}", legendgroup=f"K={k}",
+                    showlegend=k not in shown and row == 1,
+                    marker_symbol=["circle" if p.fits else "x" for p in line], marker_size=8,
+                    hovertemplate=f"{system}<br>K={k}, M=%{{x}}<br>{fmt}<extra></extra>"),
+                    row=row, col=col)
+            shown.add(k)
+        capacity = mine[0].capacity_bytes / 2**30 if mine else float("inf")
+        if capacity != float("inf"):
+            fig.add_hline(y=capacity, line_dash="dash", line_color="grey", row=3, col=col,
+                          annotation_text=f"{capacity:.0f} GiB", annotation_position="top left")
+        fig.update_xaxes(type="log", dtick=0.30103, title_text="micro-batches M", row=3, col=col)
+    fig.update_yaxes(title_text="step time (ms)", row=1, col=1)
+    fig.update_yaxes(title_text="bubble (%)", row=2, col=1)
+    fig.update_yaxes(title_text="peak memory (GiB)", row=3, col=1)
+    fig.update_layout(title=title, height=800, legend_title_text="stages", hovermode="closest")
+    return fig
+
+
+def bubble_figure(points: Sequence[tuple[int, int, float]], title: str = "Bubble against M") -> go.Figure:
+    """Simulated bubble fractions ``(K, M, bubble)`` as markers, (K-1)/(M+K-1) as lines over them.
+
+    The curve is the GPipe paper's bubble for balanced stages and free links (Huang et al. 2019,
+    section 2.3).
+    """
+    fig = go.Figure()
+    for k in sorted({p[0] for p in points}):
+        mine = sorted((p for p in points if p[0] == k), key=lambda p: p[1])
+        ms = list(range(1, max(p[1] for p in mine) + 1))
+        fig.add_trace(go.Scatter(x=ms, y=[100 * (k - 1) / (m + k - 1) for m in ms], mode="lines",
+                                 line_color=_k_colour(k), line_dash="dot", name=f"K={k} (K-1)/(M+K-1)",
+                                 hovertemplate=f"K={k}, M=%{{x}}<br>formula %{{y:.2f}} %<extra></extra>"))
+        fig.add_trace(go.Scatter(x=[p[1] for p in mine], y=[100 * p[2] for p in mine], mode="markers",
+                                 marker_color=_k_colour(k), marker_size=9, name=f"K={k} simulated",
+                                 hovertemplate=f"K={k}, M=%{{x}}<br>simulated %{{y:.2f}} %<extra></extra>"))
+    fig.update_xaxes(type="log", dtick=0.30103, title_text="micro-batches M")
+    fig.update_yaxes(title_text="bubble (% of the step each device idles)", rangemode="tozero")
+    fig.update_layout(title=title, height=500, hovermode="closest")
+    return fig
+
+
+def paper_figure(cells: Sequence, title: str = "GPipe Table 2, Transformer-48: paper and simulation") -> go.Figure:
+    """Normalised throughput per (K, M) cell, paper beside simulation; ``cells`` are PaperCell."""
+    labels = [f"K={c.stages}, M={c.microbatches}" for c in cells]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=labels, y=[c.paper for c in cells], name="paper", marker_color="#9D755D",
+                         text=[f"{c.paper:.2f}" for c in cells], textposition="outside",
+                         hovertemplate="%{x}<br>paper %{y:.2f}x<extra></extra>"))
+    fig.add_trace(go.Bar(
+        x=labels, y=[c.simulated for c in cells], name="simulated", marker_color="#4C78A8",
+        text=[f"{c.simulated:.2f}" for c in cells], textposition="outside",
+        customdata=[[c.gap * 100, c.step_time_s * 1e3, c.bubble_fraction * 100] for c in cells],
+        hovertemplate=("%{x}<br>simulated %{y:.3f}x<br>gap %{customdata[0]:+.1f} %<br>"
+                       "step %{customdata[1]:.1f} ms<br>bubble %{customdata[2]:.1f} %<extra></extra>")))
+    fig.update_yaxes(title_text="throughput, normalised to K=2, M=1")
+    fig.update_layout(title=title, barmode="group", height=500)
+    return fig
+
+
+def write_html_many(figs: Sequence[go.Figure], path: str | os.PathLike[str], title: str = "gpipe") -> None:
+    """Several figures in one self-contained HTML page (plotly.js embedded once)."""
+    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figs)]
+    with open(os.fspath(path), "w") as handle:
+        handle.write(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title></head>"
+                     f"<body>{''.join(parts)}</body></html>")

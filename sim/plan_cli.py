@@ -52,17 +52,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
     parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    whatif = parser.add_argument_group("what-if and limits")
+    whatif.add_argument("--max-layers", action="store_true",
+                        help="instead of planning: the most layers that fit per K, with and without "
+                             "re-materialization, and each stage's memory breakdown")
+    whatif.add_argument("--efficiency", type=float, default=None,
+                        help="achieved fraction of the device's peak FLOP/s (default: the catalog's)")
+    whatif.add_argument("--efficiency-from", default=None, metavar="COSTS",
+                        help="take the efficiency fitted by gpipe calibrate from this costs file")
+    whatif.add_argument("--input-shape", default=None, metavar="SHAPE",
+                        help="one sample's shape for a package.module:factory model, e.g. 3,224,224 "
+                             "or 1024:int64 (default: its example_batch)")
+    whatif.add_argument("--html", default=None, metavar="FILE",
+                        help="write step time, bubble and memory against K and M, and the best "
+                             "plan's timeline, as HTML")
+
+
+def planning_inputs(args: argparse.Namespace):
+    """The system (with any efficiency override) and the model options, shared by both modes."""
+    from sim.whatif import efficiency_from_costs, with_efficiency
+
+    efficiency, bandwidth = args.efficiency, None
+    if args.efficiency_from:
+        fitted, bandwidth = efficiency_from_costs(args.efficiency_from)
+        efficiency = fitted if efficiency is None else efficiency
+    system = with_efficiency(get_system(args.hardware, args.nodes), efficiency, bandwidth)
+    options = model_options(args)
+    if args.input_shape:
+        options["input_shape"] = args.input_shape
+    return system, options
 
 
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out")
+    check_output_path(args.html, "--html")
+    if args.max_layers:
+        from sim.max_layers import run_cli
+
+        return run_cli(args, *planning_inputs(args))
     require_positive("--top", args.top)
     batch = batch_size(args)
     require_positive("batch size", batch, "use --batch 1 or more")
     checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
     schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
-    system = get_system(args.hardware, args.nodes)
-    workload = resolve_workload(args.model, model_options(args), args.costs)
+    system, options = planning_inputs(args)
+    workload = resolve_workload(args.model, options, args.costs)
     if args.stages_options:
         stage_options = parse_int_list(args.stages_options, "--stages-options")
         too_many = [k for k in stage_options if k > workload.num_layers]
@@ -93,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(result, description, system.name, batch))
         if args.out:
             print(f"plan written to {args.out}")
+    if args.html:
+        from sim.whatif import write_whatif_html
+
+        write_whatif_html(workload, system, batch, stage_options, microbatch_options, result.best, args.html)
+        if not args.json:
+            print(f"what-if curves written to {args.html}")
     return 0
 
 
