@@ -1,0 +1,41 @@
+"""The notebooks run top to bottom (so they never rot) and are committed without outputs."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+LIMIT_S = 120  # each notebook must run on a 2-core CPU in under two minutes
+
+
+def test_there_are_at_least_three_notebooks():
+    assert len(NOTEBOOKS) >= 3
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebooks_have_no_outputs(path):
+    book = nbformat.read(path, as_version=4)
+    dirty = [i for i, cell in enumerate(book.cells)
+             if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    assert not dirty, f"{path.name}: cells {dirty} have outputs; strip them (jupyter nbconvert --clear-output)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom(path):
+    from nbclient import NotebookClient
+
+    book = nbformat.read(path, as_version=4)
+    started = time.perf_counter()
+    NotebookClient(book, timeout=LIMIT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent.parent)}}).execute()
+    assert time.perf_counter() - started < LIMIT_S
+    errors = [o for cell in book.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    figures = [o for cell in book.cells for o in cell.get("outputs", [])
+               if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert figures, f"{path.name} shows no plotly figure"
