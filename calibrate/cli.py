@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"mlp, transformer, cnn or package.module:factory (default {DEFAULT_MODEL})")
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
-        if flag not in ("--dtype", "--optimizer-slots"):
+        if flag not in ("--dtype", "--optimizer-slots"):  # the executor trains fp32 with SGD
             group.add_argument(flag, type=kind, default=None, help=help_text)
+    parser.set_defaults(dtype=None, optimizer_slots=None)
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
     parser.add_argument("--out", default="costs.json", help="costs file to write (default costs.json)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -1,0 +1,129 @@
+"""The costs file round-trips, and the measured workload gives the simulator exact stage costs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from calibrate.costs import MeasuredWorkload, interpolate, load_costs_workload, read_costs, write_costs
+from sim.engine import simulate
+from sim.errors import GpipeInputError
+from sim.hardware import LOCAL_CPU, V100, get_system
+from sim.models import get_workload
+
+ROWS = [1, 2, 4]
+
+
+def _times(per_row_s: float, fixed_s: float) -> list[float]:
+    return [fixed_s + per_row_s * r for r in ROWS]
+
+
+def synthetic_costs() -> dict:
+    """Three mlp layers whose times and bytes are affine in rows (so interpolation is exact)."""
+    memory = [
+        {"name": "a", "param_bytes": 1000, "own_bytes": [10 * r for r in ROWS], "input_bytes": [4 * r for r in ROWS],
+         "output_bytes": [8 * r for r in ROWS], "saves_input": True, "saves_output": True},
+        {"name": "b", "param_bytes": 2000, "own_bytes": [0 for r in ROWS], "input_bytes": [8 * r for r in ROWS],
+         "output_bytes": [16 * r for r in ROWS], "saves_input": False, "saves_output": False},
+        {"name": "c", "param_bytes": 3000, "own_bytes": [5 * r for r in ROWS], "input_bytes": [16 * r for r in ROWS],
+         "output_bytes": [2 * r for r in ROWS], "saves_input": True, "saves_output": False},
+    ]
+    times = {kind: [_times(1e-3 * (i + 1), 1e-4) for i in range(3)] for kind in "FRB"}
+    times["B"] = [_times(2e-3 * (i + 1), 2e-4) for i in range(3)]
+    fit = {"threads": 1, "actions": {k: {"slope": 1.5, "intercept": 1e-4} for k in "FRB"},
+           "send": {"slope": 1e-9, "intercept": 2e-5}, "optimizer": {"slope": 1e-8, "intercept": 1e-5},
+           "step_overhead_s": 5e-4}
+    return {"machine": {"cpu_cores": 2, "device": "cpu"}, "system": "cpu", "catalog_device": LOCAL_CPU.name,
+            "model": {"name": "mlp", "options": {"layers": 3, "width": 8}, "num_layers": 3},
+            "batch_size": 8, "optimizer_slots": 0,
+            "profile": {"rows": ROWS, "times_s": {"1": times, "2": times}, "memory": memory},
+            "pipeline": {"1": {**fit, "threads": 2}, "2": fit},
+            "link": {"name": "gloo", "latency_s": 3e-5, "bandwidth_bytes_per_s": 1e9},
+            "efficiency": {"efficiency": 0.25, "bandwidth_efficiency": 0.5}}
+
+
+@pytest.fixture
+def costs_file(tmp_path):
+    path = tmp_path / "costs.json"
+    write_costs(synthetic_costs(), path)
+    return str(path)
+
+
+def test_round_trip(costs_file):
+    data = read_costs(costs_file)
+    assert data["kind"] == "gpipe-costs" and data["version"] == 1
+    assert {k: v for k, v in data.items() if k not in ("kind", "version")} == synthetic_costs()
+
+
+def test_interpolation_is_exact_for_affine_costs_and_extrapolates():
+    assert interpolate(ROWS, [3.0, 5.0, 9.0], 3) == pytest.approx(7.0)
+    assert interpolate(ROWS, [3.0, 5.0, 9.0], 8) == pytest.approx(17.0)
+
+
+def test_stage_union_counts_each_storage_once(costs_file):
+    w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
+    # layers 0..2 at 3 rows: input 12 + own 30 + out0 24 (a saves output) + own 0 + out1 48 (c saves input)
+    # + own 15; the last output is not saved
+    assert w.stage_saved_bytes(3, 0, 3) == 12 + 30 + 24 + 48 + 15
+    # layer 1 alone: its input (the stash) and nothing it saves
+    assert w.stage_saved_bytes(3, 1, 2) == 24
+
+
+def test_stage_cost_adds_fitted_constants(costs_file):
+    w, _ = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "always")
+    cost = w.stage_cost(2, 0, 2, LOCAL_CPU)
+    forward = sum(1e-4 + 1e-3 * (i + 1) * 2 for i in range(2))
+    assert cost.forward_s == pytest.approx(1.5 * forward + 1e-4 + (2e-5 + 1e-9 * 32))
+    last = w.stage_cost(2, 2, 3, LOCAL_CPU)
+    backward = 2e-4 + 2e-3 * 3 * 2
+    assert last.backward_s == pytest.approx(1.5 * backward + 1e-4 + (2e-5 + 1e-9 * 32))
+    assert last.optimizer_s == pytest.approx(1e-8 * 3000 + 1e-5 + 5e-4)
+    assert cost.stash_bytes == 8 and last.stash_bytes == 32
+
+
+def test_bind_puts_the_fitted_link_in_the_cpu_system_only(costs_file):
+    w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
+    _, cpu = w.bind(get_system("cpu"), 2)
+    assert cpu.intra_link.latency_s == 3e-5 and cpu.intra_link.bandwidth_bytes_per_s == 1e9
+    _, other = w.bind(get_system("v100-nvlink"), 2)
+    assert other.intra_link == get_system("v100-nvlink").intra_link
+
+
+def test_simulation_uses_measured_costs(costs_file):
+    w, system = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 1, "never")
+    result = simulate(w, system, (3,), 4, 1, "never")
+    cost = w.stage_cost(4, 0, 3, LOCAL_CPU)
+    assert result.step_time_s == pytest.approx(cost.forward_s + cost.backward_s + cost.optimizer_s)
+    assert result.stages[0].peak_activation_bytes == w.stage_saved_bytes(4, 0, 3)
+
+
+def test_what_if_on_a_catalog_device_uses_the_fitted_efficiency(costs_file):
+    w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
+    expected = get_workload("mlp", {"layers": 3, "width": 8}).layer_costs(
+        4, replace(V100, efficiency=0.25, bandwidth_efficiency=0.5))
+    assert list(w.layer_costs(4, V100)) == list(expected)
+
+
+def test_wrong_model_wrong_version_and_missing_file_are_one_line_errors(costs_file, tmp_path):
+    with pytest.raises(GpipeInputError, match="was measured for mlp"):
+        load_costs_workload(costs_file, "mlp", {"layers": 4})
+    data = json.load(open(costs_file))
+    data["version"] = 99
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(GpipeInputError, match="version"):
+        read_costs(str(bad))
+    with pytest.raises(GpipeInputError, match="does not exist"):
+        read_costs(str(tmp_path / "none.json"))
+
+
+def test_gpipe_simulate_takes_costs(costs_file, capsys):
+    from sim.cli import main
+
+    code = main(["simulate", "--model", "mlp", "--layers", "3", "--width", "8", "--costs", costs_file,
+                 "--hardware", "cpu", "-K", "2", "-M", "2", "--batch", "4", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["partition"] and out["step_time_s"] > 0

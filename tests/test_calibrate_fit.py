@@ -1,0 +1,71 @@
+"""The pure fits recover known parameters from synthetic data, and report their residuals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calibrate.fit import fit_affine, fit_constant, fit_link, fit_roofline
+
+
+def test_affine_recovers_slope_and_intercept_exactly():
+    x = [1e-3, 2e-3, 5e-3, 1e-2, 3e-2]
+    y = [1.7 * v + 4e-4 for v in x]
+    line = fit_affine(x, y)
+    assert line.slope == pytest.approx(1.7, rel=1e-9)
+    assert line.intercept == pytest.approx(4e-4, rel=1e-9)
+    assert line.worst_relative < 1e-9
+    assert line.identifiable
+
+
+def test_affine_residuals_are_relative_to_the_measurement():
+    line = fit_affine([1.0, 2.0, 3.0], [1.0, 2.0, 3.3])
+    predicted = [line(v) for v in (1.0, 2.0, 3.0)]
+    expected = [(p - m) / m for p, m in zip(predicted, [1.0, 2.0, 3.3])]
+    assert line.residuals == pytest.approx(expected, abs=1e-12)
+    assert line.worst_relative > 0.001
+
+
+def test_affine_with_one_distinct_x_keeps_the_slope_and_says_so():
+    line = fit_affine([2.0, 2.0], [4.0, 4.4])
+    assert not line.identifiable
+    assert line.intercept == 0.0
+    assert line.slope == pytest.approx(2.1)
+
+
+def test_affine_respects_bounds():
+    line = fit_affine([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], slope_bounds=(0.0, 10.0))
+    assert line.slope >= 0.0
+
+
+def test_link_recovers_latency_and_bandwidth():
+    sizes = [4096, 65536, 1 << 20, 16 << 20]
+    one_way = [50e-6 + n / 3e9 for n in sizes]
+    link = fit_link(sizes, one_way)
+    assert link.latency_s == pytest.approx(50e-6, rel=1e-7)
+    assert link.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-7)
+
+
+def test_constant_recovers_a_shift():
+    predicted = [0.1, 0.2, 0.4]
+    constant, residuals = fit_constant([p + 0.003 for p in predicted], predicted)
+    assert constant == pytest.approx(0.003, rel=1e-9)
+    assert max(abs(r) for r in residuals) < 1e-9
+
+
+def test_roofline_recovers_both_efficiencies():
+    rng = np.random.default_rng(0)
+    flops = rng.uniform(1e6, 1e9, 40)
+    traffic = rng.uniform(1e5, 1e8, 40)
+    peak_flops, peak_bw, overhead = 1e11, 2e10, 1e-5
+    times = np.maximum(flops / (0.4 * peak_flops), traffic / (0.7 * peak_bw)) + overhead
+    fit = fit_roofline(flops, traffic, times, peak_flops, peak_bw, overhead)
+    assert fit.efficiency == pytest.approx(0.4, rel=1e-6)
+    assert fit.bandwidth_efficiency == pytest.approx(0.7, rel=1e-6)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError):
+        fit_affine([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        fit_affine([1.0, 2.0], [1.0, -1.0])
