@@ -22,6 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
+from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, model_options
 from sim.errors import GpipeInputError, require_positive
 from sim.plan import load_plan, parse_partition
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
@@ -30,10 +31,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, default_model=None, costs=False)
     what = parser.add_argument_group("what to train (a plan file, or the flags of gpipe simulate)")
     what.add_argument("--plan", help="plan JSON written by gpipe plan --out")
-    what.add_argument("--model", help="mlp, transformer, cnn, or package.module:factory")
-    what.add_argument("--layers", type=int, help="the model's layers option (built-in models)")
     what.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                       help="another model option, e.g. --option d_model=128 (repeatable)")
     what.add_argument("--stages", type=int, help="K: stages; layers split evenly unless --partition")
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
     what.add_argument("--data", help="package.module:function(batch_size, step=, seed=) -> (inputs, targets)")
     what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--hardware", default="ideal",
+                      help="system whose analytic costs choose the partition when --partition is not given, "
+                           "as gpipe simulate does (default ideal)")
     how = parser.add_argument_group("how to train")
     how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
     how.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -70,7 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = model_options(args)
+    for name in ANALYTIC_ONLY_OPTIONS:
+        if name in options:
+            flag = "--" + name.replace("_", "-")
+            raise GpipeInputError(f"{flag} describes the simulator's analytic models; the executor trains "
+                                  f"in fp32 with the optimizer you choose, so drop {flag}")
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -79,8 +87,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    if args.layers is not None:
-        options["layers"] = args.layers
     return options
 
 
@@ -120,7 +126,7 @@ def config_from_args(args: argparse.Namespace):
     if args.partition:
         config.partition = parse_partition(args.partition)
     elif args.stages or not config.partition:
-        config.partition = even_partition(ref.num_layers, args.stages or 1)
+        config.partition = default_partition(config, ref.num_layers, args)
     if args.stages and len(config.partition) != args.stages:
         raise GpipeInputError(f"--partition has {len(config.partition)} stages but --stages is {args.stages}")
     if args.batch is not None:
@@ -132,6 +138,28 @@ def config_from_args(args: argparse.Namespace):
             setattr(config, name, getattr(args, name))
     config.plan(ref)  # validates partition, batch, M, schedule and policy with one-line errors
     return config.validate()
+
+
+def default_partition(config, num_layers: int, args: argparse.Namespace) -> tuple[int, ...]:
+    """The partition ``gpipe simulate`` picks for the same flags, so predicted and measured runs
+    split the model the same way; an even split for models the simulator has no analytic form of."""
+    from sim.models import BUILTIN_MODELS, get_workload
+
+    stages = args.stages or 1
+    partition = even_partition(num_layers, stages)  # also rejects more stages than layers
+    if config.model not in BUILTIN_MODELS:
+        return partition
+    from sim.hardware import get_system
+    from sim.planner import Candidate
+    from sim.planner import default_partition as simulator_partition
+
+    batch = args.batch if args.batch is not None else (config.batch_size or _default_batch(config.model))
+    microbatches = args.microbatches or config.microbatches
+    candidate = Candidate(stages, microbatches, args.checkpoint or config.checkpoint,
+                          args.schedule or config.schedule)
+    system = get_system(args.hardware)
+    workload = get_workload(config.model, config.options)
+    return tuple(simulator_partition(workload, system, batch, candidate))
 
 
 def _default_batch(model: str) -> int:

@@ -28,15 +28,20 @@ MODEL_FLAGS = {
 }
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, default_model: str = "uniform") -> None:
+ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")  # describe the simulator's models, not torch's
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "uniform",
+                        costs: bool = True) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=default_model,
                        help=f"built-in model ({', '.join(DEFAULT_OPTIONS)}) or package.module:factory "
                             f"(default {default_model})")
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, help=help_text)
-    group.add_argument("--costs", default=None, metavar="FILE",
-                       help="measured costs from gpipe calibrate, in place of the analytic model")
+    if costs:
+        group.add_argument("--costs", default=None, metavar="FILE",
+                           help="measured costs from gpipe calibrate, in place of the analytic model")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,

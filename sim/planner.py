@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from sim.engine import SimResult, simulate
@@ -124,6 +124,23 @@ def choose_partition(table: CostTable, system: System, batch_size: int, candidat
     if c.stages > len(weights):
         return None
     return PARTITIONERS[partitioner](weights, c.stages, None if capacity == float("inf") else fits)
+
+
+def default_partition(workload: Workload, system: System, batch_size: int, candidate: Candidate,
+                      partitioner: str = "min_max") -> list[int]:
+    """The partition ``gpipe simulate`` and ``gpipe train`` use when none is given.
+
+    The best partition that fits memory; if none fits, the best one ignoring memory, so that the
+    simulation can report which stage overflows and by how much.
+    """
+    table = CostTable(workload, system.device)
+    partition = choose_partition(table, system, batch_size, candidate, partitioner)
+    if partition is None:
+        unlimited = System("unlimited", replace(system.device, memory_bytes=float("inf")),
+                           system.devices_per_node, system.intra_link, system.inter_link, system.nodes)
+        partition = choose_partition(table, unlimited, batch_size, candidate, partitioner)
+    assert partition is not None  # without memory limits some partition always exists
+    return partition
 
 
 def lower_bound_s(table: CostTable, batch_size: int, candidate: Candidate, partition: list[int]) -> float:

@@ -12,9 +12,8 @@ from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import System, get_system
 from sim.plan import Plan, load_plan, parse_partition
-from sim.planner import Candidate, choose_partition
+from sim.planner import Candidate, default_partition
 from sim.schedule import check_checkpoint_policy, check_schedule_name
-from sim.stage_costs import CostTable
 from sim.resolve import resolve_workload
 from sim.report import fit_advice, format_summary
 
@@ -72,12 +71,8 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System]:
                 f"{args.stages} stages for a model of {workload.num_layers} layers leaves a stage empty; "
                 f"use --stages {workload.num_layers} or fewer")
         system.check_fits(args.stages)
-        table = CostTable(workload, system.device)
         candidate = Candidate(args.stages, args.microbatches, args.checkpoint, args.schedule)
-        partition = choose_partition(table, system, batch, candidate, args.partitioner)
-        if partition is None:  # nothing fits: show the balanced split's overflow
-            memoryless = get_system("ideal")
-            partition = choose_partition(table, memoryless, batch, candidate, args.partitioner)
+        partition = default_partition(workload, system, batch, candidate, args.partitioner)
     result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule)
     return result, system
 
