@@ -67,7 +67,8 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2) ->
     if max_stages >= 2 and num_layers >= 2:
         specs += [RunSpec(balanced(num_layers, 2), 4, "except_last", "gpipe", batch_size),
                   RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
-                  RunSpec(balanced(num_layers, 2), 2, "never", "1f1b", batch_size)]
+                  RunSpec(balanced(num_layers, 2), 2, "never", "1f1b", batch_size),
+                  RunSpec(balanced(num_layers, 2), 16, "always", "gpipe", batch_size)]
     return specs
 
 
