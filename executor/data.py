@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from executor.models import example_batch, load_object
-from sim.errors import GpipeInputError, require_positive
+from sim.errors import GpipeInputError
+from sim.microbatch import split_rows  # noqa: F401  (re-exported: one split rule for both halves)
 
 
 def mix_seed(*parts: int) -> int:
@@ -38,20 +39,11 @@ def batch_for_step(model: str, options: dict[str, Any], batch_size: int, seed: i
     return inputs, targets
 
 
-def split_rows(batch_size: int, microbatches: int) -> list[int]:
-    """Rows per micro-batch, exactly as ``torch.chunk`` splits ``batch_size`` rows into M chunks.
-
-    Chunks hold ceil(N/M) rows, so N=10, M=4 gives 3,3,3,1 and N=2, M=4 gives only 1,1.
-    """
-    require_positive("batch size", batch_size, "use --batch 1 or more")
-    require_positive("micro-batches (M)", microbatches, "use --microbatches 1 or more")
-    chunk = -(-batch_size // microbatches)
-    sizes = [chunk] * (batch_size // chunk)
-    if batch_size % chunk:
-        sizes.append(batch_size % chunk)
-    return sizes
-
-
 def split(tensor: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
-    """``torch.chunk`` along rows; contiguous so each chunk can be sent as is."""
-    return [c.contiguous() for c in torch.chunk(tensor, microbatches, dim=0)]
+    """``torch.chunk`` along rows, each chunk a copy with storage of its own.
+
+    Views would keep the whole batch's storage alive and make the activation counter see the whole
+    batch in every micro-batch; with copies a stage holds, and is charged for, exactly the rows of
+    the micro-batches in flight, as the simulator assumes. The copy costs one pass over the batch.
+    """
+    return [c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(tensor, microbatches, dim=0)]
