@@ -14,6 +14,7 @@ whole-step times, by simulating each design run with the fitted costs.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -224,8 +225,12 @@ def profile_rows(batch_size: int) -> list[int]:
 
 def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str = "cpu",
               max_stages: int | None = None, steps: int = 5, quick: bool = False,
-              progress: Progress = print) -> dict[str, Any]:
-    """Measure and fit everything for ``model``; the costs file's content (see :mod:`calibrate.costs`)."""
+              progress: Progress = print, rounds: int = 2) -> dict[str, Any]:
+    """Measure and fit everything for ``model``; the costs file's content (see :mod:`calibrate.costs`).
+
+    The design runs are measured ``rounds`` times, interleaved, and every measurement enters the
+    fits, so a moment when the machine ran slow weighs less.
+    """
     import torch
 
     from calibrate.link import ping_pong
@@ -270,7 +275,8 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         points = ping_pong(device)
         link = fit_link([p["bytes"] for p in points], [p["one_way_s"] for p in points])
         data["link"] = {"name": "gloo" if device == "cpu" else "nccl", **link.to_dict(), "measured": points}
-    specs = calibration_design(ref.num_layers, batch_size, max_stages)
+    design = calibration_design(ref.num_layers, batch_size, max_stages)
+    specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device) for s in specs]
     reports = run_configs(configs, progress=say)
     obs = Observations()
@@ -279,8 +285,9 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     data["pipeline"], residuals = fit_pipeline(obs, threads_of)
     residuals["step"] = fit_step_overhead(data, specs, reports)
     data["fit_residuals"] = residuals
-    data["design"] = [{"run": s.label(), "measured_step_s": r["step_time_s"],
-                       "predicted_step_s": predict(data, s).step_time_s} for s, r in zip(specs, reports)]
+    data["design"] = [{"run": s.label(),
+                       "measured_step_s": statistics.median(r["step_time_s"] for r in reports[i::len(design)]),
+                       "predicted_step_s": predict(data, s).step_time_s} for i, s in enumerate(design)]
     if device == "cpu":
         data["efficiency"] = fit_efficiency(model, options, data["profile"], LOCAL_CPU)
     say("calibration done")

@@ -57,6 +57,7 @@ class Comparison:
     measured_step_s: float
     predicted_peak_bytes: list[int]
     measured_peak_bytes: list[int]
+    measured_rounds_s: list[float]  # each round's median step; measured_step_s is their median
 
     @property
     def step_error(self) -> float:
@@ -69,17 +70,21 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "predicted_step_s": self.predicted_step_s,
-                "measured_step_s": self.measured_step_s, "step_error": self.step_error,
+                "measured_step_s": self.measured_step_s, "measured_rounds_s": self.measured_rounds_s,
+                "step_error": self.step_error,
                 "predicted_peak_activation_bytes": self.predicted_peak_bytes,
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
                 "memory_errors": self.memory_errors}
 
 
-def compare(data: dict[str, Any], spec: RunSpec, report: dict[str, Any]) -> Comparison:
+def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]]) -> Comparison:
+    """Prediction against the median step time over ``reports`` (one per round) of one run."""
     result = predict(data, spec, data.get("system", "cpu"))
-    return Comparison(spec.label(), result.step_time_s, report["step_time_s"],
+    measured = statistics.median(r["step_time_s"] for r in reports)
+    return Comparison(spec.label(), result.step_time_s, measured,
                       [s.peak_activation_bytes for s in result.stages],
-                      [s["peak_activation_bytes"] for s in report["stages"]])
+                      [s["peak_activation_bytes"] for s in reports[0]["stages"]],
+                      [r["step_time_s"] for r in reports])
 
 
 def summarize(comparisons: Sequence[Comparison]) -> dict[str, Any]:
@@ -93,8 +98,13 @@ def summarize(comparisons: Sequence[Comparison]) -> dict[str, Any]:
 
 
 def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
-             progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the held-out design for the model in the costs ``data``; the comparisons and summary."""
+             progress: Callable[[str], None] = print, rounds: int = 3) -> dict[str, Any]:
+    """Run the held-out design for the model in the costs ``data``; the comparisons and summary.
+
+    Each configuration is measured in ``rounds`` rounds, the rounds interleaved (all configurations
+    once, then all again), and compared by its median: on a shared machine whose speed drifts by
+    tens of percent over seconds, one measurement of a run says more about the moment than the run.
+    """
     from calibrate.runs import run_configs
 
     model = data["model"]
@@ -102,10 +112,10 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit)
     device = data.get("machine", {}).get("device", "cpu")
     configs = [run_config(model["name"], model["options"], s, steps, device) for s in specs]
-    progress(f"validating on {len(specs)} held-out configurations ({steps} steps each)")
-    reports = run_configs(configs, progress=progress)
-    comparisons = [compare(data, s, r) for s, r in zip(specs, reports)]
-    return {"model": model, "machine": data.get("machine", {}), "steps": steps,
+    progress(f"validating on {len(specs)} held-out configurations ({steps} steps each, {rounds} rounds)")
+    reports = run_configs(configs * rounds, progress=progress)
+    comparisons = [compare(data, s, reports[i::len(specs)]) for i, s in enumerate(specs)]
+    return {"model": model, "machine": data.get("machine", {}), "steps": steps, "rounds": rounds,
             "summary": summarize(comparisons), "runs": [c.to_dict() for c in comparisons]}
 
 

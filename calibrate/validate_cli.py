@@ -13,6 +13,8 @@ from sim.errors import GpipeInputError, require_positive
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", required=True, metavar="FILE", help="costs file from gpipe calibrate")
     parser.add_argument("--steps", type=int, default=5, help="steps per run, the first is warm-up (default 5)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measure each run this many times, interleaved, and take the median (default 3)")
     parser.add_argument("--limit", type=int, default=None, help="run only the first N held-out configurations")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the results JSON here")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -25,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, "--out")
     require_positive("steps", args.steps, "use --steps 2 or more")
+    require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.limit is not None:
         require_positive("--limit", args.limit, "use --limit 1 or more")
     data = read_costs(args.costs)
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise GpipeInputError(f"costs file {args.costs!r} was measured on another machine or library version; "
                               "run gpipe calibrate here first")
     progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
-    result = validate(data, args.steps, args.limit, progress)
+    result = validate(data, args.steps, args.limit, progress, args.rounds)
     if args.out:
         from sim.timeline import write_json_atomic
 
