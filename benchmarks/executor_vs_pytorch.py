@@ -54,7 +54,12 @@ def _env(threads: int) -> dict[str, str]:
 def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report_path = os.path.join(tmp, "report.json")
-        argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--stages", str(cfg["stages"]),
+        from executor.cli import even_partition
+        from executor.models import model_ref
+
+        layers = model_ref(cfg["model"], cfg["options"]).num_layers
+        partition = ",".join(map(str, even_partition(layers, cfg["stages"])))  # as the PyTorch side splits
+        argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--partition", partition,
                 "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
                 "--checkpoint", "never", "--steps", str(steps), "--warmup-steps", str(warmup),
                 "--threads", str(threads), "--report", report_path]
@@ -166,6 +171,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternate executor and PyTorch runs this many times; medians are reported")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "executor_vs_pytorch.json"))
     args = parser.parse_args()
     cores = os.cpu_count() or 1
@@ -174,15 +181,21 @@ def main() -> int:
         threads = max(1, cores // cfg["stages"])
         single_s = run_single(cfg, args.steps, args.warmup, cores)
         for schedule in ("gpipe", "1f1b"):
-            report = run_executor(cfg, schedule, args.steps, args.warmup, threads)
+            reports, pytorch_runs = [], []
+            for _ in range(args.rounds):  # alternating, so both see the same drifts of a shared machine
+                reports.append(run_executor(cfg, schedule, args.steps, args.warmup, threads))
+                pytorch_runs.append(run_pytorch(cfg, schedule, args.steps, args.warmup, threads))
+            reports.sort(key=lambda r: r["step_time_s"])
+            report = reports[len(reports) // 2]
             bounds = ideal(report, cfg["stages"])
-            pytorch_s = run_pytorch(cfg, schedule, args.steps, args.warmup, threads)
+            pytorch_s = statistics.median(pytorch_runs)
             step_s = report["step_time_s"]
             row = {"model": cfg["model"], "options": cfg["options"], "K": cfg["stages"], "M": cfg["microbatches"],
                    "batch": cfg["batch"], "schedule": schedule, "executor_step_s": step_s,
                    "pytorch_step_s": pytorch_s, "single_process_step_s": single_s, **bounds,
                    "overhead_fraction": (step_s - bounds["bottleneck_bound_s"]) / step_s,
-                   "speedup_vs_pytorch": pytorch_s / step_s}
+                   "speedup_vs_pytorch": pytorch_s / step_s,
+                   "executor_rounds_s": [r["step_time_s"] for r in reports], "pytorch_rounds_s": pytorch_runs}
             rows.append(row)
             print(f"{cfg['model']:12s} K={cfg['stages']} M={cfg['microbatches']} {schedule:5s} "
                   f"executor {step_s * 1e3:7.2f} ms  pytorch {pytorch_s * 1e3:7.2f} ms  "
@@ -194,7 +207,7 @@ def main() -> int:
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": cores,
                           "torch": torch.__version__, "python": platform.python_version()},
               "command": "python benchmarks/executor_vs_pytorch.py " + " ".join(sys.argv[1:]),
-              "steps": args.steps, "warmup": args.warmup, "rows": rows}
+              "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=1)

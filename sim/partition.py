@@ -16,7 +16,6 @@ layers [first, end) fit on a stage, any sub-range does too.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from typing import Callable, Sequence

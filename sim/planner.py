@@ -127,13 +127,13 @@ def choose_partition(table: CostTable, system: System, batch_size: int, candidat
 
 
 def default_partition(workload: Workload, system: System, batch_size: int, candidate: Candidate,
-                      partitioner: str = "min_max") -> list[int]:
+                      partitioner: str = "min_max", table: CostTable | None = None) -> list[int]:
     """The partition ``gpipe simulate`` and ``gpipe train`` use when none is given.
 
     The best partition that fits memory; if none fits, the best one ignoring memory, so that the
     simulation can report which stage overflows and by how much.
     """
-    table = CostTable(workload, system.device)
+    table = table if table is not None else CostTable(workload, system.device)
     partition = choose_partition(table, system, batch_size, candidate, partitioner)
     if partition is None:
         unlimited = System("unlimited", replace(system.device, memory_bytes=float("inf")),

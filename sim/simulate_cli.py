@@ -11,7 +11,7 @@ from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_pi
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import System, get_system
-from sim.plan import Plan, load_plan, parse_partition
+from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
 from sim.schedule import check_checkpoint_policy, check_schedule_name
 from sim.resolve import resolve_workload

@@ -13,14 +13,13 @@ get less efficient on small micro-batches; the simulator's own limits apply (:mo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError
-from sim.hardware import System, get_system
-from sim.planner import Candidate, choose_partition
+from sim.hardware import System
+from sim.planner import Candidate, default_partition
 from sim.stage_costs import CostTable
 from sim.workload import Workload
 
@@ -39,33 +38,15 @@ def with_efficiency(system: System, efficiency: float | None,
     return replace(system, device=device)
 
 
-def _find(data: object, key: str) -> float | None:
-    """The first numeric ``key`` in nested dicts, breadth first."""
-    queue = [data]
-    while queue:
-        item = queue.pop(0)
-        if isinstance(item, dict):
-            if isinstance(item.get(key), (int, float)) and not isinstance(item.get(key), bool):
-                return float(item[key])
-            queue.extend(item.values())
-    return None
-
-
 def efficiency_from_costs(path: str) -> tuple[float, float | None]:
-    """The roofline efficiencies a calibration fitted (FLOP/s, bandwidth) from its costs file.
+    """The roofline efficiencies (FLOP/s, bandwidth) ``gpipe calibrate`` fitted, from its costs file."""
+    from calibrate.costs import read_costs
 
-    Reads the first ``efficiency`` and ``bandwidth_efficiency`` found in the JSON (the fit of
-    :class:`calibrate.fit.RooflineFit` writes both), so the file's layout may nest them.
-    """
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise GpipeInputError(f"cannot read costs file {path!r} ({exc}); run gpipe calibrate first") from None
-    efficiency = _find(data, "efficiency")
-    if efficiency is None:
-        raise GpipeInputError(f"costs file {path!r} has no fitted 'efficiency'; pass --efficiency instead")
-    return efficiency, _find(data, "bandwidth_efficiency")
+    fitted = read_costs(path).get("efficiency")
+    if not fitted:
+        raise GpipeInputError(f"costs file {path!r} has no fitted efficiency (its model has no analytic form); "
+                              "pass --efficiency instead")
+    return float(fitted["efficiency"]), fitted.get("bandwidth_efficiency")
 
 
 @dataclass(frozen=True)
@@ -87,9 +68,7 @@ def simulate_candidate(workload: Workload, system: System, batch_size: int, cand
                        table: CostTable | None = None, record: bool = False) -> SimResult:
     """Simulate ``candidate`` with the memory-aware partition, or the balanced one if none fits."""
     table = table or CostTable(workload, system.device)
-    partition = choose_partition(table, system, batch_size, candidate)
-    if partition is None:
-        partition = choose_partition(table, get_system("ideal"), batch_size, candidate)
+    partition = default_partition(workload, system, batch_size, candidate, table=table)
     return simulate(workload, system, partition, batch_size, candidate.microbatches, candidate.checkpoint,
                     candidate.schedule, costs=table, record=record)
 

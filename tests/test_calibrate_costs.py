@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from calibrate.costs import MeasuredWorkload, interpolate, load_costs_workload, read_costs, write_costs
+from calibrate.costs import interpolate, load_costs_workload, read_costs, write_costs
 from sim.engine import simulate
 from sim.errors import GpipeInputError
 from sim.hardware import LOCAL_CPU, V100, get_system

@@ -1,0 +1,43 @@
+import pytest
+
+from calibrate.costs import write_costs
+from sim.errors import GpipeInputError
+from sim.hardware import get_system
+from sim.models import get_workload
+from sim.planner import Candidate
+from sim.whatif import efficiency_from_costs, simulate_candidate, with_efficiency
+
+SMALL = {"layers": 4, "d_model": 512, "ff": 2048, "heads": 8, "seq": 256, "vocab": 8000}
+
+
+def test_a_lower_efficiency_makes_compute_bound_steps_slower():
+    workload = get_workload("transformer", SMALL)
+    system = get_system("a100-nvlink")
+    candidate = Candidate(2, 8, "except_last", "gpipe")
+    fast = simulate_candidate(workload, with_efficiency(system, 0.8), 64, candidate)
+    slow = simulate_candidate(workload, with_efficiency(system, 0.2), 64, candidate)
+    assert slow.step_time_s > 2 * fast.step_time_s
+
+
+@pytest.mark.parametrize("value", [0.0, -0.3, 7.0])
+def test_an_efficiency_that_is_not_a_fraction_is_refused(value):
+    with pytest.raises(GpipeInputError, match="not a fraction of peak"):
+        with_efficiency(get_system("h100-nvlink"), value)
+
+
+def test_efficiency_is_read_from_a_costs_file(tmp_path):
+    path = tmp_path / "costs.json"
+    write_costs({"efficiency": {"efficiency": 0.37, "bandwidth_efficiency": 0.21}}, path)
+    assert efficiency_from_costs(str(path)) == (0.37, 0.21)
+    write_costs({"efficiency": None}, path)
+    with pytest.raises(GpipeInputError, match="no fitted efficiency"):
+        efficiency_from_costs(str(path))
+    with pytest.raises(GpipeInputError, match="does not exist"):
+        efficiency_from_costs(str(tmp_path / "missing.json"))
+
+
+def test_a_candidate_that_does_not_fit_is_still_simulated_with_a_balanced_split():
+    workload = get_workload("transformer", {**SMALL, "layers": 48, "d_model": 2048, "ff": 8192,
+                                            "heads": 32, "seq": 1024, "vocab": 32000})
+    result = simulate_candidate(workload, get_system("tpu-v3"), 32, Candidate(2, 4, "never", "gpipe"))
+    assert not result.fits and sum(result.partition) == workload.num_layers
