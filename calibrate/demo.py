@@ -58,11 +58,9 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> tuple[Any, A
 
 def run(args: argparse.Namespace) -> int:
     from calibrate.cli import calibrate_cached
-    from calibrate.report_html import bubble_figure, error_table, memory_figure, one_step, write_report
     from calibrate.runs import train_report
     from executor.models import model_ref
     from sim.engine import simulate
-    from sim.figures import compare_figure
     from sim.plan import Plan, save_plan
     from sim.errors import require_positive
 
@@ -97,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
         f"losses {', '.join(f'{v:.3f}' for v in report['losses'])}")
     say("5/5 writing the report")
     path = os.path.join(args.out_dir, "report.html")
-    _write(path, data, plan, predicted, report, one_step, bubble_figure, memory_figure, error_table,
-           write_report, compare_figure)
+    write_demo_report(path, data, plan, predicted, report)
     say(f"done in {time.perf_counter() - started:.0f} s")
     print(f"report written to {os.path.abspath(path)}")
     return 0
@@ -108,8 +105,11 @@ def _rel(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured * 100:+.1f}%" if measured else "n/a"
 
 
-def _write(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any], one_step, bubble_figure,
-           memory_figure, error_table, write_report, compare_figure) -> None:
+def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any]) -> None:
+    """The HTML report: timelines on one axis, bubble and memory side by side, the error table."""
+    from calibrate.report_html import bubble_figure, error_table, memory_figure, one_step, write_report
+    from sim.figures import compare_figure
+
     measured_step = one_step(report)
     timelines = compare_figure([predicted.timeline, measured_step], ["predicted", "measured"],
                                title="One training step: simulator (top) and executor (bottom)")

@@ -80,9 +80,8 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any) -> dict[str, Any
     import torch
     import torch.distributed as dist
 
-    from executor.data import batch_for_step
     from executor.models import model_ref
-    from executor.pipeline import make_stage, prepare
+    from executor.pipeline import make_stage, prepare, train_step_with_data
     from executor.recording import Recorder
     from executor.report import build_report
     from executor.transport import DistTransport
@@ -95,11 +94,7 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any) -> dict[str, Any
     del prepared
     losses = []
     for step in range(config.steps):
-        inputs = targets = None
-        if stage.is_first or stage.is_last:
-            inputs, targets = batch_for_step(config.model, config.options, config.batch_size,
-                                             config.seed, step, config.data or None)
-        loss = stage.train_step(step, inputs, targets)
+        loss = train_step_with_data(config, stage, step)
         if stage.is_last:
             losses.append(float(loss))  # type: ignore[arg-type]
     payload = {"timeline": stage.recorder.timeline.to_dict(),

@@ -63,6 +63,18 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
         device=device, optimizer=config.optimizer, lr=config.lr, recorder=recorder)
 
 
+def train_step_with_data(config: RunConfig, stage: PipelineStage, step: int) -> float | None:
+    """One mini-batch on ``stage``: draw step ``step``'s data where the stage needs it, then train.
+
+    The first stage keeps the inputs, the last the targets; the loss comes back on the last stage.
+    """
+    inputs = targets = None
+    if stage.is_first or stage.is_last:
+        inputs, targets = batch_for_step(config.model, config.options, config.batch_size, config.seed, step,
+                                         config.data or None)
+    return stage.train_step(step, inputs, targets)
+
+
 class LocalPipeline:
     """All K stages in this process. ``stages[k].module`` holds stage k's (live) layers."""
 

@@ -29,9 +29,8 @@ import torch.distributed as dist
 
 from executor import checkpoint
 from executor.config import RunConfig
-from executor.data import batch_for_step
 from executor.models import model_ref
-from executor.pipeline import make_stage, prepare
+from executor.pipeline import make_stage, prepare, train_step_with_data
 from executor.recording import Recorder
 from executor.report import build_report
 from executor.stage import PipelineStage
@@ -114,11 +113,7 @@ def train(config: RunConfig) -> None:
         first_step = start
         for step in range(start, config.steps):
             step_ref[0] = step
-            inputs = targets = None
-            if stage.is_first or stage.is_last:
-                inputs, targets = batch_for_step(config.model, config.options, config.batch_size,
-                                                 config.seed, step, config.data or None)
-            loss = stage.train_step(step, inputs, targets)
+            loss = train_step_with_data(config, stage, step)
             if stage.is_last:
                 losses.append(float(loss))  # type: ignore[arg-type]
                 print(f"gpipe: step {step} loss {loss:.6f}", flush=True)

@@ -13,6 +13,7 @@ from sim.errors import GpipeInputError, require_positive
 from sim.hardware import get_system
 from sim.plan import ModelRef, Plan, save_plan
 from sim.planner import PlanOption, SearchResult, default_stage_options, search
+from sim.microbatch import split_rows
 from sim.report import gib
 from sim.resolve import resolve_workload
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
@@ -114,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     if progress:
         progress.finish()
     if result.best is None:
-        raise GpipeInputError(_nothing_fits(result, system))
+        raise GpipeInputError(_nothing_fits(result, workload, system, batch, stage_options, microbatch_options,
+                                            checkpoints, schedules))
     description = workload.describe()
     if args.out:
         save_plan(to_plan(result.best, description, batch, system.name, system.nodes), args.out)
@@ -175,10 +177,23 @@ def format_table(result: SearchResult, description: dict, system: str, batch: in
     return "\n".join(rows)
 
 
-def _nothing_fits(result: SearchResult, system) -> str:
-    return (f"no plan among {result.candidates} candidates fits in {gib(system.device.memory_bytes)} per "
-            f"{system.device.name}; try more stages (--stages-options, --nodes), --checkpoints always, "
-            f"a smaller --batch, or a device with more memory")
+def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_options: list[int],
+                  microbatch_options: list[int], checkpoints: list[str], schedules: list[str]) -> str:
+    """Why nothing fits, told on the candidate that needs the least memory: most stages, most
+    micro-batches, the most re-materialization searched."""
+    from sim.engine import simulate
+    from sim.planner import Candidate, default_partition
+    from sim.report import fit_advice
+
+    order = ["always", "except_last", "never"]
+    policy = min(checkpoints, key=order.index)
+    stages = max(stage_options)
+    microbatches = len(split_rows(batch, max(microbatch_options)))
+    candidate = Candidate(stages, microbatches, policy, schedules[0])
+    partition = default_partition(workload, system, batch, candidate)
+    leanest = simulate(workload, system, partition, batch, microbatches, policy, schedules[0], record=False)
+    return (f"no plan among {result.candidates} candidates fits; even K={stages} M={microbatches} {policy}: "
+            + fit_advice(leanest, system))
 
 
 class _Progress:

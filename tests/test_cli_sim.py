@@ -97,3 +97,11 @@ def test_plan_bad_input(args, message):
     proc = run("plan", "--model", "transformer", *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message in proc.stderr
+
+
+def test_plan_that_nothing_fits_names_the_overflowing_stage():
+    proc = run("plan", "--model", "transformer", "--layers", "48", "--d-model", "2048", "--ff", "8192",
+               "--heads", "32", "--seq", "1024", "--vocab", "32000", "--batch", "32", "--hardware", "tpu-v3",
+               "--stages-options", "1,2", "--quiet")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert "no plan among" in proc.stderr and "stage 0 needs" in proc.stderr and "more stages" in proc.stderr
