@@ -171,8 +171,9 @@ SYSTEMS: dict[str, System] = {
     for s in [
         System("ideal", IDEAL_DEVICE, 1 << 20, FREE_LINK, FREE_LINK,
                description="infinitely fast links, unlimited memory"),
-        System("cpu", LOCAL_CPU, 1 << 10, LOOPBACK, Link("tcp-10GbE", 1.25 * GB, 100e-6),
-               description="processes on this machine's CPU over gloo (nominal until calibrated)"),
+        # one stage per core: more stages than cores would time-share cores, which is not modelled
+        System("cpu", LOCAL_CPU, os.cpu_count() or 1, LOOPBACK, Link("tcp-10GbE", 1.25 * GB, 100e-6),
+               description="processes on this machine's CPU over gloo, one per core (nominal until calibrated)"),
         System("p100-pcie", P100, 8, PCIE3, IB_HDR, description="8 x P100 over PCIe gen3 through the host"),
         System("v100-nvlink", V100, 8, NVLINK2, IB_HDR, description="8 x V100 SXM2 with NVLink 2"),
         System("a100-nvlink", A100_80GB, 8, NVLINK3, IB_HDR, description="8 x A100 80GB SXM with NVLink 3"),

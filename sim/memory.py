@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from sim.schedule import Kind, build_schedule, recomputes
+from sim.schedule import Kind, recomputes, stage_actions
 from sim.stage_costs import StageCost
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 16)
 def peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint: str,
                       stage: int) -> tuple[tuple[int, int], ...]:
     """Pareto-maximal (stash count, saved-set count) pairs reached on ``stage``."""
-    actions = build_schedule(stages, microbatches, schedule, checkpoint)[stage]
+    actions = stage_actions(stage, stages, microbatches, schedule, checkpoint)
     stash = saved = 0
     points = set()
     for action in actions:

@@ -110,8 +110,12 @@ def run(args: argparse.Namespace) -> int:
         stage_options = default_stage_options(system, workload.num_layers)
     microbatch_options = parse_int_list(args.microbatch_options, "--microbatch-options")
     progress = None if args.quiet else _Progress()
-    result = search(workload, system, batch, stage_options, microbatch_options, checkpoints, schedules,
-                    args.partitioner, args.top, progress)
+    if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (calibrate.costs)
+        result = _search_each_stage_count(workload, system, batch, stage_options, microbatch_options,
+                                          checkpoints, schedules, args.partitioner, args.top, progress)
+    else:
+        result = search(workload, system, batch, stage_options, microbatch_options, checkpoints, schedules,
+                        args.partitioner, args.top, progress)
     if progress:
         progress.finish()
     if result.best is None:
@@ -136,6 +140,23 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"what-if curves written to {args.html}")
     return 0
+
+
+def _search_each_stage_count(workload, system, batch: int, stage_options: list[int], microbatch_options: list[int],
+                             checkpoints: list[str], schedules: list[str], partitioner: str, top: int,
+                             progress) -> SearchResult:
+    """Search K by K with the measured workload bound to each K, then merge the rankings."""
+    parts = []
+    for k in stage_options:
+        bound, bound_system = workload.bind(system, k)
+        parts.append(search(bound, bound_system, batch, [k], microbatch_options, checkpoints, schedules,
+                            partitioner, top, progress))
+    ranked = sorted((o for part in parts for o in part.ranked),
+                    key=lambda o: (o.step_time_s, o.max_peak_memory_bytes, o.candidate.stages))[:top]
+    return SearchResult(ranked=ranked, candidates=sum(p.candidates for p in parts),
+                        simulated=sum(p.simulated for p in parts), not_fitting=sum(p.not_fitting for p in parts),
+                        elapsed_s=sum(p.elapsed_s for p in parts),
+                        unfit_examples=[o for p in parts for o in p.unfit_examples][:5])
 
 
 def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int) -> Plan:

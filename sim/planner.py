@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError
 from sim.hardware import System
-from sim.memory import peak_activation_bytes
+from sim.memory import peak_coefficients
 from sim.microbatch import split_rows
 from sim.partition import min_max_partition, min_variance_partition
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, recomputes
@@ -64,6 +64,7 @@ class SearchResult:
     not_fitting: int
     elapsed_s: float
     unfit_examples: list[PlanOption] = field(default_factory=list)
+    partitioned: int = 0  # candidates whose partition was computed; the rest were bounded out
 
     @property
     def best(self) -> PlanOption | None:
@@ -115,9 +116,11 @@ def choose_partition(table: CostTable, system: System, batch_size: int, candidat
     capacity = system.device.memory_bytes
     c = candidate
 
-    def fits(stage: int, first: int, end: int) -> bool:
+    held = [peak_coefficients(c.stages, c.microbatches, c.schedule, c.checkpoint, k) for k in range(c.stages)]
+
+    def fits(stage: int, first: int, end: int) -> bool:  # sim.memory.peak_activation_bytes, inlined
         cost = table.stage(rows, first, end)
-        peak = peak_activation_bytes(cost, c.stages, c.microbatches, c.schedule, c.checkpoint, stage)
+        peak = max(a * cost.stash_bytes + b * cost.saved_bytes for a, b in held[stage])
         return cost.static_bytes + peak <= capacity
 
     weights = _layer_weights(table, rows, c.checkpoint)
@@ -163,45 +166,80 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate: Candidate, parti
     return best
 
 
+def balanced_bound_s(table: CostTable, batch_size: int, candidate: Candidate) -> float:
+    """A lower bound that needs no partition: the whole model's work spread evenly over K stages.
+
+    The slowest stage does at least the average; :func:`lower_bound_s` is never below this.
+    """
+    rows = split_rows(batch_size, candidate.microbatches)
+    layers = table.workload.num_layers
+    total = table.stage(rows[0], 0, layers).optimizer_s
+    for m, r in enumerate(rows):
+        whole = table.stage(r, 0, layers)
+        total += whole.forward_s + whole.backward_s
+        if recomputes(candidate.checkpoint, m, len(rows)):
+            total += whole.recompute_s
+    return total / candidate.stages
+
+
 def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],
            microbatch_options: Sequence[int], checkpoints: Sequence[str] = CHECKPOINT_POLICIES,
            schedules: Sequence[str] = SCHEDULES, partitioner: str = "min_max", top: int = 10,
            progress: Progress | None = None) -> SearchResult:
-    """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc)."""
+    """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
+
+    Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
+    partition is needed; partitioned ones wait, ordered by :func:`lower_bound_s`, until their
+    simulation is. A candidate is simulated only when no other can have a smaller bound, and the
+    search ends when the smallest bound left exceeds the ``top``-th best simulated step.
+    """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
     started = time.perf_counter()
     table = CostTable(workload, system.device)
-    options = []
     unfit: list[PlanOption] = []
     all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules)
-    for candidate in all_candidates:
-        partition = choose_partition(table, system, batch_size, candidate, partitioner)
-        if partition is None:
-            unfit.append(PlanOption(candidate, None, float("inf")))
-            continue
-        options.append(PlanOption(candidate, partition, lower_bound_s(table, batch_size, candidate, partition)))
-    options.sort(key=lambda o: o.lower_bound_s)
+    waiting = sorted(((balanced_bound_s(table, batch_size, c), i, c) for i, c in enumerate(all_candidates)),
+                     key=lambda entry: entry[:2])
+    partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
     kept: list[tuple[float, int, PlanOption]] = []  # max-heap of the top fitting, by -step time
-    simulated = 0
-    for index, option in enumerate(options):
-        if len(kept) >= top and option.lower_bound_s > -kept[0][0]:
-            break
-        c = option.candidate
-        option.result = simulate(workload, system, option.partition, batch_size, c.microbatches,
-                                 c.checkpoint, c.schedule, costs=table, record=False)
-        simulated += 1
-        if option.result.fits:
-            heapq.heappush(kept, (-option.step_time_s, index, option))
-            if len(kept) > top:
-                heapq.heappop(kept)
+    simulated = examined = 0
+    next_waiting = 0
+    while True:
+        worst_kept = -kept[0][0] if len(kept) >= top else float("inf")
+        cheapest_waiting = waiting[next_waiting][0] if next_waiting < len(waiting) else float("inf")
+        if partitioned and partitioned[0][0] <= cheapest_waiting:
+            bound, index, option = heapq.heappop(partitioned)
+            if bound > worst_kept:
+                break
+            c = option.candidate
+            option.result = simulate(workload, system, option.partition, batch_size, c.microbatches,
+                                     c.checkpoint, c.schedule, costs=table, record=False)
+            simulated += 1
+            if option.result.fits:
+                heapq.heappush(kept, (-option.step_time_s, index, option))
+                if len(kept) > top:
+                    heapq.heappop(kept)
+            else:
+                unfit.append(option)
+            if progress is not None:
+                progress(examined, len(all_candidates), max(kept, key=lambda entry: entry[0])[2] if kept else None)
+        elif next_waiting < len(waiting):
+            if cheapest_waiting > worst_kept:
+                break
+            _, index, candidate = waiting[next_waiting]
+            next_waiting += 1
+            examined += 1
+            partition = choose_partition(table, system, batch_size, candidate, partitioner)
+            if partition is None:
+                unfit.append(PlanOption(candidate, None, float("inf")))
+                continue
+            bound = lower_bound_s(table, batch_size, candidate, partition)
+            heapq.heappush(partitioned, (bound, index, PlanOption(candidate, partition, bound)))
         else:
-            unfit.append(option)
-        if progress is not None:
-            best = max(kept, key=lambda entry: entry[0])[2] if kept else None
-            progress(index + 1, len(options), best)
+            break
     ranked = sorted((entry[2] for entry in kept),
                     key=lambda o: (o.step_time_s, o.max_peak_memory_bytes, o.candidate.stages))
     return SearchResult(ranked=ranked, candidates=len(all_candidates), simulated=simulated,
                         not_fitting=len(unfit), elapsed_s=time.perf_counter() - started,
-                        unfit_examples=unfit[:5])
+                        unfit_examples=unfit[:5], partitioned=examined)

@@ -115,9 +115,15 @@ def build_schedule(stages: int, microbatches: int, schedule: str = "gpipe",
     require_positive("micro-batches (M)", microbatches, "use --microbatches 1 or more")
     check_schedule_name(schedule)
     check_checkpoint_policy(checkpoint)
+    return [stage_actions(k, stages, microbatches, schedule, checkpoint) for k in range(stages)]
+
+
+def stage_actions(stage: int, stages: int, microbatches: int, schedule: str = "gpipe",
+                  checkpoint: str = "except_last") -> list[Action]:
+    """Stage ``stage``'s list of :func:`build_schedule`, without building the others' (unchecked)."""
     if schedule == "gpipe":
-        return [_stage_gpipe(k, microbatches, checkpoint) for k in range(stages)]
-    return [_stage_1f1b(k, stages, microbatches, checkpoint) for k in range(stages)]
+        return _stage_gpipe(stage, microbatches, checkpoint)
+    return _stage_1f1b(stage, stages, microbatches, checkpoint)
 
 
 def format_grid(per_stage: list[list[Action]], highlight: Action | None = None) -> str:

@@ -65,21 +65,41 @@ class CostTable:
         self.device = device
         self._layers: dict[int, tuple[LayerCost, ...]] = {}
         self._stages: dict[tuple[int, int, int], StageCost] = {}
+        self._prefix: dict[int, list[tuple[float, float, float, int, int, float]]] = {}
+        self._exact = getattr(workload, "stage_cost", None)
 
     def layers(self, rows: int) -> tuple[LayerCost, ...]:
         if rows not in self._layers:
             self._layers[rows] = tuple(self.workload.layer_costs(rows, self.device))
         return self._layers[rows]
 
+    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float]]:
+        """Running sums of (forward, backward, recompute, saved, static, optimizer) over layers."""
+        if rows not in self._prefix:
+            sums = [(0.0, 0.0, 0.0, 0, 0, 0.0)]
+            for c in self.layers(rows):
+                f, b, r, saved, static, opt = sums[-1]
+                sums.append((f + c.forward_s, b + c.backward_s, r + c.recompute_s, saved + c.saved_bytes,
+                             static + c.param_bytes + c.grad_bytes + c.optimizer_bytes, opt + c.optimizer_s))
+            self._prefix[rows] = sums
+        return self._prefix[rows]
+
     def stage(self, rows: int, first: int, end: int) -> StageCost:
         key = (rows, first, end)
-        if key not in self._stages:
-            # A workload may know its stages better than a sum of layers (measured costs hold the
-            # exact union of saved storages and per-action constants): calibrate.costs uses this.
-            exact = getattr(self.workload, "stage_cost", None)
-            self._stages[key] = (exact(rows, first, end, self.device) if exact is not None
-                                 else sum_stage(self.layers(rows)[first:end]))
-        return self._stages[key]
+        cost = self._stages.get(key)
+        if cost is None:
+            if self._exact is not None:
+                # A workload may know its stages better than a sum of layers (measured costs hold the
+                # exact union of saved storages and per-action constants): calibrate.costs uses this.
+                cost = self._exact(rows, first, end, self.device)
+            else:  # sum_stage, in O(1) from running sums
+                sums, layers = self._prefix_sums(rows), self.layers(rows)
+                low, high = sums[first], sums[end]
+                cost = StageCost(high[0] - low[0], high[1] - low[1], high[2] - low[2], high[3] - low[3],
+                                 layers[first].input_bytes, layers[end - 1].output_bytes, high[4] - low[4],
+                                 high[5] - low[5])
+            self._stages[key] = cost
+        return cost
 
     def stages(self, rows: int, partition: Sequence[int]) -> list[StageCost]:
         return [self.stage(rows, first, end) for first, end in stage_bounds(partition)]
