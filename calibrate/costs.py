@@ -209,7 +209,7 @@ class MeasuredWorkload:
             saved_bytes=self.stage_saved_bytes(rows, first, end),
             stash_bytes=inp, output_bytes=out,
             static_bytes=params * (2 + self.optimizer_slots),
-            optimizer_s=_positive(fit.optimizer(params) + fit.step_overhead_s, 0.0))
+            optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0))
 
     # ------------------------------------------------------------------ what-if on catalog devices
 

@@ -28,8 +28,8 @@ from sim.microbatch import split_rows
 from sim.plan import validate_partition
 from sim.schedule import Kind, build_schedule, recomputes
 from sim.stage_costs import CostTable, StageCost
-from sim.timeline import (OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, MemorySample, Record,
-                          Timeline)
+from sim.timeline import (OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, STEP_OVERHEAD, MemorySample,
+                          Record, Timeline)
 from sim.workload import Workload
 
 
@@ -219,13 +219,18 @@ class _Run:
                 if stage > 0:
                     input_bytes = cost.stash_bytes
                     self._send(stage, stage - 1, m, input_bytes, forward=False)
-        optimizer_s = self.costs[self.rows[0]][stage].optimizer_s
-        if optimizer_s > 0:
+        per_step = self.costs[self.rows[0]][stage]
+        if per_step.optimizer_s > 0:
             start = env.now
-            yield env.timeout(optimizer_s)
-            self.busy_s[stage] += optimizer_s
+            yield env.timeout(per_step.optimizer_s)
+            self.busy_s[stage] += per_step.optimizer_s
             if self.record:
                 self.records.append((stage, OPTIMIZER, -1, start, env.now))
+        if per_step.step_overhead_s > 0:  # not busy: the device is not known to compute then
+            start = env.now
+            yield env.timeout(per_step.step_overhead_s)
+            if self.record:
+                self.records.append((stage, STEP_OVERHEAD, -1, start, env.now))
         self.end_s[stage] = env.now
 
     def _send(self, source: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:

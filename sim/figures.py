@@ -22,8 +22,9 @@ KIND_COLOURS = {
     "send_grad": "#9D755D",
     "recv_wait": "#D3D3D3",
     "optimizer": "#E45756",
+    "overhead": "#BAB0AC",
 }
-KIND_ORDER = ["F", "R", "B", "optimizer", "send_act", "send_grad", "recv_wait"]
+KIND_ORDER = ["F", "R", "B", "optimizer", "overhead", "send_act", "send_grad", "recv_wait"]
 
 
 def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: str,

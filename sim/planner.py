@@ -154,7 +154,7 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate: Candidate, parti
     best = 0.0
     fill = drain = 0.0
     for k in range(len(partition)):
-        busy = first[k].optimizer_s
+        busy = first[k].optimizer_s + first[k].step_overhead_s
         for m, r in enumerate(rows):
             cost = by_rows[r][k]
             busy += cost.forward_s + cost.backward_s
@@ -173,7 +173,8 @@ def balanced_bound_s(table: CostTable, batch_size: int, candidate: Candidate) ->
     """
     rows = split_rows(batch_size, candidate.microbatches)
     layers = table.workload.num_layers
-    total = table.stage(rows[0], 0, layers).optimizer_s
+    whole_model = table.stage(rows[0], 0, layers)
+    total = whole_model.optimizer_s + whole_model.step_overhead_s * candidate.stages  # every stage has it
     for m, r in enumerate(rows):
         whole = table.stage(r, 0, layers)
         total += whole.forward_s + whole.backward_s

@@ -30,6 +30,7 @@ class StageCost:
     output_bytes: int  # sent to the next stage per micro-batch; its gradient comes back
     static_bytes: int  # parameters + gradients + optimizer state
     optimizer_s: float  # once per step
+    step_overhead_s: float = 0.0  # once per step, fitted by calibration: what spans do not explain
 
 
 def stage_bounds(partition: Sequence[int]) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ SEND_ACTIVATION = "send_act"
 SEND_GRADIENT = "send_grad"
 RECV_WAIT = "recv_wait"  # time a stage sat waiting for a neighbour's tensor
 OPTIMIZER = "optimizer"
+STEP_OVERHEAD = "overhead"  # simulated only: calibration's fitted per-step constant
 
 KIND_NAMES = {
     "F": "forward",
@@ -28,6 +29,7 @@ KIND_NAMES = {
     SEND_GRADIENT: "send gradient",
     RECV_WAIT: "wait for neighbour",
     OPTIMIZER: "optimizer step",
+    STEP_OVERHEAD: "fitted step overhead",
 }
 
 
