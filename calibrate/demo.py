@@ -116,18 +116,17 @@ def _rel(predicted: float, measured: float) -> str:
 
 def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any]) -> None:
     """The HTML report: timelines on one axis, bubble and memory side by side, the error table."""
-    from calibrate.report_html import bubble_figure, error_table, memory_figure, one_step, write_report
+    from calibrate.report_html import error_table, one_step, summary_figure, write_report
     from sim.figures import compare_figure
 
     measured_step = one_step(report)
     timelines = compare_figure([predicted.timeline, measured_step], ["predicted", "measured"],
                                title="One training step: simulator (top) and executor (bottom)")
     measured_busy = [s["busy_s"] for s in report["stages"]]
-    bubble = bubble_figure([s.busy_s for s in predicted.stages], predicted.step_time_s, measured_busy,
-                           report["step_time_s"])
     pred_mem = [s.peak_activation_bytes for s in predicted.stages]
     meas_mem = [s["peak_activation_bytes"] for s in report["stages"]]
-    memory = memory_figure(pred_mem, meas_mem)
+    summary = summary_figure([s.busy_s for s in predicted.stages], predicted.step_time_s, measured_busy,
+                             report["step_time_s"], pred_mem, meas_mem)
     rows = [("step time", f"{predicted.step_time_s * 1e3:.2f} ms", f"{report['step_time_s'] * 1e3:.2f} ms",
              _rel(predicted.step_time_s, report["step_time_s"]))]
     measured_bubble = 1 - sum(measured_busy) / (len(measured_busy) * report["step_time_s"])
@@ -145,5 +144,4 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
     notes = ["Measured: the executor's median step after warm-up; the timeline shows that step.",
              "Peak activation memory counts tensors saved for backward and stashed inputs (executor.memory).",
              "Timings on a shared machine vary from run to run; gpipe validate measures the error on held-out runs."]
-    write_report(path, "gpipe demo: predicted vs measured", intro, timelines, bubble, memory,
-                 error_table(rows), notes)
+    write_report(path, "gpipe demo: predicted vs measured", intro, timelines, summary, error_table(rows), notes)

@@ -10,6 +10,7 @@ import html
 from typing import Any, Sequence
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from sim.timeline import Record, Timeline
 
@@ -28,30 +29,34 @@ def one_step(report: dict[str, Any]) -> Timeline:
     return Timeline(records=shifted, memory=memory, source="measured", meta=dict(timeline.meta))
 
 
-def bubble_figure(predicted_busy_s: Sequence[float], predicted_step_s: float,
-                  measured_busy_s: Sequence[float], measured_step_s: float) -> go.Figure:
-    """Per stage: busy and idle (bubble) seconds, predicted beside measured."""
-    fig = go.Figure()
+def summary_figure(predicted_busy_s: Sequence[float], predicted_step_s: float, measured_busy_s: Sequence[float],
+                   measured_step_s: float, predicted_bytes: Sequence[int], measured_bytes: Sequence[int]) -> go.Figure:
+    """Side by side, per stage: busy and idle (bubble) ms of one step, and peak activation MiB.
+
+    One figure with two panels rather than two figures in an HTML row: plotly sizes a single figure
+    to its container reliably, two figures side by side less so.
+    """
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("Busy and bubble per stage (ms per step)",
+                                        "Peak activation memory per stage (MiB)"))
     stages = [f"stage {k}" for k in range(len(predicted_busy_s))]
-    for label, busy, step, colour in (("predicted", predicted_busy_s, predicted_step_s, "#4C78A8"),
-                                      ("measured", measured_busy_s, measured_step_s, "#F58518")):
-        fig.add_trace(go.Bar(x=stages, y=[b * 1e3 for b in busy], name=f"{label} busy", marker_color=colour,
-                             offsetgroup=label))
-        fig.add_trace(go.Bar(x=stages, y=[max(step - b, 0.0) * 1e3 for b in busy], name=f"{label} idle (bubble)",
-                             marker_color=colour, opacity=0.35, offsetgroup=label,
-                             base=[b * 1e3 for b in busy]))
-    fig.update_layout(title="Busy and bubble per stage (ms per step)", barmode="group", height=380)
-    return fig
-
-
-def memory_figure(predicted_bytes: Sequence[int], measured_bytes: Sequence[int]) -> go.Figure:
-    """Per stage: peak activation memory, predicted beside measured (MiB)."""
-    stages = [f"stage {k}" for k in range(len(predicted_bytes))]
-    fig = go.Figure([go.Bar(x=stages, y=[b / 2**20 for b in predicted_bytes], name="predicted",
-                            marker_color="#4C78A8"),
-                     go.Bar(x=stages, y=[b / 2**20 for b in measured_bytes], name="measured",
-                            marker_color="#F58518")])
-    fig.update_layout(title="Peak activation memory per stage (MiB)", barmode="group", height=380)
+    for label, busy, step, nbytes, colour in (
+            ("predicted", predicted_busy_s, predicted_step_s, predicted_bytes, "#4C78A8"),
+            ("measured", measured_busy_s, measured_step_s, measured_bytes, "#F58518")):
+        x = [f"{stage} {label}" for stage in stages]
+        fig.add_trace(go.Bar(x=x, y=[b * 1e3 for b in busy], name=f"{label} busy", marker_color=colour,
+                             legendgroup=label), row=1, col=1)
+        fig.add_trace(go.Bar(x=x, y=[max(step - b, 0.0) * 1e3 for b in busy], name=f"{label} idle (bubble)",
+                             marker_color=colour, opacity=0.35, legendgroup=label), row=1, col=1)
+        fig.add_trace(go.Bar(x=stages, y=[b / 2**20 for b in nbytes], name=f"{label} peak activation",
+                             marker_color=colour, legendgroup=label, offsetgroup=label), row=1, col=2)
+    order = [f"{stage} {label}" for stage in stages for label in ("predicted", "measured")]
+    fig.update_xaxes(categoryorder="array", categoryarray=order, row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=1, col=1)
+    fig.update_yaxes(title_text="MiB", row=1, col=2)
+    fig.update_layout(barmode="stack", height=420, legend={"orientation": "h", "y": -0.2})
+    fig.update_traces(selector={"offsetgroup": "predicted"}, width=0.35)
+    fig.update_traces(selector={"offsetgroup": "measured"}, width=0.35)
     return fig
 
 
@@ -62,18 +67,17 @@ def error_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
     return f"<table>{head}{body}</table>"
 
 
-def write_report(path: str, title: str, intro: str, timelines: go.Figure, bubble: go.Figure,
-                 memory: go.Figure, table_html: str, notes: Sequence[str]) -> None:
-    """Assemble the page: heading, timelines, bubble | memory, error table, notes."""
-    parts = [timelines.to_html(full_html=False, include_plotlyjs=True),
-             bubble.to_html(full_html=False, include_plotlyjs=False),
-             memory.to_html(full_html=False, include_plotlyjs=False)]
+def write_report(path: str, title: str, intro: str, timelines: go.Figure, summary: go.Figure,
+                 table_html: str, notes: Sequence[str]) -> None:
+    """Assemble the page: heading, timelines, bubble beside memory, error table, notes."""
+    config = {"responsive": True}
+    parts = [timelines.to_html(full_html=False, include_plotlyjs=True, config=config),
+             summary.to_html(full_html=False, include_plotlyjs=False, config=config)]
     note_items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1.5em; }}
-.row {{ display: flex; gap: 1em; }} .row > div {{ flex: 1; min-width: 0; }}
 table {{ border-collapse: collapse; margin: 1em 0; }}
 td, th {{ border: 1px solid #ccc; padding: 0.3em 0.8em; text-align: right; }}
 td:first-child, th:first-child {{ text-align: left; }}
@@ -82,7 +86,7 @@ td:first-child, th:first-child {{ text-align: left; }}
 <p>{html.escape(intro)}</p>
 <h2>Predicted and measured step, same time axis</h2>
 {parts[0]}
-<div class="row"><div>{parts[1]}</div><div>{parts[2]}</div></div>
+{parts[1]}
 <h2>Prediction error</h2>
 {table_html}
 <ul>{note_items}</ul>
