@@ -1,6 +1,6 @@
 """Held-out validation: predict runs the fit never saw, measure them with the executor, compare.
 
-The held-out design covers what the issue asks for: K in {1, 2} (and up to the stage count the
+The held-out design covers: K in {1, 2} (and up to the stage count the
 machine has room for), M from 1 to 16 including values that do not divide the batch, balanced and
 skewed partitions, every checkpoint policy and both schedules. Any configuration that is also in
 the calibration design is dropped, so no prediction is of a run the fit learned from.
