@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from calibrate.costs import MeasuredWorkload
 from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
+from sim.partition import even_partition
 from sim.schedule import recomputes
 from sim.stage_costs import stage_bounds
 
@@ -51,25 +52,18 @@ def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
     if stages == 1:
         return (num_layers,)
     first = max(1, num_layers // 4)
-    rest = num_layers - first
-    base, extra = divmod(rest, stages - 1)
-    return (first,) + tuple(base + (1 if k < extra else 0) for k in range(stages - 1))
-
-
-def balanced(num_layers: int, stages: int) -> tuple[int, ...]:
-    base, extra = divmod(num_layers, stages)
-    return tuple(base + (1 if k < extra else 0) for k in range(stages))
+    return (first,) + even_partition(num_layers - first, stages - 1)
 
 
 def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2) -> list[RunSpec]:
     """The runs the fit learns from (small: every run costs a few seconds on 2 cores)."""
-    specs = [RunSpec(balanced(num_layers, 1), 2, "never", "gpipe", batch_size),
-             RunSpec(balanced(num_layers, 1), 8, "always", "gpipe", batch_size)]
+    specs = [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size),
+             RunSpec(even_partition(num_layers, 1), 8, "always", "gpipe", batch_size)]
     if max_stages >= 2 and num_layers >= 2:
-        specs += [RunSpec(balanced(num_layers, 2), 4, "except_last", "gpipe", batch_size),
+        specs += [RunSpec(even_partition(num_layers, 2), 4, "except_last", "gpipe", batch_size),
                   RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
-                  RunSpec(balanced(num_layers, 2), 2, "never", "1f1b", batch_size),
-                  RunSpec(balanced(num_layers, 2), 16, "always", "gpipe", batch_size)]
+                  RunSpec(even_partition(num_layers, 2), 2, "never", "1f1b", batch_size),
+                  RunSpec(even_partition(num_layers, 2), 16, "always", "gpipe", batch_size)]
     return specs
 
 

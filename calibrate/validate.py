@@ -16,7 +16,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from calibrate.calibration import RunSpec, balanced, calibration_design, predict, run_config, skewed
+from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
+from sim.partition import even_partition
 
 # (stages, microbatches, partition kind, checkpoint, schedule)
 HELD_OUT = [
@@ -43,7 +44,7 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
     for stages, m, kind, checkpoint, schedule in HELD_OUT:
         if stages > min(max_stages, num_layers):
             continue
-        split = balanced if kind == "balanced" else skewed
+        split = even_partition if kind == "balanced" else skewed
         spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size)
         if spec not in seen and spec not in specs:
             specs.append(spec)

@@ -24,6 +24,7 @@ from typing import Any
 
 from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, model_options
 from sim.errors import GpipeInputError, require_positive
+from sim.partition import even_partition
 from sim.plan import load_plan, parse_partition
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
 
@@ -88,16 +89,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         except json.JSONDecodeError:
             options[key] = value
     return options
-
-
-def even_partition(num_layers: int, stages: int) -> tuple[int, ...]:
-    """Split ``num_layers`` over ``stages`` as evenly as possible, earlier stages one more."""
-    require_positive("stages (K)", stages, "use --stages 1 or more")
-    if stages > num_layers:
-        raise GpipeInputError(f"--stages {stages} is more than the model's {num_layers} layers; "
-                              f"use at most {num_layers} stages")
-    base, extra = divmod(num_layers, stages)
-    return tuple(base + (1 if k < extra else 0) for k in range(stages))
 
 
 def config_from_args(args: argparse.Namespace):

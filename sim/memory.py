@@ -49,5 +49,9 @@ def peak_activation_bytes(cost: StageCost, stages: int, microbatches: int, sched
     ``saved`` includes the stage's input (see :mod:`sim.stage_costs`), so a re-materialized
     micro-batch moves from holding ``stash`` to holding ``saved``, not both.
     """
-    pairs = peak_coefficients(stages, microbatches, schedule, checkpoint, stage)
+    return peak_from_coefficients(cost, peak_coefficients(stages, microbatches, schedule, checkpoint, stage))
+
+
+def peak_from_coefficients(cost: StageCost, pairs: tuple[tuple[int, int], ...]) -> int:
+    """``a * stash + b * saved`` at its largest over the (a, b) pairs of :func:`peak_coefficients`."""
     return max((a * cost.stash_bytes + b * cost.saved_bytes for a, b in pairs), default=0)

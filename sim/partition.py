@@ -20,7 +20,7 @@ import itertools
 import math
 from typing import Callable, Sequence
 
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, require_positive
 
 Fits = Callable[[int, int, int], bool]
 
@@ -153,6 +153,16 @@ def min_variance_partition(costs: Sequence[float], stages: int, fits: Fits | Non
         ends.append(j)
     ends.reverse()
     return [end - start for start, end in zip([0, *ends[:-1]], ends)]
+
+
+def even_partition(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Split ``num_layers`` over ``stages`` as evenly as possible, earlier stages one more."""
+    require_positive("stages (K)", stages, "use --stages 1 or more")
+    if stages > num_layers:
+        raise GpipeInputError(f"--stages {stages} is more than the model's {num_layers} layers; "
+                              f"use at most {num_layers} stages")
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (1 if k < extra else 0) for k in range(stages))
 
 
 def stage_costs(costs: Sequence[float], partition: Sequence[int]) -> list[float]:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError
 from sim.hardware import System
-from sim.memory import peak_coefficients
+from sim.memory import peak_coefficients, peak_from_coefficients
 from sim.microbatch import split_rows
 from sim.partition import min_max_partition, min_variance_partition
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, recomputes
@@ -118,10 +118,9 @@ def choose_partition(table: CostTable, system: System, batch_size: int, candidat
 
     held = [peak_coefficients(c.stages, c.microbatches, c.schedule, c.checkpoint, k) for k in range(c.stages)]
 
-    def fits(stage: int, first: int, end: int) -> bool:  # sim.memory.peak_activation_bytes, inlined
+    def fits(stage: int, first: int, end: int) -> bool:  # coefficients looked up once, not per call
         cost = table.stage(rows, first, end)
-        peak = max(a * cost.stash_bytes + b * cost.saved_bytes for a, b in held[stage])
-        return cost.static_bytes + peak <= capacity
+        return cost.static_bytes + peak_from_coefficients(cost, held[stage]) <= capacity
 
     weights = _layer_weights(table, rows, c.checkpoint)
     if c.stages > len(weights):
