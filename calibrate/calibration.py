@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from calibrate.costs import MeasuredWorkload
 from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
+from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from sim.partition import even_partition
 from sim.schedule import recomputes
 from sim.stage_costs import stage_bounds
@@ -94,8 +95,13 @@ class Observations:
         ys.append(y)
 
 
-def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], obs: Observations) -> None:
-    """Add one run's spans to ``obs``: compute actions, sends and optimizer steps of measured steps."""
+def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], obs: Observations,
+            speed: float = 1.0) -> None:
+    """Add one run's spans to ``obs``: compute actions, sends and optimizer steps of measured steps.
+
+    Durations are divided by ``speed`` (:func:`calibrate.speed.speed_factor` of the run), so every
+    run enters the fits at the reference speed.
+    """
     k_count = spec.stages
     bounds = stage_bounds(spec.partition)
     rows_list = [a["rows"] for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"]
@@ -107,12 +113,12 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         if kind == "F" and not recomputes(spec.checkpoint, m, m_count):
             profile_kind = "R"  # a forward that keeps its graph runs as a recompute does
         x = sum(workload.profiled_s(profile_kind, i, rows) for i in range(first, end))
-        Observations._add(obs.actions, (k_count, kind), x, action["duration_s"])
+        Observations._add(obs.actions, (k_count, kind), x, action["duration_s"] / speed)
     measured = set(report["measured_steps"])
     for record in report["timeline"]["records"]:
         if record["step"] not in measured:
             continue
-        duration = record["end_s"] - record["start_s"]
+        duration = (record["end_s"] - record["start_s"]) / speed
         first, end = bounds[record["stage"]]
         rows = _rows_of(spec, record["microbatch"])
         if record["kind"] in ("send_act", "send_grad") and record["microbatch"] >= 0 and duration > 0:
@@ -168,17 +174,34 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
 
 
 def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
-                      system_name: str = "cpu") -> dict[str, Any]:
-    """Fit each K's step overhead on whole-step times (in place in ``data``); its residuals."""
+                      system_name: str = "cpu", speeds: Sequence[float] | None = None) -> dict[str, Any]:
+    """Fit each K's step overhead on whole-step times (in place in ``data``); its residuals.
+
+    Step times are divided by each run's ``speeds`` entry (1.0 when not given), as in :func:`collect`.
+    """
     summary = {}
+    speeds = list(speeds) if speeds is not None else [1.0] * len(reports)
     for k in sorted({s.stages for s in specs}):
-        pairs = [(r["step_time_s"], predict(data, s, system_name).step_time_s)
-                 for s, r in zip(specs, reports) if s.stages == k]
+        pairs = [(r["step_time_s"] / v, predict(data, s, system_name).step_time_s)
+                 for s, r, v in zip(specs, reports, speeds) if s.stages == k]
         constant, residuals = fit_constant([m for m, _ in pairs], [p for _, p in pairs])
         data["pipeline"][str(k)]["step_overhead_s"] = constant
         summary[str(k)] = {"step_overhead_s": constant, "points": len(pairs),
                            "worst_relative": max((abs(v) for v in residuals), default=0.0)}
     return summary
+
+
+def run_speed_reference(model: str, specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The reference pace per K: the median speed probe over the design runs with K processes.
+
+    Per K because K processes probing at once contend as the run will, and the pipeline fits of
+    that K are what the reference speed anchors.
+    """
+    by_k: dict[int, list[float]] = {}
+    for spec, report in zip(specs, reports):
+        by_k.setdefault(spec.stages, []).extend(run_probes(report))
+    return {"probe": model_probe_description(model, specs[0].batch_size) if specs else "",
+            "reference_s": {str(k): reference_s(p) for k, p in sorted(by_k.items()) if p}}
 
 
 # ----------------------------------------------------------------------------- efficiency
@@ -230,6 +253,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     from calibrate.link import ping_pong
     from calibrate.machine import machine_stamp
     from calibrate.profile import Repeats, profile_model
+    from calibrate.speed import SpeedProbe
     from calibrate.runs import run_configs
     from executor.models import build_model, default_loss, example_batch, loss_function, model_ref
     from sim.hardware import LOCAL_CPU
@@ -254,7 +278,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     repeats = Repeats(min_runs=3, budget_s=0.02, max_runs=15) if quick else Repeats()
     profile = profile_model(net, lambda r: example_batch(model, options, r, seed=1), loss, rows,
                             sorted(set(threads_of.values()), reverse=True), torch.device(device), repeats,
-                            progress=say)
+                            progress=say, probe=SpeedProbe.model(model, options, batch_size, device=device))
     torch.set_num_threads(cores)
     data: dict[str, Any] = {
         "machine": machine_stamp(device), "system": "cpu" if device == "cpu" else "cuda",
@@ -273,14 +297,19 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device) for s in specs]
     reports = run_configs(configs, progress=say)
+    data["speed"] = run_speed_reference(model, specs, reports)
+    speeds = [speed_factor(run_probes(r), data["speed"]["reference_s"].get(str(s.stages)))
+              for s, r in zip(specs, reports)]
     obs = Observations()
-    for spec, report in zip(specs, reports):
-        collect(MeasuredWorkload(data, spec.stages), spec, report, obs)
+    for spec, report, speed in zip(specs, reports, speeds):
+        collect(MeasuredWorkload(data, spec.stages), spec, report, obs, speed)
     data["pipeline"], residuals = fit_pipeline(obs, threads_of)
-    residuals["step"] = fit_step_overhead(data, specs, reports)
+    residuals["step"] = fit_step_overhead(data, specs, reports, speeds=speeds)
     data["fit_residuals"] = residuals
     data["design"] = [{"run": s.label(),
-                       "measured_step_s": statistics.median(r["step_time_s"] for r in reports[i::len(design)]),
+                       "measured_step_s": statistics.median(r["step_time_s"] / v for r, v in
+                                                            zip(reports[i::len(design)], speeds[i::len(design)])),
+                       "raw_measured_step_s": statistics.median(r["step_time_s"] for r in reports[i::len(design)]),
                        "predicted_step_s": predict(data, s).step_time_s} for i, s in enumerate(design)]
     if device == "cpu":
         data["efficiency"] = fit_efficiency(model, options, data["profile"], LOCAL_CPU)

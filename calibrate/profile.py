@@ -18,8 +18,12 @@ buffers excluded): what the layer saves for backward apart from its input and ou
 (``own_bytes``), whether it saves its input and its output, and the sizes of both. These are enough
 to compute the exact union a stage of consecutive layers holds (:func:`calibrate.costs.stage_saved_bytes`).
 
+Every (layer, rows) is timed in several rounds, each round bracketed by the speed probe of
+:mod:`calibrate.speed`; each round is put at the reference pace and the median over rounds kept.
+
 Limits: layers are timed one at a time, so the pipeline's per-action overheads (seeding, recording,
-sends) are fitted later from executor runs; the timings are only as quiet as the machine is.
+sends) are fitted later from executor runs; the timings are only as quiet as the machine is, less
+the drift the probes see.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Profile:
     times_s: dict[int, dict[str, list[list[float]]]] = field(default_factory=dict)
     memory: list[LayerMemory] = field(default_factory=list)
     repetitions: dict[int, int] = field(default_factory=dict)  # threads -> total timed runs
+    speed_reference_s: dict[int, float] = field(default_factory=dict)  # threads -> reference pace
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +69,7 @@ class Profile:
             "times_s": {str(t): kinds for t, kinds in self.times_s.items()},
             "memory": [vars(m) for m in self.memory],
             "repetitions": {str(t): n for t, n in self.repetitions.items()},
+            "speed_reference_s": {str(t): v for t, v in self.speed_reference_s.items()},
         }
 
     @classmethod
@@ -71,7 +77,8 @@ class Profile:
         return cls(rows=list(data["rows"]),
                    times_s={int(t): kinds for t, kinds in data["times_s"].items()},
                    memory=[LayerMemory(**m) for m in data["memory"]],
-                   repetitions={int(t): n for t, n in data.get("repetitions", {}).items()})
+                   repetitions={int(t): n for t, n in data.get("repetitions", {}).items()},
+                   speed_reference_s={int(t): v for t, v in data.get("speed_reference_s", {}).items()})
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
@@ -118,6 +125,8 @@ class Repeats:
     min_runs: int = 5
     max_runs: int = 40
     budget_s: float = 0.05  # stop adding runs once this much time was spent timing
+    rounds: int = 3  # passes over every (layer, rows), bracketed by speed probes; medians kept
+    probe_budget_s: float = 0.05
 
 
 class LayerRunner:
@@ -202,18 +211,22 @@ def measure_memory(runner: LayerRunner, x: torch.Tensor) -> tuple[int, int, int,
 def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                   loss: Callable, rows: list[int], threads: list[int], device: torch.device,
                   repeats: Repeats = Repeats(),
-                  progress: Callable[[str], None] | None = None) -> Profile:
+                  progress: Callable[[str], None] | None = None, probe: Any = None) -> Profile:
     """Time and size every layer of ``model`` at each of ``rows`` and each thread count.
 
     ``batch(rows)`` returns (inputs, targets) of that many rows; ``loss(output, target)`` is the
-    training loss. On CUDA ``threads`` is ignored beyond its first entry.
+    training loss. On CUDA ``threads`` is ignored beyond its first entry. ``probe`` is the
+    :class:`calibrate.speed.SpeedProbe` the rounds are bracketed with (default: the fixed block).
     """
+    from calibrate.speed import SpeedProbe
+
     from executor.batchnorm import DeferredBatchNorm, recomputing
 
     model = DeferredBatchNorm.convert(model).to(device)
     model.train()
     excluded = {_storage(t)[0] for t in list(model.parameters()) + list(model.buffers())}
     last = len(model) - 1
+    probe = probe if probe is not None else SpeedProbe.block(device)
     profile = Profile(rows=sorted(set(rows)))
     data = {}
     for r in profile.rows:
@@ -227,24 +240,86 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[torch.Tenso
         for t in threads:
             if device.type == "cpu":
                 torch.set_num_threads(t)
-            table: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
-            total = 0
-            for i in range(len(model)):
-                per_rows: dict[str, list[float]] = {kind: [] for kind in KINDS}
-                for r in profile.rows:
-                    medians, runs = time_layer(runners[r][i], data[r][0][i], repeats)
-                    total += runs
-                    for kind in KINDS:
-                        per_rows[kind].append(medians[kind])
-                for kind in KINDS:
-                    table[kind].append(per_rows[kind])
-                if progress is not None:
-                    progress(f"layer {i + 1}/{len(model)} timed at {t} thread(s)")
-            profile.times_s[t] = table
-            profile.repetitions[t] = total
+            times, profile.repetitions[t], profile.speed_reference_s[t] = _time_rounds(
+                model, runners, data, profile.rows, repeats, progress, t, probe)
+            profile.times_s[t] = pool_identical(times, layer_signatures(model, data, profile.rows))
             if device.type != "cpu":
                 break
     return profile
+
+
+def _time_rounds(model: nn.Sequential, runners: dict[int, list[LayerRunner]], data: dict[int, Any],
+                 rows: list[int], repeats: Repeats, progress: Callable[[str], None] | None,
+                 threads: int, probe: Any) -> tuple[dict, int, float]:
+    """Every (layer, rows) timed in ``repeats.rounds`` rounds, each bracketed by speed probes.
+
+    Each round's medians are divided by that round's speed factor (:mod:`calibrate.speed`) and the
+    table keeps the median over rounds: the profile is at the reference pace (the median probe),
+    and a slow moment of the machine touches one round of every layer instead of every round of one.
+    """
+    from calibrate.speed import speed_factor
+
+    rounds: list[dict[str, list[list[float]]]] = []
+    paces: list[list[float]] = []
+    total = 0
+    for number in range(repeats.rounds):
+        before = probe.measure(repeats.probe_budget_s)
+        table: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+        for i in range(len(model)):
+            per_rows: dict[str, list[float]] = {kind: [] for kind in KINDS}
+            for r in rows:
+                medians, runs = time_layer(runners[r][i], data[r][0][i], repeats)
+                total += runs
+                for kind in KINDS:
+                    per_rows[kind].append(medians[kind])
+            for kind in KINDS:
+                table[kind].append(per_rows[kind])
+        paces.append([before, probe.measure(repeats.probe_budget_s)])
+        rounds.append(table)
+        if progress is not None:
+            progress(f"round {number + 1}/{repeats.rounds}: {len(model)} layers timed at {threads} thread(s)")
+    reference = statistics.median(p for pair in paces for p in pair)
+    factors = [speed_factor(pair, reference) for pair in paces]
+    merged = {kind: [[statistics.median(table[kind][i][j] / f for table, f in zip(rounds, factors))
+                      for j in range(len(rows))] for i in range(len(model))] for kind in KINDS}
+    return merged, total, reference
+
+
+def layer_signatures(model: nn.Sequential, data: dict[int, Any], rows: list[int]) -> list[str]:
+    """A key per layer that is equal for layers doing the same work: the module's printed form,
+    its parameters' shapes and dtypes, its input's shape and dtype at every row count, and whether
+    the loss is timed with it (the last layer)."""
+    keys = []
+    last = len(model) - 1
+    for i, layer in enumerate(model):
+        params = [(tuple(p.shape), str(p.dtype)) for p in layer.parameters()]
+        inputs = [(tuple(data[r][0][i].shape), str(data[r][0][i].dtype)) for r in rows]
+        keys.append(repr((repr(layer), params, inputs, i == last)))
+    return keys
+
+
+def pool_identical(times: dict[str, list[list[float]]], signatures: list[str]) -> dict[str, list[list[float]]]:
+    """Give layers with the same signature the median of their times, per kind and row count.
+
+    The blocks of a transformer are the same work, yet timed one after another on a shared machine
+    they come out 10-20% apart; a stage of blocks 1-2 and one of blocks 3-4 would then be predicted
+    to differ by that much. Pooling gives every copy the same, better-measured time.
+    Limits: two layers that print, hold and take the same yet compute differently (a flag kept as a
+    plain attribute that changes the work) would wrongly be pooled.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(signatures):
+        groups.setdefault(key, []).append(i)
+    pooled = {kind: [list(row) for row in table] for kind, table in times.items()}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for kind, table in times.items():
+            columns = len(table[members[0]])
+            shared = [statistics.median(table[i][j] for i in members) for j in range(columns)]
+            for i in members:
+                pooled[kind][i] = list(shared)
+    return pooled
 
 
 def _memory_table(model: nn.Sequential, runners: dict[int, list[LayerRunner]],

@@ -7,7 +7,9 @@ configuration runs exactly as ``gpipe train`` runs it: the executor's own :func:
 :func:`make_stage`, :class:`DistTransport`, :class:`Recorder` and :func:`build_report`, with
 cores/K threads per process; its first ``warmup_steps`` are left out of the step time as in
 ``gpipe train``. Differences from a fresh ``gpipe train`` launch: the process, its allocator and the
-gloo groups are reused from the previous configuration.
+gloo groups are reused from the previous configuration, and every rank times the speed probe of
+:mod:`calibrate.speed` just before and just after the run (all ranks at once, outside the timed
+steps); the report's ``speed_probe_s`` holds them, per rank.
 
 :func:`train_report` runs one plan through the real ``gpipe train`` command instead (the demo does).
 """
@@ -21,6 +23,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
+PROBE_BUDGET_S = 0.1  # speed probe before and after each configuration (calibrate.speed)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,7 +79,7 @@ def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int
 # ----------------------------------------------------------------------------- worker side
 
 
-def _run_one(config: Any, rank: int, groups: dict, device: Any) -> dict[str, Any] | None:
+def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -89,6 +92,8 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any) -> dict[str, Any
 
     prepared = prepare(config)
     dist.barrier()
+    pace_before = probe.measure(PROBE_BUDGET_S)  # every rank at once, as the run will load the machine
+    dist.barrier()
     recorder = Recorder(rank, device)
     stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
     del prepared
@@ -97,11 +102,14 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any) -> dict[str, Any
         loss = train_step_with_data(config, stage, step)
         if stage.is_last:
             losses.append(float(loss))  # type: ignore[arg-type]
+    dist.barrier()
+    pace_after = probe.measure(PROBE_BUDGET_S)
     payload = {"timeline": stage.recorder.timeline.to_dict(),
                "peak_activation_bytes": stage.counter.peak_bytes,
                "peak_allocated_bytes": (torch.cuda.max_memory_allocated(device)
                                         if device.type == "cuda" else None),
-               "losses": losses if stage.is_last else None}
+               "losses": losses if stage.is_last else None,
+               "speed_probe_s": [pace_before, pace_after]}
     gathered: list[Any] = [None] * config.stages if rank == 0 else []
     dist.gather_object(payload, gathered if rank == 0 else None, dst=0)
     if rank != 0:
@@ -109,8 +117,10 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any) -> dict[str, Any
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
     allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
-    return build_report(timeline, gathered[-1]["losses"], config.to_dict(), plan,
-                        [p["peak_activation_bytes"] for p in gathered], allocated, 0)
+    report = build_report(timeline, gathered[-1]["losses"], config.to_dict(), plan,
+                          [p["peak_activation_bytes"] for p in gathered], allocated, 0)
+    report["speed_probe_s"] = [p["speed_probe_s"] for p in gathered]  # per rank: [before, after]
+    return report
 
 
 def main(argv: list[str]) -> int:
@@ -121,6 +131,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from executor.config import RunConfig
+    from calibrate.speed import SpeedProbe
     from executor.transport import boundary_groups
     from sim.timeline import write_json_atomic
 
@@ -139,10 +150,15 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=configs[0].timeout_s))
     try:
         groups = boundary_groups(world)
+        probes: dict[str, SpeedProbe] = {}
         for position, config in enumerate(configs):
             if config.stages != world:
                 raise ValueError(f"configuration {position} has {config.stages} stages, world is {world}")
-            report = _run_one(config, rank, groups, device)
+            key = json.dumps([config.model, config.options, config.batch_size, config.loss], sort_keys=True)
+            if key not in probes:
+                probes[key] = SpeedProbe.model(config.model, config.options, config.batch_size,
+                                               config.loss, device)
+            report = _run_one(config, rank, groups, device, probes[key])
             if report is not None:
                 write_json_atomic(os.path.join(out_dir, f"report-{position}.json"), report)
     finally:

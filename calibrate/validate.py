@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
+from calibrate.speed import run_probes, speed_factor
 from sim.partition import even_partition
 
 # (stages, microbatches, partition kind, checkpoint, schedule)
@@ -59,10 +60,31 @@ class Comparison:
     predicted_peak_bytes: list[int]
     measured_peak_bytes: list[int]
     measured_rounds_s: list[float]  # each round's median step; measured_step_s is their median
+    round_speeds: list[float]  # each round's speed factor against the calibration's reference pace
 
     @property
     def step_error(self) -> float:
         return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    @property
+    def measured_at_reference_s(self) -> float:
+        """The median over rounds of each round's step divided by its speed factor."""
+        return statistics.median(m / v for m, v in zip(self.measured_rounds_s, self.round_speeds))
+
+    @property
+    def round_spread(self) -> float:
+        """Interquartile range of the rounds at the reference speed, over their median: how far
+        this machine lets one measurement of the run be trusted."""
+        values = [m / v for m, v in zip(self.measured_rounds_s, self.round_speeds)]
+        if len(values) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return (q3 - q1) / statistics.median(values)
+
+    @property
+    def step_error_at_reference(self) -> float:
+        """The step error with the machine's drift since calibration taken out (:mod:`calibrate.speed`)."""
+        return (self.predicted_step_s - self.measured_at_reference_s) / self.measured_at_reference_s
 
     @property
     def memory_errors(self) -> list[float]:
@@ -72,7 +94,10 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "predicted_step_s": self.predicted_step_s,
                 "measured_step_s": self.measured_step_s, "measured_rounds_s": self.measured_rounds_s,
-                "step_error": self.step_error,
+                "step_error": self.step_error, "round_speeds": self.round_speeds,
+                "measured_at_reference_s": self.measured_at_reference_s,
+                "step_error_at_reference": self.step_error_at_reference,
+                "round_spread": self.round_spread,
                 "predicted_peak_activation_bytes": self.predicted_peak_bytes,
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
                 "memory_errors": self.memory_errors}
@@ -82,18 +107,24 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     """Prediction against the median step time over ``reports`` (one per round) of one run."""
     result = predict(data, spec, data.get("system", "cpu"))
     measured = statistics.median(r["step_time_s"] for r in reports)
+    reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.stages))
     return Comparison(spec.label(), result.step_time_s, measured,
                       [s.peak_activation_bytes for s in result.stages],
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
-                      [r["step_time_s"] for r in reports])
+                      [r["step_time_s"] for r in reports],
+                      [speed_factor(run_probes(r), reference) for r in reports])
 
 
 def summarize(comparisons: Sequence[Comparison]) -> dict[str, Any]:
     steps = [abs(c.step_error) for c in comparisons]
+    at_reference = [abs(c.step_error_at_reference) for c in comparisons]
     memory = [abs(e) for c in comparisons for e in c.memory_errors]
     return {"runs": len(comparisons),
             "median_step_error": statistics.median(steps) if steps else 0.0,
             "worst_step_error": max(steps, default=0.0),
+            "median_step_error_at_reference": statistics.median(at_reference) if at_reference else 0.0,
+            "worst_step_error_at_reference": max(at_reference, default=0.0),
+            "median_round_spread": statistics.median(c.round_spread for c in comparisons) if comparisons else 0.0,
             "median_memory_error": statistics.median(memory) if memory else 0.0,
             "worst_memory_error": max(memory, default=0.0)}
 
@@ -126,18 +157,26 @@ def _mib(values: Sequence[int]) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """A plain-text table: one line per run, then the median and worst errors."""
-    header = (f"{'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7}  "
+    header = (f"{'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} {'spread':>7}  "
               f"{'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
         worst_mem = max((abs(e) for e in run["memory_errors"]), default=0.0)
         lines.append(f"{run['run']:<40} {run['predicted_step_s'] * 1e3:>9.2f} "
-                     f"{run['measured_step_s'] * 1e3:>9.2f} {run['step_error'] * 100:>+6.1f}%  "
+                     f"{run['measured_step_s'] * 1e3:>9.2f} {run['step_error'] * 100:>+6.1f}% "
+                     f"{run.get('measured_at_reference_s', run['measured_step_s']) * 1e3:>9.2f} "
+                     f"{run.get('step_error_at_reference', run['step_error']) * 100:>+7.1f}% "
+                     f"{run.get('round_spread', 0.0) * 100:>6.1f}%  "
                      f"{_mib(run['predicted_peak_activation_bytes']):>13} "
                      f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%")
     s = result["summary"]
     lines.append("-" * len(header))
     lines.append(f"step time error: median {s['median_step_error'] * 100:.1f}%, worst "
-                 f"{s['worst_step_error'] * 100:.1f}% over {s['runs']} runs; peak activation memory "
+                 f"{s['worst_step_error'] * 100:.1f}% over {s['runs']} runs; at the reference speed "
+                 f"(machine drift since calibration taken out): median "
+                 f"{s.get('median_step_error_at_reference', 0.0) * 100:.1f}%, worst "
+                 f"{s.get('worst_step_error_at_reference', 0.0) * 100:.1f}%; rounds of one run spread by "
+                 f"{s.get('median_round_spread', 0.0) * 100:.1f}% (median interquartile range)")
+    lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from calibrate.costs import MeasuredWorkload
-from calibrate.profile import Repeats, profile_model
+from calibrate.profile import Repeats, pool_identical, profile_model
 from executor.config import RunConfig
 from executor.models import build_model, example_batch, loss_function
 from executor.pipeline import LocalPipeline
@@ -43,7 +43,22 @@ def test_every_layer_pass_and_row_count_is_timed(profile):
     for kind in "FRB":
         assert len(times[kind]) == 4
         assert all(len(row) == 4 and all(t > 0 for t in row) for row in times[kind])
-    assert profile.repetitions[1] == 4 * 4 * 2
+    assert profile.repetitions[1] == 4 * 4 * 2 * FAST.rounds
+    assert profile.speed_reference_s[1] > 0
+
+
+def test_identical_blocks_share_one_time_and_other_layers_keep_theirs(profile):
+    times = profile.times_s[1]
+    for kind in "FRB":
+        assert times[kind][1] == times[kind][2]  # the two transformer blocks
+        assert times[kind][0] != times[kind][1] and times[kind][3] != times[kind][1]
+
+
+def test_pool_identical_takes_the_median_per_row_count():
+    times = {"F": [[1.0, 10.0], [3.0, 30.0], [2.0, 50.0], [7.0, 70.0]]}
+    pooled = pool_identical(times, ["block", "block", "block", "head"])
+    assert pooled["F"] == [[2.0, 30.0], [2.0, 30.0], [2.0, 30.0], [7.0, 70.0]]
+    assert times["F"][0] == [1.0, 10.0]  # the input is left as it was
 
 
 def test_saved_bytes_grow_with_rows_and_weights_are_excluded(profile):

@@ -35,6 +35,8 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
     assert data["machine"]["cpu_cores"] >= 1 and data["machine"]["torch"]
     assert set(data["pipeline"]) >= {"1"}
     assert data["model"]["num_layers"] == 4
+    assert set(data["speed"]["reference_s"]) == set(data["pipeline"])  # a reference pace per K
+    assert all(v > 0 for v in data["speed"]["reference_s"].values())
     assert main(["calibrate", *TINY, "--out", costs, "--quick"]) == 0
     assert "reusing" in capsys.readouterr().out
 
@@ -45,6 +47,8 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
     assert printed["summary"]["runs"] == 2
     for run in printed["runs"]:
         assert run["measured_step_s"] > 0 and run["predicted_step_s"] > 0
+        assert len(run["round_speeds"]) == printed["rounds"] and all(v > 0 for v in run["round_speeds"])
+        assert run["measured_at_reference_s"] > 0
         assert len(run["predicted_peak_activation_bytes"]) == len(run["measured_peak_activation_bytes"])
 
 
