@@ -7,6 +7,6 @@ MODEL=(--model transformer --layers 4 --d-model 128 --ff 512 --heads 4 --seq 32 
 mkdir -p benchmarks/results
 uptime | sed 's/^/load before: /'
 .venv/bin/gpipe calibrate "${MODEL[@]}" --out benchmarks/results/calibration_costs_cpu.json --force "$@"
-.venv/bin/gpipe validate --costs benchmarks/results/calibration_costs_cpu.json --steps 8 --rounds 3 \
+.venv/bin/gpipe validate --costs benchmarks/results/calibration_costs_cpu.json --steps 10 --rounds 6 \
     --out benchmarks/results/calibration_validation_cpu.json
 uptime | sed 's/^/load after: /'
