@@ -9,6 +9,12 @@ of :mod:`calibrate.validate` is disjoint from it by construction.
 Fitting happens in two passes. First the per-action, send and optimizer fits, from the executor's
 own spans against the layer profile; then, with those fixed, one step-overhead constant per K from
 whole-step times, by simulating each design run with the fitted costs.
+
+Everything is fitted at a reference speed (:mod:`calibrate.speed`): the profile's rounds are put at
+the median pace of the probes around them, and every design run at the median pace of the probes
+its ranks took around the design runs with the same K (``data["speed"]["reference_s"]``), so a
+moment when the shared machine ran slow does not bend the fits, and validation can tell later
+drift of the machine from error of the model.
 """
 
 from __future__ import annotations

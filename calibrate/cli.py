@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stages", type=int, default=None,
                         help="largest K to calibrate (default: 2 on CPU, the GPU count on CUDA)")
     parser.add_argument("--steps", type=int, default=5, help="steps per executor run (first is warm-up)")
-    parser.add_argument("--quick", action="store_true", help="fewer timing repetitions (noisier)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="measure the design runs this many times, interleaved; all enter the fits (default 2)")
+    parser.add_argument("--quick", action="store_true", help="fewer timing repetitions, one round (noisier)")
     parser.add_argument("--force", action="store_true", help="measure again even if --out is up to date")
     parser.add_argument("--json", action="store_true", help="print the fitted numbers as JSON")
 
@@ -60,7 +62,7 @@ def cached(path: str, model: str, options: dict[str, Any], batch: int, device: s
 
 def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int, device: str = "cpu",
                      max_stages: int | None = None, steps: int = 5, quick: bool = False, force: bool = False,
-                     progress=print) -> dict[str, Any]:
+                     progress=print, rounds: int = 2) -> dict[str, Any]:
     """Reuse the costs at ``path`` when valid (see :func:`cached`), else calibrate and write them."""
     from calibrate.calibration import calibrate
     from calibrate.costs import read_costs, write_costs
@@ -70,7 +72,7 @@ def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int,
         if data is not None:
             progress(f"reusing {path} (same machine, versions and model; --force to measure again)")
             return data
-    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress)
+    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds)
     write_costs(data, path)
     return read_costs(path)
 
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch if args.batch is not None else DEFAULT_BATCH.get(args.model, 32)
     require_positive("batch size", batch, "use --batch 1 or more")
     require_positive("steps", args.steps, "use --steps 2 or more")
+    require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.max_stages is not None:
         require_positive("--max-stages", args.max_stages, "use --max-stages 1 or more")
     if args.device == "cuda":
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             raise GpipeInputError("--device cuda but this machine has no CUDA GPU; use --device cpu")
     progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
     data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
-                            args.quick, args.force, progress)
+                            args.quick, args.force, progress, args.rounds)
     if args.json:
         from calibrate.costs import costs_summary
 

@@ -99,15 +99,51 @@ def run(args: argparse.Namespace) -> int:
     plan_path = os.path.join(args.out_dir, "plan.json")
     save_plan(plan, plan_path)
     say(f"4/5 training the plan with the executor for {args.steps} steps (gpipe train)")
+    pace = MachinePace(data)
     report = train_report(plan_path, args.steps, os.path.join(args.out_dir, "train_report.json"))
+    report["machine_pace"] = pace.finish()
     say(f"    measured step {report['step_time_s'] * 1e3:.1f} ms (median after warm-up), "
         f"losses {', '.join(f'{v:.3f}' for v in report['losses'])}")
+    if report["machine_pace"] is not None:
+        say(f"    the machine ran at {report['machine_pace']:.2f}x the calibration's reference time "
+            f"(speed probe before and after training)")
     say("5/5 writing the report")
     path = os.path.join(args.out_dir, "report.html")
     write_demo_report(path, data, plan, predicted, report)
     say(f"done in {time.perf_counter() - started:.0f} s")
     print(f"report written to {os.path.abspath(path)}")
     return 0
+
+
+class MachinePace:
+    """The speed probe (:mod:`calibrate.speed`) just before and just after training, in this process.
+
+    The ratio to the profile's reference pace says whether the machine ran slower or faster while
+    the plan trained than while it was calibrated, so a reader can tell drift from model error.
+    None where the costs file has no reference (written before probes existed).
+    """
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        import torch
+
+        from calibrate.speed import SpeedProbe
+
+        references = data["profile"].get("speed_reference_s", {})
+        self.threads = max((int(t) for t in references), default=0)
+        self.reference = references.get(str(self.threads)) or references.get(self.threads)
+        self.probe = None
+        if self.reference:
+            torch.set_num_threads(self.threads)
+            model = data["model"]
+            self.probe = SpeedProbe.model(model["name"], model["options"], int(data["batch_size"]))
+            self.before = self.probe.measure(0.2)
+
+    def finish(self) -> float | None:
+        from calibrate.speed import speed_factor
+
+        if self.probe is None:
+            return None
+        return speed_factor([self.before, self.probe.measure(0.2)], self.reference)
 
 
 def _rel(predicted: float, measured: float) -> str:
@@ -136,6 +172,11 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
         rows.append((f"stage {k} peak activation", f"{p / 2**20:.3f} MiB", f"{m / 2**20:.3f} MiB", _rel(p, m)))
     for k, (s, m) in enumerate(zip(predicted.stages, measured_busy)):
         rows.append((f"stage {k} busy per step", f"{s.busy_s * 1e3:.2f} ms", f"{m * 1e3:.2f} ms", _rel(s.busy_s, m)))
+    pace = report.get("machine_pace")
+    if pace:
+        at_reference = report["step_time_s"] / pace
+        rows.insert(1, ("step time at the calibration's machine speed", f"{predicted.step_time_s * 1e3:.2f} ms",
+                        f"{at_reference * 1e3:.2f} ms (x{pace:.2f} pace)", _rel(predicted.step_time_s, at_reference)))
     machine = data.get("machine", {})
     intro = (f"Plan K={plan.stages} M={plan.microbatches} partition {list(plan.partition)} {plan.checkpoint} "
              f"{plan.schedule} for {plan.model.name} {plan.model.options}, batch {plan.batch_size}, on "
@@ -143,5 +184,8 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
              f"{machine.get('torch', '?')}; costs calibrated {machine.get('date', '?')}.")
     notes = ["Measured: the executor's median step after warm-up; the timeline shows that step.",
              "Peak activation memory counts tensors saved for backward and stashed inputs (executor.memory).",
-             "Timings on a shared machine vary from run to run; gpipe validate measures the error on held-out runs."]
+             "Timings on a shared machine vary from run to run; gpipe validate measures the error on held-out runs.",
+             "Machine speed: the model's forward and backward on fixed rows, timed just before and after training "
+             "and divided by the same probe's median while calibrating (above 1: the machine ran slower); the "
+             "step at the calibration's speed is the measured step divided by it."]
     write_report(path, "gpipe demo: predicted vs measured", intro, timelines, summary, error_table(rows), notes)

@@ -8,6 +8,12 @@ the calibration design is dropped, so no prediction is of a run the fit learned 
 Errors are relative to the measurement: ``(predicted - measured) / measured``. Step times compare
 the simulator's step with the executor's median step (warm-up excluded); memory compares each
 stage's predicted peak activation bytes with the executor's exact count (:mod:`executor.memory`).
+
+Each round of a run is also put at the calibration's reference speed: divided by the speed factor
+of the probes its ranks took just before and after it (:mod:`calibrate.speed`). The error against
+that (``step_error_at_reference``) is the simulator's own error with the machine's drift since
+calibration taken out; ``round_spread`` (interquartile range of those rounds over their median) is
+how precisely this machine measured the run at all. Both are published beside the raw error.
 """
 
 from __future__ import annotations
