@@ -9,7 +9,7 @@ goal is a relative error. The models, each affine in what was measured:
   ``profiled_s`` sums the stage's layers from the isolated layer profile. ``scale`` absorbs
   contention between the K processes sharing the machine; ``overhead_s`` the executor's per-action
   work (seeding, recording, memory accounting) and the difference between one call over the stage
-  and separate calls per layer.
+  and separate calls per layer; it is bounded below by 0, since work cannot take negative time.
 * sends inside the pipeline, per K: ``send_s = a + bytes * b`` (the sender's own time in isend)
 * optimizer, per K: ``optimizer_s = a + param_bytes * b``
 * step overhead, per K: one constant added to every stage's end of step (data, zero_grad, posting
