@@ -1,9 +1,9 @@
 """A speed reference: how fast this machine runs a fixed piece of work right now.
 
-A shared virtual machine does not run at one speed. On the 2-core VMs this project is developed
-on, the same single-thread matrix multiply takes 25-45% longer in some 3-second windows than in
-others, and 10-second medians drift by 6% (median) to 15% (p90) over three minutes; no cost model
-can predict that from a calibration taken minutes earlier. So calibration and validation time a
+A shared virtual machine does not run at one speed. On a 2-core cloud VM the same single-thread
+matrix multiply took 25-45% longer in some 3-second windows than in others, and its 10-second
+medians strayed by 6% (median) to 15% (p90) over three minutes (``benchmarks/machine_noise.py``
+measures this); no cost model can predict that from a calibration taken minutes earlier. So calibration and validation time a
 fixed reference -- one forward and backward of the calibrated model itself on a fixed number of
 rows -- next to every measurement, and express measurements at a *reference speed*: the median of
 the probes taken while calibrating.
@@ -15,7 +15,9 @@ taken out); the probe never looks at the run it corrects.
 
 Limits: one pass at one size stands for all of a model's work; a slowdown that hits only memory
 bandwidth, or only the network, is tracked only as far as the probe feels it. Probes taken just
-before and just after a run cannot see a change that comes and goes inside it.
+before and just after a run cannot see a change that comes and goes inside it, and a probe has
+noise of its own, so on a calm machine the correction can add a little scatter. The model probe is
+a second copy of the model in each rank's memory.
 """
 
 from __future__ import annotations

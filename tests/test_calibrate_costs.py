@@ -128,3 +128,17 @@ def test_gpipe_simulate_takes_costs(costs_file, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["partition"] and out["step_time_s"] > 0
+
+
+def _design(errors: list[float]) -> dict:
+    return {"model": {"name": "mlp", "options": {}}, "batch_size": 8,
+            "design": [{"run": f"run {i}", "measured_step_s": 0.1, "predicted_step_s": 0.1 * (1 + e)}
+                       for i, e in enumerate(errors)]}
+
+
+def test_calibration_summary_warns_when_the_fit_misses_a_design_run_by_much():
+    from calibrate.cli import summary_text
+
+    assert "warning" not in summary_text(_design([0.02, -0.05]))
+    noisy = summary_text(_design([0.02, -0.26]))
+    assert "warning: the fit misses a design run by 26%" in noisy and "--force" in noisy
