@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"    measured step {report['step_time_s'] * 1e3:.1f} ms (median after warm-up), "
         f"losses {', '.join(f'{v:.3f}' for v in report['losses'])}")
     if report["machine_pace"] is not None:
-        say(f"    the machine ran at {report['machine_pace']:.2f}x the calibration's reference time "
-            f"(speed probe before and after training)")
+        say(f"    speed probe around training: {report['machine_pace']:.2f}x its time while calibrating "
+            f"(above 1: the machine ran slower)")
     say("5/5 writing the report")
     path = os.path.join(args.out_dir, "report.html")
     write_demo_report(path, data, plan, predicted, report)
@@ -176,7 +176,7 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
     if pace:
         at_reference = report["step_time_s"] / pace
         rows.insert(1, ("step time at the calibration's machine speed", f"{predicted.step_time_s * 1e3:.2f} ms",
-                        f"{at_reference * 1e3:.2f} ms (x{pace:.2f} pace)", _rel(predicted.step_time_s, at_reference)))
+                        f"{at_reference * 1e3:.2f} ms (probe x{pace:.2f})", _rel(predicted.step_time_s, at_reference)))
     machine = data.get("machine", {})
     intro = (f"Plan K={plan.stages} M={plan.microbatches} partition {list(plan.partition)} {plan.checkpoint} "
              f"{plan.schedule} for {plan.model.name} {plan.model.options}, batch {plan.batch_size}, on "

@@ -15,7 +15,7 @@ def test_demo_writes_one_report_and_says_where(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last == f"report written to {out / 'report.html'}"
     assert "1/5 calibrating" in proc.stdout and "chosen: K=" in proc.stdout
-    assert "x the calibration's reference time" in proc.stdout
+    assert "x its time while calibrating" in proc.stdout
     page = (out / "report.html").read_text()
     for text in ("predicted timeline", "measured timeline", "Busy and bubble per stage",
                  "Peak activation memory per stage", "Prediction error", "step time", "stage 1 peak activation",
