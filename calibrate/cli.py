@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # A design run the fitted costs miss by more than this points at a noisy calibration, not the model:
-# in six calibrations of the demo model on a 2-core VM the worst design residual was 4-11%, and 26%
-# in one taken while the machine drifted (its held-out runs were then off by up to 20%).
+# in five calibrations of the demo model on a 2-core VM the worst design residual was 4-11%, and 26%
+# in a sixth taken while the machine drifted (its held-out runs were then off by up to 20%).
 NOISY_DESIGN_RESIDUAL = 0.12
 
 
