@@ -130,7 +130,7 @@ class MachinePace:
 
         references = data["profile"].get("speed_reference_s", {})
         self.threads = max((int(t) for t in references), default=0)
-        self.reference = references.get(str(self.threads)) or references.get(self.threads)
+        self.reference = references.get(str(self.threads))  # JSON keys: the costs file as read
         self.probe = None
         if self.reference:
             torch.set_num_threads(self.threads)

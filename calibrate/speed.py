@@ -28,7 +28,6 @@ from typing import Callable, Sequence
 
 WIDTH = 256
 ROWS = 64
-PROBE_DESCRIPTION = f"forward and backward of Linear-GELU-LayerNorm-Linear, {ROWS} x {WIDTH}, fp32"
 
 
 def probe_rows(batch_size: int) -> int:
@@ -46,7 +45,7 @@ class SpeedProbe:
     """
 
     def __init__(self, module: object, inputs: object, loss: Callable[[object, object], object] | None,
-                 targets: object, device: object, description: str) -> None:
+                 targets: object, device: object) -> None:
         import torch
 
         self.torch = torch
@@ -55,7 +54,6 @@ class SpeedProbe:
         self.inputs = inputs.to(self.device)  # type: ignore[attr-defined]
         self.targets = targets.to(self.device) if targets is not None else None  # type: ignore[attr-defined]
         self.loss = loss
-        self.description = description
         for _ in range(2):
             self._once()
 
@@ -69,7 +67,7 @@ class SpeedProbe:
             block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.LayerNorm(WIDTH),
                                   nn.Linear(WIDTH, WIDTH))
             inputs = torch.randn(ROWS, WIDTH)
-        return cls(block, inputs, None, None, device, PROBE_DESCRIPTION)
+        return cls(block, inputs, None, None, device)
 
     @classmethod
     def model(cls, name: str, options: dict, batch_size: int, loss: str = "",
@@ -83,8 +81,7 @@ class SpeedProbe:
         with torch.random.fork_rng(devices=[]):
             module = DeferredBatchNorm.convert(build_model(name, options, seed=0))
             inputs, targets = example_batch(name, options, rows, seed=0)
-        return cls(module, inputs, loss_function(loss or default_loss(name)), targets, device,
-                   model_probe_description(name, batch_size))
+        return cls(module, inputs, loss_function(loss or default_loss(name)), targets, device)
 
     def _once(self) -> None:
         from executor.batchnorm import recomputing

@@ -73,15 +73,20 @@ class Comparison:
         return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
 
     @property
+    def rounds_at_reference_s(self) -> list[float]:
+        """Each round's step divided by its speed factor."""
+        return [m / v for m, v in zip(self.measured_rounds_s, self.round_speeds)]
+
+    @property
     def measured_at_reference_s(self) -> float:
-        """The median over rounds of each round's step divided by its speed factor."""
-        return statistics.median(m / v for m, v in zip(self.measured_rounds_s, self.round_speeds))
+        """The median over rounds of each round's step at the reference speed."""
+        return statistics.median(self.rounds_at_reference_s)
 
     @property
     def round_spread(self) -> float:
         """Interquartile range of the rounds at the reference speed, over their median: how far
         this machine lets one measurement of the run be trusted."""
-        values = [m / v for m, v in zip(self.measured_rounds_s, self.round_speeds)]
+        values = self.rounds_at_reference_s
         if len(values) < 2:
             return 0.0
         q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
