@@ -208,9 +208,9 @@ def main() -> int:
                           "torch": torch.__version__, "python": platform.python_version()},
               "command": "python benchmarks/executor_vs_pytorch.py " + " ".join(sys.argv[1:]),
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    from sim.timeline import write_json_atomic
+
+    write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -12,13 +12,14 @@ measurement can still miss. Writes benchmarks/results/machine_noise.json.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
+
+from sim.timeline import write_json_atomic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "machine_noise.json")
 WINDOWS_S = (0.5, 2.0, 10.0)
@@ -57,9 +58,7 @@ def main(argv: list[str]) -> int:
         print(f"{window:>5.1f} s windows ({len(medians)}): off the overall median by {entry['drift_median_pct']:.1f}% "
               f"(median), {entry['drift_p90_pct']:.1f}% (p90); off the previous window by "
               f"{entry['neighbour_median_pct']:.1f}% (median), {entry['neighbour_p90_pct']:.1f}% (p90)")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_json_atomic(RESULTS, result)
     print(f"results written to {RESULTS}")
     return 0
 

@@ -37,8 +37,9 @@ def main() -> None:
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         print(name, results[name])
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "meta_analysis.json")
-    with open(path, "w") as handle:
-        json.dump(results, handle, indent=1)
+    from sim.timeline import write_json_atomic
+
+    write_json_atomic(path, results)
 
 
 if __name__ == "__main__":

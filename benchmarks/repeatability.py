@@ -9,13 +9,13 @@ median step times. Writes benchmarks/results/repeatability.json.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 
 from calibrate.calibration import RunSpec, run_config
 from calibrate.runs import run_configs
+from sim.timeline import write_json_atomic
 
 MODEL = ("transformer", {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256})
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "repeatability.json")
@@ -38,9 +38,7 @@ def main() -> int:
                           "min_over_median": min(values) / median, "max_over_median": max(values) / median}
         print(f"{label:<36} median {median * 1e3:7.1f} ms, range {min(values) * 1e3:6.1f}-{max(values) * 1e3:6.1f} ms "
               f"({(min(values) / median - 1) * 100:+.0f}% to {(max(values) / median - 1) * 100:+.0f}%) over {len(values)} runs")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as handle:
-        json.dump(summary, handle, indent=1)
+    write_json_atomic(RESULTS, summary)
     print(f"results written to {RESULTS}")
     return 0
 

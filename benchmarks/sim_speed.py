@@ -8,7 +8,6 @@ repetitions (the minimum is the least noisy estimate on a shared machine).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -20,6 +19,7 @@ from sim.engine import simulate
 from sim.hardware import get_system
 from sim.models import get_workload
 from sim.planner import search
+from sim.timeline import write_json_atomic
 from sim.workload import UniformWorkload
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "sim_speed.json")
@@ -79,9 +79,7 @@ def main() -> int:
         "rows": rows, "growth": growth, "growth_exponent_in_KxM": float(exponent),
         "microseconds_per_KxM": float(np.median(wall / km) * 1e6),
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as handle:
-        json.dump(summary, handle, indent=1)
+    write_json_atomic(RESULTS, summary)
     for row in rows:
         extra = f" ({row['simulated']} of {row['candidates']} simulated)" if "candidates" in row else ""
         print(f"{row['case']:<86} {row['system']:<12} {row['wall_s'] * 1e3:9.1f} ms{extra}")
