@@ -32,6 +32,11 @@ def _percent(values: list[float], q: float) -> float:
 
 def main(argv: list[str]) -> int:
     duration_s = float(argv[0]) if argv else 120.0
+    shortest_s = 2 * max(WINDOWS_S)  # two of the longest windows, so there is a previous one
+    if not duration_s >= shortest_s:
+        print(f"machine_noise: error: {duration_s:g} s is too short to compare {max(WINDOWS_S):g}-second "
+              f"windows; give {shortest_s:g} seconds or more", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     for _ in range(20):
