@@ -16,7 +16,7 @@ SIZES = {"1.1B": (24, 1792, 14), "81B": (100, 8192, 64)}
 
 
 def measure(layers: int, d_model: int, heads: int) -> dict:
-    from sim.meta_workload import torch_workload
+    from calibrate.meta_profile import torch_workload
 
     started = time.perf_counter()
     w = torch_workload("transformer", {"layers": layers, "d_model": d_model, "ff": 4 * d_model,

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from calibrate.costs import MeasuredWorkload
+from sim.costs import MeasuredWorkload
 from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from sim.partition import even_partition
@@ -251,7 +251,7 @@ def profile_rows(batch_size: int) -> list[int]:
 def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str = "cpu",
               max_stages: int | None = None, steps: int = 5, quick: bool = False,
               progress: Progress = print, rounds: int = 2) -> dict[str, Any]:
-    """Measure and fit everything for ``model``; the costs file's content (see :mod:`calibrate.costs`).
+    """Measure and fit everything for ``model``; the costs file's content (see :mod:`sim.costs`).
 
     The design runs are measured ``rounds`` times, interleaved, and every measurement enters the
     fits, so a moment when the machine ran slow weighs less.

@@ -49,7 +49,7 @@ NOISY_DESIGN_RESIDUAL = 0.12
 
 def cached(path: str, model: str, options: dict[str, Any], batch: int, device: str) -> dict[str, Any] | None:
     """The costs at ``path`` if they were measured here, with these versions, for this model."""
-    from calibrate.costs import read_costs, requested_options
+    from sim.costs import read_costs, requested_options
     from calibrate.machine import machine_stamp, same_machine
 
     if not os.path.exists(path):
@@ -71,7 +71,7 @@ def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int,
                      progress=print, rounds: int = 2) -> dict[str, Any]:
     """Reuse the costs at ``path`` when valid (see :func:`cached`), else calibrate and write them."""
     from calibrate.calibration import calibrate
-    from calibrate.costs import read_costs, write_costs
+    from sim.costs import read_costs, write_costs
 
     if not force:
         data = cached(path, model, options, batch, device)
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
                             args.quick, args.force, progress, args.rounds)
     if args.json:
-        from calibrate.costs import costs_summary
+        from sim.costs import costs_summary
 
         json.dump(costs_summary(data), sys.stdout)
         print()

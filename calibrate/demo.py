@@ -38,7 +38,7 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tu
 
     ``{K: (option, workload, system)}``, the workload bound to the plan's K, policy and M.
     """
-    from calibrate.costs import MeasuredWorkload
+    from sim.costs import MeasuredWorkload
     from sim.hardware import get_system
     from sim.planner import search
 

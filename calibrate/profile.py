@@ -9,14 +9,14 @@ The model's last layer is timed together with the loss, since the last stage com
 figure is the median of repeated runs after warm-up runs that are discarded; repetitions continue
 until a time budget or a cap is reached, so small layers get many runs and large ones at least a few.
 Small micro-batches use the hardware less well, so times are kept per row count (a table), never
-scaled linearly from one size; :mod:`calibrate.costs` interpolates between the measured sizes.
+scaled linearly from one size; :mod:`sim.costs` interpolates between the measured sizes.
 On CPU the table is measured once per thread count, since a K-stage run gives each of its K
 processes cores/K threads.
 
 Bytes, per layer and row count, exactly as the executor counts them (distinct storages, weights and
 buffers excluded): what the layer saves for backward apart from its input and output storages
 (``own_bytes``), whether it saves its input and its output, and the sizes of both. These are enough
-to compute the exact union a stage of consecutive layers holds (:func:`calibrate.costs.stage_saved_bytes`).
+to compute the exact union a stage of consecutive layers holds (:func:`sim.costs.stage_saved_bytes`).
 
 Every (layer, rows) is timed in several rounds, each round bracketed by the speed probe of
 :mod:`calibrate.speed`; each round is put at the reference pace and the median over rounds kept.

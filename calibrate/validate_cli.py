@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from calibrate.costs import read_costs
+    from sim.costs import read_costs
     from calibrate.machine import machine_stamp, same_machine
     from calibrate.validate import format_table, validate
 

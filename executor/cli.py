@@ -32,7 +32,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, default_model=None, costs=False)
+    add_model_arguments(parser, costs=False)
     what = parser.add_argument_group("what to train (a plan file, or the flags of gpipe simulate)")
     what.add_argument("--plan", help="plan JSON written by gpipe plan --out")
     what.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

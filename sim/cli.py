@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from sim.errors import GpipeInputError
@@ -55,13 +57,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpipe: error: '{args.command}' is not available in this installation", file=sys.stderr)
         return 2
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
+        return code
     except GpipeInputError as exc:
         print(f"gpipe: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gpipe: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_went_away()
+
+
+def _reader_went_away() -> int:
+    """End quietly, as Unix tools do, when the reader of our output closed it (``gpipe ... | head``).
+
+    Python would print a BrokenPipeError traceback, and another one when it flushes stdout at exit;
+    pointing stdout at /dev/null stops the second. The exit status is the shell's for SIGPIPE.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, require_positive
 from sim.hardware import SYSTEMS
-from sim.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
+from sim.model_defaults import DEFAULT_OPTIONS
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
 
 # flag -> (option name in the model's options, type, help)
@@ -31,12 +31,12 @@ MODEL_FLAGS = {
 ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")  # describe the simulator's models, not torch's
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "uniform",
-                        costs: bool = True) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
+    """The model flags; ``--model`` stays None when not given (each command picks its default)."""
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default=default_model,
-                       help=f"built-in model ({', '.join(DEFAULT_OPTIONS)}) or package.module:factory "
-                            f"(default {default_model})")
+    default = " (default uniform, or with --costs the costs file's model)" if costs else ""
+    group.add_argument("--model", default=None,
+                       help=f"built-in model ({', '.join(DEFAULT_OPTIONS)}) or package.module:factory{default}")
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, help=help_text)
     if costs:
@@ -72,10 +72,23 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def batch_size(args: argparse.Namespace) -> int:
-    if args.batch is not None:
-        return args.batch
-    return DEFAULT_BATCH.get(args.model, 32)
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """``"1,2,4"`` or ``"1-64"`` (inclusive) or a mix: ``"1-4,8,16"``; sorted, without repeats."""
+    values: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                low, high = (int(v) for v in part.split("-", 1))
+                values.extend(range(low, high + 1))
+            else:
+                values.append(int(part))
+    except ValueError:
+        raise GpipeInputError(f"{flag} {text!r} is not a list of integers; write e.g. 1,2,4 or 1-64") from None
+    for value in values:
+        require_positive(f"every value of {flag}", value, f"fix {text!r}")
+    if not values:
+        raise GpipeInputError(f"{flag} {text!r} is empty; write e.g. 1,2,4 or 1-64")
+    return sorted(set(values))
 
 
 def check_output_path(path: str | None, flag: str) -> None:

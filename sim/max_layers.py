@@ -18,7 +18,6 @@ communication buffers, so a real run needs some headroom below these depths.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
@@ -219,40 +218,3 @@ def format_limits(limits: Sequence[tuple[DepthLimit, DepthLimit]], system: Syste
                              f"{m.activation_bytes / gib:7.2f} {m.stash_bytes / gib:7.2f}  = "
                              f"{m.total_bytes / gib:7.2f} of {capacity:.2f}")
     return "\n".join(lines)
-
-
-def run_cli(args, system: System, options: dict) -> int:
-    """``gpipe plan --max-layers``: the table (or JSON) for the model and system the flags name."""
-    import json
-
-    from sim.cli_options import batch_size
-    from sim.errors import GpipeInputError, require_positive
-    from sim.plan_cli import parse_int_list
-    from sim.resolve import resolve_workload
-
-    if args.costs:
-        raise GpipeInputError("--max-layers varies the depth, which a measured costs file cannot; "
-                              "drop --costs (use --efficiency-from COSTS for its fitted efficiency)")
-    options.pop("layers", None)
-    batch = batch_size(args)
-    require_positive("batch size", batch, "use --batch 1 or more")
-    microbatches = parse_int_list(args.microbatch_options, "--microbatch-options")
-    if args.stages_options:
-        stage_options = parse_int_list(args.stages_options, "--stages-options")
-        for k in stage_options:
-            system.check_fits(k)
-    else:
-        stage_options = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= system.total_devices]
-
-    def make(depth: int) -> Workload:
-        return resolve_workload(args.model, {**options, "layers": depth})
-
-    limits = depth_limits(make, system, batch, stage_options, microbatches)
-    if args.json:
-        rows = [{"stages": a.stages, "with_rematerialization": a.to_dict(), "without": b.to_dict()}
-                for a, b in limits]
-        json.dump({"system": system.name, "batch_size": batch, "limits": rows}, sys.stdout)
-        print()
-    else:
-        print(format_limits(limits, system, batch, args.model))
-    return 0

@@ -7,35 +7,16 @@ import json
 import sys
 import time
 
-from sim.cli_options import (add_hardware_arguments, add_model_arguments, batch_size, check_output_path,
-                             model_options)
+from sim.cli_options import (add_hardware_arguments, add_model_arguments, check_output_path, model_options,
+                             parse_int_list)
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import get_system
 from sim.plan import ModelRef, Plan, save_plan
 from sim.planner import PlanOption, SearchResult, default_stage_options, search
 from sim.microbatch import split_rows
 from sim.report import gib
-from sim.resolve import resolve_workload
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
-
-
-def parse_int_list(text: str, flag: str) -> list[int]:
-    """``"1,2,4"`` or ``"1-64"`` (inclusive) or a mix: ``"1-4,8,16"``."""
-    values: list[int] = []
-    try:
-        for part in text.split(","):
-            if "-" in part:
-                low, high = (int(v) for v in part.split("-", 1))
-                values.extend(range(low, high + 1))
-            else:
-                values.append(int(part))
-    except ValueError:
-        raise GpipeInputError(f"{flag} {text!r} is not a list of integers; write e.g. 1,2,4 or 1-64") from None
-    for value in values:
-        require_positive(f"every value of {flag}", value, f"fix {text!r}")
-    if not values:
-        raise GpipeInputError(f"{flag} {text!r} is empty; write e.g. 1,2,4 or 1-64")
-    return sorted(set(values))
+from sim.workload_cli import workload_and_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,16 +69,14 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out")
     check_output_path(args.html, "--html")
     if args.max_layers:
-        from sim.max_layers import run_cli
+        from sim.max_layers_cli import run as run_max_layers
 
-        return run_cli(args, *planning_inputs(args))
+        return run_max_layers(args, *planning_inputs(args))
     require_positive("--top", args.top)
-    batch = batch_size(args)
-    require_positive("batch size", batch, "use --batch 1 or more")
     checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
     schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
     system, options = planning_inputs(args)
-    workload = resolve_workload(args.model, options, args.costs)
+    workload, batch = workload_and_batch(args, options)
     if args.stages_options:
         stage_options = parse_int_list(args.stages_options, "--stages-options")
         too_many = [k for k in stage_options if k > workload.num_layers]
@@ -110,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         stage_options = default_stage_options(system, workload.num_layers)
     microbatch_options = parse_int_list(args.microbatch_options, "--microbatch-options")
     progress = None if args.quiet else _Progress()
-    if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (calibrate.costs)
+    if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (sim.costs)
         result = _search_each_stage_count(workload, system, batch, stage_options, microbatch_options,
                                           checkpoints, schedules, args.partitioner, args.top, progress)
     else:

@@ -1,31 +1,38 @@
 """From a model name, its options and an optional costs file to a :class:`sim.workload.Workload`.
 
-Built-in analytic models need no torch. Measured costs (``--costs``) and a user's torch model
-(``package.module:factory``) import torch lazily, only when asked for.
+Torch-free. Built-in analytic models and measured costs (:mod:`sim.costs`) are resolved here. A
+user's torch model (``package.module:factory``) has to be measured first, which takes torch: the
+caller passes the function that measures it (``analyse``). The command line wires in
+:func:`calibrate.meta_profile.torch_workload` (see :mod:`sim.workload_cli`); the simulator itself
+never imports it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from sim.costs import load_costs_workload
 from sim.errors import GpipeInputError
+from sim.models import BUILTIN_MODELS, get_workload
 from sim.workload import Workload
 
+# (model, options) -> the model measured layer by layer, e.g. on PyTorch's meta device
+Analyse = Callable[[str, dict[str, Any]], Workload]
 
-def resolve_workload(model: str, options: dict[str, Any], costs_path: str | None = None) -> Workload:
+
+def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None,
+                     analyse: Analyse | None = None) -> Workload:
+    """The workload of ``model``; with ``costs_path``, measured costs (``model`` None: the file's)."""
     if costs_path is not None:
-        from calibrate.costs import load_costs_workload
-
         return load_costs_workload(costs_path, model, options)
-    from sim.models import BUILTIN_MODELS, get_workload
-
+    if model is None:
+        raise GpipeInputError("no model; give --model NAME or --costs FILE")
     if model in BUILTIN_MODELS:
         return get_workload(model, options)
     if ":" in model:
-        try:
-            from sim.meta_workload import torch_workload
-        except ModuleNotFoundError:
-            raise GpipeInputError(f"model {model!r} needs torch; install it with pip install torch") from None
-        return torch_workload(model, options)
+        if analyse is None:
+            raise GpipeInputError(f"model {model!r} is a torch model and needs measuring first; "
+                                  "run it through gpipe simulate or gpipe plan")
+        return analyse(model, options)
     raise GpipeInputError(
         f"unknown model {model!r}; choose one of {', '.join(BUILTIN_MODELS)} or give package.module:factory")

@@ -7,15 +7,16 @@ import json
 import sys
 
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_pipeline_arguments,
-                             batch_size, check_output_path, model_options)
+                             check_output_path, model_options)
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import System, get_system
 from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
 from sim.schedule import check_checkpoint_policy, check_schedule_name
-from sim.resolve import resolve_workload
 from sim.report import fit_advice, format_summary
+from sim.workload import Workload
+from sim.workload_cli import resolve_workload, workload_and_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,30 +40,28 @@ def run(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan)
         system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
         workload = resolve_workload(plan.model.name, plan.model.options, args.costs)
-        if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (calibrate.costs)
+        if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
                           plan.checkpoint, plan.schedule)
     else:
-        result, system = simulate_from_flags(args)
+        result, system, workload = simulate_from_flags(args)
     if not result.fits and not args.allow_overflow:
         raise GpipeInputError(fit_advice(result, system))
-    emit(result, system, args)
+    emit(result, system, workload, args)
     return 0
 
 
-def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System]:
+def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Workload]:
     """Validate every flag before simulating, then run the simulation."""
     require_positive("stages (K)", args.stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
-    batch = batch_size(args)
-    require_positive("batch size", batch, "use --batch 1 or more")
     check_checkpoint_policy(args.checkpoint)
     check_schedule_name(args.schedule)
     system = get_system(args.hardware, args.nodes)
-    workload = resolve_workload(args.model, model_options(args), args.costs)
+    workload, batch = workload_and_batch(args, model_options(args))
     partition = parse_partition(args.partition) if args.partition is not None else None
-    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (calibrate.costs)
+    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
         stages = len(partition) if partition is not None else args.stages
         workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches)
     if partition is None:
@@ -74,10 +73,10 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System]:
         candidate = Candidate(args.stages, args.microbatches, args.checkpoint, args.schedule)
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
     result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule)
-    return result, system
+    return result, system, workload
 
 
-def emit(result: SimResult, system: System, args: argparse.Namespace) -> None:
+def emit(result: SimResult, system: System, workload: Workload, args: argparse.Namespace) -> None:
     if args.trace:
         result.timeline.write_chrome_trace(args.trace)
     if args.html:
@@ -87,6 +86,8 @@ def emit(result: SimResult, system: System, args: argparse.Namespace) -> None:
     if args.json:
         data = result.to_dict()
         data["hardware"] = {"system": system.name, "nodes": system.nodes}
+        described = workload.describe()
+        data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         json.dump(data, sys.stdout)
         print()
     else:

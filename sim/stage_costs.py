@@ -91,7 +91,7 @@ class CostTable:
         if cost is None:
             if self._exact is not None:
                 # A workload may know its stages better than a sum of layers (measured costs hold the
-                # exact union of saved storages and per-action constants): calibrate.costs uses this.
+                # exact union of saved storages and per-action constants): sim.costs uses this.
                 cost = self._exact(rows, first, end, self.device)
             else:  # sum_stage, in O(1) from running sums
                 sums, layers = self._prefix_sums(rows), self.layers(rows)

@@ -40,7 +40,7 @@ def with_efficiency(system: System, efficiency: float | None,
 
 def efficiency_from_costs(path: str) -> tuple[float, float | None]:
     """The roofline efficiencies (FLOP/s, bandwidth) ``gpipe calibrate`` fitted, from its costs file."""
-    from calibrate.costs import read_costs
+    from sim.costs import read_costs
 
     fitted = read_costs(path).get("efficiency")
     if not fitted:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from calibrate.costs import interpolate, load_costs_workload, read_costs, write_costs
+from sim.costs import interpolate, load_costs_workload, read_costs, write_costs
 from sim.engine import simulate
 from sim.errors import GpipeInputError
 from sim.hardware import LOCAL_CPU, V100, get_system
@@ -128,6 +128,31 @@ def test_gpipe_simulate_takes_costs(costs_file, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["partition"] and out["step_time_s"] > 0
+
+
+def test_simulate_and_plan_take_model_options_and_batch_from_the_costs_file(costs_file, capsys):
+    """With --costs and no --model, the file says what was measured (mlp, 3 layers, batch 8)."""
+    from sim.cli import main
+
+    explicit = ["--model", "mlp", "--layers", "3", "--width", "8", "--batch", "8"]
+    for extra in ([], explicit):
+        assert main(["simulate", "--costs", costs_file, "--hardware", "cpu", "-K", "2", "-M", "2", "--json",
+                     *extra]) == 0
+    implied, given = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert implied == given
+    assert implied["model"]["name"] == "mlp" and implied["batch_size"] == 8
+    assert main(["plan", "--costs", costs_file, "--hardware", "cpu", "--microbatch-options", "1,2", "--json",
+                 "--quiet"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and all(r["batch_size"] == 8 for r in ranked)
+
+
+def test_a_flag_that_contradicts_the_costs_file_is_one_line(costs_file, capsys):
+    from sim.cli import main
+
+    assert main(["simulate", "--costs", costs_file, "--hardware", "cpu", "-K", "2", "--layers", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "was measured for mlp" in err and "layers': 5" in err
 
 
 def _design(errors: list[float]) -> dict:

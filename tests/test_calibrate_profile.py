@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibrate.costs import MeasuredWorkload
+from sim.costs import MeasuredWorkload
 from calibrate.profile import Repeats, pool_identical, profile_model
 from executor.config import RunConfig
 from executor.models import build_model, example_batch, loss_function

@@ -105,3 +105,25 @@ def test_plan_that_nothing_fits_names_the_overflowing_stage():
                "--stages-options", "1,2", "--quiet")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert "no plan among" in proc.stderr and "stage 0 needs" in proc.stderr and "more stages" in proc.stderr
+
+
+def test_output_piped_into_head_ends_quietly():
+    """``gpipe plan ... --json | head -c 200``: no BrokenPipeError traceback, the SIGPIPE status."""
+    big = ["plan", "--model", "uniform", "--layers", "64", "--hardware", "h100-nvlink", "--nodes", "8",
+           "--stages-options", "64", "--microbatch-options", "1-8", "--checkpoints", "never", "--schedules",
+           "gpipe", "--top", "8", "--json", "--quiet"]  # about 100 KB of JSON, more than a pipe buffers
+    proc = subprocess.run(f"{sys.executable} -m sim.cli {' '.join(big)} | head -c 200; exit ${{PIPESTATUS[0]}}",
+                          shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert len(proc.stdout) == 200
+    assert proc.stderr == ""
+    assert proc.returncode == 141
+
+
+def test_the_simulator_alone_refuses_a_torch_model_it_was_not_given_a_way_to_measure():
+    from sim.errors import GpipeInputError
+    from sim.resolve import resolve_workload
+
+    with pytest.raises(GpipeInputError, match="is a torch model and needs measuring"):
+        resolve_workload("my_pkg.models:net", {})
+    with pytest.raises(GpipeInputError, match="no model"):
+        resolve_workload(None, {})

@@ -1,6 +1,6 @@
 import pytest
 
-from calibrate.costs import write_costs
+from sim.costs import write_costs
 from sim.errors import GpipeInputError
 from sim.hardware import get_system
 from sim.models import get_workload

@@ -1,6 +1,10 @@
 """The costs file and the measured :class:`Workload` the simulator runs from it (``--costs FILE``).
 
-The file (JSON, ``version`` 1) holds what :mod:`calibrate.calibration` measured and fitted: the
+The costs file is the contract between calibration, which writes it (through :func:`write_costs`),
+and the simulator, which reads it: its format, reading, validation and the workload built from it
+live here, so reading a costs file needs neither torch nor calibration's code.
+
+The file (JSON, ``version`` 1) holds what ``gpipe calibrate`` measured and fitted: the
 machine stamp, the model and its options, the per-layer profile (times per row count and thread
 count, exact saved bytes), the fitted link, the per-K pipeline fits (action scale and overhead per
 kind, send, optimizer and step overhead) and the fitted roofline efficiency. Torch-free to load.
@@ -106,6 +110,7 @@ class MeasuredWorkload:
         self.microbatches = microbatches
         self.device_name = data.get("catalog_device", LOCAL_CPU.name)
         self.optimizer_slots = int(data.get("optimizer_slots", 0))
+        self.batch_size = int(data["batch_size"]) if data.get("batch_size") else None  # the calibrated batch
 
     # ------------------------------------------------------------------ binding to a plan
 
@@ -285,10 +290,13 @@ def check_model(data: dict[str, Any], model: str, options: dict[str, Any], path:
             f"{wanted}; pass the same model flags or run gpipe calibrate for this model")
 
 
-def load_costs_workload(path: str, model: str, options: dict[str, Any]) -> MeasuredWorkload:
-    """The measured workload of ``model`` with ``options`` from the costs file at ``path``."""
+def load_costs_workload(path: str, model: str | None, options: dict[str, Any]) -> MeasuredWorkload:
+    """The measured workload of ``model`` with ``options`` from the costs file at ``path``.
+
+    ``model`` None means the file's own model; ``options`` given must still match it.
+    """
     data = read_costs(path)
-    check_model(data, model, options, path)
+    check_model(data, data["model"]["name"] if model is None else model, options, path)
     return MeasuredWorkload(data)
 
 

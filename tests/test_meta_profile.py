@@ -11,9 +11,9 @@ from torch import nn
 
 from sim.errors import GpipeInputError
 from sim.hardware import get_system
-from sim.meta_workload import _measure, parse_sample_shape, profile_layers, torch_workload
+from calibrate.meta_profile import _measure, parse_sample_shape, profile_layers, torch_workload
 from sim.models import get_workload
-from sim.resolve import resolve_workload
+from sim.workload_cli import resolve_workload
 
 OPTS = {"layers": 2, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 128}
 

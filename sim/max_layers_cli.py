@@ -1,0 +1,49 @@
+"""``gpipe plan --max-layers``: the deepest model that fits per K, as a table or JSON.
+
+The command-line half of :mod:`sim.max_layers`: it reads the flags, builds a workload of each depth
+(torch models through the meta-device analysis, see :mod:`sim.workload_cli`) and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from sim.cli_options import parse_int_list
+from sim.errors import GpipeInputError, require_positive
+from sim.hardware import System
+from sim.max_layers import depth_limits, format_limits
+from sim.model_defaults import DEFAULT_BATCH
+from sim.workload import Workload
+from sim.workload_cli import model_name, resolve_workload
+
+
+def run(args, system: System, options: dict) -> int:
+    """``gpipe plan --max-layers``: the table (or JSON) for the model and system the flags name."""
+    if args.costs:
+        raise GpipeInputError("--max-layers varies the depth, which a measured costs file cannot; "
+                              "drop --costs (use --efficiency-from COSTS for its fitted efficiency)")
+    options.pop("layers", None)
+    model = model_name(args)
+    batch = args.batch if args.batch is not None else DEFAULT_BATCH.get(model, 32)
+    require_positive("batch size", batch, "use --batch 1 or more")
+    microbatches = parse_int_list(args.microbatch_options, "--microbatch-options")
+    if args.stages_options:
+        stage_options = parse_int_list(args.stages_options, "--stages-options")
+        for k in stage_options:
+            system.check_fits(k)
+    else:
+        stage_options = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= system.total_devices]
+
+    def make(depth: int) -> Workload:
+        return resolve_workload(model, {**options, "layers": depth})
+
+    limits = depth_limits(make, system, batch, stage_options, microbatches)
+    if args.json:
+        rows = [{"stages": a.stages, "with_rematerialization": a.to_dict(), "without": b.to_dict()}
+                for a, b in limits]
+        json.dump({"system": system.name, "batch_size": batch, "limits": rows}, sys.stdout)
+        print()
+    else:
+        print(format_limits(limits, system, batch, model))
+    return 0

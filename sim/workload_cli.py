@@ -1,0 +1,57 @@
+"""The command line's model: which workload and batch the flags of ``gpipe simulate`` and ``plan`` name.
+
+Part of the composition root (with the other ``*cli`` modules): it wires the simulator's
+torch-free resolution (:mod:`sim.resolve`) to calibration's meta-device analysis of torch models
+(:mod:`calibrate.meta_profile`), imported only when a ``package.module:factory`` model is asked
+for, so built-in models never import torch.
+
+With ``--costs FILE`` and no ``--model``, the model, its options and the batch are the file's: the
+costs describe exactly one model, so asking for it again would only invite a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sim import resolve
+from sim.errors import GpipeInputError, require_positive
+from sim.model_defaults import DEFAULT_BATCH
+from sim.workload import Workload
+
+DEFAULT_MODEL = "uniform"  # gpipe simulate and plan without --model or --costs
+
+
+def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
+    """``model`` (``package.module:factory``) measured on PyTorch's meta device."""
+    try:
+        from calibrate.meta_profile import torch_workload
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise GpipeInputError(f"model {model!r} needs torch; install it with pip install torch") from None
+    return torch_workload(model, options)
+
+
+def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None) -> Workload:
+    """:func:`sim.resolve.resolve_workload` with torch models measured on the meta device."""
+    return resolve.resolve_workload(model, options, costs_path, analyse_torch_model)
+
+
+def model_name(args: argparse.Namespace) -> str | None:
+    """The model the flags name: ``--model``, else the costs file's (None), else the default."""
+    if args.model is not None:
+        return args.model
+    return None if getattr(args, "costs", None) else DEFAULT_MODEL
+
+
+def workload_and_batch(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Workload, int]:
+    """The workload and the mini-batch rows the flags name (``--batch``, else the costs file's batch,
+    else the model's default)."""
+    if args.batch is not None:
+        require_positive("batch size", args.batch, "use --batch 1 or more")
+    workload = resolve_workload(model_name(args), options, getattr(args, "costs", None))
+    batch = args.batch
+    if batch is None:
+        batch = getattr(workload, "batch_size", None) or DEFAULT_BATCH.get(workload.describe()["name"], 32)
+    return workload, int(batch)
