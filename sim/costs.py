@@ -280,9 +280,17 @@ def requested_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
     return given
 
 
-def check_model(data: dict[str, Any], model: str, options: dict[str, Any], path: str) -> None:
+def check_model(data: dict[str, Any], model: str | None, options: dict[str, Any], path: str) -> None:
+    """The file's model must be ``model`` with ``options`` (None: the file's model, with the options
+    given agreeing; defaults are not filled in, the file's own options stand)."""
     stored = data["model"]
-    wanted = requested_options(model, options)
+    if model is None:
+        if options.get("dtype", "fp32") != "fp32":
+            raise GpipeInputError(f"dtype={options['dtype']!r}: measured costs are fp32; drop --dtype")
+        model = stored["name"]
+        wanted = {k: v for k, v in options.items() if k not in ("dtype", "optimizer_slots")}
+    else:
+        wanted = requested_options(model, options)
     same = stored["name"] == model and all(stored["options"].get(k) == v for k, v in wanted.items())
     if not same:
         raise GpipeInputError(
@@ -296,7 +304,7 @@ def load_costs_workload(path: str, model: str | None, options: dict[str, Any]) -
     ``model`` None means the file's own model; ``options`` given must still match it.
     """
     data = read_costs(path)
-    check_model(data, data["model"]["name"] if model is None else model, options, path)
+    check_model(data, model, options, path)
     return MeasuredWorkload(data)
 
 
