@@ -13,7 +13,9 @@ import hashlib
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from executor.boundary import tensors
 from executor.models import example_batch, load_object
 from sim.errors import GpipeInputError
 from sim.microbatch import split_rows  # noqa: F401  (re-exported: one split rule for both halves)
@@ -26,24 +28,36 @@ def mix_seed(*parts: int) -> int:
 
 
 def batch_for_step(model: str, options: dict[str, Any], batch_size: int, seed: int, step: int,
-                   data: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (inputs, targets) of mini-batch ``step``; rows must equal ``batch_size``."""
+                   data: str | None = None) -> tuple[Any, Any]:
+    """The (inputs, targets) of mini-batch ``step``; rows must equal ``batch_size``.
+
+    Inputs and targets are tensors, or tuples, lists or dicts of tensors whose first dimension is
+    the rows (token ids with their attention mask, say).
+    """
     if data:
         fn = load_object(data, "data function")
         inputs, targets = fn(batch_size, step=step, seed=seed)
     else:
         inputs, targets = example_batch(model, options, batch_size, mix_seed(seed, step))
-    if inputs.shape[0] != batch_size or targets.shape[0] != batch_size:
-        raise GpipeInputError(f"data for step {step} has {inputs.shape[0]} input and {targets.shape[0]} "
-                              f"target rows, expected the batch size {batch_size}")
+    for what, value in (("input", inputs), ("target", targets)):
+        rows = {leaf.shape[0] if leaf.dim() else 0 for leaf in tensors(value)}
+        if rows != {batch_size}:
+            raise GpipeInputError(f"data for step {step} has {what} rows {sorted(rows)}, expected the batch size "
+                                  f"{batch_size} first in every tensor; make the data function return "
+                                  "batch_size rows")
     return inputs, targets
 
 
-def split(tensor: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
-    """``torch.chunk`` along rows, each chunk a copy with storage of its own.
+def split(value: Any, microbatches: int) -> list[Any]:
+    """``torch.chunk`` of every tensor of ``value`` along rows, each chunk a copy with storage of its own.
 
     Views would keep the whole batch's storage alive and make the activation counter see the whole
     batch in every micro-batch; with copies a stage holds, and is charged for, exactly the rows of
     the micro-batches in flight, as the simulator assumes. The copy costs one pass over the batch.
     """
-    return [c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(tensor, microbatches, dim=0)]
+    leaves, spec = tree_flatten(value)
+    chunks = [[c.clone(memory_format=torch.contiguous_format) for c in torch.chunk(leaf, microbatches, dim=0)]
+              if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+    count = min((len(c) for c in chunks if c is not None), default=0)
+    return [tree_unflatten([c[m] if c is not None else leaf for c, leaf in zip(chunks, leaves)], spec)
+            for m in range(count)]

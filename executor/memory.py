@@ -17,9 +17,11 @@ and after every backward; it is exact for what it counts, not an allocator figur
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
+
+from executor.boundary import tensors
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -43,9 +45,11 @@ class ActivationCounter:
         if ptr and ptr not in self._excluded:
             self._live.setdefault(microbatch, {})[ptr] = nbytes
 
-    def stash(self, microbatch: int, tensor: torch.Tensor) -> None:
-        """The boundary input of ``microbatch`` is held until its backward."""
-        self._add(microbatch, tensor)
+    def stash(self, microbatch: int, value: Any) -> None:
+        """The boundary input of ``microbatch`` (a tensor, or a tuple, list or dict of them) is held
+        until its backward."""
+        for tensor in tensors(value):
+            self._add(microbatch, tensor)
 
     @contextlib.contextmanager
     def saving(self, microbatch: int) -> Iterator[None]:

@@ -22,7 +22,8 @@ from executor.data import batch_for_step
 from executor.models import build_model, check_loss, default_loss, loss_function
 from executor.recording import Recorder
 from executor.shapes import dry_run, stage_module
-from executor.stage import Boundary, PipelineStage, StageConfig
+from executor.boundary import Boundary
+from executor.stage import PipelineStage, StageConfig
 from executor.transport import LocalMailboxes, Transport
 from sim.errors import GpipeInputError
 from sim.schedule import format_grid

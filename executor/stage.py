@@ -21,33 +21,20 @@ same ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from executor.batchnorm import DeferredBatchNorm, commit_all, recomputing
+from executor.boundary import Boundary, map_tensors
 from executor.data import mix_seed, split, split_rows
 from executor.memory import ActivationCounter
 from executor.recording import Recorder
 from executor.transport import ACT, GRAD, Transport
 from sim.schedule import Action, Kind, build_schedule, recomputes
 from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """A tensor crossing into or out of a stage: shape after the row dimension, and dtype."""
-
-    tail: tuple[int, ...]
-    dtype: torch.dtype
-
-    def shape(self, rows: int) -> tuple[int, ...]:
-        return (rows, *self.tail)
-
-    @property
-    def has_grad(self) -> bool:
-        return self.dtype.is_floating_point or self.dtype.is_complex
 
 
 @dataclass(frozen=True)
@@ -103,15 +90,15 @@ class PipelineStage:
         return self.config.stage == self.config.stages - 1
 
     def _reset(self) -> None:
-        self.inputs: list[torch.Tensor] = []
-        self.targets: list[torch.Tensor] = []
-        self.stash: dict[int, torch.Tensor] = {}
-        self.graph: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.inputs: list[Any] = []  # stage 0: each micro-batch's input (a tensor, tuple or dict of them)
+        self.targets: list[Any] = []
+        self.stash: dict[int, list[torch.Tensor]] = {}  # received tensors kept for the recompute
+        self.graph: dict[int, tuple[list[torch.Tensor], Any]] = {}  # (inputs needing a gradient, output)
         self.losses: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ step boundaries
 
-    def begin_step(self, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> None:
+    def begin_step(self, step: int, inputs: Any, targets: Any) -> None:
         """Take this step's data (stage 0 keeps inputs, the last stage targets) and post receives."""
         self.step = step
         self._reset()
@@ -119,17 +106,20 @@ class PipelineStage:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         m_count = len(self.rows)
+        to_device = partial(map_tensors, lambda t: t.to(self.device, non_blocking=True))
         if self.is_first and inputs is not None:
-            self.inputs = [c.to(self.device, non_blocking=True) for c in split(inputs, m_count)]
+            self.inputs = [to_device(c) for c in split(inputs, m_count)]
         if self.is_last and targets is not None:
-            self.targets = [c.to(self.device, non_blocking=True) for c in split(targets, m_count)]
+            self.targets = [to_device(c) for c in split(targets, m_count)]
         for action in self.actions:
             need = self.needs(action)
             if need is not None:
                 channel, m = need
-                boundary = self.incoming if channel == ACT else self.outgoing
-                assert boundary is not None
-                self.transport.expect(channel, m, boundary.shape(self.rows[m]), boundary.dtype)
+                if channel == ACT:
+                    shapes = self.incoming.shapes(self.rows[m])  # type: ignore[union-attr]
+                else:
+                    shapes = self.outgoing.grad_shapes(self.rows[m])  # type: ignore[union-attr]
+                self.transport.expect(channel, m, shapes)
 
     def needs(self, action: Action) -> tuple[str, int] | None:
         """The tensor ``action`` must receive before it can run, as (channel, micro-batch)."""
@@ -160,8 +150,7 @@ class PipelineStage:
             return None
         return float(sum(loss.detach() for loss in self.losses.values()))
 
-    def train_step(self, step: int, inputs: torch.Tensor | None,
-                   targets: torch.Tensor | None) -> float | None:
+    def train_step(self, step: int, inputs: Any, targets: Any) -> float | None:
         """One mini-batch: walk this stage's actions in order (receives block), then update."""
         self.begin_step(step, inputs, targets)
         for index, action in enumerate(self.actions):
@@ -181,7 +170,7 @@ class PipelineStage:
             self._backward(action.microbatch)
         self.recorder.memory(self.counter.sample())
 
-    def _receive(self, channel: str, m: int) -> torch.Tensor:
+    def _receive(self, channel: str, m: int) -> list[torch.Tensor]:
         with self.recorder.span(RECV_WAIT, m):
             return self.transport.recv(channel, m)
 
@@ -196,12 +185,18 @@ class PipelineStage:
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)  # the current device, which is this stage's
 
-    def _leaf(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first or not x.dtype.is_floating_point:
-            return x
-        return x.detach().requires_grad_(True)
+    def _input(self, m: int, received: list[torch.Tensor], grad: bool) -> tuple[Any, list[torch.Tensor]]:
+        """Micro-batch ``m``'s input value, and (with ``grad``) its tensors a gradient is sent back for."""
+        if self.is_first:
+            return self.inputs[m], []
+        assert self.incoming is not None
+        if not grad:
+            return self.incoming.unflatten(received), []
+        leaves = [t.detach().requires_grad_(True) if spec.carries_grad else t
+                  for t, spec in zip(received, self.incoming.leaves)]
+        return self.incoming.unflatten(leaves), [leaves[i] for i in self.incoming.grad_indices]
 
-    def _output(self, m: int, y: torch.Tensor) -> torch.Tensor:
+    def _output(self, m: int, y: Any) -> Any:
         """The loss on the last stage (scaled to the mini-batch mean), else ``y`` itself."""
         if not self.is_last:
             return y
@@ -210,41 +205,50 @@ class PipelineStage:
         return loss
 
     def _forward(self, m: int) -> None:
-        x = self.inputs[m] if self.is_first else self._receive(ACT, m)
+        received = [] if self.is_first else self._receive(ACT, m)
         rematerialize = recomputes(self.config.checkpoint, m, len(self.rows))
         with self.recorder.span(Kind.FORWARD.value, m):
             self._seed(m)
+            self.counter.stash(m, self.inputs[m] if self.is_first else received)
             if rematerialize:
-                self.stash[m] = x
-                self.counter.stash(m, x)
+                self.stash[m] = received
+                x, _ = self._input(m, received, grad=False)
                 with torch.no_grad():
                     out = self._output(m, self.module(x))
             else:
-                x = self._leaf(x)
-                self.counter.stash(m, x)
+                x, needs_grad = self._input(m, received, grad=True)
                 with self.counter.saving(m):
                     out = self._output(m, self.module(x))
-                self.graph[m] = (x, out)
+                self.graph[m] = (needs_grad, out)
         if not self.is_last:
+            assert self.outgoing is not None
             with self.recorder.span(SEND_ACTIVATION, m):
-                self.transport.send(ACT, m, out)
+                self.transport.send(ACT, m, self.outgoing.flatten(out))
 
     def _recompute(self, m: int) -> None:
         with self.recorder.span(Kind.RECOMPUTE.value, m):
-            x = self._leaf(self.stash.pop(m))
+            x, needs_grad = self._input(m, self.stash.pop(m), grad=True)
             self._seed(m)
             with torch.enable_grad(), recomputing(), self.counter.saving(m):
                 out = self._output(m, self.module(x))
-            self.graph[m] = (x, out)
+            self.graph[m] = (needs_grad, out)
 
     def _backward(self, m: int) -> None:
-        grad = self._receive(GRAD, m) if self.needs(Action(self.config.stage, Kind.BACKWARD, m)) else None
+        grads = self._receive(GRAD, m) if self.needs(Action(self.config.stage, Kind.BACKWARD, m)) else []
         with self.recorder.span(Kind.BACKWARD.value, m):
-            x, out = self.graph.pop(m)
-            if out.requires_grad:
-                torch.autograd.backward(out, None if self.is_last else grad)
+            needs_grad, out = self.graph.pop(m)
+            if self.is_last:
+                roots, root_grads = [out], None
+            else:
+                assert self.outgoing is not None
+                leaves = self.outgoing.flatten(out)
+                pairs = [(leaves[i], g) for i, g in zip(self.outgoing.grad_indices, grads) if leaves[i].requires_grad]
+                roots, root_grads = [p[0] for p in pairs], [p[1] for p in pairs]
+            roots_with_grad = [r for r in roots if r.requires_grad]
+            if roots_with_grad:
+                torch.autograd.backward(roots_with_grad, root_grads)
             self.counter.release(m)
         if not self.is_first and self.incoming is not None and self.incoming.has_grad:
-            dx = x.grad if x.grad is not None else torch.zeros_like(x)
+            dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in needs_grad]
             with self.recorder.span(SEND_GRADIENT, m):
                 self.transport.send(GRAD, m, dx)

@@ -1,9 +1,11 @@
 """How boundary tensors move between neighbouring stages: one small interface, two implementations.
 
-A stage announces every tensor it will receive in a step with :meth:`Transport.expect` (in the
-order its own schedule consumes them), then takes each with :meth:`Transport.recv`, and hands its
-outputs to :meth:`Transport.send`. Channels are ``"act"`` (activations, from stage k-1) and
-``"grad"`` (gradients, from stage k+1); the neighbour is implied by the channel.
+A message is the list of tensors one micro-batch sends across a boundary in one direction (the
+leaves of a tuple or dict of tensors, see :mod:`executor.boundary`; usually one tensor). A stage
+announces every message it will receive in a step with :meth:`Transport.expect` (in the order its
+own schedule consumes them), then takes each with :meth:`Transport.recv`, and hands its outputs to
+:meth:`Transport.send`. Channels are ``"act"`` (activations, from stage k-1) and ``"grad"``
+(gradients, from stage k+1); the neighbour is implied by the channel.
 
 * :class:`LocalTransport` passes tensors through in-process mailboxes, so the whole pipeline can run
   in one process (tests, debugging) with the same schedule walk.
@@ -11,11 +13,13 @@ outputs to :meth:`Transport.send`. Channels are ``"act"`` (activations, from sta
   process groups, one per direction, so on every communicator messages flow one way and in the
   same order on both ends: deadlock-free on NCCL (where a pair's sends and receives share a stream)
   and on gloo. Receives are posted as early as announced, so data lands while the stage computes.
+  Each tensor of a message has its own tag (micro-batch x tensors + index), so the tensors of one
+  message never match another's receive.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,18 +28,21 @@ ACT = "act"
 GRAD = "grad"
 
 
+Shapes = Sequence[tuple[tuple[int, ...], torch.dtype]]  # (shape, dtype) of each tensor of a message
+
+
 class Transport(Protocol):
-    def expect(self, channel: str, microbatch: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Announce a tensor this stage will receive (posting the receive, if the backend can)."""
+    def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
+        """Announce a message this stage will receive (posting the receives, if the backend can)."""
 
     def ready(self, channel: str, microbatch: int) -> bool:
         """Whether :meth:`recv` would return without waiting (only the local transport knows)."""
 
-    def recv(self, channel: str, microbatch: int) -> torch.Tensor:
-        """The announced tensor, waiting for it if needed."""
+    def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
+        """The announced message, waiting for it if needed."""
 
-    def send(self, channel: str, microbatch: int, tensor: torch.Tensor) -> None:
-        """Send ``tensor``: activations to stage k+1 (``act``), gradients to stage k-1 (``grad``)."""
+    def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Send a message: activations to stage k+1 (``act``), gradients to stage k-1 (``grad``)."""
 
     def finish_step(self) -> None:
         """Wait for this step's sends to complete (their buffers may be freed after)."""
@@ -45,7 +52,7 @@ class LocalMailboxes:
     """Shared by the stages of one in-process pipeline: ``(stage, channel, micro-batch) -> tensor``."""
 
     def __init__(self) -> None:
-        self.boxes: dict[tuple[int, str, int], torch.Tensor] = {}
+        self.boxes: dict[tuple[int, str, int], list[torch.Tensor]] = {}
 
     def endpoint(self, stage: int) -> "LocalTransport":
         return LocalTransport(self, stage)
@@ -58,22 +65,22 @@ class LocalTransport:
         self.mailboxes = mailboxes
         self.stage = stage
 
-    def expect(self, channel: str, microbatch: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
         pass
 
     def ready(self, channel: str, microbatch: int) -> bool:
         return (self.stage, channel, microbatch) in self.mailboxes.boxes
 
-    def recv(self, channel: str, microbatch: int) -> torch.Tensor:
+    def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
         key = (self.stage, channel, microbatch)
         if key not in self.mailboxes.boxes:
             raise RuntimeError(f"stage {self.stage} has no {channel} for micro-batch {microbatch}: "
                                "the schedule walk is out of order")
         return self.mailboxes.boxes.pop(key)
 
-    def send(self, channel: str, microbatch: int, tensor: torch.Tensor) -> None:
+    def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
         target = self.stage + 1 if channel == ACT else self.stage - 1
-        self.mailboxes.boxes[(target, channel, microbatch)] = tensor.detach()
+        self.mailboxes.boxes[(target, channel, microbatch)] = [t.detach() for t in tensors]
 
     def finish_step(self) -> None:
         pass
@@ -99,7 +106,7 @@ class DistTransport:
         self.stage = stage
         self.groups = groups
         self.device = device
-        self._pending: dict[tuple[str, int], tuple[dist.Work, torch.Tensor]] = {}
+        self._pending: dict[tuple[str, int], list[tuple[dist.Work, torch.Tensor]]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup]:
@@ -110,28 +117,34 @@ class DistTransport:
             peer = self.stage + 1 if incoming else self.stage - 1
         return peer, self.groups[(min(peer, self.stage), channel)]
 
-    def expect(self, channel: str, microbatch: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
         peer, group = self._peer_and_group(channel, incoming=True)
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buffer, src=peer, group=group, tag=microbatch)
-        self._pending[(channel, microbatch)] = (work, buffer)
+        posted = []
+        for index, (shape, dtype) in enumerate(shapes):
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            tag = microbatch * len(shapes) + index
+            posted.append((dist.irecv(buffer, src=peer, group=group, tag=tag), buffer))
+        self._pending[(channel, microbatch)] = posted
 
     def ready(self, channel: str, microbatch: int) -> bool:
-        work, _ = self._pending[(channel, microbatch)]
-        return work.is_completed()
+        return all(work.is_completed() for work, _ in self._pending[(channel, microbatch)])
 
-    def recv(self, channel: str, microbatch: int) -> torch.Tensor:
+    def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
         key = (channel, microbatch)
         if key not in self._pending:
             raise RuntimeError(f"stage {self.stage} did not expect {channel} of micro-batch {microbatch}")
-        work, buffer = self._pending.pop(key)
-        work.wait()  # on CUDA this makes the current stream wait, not the host
-        return buffer
+        buffers = []
+        for work, buffer in self._pending.pop(key):
+            work.wait()  # on CUDA this makes the current stream wait, not the host
+            buffers.append(buffer)
+        return buffers
 
-    def send(self, channel: str, microbatch: int, tensor: torch.Tensor) -> None:
+    def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
         peer, group = self._peer_and_group(channel, incoming=False)
-        tensor = tensor.detach().contiguous()
-        self._sends.append((dist.isend(tensor, dst=peer, group=group, tag=microbatch), tensor))
+        for index, tensor in enumerate(tensors):
+            tensor = tensor.detach().contiguous()
+            tag = microbatch * len(tensors) + index
+            self._sends.append((dist.isend(tensor, dst=peer, group=group, tag=tag), tensor))
 
     def finish_step(self) -> None:
         for work, _ in self._sends:

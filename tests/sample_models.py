@@ -1,0 +1,73 @@
+"""Models for the executor's tests, named ``tests.sample_models:FACTORY`` like any user's model.
+
+``several_tensors``: layers pass dicts and tuples of tensors, with leaves of every kind a boundary
+can carry: per-row activations that need a gradient, a fixed-shape table computed from parameters
+(a gradient flows back through it), per-row integer ids and a per-row float gate computed from the
+data alone (no gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Embed(nn.Module):
+    """data {"x": (rows, width), "ids": (rows, 4) int64} -> the dict every later layer passes on."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.table = nn.Parameter(torch.randn(width) * 0.1)
+
+    def forward(self, data: dict) -> dict:
+        return {"hidden": torch.tanh(self.inp(data["x"])), "scale": 1 + torch.tanh(self.table),
+                "ids": data["ids"], "gate": (data["x"][:, :1] > 0).float()}
+
+
+class DictBlock(nn.Module):
+    """dict -> tuple (hidden, scale, ids, gate)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.ids = nn.Embedding(16, width)
+
+    def forward(self, value: dict) -> tuple:
+        h = value["hidden"]
+        h = h + torch.tanh(self.lin(h) * value["scale"] + self.ids(value["ids"]).mean(1) * value["gate"])
+        return h, value["scale"] * 0.9, value["ids"], value["gate"]
+
+
+class TupleBlock(nn.Module):
+    """tuple -> dict, with a None inside the tuple that never leaves the stage."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, value: tuple) -> dict:
+        h, scale, ids, gate = value[:4]
+        h = h + torch.tanh(self.lin(h) * scale) * (1 + gate)
+        return {"hidden": h, "scale": scale, "ids": ids, "gate": gate}
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.out = nn.Linear(width, width)
+
+    def forward(self, value) -> torch.Tensor:
+        h = value["hidden"] if isinstance(value, dict) else value[0]
+        return self.out(h)
+
+
+def several_tensors(width: int = 16, blocks: int = 4) -> nn.Sequential:
+    """Embed, ``blocks`` blocks alternating dict -> tuple and tuple -> dict, and a head."""
+    layers = [DictBlock(width) if i % 2 == 0 else TupleBlock(width) for i in range(blocks)]
+    return nn.Sequential(Embed(width), *layers, Head(width))
+
+
+def example_batch(rows: int, width: int = 16) -> tuple[dict, torch.Tensor]:
+    return ({"x": torch.randn(rows, width), "ids": torch.randint(0, 16, (rows, 4))},
+            torch.randn(rows, width))
