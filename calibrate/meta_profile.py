@@ -37,9 +37,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_structure
 from torch.utils.flop_counter import FlopCounterMode
 
+from executor.boundary import map_tensors, tensors
 from sim.errors import GpipeInputError
 from sim.meta_workload import MEASURED_ROWS, LayerMeasure, LayerProfile, MetaWorkload
 
@@ -66,8 +67,9 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _measure(layer: nn.Module, x: torch.Tensor, index: int) -> tuple[LayerMeasure, torch.Tensor]:
-    """Run ``layer`` forward and backward on the meta input ``x``; returns its measure and output."""
+def _measure(layer: nn.Module, x: Any, index: int) -> tuple[LayerMeasure, Any]:
+    """Run ``layer`` forward and backward on the meta input ``x`` (a tensor, or a tuple or dict of
+    them); returns its measure and output. Bytes in and out count every tensor of the value."""
     static = {_storage_key(t) for t in [*layer.parameters(), *layer.buffers()]}
     saved: dict[int, torch.Tensor] = {}  # storage -> one tensor on it, kept alive while counting
 
@@ -77,53 +79,70 @@ def _measure(layer: nn.Module, x: torch.Tensor, index: int) -> tuple[LayerMeasur
             saved.setdefault(key, t)
         return t
 
-    x = x.detach()
-    if x.is_floating_point() and index > 0:
-        x.requires_grad_(True)
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.requires_grad_(True) if t.is_floating_point() and index > 0 else t
+
+    x = map_tensors(leaf, x)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with FlopCounterMode(display=False) as flops, _TrafficMode() as traffic:
                 y = layer(x)
         forward_flops, forward_bytes = flops.get_total_flops(), traffic.bytes
         backward_flops = backward_bytes = 0
-        wrt = [t for t in [x, *layer.parameters()] if t.requires_grad]
-        if isinstance(y, torch.Tensor) and y.requires_grad and wrt:
+        wrt = [t for t in [*tensors(x), *layer.parameters()] if t.requires_grad]
+        roots = [t for t in tensors(y) if t.requires_grad]
+        if roots and wrt:
             with FlopCounterMode(display=False) as flops, _TrafficMode() as traffic:
-                torch.autograd.grad(y, wrt, torch.ones_like(y), allow_unused=True)
+                torch.autograd.grad(roots, wrt, [torch.ones_like(t) for t in roots], allow_unused=True)
             backward_flops, backward_bytes = flops.get_total_flops(), traffic.bytes
     except Exception as exc:  # a meta kernel missing, or data-dependent control flow
         raise GpipeInputError(f"layer {index} ({type(layer).__name__}) cannot run on the meta device: "
                               f"{str(exc).splitlines()[0]}; give it shape-only code paths") from None
-    if not isinstance(y, torch.Tensor):
-        raise GpipeInputError(f"layer {index} ({type(layer).__name__}) returned {type(y).__name__}; "
-                              "a pipeline layer must return one tensor")
     saved_bytes = sum(t.untyped_storage().nbytes() for t in saved.values())
     measure = LayerMeasure(float(forward_flops), float(backward_flops), float(forward_bytes),
-                           float(backward_bytes), float(saved_bytes), float(x.nbytes), float(y.nbytes))
-    return measure, y.detach()
+                           float(backward_bytes), float(saved_bytes), float(_nbytes(x)), float(_nbytes(y)))
+    return measure, map_tensors(torch.Tensor.detach, y)
 
 
-def _signature(layer: nn.Module, x: torch.Tensor) -> tuple:
+def _nbytes(value: Any) -> int:
+    """Bytes of ``value``'s tensors, each counted: at a boundary each is sent, and received into a
+    buffer of its own, even when two are views of one storage here."""
+    return sum(t.nbytes for t in tensors(value))
+
+
+def _signature(layer: nn.Module, x: Any) -> tuple:
     """What determines a layer's measure: its modules' types, plain attributes, tensor shapes, input."""
-    parts: list[Any] = [tuple(x.shape), x.dtype]
+    parts: list[Any] = [str(tree_structure(x)), tuple((tuple(t.shape), t.dtype) for t in tensors(x))]
     for name, module in layer.named_modules():
         plain = tuple(sorted((k, v) for k, v in vars(module).items()
                              if not k.startswith("_") and isinstance(v, (int, float, str, bool, tuple))))
-        tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in
-                        [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
-        parts.append((name, type(module).__qualname__, type(module).__module__, plain, tensors))
+        params = tuple((n, tuple(t.shape), t.dtype) for n, t in
+                       [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
+        parts.append((name, type(module).__qualname__, type(module).__module__, plain, params))
     return tuple(parts)
 
 
-def profile_layers(model: nn.Sequential, sample_shape: Sequence[int], sample_dtype: torch.dtype) -> list[LayerProfile]:
+def sample_of(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A one-row meta input of one sample's ``shape`` and ``dtype``."""
+    return torch.empty((1, *shape), dtype=dtype, device="meta")
+
+
+def with_rows(sample: Any, rows: int) -> Any:
+    """``sample`` (tensors with the rows first) as meta tensors of ``rows`` rows."""
+    return map_tensors(lambda t: torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta"), sample)
+
+
+def profile_layers(model: nn.Sequential, sample: Any) -> list[LayerProfile]:
     """Measure every top-level layer of a meta ``model`` at ``MEASURED_ROWS`` rows.
 
-    ``sample_shape`` is one sample's shape (no row dimension).
+    ``sample`` is the model's input for any number of rows: a tensor, or a tuple or dict of tensors,
+    each with the rows first (see :func:`sample_of`); only shapes and dtypes are read.
     """
-    cache: dict[tuple, tuple[LayerMeasure, torch.Tensor]] = {}
+    cache: dict[tuple, tuple[LayerMeasure, Any]] = {}
     per_rows = []
     for rows in MEASURED_ROWS:
-        x = torch.empty((rows, *sample_shape), dtype=sample_dtype, device="meta")
+        x = with_rows(sample, rows)
         measures = []
         for index, layer in enumerate(model):
             key = _signature(layer, x) + (index == 0,)
@@ -151,9 +170,10 @@ def parse_sample_shape(text: str) -> tuple[tuple[int, ...], torch.dtype]:
     return shape, dtype
 
 
-def _sample(name: str, options: dict[str, Any], input_shape: str | None) -> tuple[tuple[int, ...], torch.dtype]:
+def _sample(name: str, options: dict[str, Any], input_shape: str | None) -> Any:
+    """The model's input at one row: from ``--input-shape``, else from its ``example_batch``."""
     if input_shape is not None:
-        return parse_sample_shape(input_shape)
+        return sample_of(*parse_sample_shape(input_shape))
     from executor.models import example_batch, is_builtin
 
     if not is_builtin(name):
@@ -164,7 +184,7 @@ def _sample(name: str, options: dict[str, Any], input_shape: str | None) -> tupl
             raise GpipeInputError(f"{module_name!r} has no example_batch(batch_size) beside {name!r}; "
                                   "add one or give --input-shape, e.g. 3,224,224 or 1024:int64")
     inputs, _ = example_batch(name, options, 1, 0)
-    return tuple(inputs.shape[1:]), inputs.dtype
+    return map_tensors(lambda t: t.to("meta"), inputs)
 
 
 def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWorkload:
@@ -186,10 +206,9 @@ def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWor
     with torch.device("meta"):
         module = build_model(model, options)
     module.to(TORCH_DTYPES[analysis["dtype"]])
-    shape, dtype = _sample(model, options, input_shape)
-    if dtype.is_floating_point:
-        dtype = TORCH_DTYPES[analysis["dtype"]]
-    profiles = profile_layers(module, shape, dtype)
+    dtype = TORCH_DTYPES[analysis["dtype"]]
+    sample = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, _sample(model, options, input_shape))
+    profiles = profile_layers(module, sample)
     described = {**options, **analysis, **({"input_shape": input_shape} if input_shape else {})}
     return MetaWorkload(model, described, profiles, analysis["dtype"], int(analysis["optimizer_slots"]),
                         analysis_s=time.perf_counter() - started)

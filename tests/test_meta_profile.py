@@ -11,7 +11,7 @@ from torch import nn
 
 from sim.errors import GpipeInputError
 from sim.hardware import get_system
-from calibrate.meta_profile import _measure, parse_sample_shape, profile_layers, torch_workload
+from calibrate.meta_profile import _measure, parse_sample_shape, profile_layers, sample_of, torch_workload
 from sim.models import get_workload
 from sim.workload_cli import resolve_workload
 
@@ -62,7 +62,7 @@ def test_the_row_line_equals_a_direct_measurement(name, options):
     with torch.device("meta"):
         model = build_model(name, options)
     inputs, _ = example_batch(name, options, 1, 0)
-    profiles = profile_layers(model, tuple(inputs.shape[1:]), inputs.dtype)
+    profiles = profile_layers(model, sample_of(tuple(inputs.shape[1:]), inputs.dtype))
     for rows in (1, 5, 12):
         for profile, direct in zip(profiles, _direct(model, tuple(inputs.shape[1:]), inputs.dtype, rows)):
             assert vars(profile.at(rows)) == pytest.approx(vars(direct), rel=1e-12)
@@ -70,7 +70,7 @@ def test_the_row_line_equals_a_direct_measurement(name, options):
 
 def test_parameters_are_not_counted_as_saved_activations():
     model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 30))
-    profiles = profile_layers(model.to("meta"), (10,), torch.float32)
+    profiles = profile_layers(model.to("meta"), sample_of((10,), torch.float32))
     # layer 1 saves only its input (4 rows x 20 floats): its weight is static memory
     assert profiles[1].at(4).saved_bytes == 4 * 20 * 4
     assert profiles[1].parameters == 20 * 30 + 30
@@ -140,9 +140,9 @@ def test_a_user_factory_without_example_batch_needs_an_input_shape(user_module):
     assert w.profiles[1].at(2).input_bytes == 2 * 8 * 8 * 8 * 4
 
 
-def test_a_layer_that_returns_a_tuple_is_rejected(user_module):
-    with pytest.raises(GpipeInputError, match="must return one tensor"):
-        torch_workload("user_net:pair", {"input_shape": "4"})
+def test_a_layer_that_returns_a_tuple_counts_every_tensor_it_would_send(user_module):
+    w = torch_workload("user_net:pair", {"input_shape": "4"})
+    assert w.profiles[0].at(2).output_bytes == 2 * (2 * 4 * 4)  # (x, x): two tensors cross, one storage
 
 
 @pytest.mark.parametrize("text", ["", "3,x", "0,4", "4:notatype"])
