@@ -42,7 +42,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from executor.boundary import map_tensors, tensors
 from sim.errors import GpipeInputError
-from sim.meta_workload import MEASURED_ROWS, LayerMeasure, LayerProfile, MetaWorkload
+from executor.sharing import shared_tensors
+from sim.meta_workload import MEASURED_ROWS, LayerMeasure, LayerProfile, MetaWorkload, SharedTensor
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ANALYSIS_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": 2}
@@ -209,7 +210,8 @@ def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWor
     dtype = TORCH_DTYPES[analysis["dtype"]]
     sample = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, _sample(model, options, input_shape))
     profiles = profile_layers(module, sample)
+    shared = [SharedTensor(f"{layers[0]}.{name}", layers, numel) for name, layers, numel in shared_tensors(module)]
     described = {**options, **analysis, **({"input_shape": input_shape} if input_shape else {})}
     return MetaWorkload(model, described, profiles, analysis["dtype"], int(analysis["optimizer_slots"]),
-                        analysis_s=time.perf_counter() - started)
+                        analysis_s=time.perf_counter() - started, shared=shared)
 

@@ -22,6 +22,7 @@ from executor.data import batch_for_step
 from executor.models import build_model, check_loss, default_loss, loss_function
 from executor.recording import Recorder
 from executor.shapes import dry_run, stage_module
+from executor.sharing import SharedGroup, duplicates_on, find_shared, reduce_in_process, untie
 from executor.boundary import Boundary
 from executor.stage import PipelineStage, StageConfig
 from executor.transport import LocalMailboxes, Transport
@@ -34,6 +35,7 @@ class Prepared:
     model: nn.Sequential
     boundaries: list[Boundary]  # K+1: model input, each cut, model output
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    shared: list[SharedGroup]  # parameters layers on different stages share
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -46,8 +48,9 @@ def prepare(config: RunConfig) -> Prepared:
     inputs, targets = batch_for_step(config.model, config.options, config.batch_size, config.seed, 0,
                                      config.data or None)
     loss_fn = loss_function(loss)
+    shared = find_shared(model, tuple(config.partition))
     boundaries = dry_run(model, tuple(config.partition), inputs, targets, loss_fn)
-    return Prepared(model, boundaries, loss_fn)
+    return Prepared(model, boundaries, loss_fn, shared)
 
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
@@ -61,7 +64,8 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
         prepared.loss_fn,
         incoming=prepared.boundaries[stage] if stage > 0 else None,
         outgoing=prepared.boundaries[stage + 1] if stage < stages - 1 else None,
-        device=device, optimizer=config.optimizer, lr=config.lr, recorder=recorder)
+        device=device, optimizer=config.optimizer, lr=config.lr, recorder=recorder,
+        duplicates=duplicates_on(stage, prepared.model, prepared.shared))
 
 
 def train_step_with_data(config: RunConfig, stage: PipelineStage, step: int) -> float | None:
@@ -84,6 +88,7 @@ class LocalPipeline:
         self.prepared = prepared or prepare(config)
         mailboxes = LocalMailboxes()
         device = torch.device(config.device)
+        untie(self.prepared.model, tuple(config.partition), self.prepared.shared)  # a copy per stage, as across ranks
         self.stages = [make_stage(config, self.prepared, k, mailboxes.endpoint(k), device)
                        for k in range(config.stages)]
 
@@ -114,6 +119,7 @@ class LocalPipeline:
                 stuck = self.stages[0].actions
                 raise RuntimeError("pipeline deadlock:\n" + format_grid(
                     [s.actions for s in self.stages], highlight=stuck[min(position[0], len(stuck) - 1)]))
+        reduce_in_process([stage.module for stage in self.stages], self.prepared.shared)
         losses = [stage.end_step() if update else stage.finish_without_update() for stage in self.stages]
         return float(losses[-1])  # type: ignore[arg-type]
 

@@ -34,7 +34,7 @@ from executor.memory import ActivationCounter
 from executor.recording import Recorder
 from executor.transport import ACT, GRAD, Transport
 from sim.schedule import Action, Kind, build_schedule, recomputes
-from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class PipelineStage:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  incoming: Boundary | None, outgoing: Boundary | None,
                  device: torch.device = torch.device("cpu"), optimizer: str = "sgd", lr: float = 0.01,
-                 recorder: Recorder | None = None) -> None:
+                 recorder: Recorder | None = None, duplicates: list[nn.Parameter] | None = None) -> None:
         self.config = config
         self.module = DeferredBatchNorm.convert(module).to(device)
         self.module.train()
@@ -78,6 +78,11 @@ class PipelineStage:
         self.actions = build_schedule(config.stages, len(self.rows), config.schedule,
                                       config.checkpoint)[config.stage]
         self.after_action: Callable[[int, Action], None] | None = None  # fault-injection hook
+        # Sums the gradients of parameters other stages hold too (executor.sharing); the in-process
+        # pipeline does it for all stages at once instead.
+        self.reduce_shared: Callable[[], None] | None = None
+        # Copies of parameters another stage holds first: a global gradient norm leaves them out.
+        self.duplicates = list(duplicates or [])
         self.step = 0
         self._reset()
 
@@ -133,6 +138,9 @@ class PipelineStage:
         """Wait for sends, apply one optimizer step and the deferred BN update; return the loss."""
         with self.recorder.span(SEND_ACTIVATION if self.is_first else SEND_GRADIENT):
             self.transport.finish_step()
+        if self.reduce_shared is not None:
+            with self.recorder.span(SHARED_ALLREDUCE):
+                self.reduce_shared()
         with self.recorder.span(OPTIMIZER):
             commit_all(self.module)
             if self.optimizer is not None:

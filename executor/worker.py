@@ -33,6 +33,7 @@ from executor.models import model_ref
 from executor.pipeline import make_stage, prepare, train_step_with_data
 from executor.recording import Recorder
 from executor.report import build_report
+from executor.sharing import dist_reducer, process_groups
 from executor.stage import PipelineStage
 from executor.transport import DistTransport, boundary_groups
 from sim.errors import GpipeInputError
@@ -103,9 +104,12 @@ def train(config: RunConfig) -> None:
     _init_process_group(backend, rank, world, timedelta(seconds=config.timeout_s))
     try:
         groups = boundary_groups(config.stages)
+        shared_groups = process_groups(prepared.shared)
         dist.barrier()
         recorder = Recorder(rank, device)  # origin right after the barrier on every rank
         stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
+        if any(rank in group.owners for group in prepared.shared):
+            stage.reduce_shared = dist_reducer(rank, stage.module, prepared.shared, shared_groups)
         del prepared
         losses, start = _resume(config, stage)
         step_ref = [start]

@@ -12,7 +12,12 @@ copy engines and non-blocking NCCL calls); a device runs one action at a time an
 other reasons (no kernel-launch jitter, no thermal throttling, no interference from other
 processes); a transfer holds its channel for bytes / bandwidth and arrives a latency later, with no protocol or
 congestion effects.
-The optimizer update runs once per step after a stage's last backward.
+The optimizer update runs once per step after a stage's last backward. A parameter shared by
+layers on several stages (a tied embedding and head, :class:`sim.workload.SharedParameter`) has its
+gradient summed among the owning stages first: each owner waits until all have finished their
+backwards, then a ring all-reduce of its bytes takes 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency
+on the slowest link between the owners (not contended by other transfers), and every owner then
+runs its optimizer step.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from sim.microbatch import split_rows
 from sim.plan import validate_partition
 from sim.schedule import Kind, build_schedule, recomputes
 from sim.stage_costs import CostTable, StageCost
-from sim.timeline import (OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, STEP_OVERHEAD, MemorySample,
-                          Record, Timeline)
-from sim.workload import Workload
+from sim.timeline import (OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE, STEP_OVERHEAD,
+                          MemorySample, Record, Timeline)
+from sim.workload import Workload, shared_parameters
 
 
 @dataclass(frozen=True)
@@ -135,18 +140,60 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
     table = costs if costs is not None else CostTable(workload, system.device)
     stage_costs = {r: table.stages(r, partition) for r in set(rows)}
     per_stage_actions = build_schedule(stages, len(rows), schedule, checkpoint)
-    run = _Run(system, stages, rows, stage_costs, checkpoint, record)
+    run = _Run(system, stages, rows, stage_costs, checkpoint, record,
+               shared_reductions(workload, partition, system))
     for k in range(stages):
         run.env.process(run.stage_process(k, per_stage_actions[k]))
     run.env.run()
     return run.result(partition, batch_size, schedule, checkpoint)
 
 
+@dataclass(frozen=True)
+class SharedReduction:
+    """The all-reduce of one shared parameter's gradient among the stages holding a copy."""
+
+    owners: tuple[int, ...]
+    duration_s: float
+
+
+def ring_allreduce_s(nbytes: int, parties: int, link: Link) -> float:
+    """Ring all-reduce of ``nbytes`` among ``parties`` over ``link``: 2(n-1)/n of the bytes on the
+    wire per party and 2(n-1) latencies (reduce-scatter then all-gather)."""
+    if parties < 2:
+        return 0.0
+    wire_s = 0.0 if math.isinf(link.bandwidth_bytes_per_s) else nbytes / link.bandwidth_bytes_per_s
+    return 2 * (parties - 1) / parties * wire_s + 2 * (parties - 1) * link.latency_s
+
+
+def shared_reductions(workload: Workload, partition: Sequence[int], system: System) -> list[SharedReduction]:
+    """One reduction per shared parameter whose layers sit on more than one stage, in layer order."""
+    stage_of = [k for k, count in enumerate(partition) for _ in range(count)]
+    reductions = []
+    for parameter in shared_parameters(workload):
+        owners = tuple(sorted({stage_of[layer] for layer in parameter.layers}))
+        if len(owners) < 2:
+            continue
+        nodes = {system.node_of(k) for k in owners}
+        link = system.intra_link if len(nodes) == 1 else system.inter_link
+        reductions.append(SharedReduction(owners, ring_allreduce_s(parameter.param_bytes, len(owners), link)))
+    return reductions
+
+
+class _Reduction:
+    """A shared reduction in flight: owners that have arrived, and the event of its end."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.arrived = 0
+        self.start_s = 0.0
+        self.done = env.event()
+
+
 class _Run:
     """State of one simulation: the environment, arrival events, busy times and memory."""
 
     def __init__(self, system: System, stages: int, rows: list[int],
-                 stage_costs: dict[int, list[StageCost]], checkpoint: str, record: bool) -> None:
+                 stage_costs: dict[int, list[StageCost]], checkpoint: str, record: bool,
+                 reductions: Sequence[SharedReduction] = ()) -> None:
         self.env = simpy.Environment()
         self.system = system
         self.stages = stages
@@ -165,6 +212,7 @@ class _Run:
         self.records: list[tuple] = []  # Record fields; tuples are cheaper in the hot loop
         self.memory: list[tuple] = []  # MemorySample fields
         self.end_s = [0.0] * stages
+        self.reductions = [(r, _Reduction(self.env)) for r in reductions]
 
     def cost(self, stage: int, microbatch: int) -> StageCost:
         return self.costs[self.rows[microbatch]][stage]
@@ -219,6 +267,9 @@ class _Run:
                 if stage > 0:
                     input_bytes = cost.stash_bytes
                     self._send(stage, stage - 1, m, input_bytes, forward=False)
+        for reduction, state in self.reductions:
+            if stage in reduction.owners:
+                yield from self._reduce(stage, reduction, state)
         per_step = self.costs[self.rows[0]][stage]
         if per_step.optimizer_s > 0:
             start = env.now
@@ -232,6 +283,22 @@ class _Run:
             if self.record:
                 self.records.append((stage, STEP_OVERHEAD, -1, start, env.now))
         self.end_s[stage] = env.now
+
+    def _reduce(self, stage: int, reduction: SharedReduction, state: _Reduction):
+        """Join a shared gradient's all-reduce; it starts when the last owner joins."""
+        env = self.env
+        joined_s = env.now
+        state.arrived += 1
+        if state.arrived == len(reduction.owners):
+            state.start_s = joined_s
+            env.timeout(reduction.duration_s).callbacks.append(lambda _event: state.done.succeed())
+        if not state.done.processed:
+            yield state.done
+        if self.record:
+            if state.start_s > joined_s:
+                self.records.append((stage, RECV_WAIT, -1, joined_s, state.start_s))
+            if env.now > state.start_s:
+                self.records.append((stage, SHARED_ALLREDUCE, -1, state.start_s, env.now))
 
     def _send(self, source: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:
         boundary = min(source, target)

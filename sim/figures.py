@@ -23,8 +23,9 @@ KIND_COLOURS = {
     "recv_wait": "#D3D3D3",
     "optimizer": "#E45756",
     "overhead": "#BAB0AC",
+    "allreduce_shared": "#72B7B2",
 }
-KIND_ORDER = ["F", "R", "B", "optimizer", "overhead", "send_act", "send_grad", "recv_wait"]
+KIND_ORDER = ["F", "R", "B", "allreduce_shared", "optimizer", "overhead", "send_act", "send_grad", "recv_wait"]
 
 
 def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: str,
@@ -33,7 +34,7 @@ def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: st
         records = [r for r in timeline.records if r.kind == kind]
         if not records:
             continue
-        comm = kind in ("send_act", "send_grad", "recv_wait")
+        comm = kind in ("send_act", "send_grad", "recv_wait", "allreduce_shared")
         fig.add_trace(go.Bar(
             orientation="h",
             base=[r.start_s * 1e3 for r in records],

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from sim.errors import GpipeInputError
 from sim.hardware import Device
 from sim.models import DTYPE_BYTES, LAYER_OVERHEAD_S
-from sim.workload import LayerCost
+from sim.workload import LayerCost, SharedParameter
 
 MEASURED_ROWS = (1, 2, 3)  # measured directly; rows above the last lie on the line of the last two
 
@@ -61,11 +61,21 @@ class LayerProfile:
         return self.measures[-2].along(self.measures[-1], (rows - a) / (b - a))
 
 
+@dataclass(frozen=True)
+class SharedTensor:
+    """A parameter several layers use: its name in the first, the layers, its element count."""
+
+    name: str
+    layers: tuple[int, ...]
+    numel: int
+
+
 class MetaWorkload:
     """A :class:`sim.workload.Workload` from meta-device measurements, costed by the roofline."""
 
     def __init__(self, name: str, options: dict[str, Any], profiles: Sequence[LayerProfile],
-                 dtype: str = "fp32", optimizer_slots: int = 2, analysis_s: float = 0.0) -> None:
+                 dtype: str = "fp32", optimizer_slots: int = 2, analysis_s: float = 0.0,
+                 shared: Sequence[SharedTensor] = ()) -> None:
         self.name = name
         self.options = dict(options)
         self.profiles = tuple(profiles)
@@ -73,11 +83,20 @@ class MetaWorkload:
         self.dtype = dtype
         self.optimizer_slots = optimizer_slots
         self.analysis_s = analysis_s
+        self.shared = tuple(shared)
         self._cache: dict[tuple[int, str, float, float, float], list[LayerCost]] = {}
 
     @property
     def parameter_count(self) -> int:
-        return sum(p.parameters for p in self.profiles)
+        """Parameters of the model, a shared one counted once."""
+        duplicates = sum(t.numel * (len(t.layers) - 1) for t in self.shared)
+        return sum(p.parameters for p in self.profiles) - duplicates
+
+    @property
+    def shared_parameters(self) -> tuple[SharedParameter, ...]:
+        per_element = DTYPE_BYTES[self.dtype]
+        return tuple(SharedParameter(t.name, t.layers, t.numel * per_element,
+                                     t.numel * per_element * (2 + self.optimizer_slots)) for t in self.shared)
 
     def layer_costs(self, rows: int, device: Device) -> list[LayerCost]:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:

@@ -11,11 +11,11 @@ memory inside an op, gradients in flight and allocator fragmentation are not mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sim.hardware import Device
-from sim.workload import LayerCost, Workload
+from sim.workload import LayerCost, SharedParameter, Workload, shared_parameters
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,17 @@ def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
     )
 
 
+def duplicate_static_bytes(shared: Sequence[SharedParameter], first: int, end: int) -> int:
+    """Static bytes the layers [first, end) count more than once: a parameter two of them share is
+    held once by the stage, but summed once per layer."""
+    total = 0
+    for parameter in shared:
+        inside = sum(first <= layer < end for layer in parameter.layers)
+        if inside > 1:
+            total += (inside - 1) * parameter.static_bytes
+    return total
+
+
 class CostTable:
     """Caches ``workload.layer_costs(rows, device)`` and stage sums.
 
@@ -68,6 +79,7 @@ class CostTable:
         self._stages: dict[tuple[int, int, int], StageCost] = {}
         self._prefix: dict[int, list[tuple[float, float, float, int, int, float]]] = {}
         self._exact = getattr(workload, "stage_cost", None)
+        self._shared = shared_parameters(workload)
 
     def layers(self, rows: int) -> tuple[LayerCost, ...]:
         if rows not in self._layers:
@@ -99,6 +111,8 @@ class CostTable:
                 cost = StageCost(high[0] - low[0], high[1] - low[1], high[2] - low[2], high[3] - low[3],
                                  layers[first].input_bytes, layers[end - 1].output_bytes, high[4] - low[4],
                                  high[5] - low[5])
+            if self._shared:
+                cost = replace(cost, static_bytes=cost.static_bytes - duplicate_static_bytes(self._shared, first, end))
             self._stages[key] = cost
         return cost
 

@@ -20,6 +20,7 @@ SEND_GRADIENT = "send_grad"
 RECV_WAIT = "recv_wait"  # time a stage sat waiting for a neighbour's tensor
 OPTIMIZER = "optimizer"
 STEP_OVERHEAD = "overhead"  # simulated only: calibration's fitted per-step constant
+SHARED_ALLREDUCE = "allreduce_shared"  # summing a shared parameter's gradient among the stages holding it
 
 KIND_NAMES = {
     "F": "forward",
@@ -30,6 +31,7 @@ KIND_NAMES = {
     RECV_WAIT: "wait for neighbour",
     OPTIMIZER: "optimizer step",
     STEP_OVERHEAD: "fitted step overhead",
+    SHARED_ALLREDUCE: "all-reduce shared gradients",
 }
 
 

@@ -35,8 +35,28 @@ class LayerCost:
     optimizer_s: float = 0.0  # this layer's share of the once-per-step optimizer update
 
 
+@dataclass(frozen=True)
+class SharedParameter:
+    """One parameter that several layers use (a tied embedding and output head).
+
+    Each layer's :class:`LayerCost` counts it, as each layer holds it. A stage holding several of
+    ``layers`` keeps one copy; stages on different devices each keep one, and after the step's last
+    backward they sum their gradients (an all-reduce among the owners) before the optimizer step.
+    """
+
+    name: str
+    layers: tuple[int, ...]  # the layers using it, ascending
+    param_bytes: int  # its weights
+    static_bytes: int  # weights, gradient and optimizer state: what a stage saves by not holding a copy
+
+
+def shared_parameters(workload: "Workload") -> tuple[SharedParameter, ...]:
+    """The workload's shared parameters (none unless it declares ``shared_parameters``)."""
+    return tuple(getattr(workload, "shared_parameters", ()))
+
+
 class Workload(Protocol):
-    """A model as the simulator sees it."""
+    """A model as the simulator sees it (optionally with ``shared_parameters``, see above)."""
 
     name: str
     num_layers: int

@@ -71,3 +71,55 @@ def several_tensors(width: int = 16, blocks: int = 4) -> nn.Sequential:
 def example_batch(rows: int, width: int = 16) -> tuple[dict, torch.Tensor]:
     return ({"x": torch.randn(rows, width), "ids": torch.randint(0, 16, (rows, 4))},
             torch.randn(rows, width))
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+
+
+class TokenEmbedding(nn.Module):
+    """ids (rows, seq) -> (rows, seq, d_model)."""
+
+    def __init__(self, vocab: int, d_model: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+
+class Mixer(nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.lin = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.ln(x)))
+
+
+class TiedHead(nn.Module):
+    """LayerNorm, then logits against the embedding's own weight (the usual tied layout)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(embedding.embedding_dim)
+        self.weight = embedding.weight  # the same Parameter: registered here and in the embedding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x) @ self.weight.t()
+
+
+def tied_lm(vocab: int = 32, d_model: int = 16, blocks: int = 2) -> nn.Sequential:
+    """A GPT-style stack whose output head reuses the token embedding's weight."""
+    embed = TokenEmbedding(vocab, d_model)
+    return nn.Sequential(embed, *[Mixer(d_model) for _ in range(blocks)], TiedHead(embed.embedding))
+
+
+def tied_lm_batch(rows: int, vocab: int = 32, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, vocab, (rows, seq)), torch.randint(0, vocab, (rows, seq))
+
+
+def tied_lm_data(batch_size: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--data`` for ``tied_lm``: a pure function of (seed, step)."""
+    torch.manual_seed(seed * 1000 + step)
+    return tied_lm_batch(batch_size)
