@@ -31,10 +31,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from executor.boundary import map_tensors, tensors
 
 KINDS = ("F", "R", "B")
 
@@ -140,29 +143,32 @@ class LayerRunner:
         self.target = target
         self.device = device
 
-    def _out(self, x: torch.Tensor) -> torch.Tensor:
+    def _out(self, x: Any) -> Any:
         y = self.layer(x)
         if self.loss is not None:
             return self.loss(y, self.target) * 0.5  # the executor scales by rows / batch rows
         return y
 
-    def forward(self, x: torch.Tensor) -> None:
+    def forward(self, x: Any) -> None:
         with torch.no_grad():
             self._out(x)
 
-    def forward_grad(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _SavedSet]:
-        leaf = x.detach().requires_grad_(True) if x.is_floating_point() else x
+    def forward_grad(self, x: Any) -> tuple[Any, Any, _SavedSet]:
+        leaf = map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, x)
         saved = _SavedSet(self.excluded)
         with torch.enable_grad(), saved.hooks():
             out = self._out(leaf)
         return leaf, out, saved
 
-    def backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
-        if out.requires_grad:
-            torch.autograd.backward(out, None if self.loss is not None else grad)
+    def backward(self, out: Any, grad: list[torch.Tensor] | None) -> None:
+        """Backward from ``out`` (the loss on the last layer), ``grad`` one gradient per tensor of
+        ``out`` that requires one."""
+        roots = [t for t in tensors(out) if t.requires_grad]
+        if roots:
+            torch.autograd.backward(roots, None if self.loss is not None else grad)
 
 
-def time_layer(runner: LayerRunner, x: torch.Tensor, repeats: Repeats) -> tuple[dict[str, float], int]:
+def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str, float], int]:
     """Median F, R and B seconds of one layer on input ``x``, and how many runs were timed."""
     device = runner.device
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
@@ -173,7 +179,7 @@ def time_layer(runner: LayerRunner, x: torch.Tensor, repeats: Repeats) -> tuple[
         f_s, _ = _timed(lambda: runner.forward(x), device)
         r_s, (leaf, out, _) = _timed(lambda: runner.forward_grad(x), device)
         if grad is None and runner.loss is None:
-            grad = torch.randn_like(out)
+            grad = [torch.randn_like(t) for t in tensors(out) if t.requires_grad]
         b_s, _ = _timed(lambda: runner.backward(out, grad), device)
         del leaf, out
         runs += 1
@@ -187,28 +193,35 @@ def time_layer(runner: LayerRunner, x: torch.Tensor, repeats: Repeats) -> tuple[
     return {kind: statistics.median(values) for kind, values in samples.items()}, runs - repeats.warmup
 
 
-def layer_inputs(model: nn.Sequential, inputs: torch.Tensor) -> list[torch.Tensor]:
-    """The input of every layer for ``inputs`` (each a fresh contiguous storage), by a no-grad pass."""
+def layer_inputs(model: nn.Sequential, inputs: Any) -> list[Any]:
+    """The input of every layer for ``inputs`` (each tensor a fresh contiguous storage), by a no-grad
+    pass; an input may be a tensor or a tuple or dict of them."""
     xs = []
     x = inputs
     with torch.no_grad():
         for layer in model:
-            xs.append(x.clone().contiguous())
+            xs.append(map_tensors(lambda t: t.clone().contiguous(), x))
             x = layer(x)
     return xs
 
 
-def measure_memory(runner: LayerRunner, x: torch.Tensor) -> tuple[int, int, int, bool, bool]:
-    """(own, input, output bytes, saves input, saves output) of one grad forward on ``x``."""
+def measure_memory(runner: LayerRunner, x: Any) -> tuple[int, int, int, bool, bool]:
+    """(own, input, output bytes, saves input, saves output) of one grad forward on ``x``.
+
+    With several tensors in or out, input and output bytes count their distinct storages, and the
+    input (output) counts as saved when any of its tensors is; that overstates a stage's saved bytes
+    when a layer saves only some of the tensors it passes on.
+    """
     _, out, saved = runner.forward_grad(x)
-    y = runner.layer(x.detach()) if runner.loss is not None else out
-    in_ptr, in_bytes = _storage(x)
-    out_ptr, out_bytes = _storage(y)
-    own = sum(n for ptr, n in saved.saved.items() if ptr not in (in_ptr, out_ptr))
-    return own, in_bytes, out_bytes, in_ptr in saved.saved, out_ptr in saved.saved
+    y = runner.layer(map_tensors(torch.Tensor.detach, x)) if runner.loss is not None else out
+    ins = dict(_storage(t) for t in tensors(x))
+    outs = dict(_storage(t) for t in tensors(y))
+    own = sum(n for ptr, n in saved.saved.items() if ptr not in ins and ptr not in outs)
+    return (own, sum(ins.values()), sum(outs.values()), any(p in saved.saved for p in ins),
+            any(p in saved.saved for p in outs))
 
 
-def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
                   loss: Callable, rows: list[int], threads: list[int], device: torch.device,
                   repeats: Repeats = Repeats(),
                   progress: Callable[[str], None] | None = None, probe: Any = None) -> Profile:
@@ -231,7 +244,8 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[torch.Tenso
     data = {}
     for r in profile.rows:
         inputs, targets = batch(r)
-        data[r] = (layer_inputs(model, inputs.to(device)), targets.to(device))
+        to_device = partial(map_tensors, lambda t: t.to(device))
+        data[r] = (layer_inputs(model, to_device(inputs)), to_device(targets))
     runners = {r: [LayerRunner(layer, excluded, loss if i == last else None,
                                data[r][1] if i == last else None, device)
                    for i, layer in enumerate(model)] for r in profile.rows}
@@ -293,7 +307,7 @@ def layer_signatures(model: nn.Sequential, data: dict[int, Any], rows: list[int]
     last = len(model) - 1
     for i, layer in enumerate(model):
         params = [(tuple(p.shape), str(p.dtype)) for p in layer.parameters()]
-        inputs = [(tuple(data[r][0][i].shape), str(data[r][0][i].dtype)) for r in rows]
+        inputs = [[(tuple(t.shape), str(t.dtype)) for t in tensors(data[r][0][i])] for r in rows]
         keys.append(repr((repr(layer), params, inputs, i == last)))
     return keys
 

@@ -48,11 +48,13 @@ class SpeedProbe:
                  targets: object, device: object) -> None:
         import torch
 
+        from executor.boundary import map_tensors
+
         self.torch = torch
         self.device = torch.device(device)  # type: ignore[arg-type]
         self.module = module.to(self.device)  # type: ignore[attr-defined]
-        self.inputs = inputs.to(self.device)  # type: ignore[attr-defined]
-        self.targets = targets.to(self.device) if targets is not None else None  # type: ignore[attr-defined]
+        self.inputs = map_tensors(lambda t: t.to(self.device), inputs)  # a tensor, or a tuple or dict of them
+        self.targets = map_tensors(lambda t: t.to(self.device), targets)
         self.loss = loss
         for _ in range(2):
             self._once()
