@@ -196,7 +196,7 @@ def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWor
     ``input_shape`` (one sample's shape, see :func:`parse_sample_shape`; default: the model's
     ``example_batch``).
     """
-    from executor.models import build_model
+    from executor.models import build_meta_model
 
     options = dict(options or {})
     input_shape = options.pop("input_shape", None)
@@ -204,8 +204,7 @@ def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWor
     if analysis["dtype"] not in TORCH_DTYPES:
         raise GpipeInputError(f"dtype={analysis['dtype']!r}; choose one of {', '.join(TORCH_DTYPES)}")
     started = time.perf_counter()
-    with torch.device("meta"):
-        module = build_model(model, options)
+    module = build_meta_model(model, options, check=False)  # values do not matter here
     module.to(TORCH_DTYPES[analysis["dtype"]])
     dtype = TORCH_DTYPES[analysis["dtype"]]
     sample = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, _sample(model, options, input_shape))

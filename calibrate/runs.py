@@ -4,7 +4,7 @@ Starting torchrun and importing torch costs seconds per launch, more than a smal
 configurations that share a stage count K run one after another inside the same K worker processes
 (``python -m torch.distributed.run --nproc-per-node K -m calibrate.runs CONFIGS OUTDIR``). Each
 configuration runs exactly as ``gpipe train`` runs it: the executor's own :func:`prepare`,
-:func:`make_stage`, :class:`DistTransport`, :class:`Recorder` and :func:`build_report`, with
+:func:`make_dist_stage`, :class:`Recorder` and :func:`build_report`, with
 cores/K threads per process; its first ``warmup_steps`` are left out of the step time as in
 ``gpipe train``. Differences from a fresh ``gpipe train`` launch: the process, its allocator and the
 gloo groups are reused from the previous configuration, and every rank times the speed probe of
@@ -84,10 +84,9 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     import torch.distributed as dist
 
     from executor.models import model_ref
-    from executor.pipeline import make_stage, prepare, train_step_with_data
+    from executor.pipeline import make_dist_stage, prepare, train_step_with_data
     from executor.recording import Recorder
     from executor.report import build_report
-    from executor.transport import DistTransport
     from sim.timeline import Timeline, merge
 
     prepared = prepare(config)
@@ -95,7 +94,7 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     pace_before = probe.measure(PROBE_BUDGET_S)  # every rank at once, as the run will load the machine
     dist.barrier()
     recorder = Recorder(rank, device)
-    stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
+    stage = make_dist_stage(config, prepared, rank, device, recorder, groups)
     del prepared
     losses = []
     for step in range(config.steps):

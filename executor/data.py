@@ -9,7 +9,6 @@ must return ``(inputs, targets)`` that depend only on its arguments.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -17,14 +16,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from executor.boundary import tensors
 from executor.models import example_batch, load_object
+from executor.seeds import mix_seed
 from sim.errors import GpipeInputError
 from sim.microbatch import split_rows  # noqa: F401  (re-exported: one split rule for both halves)
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed derived from integers, e.g. (seed, step, stage, micro-batch)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def batch_for_step(model: str, options: dict[str, Any], batch_size: int, seed: int, step: int,

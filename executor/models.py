@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.materialize import build_meta, check_initialisable, materialise
 from sim.errors import GpipeInputError
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.plan import ModelRef
@@ -166,18 +167,28 @@ def load_object(spec: str, what: str) -> Any:
     return getattr(module, attr)
 
 
-def build_model(name: str, options: dict[str, Any] | None = None, seed: int = 0) -> nn.Sequential:
-    """The whole model as an ``nn.Sequential``, weights drawn from ``seed`` (identical on every rank)."""
+def build_meta_model(name: str, options: dict[str, Any] | None = None, check: bool = True) -> nn.Sequential:
+    """The model's structure on the meta device (no storage), checked (``check``) to be
+    initialisable layer by layer (see :mod:`executor.materialize`)."""
     opts = resolve_options(name, options)
-    torch.manual_seed(seed)
     if is_builtin(name):
-        return _BUILDERS[name](opts)
-    factory = load_object(name, "model factory")
-    model = factory(**opts)
-    if not isinstance(model, nn.Sequential):
-        raise GpipeInputError(f"model factory {name!r} returned {type(model).__name__}; "
-                              "it must return an nn.Sequential whose children are the pipeline layers")
+        model = build_meta(lambda: _BUILDERS[name](opts))
+    else:
+        factory = load_object(name, "model factory")
+        model = build_meta(lambda: factory(**opts))
+        if not isinstance(model, nn.Sequential):
+            raise GpipeInputError(f"model factory {name!r} returned {type(model).__name__}; "
+                                  "it must return an nn.Sequential whose children are the pipeline layers")
+    if check:
+        check_initialisable(model)
     return model
+
+
+def build_model(name: str, options: dict[str, Any] | None = None, seed: int = 0) -> nn.Sequential:
+    """The whole model, every layer's values a pure function of (``seed``, layer): what the pipeline
+    trains, built in one piece (for references, profiling and tests; the executor never does this)."""
+    meta = build_meta_model(name, options)
+    return nn.Sequential(*materialise(meta, range(len(meta)), seed))
 
 
 def example_batch(name: str, options: dict[str, Any] | None, rows: int,
@@ -228,7 +239,6 @@ def loss_function(loss: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
 def model_ref(name: str, options: dict[str, Any] | None = None, seed: int = 0) -> ModelRef:
     """The plan's description of a model: resolved options, pipeline layers and parameter count."""
     opts = resolve_options(name, options)
-    with torch.device("meta"):
-        model = build_model(name, opts, seed)
+    model = build_meta_model(name, opts)
     params = sum(p.numel() for p in model.parameters())
     return ModelRef(name=name, options=opts, num_layers=len(model), parameter_count=params)

@@ -1,7 +1,9 @@
 """Build a run's stages from a :class:`RunConfig`, and run the whole pipeline in one process.
 
-:func:`prepare` builds the model from its seed and checks it against the partition with a dry
-forward (:mod:`executor.shapes`); :func:`make_stage` cuts one stage out of it. The multi-process
+:func:`prepare` builds the model on the meta device and checks it against the partition with a dry
+forward of meta tensors (:mod:`executor.shapes`): nothing is allocated, so ``gpipe train`` and every
+worker can check a model larger than one host's memory. :func:`make_stage` gives real values to one
+stage's layers only (:mod:`executor.materialize`), from the seed and the layer index. The multi-process
 worker makes one stage per rank; :class:`LocalPipeline` makes all of them in one process, joined by
 in-process mailboxes, and interleaves their action lists in a fixed order: it sweeps the stages
 round-robin, running each stage's next actions while their inputs are present. Every action runs
@@ -11,7 +13,9 @@ walk, receives and sends included (only the transport differs).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -19,38 +23,50 @@ from torch import nn
 
 from executor.config import RunConfig
 from executor.data import batch_for_step
-from executor.models import build_model, check_loss, default_loss, loss_function
+from executor.boundary import Boundary, map_tensors
+from executor.materialize import materialise
+from executor.models import build_meta_model, check_loss, default_loss, loss_function
 from executor.recording import Recorder
-from executor.shapes import dry_run, stage_module
-from executor.sharing import SharedGroup, duplicates_on, find_shared, reduce_in_process, untie
-from executor.boundary import Boundary
+from executor.shapes import dry_run, stage_bounds
+from executor.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
+                              reduce_in_process)
 from executor.stage import PipelineStage, StageConfig
-from executor.transport import LocalMailboxes, Transport
+from executor.transport import DistTransport, LocalMailboxes, Transport, boundary_groups
 from sim.errors import GpipeInputError
 from sim.schedule import format_grid
 
 
 @dataclass
 class Prepared:
-    model: nn.Sequential
+    model: nn.Sequential  # on the meta device: the structure every stage materialises its layers from
     boundaries: list[Boundary]  # K+1: model input, each cut, model output
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     shared: list[SharedGroup]  # parameters layers on different stages share
 
 
 def prepare(config: RunConfig) -> Prepared:
-    """Build the model and validate it against the plan; raises GpipeInputError with one line."""
+    """Build the model on the meta device and validate it against the plan; raises GpipeInputError
+    with one line. Allocates nothing but one mini-batch of data."""
     config.validate()
     loss = check_loss(config.loss or default_loss(config.model))
-    model = build_model(config.model, config.options, config.seed)
+    model = build_meta_model(config.model, config.options)
     if not config.partition:
         raise GpipeInputError("no partition; give --partition like 3,5 or --stages K")
     inputs, targets = batch_for_step(config.model, config.options, config.batch_size, config.seed, 0,
                                      config.data or None)
     loss_fn = loss_function(loss)
     shared = find_shared(model, tuple(config.partition))
-    boundaries = dry_run(model, tuple(config.partition), inputs, targets, loss_fn)
+    to_meta = partial(map_tensors, lambda t: t.to("meta"))
+    boundaries = dry_run(model, tuple(config.partition), to_meta(inputs), to_meta(targets), loss_fn)
     return Prepared(model, boundaries, loss_fn, shared)
+
+
+def stage_layers(config: RunConfig, prepared: Prepared, stage: int) -> nn.Sequential:
+    """Stage ``stage``'s layers with real values, keyed by their index in the whole model."""
+    first, end = stage_bounds(config.partition)[stage]
+    indices = list(range(first, end))
+    layers = materialise(prepared.model, indices, config.seed)
+    return nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, layers)))
 
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
@@ -59,13 +75,26 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
                                microbatches=config.microbatches, schedule=config.schedule,
                                checkpoint=config.checkpoint, seed=config.seed)
+    module = stage_layers(config, prepared, stage)
     return PipelineStage(
-        stage_config, stage_module(prepared.model, tuple(config.partition), stage), transport,
-        prepared.loss_fn,
+        stage_config, module, transport, prepared.loss_fn,
         incoming=prepared.boundaries[stage] if stage > 0 else None,
         outgoing=prepared.boundaries[stage + 1] if stage < stages - 1 else None,
         device=device, optimizer=config.optimizer, lr=config.lr, recorder=recorder,
-        duplicates=duplicates_on(stage, prepared.model, prepared.shared))
+        duplicates=duplicates_on(stage, module, prepared.shared))
+
+
+def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: torch.device,
+                    recorder: Recorder | None = None, groups: dict | None = None) -> PipelineStage:
+    """Rank ``rank``'s stage over ``torch.distributed`` (rank == stage), its shared parameters'
+    gradients summed with the other owners. Collective: every rank calls it at the same point.
+    ``groups`` reuses boundary groups made before (:func:`executor.transport.boundary_groups`)."""
+    groups = groups if groups is not None else boundary_groups(config.stages)
+    shared_groups = process_groups(prepared.shared)
+    stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
+    if any(rank in group.owners for group in prepared.shared):
+        stage.reduce_shared = dist_reducer(rank, stage.module, prepared.shared, shared_groups)
+    return stage
 
 
 def train_step_with_data(config: RunConfig, stage: PipelineStage, step: int) -> float | None:
@@ -88,7 +117,6 @@ class LocalPipeline:
         self.prepared = prepared or prepare(config)
         mailboxes = LocalMailboxes()
         device = torch.device(config.device)
-        untie(self.prepared.model, tuple(config.partition), self.prepared.shared)  # a copy per stage, as across ranks
         self.stages = [make_stage(config, self.prepared, k, mailboxes.endpoint(k), device)
                        for k in range(config.stages)]
 

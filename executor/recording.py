@@ -33,6 +33,10 @@ class Recorder:
         self._step_event: Any = None
         self._step_host_s = 0.0
 
+    def restart(self) -> None:
+        """Put the time origin here (right after a barrier every rank passes)."""
+        self.origin_s = time.perf_counter()
+
     def now_s(self) -> float:
         return time.perf_counter() - self.origin_s
 

@@ -1,16 +1,17 @@
 """Check a model against a partition before training, and describe what crosses each boundary.
 
 Every rank runs this (it needs no communication, so a bad model fails the same way everywhere,
-before any process group exists), and so does ``gpipe train`` before it starts torchrun. A dry
+before any process group exists), and so does ``gpipe train`` before it starts torchrun, on the
+meta device: shapes and dtypes without storage, so no process allocates the model. A dry
 forward runs layer by layer in eval mode (so batch norm touches no running statistics) at two row
 counts, ``DRY_ROWS``; a layer that cannot take the previous layer's output fails with one line naming
 both. Comparing the two runs tells, for every tensor at a stage boundary, whether its first
 dimension is the rows (split and sent per micro-batch) or its shape is fixed (see
 :mod:`executor.boundary`); autograd, left on, tells which tensors a gradient comes back for.
 
-Limits: the dry run costs two forwards of a few rows through the whole model, with their graphs;
-a layer whose output structure depends on the data would break the boundary descriptions (the
-executor then stops with the structure it saw).
+Limits: a layer must run on meta tensors (no ``.item()``, no shapes that depend on values); a layer
+whose output structure depends on the data would break the boundary descriptions (the executor
+then stops with the structure it saw).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def _forward_all(model: nn.Sequential, x: Any, layer_stage: list[int], cuts: set
             x = layer(x)
         except Exception as exc:  # any failure here is the model's, reported in one line
             source = "the input" if i == 0 else f"layer {i - 1}'s output"
+            if isinstance(exc, NotImplementedError) or "meta" in str(exc):
+                raise GpipeInputError(
+                    f"layer {i} ({type(layer).__name__}, stage {layer_stage[i]}) cannot run on the meta device, "
+                    f"where shapes are checked without allocating the model: {_first_line(exc)}; give it "
+                    "shape-only code paths (no .item(), no data-dependent shapes)") from None
             raise GpipeInputError(
                 f"layer {i} ({type(layer).__name__}, stage {layer_stage[i]}) fails on {source} "
                 f"of shape {_shape_text(x)}: {_first_line(exc)}; fix the model's layer sizes"

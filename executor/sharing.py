@@ -1,8 +1,7 @@
 """Parameters that layers on different stages share (a tied embedding and output head).
 
-Every stage holding such a parameter keeps a copy of its own. In the multi-process executor each
-rank has its own memory anyway; in the in-process pipeline :func:`untie` gives every owner but the
-first a copy, so both run the same algorithm. After a step's last backward the copies' gradients
+Every stage holding such a parameter keeps a copy of its own (each stage materialises its own
+layers, :mod:`executor.materialize`, in the in-process pipeline as across processes). After a step's last backward the copies' gradients
 are summed over exactly the owning stages (as Megatron-LM does for its embedding group), so each
 copy holds the gradient the unpipelined model computes, and identical optimizer steps from
 identical values keep the copies identical. Groups are reduced in the order of the parameter's
@@ -90,23 +89,6 @@ def _parameter_at(module: nn.Module, name: str) -> nn.Parameter:
     """The parameter ``name`` (``"<layer index>.<path>"`` in the whole model) of a stage module:
     a slice of the whole ``nn.Sequential`` keeps its children's indices."""
     return module.get_parameter(name)
-
-
-def untie(model: nn.Sequential, partition: Sequence[int], groups: Sequence[SharedGroup]) -> None:
-    """Give every owner but the first its own copy of each shared parameter (in-process pipeline)."""
-    stage_of = _stage_of(partition)
-    for group in groups:
-        original = model.get_parameter(group.names[group.first])
-        copies = {stage: nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
-                  for stage in group.owners[1:]}
-        for index, layer in enumerate(model):
-            copy = copies.get(stage_of[index])
-            if copy is None:
-                continue
-            for module in layer.modules():
-                for key, parameter in list(module._parameters.items()):
-                    if parameter is original:
-                        module._parameters[key] = copy
 
 
 def duplicates_on(stage: int, module: nn.Module, groups: Sequence[SharedGroup]) -> list[nn.Parameter]:

@@ -1,8 +1,9 @@
 """The torchrun worker: one process per stage, rank == stage.
 
 Run as ``python -m executor.worker CONFIG.json`` under torchrun (``gpipe train`` does this). Every
-rank builds the whole model from the seed and validates it (a bad plan fails on every rank the same
-way, before any process group exists), keeps its stage's layers, trains ``steps`` mini-batches,
+rank builds the model on the meta device and validates it (a bad plan fails on every rank the same
+way, before any process group exists), gives real values to its own stage's layers only, trains
+``steps`` mini-batches,
 saves checkpoints, and finally sends its timeline to rank 0, which writes ``--report`` and
 ``--trace``.
 
@@ -30,12 +31,10 @@ import torch.distributed as dist
 from executor import checkpoint
 from executor.config import RunConfig
 from executor.models import model_ref
-from executor.pipeline import make_stage, prepare, train_step_with_data
+from executor.pipeline import make_dist_stage, prepare, train_step_with_data
 from executor.recording import Recorder
 from executor.report import build_report
-from executor.sharing import dist_reducer, process_groups
 from executor.stage import PipelineStage
-from executor.transport import DistTransport, boundary_groups
 from sim.errors import GpipeInputError
 from sim.schedule import Action
 from sim.timeline import Timeline, merge, write_json_atomic
@@ -103,13 +102,10 @@ def train(config: RunConfig) -> None:
     prepared = prepare(config)  # validates before any communication
     _init_process_group(backend, rank, world, timedelta(seconds=config.timeout_s))
     try:
-        groups = boundary_groups(config.stages)
-        shared_groups = process_groups(prepared.shared)
+        recorder = Recorder(rank, device)
+        stage = make_dist_stage(config, prepared, rank, device, recorder)
         dist.barrier()
-        recorder = Recorder(rank, device)  # origin right after the barrier on every rank
-        stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
-        if any(rank in group.owners for group in prepared.shared):
-            stage.reduce_shared = dist_reducer(rank, stage.module, prepared.shared, shared_groups)
+        recorder.restart()  # time origin right after the barrier on every rank
         del prepared
         losses, start = _resume(config, stage)
         step_ref = [start]

@@ -18,7 +18,13 @@ class Embed(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.inp = nn.Linear(width, width)
-        self.table = nn.Parameter(torch.randn(width) * 0.1)
+        self.table = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Called again on every layer built on the meta device (executor.materialize)."""
+        with torch.no_grad():
+            self.table.normal_(0.0, 0.1)
 
     def forward(self, data: dict) -> dict:
         return {"hidden": torch.tanh(self.inp(data["x"])), "scale": 1 + torch.tanh(self.table),
