@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
     what.add_argument("--data", help="package.module:function(batch_size, step=, seed=) -> (inputs, targets)")
     what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--init-from", metavar="PATH",
+                      help="start from these weights: a state dict, a safetensors file or a model folder "
+                           "(each process reads only its own stage's tensors)")
     what.add_argument("--hardware", default="ideal",
                       help="system whose analytic costs choose the partition when --partition is not given, "
                            "as gpipe simulate does (default ideal)")
@@ -100,7 +103,7 @@ def config_from_args(args: argparse.Namespace):
                  lr=args.lr, data=args.data or "", report=args.report or "", trace=args.trace or "",
                  save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
                  device=args.device, threads=args.threads, timeout_s=args.timeout,
-                 warmup_steps=args.warmup_steps)
+                 warmup_steps=args.warmup_steps, init_from=os.path.abspath(args.init_from) if args.init_from else "")
     if args.plan:
         config = RunConfig.from_plan(load_plan(args.plan), **extra)
     else:

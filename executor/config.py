@@ -33,6 +33,7 @@ class RunConfig:
     optimizer: str = "sgd"
     lr: float = 0.01
     data: str = ""  # package.module:function, "" = built-in synthetic data
+    init_from: str = ""  # state dict, safetensors file or model folder to start from; "" = from the seed
     steps: int = 10
     warmup_steps: int = 1  # steps left out of step_time_s
     report: str = ""

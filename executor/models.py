@@ -184,6 +184,11 @@ def build_meta_model(name: str, options: dict[str, Any] | None = None, check: bo
     return model
 
 
+def checkpoint_names(name: str, options: dict[str, Any] | None = None) -> Callable[[str], str] | None:
+    """How the model's state-dict names map to a saved checkpoint's (None: the same names)."""
+    return None
+
+
 def build_model(name: str, options: dict[str, Any] | None = None, seed: int = 0) -> nn.Sequential:
     """The whole model, every layer's values a pure function of (``seed``, layer): what the pipeline
     trains, built in one piece (for references, profiling and tests; the executor never does this)."""

@@ -24,8 +24,9 @@ from torch import nn
 from executor.config import RunConfig
 from executor.data import batch_for_step
 from executor.boundary import Boundary, map_tensors
+from executor.init_from import check_file, first_names, load_values
 from executor.materialize import materialise
-from executor.models import build_meta_model, check_loss, default_loss, loss_function
+from executor.models import build_meta_model, check_loss, checkpoint_names, default_loss, loss_function
 from executor.recording import Recorder
 from executor.shapes import dry_run, stage_bounds
 from executor.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
@@ -56,6 +57,8 @@ def prepare(config: RunConfig) -> Prepared:
                                      config.data or None)
     loss_fn = loss_function(loss)
     shared = find_shared(model, tuple(config.partition))
+    if config.init_from:
+        check_file(config.init_from, model, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
     boundaries = dry_run(model, tuple(config.partition), to_meta(inputs), to_meta(targets), loss_fn)
     return Prepared(model, boundaries, loss_fn, shared)
@@ -66,7 +69,11 @@ def stage_layers(config: RunConfig, prepared: Prepared, stage: int) -> nn.Sequen
     first, end = stage_bounds(config.partition)[stage]
     indices = list(range(first, end))
     layers = materialise(prepared.model, indices, config.seed)
-    return nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, layers)))
+    module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, layers)))
+    if config.init_from:
+        load_values(config.init_from, module, first_names(prepared.model),
+                    checkpoint_names(config.model, config.options))
+    return module
 
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
