@@ -3,7 +3,8 @@
 Nothing of the whole model is ever allocated: it is built under ``torch.device("meta")`` (shapes,
 no storage), and a process materialises the layers of its own stage on its device. Values are a
 pure function of (seed, layer): before initialising layer ``i`` the generator is seeded with
-``mix_seed(seed, i)`` and every module in it that has ``reset_parameters()`` runs it, so the same
+``mix_seed(seed, i)`` and every module in it that has ``reset_parameters()`` runs it (children
+before parents), so the same
 layer gets the same values whichever stage, process or K it lands on. A parameter several layers
 share takes the value its first layer gives it, on every stage that holds a copy.
 
@@ -94,12 +95,21 @@ def _to_empty(layers: Sequence[nn.Module], device: torch.device) -> None:
 
 
 def _initialise(layer: nn.Module, index: int, seed: int) -> None:
+    """Seed with (seed, layer), then ``reset_parameters()`` children before parents, as
+    ``nn.Module.apply`` visits them: a module that sets up its whole subtree has the last word."""
+    def visit(module: nn.Module, seen: set[int]) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            visit(child, seen)
+        if _can_reset(module):
+            module.reset_parameters()
+
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(mix_seed(seed, index))
     with torch.no_grad():
-        for module in layer.modules():
-            if _can_reset(module):
-                module.reset_parameters()
+        visit(layer, set())
     torch.random.set_rng_state(generator_state)
 
 

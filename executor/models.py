@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor import hf
 from executor.materialize import build_meta, check_initialisable, materialise
 from sim.errors import GpipeInputError
 from sim.model_defaults import DEFAULT_OPTIONS
@@ -37,6 +38,9 @@ def is_builtin(name: str) -> bool:
 
 def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A built-in model's defaults overlaid with ``options``; user models get ``options`` as given."""
+    if hf.is_hf(name):
+        hf.config_of(name, dict(options or {}))  # an unknown type or option fails here, in one line
+        return dict(options or {})
     if not is_builtin(name):
         if ":" not in name:
             raise GpipeInputError(f"unknown model {name!r}; choose one of {', '.join(BUILTIN_MODELS)} "
@@ -171,7 +175,9 @@ def build_meta_model(name: str, options: dict[str, Any] | None = None, check: bo
     """The model's structure on the meta device (no storage), checked (``check``) to be
     initialisable layer by layer (see :mod:`executor.materialize`)."""
     opts = resolve_options(name, options)
-    if is_builtin(name):
+    if hf.is_hf(name):
+        model = build_meta(lambda: hf.build(name, opts))
+    elif is_builtin(name):
         model = build_meta(lambda: _BUILDERS[name](opts))
     else:
         factory = load_object(name, "model factory")
@@ -186,6 +192,8 @@ def build_meta_model(name: str, options: dict[str, Any] | None = None, check: bo
 
 def checkpoint_names(name: str, options: dict[str, Any] | None = None) -> Callable[[str], str] | None:
     """How the model's state-dict names map to a saved checkpoint's (None: the same names)."""
+    if hf.is_hf(name):
+        return hf.checkpoint_names(name, dict(options or {}))
     return None
 
 
@@ -200,6 +208,8 @@ def example_batch(name: str, options: dict[str, Any] | None, rows: int,
                   seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A synthetic (inputs, targets) mini-batch of ``rows`` samples, a pure function of ``seed``."""
     opts = resolve_options(name, options)
+    if hf.is_hf(name):
+        return hf.example_batch(name, opts, rows, seed)
     if not is_builtin(name):
         module_name = name.partition(":")[0]
         fn = load_object(f"{module_name}:example_batch", "example data")
@@ -220,7 +230,7 @@ def example_batch(name: str, options: dict[str, Any] | None, rows: int,
 
 def default_loss(name: str) -> str:
     """The loss a built-in model trains with; ``mse`` for user models unless ``--loss`` says else."""
-    return DEFAULT_LOSS.get(name, "mse")
+    return "cross_entropy" if hf.is_hf(name) else DEFAULT_LOSS.get(name, "mse")
 
 
 def check_loss(loss: str) -> str:

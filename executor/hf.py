@@ -1,0 +1,220 @@
+"""Hugging Face decoder-only language models as pipeline layers: ``--model hf:llama``, ``hf-config:PATH``.
+
+The model is built from a ``transformers`` config (no download: ``hf:<model_type>`` with
+``--option key=value`` for the config's fields, or ``hf-config:PATH`` for a ``config.json`` or a
+folder holding one) on the meta device, then cut into the layers a pipeline partitions:
+
+    0          embedding: token ids (rows, seq) -> {hidden states, position ids, rotary cos and sin}
+    1 .. L     one decoder layer each: the same dict, hidden states updated
+    L + 1      final norm: -> hidden states (rows, seq, d_model)
+    L + 2      head: -> logits (rows, seq, vocab); its weight is the embedding's when the config ties them
+
+The dict crosses stage boundaries as several tensors (:mod:`executor.boundary`): the hidden states
+per row, the position ids and rotary tables at a fixed shape. Attention runs as ``sdpa`` with no
+mask tensor: without padding the model itself builds none and lets ``is_causal`` mask the future,
+and nothing of (seq x seq) has to be sent between stages. Supported families: GPT-2 and Llama (Mistral and Qwen2
+share Llama's layout). Data: random token ids of ``seq`` tokens (an option of ours, default 64),
+targets the next token with the last position ignored (-100), so the mean cross entropy equals the
+loss ``transformers`` computes from ``labels=ids``.
+
+Every layer's ``reset_parameters()`` applies the model's own ``_init_weights`` to its modules,
+children before parents as ``PreTrainedModel`` does, so a layer initialised on its own gets the
+distributions the family specifies. Checkpoint names map to the model's own
+(``model.layers.3.self_attn.q_proj.weight``), so ``--init-from`` takes a ``save_pretrained`` folder.
+
+Limits: no padding masks, no key-value cache, no sliding-window or other per-layer attention
+patterns; attention is always ``sdpa`` (the config's ``attn_implementation`` is set to it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sim.errors import GpipeInputError
+
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+OUR_OPTIONS = {"seq": 64}  # options that describe the data, not the config
+
+
+def is_hf(name: str) -> bool:
+    return name.startswith(("hf:", "hf-config:"))
+
+
+def _transformers():
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        raise GpipeInputError("Hugging Face models need the transformers package; pip install transformers") from None
+    return transformers
+
+
+def config_of(name: str, options: dict[str, Any]) -> Any:
+    """The ``transformers`` config ``name`` and ``options`` describe."""
+    transformers = _transformers()
+    given = {k: v for k, v in options.items() if k not in OUR_OPTIONS}
+    if name.startswith("hf-config:"):
+        path = name.partition(":")[2]
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        try:
+            with open(file) as handle:
+                data = json.load(handle)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise GpipeInputError(f"{name!r}: {file!r} is not a readable config.json ({exc})") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise GpipeInputError(f"{name!r}: {file!r} has no model_type; give a Hugging Face config.json")
+        model_type = data.pop("model_type")
+        data.update(given)
+    else:
+        model_type, data = name.partition(":")[2], given
+    if model_type not in FAMILIES:
+        raise GpipeInputError(f"Hugging Face model type {model_type!r} is not supported; choose one of "
+                              f"{', '.join(FAMILIES)} (decoder-only causal language models)")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **data)
+    except Exception as exc:  # TypeError, ValueError, or the config's own validation error
+        reason = str(exc).strip().splitlines()[-1].strip()
+        raise GpipeInputError(f"{name!r}: the config refuses the options {data} ({reason})") from None
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class _Initialiser:
+    """The model's own ``_init_weights``, applied to a layer's modules children first.
+
+    Holds the meta-device model only for its method and config; copying a layer shares it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __deepcopy__(self, memo: dict) -> "_Initialiser":
+        return self
+
+    def __call__(self, layer: nn.Module) -> None:
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                visit(child)
+            self.model._init_weights(module)
+
+        with torch.no_grad():
+            visit(layer)
+
+
+class _Layer(nn.Module):
+    """A pipeline layer cut from a Hugging Face model, initialised by the model's own rules."""
+
+    def __init__(self, initialiser: _Initialiser) -> None:
+        super().__init__()
+        self._initialiser = initialiser
+
+    def reset_parameters(self) -> None:
+        self._initialiser(self)
+
+
+class Embedding(_Layer):
+    """Token (and, for GPT-2, learned position) embeddings; rotary tables for Llama-style models."""
+
+    def __init__(self, family: str, model: nn.Module, initialiser: _Initialiser) -> None:
+        super().__init__(initialiser)
+        self.family = family
+        if family == "gpt2":
+            self.wte, self.wpe, self.drop = model.transformer.wte, model.transformer.wpe, model.transformer.drop
+        else:
+            self.embed_tokens, self.rotary_emb = model.model.embed_tokens, model.model.rotary_emb
+
+    def forward(self, ids: torch.Tensor) -> dict[str, Any]:
+        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # (1, seq)
+        if self.family == "gpt2":
+            hidden = self.drop(self.wte(ids) + self.wpe(position_ids))
+            return {"hidden_states": hidden, "position_ids": position_ids}
+        hidden = self.embed_tokens(ids)
+        cos, sin = self.rotary_emb(hidden, position_ids=position_ids)
+        return {"hidden_states": hidden, "position_ids": position_ids, "cos": cos, "sin": sin}
+
+
+class DecoderLayer(_Layer):
+    """One decoder layer, attention causal through ``scaled_dot_product_attention(is_causal=True)``."""
+
+    def __init__(self, family: str, layer: nn.Module, config: Any, initialiser: _Initialiser) -> None:
+        super().__init__(initialiser)
+        self.family = family
+        self.layer = layer
+        self.config = config
+
+    def forward(self, value: dict[str, Any]) -> dict[str, Any]:
+        hidden, position_ids = value["hidden_states"], value["position_ids"]
+        mask = None  # sdpa without padding: causal attention through is_causal, as the model runs it
+        if self.family == "gpt2":
+            out = self.layer(hidden, None, mask, position_ids=position_ids)
+        else:
+            out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
+                             position_embeddings=(value["cos"], value["sin"]))
+        hidden = out[0] if isinstance(out, tuple) else out
+        return {**value, "hidden_states": hidden}
+
+
+class FinalNorm(_Layer):
+    def __init__(self, norm: nn.Module, initialiser: _Initialiser) -> None:
+        super().__init__(initialiser)
+        self.norm = norm
+
+    def forward(self, value: dict[str, Any]) -> torch.Tensor:
+        return self.norm(value["hidden_states"])
+
+
+class Head(_Layer):
+    def __init__(self, lm_head: nn.Module, initialiser: _Initialiser) -> None:
+        super().__init__(initialiser)
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def build(name: str, options: dict[str, Any]) -> nn.Sequential:
+    """The pipeline layers of the model (call under ``torch.device("meta")`` to allocate nothing)."""
+    transformers = _transformers()
+    config = config_of(name, options)
+    family = FAMILIES[config.model_type]
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    initialiser = _Initialiser(model)
+    decoder = model.transformer.h if family == "gpt2" else model.model.layers
+    norm = model.transformer.ln_f if family == "gpt2" else model.model.norm
+    return nn.Sequential(Embedding(family, model, initialiser),
+                         *[DecoderLayer(family, layer, config, initialiser) for layer in decoder],
+                         FinalNorm(norm, initialiser), Head(model.lm_head, initialiser))
+
+
+def checkpoint_names(name: str, options: dict[str, Any]) -> Callable[[str], str]:
+    """Our state-dict names -> the model's (``1.layer.mlp.up_proj.weight`` -> ``model.layers.0.mlp...``)."""
+    config = config_of(name, options)
+    family = FAMILIES[config.model_type]
+    layers = config.num_hidden_layers if family != "gpt2" else config.n_layer
+    base = "transformer" if family == "gpt2" else "model"
+    prefixes = {"0.": f"{base}.", f"{layers + 1}.norm.": f"{base}.{'ln_f' if family == 'gpt2' else 'norm'}.",
+                f"{layers + 2}.lm_head.": "lm_head."}
+    prefixes.update({f"{i + 1}.layer.": f"{base}.{'h' if family == 'gpt2' else 'layers'}.{i}." for i in range(layers)})
+
+    def rename(ours: str) -> str:
+        for prefix, theirs in prefixes.items():
+            if ours.startswith(prefix):
+                return theirs + ours[len(prefix):]
+        return ours
+
+    return rename
+
+
+def example_batch(name: str, options: dict[str, Any], rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids (rows, seq) and next-token targets, the last position ignored (-100)."""
+    config = config_of(name, options)
+    seq = int(options.get("seq", OUR_OPTIONS["seq"]))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (rows, seq), generator=generator)
+    targets = torch.full_like(ids, -100)
+    targets[:, :-1] = ids[:, 1:]
+    return ids, targets

@@ -1,0 +1,102 @@
+"""Hugging Face decoder-only models as pipeline layers: the same losses and gradients as the model's
+own forward and backward, pipelined or not, starting from its ``save_pretrained`` folder.
+
+fp32. Tolerances: losses rtol 1e-5, gradients rtol 1e-4 / atol 1e-6: the pipeline sums the loss
+over micro-batches (and a tied embedding's gradient over stages) in another order than the model's
+single pass; nothing else differs.
+"""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from executor.config import RunConfig  # noqa: E402
+from executor.models import checkpoint_names, model_ref  # noqa: E402
+from executor.pipeline import LocalPipeline, prepare  # noqa: E402
+from sim.errors import GpipeInputError  # noqa: E402
+
+CONFIGS = {
+    "llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64},
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+}
+SEQ = 8
+PARTITIONS = {1: (5,), 2: (2, 3), 3: (1, 2, 2), 5: (1, 1, 1, 1, 1)}  # embedding, 2 layers, norm, head
+
+
+def saved_model(tmp_path, family, tie=None):
+    options = dict(CONFIGS[family])
+    if tie is not None:
+        options["tie_word_embeddings"] = tie
+    config = transformers.AutoConfig.for_model(family, **options)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    return model, options
+
+
+def run_config(tmp_path, stages, microbatches=2, checkpoint="except_last", schedule="gpipe"):
+    return RunConfig(model=f"hf-config:{tmp_path}", options={"seq": SEQ}, partition=PARTITIONS[stages],
+                     batch_size=6, microbatches=microbatches, checkpoint=checkpoint, schedule=schedule,
+                     init_from=str(tmp_path))
+
+
+@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("gpt2", None)])
+@pytest.mark.parametrize("stages,microbatches,checkpoint,schedule",
+                         [(1, 1, "never", "gpipe"), (2, 3, "except_last", "1f1b"), (3, 2, "always", "gpipe"),
+                          (5, 6, "never", "1f1b")])
+def test_losses_and_gradients_equal_the_models_own(tmp_path, family, tie, stages, microbatches, checkpoint,
+                                                  schedule):
+    model, _ = saved_model(tmp_path, family, tie)
+    pipe = LocalPipeline(run_config(tmp_path, stages, microbatches, checkpoint, schedule))
+    ids, targets = pipe.batch(0)
+    loss = pipe.run_step(0, update=False)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    torch.testing.assert_close(torch.tensor(loss), out.loss.detach(), rtol=1e-5, atol=1e-6)
+    rename = checkpoint_names(f"hf-config:{tmp_path}", {"seq": SEQ})
+    theirs = dict(model.named_parameters())
+    first_copy = {}
+    for stage in pipe.stages:
+        for name, p in stage.module.named_parameters():
+            first_copy.setdefault(rename(name), p)  # a tied head's copy holds the same summed gradient
+    for name, p in theirs.items():
+        torch.testing.assert_close(first_copy[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert set(first_copy) >= set(theirs)
+
+
+def test_a_tied_llama_shares_its_head_across_stages(tmp_path):
+    saved_model(tmp_path, "llama", tie=True)
+    groups = prepare(run_config(tmp_path, 2)).shared
+    assert [(g.owners, g.names) for g in groups] == [((0, 1), {0: "0.embed_tokens.weight", 1: "4.lm_head.weight"})]
+
+
+def test_a_llama_2_7b_config_counts_its_parameters():
+    ref = model_ref("hf:llama", {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000})
+    assert ref.num_layers == 35
+    assert round(ref.parameter_count / 1e9, 2) == 6.74
+
+
+@pytest.mark.parametrize("name,options,message", [
+    ("hf:bert", {}, "Hugging Face model type 'bert' is not supported; choose one of gpt2, llama, mistral, qwen2"),
+    ("hf:llama", {"hidden_size": 30, "num_attention_heads": 4}, "the config refuses"),
+])
+def test_bad_hugging_face_models_are_one_line(name, options, message):
+    with pytest.raises(GpipeInputError) as info:
+        model_ref(name, options)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_config_file_that_is_not_one_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    with pytest.raises(GpipeInputError, match="has no model_type"):
+        model_ref(f"hf-config:{tmp_path}", {})
+    (tmp_path / "config.json").write_text("not json")
+    with pytest.raises(GpipeInputError, match="is not a readable config.json"):
+        model_ref(f"hf-config:{tmp_path}", {})
