@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from sim.cli_options import MODEL_FLAGS, check_output_path, model_options
+from sim.cli_options import MODEL_FLAGS, add_option_argument, check_output_path, model_options
 from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
 
@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
         if flag not in ("--dtype", "--optimizer-slots"):  # the executor trains fp32 with SGD
             group.add_argument(flag, type=kind, default=None, help=help_text)
+    add_option_argument(group)
     parser.set_defaults(dtype=None, optimizer_slots=None)
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
     parser.add_argument("--out", default="costs.json", help="costs file to write (default costs.json)")

@@ -175,9 +175,10 @@ def _sample(name: str, options: dict[str, Any], input_shape: str | None) -> Any:
     """The model's input at one row: from ``--input-shape``, else from its ``example_batch``."""
     if input_shape is not None:
         return sample_of(*parse_sample_shape(input_shape))
+    from executor.hf import is_hf
     from executor.models import example_batch, is_builtin
 
-    if not is_builtin(name):
+    if not is_builtin(name) and not is_hf(name):
         module_name = name.partition(":")[0]
         import importlib
 

@@ -35,8 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, costs=False)
     what = parser.add_argument_group("what to train (a plan file, or the flags of gpipe simulate)")
     what.add_argument("--plan", help="plan JSON written by gpipe plan --out")
-    what.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                      help="another model option, e.g. --option d_model=128 (repeatable)")
     what.add_argument("--stages", type=int, help="K: stages; layers split evenly unless --partition")
     what.add_argument("--partition", help="layers per stage, e.g. 3,5")
     what.add_argument("--batch", type=int, help="rows per mini-batch")
@@ -83,14 +81,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             flag = "--" + name.replace("_", "-")
             raise GpipeInputError(f"{flag} describes the simulator's analytic models; the executor trains "
                                   f"in fp32 with the optimizer you choose, so drop {flag}")
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise GpipeInputError(f"bad --option {item!r}; expected KEY=VALUE, e.g. --option width=512")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
     return options
 
 

@@ -39,9 +39,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> 
                        help=f"built-in model ({', '.join(DEFAULT_OPTIONS)}) or package.module:factory{default}")
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, help=help_text)
+    add_option_argument(group)
     if costs:
         group.add_argument("--costs", default=None, metavar="FILE",
                            help="measured costs from gpipe calibrate, in place of the analytic model")
+
+
+def add_option_argument(group) -> None:
+    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="another model option, e.g. --option d_model=128 or, for hf: models, any config "
+                            "field --option num_hidden_layers=4 (repeatable)")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
@@ -63,12 +70,23 @@ def add_hardware_arguments(parser: argparse.ArgumentParser, default: str = "idea
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The model options the user gave explicitly; defaults are filled in by the model itself."""
+    """The model options the user gave explicitly (flags, then ``--option KEY=VALUE``, values read as
+    JSON where they parse); defaults are filled in by the model itself."""
+    import json
+
     options = {}
     for flag, (name, _, _) in MODEL_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None:
             options[name] = value
+    for item in getattr(args, "option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GpipeInputError(f"bad --option {item!r}; expected KEY=VALUE, e.g. --option width=512")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
     return options
 
 

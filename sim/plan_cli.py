@@ -104,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         save_plan(to_plan(result.best, description, batch, system.name, system.nodes), args.out)
     if args.json:
-        json.dump({"candidates": result.candidates, "simulated": result.simulated,
+        json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
+                   "parameter_count": description["parameter_count"],
+                   "candidates": result.candidates, "simulated": result.simulated,
                    "elapsed_s": result.elapsed_s,
                    "ranked": [_option_dict(o) for o in result.ranked]}, sys.stdout)
         print()

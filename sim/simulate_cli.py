@@ -88,6 +88,7 @@ def emit(result: SimResult, system: System, workload: Workload, args: argparse.N
         data["hardware"] = {"system": system.name, "nodes": system.nodes}
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
+        data["parameter_count"] = described["parameter_count"]
         json.dump(data, sys.stdout)
         print()
     else:

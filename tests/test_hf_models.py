@@ -100,3 +100,40 @@ def test_a_config_file_that_is_not_one_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text("not json")
     with pytest.raises(GpipeInputError, match="is not a readable config.json"):
         model_ref(f"hf-config:{tmp_path}", {})
+
+
+def test_simulate_and_plan_take_a_hugging_face_model(capsys):
+    from sim.cli import main
+
+    options = [item for key, value in CONFIGS["llama"].items() for item in ("--option", f"{key}={value}")]
+    assert main(["simulate", "--model", "hf:llama", *options, "--option", "seq=8", "--stages", "2",
+                 "--microbatches", "2", "--batch", "4", "--hardware", "a100-nvlink", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    expected = model_ref("hf:llama", {**CONFIGS["llama"], "seq": 8}).parameter_count
+    assert simulated["parameter_count"] == expected and simulated["model"]["num_layers"] == 5
+    assert main(["plan", "--model", "hf:llama", *options, "--option", "seq=8", "--batch", "4", "--hardware",
+                 "a100-nvlink", "--microbatch-options", "1,2", "--json", "--quiet"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["parameter_count"] == expected and planned["ranked"]
+
+
+@pytest.mark.slow
+def test_training_a_hugging_face_model_with_gpipe_train(tmp_path):
+    """Two processes, the tied GPT-2 head on the second: the losses of the in-process K=1 pipeline."""
+    import os
+    import subprocess
+    import sys
+
+    saved_model(tmp_path / "gpt2", "gpt2")
+    report = tmp_path / "report.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", f"hf-config:{tmp_path / 'gpt2'}",
+                             "--option", f"seq={SEQ}", "--init-from", str(tmp_path / "gpt2"), "--partition", "2,3",
+                             "--batch", "6", "--microbatches", "3", "--steps", "3", "--optimizer", "adam", "--lr",
+                             "0.01", "--report", str(report)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    local = LocalPipeline(RunConfig(model=f"hf-config:{tmp_path / 'gpt2'}", options={"seq": SEQ}, partition=(5,),
+                                    batch_size=6, microbatches=3, optimizer="adam", lr=0.01,
+                                    init_from=str(tmp_path / "gpt2")))
+    expected = [local.run_step(s) for s in range(3)]
+    assert json.loads(report.read_text())["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
