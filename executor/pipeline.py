@@ -34,6 +34,7 @@ from executor.sharing import (SharedGroup, dist_reducer, duplicates_on, find_sha
 from executor.stage import PipelineStage, StageConfig
 from executor.transport import DistTransport, LocalMailboxes, Transport, boundary_groups
 from sim.errors import GpipeInputError
+from sim.plan import validate_partition
 from sim.schedule import format_grid
 
 
@@ -56,6 +57,7 @@ def prepare(config: RunConfig) -> Prepared:
     inputs, targets = batch_for_step(config.model, config.options, config.batch_size, config.seed, 0,
                                      config.data or None)
     loss_fn = loss_function(loss)
+    validate_partition(tuple(config.partition), len(model))
     shared = find_shared(model, tuple(config.partition))
     if config.init_from:
         check_file(config.init_from, model, checkpoint_names(config.model, config.options))
