@@ -16,6 +16,8 @@ from sim.plan import ModelRef, Plan
 from sim.timeline import write_json_atomic
 
 OPTIMIZERS = ("sgd", "adam")
+# options a plan's model may carry that describe the simulator's analysis, not the torch model
+ANALYSIS_OPTIONS = ("dtype", "precision", "optimizer_slots", "optimizer", "input_shape")
 DEVICES = ("cpu", "cuda")
 
 
@@ -72,7 +74,10 @@ class RunConfig:
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
-        return cls(model=plan.model.name, options=dict(plan.model.options), partition=tuple(plan.partition),
+        """The run a plan file describes; the options that only told the simulator how to analyse the
+        model (its dtype, optimizer state, sample shape) are not the model's and are dropped."""
+        options = {k: v for k, v in plan.model.options.items() if k not in ANALYSIS_OPTIONS}
+        return cls(model=plan.model.name, options=options, partition=tuple(plan.partition),
                    batch_size=plan.batch_size, microbatches=plan.microbatches, schedule=plan.schedule,
                    checkpoint=plan.checkpoint, hardware=dict(plan.hardware),
                    predicted=dict(plan.predicted), **overrides)

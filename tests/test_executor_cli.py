@@ -4,7 +4,7 @@ import pytest
 
 from executor.cli import add_arguments, config_from_args, even_partition, torchrun_command
 from sim.errors import GpipeInputError
-from sim.plan import Plan, save_plan
+from sim.plan import ModelRef, Plan, save_plan
 from executor.models import model_ref
 
 
@@ -51,3 +51,13 @@ def test_torchrun_command_single_and_multi_node():
     assert multi[multi.index("--nproc-per-node") + 1] == "2" and "c10d" in multi and "--standalone" not in multi
     with pytest.raises(GpipeInputError, match="do not split over --nnodes 3"):
         torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "3", "--rdzv-endpoint", "h:1"))
+
+
+def test_a_plan_of_a_measured_torch_model_trains_without_the_analysis_options():
+    from executor.config import RunConfig
+
+    plan = Plan(model=ModelRef("mlp", {"layers": 4, "width": 8, "dtype": "fp32", "optimizer_slots": 2,
+                                       "input_shape": "8"}, 4, 0),
+                partition=(2, 2), batch_size=4, microbatches=2, checkpoint="never", schedule="gpipe",
+                hardware={"system": "cpu", "nodes": 1})
+    assert RunConfig.from_plan(plan).options == {"layers": 4, "width": 8}
