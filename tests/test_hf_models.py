@@ -137,3 +137,12 @@ def test_training_a_hugging_face_model_with_gpipe_train(tmp_path):
                                     init_from=str(tmp_path / "gpt2")))
     expected = [local.run_step(s) for s in range(3)]
     assert json.loads(report.read_text())["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("command", ["simulate", "plan", "train"])
+def test_an_unknown_hugging_face_type_ends_every_command_with_one_line_and_exit_2(command, capsys):
+    from sim.cli import main
+
+    assert main([command, "--model", "hf:bert", *(["--stages", "2"] if command == "train" else [])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model type 'bert' is not supported; choose one of gpt2, llama" in err
