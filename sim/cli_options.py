@@ -1,4 +1,4 @@
-"""Command-line flags shared by ``gpipe simulate``, ``plan`` and ``train``: one definition each."""
+"""Command-line flags shared by ``gpipe simulate``, ``plan``, ``train`` and ``calibrate``: one definition each."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from sim.errors import GpipeInputError
 from sim.hardware import SYSTEMS
 from sim.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
+from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
 
 # flag -> (option name in the model's options, type, help)
@@ -24,11 +25,12 @@ MODEL_FLAGS = {
     "--image": ("image", int, "cnn: image side in pixels"),
     "--classes": ("classes", int, "cnn: classes"),
     "--dtype": ("dtype", str, "analytic models: fp32 (default) or bf16"),
-    "--optimizer-slots": ("optimizer_slots", int, "analytic models: optimizer state per parameter (2 for Adam)"),
 }
 
 
-ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")  # describe the simulator's models, not torch's
+# Options of the simulator's models that describe the training, not the torch model: the weights'
+# dtype, and optimizer state tensors per parameter (set from --optimizer, see sim.optimizers).
+ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "uniform",
@@ -42,6 +44,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
     if costs:
         group.add_argument("--costs", default=None, metavar="FILE",
                            help="measured costs from gpipe calibrate, in place of the analytic model")
+
+
+def add_optimizer_argument(parser: Any) -> None:  # a parser or an argument group
+    """``--optimizer``: what gpipe train trains with, so the state the simulator holds per parameter.
+
+    Not given, it is the one the plan or costs file records, else the default; checked by
+    :func:`sim.optimizers.check_optimizer` (one-line error) rather than by argparse.
+    """
+    parser.add_argument("--optimizer", default=None, metavar="NAME",
+                        help=f"{', '.join(OPTIMIZERS)} (torch.optim; adam and adamw keep 2 state tensors per "
+                             f"parameter, sgd none); default: the plan's or costs file's, else {DEFAULT_OPTIMIZER}")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
@@ -69,6 +82,15 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             options[name] = value
+    return options
+
+
+def simulation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`model_options` plus the optimizer's state per parameter when ``--optimizer`` is given
+    (the simulator's models otherwise hold two state tensors, adamw's, or what the costs file measured)."""
+    options = model_options(args)
+    if getattr(args, "optimizer", None) is not None:
+        options["optimizer_slots"] = optimizer_slots(args.optimizer)
     return options
 
 
