@@ -105,6 +105,7 @@ class MeasuredWorkload:
         self.checkpoint = checkpoint
         self.microbatches = microbatches
         self.device_name = data.get("catalog_device", LOCAL_CPU.name)
+        self.optimizer = str(data.get("optimizer", "sgd"))  # the one calibration trained with
         self.optimizer_slots = int(data.get("optimizer_slots", 0))
 
     # ------------------------------------------------------------------ binding to a plan
@@ -286,10 +287,21 @@ def check_model(data: dict[str, Any], model: str, options: dict[str, Any], path:
 
 
 def load_costs_workload(path: str, model: str, options: dict[str, Any]) -> MeasuredWorkload:
-    """The measured workload of ``model`` with ``options`` from the costs file at ``path``."""
+    """The measured workload of ``model`` with ``options`` from the costs file at ``path``.
+
+    Its optimizer is the one calibration measured (its step time was fitted); ``optimizer_slots``
+    in ``options`` (from ``--optimizer``) must agree with it.
+    """
     data = read_costs(path)
     check_model(data, model, options, path)
-    return MeasuredWorkload(data)
+    workload = MeasuredWorkload(data)
+    wanted = options.get("optimizer_slots")
+    if wanted is not None and wanted != workload.optimizer_slots:
+        raise GpipeInputError(
+            f"costs file {path!r} was measured with {workload.optimizer} ({workload.optimizer_slots} state "
+            f"tensors per parameter) but --optimizer asks for {wanted}; drop --optimizer or run gpipe "
+            "calibrate --optimizer NAME for this optimizer")
+    return workload
 
 
 def costs_summary(data: dict[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "as gpipe simulate does (default ideal)")
     how = parser.add_argument_group("how to train")
     how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
-    add_optimizer_argument(how)
+    add_optimizer_argument(how, recorded="the plan's")
     how.add_argument("--lr", type=float, default=0.01, help="peak learning rate (default 0.01)")
     how.add_argument("--weight-decay", type=float, default=0.0,
                      help="torch.optim weight decay: L2 for sgd and adam, decoupled for adamw (default 0)")

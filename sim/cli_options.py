@@ -46,15 +46,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
                            help="measured costs from gpipe calibrate, in place of the analytic model")
 
 
-def add_optimizer_argument(parser: Any) -> None:  # a parser or an argument group
+def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or costs file's") -> None:
     """``--optimizer``: what gpipe train trains with, so the state the simulator holds per parameter.
 
-    Not given, it is the one the plan or costs file records, else the default; checked by
+    ``parser`` is a parser or an argument group. Not given, it is the one the plan or costs file
+    records (``recorded`` says which, for the help), else the default; checked by
     :func:`sim.optimizers.check_optimizer` (one-line error) rather than by argparse.
     """
+    default = f"{recorded}, else {DEFAULT_OPTIMIZER}" if recorded else DEFAULT_OPTIMIZER
     parser.add_argument("--optimizer", default=None, metavar="NAME",
                         help=f"{', '.join(OPTIMIZERS)} (torch.optim; adam and adamw keep 2 state tensors per "
-                             f"parameter, sgd none); default: the plan's or costs file's, else {DEFAULT_OPTIMIZER}")
+                             f"parameter, sgd none); default: {default}")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,

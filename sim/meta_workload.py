@@ -45,10 +45,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from sim.errors import GpipeInputError
 from sim.hardware import Device
 from sim.models import DTYPE_BYTES, LAYER_OVERHEAD_S
+from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.workload import LayerCost
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ANALYSIS_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": 2}
+ANALYSIS_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
 MEASURED_ROWS = (1, 2, 3)  # measured directly; rows above the last lie on the line of the last two
 
 

@@ -6,11 +6,12 @@ import argparse
 import json
 import sys
 
-from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_pipeline_arguments,
-                             batch_size, check_output_path, model_options)
+from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
+                             add_pipeline_arguments, batch_size, check_output_path, simulation_options)
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import System, get_system
+from sim.optimizers import optimizer_slots
 from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
 from sim.schedule import check_checkpoint_policy, check_schedule_name
@@ -21,6 +22,7 @@ from sim.report import fit_advice, format_summary
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan file (other flags ignored)")
     add_model_arguments(parser)
+    add_optimizer_argument(parser)
     add_pipeline_arguments(parser)
     add_hardware_arguments(parser)
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"),
@@ -38,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:
         plan = load_plan(args.plan)
         system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
-        workload = resolve_workload(plan.model.name, plan.model.options, args.costs)
+        options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
+        workload = resolve_workload(plan.model.name, options, args.costs)
         if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (calibrate.costs)
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
@@ -60,7 +63,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System]:
     check_checkpoint_policy(args.checkpoint)
     check_schedule_name(args.schedule)
     system = get_system(args.hardware, args.nodes)
-    workload = resolve_workload(args.model, model_options(args), args.costs)
+    workload = resolve_workload(args.model, simulation_options(args), args.costs)
     partition = parse_partition(args.partition) if args.partition is not None else None
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (calibrate.costs)
         stages = len(partition) if partition is not None else args.stages
