@@ -40,7 +40,8 @@ from torch import nn
 from executor.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.data import mix_seed, split, split_rows
 from executor.memory import ActivationCounter
-from executor.optim import OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_, squared_norm
+from executor.optim import (OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_,
+                            squared_norm)
 from executor.recording import Recorder
 from executor.transport import ACT, GRAD, Transport
 from sim.schedule import Action, Kind, build_schedule, recomputes
