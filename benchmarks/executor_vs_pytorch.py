@@ -61,7 +61,7 @@ def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int
         partition = ",".join(map(str, even_partition(layers, cfg["stages"])))  # as the PyTorch side splits
         argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--partition", partition,
                 "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
-                "--checkpoint", "never", "--steps", str(steps), "--warmup-steps", str(warmup),
+                "--checkpoint", "never", "--optimizer", "sgd", "--steps", str(steps), "--warmup-steps", str(warmup),
                 "--threads", str(threads), "--report", report_path]
         for key, value in cfg["options"].items():
             argv += ["--option", f"{key}={value}"]

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 from sim.costs import MeasuredWorkload
 from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
+from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
 from sim.schedule import recomputes
 from sim.stage_costs import stage_bounds
@@ -74,13 +75,14 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2) ->
     return specs
 
 
-def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, device: str = "cpu") -> Any:
+def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, device: str = "cpu",
+               optimizer: str = DEFAULT_OPTIMIZER) -> Any:
     from executor.config import RunConfig
 
     return RunConfig(model=model, options=dict(options), partition=spec.partition,
                      batch_size=spec.batch_size, microbatches=spec.microbatches,
                      schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
-                     warmup_steps=1, device=device, timeout_s=120.0).validate()
+                     warmup_steps=1, device=device, timeout_s=120.0, optimizer=optimizer).validate()
 
 
 # ----------------------------------------------------------------------------- observations
@@ -106,7 +108,9 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     """Add one run's spans to ``obs``: compute actions, sends and optimizer steps of measured steps.
 
     Durations are divided by ``speed`` (:func:`calibrate.speed.speed_factor` of the run), so every
-    run enters the fits at the reference speed.
+    run enters the fits at the reference speed. A stage's optimizer step is the sum of its step's
+    ``optimizer`` spans (the gradient norm, then clipping and the update, either side of the wait
+    for the other stages' norms).
     """
     k_count = spec.stages
     bounds = stage_bounds(spec.partition)
@@ -121,6 +125,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         x = sum(workload.profiled_s(profile_kind, i, rows) for i in range(first, end))
         Observations._add(obs.actions, (k_count, kind), x, action["duration_s"] / speed)
     measured = set(report["measured_steps"])
+    optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds
     for record in report["timeline"]["records"]:
         if record["step"] not in measured:
             continue
@@ -131,7 +136,12 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
             key = "output_bytes" if record["kind"] == "send_act" else "input_bytes"
             layer = end - 1 if record["kind"] == "send_act" else first
             Observations._add(obs.sends, k_count, workload._mem(key, layer, rows), duration)
-        elif record["kind"] == "optimizer" and duration > 0:
+        elif record["kind"] == "optimizer":
+            key = (record["stage"], record["step"])
+            optimizer_s[key] = optimizer_s.get(key, 0.0) + duration
+    for (stage, _), duration in sorted(optimizer_s.items()):
+        if duration > 0:
+            first, end = bounds[stage]
             params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
             Observations._add(obs.optimizer, k_count, params, duration)
 
@@ -250,11 +260,12 @@ def profile_rows(batch_size: int) -> list[int]:
 
 def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str = "cpu",
               max_stages: int | None = None, steps: int = 5, quick: bool = False,
-              progress: Progress = print, rounds: int = 2) -> dict[str, Any]:
+              progress: Progress = print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER) -> dict[str, Any]:
     """Measure and fit everything for ``model``; the costs file's content (see :mod:`sim.costs`).
 
     The design runs are measured ``rounds`` times, interleaved, and every measurement enters the
-    fits, so a moment when the machine ran slow weighs less.
+    fits, so a moment when the machine ran slow weighs less. They train with ``optimizer``, which
+    the costs file records with its state per parameter.
     """
     import torch
 
@@ -293,7 +304,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         "catalog_device": LOCAL_CPU.name if device == "cpu" else device,
         "model": {"name": model, "options": options, "num_layers": ref.num_layers,
                   "parameter_count": ref.parameter_count},
-        "batch_size": batch_size, "optimizer": "sgd", "optimizer_slots": 0,
+        "batch_size": batch_size, "optimizer": optimizer, "optimizer_slots": optimizer_slots(optimizer),
         "profile": profile.to_dict(), "pipeline": {},
     }
     if max_stages >= 2:
@@ -303,7 +314,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         data["link"] = {"name": "gloo" if device == "cpu" else "nccl", **link.to_dict(), "measured": points}
     design = calibration_design(ref.num_layers, batch_size, max_stages)
     specs = design * (1 if quick else rounds)
-    configs = [run_config(model, options, s, steps, device) for s in specs]
+    configs = [run_config(model, options, s, steps, device, optimizer) for s in specs]
     reports = run_configs(configs, progress=say)
     data["speed"] = run_speed_reference(model, specs, reports)
     speeds = [speed_factor(run_probes(r), data["speed"]["reference_s"].get(str(s.stages)))

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"    predicted step {predicted.step_time_s * 1e3:.1f} ms, bubble {predicted.bubble_fraction:.1%}")
     ref = model_ref(DEMO_MODEL, DEMO_OPTIONS)
     plan = Plan(model=ref, partition=tuple(option.partition), batch_size=DEMO_BATCH, microbatches=c.microbatches,
-                checkpoint=c.checkpoint, schedule=c.schedule, hardware={"system": system.name, "nodes": 1},
+                checkpoint=c.checkpoint, schedule=c.schedule, optimizer=workload.optimizer,
+                hardware={"system": system.name, "nodes": 1},
                 predicted={"step_time_s": predicted.step_time_s, "bubble_fraction": predicted.bubble_fraction})
     plan_path = os.path.join(args.out_dir, "plan.json")
     save_plan(plan, plan_path)

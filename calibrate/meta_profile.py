@@ -42,11 +42,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from executor.boundary import map_tensors, tensors
 from sim.errors import GpipeInputError
+from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from executor.sharing import shared_tensors
 from sim.meta_workload import MEASURED_ROWS, LayerMeasure, LayerProfile, MetaWorkload, SharedTensor
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ANALYSIS_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": 2}
+ANALYSIS_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
 
 
 class _TrafficMode(TorchDispatchMode):

@@ -2,7 +2,7 @@
 
 Layout under ``--checkpoint-dir``::
 
-    step-000012/stage-0.pt ... stage-{K-1}.pt   # layers (buffers included), optimizer, RNG state
+    step-000012/stage-0.pt ... stage-{K-1}.pt   # layers (buffers included), optimizer, lr schedule, RNG
     manifest.json                               # {"step": 12, "stages": K, "dir": "step-000012", ...}
 
 Every file is written to a temporary name and renamed (``os.replace``), and the manifest is written
@@ -10,6 +10,11 @@ last, by rank 0, after every rank has finished its shard (a barrier). A kill at 
 either the previous manifest, which names a complete older step directory, or the new one: never a
 half-written checkpoint. Older step directories are removed only after the new manifest is in
 place. Data and dropout are pure functions of (seed, step), so the step number is the data position.
+
+A shard holds the optimizer's state (adam's moments, step counts, the current learning rate) and the
+schedule's position, so a resumed run takes the same steps. Resuming with other optimizer or schedule
+settings than the checkpoint's would not (torch.optim would keep the checkpoint's rate and decay and
+silently ignore the new ones): :func:`check_resumable` refuses it with one line.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def save_shard(root: str, step: int, stage: PipelineStage) -> None:
     state: dict[str, Any] = {
         "module": stage.module.state_dict(),
         "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
+        "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
         "cpu_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -56,15 +62,16 @@ def save_shard(root: str, step: int, stage: PipelineStage) -> None:
         raise
 
 
-def write_manifest(root: str, step: int, stages: int, losses: list[float], config: dict[str, Any]) -> None:
+def write_manifest(root: str, step: int, stages: int, losses: list[float], config: dict[str, Any],
+                   grad_norms: list[float] | None = None) -> None:
     """Publish ``step`` as the latest checkpoint, then drop older step directories.
 
-    Called by one rank (the last stage, which holds the losses) after a barrier that follows every
-    rank's :func:`save_shard`.
+    Called by one rank (the last stage, which holds the losses and gradient norms so far) after a
+    barrier that follows every rank's :func:`save_shard`.
     """
     write_json_atomic(os.path.join(root, MANIFEST), {
         "step": step, "stages": stages, "dir": os.path.basename(step_dir(root, step)),
-        "losses": losses, "config": config,
+        "losses": losses, "grad_norms": grad_norms or [], "config": config,
     })
     for name in os.listdir(root):
         if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) < step:
@@ -89,6 +96,26 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
     stage.module.load_state_dict(state["module"])
     if stage.optimizer is not None and state["optimizer"] is not None:
         stage.optimizer.load_state_dict(state["optimizer"])
+    if stage.scheduler is not None and state.get("scheduler") is not None:
+        stage.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["cpu_rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+# Settings whose state lives in a shard: a resumed run must use the checkpoint's.
+OPTIMIZER_SETTINGS = {"optimizer": "--optimizer", "lr": "--lr", "weight_decay": "--weight-decay",
+                      "lr_schedule": "--lr-schedule", "lr_warmup_steps": "--lr-warmup"}
+
+
+def check_resumable(manifest: dict[str, Any], config: dict[str, Any]) -> None:
+    """Raise GpipeInputError naming the first optimizer or schedule setting that differs from the
+    checkpoint's (and ``--steps``, over which a cosine schedule decays)."""
+    saved = manifest.get("config", {})
+    names = dict(OPTIMIZER_SETTINGS)
+    if config.get("lr_schedule") == "cosine":
+        names["steps"] = "--steps"
+    for key, flag in names.items():
+        if key in saved and saved[key] != config.get(key):
+            raise GpipeInputError(f"the checkpoint was trained with {flag} {saved[key]} but this run asks for "
+                                  f"{config.get(key)}; resume with {flag} {saved[key]} or use a new --checkpoint-dir")

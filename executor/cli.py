@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, model_options
+from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument, model_options
 from sim.errors import GpipeInputError, require_positive
 from sim.partition import even_partition
 from sim.plan import load_plan, parse_partition
@@ -52,8 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "as gpipe simulate does (default ideal)")
     how = parser.add_argument_group("how to train")
     how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
-    how.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    how.add_argument("--lr", type=float, default=0.01)
+    add_optimizer_argument(how, recorded="the plan's")
+    how.add_argument("--lr", type=float, default=0.01, help="peak learning rate (default 0.01)")
+    how.add_argument("--weight-decay", type=float, default=0.0,
+                     help="torch.optim weight decay: L2 for sgd and adam, decoupled for adamw (default 0)")
+    how.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
+                     help="scale gradients so their L2 norm over all stages is at most MAX_NORM (default: off)")
+    how.add_argument("--lr-schedule", default="constant", metavar="NAME",
+                     help="constant (default) or cosine (decays to 0 over --steps after the warm-up)")
+    how.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
+                     help="steps of linear learning-rate warm-up (default 0)")
     how.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
     how.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
@@ -89,11 +97,15 @@ def config_from_args(args: argparse.Namespace):
     from executor.config import RunConfig
     from executor.models import model_ref
 
-    extra = dict(steps=args.steps, seed=args.seed, loss=args.loss or "", optimizer=args.optimizer,
-                 lr=args.lr, data=args.data or "", report=args.report or "", trace=args.trace or "",
+    extra = dict(steps=args.steps, seed=args.seed, loss=args.loss or "", lr=args.lr,
+                 weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm,
+                 lr_schedule=args.lr_schedule, lr_warmup_steps=args.lr_warmup,
+                 data=args.data or "", report=args.report or "", trace=args.trace or "",
                  save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
                  device=args.device, threads=args.threads, timeout_s=args.timeout,
                  warmup_steps=args.warmup_steps, init_from=os.path.abspath(args.init_from) if args.init_from else "")
+    if args.optimizer is not None:  # else the plan's, or RunConfig's default
+        extra["optimizer"] = args.optimizer
     if args.plan:
         config = RunConfig.from_plan(load_plan(args.plan), **extra)
     else:
@@ -188,6 +200,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
     prepare(config)  # a bad model or partition fails here, before any process starts
+    if config.resume:
+        from executor import checkpoint
+
+        manifest = checkpoint.read_manifest(config.checkpoint_dir)
+        if manifest is not None:
+            checkpoint.check_resumable(manifest, config.to_dict())
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
     try:
         config_path = os.path.join(workdir, "config.json")

@@ -9,15 +9,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sim.errors import GpipeInputError, require_positive
+from sim.optimizers import DEFAULT_OPTIMIZER
 from sim.plan import ModelRef, Plan
 from sim.timeline import write_json_atomic
 
-OPTIMIZERS = ("sgd", "adam")
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
 ANALYSIS_OPTIONS = ("dtype", "precision", "optimizer_slots", "optimizer", "input_shape")
+
+if TYPE_CHECKING:
+    from executor.optim import OptimSettings
+
 DEVICES = ("cpu", "cuda")
 
 
@@ -32,8 +36,12 @@ class RunConfig:
     checkpoint: str = "except_last"
     seed: int = 0
     loss: str = ""  # "" = the model's default
-    optimizer: str = "sgd"
-    lr: float = 0.01
+    optimizer: str = DEFAULT_OPTIMIZER  # sgd | adam | adamw (torch.optim); see executor.optim
+    lr: float = 0.01  # peak learning rate
+    weight_decay: float = 0.0  # torch.optim's: L2 for sgd and adam, decoupled for adamw
+    clip_grad_norm: float | None = None  # max L2 norm over all stages' gradients; None: no clipping
+    lr_schedule: str = "constant"  # constant | cosine (to 0 over ``steps``)
+    lr_warmup_steps: int = 0  # linear warm-up steps before the schedule
     data: str = ""  # package.module:function, "" = built-in synthetic data
     init_from: str = ""  # state dict, safetensors file or model folder to start from; "" = from the seed
     steps: int = 10
@@ -55,32 +63,45 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         require_positive("steps", self.steps, "use --steps 1 or more")
-        if self.optimizer not in OPTIMIZERS:
-            raise GpipeInputError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        self.optim_settings().validate()
         if self.device not in DEVICES:
             raise GpipeInputError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.save_every < 0:
             raise GpipeInputError(f"--save-every must be 0 (off) or positive, got {self.save_every}")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
-        if self.lr <= 0:
-            raise GpipeInputError(f"learning rate must be positive, got {self.lr}")
         return self
+
+    def optim_settings(self) -> "OptimSettings":
+        from executor.optim import OptimSettings
+
+        return OptimSettings(optimizer=self.optimizer, lr=self.lr, weight_decay=self.weight_decay,
+                             clip_grad_norm=self.clip_grad_norm, lr_schedule=self.lr_schedule,
+                             lr_warmup_steps=self.lr_warmup_steps, total_steps=self.steps)
 
     def plan(self, model_ref: ModelRef) -> Plan:
         return Plan(model=model_ref, partition=tuple(self.partition), batch_size=self.batch_size,
                     microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
-                    hardware=self.hardware, predicted=self.predicted)
+                    hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
-        """The run a plan file describes; the options that only told the simulator how to analyse the
-        model (its dtype, optimizer state, sample shape) are not the model's and are dropped."""
-        options = {k: v for k, v in plan.model.options.items() if k not in ANALYSIS_OPTIONS}
+        """The plan's run (its optimizer too) with ``overrides``; the options that only told the
+        simulator how to analyse the model (its dtype, optimizer state, sample shape) are not the
+        model's and are dropped."""
+        options = dict(plan.model.options)
+        dtype = options.get("dtype", "fp32")
+        if dtype != "fp32":
+            raise GpipeInputError(f"the plan models {dtype} weights but the executor trains fp32; "
+                                  "plan again with --dtype fp32")
+        for name in ANALYSIS_OPTIONS:
+            options.pop(name, None)
+        settings: dict[str, Any] = dict(optimizer=plan.optimizer)
+        settings.update(overrides)
         return cls(model=plan.model.name, options=options, partition=tuple(plan.partition),
                    batch_size=plan.batch_size, microbatches=plan.microbatches, schedule=plan.schedule,
                    checkpoint=plan.checkpoint, hardware=dict(plan.hardware),
-                   predicted=dict(plan.predicted), **overrides)
+                   predicted=dict(plan.predicted), **settings)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

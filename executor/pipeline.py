@@ -8,12 +8,14 @@ worker makes one stage per rank; :class:`LocalPipeline` makes all of them in one
 in-process mailboxes, and interleaves their action lists in a fixed order: it sweeps the stages
 round-robin, running each stage's next actions while their inputs are present. Every action runs
 exactly as in the distributed executor, so tests of the in-process pipeline test the real schedule
-walk, receives and sends included (only the transport differs).
+walk, receives and sends included (only the transport differs). The end of a step runs phase by
+phase over all stages, the stages' squared gradient norms added here where the worker all-reduces.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -89,7 +91,7 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
         stage_config, module, transport, prepared.loss_fn,
         incoming=prepared.boundaries[stage] if stage > 0 else None,
         outgoing=prepared.boundaries[stage + 1] if stage < stages - 1 else None,
-        device=device, optimizer=config.optimizer, lr=config.lr, recorder=recorder,
+        device=device, optim=config.optim_settings(), recorder=recorder,
         duplicates=duplicates_on(stage, module, prepared.shared))
 
 
@@ -128,6 +130,7 @@ class LocalPipeline:
         device = torch.device(config.device)
         self.stages = [make_stage(config, self.prepared, k, mailboxes.endpoint(k), device)
                        for k in range(config.stages)]
+        self.grad_norms: list[float] = []  # global gradient norm (before clipping) of each updating step
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -135,7 +138,11 @@ class LocalPipeline:
 
     def run_step(self, step: int, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                  update: bool = True) -> float:
-        """One mini-batch through every stage; with ``update=False`` gradients stay for inspection."""
+        """One mini-batch through every stage; its loss.
+
+        With ``update=False`` the step ends after the sends: gradients, parameters and batch-norm
+        running statistics stay as the backward left them, for inspection.
+        """
         if inputs is None or targets is None:
             inputs, targets = self.batch(step)
         for stage in self.stages:
@@ -156,9 +163,23 @@ class LocalPipeline:
                 stuck = self.stages[0].actions
                 raise RuntimeError("pipeline deadlock:\n" + format_grid(
                     [s.actions for s in self.stages], highlight=stuck[min(position[0], len(stuck) - 1)]))
+        for stage in self.stages:
+            stage.finish_sends()
         reduce_in_process([stage.module for stage in self.stages], self.prepared.shared)
-        losses = [stage.end_step() if update else stage.finish_without_update() for stage in self.stages]
-        return float(losses[-1])  # type: ignore[arg-type]
+        if update:
+            self._update()
+        for stage in self.stages:
+            stage.recorder.flush()
+        return float(self.stages[-1].step_loss())  # type: ignore[arg-type]
+
+    def _update(self) -> None:
+        """The update phases of :meth:`PipelineStage.end_step`, with the shared gradients and the norm
+        summed over stages here."""
+        total_sq = sum(float(stage.grad_sq_norm()) for stage in self.stages)
+        grad_norm = math.sqrt(total_sq)
+        for stage in self.stages:
+            stage.update(grad_norm)
+        self.grad_norms.append(grad_norm)
 
     def model(self) -> nn.Sequential:
         """The whole (trained) model: every stage's layers in order."""

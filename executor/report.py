@@ -1,7 +1,8 @@
 """The ``--report`` JSON of a measured run, computed from the merged timeline.
 
 Fields: ``step_time_s`` (median over the steps after ``warmup_steps``), ``step_times_s`` (every
-step), ``losses`` (one per step, from step 0 when resumed), ``stages`` (per stage:
+step), ``losses`` (one per step, from step 0 when resumed), ``grad_norms`` (the global L2 norm of
+every step's gradients over all stages, before clipping; as ``losses``), ``stages`` (per stage:
 ``peak_activation_bytes`` as defined in :mod:`executor.memory`, ``busy_s`` the median per-step
 compute time, ``peak_allocated_bytes`` on CUDA), ``actions`` (median duration of every
 (stage, kind, micro-batch) over the measured steps, with its rows: what calibration fits), the
@@ -38,7 +39,7 @@ def step_times_s(timeline: Timeline) -> dict[int, float]:
 
 def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any], plan: dict[str, Any],
                  peak_activation_bytes: list[int], peak_allocated_bytes: list[int] | None = None,
-                 first_step: int = 0) -> dict[str, Any]:
+                 first_step: int = 0, grad_norms: list[float] | None = None) -> dict[str, Any]:
     times = step_times_s(timeline)
     measured = [s for s in sorted(times) if s >= first_step + config.get("warmup_steps", 1)]
     if not measured:
@@ -73,6 +74,7 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
         "step_times_s": [times[s] for s in sorted(times)],
         "measured_steps": measured,
         "losses": losses,
+        "grad_norms": grad_norms or [],
         "stages": stages,
         "actions": actions,
         "plan": plan,

@@ -16,10 +16,21 @@ computes the loss of micro-batch m, scaled by rows_m / batch rows, so the sum ov
 the mini-batch mean whatever M is. Dropout masks are drawn from a seed that is a pure function of
 (seed, step, stage, micro-batch), so a recompute replays them exactly and a resumed run draws the
 same ones.
+
+The end of a step runs in phases, so that work across stages can sit between them::
+
+    finish_sends -> reduce_shared_gradients -> grad_sq_norm -> (sum over stages) -> update
+                                                                                   clip, optimizer step,
+                                                                                   scheduler step, BN commit
+
+:meth:`PipelineStage.end_step` runs them all, summing over stages with the transport's all-reduce
+(the multi-process worker); :class:`executor.pipeline.LocalPipeline` runs each phase on every stage
+in turn and adds the stages' sums itself.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -31,6 +42,8 @@ from executor.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.boundary import Boundary, map_tensors
 from executor.data import mix_seed, split, split_rows
 from executor.memory import ActivationCounter
+from executor.optim import (OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_,
+                            squared_norm)
 from executor.recording import Recorder
 from executor.transport import ACT, GRAD, Transport
 from sim.schedule import Action, Kind, build_schedule, recomputes
@@ -48,19 +61,13 @@ class StageConfig:
     seed: int = 0
 
 
-def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr)
-
-
 class PipelineStage:
     """Runs one stage's actions; ``incoming``/``outgoing`` are its boundary tensors (None at ends)."""
 
     def __init__(self, config: StageConfig, module: nn.Sequential, transport: Transport,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  incoming: Boundary | None, outgoing: Boundary | None,
-                 device: torch.device = torch.device("cpu"), optimizer: str = "sgd", lr: float = 0.01,
+                 device: torch.device = torch.device("cpu"), optim: OptimSettings = OptimSettings(),
                  recorder: Recorder | None = None, duplicates: list[nn.Parameter] | None = None) -> None:
         self.config = config
         self.module = DeferredBatchNorm.convert(module).to(device)
@@ -70,8 +77,12 @@ class PipelineStage:
         self.incoming = incoming
         self.outgoing = outgoing
         self.device = device
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(optimizer, params, lr) if params else None
+        self.optim = optim
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optim, self.params) if self.params else None
+        self.scheduler = make_scheduler(optim, self.optimizer) if self.optimizer is not None else None
+        self.grad_norm: float | None = None  # the last step's global gradient norm, before clipping
+        self.lr: float | None = None  # the learning rate the last step used
         self.recorder = recorder or Recorder(config.stage, device)
         self.counter = ActivationCounter(list(self.module.parameters()) + list(self.module.buffers()))
         self.rows = split_rows(config.batch_size, config.microbatches)
@@ -134,29 +145,56 @@ class PipelineStage:
             return GRAD, action.microbatch
         return None
 
-    def end_step(self) -> float | None:
-        """Wait for sends, apply one optimizer step and the deferred BN update; return the loss."""
+    def finish_sends(self) -> None:
+        """Wait for this step's sends to complete."""
         with self.recorder.span(SEND_ACTIVATION if self.is_first else SEND_GRADIENT):
             self.transport.finish_step()
+
+    def reduce_shared_gradients(self) -> None:
+        """Sum the gradients of parameters other stages hold too (tied weights, executor.sharing).
+
+        Runs on every stage after its sends have finished and before the gradient norm is taken, so
+        that the norm, clipping and the optimizer see the summed gradients. The worker sets
+        ``reduce_shared`` (an all-reduce over the owning ranks); the in-process pipeline sums over
+        its stages itself and leaves it None.
+        """
         if self.reduce_shared is not None:
             with self.recorder.span(SHARED_ALLREDUCE):
                 self.reduce_shared()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """This stage's sum of squared gradient norms: a float64 scalar on its device. A copy of a
+        parameter another stage holds first is left out: the global norm counts each parameter once."""
         with self.recorder.span(OPTIMIZER):
-            commit_all(self.module)
+            duplicates = {id(p) for p in self.duplicates}
+            return squared_norm(gradients([p for p in self.params if id(p) not in duplicates]), self.device)
+
+    def update(self, grad_norm: float) -> None:
+        """Clip by the global ``grad_norm``, step the optimizer and the schedule, commit batch norms."""
+        with self.recorder.span(OPTIMIZER):
+            self.grad_norm, self.lr = grad_norm, self.optim.lr_at(self.step)
             if self.optimizer is not None:
+                scale_(gradients(self.params), clip_coefficient(grad_norm, self.optim.clip_grad_norm))
                 self.optimizer.step()
-        self.recorder.flush()
+                self.scheduler.step()  # type: ignore[union-attr]  # exists with the optimizer
+            commit_all(self.module)
+
+    def step_loss(self) -> float | None:
+        """The mini-batch loss on the last stage (None elsewhere)."""
         if not self.is_last:
             return None
         return float(sum(loss.detach() for loss in self.losses.values()))
 
-    def finish_without_update(self) -> float | None:
-        """End the step but keep gradients and running statistics as they are (for tests)."""
-        self.transport.finish_step()
+    def end_step(self) -> float | None:
+        """Every end-of-step phase, the norm summed over ranks by the transport; return the loss."""
+        self.finish_sends()
+        self.reduce_shared_gradients()
+        local = self.grad_sq_norm()
+        with self.recorder.span(RECV_WAIT):  # every stage's sum, from the other ranks
+            total = self.transport.all_reduce_sum(local)
+        self.update(math.sqrt(float(total)))
         self.recorder.flush()
-        if not self.is_last:
-            return None
-        return float(sum(loss.detach() for loss in self.losses.values()))
+        return self.step_loss()
 
     def train_step(self, step: int, inputs: Any, targets: Any) -> float | None:
         """One mini-batch: walk this stage's actions in order (receives block), then update."""

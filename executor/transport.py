@@ -9,12 +9,16 @@ own schedule consumes them), then takes each with :meth:`Transport.recv`, and ha
 
 * :class:`LocalTransport` passes tensors through in-process mailboxes, so the whole pipeline can run
   in one process (tests, debugging) with the same schedule walk.
+Once per step, :meth:`Transport.all_reduce_sum` adds a scalar over every stage of the pipeline (the
+squared gradient norms that global clipping needs).
+
 * :class:`DistTransport` uses ``torch.distributed`` point-to-point ops. Each boundary gets two
   process groups, one per direction, so on every communicator messages flow one way and in the
   same order on both ends: deadlock-free on NCCL (where a pair's sends and receives share a stream)
   and on gloo. Receives are posted as early as announced, so data lands while the stage computes.
   Each tensor of a message has its own tag (micro-batch x tensors + index), so the tensors of one
   message never match another's receive.
+  The sum over stages is one ``all_reduce`` over the pipeline's ranks (every rank of the run).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class Transport(Protocol):
 
     def finish_step(self) -> None:
         """Wait for this step's sends to complete (their buffers may be freed after)."""
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a scalar on this stage's device) summed over every stage of the pipeline."""
 
 
 class LocalMailboxes:
@@ -85,6 +92,10 @@ class LocalTransport:
     def finish_step(self) -> None:
         pass
 
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("in-process stages do not reduce one by one: LocalPipeline adds the stages' "
+                           "values itself between the end-of-step phases")
+
 
 def boundary_groups(stages: int) -> dict[tuple[int, str], dist.ProcessGroup]:
     """Two groups per boundary b (stages b and b+1): ``(b, "act")`` and ``(b, "grad")``.
@@ -102,10 +113,11 @@ class DistTransport:
     """Point-to-point over ``torch.distributed``; rank == stage. Works with gloo and NCCL."""
 
     def __init__(self, stage: int, groups: dict[tuple[int, str], dist.ProcessGroup],
-                 device: torch.device) -> None:
+                 device: torch.device, pipeline_group: dist.ProcessGroup | None = None) -> None:
         self.stage = stage
         self.groups = groups
         self.device = device
+        self.pipeline_group = pipeline_group  # every stage of this pipeline; None: the whole world
         self._pending: dict[tuple[str, int], list[tuple[dist.Work, torch.Tensor]]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -153,3 +165,8 @@ class DistTransport:
         if self._pending:
             raise RuntimeError(f"stage {self.stage} ended a step with unreceived tensors "
                                f"{sorted(self._pending)}")
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pipeline_group)
+        return total

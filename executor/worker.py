@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import traceback
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -85,11 +86,20 @@ def _init_process_group(backend: str, rank: int, world: int, timeout: timedelta)
                             world_size=world, timeout=timeout)
 
 
-def _save(config: RunConfig, stage: PipelineStage, step: int, losses: list[float]) -> None:
+@dataclass
+class History:
+    """Per-step results the last stage keeps for the report: from step 0, across resumes."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # global L2 norm before clipping
+
+
+def _save(config: RunConfig, stage: PipelineStage, step: int, history: History) -> None:
     checkpoint.save_shard(config.checkpoint_dir, step, stage)
     dist.barrier()
     if stage.is_last:
-        checkpoint.write_manifest(config.checkpoint_dir, step, config.stages, losses, config.to_dict())
+        checkpoint.write_manifest(config.checkpoint_dir, step, config.stages, history.losses, config.to_dict(),
+                                  history.grad_norms)
 
 
 def train(config: RunConfig) -> None:
@@ -107,7 +117,7 @@ def train(config: RunConfig) -> None:
         dist.barrier()
         recorder.restart()  # time origin right after the barrier on every rank
         del prepared
-        losses, start = _resume(config, stage)
+        history, start = _resume(config, stage)
         step_ref = [start]
         stage.after_action = _fault_hook(rank, step_ref)
         first_step = start
@@ -115,37 +125,40 @@ def train(config: RunConfig) -> None:
             step_ref[0] = step
             loss = train_step_with_data(config, stage, step)
             if stage.is_last:
-                losses.append(float(loss))  # type: ignore[arg-type]
-                print(f"gpipe: step {step} loss {loss:.6f}", flush=True)
+                history.losses.append(float(loss))  # type: ignore[arg-type]
+                history.grad_norms.append(float(stage.grad_norm))  # type: ignore[arg-type]
+                print(f"gpipe: step {step} loss {loss:.6f} grad norm {stage.grad_norm:.4g} lr {stage.lr:.4g}",
+                      flush=True)
             if config.save_every and (step + 1) % config.save_every == 0:
-                _save(config, stage, step, losses)
-        _finish(config, stage, losses, first_step, device)
+                _save(config, stage, step, history)
+        _finish(config, stage, history, first_step, device)
     finally:
         dist.destroy_process_group()
 
 
-def _resume(config: RunConfig, stage: PipelineStage) -> tuple[list[float], int]:
-    """Losses so far and the first step to run, from the last checkpoint when resuming."""
+def _resume(config: RunConfig, stage: PipelineStage) -> tuple[History, int]:
+    """Losses and norms so far and the first step to run, from the last checkpoint when resuming."""
     restarted = _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
     if not config.checkpoint_dir or not (config.resume or restarted):
-        return [], 0
+        return History(), 0
     manifest = checkpoint.read_manifest(config.checkpoint_dir)
     if manifest is None:
         if config.resume and not restarted:
             print(f"gpipe: no checkpoint in {config.checkpoint_dir!r} yet; starting from step 0", flush=True)
-        return [], 0
+        return History(), 0
+    checkpoint.check_resumable(manifest, config.to_dict())
     checkpoint.load_shard(config.checkpoint_dir, manifest, stage)
-    return list(manifest["losses"]), int(manifest["step"]) + 1
+    return History(list(manifest["losses"]), list(manifest.get("grad_norms", []))), int(manifest["step"]) + 1
 
 
-def _finish(config: RunConfig, stage: PipelineStage, losses: list[float], first_step: int,
+def _finish(config: RunConfig, stage: PipelineStage, history: History, first_step: int,
             device: torch.device) -> None:
     """Gather every rank's timeline to rank 0 and write the report and trace there."""
     payload: dict[str, Any] = {
         "timeline": stage.recorder.timeline.to_dict(),
         "peak_activation_bytes": stage.counter.peak_bytes,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "losses": losses if stage.is_last else None,
+        "history": asdict(history) if stage.is_last else None,
     }
     gathered: list[Any] = [None] * config.stages if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
@@ -157,8 +170,9 @@ def _finish(config: RunConfig, stage: PipelineStage, losses: list[float], first_
                           "checkpoint": config.checkpoint, "device": device.type})
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
     allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
-    report = build_report(timeline, gathered[-1]["losses"], config.to_dict(), plan,
-                          [p["peak_activation_bytes"] for p in gathered], allocated, first_step)
+    last = gathered[-1]["history"]
+    report = build_report(timeline, last["losses"], config.to_dict(), plan,
+                          [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"])
     if config.report:
         write_json_atomic(config.report, report)
     if config.trace:

@@ -1,4 +1,4 @@
-"""Command-line flags shared by ``gpipe simulate``, ``plan`` and ``train``: one definition each."""
+"""Command-line flags shared by ``gpipe simulate``, ``plan``, ``train`` and ``calibrate``: one definition each."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import SYSTEMS
 from sim.model_defaults import DEFAULT_OPTIONS
+from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
 
 # flag -> (option name in the model's options, type, help)
@@ -24,11 +25,12 @@ MODEL_FLAGS = {
     "--image": ("image", int, "cnn: image side in pixels"),
     "--classes": ("classes", int, "cnn: classes"),
     "--dtype": ("dtype", str, "analytic models: fp32 (default) or bf16"),
-    "--optimizer-slots": ("optimizer_slots", int, "analytic models: optimizer state per parameter (2 for Adam)"),
 }
 
 
-ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")  # describe the simulator's models, not torch's
+# Options of the simulator's models that describe the training, not the torch model: the weights'
+# dtype, and optimizer state tensors per parameter (set from --optimizer, see sim.optimizers).
+ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
@@ -49,6 +51,17 @@ def add_option_argument(group) -> None:
     group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                        help="another model option, e.g. --option d_model=128 or, for hf: models, any config "
                             "field --option num_hidden_layers=4 (repeatable)")
+def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or costs file's") -> None:
+    """``--optimizer``: what gpipe train trains with, so the state the simulator holds per parameter.
+
+    ``parser`` is a parser or an argument group. Not given, it is the one the plan or costs file
+    records (``recorded`` says which, for the help), else the default; checked by
+    :func:`sim.optimizers.check_optimizer` (one-line error) rather than by argparse.
+    """
+    default = f"{recorded}, else {DEFAULT_OPTIMIZER}" if recorded else DEFAULT_OPTIMIZER
+    parser.add_argument("--optimizer", default=None, metavar="NAME",
+                        help=f"{', '.join(OPTIMIZERS)} (torch.optim; adam and adamw keep 2 state tensors per "
+                             f"parameter, sgd none); default: {default}")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
@@ -107,6 +120,15 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     if not values:
         raise GpipeInputError(f"{flag} {text!r} is empty; write e.g. 1,2,4 or 1-64")
     return sorted(set(values))
+
+
+def simulation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`model_options` plus the optimizer's state per parameter when ``--optimizer`` is given
+    (the simulator's models otherwise hold two state tensors, adamw's, or what the costs file measured)."""
+    options = model_options(args)
+    if getattr(args, "optimizer", None) is not None:
+        options["optimizer_slots"] = optimizer_slots(args.optimizer)
+    return options
 
 
 def check_output_path(path: str | None, flag: str) -> None:

@@ -109,6 +109,7 @@ class MeasuredWorkload:
         self.checkpoint = checkpoint
         self.microbatches = microbatches
         self.device_name = data.get("catalog_device", LOCAL_CPU.name)
+        self.optimizer = str(data.get("optimizer", "sgd"))  # the one calibration trained with
         self.optimizer_slots = int(data.get("optimizer_slots", 0))
         self.batch_size = int(data["batch_size"]) if data.get("batch_size") else None  # the calibrated batch
 
@@ -301,11 +302,20 @@ def check_model(data: dict[str, Any], model: str | None, options: dict[str, Any]
 def load_costs_workload(path: str, model: str | None, options: dict[str, Any]) -> MeasuredWorkload:
     """The measured workload of ``model`` with ``options`` from the costs file at ``path``.
 
-    ``model`` None means the file's own model; ``options`` given must still match it.
+    ``model`` None means the file's own model; ``options`` given must still match it. Its optimizer
+    is the one calibration measured (its step time was fitted); ``optimizer_slots`` in ``options``
+    (from ``--optimizer``) must agree with it.
     """
     data = read_costs(path)
     check_model(data, model, options, path)
-    return MeasuredWorkload(data)
+    workload = MeasuredWorkload(data)
+    wanted = options.get("optimizer_slots")
+    if wanted is not None and wanted != workload.optimizer_slots:
+        raise GpipeInputError(
+            f"costs file {path!r} was measured with {workload.optimizer} ({workload.optimizer_slots} state "
+            f"tensors per parameter) but --optimizer asks for {wanted}; drop --optimizer or run gpipe "
+            "calibrate --optimizer NAME for this optimizer")
+    return workload
 
 
 def costs_summary(data: dict[str, Any]) -> dict[str, Any]:

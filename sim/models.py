@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 from sim.errors import GpipeInputError
 from sim.hardware import Device
 from sim.model_defaults import DEFAULT_OPTIONS
+from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.workload import LayerCost, UniformWorkload, Workload
 
 BUILTIN_MODELS = ("uniform", "mlp", "transformer", "cnn")
@@ -61,8 +62,9 @@ STAT_BYTES = 4  # LayerNorm's saved mean and rstd are fp32 whatever the input dt
 INDEX_BYTES = 8  # token ids are int64
 MASK_BYTES = 1  # dropout's saved mask is a bool per element
 
-# Options every analytic model accepts besides its own (DEFAULT_OPTIONS); uniform takes none.
-COMMON_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": 2}
+# Options every analytic model accepts besides its own (DEFAULT_OPTIONS); uniform takes only the
+# optimizer's. optimizer_slots: state tensors per parameter (sim.optimizers; set by --optimizer).
+COMMON_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
 
 _HAS_OPTIMIZER_S = "optimizer_s" in {f.name for f in dataclasses.fields(LayerCost)}
 
@@ -254,7 +256,7 @@ def get_workload(name: str, options: dict[str, Any] | None = None) -> Workload:
         raise GpipeInputError(f"unknown model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
     merged = resolve_options(name, options or {})
     if name == "uniform":
-        return UniformWorkload(num_layers=merged["layers"])
+        return UniformWorkload(num_layers=merged["layers"], optimizer_slots=merged["optimizer_slots"])
     return AnalyticWorkload(name, merged, _BUILDERS[name](merged))
 
 
@@ -263,6 +265,8 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     defaults = dict(DEFAULT_OPTIONS[name])
     if name != "uniform":
         defaults.update(COMMON_DEFAULTS)
+    else:
+        defaults["optimizer_slots"] = COMMON_DEFAULTS["optimizer_slots"]
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise GpipeInputError(

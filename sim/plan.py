@@ -9,7 +9,7 @@ Example::
      "model": {"name": "transformer", "options": {"layers": 4, "d_model": 64},
                "num_layers": 6, "parameter_count": 123456},
      "partition": [3, 3], "batch_size": 32, "microbatches": 8,
-     "checkpoint": "except_last", "schedule": "gpipe",
+     "checkpoint": "except_last", "schedule": "gpipe", "optimizer": "adamw",
      "hardware": {"system": "cpu", "nodes": 1},
      "predicted": {"step_time_s": 0.12, "bubble_fraction": 0.11}}
 """
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sim.errors import GpipeInputError, require_positive
+from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
 from sim.schedule import check_checkpoint_policy, check_schedule_name
 from sim.timeline import write_json_atomic
 
@@ -46,6 +47,7 @@ class Plan:
     microbatches: int
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
+    optimizer: str = DEFAULT_OPTIMIZER  # what gpipe train trains with; its state is in the memory
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -60,6 +62,13 @@ class Plan:
         require_positive("micro-batches (M)", self.microbatches, "use --microbatches 1 or more")
         check_checkpoint_policy(self.checkpoint)
         check_schedule_name(self.schedule)
+        check_optimizer(self.optimizer)
+        slots = self.model.options.get("optimizer_slots")
+        if slots is not None and slots != optimizer_slots(self.optimizer):
+            raise GpipeInputError(
+                f"plan's optimizer {self.optimizer} keeps {optimizer_slots(self.optimizer)} state tensors per "
+                f"parameter but its model options say optimizer_slots={slots}; re-create it with gpipe plan "
+                f"--optimizer {self.optimizer} --out")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -113,6 +122,7 @@ def plan_from_dict(data: Any) -> Plan:
             microbatches=data["microbatches"],
             checkpoint=data.get("checkpoint", "except_last"),
             schedule=data.get("schedule", "gpipe"),
+            optimizer=data.get("optimizer", DEFAULT_OPTIMIZER),
             hardware=dict(data.get("hardware", {"system": "cpu", "nodes": 1})),
             predicted=dict(data.get("predicted", {})),
             version=version,

@@ -7,8 +7,8 @@ import json
 import sys
 import time
 
-from sim.cli_options import (add_hardware_arguments, add_model_arguments, check_output_path, model_options,
-                             parse_int_list)
+from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument, check_output_path,
+                             parse_int_list, simulation_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import get_system
 from sim.plan import ModelRef, Plan, save_plan
@@ -21,6 +21,7 @@ from sim.workload_cli import workload_and_batch
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_optimizer_argument(parser)
     add_hardware_arguments(parser, default="cpu")
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
     parser.add_argument("--stages-options", default=None, metavar="LIST",
@@ -59,7 +60,7 @@ def planning_inputs(args: argparse.Namespace):
         fitted, bandwidth = efficiency_from_costs(args.efficiency_from)
         efficiency = fitted if efficiency is None else efficiency
     system = with_efficiency(get_system(args.hardware, args.nodes), efficiency, bandwidth)
-    options = model_options(args)
+    options = simulation_options(args)
     if args.input_shape:
         options["input_shape"] = args.input_shape
     return system, options
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                                             checkpoints, schedules))
     description = workload.describe()
     if args.out:
-        save_plan(to_plan(result.best, description, batch, system.name, system.nodes), args.out)
+        save_plan(to_plan(result.best, description, batch, system.name, system.nodes,
+                          planned_optimizer(args, workload)), args.out)
     if args.json:
         json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
                    "parameter_count": description["parameter_count"],
@@ -140,7 +142,14 @@ def _search_each_stage_count(workload, system, batch: int, stage_options: list[i
                         unfit_examples=[o for p in parts for o in p.unfit_examples][:5])
 
 
-def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int) -> Plan:
+def planned_optimizer(args: argparse.Namespace, workload) -> str:
+    """``--optimizer``, else the one a costs file measured with, else the default."""
+    from sim.optimizers import DEFAULT_OPTIMIZER
+
+    return args.optimizer or getattr(workload, "optimizer", None) or DEFAULT_OPTIMIZER
+
+
+def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int, optimizer: str) -> Plan:
     c = option.candidate
     assert option.result is not None and option.partition is not None
     return Plan(
@@ -149,7 +158,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
                        parameter_count=description["parameter_count"]),
         partition=tuple(option.partition), batch_size=batch, microbatches=c.microbatches,
         checkpoint=c.checkpoint, schedule=c.schedule, hardware={"system": system, "nodes": nodes},
-        predicted=option.result.to_dict(),
+        predicted=option.result.to_dict(), optimizer=optimizer,
     )
 
 

@@ -6,11 +6,12 @@ import argparse
 import json
 import sys
 
-from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_pipeline_arguments,
-                             check_output_path, model_options)
+from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
+                             add_pipeline_arguments, check_output_path, simulation_options)
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import System, get_system
+from sim.optimizers import optimizer_slots
 from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
 from sim.schedule import check_checkpoint_policy, check_schedule_name
@@ -22,6 +23,7 @@ from sim.workload_cli import resolve_workload, workload_and_batch
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan file (other flags ignored)")
     add_model_arguments(parser)
+    add_optimizer_argument(parser)
     add_pipeline_arguments(parser)
     add_hardware_arguments(parser)
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"),
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:
         plan = load_plan(args.plan)
         system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
-        workload = resolve_workload(plan.model.name, plan.model.options, args.costs)
+        options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
+        workload = resolve_workload(plan.model.name, options, args.costs)
         if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
@@ -59,7 +62,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     check_checkpoint_policy(args.checkpoint)
     check_schedule_name(args.schedule)
     system = get_system(args.hardware, args.nodes)
-    workload, batch = workload_and_batch(args, model_options(args))
+    workload, batch = workload_and_batch(args, simulation_options(args))
     partition = parse_partition(args.partition) if args.partition is not None else None
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
         stages = len(partition) if partition is not None else args.stages

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from sim.hardware import Device
+from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class UniformWorkload:
     backward_s: float = 2e-3
     activation_bytes: int = 1 << 20
     param_bytes: int = 4 << 20
+    optimizer_slots: int = OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]  # state tensors per parameter
     name: str = "uniform"
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
@@ -91,11 +93,11 @@ class UniformWorkload:
             recompute_s=self.forward_s, saved_bytes=self.activation_bytes,
             output_bytes=self.activation_bytes, input_bytes=self.activation_bytes,
             param_bytes=self.param_bytes, grad_bytes=self.param_bytes,
-            optimizer_bytes=2 * self.param_bytes,
+            optimizer_bytes=self.optimizer_slots * self.param_bytes,
         )
         return [layer] * self.num_layers
 
     def describe(self) -> dict:
-        return {"name": self.name, "options": {"layers": self.num_layers},
+        return {"name": self.name, "options": {"layers": self.num_layers, "optimizer_slots": self.optimizer_slots},
                 "num_layers": self.num_layers,
                 "parameter_count": self.num_layers * self.param_bytes // 4}

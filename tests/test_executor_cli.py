@@ -61,3 +61,49 @@ def test_a_plan_of_a_measured_torch_model_trains_without_the_analysis_options():
                 partition=(2, 2), batch_size=4, microbatches=2, checkpoint="never", schedule="gpipe",
                 hardware={"system": "cpu", "nodes": 1})
     assert RunConfig.from_plan(plan).options == {"layers": 4, "width": 8}
+@pytest.mark.parametrize("argv,message", [
+    (("--weight-decay", "-0.1"), "--weight-decay must be 0 or more, got -0.1; use --weight-decay 0 for none"),
+    (("--clip-grad-norm", "0"), "--clip-grad-norm must be positive, got 0.0; leave it out for no clipping"),
+    (("--clip-grad-norm", "-2"), "--clip-grad-norm must be positive, got -2.0; leave it out for no clipping"),
+    (("--optimizer", "lamb"), "unknown optimizer 'lamb'; choose one of sgd, adam, adamw"),
+    (("--lr-schedule", "linear"), "unknown --lr-schedule 'linear'; choose one of constant, cosine"),
+    (("--lr-warmup", "-1"), "--lr-warmup must be 0 or more steps, got -1"),
+])
+def test_bad_optimizer_settings_exit_2_with_one_line(argv, message, capsys):
+    from sim.cli import main
+
+    assert main(["train", "--model", "mlp", "--stages", "2", "--steps", "3", *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"gpipe: error: {message}"]
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["plan", "--quiet"], ["calibrate", "--out", "unused.json"]])
+def test_an_unknown_optimizer_is_one_line_for_every_command(command, capsys, tmp_path, monkeypatch):
+    from sim.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, "--model", "mlp", "--optimizer", "lamb"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["gpipe: error: unknown optimizer 'lamb'; choose one of sgd, "
+                                                   "adam, adamw"]
+    assert not (tmp_path / "unused.json").exists()
+
+
+def test_optimizer_flags_become_a_config():
+    config = config_from_args(parse("--model", "mlp", "--stages", "2", "--optimizer", "adam", "--weight-decay",
+                                    "0.1", "--clip-grad-norm", "1.5", "--lr-schedule", "cosine", "--lr-warmup",
+                                    "3", "--steps", "20"))
+    assert (config.optimizer, config.weight_decay, config.clip_grad_norm) == ("adam", 0.1, 1.5)
+    assert (config.lr_schedule, config.lr_warmup_steps, config.steps) == ("cosine", 3, 20)
+    default = config_from_args(parse("--model", "mlp", "--stages", "2"))
+    assert (default.optimizer, default.clip_grad_norm, default.lr_schedule) == ("adamw", None, "constant")
+
+
+def test_gpipe_plan_output_trains_with_the_planned_optimizer(tmp_path):
+    from sim.cli import main
+
+    path = str(tmp_path / "plan.json")
+    assert main(["plan", "--model", "mlp", "--layers", "4", "--width", "16", "--batch", "8", "--optimizer", "sgd",
+                 "--stages-options", "2", "--microbatch-options", "2", "--quiet", "--out", path]) == 0
+    config = config_from_args(parse("--plan", path))
+    assert config.optimizer == "sgd"
+    assert "dtype" not in config.options and "optimizer_slots" not in config.options  # the simulator's only
+    assert config_from_args(parse("--plan", path, "--optimizer", "adam")).optimizer == "adam"

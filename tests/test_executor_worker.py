@@ -92,10 +92,16 @@ def test_a_failing_rank_ends_every_rank_quickly(mode):
     assert "step 49" not in result.stdout
 
 
+# AdamW with weight decay, clipping below every step's norm (about 0.1 here) and warm-up then cosine
+ADAMW_CLIP_COSINE = ["--optimizer", "adamw", "--weight-decay", "0.1", "--clip-grad-norm", "0.05",
+                     "--lr-schedule", "cosine", "--lr-warmup", "2"]
+
+
 def test_killed_run_resumes_with_identical_losses(tmp_path):
-    full, _ = gpipe("train", *MLP, "--stages", "2", "--steps", "6", "--report", str(tmp_path / "full.json"))
+    run = [*MLP, *ADAMW_CLIP_COSINE, "--stages", "2", "--steps", "6"]
+    full, _ = gpipe("train", *run, "--report", str(tmp_path / "full.json"))
     assert full.returncode == 0, full.stderr
-    common = [*MLP, "--stages", "2", "--steps", "6", "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    common = [*run, "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
     killed, _ = gpipe("train", *common, env={"GPIPE_FAULT_RANK": "1", "GPIPE_FAULT_STEP": "3"})
     assert killed.returncode != 0
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
@@ -103,8 +109,32 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     resumed, _ = gpipe("train", *common, "--resume", "--report", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
     assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
-    losses = json.loads((tmp_path / "resumed.json").read_text())["losses"]
-    assert losses == json.loads((tmp_path / "full.json").read_text())["losses"]
+    ours, theirs = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("resumed", "full"))
+    assert ours["losses"] == theirs["losses"]
+    assert ours["grad_norms"] == theirs["grad_norms"] and min(theirs["grad_norms"]) > 0.05  # every step clipped
+    other, _ = gpipe("train", *common, "--resume", "--lr", "0.1")
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines() == [
+        "gpipe: error: the checkpoint was trained with --lr 0.01 but this run asks for 0.1; resume with "
+        "--lr 0.01 or use a new --checkpoint-dir"]
+
+
+def test_two_stages_train_as_one_with_adamw_clipping_and_cosine(tmp_path):
+    reports = {}
+    for stages in (1, 2):
+        path = tmp_path / f"k{stages}.json"
+        result, _ = gpipe("train", *MLP, *ADAMW_CLIP_COSINE, "--stages", str(stages), "--steps", "5",
+                          "--report", str(path))
+        assert result.returncode == 0, result.stderr
+        assert "grad norm" in result.stdout and " lr " in result.stdout
+        reports[stages] = json.loads(path.read_text())
+    assert len(reports[2]["losses"]) == 5
+    assert reports[2]["losses"] == pytest.approx(reports[1]["losses"], rel=1e-5)
+    assert reports[2]["grad_norms"] == pytest.approx(reports[1]["grad_norms"], rel=1e-5)
+    assert min(reports[1]["grad_norms"]) > 0.05  # so every step clipped
+    assert reports[2]["plan"]["optimizer"] == "adamw"
+    waits = [r for r in reports[2]["timeline"]["records"] if r["kind"] == "recv_wait" and r["microbatch"] == -1]
+    assert {r["stage"] for r in waits} == {0, 1}  # each rank waited once a step for the other's norm
 
 
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):

@@ -6,7 +6,6 @@ over micro-batches (and a tied embedding's gradient over stages) in another orde
 single pass; nothing else differs.
 """
 
-import itertools
 import json
 
 import pytest

@@ -6,6 +6,13 @@ executor, joined by in-process mailboxes) is compared with one plain forward and
 whole model on the same mini-batch. Batch 10 is uneven for M = 3, 4 and 8 (torch.chunk gives
 4,4,2 / 3,3,3,1 / 2,2,2,2,2). fp32; tolerances: losses rtol 1e-6, atol 1e-6; gradients rtol 1e-5,
 atol 1e-6 (micro-batch sums reorder float additions, nothing else differs).
+
+Several steps of training compare with the unpipelined model trained by torch alone: SGD (with and
+without clipping), and AdamW with weight decay, clipping by the global norm
+(``torch.nn.utils.clip_grad_norm_``) at a norm small enough that every step clips, and warm-up then a
+cosine learning rate built from torch's stock schedulers (``LinearLR``, ``CosineAnnealingLR``,
+``SequentialLR``), for K in {1, 2, 4}, every policy and both schedules; warm-up then constant on a
+slice of that grid. Tolerances there: losses and norms rtol 1e-5, parameters rtol 1e-5, atol 1e-6.
 """
 
 import itertools
@@ -59,7 +66,7 @@ def test_batch_smaller_than_or_equal_to_microbatches(batch_size, microbatches):
 
 def test_several_steps_match_unpipelined_sgd():
     config = RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(3, 5), batch_size=10, microbatches=4,
-                       lr=0.1)
+                       optimizer="sgd", lr=0.1)
     pipe = LocalPipeline(config)
     model = build_model("mlp", OPTIONS["mlp"], 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -72,4 +79,92 @@ def test_several_steps_match_unpipelined_sgd():
         optimizer.step()
         torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(pipe.model().named_parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+CLIP = {"mlp": 0.05, "transformer": 0.5}  # below every step's norm: each step clips
+ADAMW_STEPS = 5
+
+
+def torch_schedule(optimizer, schedule: str, warmup: int, total: int):
+    """The learning-rate schedule from torch's stock schedulers (not gpipe's LambdaLR)."""
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+
+    parts = []
+    if warmup:
+        parts.append(LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup))
+    if schedule == "cosine":
+        parts.append(CosineAnnealingLR(optimizer, T_max=total - warmup))
+    if not parts:
+        return ConstantLR(optimizer, factor=1.0, total_iters=0)
+    return parts[0] if len(parts) == 1 else SequentialLR(optimizer, parts, milestones=[warmup])
+
+
+# cosine over the whole grid; warm-up then constant on one policy and schedule per K
+ADAMW_GRID = [(*case, "cosine") for case in itertools.product(
+    ("mlp", "transformer"), (1, 2, 4), ("always", "except_last", "never"), ("gpipe", "1f1b"))] + [
+    (model, stages, checkpoint, schedule, "constant") for model in ("mlp", "transformer")
+    for stages, checkpoint, schedule in ((1, "always", "gpipe"), (2, "except_last", "1f1b"), (4, "never", "gpipe"))]
+
+
+@pytest.mark.parametrize("model,stages,checkpoint,schedule,lr_schedule", ADAMW_GRID)
+def test_adamw_with_clipping_and_lr_schedule_matches_unpipelined(model, stages, checkpoint, schedule, lr_schedule):
+    config = RunConfig(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)], batch_size=10,
+                       microbatches=3, checkpoint=checkpoint, schedule=schedule, optimizer="adamw", lr=0.01,
+                       weight_decay=0.1, clip_grad_norm=CLIP[model], lr_schedule=lr_schedule, lr_warmup_steps=2,
+                       steps=ADAMW_STEPS)
+    pipe = LocalPipeline(config)
+    reference = build_model(model, OPTIONS[model], 0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
+    scheduler = torch_schedule(optimizer, lr_schedule, 2, ADAMW_STEPS)
+    for step in range(ADAMW_STEPS):
+        inputs, targets = pipe.batch(step)
+        loss = pipe.run_step(step)
+        optimizer.zero_grad()
+        ref = pipe.prepared.loss_fn(reference(inputs), targets)
+        ref.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP[model])
+        optimizer.step()
+        scheduler.step()
+        torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        assert pipe.grad_norms[step] == pytest.approx(float(norm), rel=1e-5)
+        assert pipe.grad_norms[step] > CLIP[model]  # so this step clipped
+    for (name, p), q in zip(pipe.model().named_parameters(), reference.parameters()):
+        torch.testing.assert_close(without_key_bias(name, p), without_key_bias(name, q), rtol=1e-5, atol=1e-6,
+                                   msg=name)
+
+
+def without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without the attention's key bias, which AdamW cannot be compared on.
+
+    Adding the same vector to every key shifts each row of attention scores by one constant, which
+    softmax ignores: the key bias has no effect on the loss, its gradient is zero but computed as
+    rounding noise (about 1e-10), and Adam normalises that noise into steps of about lr with a sign no
+    two summation orders agree on. Losses, norms and every other parameter are compared in full.
+    """
+    if not name.endswith("attn.qkv.bias"):
+        return tensor
+    d_model = tensor.numel() // 3  # (query, key, value) biases
+    return torch.cat([tensor[:d_model], tensor[2 * d_model:]])
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_sgd_clipping_uses_the_norm_over_all_stages(stages):
+    """SGD's update is proportional to the clip coefficient (Adam's is nearly blind to a common scale),
+    so a stage clipped by its own, smaller norm would move differently from torch's whole-model clip."""
+    config = RunConfig(model="mlp", options=OPTIONS["mlp"], partition=PARTITIONS[("mlp", stages)], batch_size=10,
+                       microbatches=3, optimizer="sgd", lr=0.5, weight_decay=0.01, clip_grad_norm=CLIP["mlp"],
+                       steps=3)
+    pipe = LocalPipeline(config)
+    reference = build_model("mlp", OPTIONS["mlp"], 0)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, weight_decay=0.01)
+    for step in range(3):
+        inputs, targets = pipe.batch(step)
+        pipe.run_step(step)
+        optimizer.zero_grad()
+        pipe.prepared.loss_fn(reference(inputs), targets).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP["mlp"])
+        optimizer.step()
+        assert norm > CLIP["mlp"]
+    for (name, p), q in zip(pipe.model().named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
