@@ -117,3 +117,25 @@ def test_a_shared_module_without_parameters_is_fine(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert prepare(RunConfig(model="sharing_models:shared_activation", partition=(2, 2), batch_size=4,
                              microbatches=2)).shared == []
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_global_clipping_counts_a_shared_parameter_once(stages):
+    """AdamW with a clip norm small enough to clip every step: the norm over all stages' gradients
+    must equal the unpipelined model's, where the tied weight is one parameter."""
+    pipe = LocalPipeline(config(stages, lr=0.01, optimizer="adamw", weight_decay=0.1, clip_grad_norm=0.05))
+    model = build_model(MODEL, {}, 0)
+    reference = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(3):
+        inputs, targets = pipe.batch(step)
+        loss = pipe.run_step(step)
+        reference.zero_grad()
+        ref = pipe.prepared.loss_fn(model(inputs), targets)
+        ref.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        reference.step()
+        assert norm > 0.05  # clipping happened
+        assert pipe.grad_norms[-1] == pytest.approx(float(norm), rel=1e-5)
+        torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-5, atol=1e-6)
+    layers = list(pipe.model())
+    torch.testing.assert_close(layers[-1].weight, layers[0].embedding.weight, rtol=0, atol=0)
