@@ -275,6 +275,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     from calibrate.speed import SpeedProbe
     from calibrate.runs import run_configs
     from executor.models import build_model, default_loss, example_batch, loss_function, model_ref
+    from executor.sharing import shared_tensors
     from sim.hardware import LOCAL_CPU
 
     started = time.perf_counter()
@@ -306,6 +307,9 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
                   "parameter_count": ref.parameter_count},
         "batch_size": batch_size, "optimizer": optimizer, "optimizer_slots": optimizer_slots(optimizer),
         "profile": profile.to_dict(), "pipeline": {},
+        # parameters several layers use (tied embeddings): one copy per stage, summed gradients
+        "shared_parameters": [{"name": f"{layers[0]}.{name}", "layers": list(layers), "param_bytes": numel * 4}
+                              for name, layers, numel in shared_tensors(net)],
     }
     if max_stages >= 2:
         say("ping-pong between two ranks")

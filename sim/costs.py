@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from sim.errors import GpipeInputError
 from sim.hardware import LOCAL_CPU, Device, Link, System
 from sim.stage_costs import StageCost
-from sim.workload import LayerCost
+from sim.workload import LayerCost, SharedParameter
 
 COSTS_VERSION = 1
 COSTS_KIND = "gpipe-costs"
@@ -111,6 +111,11 @@ class MeasuredWorkload:
         self.device_name = data.get("catalog_device", LOCAL_CPU.name)
         self.optimizer = str(data.get("optimizer", "sgd"))  # the one calibration trained with
         self.optimizer_slots = int(data.get("optimizer_slots", 0))
+        # fp32 weights, their gradient and optimizer state (the executor trains fp32 master weights)
+        self.shared_parameters = tuple(
+            SharedParameter(str(p["name"]), tuple(int(i) for i in p["layers"]), int(p["param_bytes"]),
+                            int(p["param_bytes"]) * (2 + self.optimizer_slots))
+            for p in data.get("shared_parameters", []))
         self.batch_size = int(data["batch_size"]) if data.get("batch_size") else None  # the calibrated batch
 
     # ------------------------------------------------------------------ binding to a plan
@@ -237,7 +242,8 @@ class MeasuredWorkload:
 
     def describe(self) -> dict:
         return {"name": self.model_name, "options": dict(self.options), "num_layers": self.num_layers,
-                "parameter_count": sum(int(m["param_bytes"]) for m in self.memory) // 4,
+                "parameter_count": (sum(int(m["param_bytes"]) for m in self.memory)
+                                    - sum((len(p.layers) - 1) * p.param_bytes for p in self.shared_parameters)) // 4,
                 "costs": {"machine": self.data.get("machine", {}), "stages": self.stages}}
 
 

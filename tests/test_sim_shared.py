@@ -64,3 +64,20 @@ def test_a_tied_torch_model_is_found_by_the_meta_analysis():
     assert w.parameter_count == untied_count - 32 * 16
     two = simulate(w, get_system("a100-nvlink"), (2, 2), 8, 2, "never")
     assert any(r.kind == SHARED_ALLREDUCE for r in two.timeline.records)
+
+
+def test_measured_costs_carry_the_shared_parameters(tmp_path):
+    from test_calibrate_costs import synthetic_costs
+
+    from sim.costs import load_costs_workload, write_costs
+
+    data = synthetic_costs()  # three layers of 1000, 2000 and 3000 parameter bytes, no optimizer state
+    data["shared_parameters"] = [{"name": "0.weight", "layers": [0, 2], "param_bytes": 1000}]
+    write_costs(data, tmp_path / "c.json")
+    workload, system = load_costs_workload(str(tmp_path / "c.json"), "mlp", {"layers": 3, "width": 8}).bind(
+        get_system("cpu"), 2, "never")
+    assert workload.describe()["parameter_count"] == (1000 + 2000 + 3000 - 1000) // 4
+    one = simulate(workload, system, (3,), 4, 2, "never")
+    assert one.stages[0].static_bytes == 2 * (1000 + 2000 + 3000) - 2 * 1000  # weights and gradients, once
+    two = simulate(workload, system, (2, 1), 4, 2, "never")
+    assert any(r.kind == SHARED_ALLREDUCE for r in two.timeline.records)
