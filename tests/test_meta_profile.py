@@ -57,10 +57,9 @@ def _direct(model: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype, r
 @pytest.mark.parametrize("name,options", [("cnn", {"layers": 2}), ("mlp", {"layers": 3}),
                                           ("transformer", {**OPTS, "dropout": 0.1})])
 def test_the_row_line_equals_a_direct_measurement(name, options):
-    from executor.models import build_model, example_batch
+    from executor.models import build_meta_model, example_batch
 
-    with torch.device("meta"):
-        model = build_model(name, options)
+    model = build_meta_model(name, options)
     inputs, _ = example_batch(name, options, 1, 0)
     profiles = profile_layers(model, sample_of(tuple(inputs.shape[1:]), inputs.dtype))
     for rows in (1, 5, 12):

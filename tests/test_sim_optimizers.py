@@ -11,10 +11,9 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from sim.costs import load_costs_workload, write_costs
-from executor.models import build_model
+from executor.models import build_meta_model
 from executor.shapes import stage_module
 from sim.cli import main
 from sim.errors import GpipeInputError
@@ -40,8 +39,7 @@ def simulate_json(capsys, *argv: str) -> dict:
 
 
 def stage_parameters(model: str, options: dict, partition: list[int]) -> list[int]:
-    with torch.device("meta"):
-        net = build_model(model, options)
+    net = build_meta_model(model, options)
     return [sum(p.numel() for p in stage_module(net, tuple(partition), k).parameters())
             for k in range(len(partition))]
 
