@@ -139,7 +139,7 @@ def run_torchrun(command: list[str], env: dict[str, str], error_dir: str,
         error = torchrun_error(output)
         hint = ("; check that every node was started with the same flags and --nnodes, node 0's address as "
                 "--rdzv-endpoint and a distinct --node-rank, within --rdzv-timeout") if args.nnodes > 1 else ""
-        detail = f"torchrun failed: {error}{hint}" if error else \
+        detail = f"torchrun failed ({error.rstrip('.')}){hint}" if error else \
             "a worker died without an error message; see torchrun's output above"
         return code, f"gpipe: error: training failed: {detail}"
     if args.nnodes > 1 and failure is killed:  # a killed worker could not write it itself

@@ -125,3 +125,17 @@ def test_a_failure_on_node_1_ends_both_nodes_with_the_original_error(tmp_path, m
         f"gpipe: error: training failed on node 1: {error}", f"gpipe: error: training failed: {error}"]
     assert all(node.elapsed < 60 for node in nodes), [node.elapsed for node in nodes]
     assert "gpipe: step 99" not in nodes[1].stdout and not (tmp_path / "r0.json").exists()
+
+
+def test_a_killed_worker_on_node_1_is_restarted_on_both_nodes_from_the_last_checkpoint(tmp_path):
+    port = free_port()
+    fault = {"GPIPE_FAULT_RANK": "3", "GPIPE_FAULT_STEP": "2", "GPIPE_FAULT": "kill"}
+    common = ["--stages", "4", "--steps", "4", "--save-every", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+              "--max-restarts", "1"]
+    nodes = [Node(tmp_path, 0, port, *common, "--report", str(tmp_path / "r0.json"), env=fault),
+             Node(tmp_path, 1, port, *common, env=fault)]
+    codes = [node.wait() for node in nodes]
+    assert codes == [0, 0], [node.stderr[-3000:] for node in nodes]
+    assert nodes[1].stdout.count("gpipe: step 2 loss") == 1  # step 2 ran once, after the restart
+    report = json.loads((tmp_path / "r0.json").read_text())
+    assert report["losses"] == pytest.approx(local_losses(4, 4), rel=1e-6, abs=1e-7)
