@@ -37,9 +37,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from sim.timeline import write_json_atomic
 
@@ -48,7 +49,7 @@ STORE_TIMEOUT_S = 5.0  # one store operation of the watchdog; also how long a po
 
 # what gloo and NCCL say when the process at the other end of a connection has gone
 _PEER_LOSS = re.compile(r"connection (closed|reset) by peer|broken pipe|connection refused|"
-                        r"ECONNRESET|EPIPE|NCCL communicator was aborted|remote process exited", re.I)
+                        r"ECONNRESET|EPIPE|NCCL communicator was aborted|remote process exited", re.IGNORECASE)
 
 # record kinds, in the order gpipe train prefers them
 RAISED = "raised"  # this rank's own error
@@ -77,7 +78,7 @@ class FailureRecord:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "FailureRecord":
+    def from_json(cls, text: str | bytes) -> FailureRecord:
         data = json.loads(text)
         return cls(int(data["node"]), data["rank"], str(data["message"]), str(data.get("kind", RAISED)))
 
@@ -176,7 +177,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpipe-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 

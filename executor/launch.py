@@ -37,7 +37,7 @@ from executor.failures import FailureRecord, local_records, pick_failure, post_t
 from sim.errors import GpipeInputError, require_positive
 
 # torchrun's failure summary: the root cause's rank and exit code (negative: killed by a signal)
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 _LAST_ERROR = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Timeout)\w*): (.+)$")
 
 

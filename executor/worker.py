@@ -216,10 +216,11 @@ def _fail(watchdog: failures.Watchdog | None, message: str, exc: BaseException |
     if exc is not None and failures.is_peer_loss(exc) and watchdog is not None:
         time.sleep(failures.PEER_LOSS_GRACE_S)
         kind = failures.PEER
+    if watchdog is not None:
+        watchdog.stop()  # from here on this rank's own error is the one it records
     record = failures.FailureRecord(_env_int("GROUP_RANK", 0), _env_int("RANK", 0), message, kind)
     failures.record_locally(record)
     if watchdog is not None:
-        watchdog.stop()
         try:
             watchdog.post(record)
         except Exception:  # the store is gone; this node's gpipe train still reports the error

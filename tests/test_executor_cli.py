@@ -139,3 +139,12 @@ def test_gpipe_plan_output_trains_with_the_planned_optimizer(tmp_path):
     assert config.optimizer == "sgd"
     assert "dtype" not in config.options and "optimizer_slots" not in config.options  # the simulator's only
     assert config_from_args(parse("--plan", path, "--optimizer", "adam")).optimizer == "adam"
+
+
+def test_a_report_into_a_missing_directory_is_refused_before_training(tmp_path):
+    from executor.cli import run
+
+    missing = tmp_path / "no" / "report.json"
+    with pytest.raises(GpipeInputError) as error:
+        run(parse("--model", "mlp", "--stages", "2", "--report", str(missing)))
+    assert str(error.value) == f"--report {missing}: directory {missing.parent} does not exist; create it first"

@@ -123,7 +123,7 @@ def test_the_watchdog_stops_a_rank_when_another_node_fails(store):
 
 def test_the_watchdog_ignores_its_own_failure_and_other_attempts(store):
     _, endpoint = store
-    watchdog, seen, done = watch(endpoint)
+    watchdog, _, done = watch(endpoint)
     failures.post_to(endpoint, 0, FailureRecord(0, 1, "mine"))  # rank 1 is the watchdog's own rank
     failures.post_to(endpoint, 1, FailureRecord(1, 3, "a later attempt's"))
     assert not done.wait(0.5)
@@ -136,9 +136,10 @@ def test_the_watchdog_stops_a_rank_when_the_store_is_gone():
     import sys
 
     port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", "import time, datetime, torch.distributed as d; "
-                             f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
-                             "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    script = ("import time, torch.distributed as d; "
+              f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+              "print('up', flush=True); time.sleep(60)")
+    host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout.readline().strip() == "up"
         watchdog, seen, done = watch(("127.0.0.1", port), lost_after_s=1.0)
@@ -147,8 +148,8 @@ def test_the_watchdog_stops_a_rank_when_the_store_is_gone():
         gone = time.monotonic()
         assert done.wait(15)
         assert time.monotonic() - gone < 1.0 + failures.STORE_TIMEOUT_S + 1
-        assert seen[0].describe(this_node=1).startswith(f"on node 0: lost contact with its rendezvous store at "
-                                                        f"127.0.0.1:{port}")
+        expected = f"on node 0: lost contact with its rendezvous store at 127.0.0.1:{port}"
+        assert seen[0].describe(this_node=1).startswith(expected)
         watchdog.stop()
     finally:
         host.kill()
