@@ -4,8 +4,9 @@ Takes a plan file (``--plan``) or the flags ``gpipe simulate`` takes (model, sta
 batch, micro-batches, schedule, checkpoint policy). The model is built and dry-run here first, so a
 bad plan fails with one line before any process starts. On one machine it runs
 ``python -m torch.distributed.run --standalone --nproc-per-node K -m executor.worker CONFIG``; with
-``--nnodes N`` every node runs ``gpipe train`` with the same flags, ``--node-rank`` and a shared
-``--rdzv-endpoint HOST:PORT`` (c10d rendezvous), each starting K/N workers.
+``--nnodes N`` every node runs ``gpipe train`` with the same flags, its ``--node-rank`` and node 0's
+address as ``--rdzv-endpoint HOST:PORT``, each starting K/N workers (:mod:`executor.launch` says
+how, and why the static rendezvous).
 
 torch is imported inside :func:`run` only, so ``gpipe --help`` stays fast.
 """
@@ -13,17 +14,15 @@ torch is imported inside :func:`run` only, so ``gpipe --help`` stays fast.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
+from executor.launch import check_nodes, run_torchrun, torchrun_command
 from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument, model_options
-from sim.errors import GpipeInputError, require_positive
+from sim.errors import GpipeInputError
 from sim.partition import even_partition
 from sim.plan import load_plan, parse_partition
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
@@ -75,11 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     out.add_argument("--max-restarts", type=int, default=0,
                      help="torchrun restarts after a failure; each resumes from the last checkpoint")
-    nodes = parser.add_argument_group("several nodes (c10d rendezvous)")
-    nodes.add_argument("--nnodes", type=int, default=1)
-    nodes.add_argument("--node-rank", type=int, default=0)
-    nodes.add_argument("--rdzv-endpoint", help="HOST:PORT every node can reach (needed with --nnodes > 1)")
+    nodes = parser.add_argument_group("several nodes (every node runs gpipe train with the same flags)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes; each starts K / nnodes stages")
+    nodes.add_argument("--node-rank", type=int, default=0,
+                       help="this node, 0 to nnodes-1: node n runs stages n*K/nnodes onwards; node 0 holds "
+                            "stage 0 and hosts the rendezvous")
+    nodes.add_argument("--rdzv-endpoint",
+                       help="node 0's HOST:PORT, reachable from every node (needed with --nnodes > 1)")
     nodes.add_argument("--rdzv-id", default="gpipe", help="rendezvous id shared by the nodes of one run")
+    nodes.add_argument("--rdzv-timeout", type=int, default=300,
+                       help="seconds the nodes wait for each other to start before giving up (default 300)")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,37 +170,15 @@ def _default_batch(model: str) -> int:
         return 32
 
 
-def torchrun_command(config_path: str, stages: int, args: argparse.Namespace) -> list[str]:
-    """The torchrun command line that starts this node's workers."""
-    require_positive("--nnodes", args.nnodes)
-    if stages % args.nnodes:
-        raise GpipeInputError(f"{stages} stages do not split over --nnodes {args.nnodes}; "
-                              "use a node count that divides the number of stages")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages // args.nnodes),
-               "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.2"]
-    if args.nnodes == 1:
-        command.append("--standalone")
-    else:
-        if not args.rdzv_endpoint:
-            raise GpipeInputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT that every node can reach")
-        command += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
-    return command + ["-m", "executor.worker", config_path]
-
-
-def _first_error(error_dir: str) -> str | None:
-    files = sorted(glob.glob(os.path.join(error_dir, "rank-*.json")), key=os.path.getmtime)
-    for path in files:
-        with open(path) as handle:
-            data = json.load(handle)
-        return f"rank {data['rank']}: {data['error']}"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     from executor.pipeline import prepare
 
     config = config_from_args(args)
+    check_nodes(args, config.stages)
+    for flag, path in (("--report", config.report), ("--trace", config.trace)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise GpipeInputError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not "
+                                  "exist; create it first")
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
     prepare(config)  # a bad model or partition fails here, before any process starts
@@ -217,11 +199,9 @@ def run(args: argparse.Namespace) -> int:
         command = torchrun_command(config_path, config.stages, args)
         per_node = config.stages // args.nnodes
         env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
-        code = subprocess.call(command, env=env)
+        code, message = run_torchrun(command, env, error_dir, args)
         if code != 0:
-            first = _first_error(error_dir)
-            detail = first or "a worker died without an error message (killed?); see torchrun's output above"
-            print(f"gpipe: error: training failed: {detail}", file=sys.stderr)
+            print(message, file=sys.stderr)
             return code if code > 0 else 1
         return 0
     finally:

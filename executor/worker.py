@@ -7,13 +7,20 @@ way, before any process group exists), gives real values to its own stage's laye
 saves checkpoints, and finally sends its timeline to rank 0, which writes ``--report`` and
 ``--trace``.
 
-Failure handling: an exception prints ``gpipe: error: ...`` (user errors) or the traceback, writes
-the message to ``$GPIPE_ERROR_DIR/rank-R.txt`` when set (``gpipe train`` shows it at the end), and
-exits non-zero; torchrun then stops the other workers at once. A neighbour that dies makes the
-pending gloo receive fail when its socket closes; the process-group timeout (``timeout_s``) is the
-backstop for anything else. Fault injection for tests: ``GPIPE_FAULT_RANK``, ``GPIPE_FAULT_STEP``
-and ``GPIPE_FAULT`` (``kill``: SIGKILL itself; ``raise``: RuntimeError) act after the first action
-of that step, on the first attempt only (not after a torchrun restart).
+With several nodes, torchrun's static rendezvous makes ``RANK`` the stage (node n holds stages
+n*K/N onwards, :mod:`executor.launch`); every rank checks at start that no other process has its
+rank and that every node was started with the same settings, and the report goes to each node
+that asked for it (:mod:`executor.nodes`).
+
+Failure handling (:mod:`executor.failures`): an exception prints ``gpipe: error: ...`` (user
+errors) or the traceback, is written to the rendezvous store and to ``$GPIPE_ERROR_DIR`` (``gpipe
+train`` shows it at the end), and the worker exits non-zero; torchrun stops the other workers of
+its node at once, and every other node's workers see the failure in the store within a second and
+stop with its message. A worker that only lost a peer waits a few seconds for the peer's own error
+first. The process-group timeout (``timeout_s``) is the backstop for a hang that raises nothing.
+Fault injection for tests: ``GPIPE_FAULT_RANK``, ``GPIPE_FAULT_STEP`` and ``GPIPE_FAULT``
+(``kill``: SIGKILL itself; ``raise``: RuntimeError) act after the first action of that step, on
+the first attempt only (not after a torchrun restart).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -29,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from executor import checkpoint
+from executor import checkpoint, failures, nodes
 from executor.config import RunConfig
 from executor.models import model_ref
 from executor.pipeline import make_dist_stage, prepare, train_step_with_data
@@ -38,7 +46,7 @@ from executor.report import build_report
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
 from sim.schedule import Action
-from sim.timeline import Timeline, merge, write_json_atomic
+from sim.timeline import Timeline, merge
 
 
 def _env_int(name: str, default: int) -> int:
@@ -82,8 +90,11 @@ def _init_process_group(backend: str, rank: int, world: int, timeout: timedelta)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=(rank == 0 and not agent_store), timeout=timeout)
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"gpipe/attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    prefixed = dist.PrefixStore(f"gpipe/attempt-{attempt}", store)
+    if prefixed.add(f"claims/rank-{rank}", 1) > 1:
+        raise GpipeInputError(f"two processes have rank {rank}: two nodes were started with --node-rank "
+                              f"{_env_int('GROUP_RANK', 0)}; give each node its own --node-rank")
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
 
 
 @dataclass
@@ -112,6 +123,9 @@ def train(config: RunConfig) -> None:
     prepared = prepare(config)  # validates before any communication
     _init_process_group(backend, rank, world, timedelta(seconds=config.timeout_s))
     try:
+        views = nodes.share(config, _env_int("GROUP_RANK", 0))
+        nodes.check_same_settings(views)
+        writers = nodes.output_writers(views)
         recorder = Recorder(rank, device)
         stage = make_dist_stage(config, prepared, rank, device, recorder)
         dist.barrier()
@@ -131,7 +145,7 @@ def train(config: RunConfig) -> None:
                       flush=True)
             if config.save_every and (step + 1) % config.save_every == 0:
                 _save(config, stage, step, history)
-        _finish(config, stage, history, first_step, device)
+        _finish(config, stage, history, first_step, device, writers)
     finally:
         dist.destroy_process_group()
 
@@ -152,8 +166,9 @@ def _resume(config: RunConfig, stage: PipelineStage) -> tuple[History, int]:
 
 
 def _finish(config: RunConfig, stage: PipelineStage, history: History, first_step: int,
-            device: torch.device) -> None:
-    """Gather every rank's timeline to rank 0 and write the report and trace there."""
+            device: torch.device, writers: dict[int, tuple[str, str]]) -> None:
+    """Gather every rank's timeline to rank 0 and write the report and trace there and on each
+    other node that asked (``writers``); a last barrier makes a failed write fail every rank."""
     payload: dict[str, Any] = {
         "timeline": stage.recorder.timeline.to_dict(),
         "peak_activation_bytes": stage.counter.peak_bytes,
@@ -162,8 +177,18 @@ def _finish(config: RunConfig, stage: PipelineStage, history: History, first_ste
     }
     gathered: list[Any] = [None] * config.stages if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
-        return
+    if dist.get_rank() == 0:
+        report = _report(config, gathered, first_step, device)
+        nodes.write_outputs(report, config.report, config.trace)
+        nodes.send_outputs(report, writers)
+    elif dist.get_rank() in writers:
+        report = nodes.receive_outputs(writers[dist.get_rank()])
+    if dist.get_rank() == 0 or dist.get_rank() in writers:
+        print(f"gpipe: trained {config.steps} steps, median step {report['step_time_s'] * 1e3:.2f} ms", flush=True)
+    dist.barrier()
+
+
+def _report(config: RunConfig, gathered: list[Any], first_step: int, device: torch.device) -> dict[str, Any]:
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
     timeline.meta.update({"model": config.model, "partition": list(config.partition),
                           "microbatches": config.microbatches, "schedule": config.schedule,
@@ -171,22 +196,34 @@ def _finish(config: RunConfig, stage: PipelineStage, history: History, first_ste
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
     allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
     last = gathered[-1]["history"]
-    report = build_report(timeline, last["losses"], config.to_dict(), plan,
-                          [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"])
-    if config.report:
-        write_json_atomic(config.report, report)
-    if config.trace:
-        timeline.write_chrome_trace(config.trace)
-    print(f"gpipe: trained {config.steps} steps, median step {report['step_time_s'] * 1e3:.2f} ms", flush=True)
+    return build_report(timeline, last["losses"], config.to_dict(), plan,
+                        [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"])
 
 
-def _record_error(message: str) -> None:
-    directory = os.environ.get("GPIPE_ERROR_DIR")
-    if directory:
-        rank = os.environ.get("RANK", "0")
+def _watchdog() -> failures.Watchdog | None:
+    """This worker's watchdog on torchrun's store (none outside torchrun)."""
+    if "MASTER_ADDR" not in os.environ:
+        return None
+    endpoint = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return failures.Watchdog(endpoint, _env_int("RANK", 0), _env_int("GROUP_RANK", 0),
+                             _env_int("TORCHELASTIC_RESTART_COUNT", 0)).start()
+
+
+def _fail(watchdog: failures.Watchdog | None, message: str, exc: BaseException | None = None) -> None:
+    """Record this rank's failure here and in the store; after a lost peer, first give the peer's
+    own error time to arrive (the watchdog then ends this process with it)."""
+    kind = failures.RAISED
+    if exc is not None and failures.is_peer_loss(exc) and watchdog is not None:
+        time.sleep(failures.PEER_LOSS_GRACE_S)
+        kind = failures.PEER
+    if watchdog is not None:
+        watchdog.stop()  # from here on this rank's own error is the one it records
+    record = failures.FailureRecord(_env_int("GROUP_RANK", 0), _env_int("RANK", 0), message, kind)
+    failures.record_locally(record)
+    if watchdog is not None:
         try:
-            write_json_atomic(os.path.join(directory, f"rank-{rank}.json"), {"rank": int(rank), "error": message})
-        except OSError:
+            watchdog.post(record)
+        except Exception:  # the store is gone; this node's gpipe train still reports the error
             pass
 
 
@@ -196,18 +233,21 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m executor.worker CONFIG.json (started by gpipe train)", file=sys.stderr)
         return 2
     rank = os.environ.get("RANK", "0")
+    watchdog = _watchdog()
     try:
         train(RunConfig.load(argv[0]))
     except GpipeInputError as exc:
         print(f"gpipe: error: {exc}", file=sys.stderr, flush=True)
-        _record_error(str(exc))
+        _fail(watchdog, str(exc))
         return 2
     except Exception as exc:
         traceback.print_exc()
         message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
         print(f"gpipe: error: rank {rank} failed: {message}", file=sys.stderr, flush=True)
-        _record_error(message)
+        _fail(watchdog, message, exc)
         return 1
+    if watchdog is not None:
+        watchdog.stop()
     return 0
 
 

@@ -47,10 +47,42 @@ def test_even_partition():
 def test_torchrun_command_single_and_multi_node():
     single = torchrun_command("c.json", 4, parse("--model", "mlp"))
     assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] == "4"
-    multi = torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "2", "--rdzv-endpoint", "h:29500"))
-    assert multi[multi.index("--nproc-per-node") + 1] == "2" and "c10d" in multi and "--standalone" not in multi
+    multi = torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "2", "--node-rank", "1",
+                                                "--rdzv-endpoint", "h:29500", "--rdzv-timeout", "60"))
+    assert multi[multi.index("--nproc-per-node") + 1] == "2" and "--standalone" not in multi
+    assert multi[multi.index("--rdzv-backend") + 1] == "static" and multi[multi.index("--node-rank") + 1] == "1"
+    assert multi[multi.index("--rdzv-conf") + 1] == "timeout=60"
     with pytest.raises(GpipeInputError, match="do not split over --nnodes 3"):
         torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "3", "--rdzv-endpoint", "h:1"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--node-rank", "2"), "--node-rank 2 is not a node of --nnodes 2; number the nodes 0 to 1, node 0 at the "
+                           "--rdzv-endpoint"),
+    (("--node-rank", "-1"), "--node-rank -1 is not a node of --nnodes 2; number the nodes 0 to 1, node 0 at the "
+                            "--rdzv-endpoint"),
+    (("--rdzv-endpoint", "node0"), "--rdzv-endpoint 'node0' is not HOST:PORT; give node 0's address and a free "
+                                   "port, e.g. 10.0.0.1:29500"),
+    (("--rdzv-timeout", "0",), "--rdzv-timeout must be a positive integer, got 0"),
+])
+def test_bad_node_flags_are_one_line(argv, message):
+    flags = {"--node-rank": "0", "--rdzv-endpoint": "127.0.0.1:29500"}
+    flags.update(dict(zip(argv[::2], argv[1::2])))
+    args = parse("--model", "mlp", "--nnodes", "2", *[x for pair in flags.items() for x in pair])
+    with pytest.raises(GpipeInputError) as error:
+        torchrun_command("c.json", 4, args)
+    assert str(error.value) == message
+
+
+def test_several_nodes_need_an_endpoint():
+    with pytest.raises(GpipeInputError, match="needs --rdzv-endpoint HOST:PORT, node 0's address"):
+        torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "2"))
+
+
+def test_an_ipv6_endpoint_is_split_at_the_last_colon():
+    from executor.launch import endpoint
+
+    assert endpoint("[::1]:29500") == ("::1", 29500) and endpoint("node0:1") == ("node0", 1)
 
 
 def test_a_plan_of_a_measured_torch_model_trains_without_the_analysis_options():
@@ -107,3 +139,12 @@ def test_gpipe_plan_output_trains_with_the_planned_optimizer(tmp_path):
     assert config.optimizer == "sgd"
     assert "dtype" not in config.options and "optimizer_slots" not in config.options  # the simulator's only
     assert config_from_args(parse("--plan", path, "--optimizer", "adam")).optimizer == "adam"
+
+
+def test_a_report_into_a_missing_directory_is_refused_before_training(tmp_path):
+    from executor.cli import run
+
+    missing = tmp_path / "no" / "report.json"
+    with pytest.raises(GpipeInputError) as error:
+        run(parse("--model", "mlp", "--stages", "2", "--report", str(missing)))
+    assert str(error.value) == f"--report {missing}: directory {missing.parent} does not exist; create it first"
