@@ -22,10 +22,12 @@ import sys
 import tempfile
 from typing import Any
 
-from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, model_options
+from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_precision_argument, model_options
+from sim.costs import ANALYSIS_OPTIONS
 from sim.errors import GpipeInputError, require_positive
 from sim.partition import even_partition
 from sim.plan import load_plan, parse_partition
+from sim.precision import check_precision
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
     how.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     how.add_argument("--lr", type=float, default=0.01)
+    add_precision_argument(how, "the plan's, else fp32")
     how.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
     how.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
@@ -79,7 +82,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         if name in options:
             flag = "--" + name.replace("_", "-")
             raise GpipeInputError(f"{flag} describes the simulator's analytic models; the executor trains "
-                                  f"in fp32 with the optimizer you choose, so drop {flag}")
+                                  f"with the optimizer you choose, so drop {flag}")
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -101,8 +104,12 @@ def config_from_args(args: argparse.Namespace):
                  save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
                  device=args.device, threads=args.threads, timeout_s=args.timeout,
                  warmup_steps=args.warmup_steps)
+    if args.precision is not None:
+        extra["precision"] = check_precision(args.precision)
     if args.plan:
         config = RunConfig.from_plan(load_plan(args.plan), **extra)
+        # the simulator's analysis options (precision is the plan's own field) are not the model's
+        config.options = {k: v for k, v in config.options.items() if k not in (*ANALYSIS_OPTIONS, "input_shape")}
     else:
         if not args.model:
             raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")
@@ -149,7 +156,7 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     candidate = Candidate(stages, microbatches, args.checkpoint or config.checkpoint,
                           args.schedule or config.schedule)
     system = get_system(args.hardware)
-    workload = get_workload(config.model, config.options)
+    workload = get_workload(config.model, {**config.options, "precision": config.precision})
     return tuple(simulator_partition(workload, system, batch, candidate))
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from sim.errors import GpipeInputError, require_positive
 from sim.plan import ModelRef, Plan
+from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.timeline import write_json_atomic
 
 OPTIMIZERS = ("sgd", "adam")
@@ -45,6 +46,7 @@ class RunConfig:
     timeout_s: float = 300.0  # process-group timeout: a stuck receive fails after this
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
+    precision: str = DEFAULT_PRECISION  # fp32, or bf16: autocast compute, fp32 weights (executor.precision)
 
     @property
     def stages(self) -> int:
@@ -62,19 +64,20 @@ class RunConfig:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
         if self.lr <= 0:
             raise GpipeInputError(f"learning rate must be positive, got {self.lr}")
+        check_precision(self.precision)
         return self
 
     def plan(self, model_ref: ModelRef) -> Plan:
         return Plan(model=model_ref, partition=tuple(self.partition), batch_size=self.batch_size,
                     microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
-                    hardware=self.hardware, predicted=self.predicted)
+                    hardware=self.hardware, predicted=self.predicted, precision=self.precision)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
         return cls(model=plan.model.name, options=dict(plan.model.options), partition=tuple(plan.partition),
                    batch_size=plan.batch_size, microbatches=plan.microbatches, schedule=plan.schedule,
                    checkpoint=plan.checkpoint, hardware=dict(plan.hardware),
-                   predicted=dict(plan.predicted), **overrides)
+                   predicted=dict(plan.predicted), **{"precision": plan.precision, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -45,7 +45,7 @@ def prepare(config: RunConfig) -> Prepared:
     inputs, targets = batch_for_step(config.model, config.options, config.batch_size, config.seed, 0,
                                      config.data or None)
     loss_fn = loss_function(loss)
-    boundaries = dry_run(model, tuple(config.partition), inputs, targets, loss_fn)
+    boundaries = dry_run(model, tuple(config.partition), inputs, targets, loss_fn, config.precision)
     return Prepared(model, boundaries, loss_fn)
 
 
@@ -54,7 +54,7 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
     stages = config.stages
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
                                microbatches=config.microbatches, schedule=config.schedule,
-                               checkpoint=config.checkpoint, seed=config.seed)
+                               checkpoint=config.checkpoint, seed=config.seed, precision=config.precision)
     return PipelineStage(
         stage_config, stage_module(prepared.model, tuple(config.partition), stage), transport,
         prepared.loss_fn,

@@ -3,8 +3,9 @@
 Every rank runs this (it needs no communication, so a bad model fails the same way everywhere,
 before any process group exists), and so does ``gpipe train`` before it starts torchrun. A dry
 forward of at most two rows runs layer by layer in eval mode without gradients (eval so batch norm
-touches no running statistics); a layer that cannot take the previous layer's output fails with
-one line naming both. The rows dimension must come first and pass through every layer unchanged,
+touches no running statistics), under the run's autocast (:mod:`executor.precision`) so each
+boundary has the dtype the stages will exchange; a layer that cannot take the previous layer's
+output fails with one line naming both. The rows dimension must come first and pass through every layer unchanged,
 since micro-batches are split along it; the shapes after it are what stages exchange.
 """
 
@@ -15,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from executor.precision import autocast
 from executor.stage import Boundary
 from sim.errors import GpipeInputError
 from sim.plan import validate_partition
@@ -35,7 +37,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def dry_run(model: nn.Sequential, partition: tuple[int, ...], inputs: torch.Tensor, targets: torch.Tensor,
-            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[Boundary]:
+            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+            precision: str = "fp32") -> list[Boundary]:
     """Validate ``model`` against ``partition``; return the K+1 boundaries (input, cuts, output)."""
     validate_partition(partition, len(model))
     rows = min(2, inputs.shape[0])
@@ -50,7 +53,8 @@ def dry_run(model: nn.Sequential, partition: tuple[int, ...], inputs: torch.Tens
             for i, layer in enumerate(model):
                 before = tuple(x.shape)
                 try:
-                    x = layer(x)
+                    with autocast(precision, x.device.type):
+                        x = layer(x)
                 except Exception as exc:  # any failure here is the model's, reported in one line
                     source = "the input" if i == 0 else f"layer {i - 1}'s output"
                     raise GpipeInputError(

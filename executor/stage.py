@@ -29,6 +29,7 @@ from torch import nn
 from executor.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.data import mix_seed, split, split_rows
 from executor.memory import ActivationCounter
+from executor.precision import autocast, check_boundary
 from executor.recording import Recorder
 from executor.transport import ACT, GRAD, Transport
 from sim.schedule import Action, Kind, build_schedule, recomputes
@@ -59,6 +60,7 @@ class StageConfig:
     schedule: str = "gpipe"
     checkpoint: str = "except_last"
     seed: int = 0
+    precision: str = "fp32"  # bf16: layers under autocast, loss in fp32 (executor.precision)
 
 
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -205,9 +207,14 @@ class PipelineStage:
         """The loss on the last stage (scaled to the mini-batch mean), else ``y`` itself."""
         if not self.is_last:
             return y
-        loss = self.loss_fn(y, self.targets[m]) * (self.rows[m] / self.config.batch_size)
+        loss = self.loss_fn(y.float(), self.targets[m]) * (self.rows[m] / self.config.batch_size)
         self.losses[m] = loss
         return loss
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's layers on ``x`` at the run's precision; forward and recompute alike."""
+        with autocast(self.config.precision, self.device.type):
+            return self.module(x)
 
     def _forward(self, m: int) -> None:
         x = self.inputs[m] if self.is_first else self._receive(ACT, m)
@@ -218,14 +225,15 @@ class PipelineStage:
                 self.stash[m] = x
                 self.counter.stash(m, x)
                 with torch.no_grad():
-                    out = self._output(m, self.module(x))
+                    out = self._output(m, self._layers(x))
             else:
                 x = self._leaf(x)
                 self.counter.stash(m, x)
                 with self.counter.saving(m):
-                    out = self._output(m, self.module(x))
+                    out = self._output(m, self._layers(x))
                 self.graph[m] = (x, out)
         if not self.is_last:
+            check_boundary(out, self.outgoing.dtype, self.config.stage)  # type: ignore[union-attr]
             with self.recorder.span(SEND_ACTIVATION, m):
                 self.transport.send(ACT, m, out)
 
@@ -234,7 +242,7 @@ class PipelineStage:
             x = self._leaf(self.stash.pop(m))
             self._seed(m)
             with torch.enable_grad(), recomputing(), self.counter.saving(m):
-                out = self._output(m, self.module(x))
+                out = self._output(m, self._layers(x))
             self.graph[m] = (x, out)
 
     def _backward(self, m: int) -> None:

@@ -1,4 +1,4 @@
-"""Command-line flags shared by ``gpipe simulate``, ``plan`` and ``train``: one definition each."""
+"""Command-line flags shared by ``gpipe simulate``, ``plan``, ``train`` and ``calibrate``: one definition each."""
 
 from __future__ import annotations
 
@@ -23,12 +23,11 @@ MODEL_FLAGS = {
     "--channels": ("channels", int, "cnn: channels"),
     "--image": ("image", int, "cnn: image side in pixels"),
     "--classes": ("classes", int, "cnn: classes"),
-    "--dtype": ("dtype", str, "analytic models: fp32 (default) or bf16"),
     "--optimizer-slots": ("optimizer_slots", int, "analytic models: optimizer state per parameter (2 for Adam)"),
 }
 
 
-ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")  # describe the simulator's models, not torch's
+ANALYTIC_ONLY_OPTIONS = ("optimizer_slots",)  # describe the simulator's models, not torch's
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
@@ -42,6 +41,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> 
     if costs:
         group.add_argument("--costs", default=None, metavar="FILE",
                            help="measured costs from gpipe calibrate, in place of the analytic model")
+
+
+def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """``--precision``: one flag, one meaning on every command (:mod:`sim.precision`); None when not
+    given, so each command applies its own default. Checked by :func:`sim.precision.check_precision`
+    (one line, exit 2) rather than argparse choices (a usage block)."""
+    parser.add_argument("--precision", default=None, metavar="{fp32,bf16}",
+                        help="fp32, or bf16: autocast compute with fp32 master weights and optimizer "
+                             f"state (default: {default_help})")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
