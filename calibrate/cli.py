@@ -1,7 +1,7 @@
 """``gpipe calibrate``: profile this machine for a model, fit the costs, write the costs file.
 
-A second run for the same machine, library versions, model, options and batch reuses the file
-unless ``--force`` is given, so scripts (and ``gpipe demo``) can call it unconditionally.
+A second run for the same machine, library versions, model, options, batch and precision reuses
+the file unless ``--force`` is given, so scripts (and ``gpipe demo``) can call it unconditionally.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import os
 import sys
 from typing import Any
 
-from sim.cli_options import MODEL_FLAGS, check_output_path, model_options
+from sim.cli_options import MODEL_FLAGS, add_precision_argument, check_output_path, model_options
 from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
+from sim.precision import DEFAULT_PRECISION, check_precision
 
 DEFAULT_MODEL = "transformer"
 
@@ -24,9 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"mlp, transformer, cnn or package.module:factory (default {DEFAULT_MODEL})")
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
-        if flag not in ("--dtype", "--optimizer-slots"):  # the executor trains fp32 with SGD
+        if flag != "--optimizer-slots":  # the executor trains with SGD
             group.add_argument(flag, type=kind, default=None, help=help_text)
-    parser.set_defaults(dtype=None, optimizer_slots=None)
+    parser.set_defaults(optimizer_slots=None)
+    add_precision_argument(parser, DEFAULT_PRECISION)
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
     parser.add_argument("--out", default="costs.json", help="costs file to write (default costs.json)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -47,9 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 NOISY_DESIGN_RESIDUAL = 0.12
 
 
-def cached(path: str, model: str, options: dict[str, Any], batch: int, device: str) -> dict[str, Any] | None:
-    """The costs at ``path`` if they were measured here, with these versions, for this model."""
-    from sim.costs import read_costs, requested_options
+def cached(path: str, model: str, options: dict[str, Any], batch: int, device: str,
+           precision: str = DEFAULT_PRECISION) -> dict[str, Any] | None:
+    """The costs at ``path`` if they were measured here, with these versions, for this model at
+    this precision."""
+    from sim.costs import measured_precision, read_costs, requested_options
     from calibrate.machine import machine_stamp, same_machine
 
     if not os.path.exists(path):
@@ -61,29 +65,30 @@ def cached(path: str, model: str, options: dict[str, Any], batch: int, device: s
     stored = data.get("model", {})
     wanted = requested_options(model, options)
     if (stored.get("name") != model or any(stored.get("options", {}).get(k) != v for k, v in wanted.items())
-            or data.get("batch_size") != batch):
+            or data.get("batch_size") != batch or measured_precision(data) != precision):
         return None
     return data if same_machine(data.get("machine", {}), machine_stamp(device)) else None
 
 
 def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int, device: str = "cpu",
                      max_stages: int | None = None, steps: int = 5, quick: bool = False, force: bool = False,
-                     progress=print, rounds: int = 2) -> dict[str, Any]:
+                     progress=print, rounds: int = 2, precision: str = DEFAULT_PRECISION) -> dict[str, Any]:
     """Reuse the costs at ``path`` when valid (see :func:`cached`), else calibrate and write them."""
     from calibrate.calibration import calibrate
     from sim.costs import read_costs, write_costs
 
     if not force:
-        data = cached(path, model, options, batch, device)
+        data = cached(path, model, options, batch, device, precision)
         if data is not None:
-            progress(f"reusing {path} (same machine, versions and model; --force to measure again)")
+            progress(f"reusing {path} (same machine, versions, model and precision; --force to measure again)")
             return data
-    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds)
+    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds, precision)
     write_costs(data, path)
     return read_costs(path)
 
 
 def run(args: argparse.Namespace) -> int:
+    precision = check_precision(args.precision or DEFAULT_PRECISION)
     check_output_path(args.out, "--out")
     options = model_options(args)
     batch = args.batch if args.batch is not None else DEFAULT_BATCH.get(args.model, 32)
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             raise GpipeInputError("--device cuda but this machine has no CUDA GPU; use --device cpu")
     progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
     data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
-                            args.quick, args.force, progress, args.rounds)
+                            args.quick, args.force, progress, args.rounds, precision)
     if args.json:
         from sim.costs import costs_summary
 
@@ -112,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary_text(data: dict[str, Any]) -> str:
-    lines = [f"model {data['model']['name']} {data['model']['options']} batch {data['batch_size']}"]
+    lines = [f"model {data['model']['name']} {data['model']['options']} batch {data['batch_size']}, "
+             f"precision {data.get('precision', DEFAULT_PRECISION)}"]
     link = data.get("link")
     if link:
         lines.append(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth "

@@ -149,12 +149,14 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     tens of percent over seconds, one measurement of a run says more about the moment than the run.
     """
     from calibrate.runs import run_configs
+    from sim.costs import measured_precision
 
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit)
     device = data.get("machine", {}).get("device", "cpu")
-    configs = [run_config(model["name"], model["options"], s, steps, device) for s in specs]
+    configs = [run_config(model["name"], model["options"], s, steps, device, measured_precision(data))
+               for s in specs]
     progress(f"validating on {len(specs)} held-out configurations ({steps} steps each, {rounds} rounds)")
     reports = run_configs(configs * rounds, progress=progress)
     comparisons = [compare(data, s, reports[i::len(specs)]) for i, s in enumerate(specs)]
