@@ -228,10 +228,11 @@ class MeasuredWorkload:
         """``device`` with the efficiency fitted on the calibrated device (see module limits)."""
         eff = self.data.get("efficiency")
         if not eff:
+            why = (f"model {self.model_name!r} has no analytic form" if self.precision == DEFAULT_PRECISION
+                   else f"the measured device has no {self.precision} peak to fit it against")
             raise GpipeInputError(
-                f"the costs file has no fitted efficiency (model {self.model_name!r} has no analytic "
-                f"form, or the measured device has no {self.precision} peak to fit it against); simulate "
-                f"it on the machine it was measured on (--hardware {self.data.get('system', 'cpu')})")
+                f"the costs file has no fitted efficiency ({why}); simulate it on the machine it was "
+                f"measured on (--hardware {self.data.get('system', 'cpu')})")
         return replace(device, efficiency=float(eff["efficiency"]),
                        bandwidth_efficiency=float(eff["bandwidth_efficiency"]))
 
