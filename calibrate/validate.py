@@ -160,7 +160,8 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     progress(f"validating on {len(specs)} held-out configurations ({steps} steps each, {rounds} rounds)")
     reports = run_configs(configs * rounds, progress=progress)
     comparisons = [compare(data, s, reports[i::len(specs)]) for i, s in enumerate(specs)]
-    return {"model": model, "machine": data.get("machine", {}), "steps": steps, "rounds": rounds,
+    return {"model": model, "precision": measured_precision(data), "machine": data.get("machine", {}),
+            "steps": steps, "rounds": rounds,
             "summary": summarize(comparisons), "runs": [c.to_dict() for c in comparisons]}
 
 

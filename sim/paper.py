@@ -119,7 +119,8 @@ def format_table(cells: Sequence[PaperCell]) -> str:
     """The table as printed by ``gpipe paper``: paper / simulated (gap) per cell, then memory."""
     by_cell = {(c.stages, c.microbatches): c for c in cells}
     width = 28
-    lines = [f"GPipe Table 2, Transformer-48 on {SYSTEM}, batch {BATCH}, checkpoint {CHECKPOINT}: "
+    lines = [f"GPipe Table 2, Transformer-48 on {SYSTEM}, batch {BATCH}, checkpoint {CHECKPOINT}, "
+             f"precision {TRANSFORMER_48['precision']}: "
              "throughput normalised to K=2, M=1 (paper / simulated, relative gap)",
              "M \\ K " + "".join(f"{f'K={k}':>{width}}" for k in STAGES)]
     for m in MICROBATCHES:
