@@ -22,7 +22,8 @@ import sys
 import tempfile
 from typing import Any
 
-from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_precision_argument, model_options
+from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_precision_argument,
+                             model_options)
 from sim.costs import ANALYSIS_OPTIONS
 from sim.errors import GpipeInputError, require_positive
 from sim.partition import even_partition
@@ -109,7 +110,8 @@ def config_from_args(args: argparse.Namespace):
     if args.plan:
         config = RunConfig.from_plan(load_plan(args.plan), **extra)
         # the simulator's analysis options (precision is the plan's own field) are not the model's
-        config.options = {k: v for k, v in config.options.items() if k not in (*ANALYSIS_OPTIONS, "input_shape")}
+        analysis = (*ANALYSIS_OPTIONS, "input_shape")
+        config.options = {k: v for k, v in config.options.items() if k not in analysis}
     else:
         if not args.model:
             raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")

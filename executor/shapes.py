@@ -5,8 +5,9 @@ before any process group exists), and so does ``gpipe train`` before it starts t
 forward of at most two rows runs layer by layer in eval mode without gradients (eval so batch norm
 touches no running statistics), under the run's autocast (:mod:`executor.precision`) so each
 boundary has the dtype the stages will exchange; a layer that cannot take the previous layer's
-output fails with one line naming both. The rows dimension must come first and pass through every layer unchanged,
-since micro-batches are split along it; the shapes after it are what stages exchange.
+output fails with one line naming both. The rows dimension must come first and pass through every
+layer unchanged, since micro-batches are split along it; the shapes after it are what stages
+exchange.
 """
 
 from __future__ import annotations
