@@ -76,13 +76,14 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2) ->
 
 
 def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, device: str = "cpu",
-               optimizer: str = DEFAULT_OPTIMIZER) -> Any:
+               optimizer: str = DEFAULT_OPTIMIZER, precision: str = "fp32") -> Any:
     from executor.config import RunConfig
 
     return RunConfig(model=model, options=dict(options), partition=spec.partition,
                      batch_size=spec.batch_size, microbatches=spec.microbatches,
                      schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
-                     warmup_steps=1, device=device, timeout_s=120.0, optimizer=optimizer).validate()
+                     warmup_steps=1, device=device, timeout_s=120.0, optimizer=optimizer,
+                     precision=precision).validate()
 
 
 # ----------------------------------------------------------------------------- observations
@@ -225,13 +226,15 @@ def run_speed_reference(model: str, specs: Sequence[RunSpec], reports: Sequence[
 # ----------------------------------------------------------------------------- efficiency
 
 
-def fit_efficiency(model: str, options: dict[str, Any], profile: dict[str, Any], device: Any) -> dict | None:
-    """Roofline efficiency of the analytic model against the measured forwards (built-ins only)."""
+def fit_efficiency(model: str, options: dict[str, Any], profile: dict[str, Any], device: Any,
+                   precision: str = "fp32") -> dict | None:
+    """Roofline efficiency of the analytic model against the measured forwards (built-ins only, and
+    only at a precision the device has a peak for: none for bf16 on the CPU, which emulates it)."""
     from sim.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, get_workload
 
-    if model not in BUILTIN_MODELS or model == "uniform":
+    if model not in BUILTIN_MODELS or model == "uniform" or precision not in device.peak_flops:
         return None
-    analytic = get_workload(model, options)
+    analytic = get_workload(model, {**options, "precision": precision})
     threads = max(int(t) for t in profile["times_s"])
     times = profile["times_s"][str(threads)] if str(threads) in profile["times_s"] else profile["times_s"][threads]
     flops, traffic, measured = [], [], []
@@ -240,7 +243,7 @@ def fit_efficiency(model: str, options: dict[str, Any], profile: dict[str, Any],
             flops.append(spec.flops_per_row * rows)
             traffic.append(spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes)
             measured.append(times["F"][i][j])
-    fit = fit_roofline(flops, traffic, measured, device.peak_flops["fp32"], device.memory_bandwidth_bytes_per_s,
+    fit = fit_roofline(flops, traffic, measured, device.peak_flops[precision], device.memory_bandwidth_bytes_per_s,
                        LAYER_OVERHEAD_S)
     return {**fit.to_dict(), "relative_to": device.name, "threads": threads}
 
@@ -260,12 +263,14 @@ def profile_rows(batch_size: int) -> list[int]:
 
 def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str = "cpu",
               max_stages: int | None = None, steps: int = 5, quick: bool = False,
-              progress: Progress = print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER) -> dict[str, Any]:
+              progress: Progress = print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
+              precision: str = "fp32") -> dict[str, Any]:
     """Measure and fit everything for ``model``; the costs file's content (see :mod:`sim.costs`).
 
     The design runs are measured ``rounds`` times, interleaved, and every measurement enters the
     fits, so a moment when the machine ran slow weighs less. They train with ``optimizer``, which
-    the costs file records with its state per parameter.
+    the costs file records with its state per parameter. Layers are profiled and the design runs
+    trained at ``precision`` (:mod:`executor.precision`), which the costs file records too.
     """
     import torch
 
@@ -292,20 +297,23 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     stage_counts = sorted({1, max_stages})
     threads_of = {k: (1 if device == "cuda" else max(1, cores // k)) for k in stage_counts}
     rows = profile_rows(batch_size)
-    say(f"profiling {ref.num_layers} layers of {model} at rows {rows} with threads {sorted(set(threads_of.values()))}")
+    say(f"profiling {ref.num_layers} layers of {model} in {precision} at rows {rows} with threads "
+        f"{sorted(set(threads_of.values()))}")
     net = build_model(model, options, seed=0)
     loss = loss_function(default_loss(model))
     repeats = Repeats(min_runs=3, budget_s=0.02, max_runs=15) if quick else Repeats()
     profile = profile_model(net, lambda r: example_batch(model, options, r, seed=1), loss, rows,
                             sorted(set(threads_of.values()), reverse=True), torch.device(device), repeats,
-                            progress=say, probe=SpeedProbe.model(model, options, batch_size, device=device))
+                            progress=say, probe=SpeedProbe.model(model, options, batch_size, device=device),
+                            precision=precision)
     torch.set_num_threads(cores)
     data: dict[str, Any] = {
         "machine": machine_stamp(device), "system": "cpu" if device == "cpu" else "cuda",
         "catalog_device": LOCAL_CPU.name if device == "cpu" else device,
         "model": {"name": model, "options": options, "num_layers": ref.num_layers,
                   "parameter_count": ref.parameter_count},
-        "batch_size": batch_size, "optimizer": optimizer, "optimizer_slots": optimizer_slots(optimizer),
+        "batch_size": batch_size, "precision": precision, "optimizer": optimizer,
+        "optimizer_slots": optimizer_slots(optimizer),
         "profile": profile.to_dict(), "pipeline": {},
         # parameters several layers use (tied embeddings): one copy per stage, summed gradients
         "shared_parameters": [{"name": f"{layers[0]}.{name}", "layers": list(layers), "param_bytes": numel * 4}
@@ -318,7 +326,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         data["link"] = {"name": "gloo" if device == "cpu" else "nccl", **link.to_dict(), "measured": points}
     design = calibration_design(ref.num_layers, batch_size, max_stages)
     specs = design * (1 if quick else rounds)
-    configs = [run_config(model, options, s, steps, device, optimizer) for s in specs]
+    configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]
     reports = run_configs(configs, progress=say)
     data["speed"] = run_speed_reference(model, specs, reports)
     speeds = [speed_factor(run_probes(r), data["speed"]["reference_s"].get(str(s.stages)))
@@ -335,6 +343,6 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
                        "raw_measured_step_s": statistics.median(r["step_time_s"] for r in reports[i::len(design)]),
                        "predicted_step_s": predict(data, s).step_time_s} for i, s in enumerate(design)]
     if device == "cpu":
-        data["efficiency"] = fit_efficiency(model, options, data["profile"], LOCAL_CPU)
+        data["efficiency"] = fit_efficiency(model, options, data["profile"], LOCAL_CPU, precision)
     say("calibration done")
     return data

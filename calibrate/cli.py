@@ -1,9 +1,10 @@
 """``gpipe calibrate``: profile this machine for a model, fit the costs, write the costs file.
 
-The executor runs of the design train with ``--optimizer`` (default adamw); the costs file records it,
-so ``--costs`` predictions hold its state and take its step time. A second run for the same machine,
-library versions, model, options, batch and optimizer reuses the file unless ``--force`` is given,
-so scripts (and ``gpipe demo``) can call it unconditionally.
+The executor runs of the design train with ``--optimizer`` (default adamw) at ``--precision``
+(default fp32); the costs file records both, so ``--costs`` predictions hold the optimizer's state
+and take its step time. A second run for the same machine, library versions, model, options,
+batch, optimizer and precision reuses the file unless ``--force`` is given, so scripts (and
+``gpipe demo``) can call it unconditionally.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import os
 import sys
 from typing import Any
 
-from sim.cli_options import MODEL_FLAGS, add_option_argument, add_optimizer_argument, check_output_path, model_options
+from sim.cli_options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
+                             check_output_path, model_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
 from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer
+from sim.precision import DEFAULT_PRECISION, check_precision
 
 DEFAULT_MODEL = "transformer"
 
@@ -27,11 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"mlp, transformer, cnn or package.module:factory (default {DEFAULT_MODEL})")
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
-        if flag != "--dtype":  # the executor trains fp32
-            group.add_argument(flag, type=kind, default=None, help=help_text)
+        group.add_argument(flag, type=kind, default=None, help=help_text)
     add_option_argument(group)
-    parser.set_defaults(dtype=None)
     add_optimizer_argument(parser, recorded=None)
+    add_precision_argument(parser, DEFAULT_PRECISION)
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
     parser.add_argument("--out", default="costs.json", help="costs file to write (default costs.json)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -53,9 +55,10 @@ NOISY_DESIGN_RESIDUAL = 0.12
 
 
 def cached(path: str, model: str, options: dict[str, Any], batch: int, device: str,
-           optimizer: str = DEFAULT_OPTIMIZER) -> dict[str, Any] | None:
-    """The costs at ``path`` if they were measured here, with these versions, for this model and optimizer."""
-    from sim.costs import read_costs, requested_options
+           optimizer: str = DEFAULT_OPTIMIZER, precision: str = DEFAULT_PRECISION) -> dict[str, Any] | None:
+    """The costs at ``path`` if they were measured here, with these versions, for this model, with
+    this optimizer and at this precision."""
+    from sim.costs import measured_precision, read_costs, requested_options
     from calibrate.machine import machine_stamp, same_machine
 
     if not os.path.exists(path):
@@ -67,29 +70,34 @@ def cached(path: str, model: str, options: dict[str, Any], batch: int, device: s
     stored = data.get("model", {})
     wanted = requested_options(model, options)
     if (stored.get("name") != model or any(stored.get("options", {}).get(k) != v for k, v in wanted.items())
-            or data.get("batch_size") != batch or data.get("optimizer", "sgd") != optimizer):
+            or data.get("batch_size") != batch or data.get("optimizer", "sgd") != optimizer
+            or measured_precision(data) != precision):
         return None
     return data if same_machine(data.get("machine", {}), machine_stamp(device)) else None
 
 
 def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int, device: str = "cpu",
                      max_stages: int | None = None, steps: int = 5, quick: bool = False, force: bool = False,
-                     progress=print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER) -> dict[str, Any]:
+                     progress=print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
+                     precision: str = DEFAULT_PRECISION) -> dict[str, Any]:
     """Reuse the costs at ``path`` when valid (see :func:`cached`), else calibrate and write them."""
     from calibrate.calibration import calibrate
     from sim.costs import read_costs, write_costs
 
     if not force:
-        data = cached(path, model, options, batch, device, optimizer)
+        data = cached(path, model, options, batch, device, optimizer, precision)
         if data is not None:
-            progress(f"reusing {path} (same machine, versions, model and optimizer; --force to measure again)")
+            progress(f"reusing {path} (same machine, versions, model, optimizer and precision; --force to "
+                     "measure again)")
             return data
-    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds, optimizer)
+    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds, optimizer,
+                     precision)
     write_costs(data, path)
     return read_costs(path)
 
 
 def run(args: argparse.Namespace) -> int:
+    precision = check_precision(args.precision or DEFAULT_PRECISION)
     check_output_path(args.out, "--out")
     options = model_options(args)
     optimizer = check_optimizer(args.optimizer or DEFAULT_OPTIMIZER)
@@ -106,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             raise GpipeInputError("--device cuda but this machine has no CUDA GPU; use --device cpu")
     progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
     data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
-                            args.quick, args.force, progress, args.rounds, optimizer)
+                            args.quick, args.force, progress, args.rounds, optimizer, precision)
     if args.json:
         from sim.costs import costs_summary
 
@@ -120,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summary_text(data: dict[str, Any]) -> str:
     lines = [f"model {data['model']['name']} {data['model']['options']} batch {data['batch_size']}, "
-             f"optimizer {data.get('optimizer', 'sgd')}"]
+             f"optimizer {data.get('optimizer', 'sgd')}, precision {data.get('precision', DEFAULT_PRECISION)}"]
     link = data.get("link")
     if link:
         lines.append(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth "

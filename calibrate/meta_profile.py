@@ -2,14 +2,19 @@
 
 A model (a built-in name, or a user's ``package.module:factory``) is built under
 ``torch.device("meta")``: tensors carry shapes and dtypes but no storage, so an 80-billion-parameter
-model costs only its Python objects. Each top-level child (a pipeline layer) then runs one forward
-and one backward on a meta input, and we record
+model costs only its Python objects. For ``precision`` bf16 its parameters, buffers and tensor
+attributes are then re-homed as fake CPU tensors (``FakeTensorMode``: still meta storage, but a
+CPU device, so that ``torch.autocast`` applies; it ignores meta tensors; fp32 keeps the plain meta
+tensors, which analyse about twice as fast). Each top-level child (a pipeline layer) then runs one
+forward and one backward on a meta (fake) input, each forward under CPU autocast for bf16
+(:mod:`executor.precision`, as the executor trains), and we record
 
 - FLOPs, forward and backward, from PyTorch's own ``torch.utils.flop_counter.FlopCounterMode``
   (matmuls, convolutions and attention as 2*m*n*k; elementwise ops count zero);
 - memory traffic: bytes of every tensor each non-view aten op reads and writes (no fusion);
 - bytes saved for backward: storages packed by ``saved_tensors_hooks``, each storage once,
-  parameters and buffers excluded (they are counted as static memory);
+  parameters and buffers excluded (they are counted as static memory; autocast's bf16 copies of
+  them are saved per micro-batch and counted), and whether the layer's input storage is among them;
 - parameter bytes, input bytes (what a stage starting here stashes) and output bytes (what crosses
   a stage boundary).
 
@@ -26,7 +31,11 @@ model is measuring it; the simulator only reads the numbers.
 
 Limits: what the meta kernels do is what is counted, which is eager PyTorch (no fusion, no flash
 attention unless the model calls ``scaled_dot_product_attention``); data-dependent control flow and
-ops without meta kernels cannot be analysed (the error names the layer).
+ops without meta kernels cannot be analysed (the error names the layer). bf16 is analysed under
+CPU autocast, the only one that runs without a GPU: CUDA's runs a few more ops in fp32 (softmax,
+layer_norm on a bf16 input, sum, exp, ...), which save 4-byte tensors there where 2-byte ones are
+counted here (an explicit attention's probabilities: 6 bytes per score on CUDA, 2 here). The
+analytic models (:mod:`sim.models`) follow CUDA's lists; the tests state the difference.
 """
 
 from __future__ import annotations
@@ -41,13 +50,16 @@ from torch.utils._pytree import tree_leaves, tree_structure
 from torch.utils.flop_counter import FlopCounterMode
 
 from executor.boundary import map_tensors, tensors
-from sim.errors import GpipeInputError
-from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
+from executor.fake import fake_mode
+from executor.precision import autocast
 from executor.sharing import shared_tensors
+from sim.errors import GpipeInputError
 from sim.meta_workload import MEASURED_ROWS, LayerMeasure, LayerProfile, MetaWorkload, SharedTensor
+from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
+from sim.precision import DEFAULT_PRECISION, check_precision
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ANALYSIS_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
+ANALYSIS_DEFAULTS: dict[str, Any] = {"precision": DEFAULT_PRECISION,
+                                     "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
 
 
 class _TrafficMode(TorchDispatchMode):
@@ -59,7 +71,7 @@ class _TrafficMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view:
+        if not func.is_view and func.namespace != "prim":  # prim: fake tensors asking for a device
             self.bytes += sum(t.nbytes for t in tree_leaves((args, kwargs, out))
                               if isinstance(t, torch.Tensor))
         return out
@@ -69,9 +81,10 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _measure(layer: nn.Module, x: Any, index: int) -> tuple[LayerMeasure, Any]:
-    """Run ``layer`` forward and backward on the meta input ``x`` (a tensor, or a tuple or dict of
-    them); returns its measure and output. Bytes in and out count every tensor of the value."""
+def _measure(layer: nn.Module, x: Any, index: int, precision: str = DEFAULT_PRECISION) -> tuple[LayerMeasure, Any]:
+    """Run ``layer`` forward (under CPU autocast for bf16, one region per forward as the executor
+    runs it, so weights are cast afresh) and backward on the meta or fake input ``x`` (a tensor, or a
+    tuple or dict of them); returns its measure and output. Bytes in and out count every tensor."""
     static = {_storage_key(t) for t in [*layer.parameters(), *layer.buffers()]}
     saved: dict[int, torch.Tensor] = {}  # storage -> one tensor on it, kept alive while counting
 
@@ -88,7 +101,7 @@ def _measure(layer: nn.Module, x: Any, index: int) -> tuple[LayerMeasure, Any]:
     x = map_tensors(leaf, x)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with FlopCounterMode(display=False) as flops, _TrafficMode() as traffic:
+            with FlopCounterMode(display=False) as flops, _TrafficMode() as traffic, autocast(precision, "cpu"):
                 y = layer(x)
         forward_flops, forward_bytes = flops.get_total_flops(), traffic.bytes
         backward_flops = backward_bytes = 0
@@ -102,8 +115,11 @@ def _measure(layer: nn.Module, x: Any, index: int) -> tuple[LayerMeasure, Any]:
         raise GpipeInputError(f"layer {index} ({type(layer).__name__}) cannot run on the meta device: "
                               f"{str(exc).splitlines()[0]}; give it shape-only code paths") from None
     saved_bytes = sum(t.untyped_storage().nbytes() for t in saved.values())
+    inputs = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors(x)}
+    input_saved = sum(nbytes for key, nbytes in inputs.items() if key in saved)
     measure = LayerMeasure(float(forward_flops), float(backward_flops), float(forward_bytes),
-                           float(backward_bytes), float(saved_bytes), float(_nbytes(x)), float(_nbytes(y)))
+                           float(backward_bytes), float(saved_bytes), float(_nbytes(x)), float(_nbytes(y)),
+                           float(input_saved))
     return measure, map_tensors(torch.Tensor.detach, y)
 
 
@@ -130,32 +146,37 @@ def sample_of(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((1, *shape), dtype=dtype, device="meta")
 
 
-def with_rows(sample: Any, rows: int) -> Any:
-    """``sample`` (tensors with the rows first) as meta tensors of ``rows`` rows."""
-    return map_tensors(lambda t: torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta"), sample)
+def with_rows(sample: Any, rows: int, device: torch.device | str = "meta") -> Any:
+    """``sample`` (tensors with the rows first) as empty tensors of ``rows`` rows on ``device``."""
+    return map_tensors(lambda t: torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=device), sample)
 
 
-def profile_layers(model: nn.Sequential, sample: Any) -> list[LayerProfile]:
-    """Measure every top-level layer of a meta ``model`` at ``MEASURED_ROWS`` rows.
+def profile_layers(model: nn.Sequential, sample: Any, precision: str = DEFAULT_PRECISION) -> list[LayerProfile]:
+    """Measure every top-level layer of a meta ``model`` (or a fake one, inside :func:`fake_mode`)
+    at ``MEASURED_ROWS`` rows and ``precision`` (bf16 needs the fake model: autocast ignores meta
+    tensors).
 
     ``sample`` is the model's input for any number of rows: a tensor, or a tuple or dict of tensors,
     each with the rows first (see :func:`sample_of`); only shapes and dtypes are read.
     """
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("meta"))
     cache: dict[tuple, tuple[LayerMeasure, Any]] = {}
     per_rows = []
     for rows in MEASURED_ROWS:
-        x = with_rows(sample, rows)
+        x = with_rows(sample, rows, device)
         measures = []
         for index, layer in enumerate(model):
             key = _signature(layer, x) + (index == 0,)
             if key not in cache:
-                cache[key] = _measure(layer, x, index)
+                cache[key] = _measure(layer, x, index, precision)
             measure, x = cache[key]
             measures.append(measure)
         per_rows.append(measures)
     return [LayerProfile(f"{i}:{type(layer).__name__}", sum(p.numel() for p in layer.parameters()),
                          tuple(measures))
             for i, (layer, *measures) in enumerate(zip(model, *per_rows))]
+
+
 
 
 def parse_sample_shape(text: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -194,7 +215,8 @@ def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWor
     """Measure ``model`` (built-in name or ``package.module:factory``) on the meta device.
 
     ``options`` go to the model (as ``gpipe train`` passes them), except the analysis options
-    ``dtype`` (fp32 or bf16), ``optimizer_slots`` (optimizer state per parameter) and
+    ``precision`` (fp32 or bf16, see :mod:`sim.precision`), ``optimizer_slots`` (optimizer state per
+    parameter) and
     ``input_shape`` (one sample's shape, see :func:`parse_sample_shape`; default: the model's
     ``example_batch``).
     """
@@ -203,16 +225,17 @@ def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWor
     options = dict(options or {})
     input_shape = options.pop("input_shape", None)
     analysis = {k: options.pop(k, v) for k, v in ANALYSIS_DEFAULTS.items()}
-    if analysis["dtype"] not in TORCH_DTYPES:
-        raise GpipeInputError(f"dtype={analysis['dtype']!r}; choose one of {', '.join(TORCH_DTYPES)}")
+    precision = check_precision(analysis["precision"])
     started = time.perf_counter()
     module = build_meta_model(model, options, check=False)  # values do not matter here
-    module.to(TORCH_DTYPES[analysis["dtype"]])
-    dtype = TORCH_DTYPES[analysis["dtype"]]
-    sample = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, _sample(model, options, input_shape))
-    profiles = profile_layers(module, sample)
     shared = [SharedTensor(f"{layers[0]}.{name}", layers, numel) for name, layers, numel in shared_tensors(module)]
+    sample = _sample(model, options, input_shape)
+    if precision == DEFAULT_PRECISION:  # nothing to autocast: the faster plain meta tensors
+        profiles = profile_layers(module, sample)
+    else:
+        with fake_mode(module) as fake:
+            profiles = profile_layers(fake, sample, precision)
     described = {**options, **analysis, **({"input_shape": input_shape} if input_shape else {})}
-    return MetaWorkload(model, described, profiles, analysis["dtype"], int(analysis["optimizer_slots"]),
+    return MetaWorkload(model, described, profiles, precision, int(analysis["optimizer_slots"]),
                         analysis_s=time.perf_counter() - started, shared=shared)
 

@@ -5,7 +5,9 @@ Times, per layer and micro-batch size (rows), for the three passes the executor 
   * ``R``: forward with grad, counting saved tensors through ``saved_tensors_hooks`` as the
     executor's :class:`executor.memory.ActivationCounter` does (a recompute, or a ``never`` forward);
   * ``B``: backward of that forward from a random output gradient.
-The model's last layer is timed together with the loss, since the last stage computes it. Each
+The model's last layer is timed together with the loss, since the last stage computes it. At
+``precision`` bf16 every layer runs under autocast and the loss in fp32, as in the executor
+(:mod:`executor.precision`), and each layer is fed the input it gets there (bf16 after a matmul). Each
 figure is the median of repeated runs after warm-up runs that are discarded; repetitions continue
 until a time budget or a cap is reached, so small layers get many runs and large ones at least a few.
 Small micro-batches use the hardware less well, so times are kept per row count (a table), never
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from executor.boundary import map_tensors, tensors
+from executor.precision import autocast
 
 KINDS = ("F", "R", "B")
 
@@ -136,17 +139,19 @@ class LayerRunner:
     """Runs one layer's F, R and B passes (the loss included for the model's last layer)."""
 
     def __init__(self, layer: nn.Module, excluded: set[int], loss: Callable | None,
-                 target: torch.Tensor | None, device: torch.device) -> None:
+                 target: torch.Tensor | None, device: torch.device, precision: str = "fp32") -> None:
         self.layer = layer
         self.excluded = excluded
         self.loss = loss
         self.target = target
         self.device = device
+        self.precision = precision
 
     def _out(self, x: Any) -> Any:
-        y = self.layer(x)
+        with autocast(self.precision, self.device.type):
+            y = self.layer(x)
         if self.loss is not None:
-            return self.loss(y, self.target) * 0.5  # the executor scales by rows / batch rows
+            return self.loss(y.float(), self.target) * 0.5  # the executor scales by rows / batch rows
         return y
 
     def forward(self, x: Any) -> None:
@@ -193,12 +198,13 @@ def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str,
     return {kind: statistics.median(values) for kind, values in samples.items()}, runs - repeats.warmup
 
 
-def layer_inputs(model: nn.Sequential, inputs: Any) -> list[Any]:
+def layer_inputs(model: nn.Sequential, inputs: Any, precision: str = "fp32") -> list[Any]:
     """The input of every layer for ``inputs`` (each tensor a fresh contiguous storage), by a no-grad
-    pass; an input may be a tensor or a tuple or dict of them."""
+    pass at ``precision``; an input may be a tensor or a tuple or dict of them."""
     xs = []
     x = inputs
-    with torch.no_grad():
+    device_type = tensors(inputs)[0].device.type
+    with torch.no_grad(), autocast(precision, device_type):
         for layer in model:
             xs.append(map_tensors(lambda t: t.clone().contiguous(), x))
             x = layer(x)
@@ -213,7 +219,11 @@ def measure_memory(runner: LayerRunner, x: Any) -> tuple[int, int, int, bool, bo
     when a layer saves only some of the tensors it passes on.
     """
     _, out, saved = runner.forward_grad(x)
-    y = runner.layer(map_tensors(torch.Tensor.detach, x)) if runner.loss is not None else out
+    if runner.loss is not None:
+        with autocast(runner.precision, runner.device.type):
+            y = runner.layer(map_tensors(torch.Tensor.detach, x))
+    else:
+        y = out
     ins = dict(_storage(t) for t in tensors(x))
     outs = dict(_storage(t) for t in tensors(y))
     own = sum(n for ptr, n in saved.saved.items() if ptr not in ins and ptr not in outs)
@@ -224,7 +234,8 @@ def measure_memory(runner: LayerRunner, x: Any) -> tuple[int, int, int, bool, bo
 def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
                   loss: Callable, rows: list[int], threads: list[int], device: torch.device,
                   repeats: Repeats = Repeats(),
-                  progress: Callable[[str], None] | None = None, probe: Any = None) -> Profile:
+                  progress: Callable[[str], None] | None = None, probe: Any = None,
+                  precision: str = "fp32") -> Profile:
     """Time and size every layer of ``model`` at each of ``rows`` and each thread count.
 
     ``batch(rows)`` returns (inputs, targets) of that many rows; ``loss(output, target)`` is the
@@ -245,9 +256,9 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
     for r in profile.rows:
         inputs, targets = batch(r)
         to_device = partial(map_tensors, lambda t: t.to(device))
-        data[r] = (layer_inputs(model, to_device(inputs)), to_device(targets))
+        data[r] = (layer_inputs(model, to_device(inputs), precision), to_device(targets))
     runners = {r: [LayerRunner(layer, excluded, loss if i == last else None,
-                               data[r][1] if i == last else None, device)
+                               data[r][1] if i == last else None, device, precision)
                    for i, layer in enumerate(model)] for r in profile.rows}
     with recomputing():  # deferred batch norm must not accumulate while profiling
         profile.memory = _memory_table(model, runners, data, profile.rows)

@@ -149,17 +149,20 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     tens of percent over seconds, one measurement of a run says more about the moment than the run.
     """
     from calibrate.runs import run_configs
+    from sim.costs import measured_precision
 
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit)
     device = data.get("machine", {}).get("device", "cpu")
-    configs = [run_config(model["name"], model["options"], s, steps, device, data.get("optimizer", "sgd"))
+    configs = [run_config(model["name"], model["options"], s, steps, device, data.get("optimizer", "sgd"),
+                          measured_precision(data))
                for s in specs]
     progress(f"validating on {len(specs)} held-out configurations ({steps} steps each, {rounds} rounds)")
     reports = run_configs(configs * rounds, progress=progress)
     comparisons = [compare(data, s, reports[i::len(specs)]) for i, s in enumerate(specs)]
-    return {"model": model, "machine": data.get("machine", {}), "steps": steps, "rounds": rounds,
+    return {"model": model, "precision": measured_precision(data), "machine": data.get("machine", {}),
+            "steps": steps, "rounds": rounds,
             "summary": summarize(comparisons), "runs": [c.to_dict() for c in comparisons]}
 
 

@@ -21,10 +21,13 @@ import tempfile
 from typing import Any
 
 from executor.launch import check_nodes, run_torchrun, torchrun_command
-from sim.cli_options import ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument, model_options
+from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
+                             add_precision_argument, model_options)
+from sim.costs import ANALYSIS_OPTIONS
 from sim.errors import GpipeInputError
 from sim.partition import even_partition
 from sim.plan import load_plan, parse_partition
+from sim.precision import check_precision
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="constant (default) or cosine (decays to 0 over --steps after the warm-up)")
     how.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
                      help="steps of linear learning-rate warm-up (default 0)")
+    add_precision_argument(how, "the plan's, else fp32")
     how.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
     how.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
@@ -92,7 +96,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         if name in options:
             flag = "--" + name.replace("_", "-")
             raise GpipeInputError(f"{flag} describes the simulator's analytic models; the executor trains "
-                                  f"in fp32 with the optimizer you choose, so drop {flag}")
+                                  f"with the optimizer you choose, so drop {flag}")
     return options
 
 
@@ -110,8 +114,13 @@ def config_from_args(args: argparse.Namespace):
                  warmup_steps=args.warmup_steps, init_from=os.path.abspath(args.init_from) if args.init_from else "")
     if args.optimizer is not None:  # else the plan's, or RunConfig's default
         extra["optimizer"] = args.optimizer
+    if args.precision is not None:
+        extra["precision"] = check_precision(args.precision)
     if args.plan:
         config = RunConfig.from_plan(load_plan(args.plan), **extra)
+        # the simulator's analysis options (precision is the plan's own field) are not the model's
+        analysis = (*ANALYSIS_OPTIONS, "input_shape")
+        config.options = {k: v for k, v in config.options.items() if k not in analysis}
     else:
         if not args.model:
             raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")
@@ -158,7 +167,7 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     candidate = Candidate(stages, microbatches, args.checkpoint or config.checkpoint,
                           args.schedule or config.schedule)
     system = get_system(args.hardware)
-    workload = get_workload(config.model, config.options)
+    workload = get_workload(config.model, {**config.options, "precision": config.precision})
     return tuple(simulator_partition(workload, system, batch, candidate))
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sim.errors import GpipeInputError, require_positive
 from sim.optimizers import DEFAULT_OPTIMIZER
 from sim.plan import ModelRef, Plan
+from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.timeline import write_json_atomic
 
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
@@ -56,6 +57,7 @@ class RunConfig:
     timeout_s: float = 300.0  # process-group timeout: a stuck receive fails after this
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
+    precision: str = DEFAULT_PRECISION  # fp32, or bf16: autocast compute, fp32 weights (executor.precision)
 
     @property
     def stages(self) -> int:
@@ -70,6 +72,7 @@ class RunConfig:
             raise GpipeInputError(f"--save-every must be 0 (off) or positive, got {self.save_every}")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
+        check_precision(self.precision)
         return self
 
     def optim_settings(self) -> "OptimSettings":
@@ -82,18 +85,15 @@ class RunConfig:
     def plan(self, model_ref: ModelRef) -> Plan:
         return Plan(model=model_ref, partition=tuple(self.partition), batch_size=self.batch_size,
                     microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
-                    hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer)
+                    hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer,
+                    precision=self.precision)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
         """The plan's run (its optimizer too) with ``overrides``; the options that only told the
         simulator how to analyse the model (its dtype, optimizer state, sample shape) are not the
-        model's and are dropped."""
+        model's and are dropped; the precision is the plan's own field."""
         options = dict(plan.model.options)
-        dtype = options.get("dtype", "fp32")
-        if dtype != "fp32":
-            raise GpipeInputError(f"the plan models {dtype} weights but the executor trains fp32; "
-                                  "plan again with --dtype fp32")
         for name in ANALYSIS_OPTIONS:
             options.pop(name, None)
         settings: dict[str, Any] = dict(optimizer=plan.optimizer)
@@ -101,7 +101,7 @@ class RunConfig:
         return cls(model=plan.model.name, options=options, partition=tuple(plan.partition),
                    batch_size=plan.batch_size, microbatches=plan.microbatches, schedule=plan.schedule,
                    checkpoint=plan.checkpoint, hardware=dict(plan.hardware),
-                   predicted=dict(plan.predicted), **settings)
+                   predicted=dict(plan.predicted), **{"precision": plan.precision, **settings})
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -64,7 +64,8 @@ def prepare(config: RunConfig) -> Prepared:
     if config.init_from:
         check_file(config.init_from, model, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
-    boundaries = dry_run(model, tuple(config.partition), to_meta(inputs), to_meta(targets), loss_fn)
+    boundaries = dry_run(model, tuple(config.partition), to_meta(inputs), to_meta(targets), loss_fn,
+                         config.precision)
     return Prepared(model, boundaries, loss_fn, shared)
 
 
@@ -85,7 +86,7 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
     stages = config.stages
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
                                microbatches=config.microbatches, schedule=config.schedule,
-                               checkpoint=config.checkpoint, seed=config.seed)
+                               checkpoint=config.checkpoint, seed=config.seed, precision=config.precision)
     module = stage_layers(config, prepared, stage)
     return PipelineStage(
         stage_config, module, transport, prepared.loss_fn,

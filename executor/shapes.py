@@ -4,7 +4,9 @@ Every rank runs this (it needs no communication, so a bad model fails the same w
 before any process group exists), and so does ``gpipe train`` before it starts torchrun, on the
 meta device: shapes and dtypes without storage, so no process allocates the model. A dry
 forward runs layer by layer in eval mode (so batch norm touches no running statistics) at two row
-counts, ``DRY_ROWS``; a layer that cannot take the previous layer's output fails with one line naming
+counts, ``DRY_ROWS``, under the run's autocast (:mod:`executor.precision`; on fake CPU tensors,
+:mod:`executor.fake`, since autocast ignores meta ones) so each boundary has the dtype the stages
+will exchange; a layer that cannot take the previous layer's output fails with one line naming
 both. Comparing the two runs tells, for every tensor at a stage boundary, whether its first
 dimension is the rows (split and sent per micro-batch) or its shape is fixed (see
 :mod:`executor.boundary`); autograd, left on, tells which tensors a gradient comes back for.
@@ -16,6 +18,7 @@ then stops with the structure it saw).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
@@ -23,6 +26,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from executor.boundary import Boundary, LeafSpec, leaf_paths, map_tensors
+from executor.fake import fake_mode
+from executor.precision import autocast
 from sim.errors import GpipeInputError
 from sim.plan import validate_partition
 
@@ -59,12 +64,14 @@ def _shape_text(value: Any) -> str:
                            for v in leaves) + ")"
 
 
-def _forward_all(model: nn.Sequential, x: Any, layer_stage: list[int], cuts: set[int]) -> list[Any]:
+def _forward_all(model: nn.Sequential, x: Any, layer_stage: list[int], cuts: set[int],
+                 precision: str = "fp32") -> list[Any]:
     """The values at the model input and after every stage (K+1 in all, the model output last)."""
     values = [x]
     for i, layer in enumerate(model):
         try:
-            x = layer(x)
+            with autocast(precision, "cpu"):
+                x = layer(x)
         except Exception as exc:  # any failure here is the model's, reported in one line
             source = "the input" if i == 0 else f"layer {i - 1}'s output"
             if isinstance(exc, NotImplementedError) or "meta" in str(exc):
@@ -108,8 +115,22 @@ def describe_boundary(small: Any, large: Any, where: str) -> Boundary:
     return Boundary(tuple(specs), spec)
 
 
+def _dry_forwards(model: nn.Sequential, inputs: Any, layer_stage: list[int], cuts: set[int],
+                  precision: str) -> list[list[Any]]:
+    """One forward per row count of ``DRY_ROWS``, with grad; under autocast on fake CPU tensors
+    (a copy of the meta model) when the precision is not fp32."""
+    def run(net: nn.Sequential, x: Any) -> list[list[Any]]:
+        with torch.enable_grad():
+            return [_forward_all(net, take_rows(x, rows), layer_stage, cuts, precision) for rows in DRY_ROWS]
+
+    if precision == "fp32":
+        return run(model, inputs)
+    with fake_mode(copy.deepcopy(model)) as fake:
+        return run(fake, map_tensors(lambda t: torch.empty(t.shape, dtype=t.dtype), inputs))
+
+
 def dry_run(model: nn.Sequential, partition: tuple[int, ...], inputs: Any, targets: Any,
-            loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> list[Boundary]:
+            loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], precision: str = "fp32") -> list[Boundary]:
     """Validate ``model`` against ``partition``; return the K+1 boundaries (input, cuts, output)."""
     validate_partition(partition, len(model))
     cuts = {end for _, end in stage_bounds(partition)}
@@ -117,8 +138,7 @@ def dry_run(model: nn.Sequential, partition: tuple[int, ...], inputs: Any, targe
     was_training = model.training
     model.eval()
     try:
-        with torch.enable_grad():
-            runs = [_forward_all(model, take_rows(inputs, rows), layer_stage, cuts) for rows in DRY_ROWS]
+        runs = _dry_forwards(model, inputs, layer_stage, cuts, precision)
         names = ["the model's input"] + [f"the output of stage {k} (layer {end - 1})"
                                          for k, (_, end) in enumerate(stage_bounds(partition))]
         boundaries = [describe_boundary(a, b, name) for a, b, name in zip(*runs, names)]
@@ -127,8 +147,8 @@ def dry_run(model: nn.Sequential, partition: tuple[int, ...], inputs: Any, targe
             raise GpipeInputError(f"the last layer returns {_shape_text(output)}, but the loss takes one tensor; "
                                   "make the last layer return the model's output alone")
         try:
-            with torch.no_grad():
-                loss_fn(output.float(), target)
+            with torch.no_grad():  # shapes only: a meta stand-in for the (perhaps fake) output
+                loss_fn(torch.empty(output.shape, device="meta"), target)
         except Exception as exc:
             raise GpipeInputError(f"the loss cannot compare the model's output of shape {list(output.shape)} "
                                   f"with targets of shape {_shape_text(target)}: {_first_line(exc)}; "

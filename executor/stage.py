@@ -44,6 +44,7 @@ from executor.data import mix_seed, split, split_rows
 from executor.memory import ActivationCounter
 from executor.optim import (OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_,
                             squared_norm)
+from executor.precision import autocast, check_boundary
 from executor.recording import Recorder
 from executor.transport import ACT, GRAD, Transport
 from sim.schedule import Action, Kind, build_schedule, recomputes
@@ -59,6 +60,7 @@ class StageConfig:
     schedule: str = "gpipe"
     checkpoint: str = "except_last"
     seed: int = 0
+    precision: str = "fp32"  # bf16: layers under autocast, loss in fp32 (executor.precision)
 
 
 class PipelineStage:
@@ -246,9 +248,14 @@ class PipelineStage:
         """The loss on the last stage (scaled to the mini-batch mean), else ``y`` itself."""
         if not self.is_last:
             return y
-        loss = self.loss_fn(y, self.targets[m]) * (self.rows[m] / self.config.batch_size)
+        loss = self.loss_fn(y.float(), self.targets[m]) * (self.rows[m] / self.config.batch_size)
         self.losses[m] = loss
         return loss
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's layers on ``x`` at the run's precision; forward and recompute alike."""
+        with autocast(self.config.precision, self.device.type):
+            return self.module(x)
 
     def _forward(self, m: int) -> None:
         received = [] if self.is_first else self._receive(ACT, m)
@@ -260,14 +267,15 @@ class PipelineStage:
                 self.stash[m] = received
                 x, _ = self._input(m, received, grad=False)
                 with torch.no_grad():
-                    out = self._output(m, self.module(x))
+                    out = self._output(m, self._layers(x))
             else:
                 x, needs_grad = self._input(m, received, grad=True)
                 with self.counter.saving(m):
-                    out = self._output(m, self.module(x))
+                    out = self._output(m, self._layers(x))
                 self.graph[m] = (needs_grad, out)
         if not self.is_last:
             assert self.outgoing is not None
+            check_boundary(self.outgoing.flatten(out), self.outgoing, self.config.stage)
             with self.recorder.span(SEND_ACTIVATION, m):
                 self.transport.send(ACT, m, self.outgoing.flatten(out))
 
@@ -276,7 +284,7 @@ class PipelineStage:
             x, needs_grad = self._input(m, self.stash.pop(m), grad=True)
             self._seed(m)
             with torch.enable_grad(), recomputing(), self.counter.saving(m):
-                out = self._output(m, self.module(x))
+                out = self._output(m, self._layers(x))
             self.graph[m] = (needs_grad, out)
 
     def _backward(self, m: int) -> None:

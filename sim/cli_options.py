@@ -24,13 +24,13 @@ MODEL_FLAGS = {
     "--channels": ("channels", int, "cnn: channels"),
     "--image": ("image", int, "cnn: image side in pixels"),
     "--classes": ("classes", int, "cnn: classes"),
-    "--dtype": ("dtype", str, "analytic models: fp32 (default) or bf16"),
 }
 
 
-# Options of the simulator's models that describe the training, not the torch model: the weights'
-# dtype, and optimizer state tensors per parameter (set from --optimizer, see sim.optimizers).
-ANALYTIC_ONLY_OPTIONS = ("dtype", "optimizer_slots")
+# Options of the simulator's models that describe the training, not the torch model: optimizer
+# state tensors per parameter (set from --optimizer, see sim.optimizers). The precision is a flag
+# and a plan field of its own (sim.precision).
+ANALYTIC_ONLY_OPTIONS = ("optimizer_slots",)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
@@ -51,6 +51,8 @@ def add_option_argument(group) -> None:
     group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                        help="another model option, e.g. --option d_model=128 or, for hf: models, any config "
                             "field --option num_hidden_layers=4 (repeatable)")
+
+
 def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or costs file's") -> None:
     """``--optimizer``: what gpipe train trains with, so the state the simulator holds per parameter.
 
@@ -62,6 +64,15 @@ def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or co
     parser.add_argument("--optimizer", default=None, metavar="NAME",
                         help=f"{', '.join(OPTIMIZERS)} (torch.optim; adam and adamw keep 2 state tensors per "
                              f"parameter, sgd none); default: {default}")
+
+
+def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """``--precision``: one flag, one meaning on every command (:mod:`sim.precision`); None when not
+    given, so each command applies its own default. Checked by :func:`sim.precision.check_precision`
+    (one line, exit 2) rather than argparse choices (a usage block)."""
+    parser.add_argument("--precision", default=None, metavar="{fp32,bf16}",
+                        help="fp32, or bf16: autocast compute with fp32 master weights and optimizer "
+                             f"state (default: {default_help})")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,

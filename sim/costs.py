@@ -5,7 +5,8 @@ and the simulator, which reads it: its format, reading, validation and the workl
 live here, so reading a costs file needs neither torch nor calibration's code.
 
 The file (JSON, ``version`` 1) holds what ``gpipe calibrate`` measured and fitted: the
-machine stamp, the model and its options, the per-layer profile (times per row count and thread
+machine stamp, the model and its options, the precision it ran at (``precision``, fp32 when absent),
+the per-layer profile (times per row count and thread
 count, exact saved bytes), the fitted link, the per-K pipeline fits (action scale and overhead per
 kind, send, optimizer and step overhead) and the fitted roofline efficiency. Torch-free to load.
 
@@ -16,7 +17,8 @@ the union of saved storages of consecutive layers, and the per-action and per-st
 pipeline fits found, which a sum over layers cannot express. ``bind`` picks the fits for a stage
 count K (CPU runs give each of K processes cores/K threads, so K changes every time) and puts the
 fitted link into the ``cpu`` system. On any other catalog device, ``layer_costs`` falls back to the
-analytic model with the fitted efficiency (built-in models only): a what-if, not a measurement.
+analytic model with the fitted efficiency (built-in models only) at the file's precision: a what-if,
+not a measurement.
 
 Limits: a stage's forwards use one time whatever the micro-batch; under ``except_last`` it is the
 average of M-1 no-grad forwards and one forward with grad. Row counts far outside the profiled range
@@ -35,11 +37,14 @@ from typing import Any, Sequence
 
 from sim.errors import GpipeInputError
 from sim.hardware import LOCAL_CPU, Device, Link, System
+from sim.precision import DEFAULT_PRECISION, FP32_BYTES
 from sim.stage_costs import StageCost
 from sim.workload import LayerCost, SharedParameter
 
 COSTS_VERSION = 1
 COSTS_KIND = "gpipe-costs"
+# options that describe the simulator's analysis, not the model torch builds
+ANALYSIS_OPTIONS = ("precision", "optimizer_slots")
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -116,6 +121,7 @@ class MeasuredWorkload:
             SharedParameter(str(p["name"]), tuple(int(i) for i in p["layers"]), int(p["param_bytes"]),
                             int(p["param_bytes"]) * (2 + self.optimizer_slots))
             for p in data.get("shared_parameters", []))
+        self.precision = measured_precision(data)
         self.batch_size = int(data["batch_size"]) if data.get("batch_size") else None  # the calibrated batch
 
     # ------------------------------------------------------------------ binding to a plan
@@ -180,7 +186,7 @@ class MeasuredWorkload:
                 recompute_s=fit.actions["R"].slope * self.profiled_s("R", i, rows),
                 saved_bytes=saved, output_bytes=out, input_bytes=inp, param_bytes=params,
                 grad_bytes=params, optimizer_bytes=self.optimizer_slots * params,
-                optimizer_s=fit.optimizer.slope * params))
+                optimizer_s=fit.optimizer.slope * params, saves_input=bool(self.memory[i]["saves_input"])))
         return costs
 
     # ------------------------------------------------------------------ exact stage sums
@@ -228,22 +234,25 @@ class MeasuredWorkload:
         """``device`` with the efficiency fitted on the calibrated device (see module limits)."""
         eff = self.data.get("efficiency")
         if not eff:
+            why = (f"model {self.model_name!r} has no analytic form" if self.precision == DEFAULT_PRECISION
+                   else f"the measured device has no {self.precision} peak to fit it against")
             raise GpipeInputError(
-                f"the costs file has no fitted efficiency (model {self.model_name!r} has no analytic "
-                f"form); simulate it on the machine it was measured on (--hardware {self.data.get('system', 'cpu')})")
+                f"the costs file has no fitted efficiency ({why}); simulate it on the machine it was "
+                f"measured on (--hardware {self.data.get('system', 'cpu')})")
         return replace(device, efficiency=float(eff["efficiency"]),
                        bandwidth_efficiency=float(eff["bandwidth_efficiency"]))
 
     def _what_if(self, rows: int, device: Device) -> Sequence[LayerCost]:
         from sim.models import get_workload
 
-        analytic = get_workload(self.model_name, self.options)
+        analytic = get_workload(self.model_name, {**self.options, "precision": self.precision})
         return analytic.layer_costs(rows, self.efficient_device(device))
 
     def describe(self) -> dict:
         return {"name": self.model_name, "options": dict(self.options), "num_layers": self.num_layers,
                 "parameter_count": (sum(int(m["param_bytes"]) for m in self.memory)
-                                    - sum((len(p.layers) - 1) * p.param_bytes for p in self.shared_parameters)) // 4,
+                                    - sum((len(p.layers) - 1) * p.param_bytes for p in self.shared_parameters))
+                                   // FP32_BYTES,
                 "costs": {"machine": self.data.get("machine", {}), "stages": self.stages}}
 
 
@@ -279,23 +288,28 @@ def requested_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
     """The model's full options as the executor builds it: built-in defaults overlaid (torch-free)."""
     from sim.model_defaults import DEFAULT_OPTIONS
 
-    given = {k: v for k, v in options.items() if k not in ("dtype", "optimizer_slots")}
-    if options.get("dtype", "fp32") != "fp32":
-        raise GpipeInputError(f"dtype={options['dtype']!r}: measured costs are fp32; drop --dtype")
+    given = {k: v for k, v in options.items() if k not in ANALYSIS_OPTIONS}
     if model in DEFAULT_OPTIONS and model != "uniform":
         return {**DEFAULT_OPTIONS[model], **given}
     return given
 
 
+def measured_precision(data: dict[str, Any]) -> str:
+    """The precision a costs file was measured at (files written before it was recorded: fp32)."""
+    return str(data.get("precision", DEFAULT_PRECISION))
+
+
 def check_model(data: dict[str, Any], model: str | None, options: dict[str, Any], path: str) -> None:
     """The file's model must be ``model`` with ``options`` (None: the file's model, with the options
-    given agreeing; defaults are not filled in, the file's own options stand)."""
+    given agreeing; defaults are not filled in, the file's own options stand), at the file's
+    precision when ``options`` name one."""
     stored = data["model"]
+    if "precision" in options and options["precision"] != measured_precision(data):
+        raise GpipeInputError(f"costs file {path!r} was measured at {measured_precision(data)}, not "
+                              f"{options['precision']}; run gpipe calibrate --precision {options['precision']}")
     if model is None:
-        if options.get("dtype", "fp32") != "fp32":
-            raise GpipeInputError(f"dtype={options['dtype']!r}: measured costs are fp32; drop --dtype")
         model = stored["name"]
-        wanted = {k: v for k, v in options.items() if k not in ("dtype", "optimizer_slots")}
+        wanted = {k: v for k, v in options.items() if k not in ANALYSIS_OPTIONS}
     else:
         wanted = requested_options(model, options)
     same = stored["name"] == model and all(stored["options"].get(k) == v for k, v in wanted.items())

@@ -29,7 +29,11 @@ DEFAULT_BANDWIDTH_EFFICIENCY = 0.8  # assumption: streaming kernels reach roughl
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator (or the local CPU). ``peak_flops`` maps a dtype name to dense FLOP/s."""
+    """One accelerator (or the local CPU). ``peak_flops`` maps a dtype name to dense FLOP/s.
+
+    ``default_precision`` is the precision people train in on this device (:mod:`sim.precision`),
+    the what-if default: ``bf16`` where the device has bf16 matrix units, ``fp32`` elsewhere.
+    """
 
     name: str
     peak_flops: dict[str, float]
@@ -37,6 +41,7 @@ class Device:
     memory_bandwidth_bytes_per_s: float
     efficiency: float = DEFAULT_EFFICIENCY
     bandwidth_efficiency: float = DEFAULT_BANDWIDTH_EFFICIENCY
+    default_precision: str = "fp32"
 
     def achieved_flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -96,6 +101,9 @@ class System:
 
 
 # --- Devices -----------------------------------------------------------------------------------
+# Default precisions: bf16 on devices with bf16 matrix units (A100 and later, every TPU: their
+# datasheets and papers below list bf16 peaks); fp32 on P100 and V100, which have none (fp16 only),
+# and on the CPU, where bf16 matmuls are emulated (70x slower than fp32 on this machine's AVX2).
 # NVIDIA P100 PCIe 16 GB: 9.3 TFLOP/s fp32, 18.7 fp16, 732 GB/s HBM2 (NVIDIA Tesla P100 datasheet).
 P100 = Device("P100-PCIe-16GB", {"fp32": 9.3 * TERA, "fp16": 18.7 * TERA}, 16 * GIB, 732 * GB)
 # NVIDIA V100 SXM2 32 GB: 15.7 TFLOP/s fp32, 125 fp16 tensor, 900 GB/s (NVIDIA V100 datasheet).
@@ -103,27 +111,31 @@ V100 = Device("V100-SXM2-32GB", {"fp32": 15.7 * TERA, "fp16": 125 * TERA}, 32 * 
 # NVIDIA A100 SXM: 19.5 TFLOP/s fp32, 156 tf32, 312 bf16/fp16 dense; 40 GB at 1,555 GB/s,
 # 80 GB at 2,039 GB/s (NVIDIA A100 datasheet).
 _A100_FLOPS = {"fp32": 19.5 * TERA, "tf32": 156 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA}
-A100_40GB = Device("A100-SXM-40GB", _A100_FLOPS, 40 * GIB, 1555 * GB)
-A100_80GB = Device("A100-SXM-80GB", _A100_FLOPS, 80 * GIB, 2039 * GB)
+A100_40GB = Device("A100-SXM-40GB", _A100_FLOPS, 40 * GIB, 1555 * GB, default_precision="bf16")
+A100_80GB = Device("A100-SXM-80GB", _A100_FLOPS, 80 * GIB, 2039 * GB, default_precision="bf16")
 # NVIDIA H100 SXM5 80 GB: 67 TFLOP/s fp32, 494.7 tf32, 989.4 bf16/fp16 dense, 1,978.9 fp8 dense;
 # 3.35 TB/s HBM3 (NVIDIA H100 datasheet; sparse figures halved to dense).
 _H100_SXM_FLOPS = {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "bf16": 989.4 * TERA,
                    "fp16": 989.4 * TERA, "fp8": 1978.9 * TERA}
-H100_SXM = Device("H100-SXM-80GB", _H100_SXM_FLOPS, 80 * GIB, 3350 * GB)
+H100_SXM = Device("H100-SXM-80GB", _H100_SXM_FLOPS, 80 * GIB, 3350 * GB, default_precision="bf16")
 # NVIDIA H100 PCIe 80 GB: 51 TFLOP/s fp32, 756 bf16 dense, 2 TB/s HBM2e (NVIDIA H100 datasheet).
 H100_PCIE = Device("H100-PCIe-80GB", {"fp32": 51 * TERA, "tf32": 378 * TERA, "bf16": 756 * TERA,
-                                      "fp16": 756 * TERA}, 80 * GIB, 2000 * GB)
+                                      "fp16": 756 * TERA}, 80 * GIB, 2000 * GB, default_precision="bf16")
 # NVIDIA H200 SXM 141 GB: H100 SXM compute, 4.8 TB/s HBM3e (NVIDIA H200 datasheet).
-H200 = Device("H200-SXM-141GB", _H100_SXM_FLOPS, 141 * GB, 4800 * GB)
+H200 = Device("H200-SXM-141GB", _H100_SXM_FLOPS, 141 * GB, 4800 * GB, default_precision="bf16")
 # Google TPU v2, per core (a chip has two): 45 TFLOP/s bf16, 16 GiB HBM and 600 GB/s per chip
 # (Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks", CACM 2020).
-TPU_V2 = Device("TPUv2-core", {"bf16": 22.5 * TERA, "fp32": 22.5 * TERA / 4}, 8 * GIB, 300 * GB)
+# TPU fp32 peaks are an assumption: the MXUs multiply bf16, fp32 takes several passes (a quarter).
+TPU_V2 = Device("TPUv2-core", {"bf16": 22.5 * TERA, "fp32": 22.5 * TERA / 4}, 8 * GIB, 300 * GB,
+                default_precision="bf16")
 # Google TPU v3, per core: 123 TFLOP/s bf16, 32 GiB HBM and 900 GB/s per chip of two cores (same
 # source); 16 GB per core as in the GPipe paper (Huang et al. 2019, section 3).
-TPU_V3 = Device("TPUv3-core", {"bf16": 61.5 * TERA, "fp32": 61.5 * TERA / 4}, 16 * GIB, 450 * GB)
+TPU_V3 = Device("TPUv3-core", {"bf16": 61.5 * TERA, "fp32": 61.5 * TERA / 4}, 16 * GIB, 450 * GB,
+                default_precision="bf16")
 # Google TPU v4 chip (one megacore): 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s
 # (Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer", ISCA 2023).
-TPU_V4 = Device("TPUv4", {"bf16": 275 * TERA, "fp32": 275 * TERA / 4}, 32 * GIB, 1200 * GB)
+TPU_V4 = Device("TPUv4", {"bf16": 275 * TERA, "fp32": 275 * TERA / 4}, 32 * GIB, 1200 * GB,
+                default_precision="bf16")
 
 
 def _local_memory_bytes() -> float:
@@ -137,7 +149,8 @@ def _local_memory_bytes() -> float:
 # at 3 GHz, 20 GB/s of DRAM bandwidth. Nominal only: gpipe calibrate measures this machine instead.
 LOCAL_CPU = Device("local-CPU", {"fp32": 96e9 * (os.cpu_count() or 1)}, _local_memory_bytes(), 20 * GB)
 
-# The ideal device: unlimited memory; its FLOP/s only matter for analytic models.
+# The ideal device: unlimited memory; its FLOP/s only matter for analytic models. fp32 by default,
+# like the executor: it stands for no hardware in particular.
 IDEAL_DEVICE = Device("ideal", {"fp32": 100 * TERA, "bf16": 100 * TERA, "fp16": 100 * TERA},
                       math.inf, 10_000 * GB, efficiency=1.0, bandwidth_efficiency=1.0)
 

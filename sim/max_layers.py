@@ -193,11 +193,11 @@ def depth_limits(make_workload: Callable[[int], Workload], system: System, batch
 
 
 def format_limits(limits: Sequence[tuple[DepthLimit, DepthLimit]], system: System, batch_size: int,
-                  model: str) -> str:
+                  model: str, precision: str) -> str:
     """A table of depths per K, then each limit's per-stage memory breakdown in GiB."""
     gib = 1 << 30
     capacity = system.device.memory_bytes / gib
-    lines = [f"deepest {model} that fits, batch {batch_size}, on {system.name} "
+    lines = [f"deepest {model} that fits, batch {batch_size}, {precision}, on {system.name} "
              f"({system.device.name}, {capacity:.1f} GiB per device)",
              f"{'K':>4}  {'re-materialization (always)':>34}  {'none (never)':>34}"]
     for pair in limits:

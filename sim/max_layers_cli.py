@@ -15,10 +15,10 @@ from sim.hardware import System
 from sim.max_layers import depth_limits, format_limits
 from sim.model_defaults import DEFAULT_BATCH
 from sim.workload import Workload
-from sim.workload_cli import model_name, resolve_workload
+from sim.workload_cli import model_name, resolve_workload, with_precision
 
 
-def run(args, system: System, options: dict) -> int:
+def run(args, system: System, options: dict, precision: str) -> int:
     """``gpipe plan --max-layers``: the table (or JSON) for the model and system the flags name."""
     if args.costs:
         raise GpipeInputError("--max-layers varies the depth, which a measured costs file cannot; "
@@ -36,14 +36,15 @@ def run(args, system: System, options: dict) -> int:
         stage_options = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= system.total_devices]
 
     def make(depth: int) -> Workload:
-        return resolve_workload(model, {**options, "layers": depth})
+        return resolve_workload(model, with_precision(model, {**options, "layers": depth}, precision))
 
     limits = depth_limits(make, system, batch, stage_options, microbatches)
     if args.json:
         rows = [{"stages": a.stages, "with_rematerialization": a.to_dict(), "without": b.to_dict()}
                 for a, b in limits]
-        json.dump({"system": system.name, "batch_size": batch, "limits": rows}, sys.stdout)
+        json.dump({"system": system.name, "batch_size": batch, "precision": precision, "limits": rows},
+                  sys.stdout)
         print()
     else:
-        print(format_limits(limits, system, batch, model))
+        print(format_limits(limits, system, batch, model, precision))
     return 0

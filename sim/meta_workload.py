@@ -1,14 +1,17 @@
 """A model measured layer by layer (FLOPs, bytes moved, bytes held), costed on any device's roofline.
 
-The measurements come from running each pipeline layer on PyTorch's meta device
-(:mod:`calibrate.meta_profile` does that; this module never imports torch): FLOPs forward and
-backward, bytes every op reads and writes, bytes saved for backward, and the layer's input, output
-and parameter sizes, at ``MEASURED_ROWS`` micro-batch rows. Every quantity is affine in the rows
+The measurements come from running each pipeline layer on tensors without storage (fake CPU
+tensors on PyTorch's meta device, under autocast for bf16: :mod:`calibrate.meta_profile` does that;
+this module never imports torch): FLOPs forward and backward, bytes every op reads and writes, bytes
+saved for backward, and the layer's input, output and parameter sizes, at ``MEASURED_ROWS``
+micro-batch rows. Every quantity is affine in the rows
 for layers that treat samples independently, so rows beyond the last two measured lie on their line.
 
 Times come from the roofline of :mod:`sim.models`: ``max(F / achieved FLOP/s, B / achieved
-bandwidth) + LAYER_OVERHEAD_S`` per pass, the device's ``efficiency`` being the calibrated one when
-the caller supplies it (``--efficiency`` or a costs file), else ``sim.hardware.DEFAULT_EFFICIENCY``.
+bandwidth) + LAYER_OVERHEAD_S`` per pass at the workload's precision, the device's ``efficiency``
+being the calibrated one when the caller supplies it (``--efficiency`` or a costs file), else
+``sim.hardware.DEFAULT_EFFICIENCY``. Weights, gradients and optimizer state are fp32 in either
+precision (:mod:`sim.precision`).
 
 Limits: what the meta kernels do is what is counted, which is eager PyTorch (no fusion, no flash
 attention unless the model calls ``scaled_dot_product_attention``); transient workspace, the
@@ -22,7 +25,8 @@ from typing import Any, Sequence
 
 from sim.errors import GpipeInputError
 from sim.hardware import Device
-from sim.models import DTYPE_BYTES, LAYER_OVERHEAD_S
+from sim.models import LAYER_OVERHEAD_S
+from sim.precision import DEFAULT_PRECISION, FP32_BYTES
 from sim.workload import LayerCost, SharedParameter
 
 MEASURED_ROWS = (1, 2, 3)  # measured directly; rows above the last lie on the line of the last two
@@ -39,6 +43,7 @@ class LayerMeasure:
     saved_bytes: float  # held for backward, the layer's input included when an op saves it
     input_bytes: float
     output_bytes: float
+    input_saved_bytes: float = 0.0  # the input's own storage, when an op saves it (else 0)
 
     def along(self, other: "LayerMeasure", t: float) -> "LayerMeasure":
         """The point ``t`` of the way from ``self`` to ``other`` (t may exceed 1)."""
@@ -74,13 +79,13 @@ class MetaWorkload:
     """A :class:`sim.workload.Workload` from meta-device measurements, costed by the roofline."""
 
     def __init__(self, name: str, options: dict[str, Any], profiles: Sequence[LayerProfile],
-                 dtype: str = "fp32", optimizer_slots: int = 2, analysis_s: float = 0.0,
-                 shared: Sequence[SharedTensor] = ()) -> None:
+                 precision: str = DEFAULT_PRECISION, optimizer_slots: int = 2,
+                 analysis_s: float = 0.0, shared: Sequence[SharedTensor] = ()) -> None:
         self.name = name
         self.options = dict(options)
         self.profiles = tuple(profiles)
         self.num_layers = len(self.profiles)
-        self.dtype = dtype
+        self.precision = precision
         self.optimizer_slots = optimizer_slots
         self.analysis_s = analysis_s
         self.shared = tuple(shared)
@@ -94,7 +99,7 @@ class MetaWorkload:
 
     @property
     def shared_parameters(self) -> tuple[SharedParameter, ...]:
-        per_element = DTYPE_BYTES[self.dtype]
+        per_element = FP32_BYTES  # fp32 master weights in either precision
         return tuple(SharedParameter(t.name, t.layers, t.numel * per_element,
                                      t.numel * per_element * (2 + self.optimizer_slots)) for t in self.shared)
 
@@ -102,21 +107,22 @@ class MetaWorkload:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
             raise GpipeInputError(f"micro-batch rows must be a positive integer, got {rows!r}")
         key = (rows, device.name, device.efficiency, device.bandwidth_efficiency,
-               device.peak_flops.get(self.dtype, 0.0))
+               device.peak_flops.get(self.precision, 0.0))
         if key not in self._cache:
-            flops_s, bytes_s = device.achieved_flops(self.dtype), device.achieved_bandwidth()
+            flops_s, bytes_s = device.achieved_flops(self.precision), device.achieved_bandwidth()
             self._cache[key] = [self._cost(p, p.at(rows), flops_s, bytes_s) for p in self.profiles]
         return list(self._cache[key])
 
     def _cost(self, profile: LayerProfile, m: LayerMeasure, flops_s: float, bytes_s: float) -> LayerCost:
         forward_s = max(m.forward_flops / flops_s, m.forward_bytes / bytes_s) + LAYER_OVERHEAD_S
         backward_s = max(m.backward_flops / flops_s, m.backward_bytes / bytes_s) + 2 * LAYER_OVERHEAD_S
-        param_bytes = profile.parameters * DTYPE_BYTES[self.dtype]
+        param_bytes = profile.parameters * FP32_BYTES  # fp32 master weights in either precision
         return LayerCost(
             name=profile.name, forward_s=forward_s, backward_s=backward_s, recompute_s=forward_s,
             saved_bytes=round(m.saved_bytes), output_bytes=round(m.output_bytes),
             input_bytes=round(m.input_bytes), param_bytes=param_bytes, grad_bytes=param_bytes,
             optimizer_bytes=self.optimizer_slots * param_bytes,
+            saves_input=m.input_saved_bytes > 0 or m.input_bytes == 0,
             # elementwise update: read weight, grad and slots, write weight and slots (as sim.models)
             optimizer_s=(3 + 2 * self.optimizer_slots) * param_bytes / bytes_s,
         )

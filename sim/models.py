@@ -6,8 +6,8 @@ simulate`` must not import torch.
 
 Time of one layer pass on ``device`` (the roofline, Williams et al., CACM 2009)::
 
-    forward_s  = max(F / achieved_flops(dtype), B / achieved_bandwidth) + LAYER_OVERHEAD_S
-    backward_s = max(2F / achieved_flops(dtype), 2B / achieved_bandwidth) + 2 * LAYER_OVERHEAD_S
+    forward_s  = max(F / achieved_flops(precision), B / achieved_bandwidth) + LAYER_OVERHEAD_S
+    backward_s = max(2F / achieved_flops(precision), 2B / achieved_bandwidth) + 2 * LAYER_OVERHEAD_S
     recompute_s = forward_s
 
 F counts matmul FLOPs as 2*m*n*k (convolutions as the matmul they are, attention scores q.k^T and
@@ -17,25 +17,40 @@ Ignored in F: bias adds, activations, normalisation, softmax, pooling, residual 
 embedding gather; they are memory-bound and enter through B. B counts bytes each op reads and
 writes (weights read once per pass, activations read and written per op, no fusion).
 
+Precision (:mod:`sim.precision`): ``fp32`` runs everything in fp32. ``bf16`` is autocast as
+torch runs it on CUDA: matmuls and convolutions (and the elementwise ops after them: GELU, ReLU,
+batch norm, pooling, the attention scale and mask) read and write bf16 (``c`` = 2 bytes below);
+the embedding, layer norms, softmax and the residual stream stay fp32 (``f`` = 4 bytes); an fp32
+tensor entering a matmul is cast (read 4, write 2 bytes: ``x`` = 6 below, 0 in fp32), and so is
+every weight and bias a matmul uses, once per forward (8 bytes per such parameter moved instead of
+4). Weights, gradients and optimizer state stay fp32 (4 bytes per parameter each) in both.
+
 Memory per layer and micro-batch (``saved_bytes``) counts what PyTorch autograd keeps for these
-modules: Linear and Conv2d save their input, ReLU its output, GELU its input, LayerNorm its input
-plus fp32 mean and rstd per token, BatchNorm2d its input (plus per-channel statistics, ignored),
-softmax its output, the attention matmuls q, k, v and the probabilities, dropout a one-byte mask
-per element (only when dropout > 0; CUDA's fused kernel; on CPU PyTorch keeps a mask in the
-input's dtype), Embedding its int64 indices. Tensors that do not grow with the micro-batch (position
-ids, the causal mask, BatchNorm's per-channel statistics) are left out. Each tensor is
-counted once: a ReLU's output is the next layer's input and is counted there (the next layer's
-first op saves it), so summing a stage's layers counts every tensor once, except the last layer's
-saved output in the mlp and cnn (ReLU), which equals that stage's ``output_bytes``. The transformer
-block's count matches Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", eq. 1: s*b*h*(34 + 5*a*s/h) bytes at 16 bits with dropout, less their dropout
-on the attention probabilities (3*a*s^2*b), which the executor's model does not have.
+modules: Linear and Conv2d save their input (in bf16, the bf16 cast of an fp32 input, not the input)
+and, when their input needs a gradient, their weight (a parameter in fp32, not counted; in bf16
+autocast's 2-byte copy, counted per micro-batch as ``fixed_saved_bytes``), ReLU its output, GELU its
+input, LayerNorm its input plus fp32 mean and rstd per token, BatchNorm2d its input (plus
+per-channel statistics, ignored), softmax its output (fp32 in bf16, and p.v saves the bf16 cast of
+it too), the attention matmuls q, k, v and the probabilities, dropout a one-byte mask per element
+(only when dropout > 0; CUDA's fused kernel; on CPU PyTorch keeps a mask in the input's dtype),
+Embedding its int64 indices. Tensors that do not grow with the micro-batch (position ids, the causal
+mask, BatchNorm's per-channel statistics) are left out. Each tensor is counted once: a ReLU's
+output is the next layer's input and is counted there (the next layer's first op saves it), so
+summing a stage's layers counts every tensor once, except the last layer's saved output in the mlp
+and cnn (ReLU), which equals that stage's ``output_bytes``. A layer that does not keep its input's
+own storage says so (``saves_input``), and a stage starting there holds the input besides. The fp32
+transformer block's count matches Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", eq. 1, with every tensor at 4 bytes: at 16 bits with dropout their
+s*b*h*(34 + 5*a*s/h) bytes, less their dropout on the attention probabilities (3*a*s^2*b), which the
+executor's model does not have.
 
 Limits: no kernel fusion, no flash attention (the (heads, seq, seq) scores are materialised, as
 in the explicit attention the executor runs), the causal mask saves no FLOPs, the loss after the
 last layer is not counted, one fixed launch overhead per layer, transient workspace not counted.
-Optimizer state follows the parameters' dtype, as torch.optim does for a model cast to that dtype
-(no fp32 master weights).
+bf16 follows CUDA's autocast op lists; CPU autocast runs softmax in bf16 and saves only its bf16
+output (the block saves 4 bytes per attention score less there), and TPUs (XLA) keep lists of
+their own. Casts of biases and of fp32 inputs are counted as traffic, not as saved memory, except
+where a matmul saves the cast.
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ from sim.errors import GpipeInputError
 from sim.hardware import Device
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
+from sim.precision import DEFAULT_PRECISION, FP32_BYTES, Precision, check_precision, precision_of
 from sim.workload import LayerCost, UniformWorkload, Workload
 
 BUILTIN_MODELS = ("uniform", "mlp", "transformer", "cnn")
@@ -57,14 +73,14 @@ BUILTIN_MODELS = ("uniform", "mlp", "transformer", "cnn")
 # device's work, ~5 us of CPU dispatch each (PyTorch eager, CUDA launch latency); 10 us in all.
 LAYER_OVERHEAD_S = 10e-6
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 STAT_BYTES = 4  # LayerNorm's saved mean and rstd are fp32 whatever the input dtype
 INDEX_BYTES = 8  # token ids are int64
 MASK_BYTES = 1  # dropout's saved mask is a bool per element
 
 # Options every analytic model accepts besides its own (DEFAULT_OPTIONS); uniform takes only the
 # optimizer's. optimizer_slots: state tensors per parameter (sim.optimizers; set by --optimizer).
-COMMON_DEFAULTS: dict[str, Any] = {"dtype": "fp32", "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
+COMMON_DEFAULTS: dict[str, Any] = {"precision": DEFAULT_PRECISION,
+                                   "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
 
 _HAS_OPTIMIZER_S = "optimizer_s" in {f.name for f in dataclasses.fields(LayerCost)}
 
@@ -81,6 +97,8 @@ class LayerSpec:
     saved_bytes_per_row: float
     input_bytes_per_row: float
     output_bytes_per_row: float
+    fixed_saved_bytes: float = 0.0  # per micro-batch whatever its rows: bf16 weight copies
+    saves_input: bool = True  # whether the saved bytes hold the input's own storage
 
 
 class AnalyticWorkload:
@@ -91,7 +109,7 @@ class AnalyticWorkload:
         self.options = dict(options)
         self.layers = tuple(layers)
         self.num_layers = len(self.layers)
-        self.dtype: str = options["dtype"]
+        self.precision: str = options["precision"]
         self.optimizer_slots: int = options["optimizer_slots"]
 
     @property
@@ -101,7 +119,7 @@ class AnalyticWorkload:
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
         if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows <= 0:
             raise GpipeInputError(f"micro-batch rows must be a positive integer, got {rows!r}")
-        flops_s = device.achieved_flops(self.dtype)
+        flops_s = device.achieved_flops(self.precision)
         bytes_s = device.achieved_bandwidth()
         return [self._cost(spec, rows, flops_s, bytes_s) for spec in self.layers]
 
@@ -110,18 +128,18 @@ class AnalyticWorkload:
         moved = spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes
         forward_s = max(flops / flops_s, moved / bytes_s) + LAYER_OVERHEAD_S
         backward_s = max(2 * flops / flops_s, 2 * moved / bytes_s) + 2 * LAYER_OVERHEAD_S
-        param_bytes = spec.params * DTYPE_BYTES[self.dtype]
+        param_bytes = spec.params * FP32_BYTES  # fp32 master weights in either precision
         extra = {}
         if _HAS_OPTIMIZER_S:
             # Elementwise update: read weight, grad and slots, write weight and slots.
             extra["optimizer_s"] = (3 + 2 * self.optimizer_slots) * param_bytes / bytes_s
         return LayerCost(
             name=spec.name, forward_s=forward_s, backward_s=backward_s, recompute_s=forward_s,
-            saved_bytes=round(spec.saved_bytes_per_row * rows),
+            saved_bytes=round(spec.saved_bytes_per_row * rows + spec.fixed_saved_bytes),
             output_bytes=round(spec.output_bytes_per_row * rows),
             input_bytes=round(spec.input_bytes_per_row * rows),
             param_bytes=param_bytes, grad_bytes=param_bytes,
-            optimizer_bytes=self.optimizer_slots * param_bytes, **extra,
+            optimizer_bytes=self.optimizer_slots * param_bytes, saves_input=spec.saves_input, **extra,
         )
 
     def describe(self) -> dict:
@@ -129,113 +147,152 @@ class AnalyticWorkload:
                 "parameter_count": self.parameter_count}
 
 
+def _weights_read(p: Precision, matmul_params: int, other_params: int) -> float:
+    """Bytes one forward moves for weights: matmul weights and biases in the compute dtype (cast
+    from fp32 first under autocast), the rest (norms) in fp32."""
+    return matmul_params * (p.compute_bytes + p.cast_bytes) + other_params * FP32_BYTES
+
+
 # --- mlp -----------------------------------------------------------------------------------------
 def mlp_layers(o: dict[str, Any]) -> list[LayerSpec]:
-    """``layers`` x [Linear(w, w) + ReLU] on rows of ``width`` features.
+    """``layers`` x [Linear(w, w) + ReLU] on rows of ``width`` fp32 features.
 
-    Per row: F = 2w^2; B = 4w*e (Linear reads w, writes w; ReLU reads w, writes w) + weights once;
-    saved = w*e (Linear's input; ReLU's output is counted as the next layer's input).
+    Per row, with c the compute bytes: F = 2w^2; B = 4w*c (Linear reads w, writes w; ReLU reads w,
+    writes w) + weights once; saved = w*c (Linear's input; ReLU's output is counted as the next
+    layer's input). Under bf16 the first layer's fp32 input is cast (6w bytes moved) and the cast
+    saved instead of the input (``saves_input`` false); every later layer's input needs a gradient,
+    so its Linear also saves autocast's copy of the weight, 2w^2 bytes per micro-batch.
     """
-    w, e = o["width"], DTYPE_BYTES[o["dtype"]]
+    w, p = o["width"], precision_of(o["precision"])
+    c = p.compute_bytes
     params = w * w + w
-    spec = LayerSpec(
-        "linear_relu", params, flops_per_row=2.0 * w * w, traffic_bytes_per_row=4.0 * w * e,
-        fixed_traffic_bytes=params * e, saved_bytes_per_row=w * e, input_bytes_per_row=w * e,
-        output_bytes_per_row=w * e,
+    later = LayerSpec(
+        "linear_relu", params, flops_per_row=2.0 * w * w, traffic_bytes_per_row=4.0 * w * c,
+        fixed_traffic_bytes=_weights_read(p, params, 0), saved_bytes_per_row=w * c,
+        input_bytes_per_row=w * c, output_bytes_per_row=w * c,
+        fixed_saved_bytes=p.weight_copy_bytes * w * w,
     )
-    return [spec] * o["layers"]
+    # the model's input needs no gradient: its Linear saves no weight copy
+    first = dataclasses.replace(later, traffic_bytes_per_row=later.traffic_bytes_per_row + p.cast_bytes * w,
+                                input_bytes_per_row=w * FP32_BYTES, fixed_saved_bytes=0.0,
+                                saves_input=not p.casts)
+    return [first] + [later] * (o["layers"] - 1)
 
 
 # --- transformer ---------------------------------------------------------------------------------
 def transformer_layers(o: dict[str, Any]) -> list[LayerSpec]:
     """[Embedding, ``layers`` x pre-LayerNorm Block, Head], GPT-style with learned positions.
 
-    With s = seq, d = d_model, f = ff, h = heads, V = vocab, e = dtype bytes, per row (sequence):
+    With s = seq, d = d_model, f = ff, h = heads, V = vocab; c the compute bytes (4 in fp32, 2 in
+    bf16), F = 4 the fp32 bytes, x the bytes of one cast (0 in fp32, 6 in bf16), per row (sequence):
 
-    - Embedding (token + position): params V*d + s*d; F = 0; saved = 8s (int64 ids) [+ sd mask].
+    - Embedding (token + position), fp32 in both precisions: params V*d + s*d; F = 0;
+      saved = 8s (int64 ids) [+ sd mask]; output F*sd.
     - Block: params 4d^2 + 2df + 9d + f (LN 2d, QKV 3d^2+3d, proj d^2+d, LN 2d, fc1 df+f,
       fc2 fd+d). F = 2s(3d^2 + d^2 + 2df) + 4s^2*d (q.k^T and p.v, each 2*s*s*d over all heads).
-      saved = e(8sd + 2sf + h*s^2) + 16s: LN1 in, LN1 out (QKV's input), q/k/v (3sd), softmax
-      probs (h*s^2), attention out (proj's input), LN2 in, LN2 out (fc1's input), fc1 out (GELU's
-      input), GELU out (fc2's input), 4 fp32 LN statistics per token. Dropout p > 0 sits where
-      the executor puts it: after the embedding sum, the attention projection and the MLP (not on
-      the attention probabilities); each adds a mask of sd bytes.
-    - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = 2sd*e + 8s.
+      saved = sd(2F + 6c) + 2c*sf + h*s^2(F + [bf16] c) + 16s: LN1 in and LN2 in (the fp32
+      residual stream), QKV's and fc1's inputs (LN outputs, cast to bf16 in bf16), q/k/v (3sd),
+      attention out (proj's input), fc1 out (GELU's input), GELU out (fc2's input), the softmax
+      probabilities (fp32; in bf16 p.v also saves their bf16 cast), 4 fp32 LN statistics per
+      token; in bf16 plus the weight copies of QKV, proj, fc1 and fc2, 2(4d^2 + 2df) bytes per
+      micro-batch. Input and output are the fp32 residual stream (F*sd): autocast adds the bf16
+      branches into it, which promotes. Dropout p > 0 sits where the executor puts it: after the
+      embedding sum, the attention projection and the MLP (not on the attention probabilities);
+      each adds a mask of sd bytes.
+    - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = F*sd (LN in) +
+      c*sd (Linear's input) + 8s [+ 2dV weight copy in bf16]; output c*sV logits.
     """
     L, s, d, f, h, V = (o[k] for k in ("layers", "seq", "d_model", "ff", "heads", "vocab"))
-    e, p = DTYPE_BYTES[o["dtype"]], o["dropout"]
-    drop = p > 0
+    p, drop = precision_of(o["precision"]), o["dropout"] > 0
+    c, F, x = p.compute_bytes, FP32_BYTES, p.cast_bytes
     embed = LayerSpec(
         "embedding", params=V * d + s * d, flops_per_row=0.0,
         # read ids; gather reads/writes sd; add reads sd (+ position table once), writes sd
-        traffic_bytes_per_row=INDEX_BYTES * s + 4 * s * d * e + drop * (2 * s * d * e + s * d),
-        fixed_traffic_bytes=s * d * e,
+        traffic_bytes_per_row=INDEX_BYTES * s + 4 * s * d * F + drop * (2 * s * d * F + s * d),
+        fixed_traffic_bytes=s * d * F,
         saved_bytes_per_row=INDEX_BYTES * s + drop * MASK_BYTES * s * d,
-        input_bytes_per_row=INDEX_BYTES * s, output_bytes_per_row=s * d * e,
+        input_bytes_per_row=INDEX_BYTES * s, output_bytes_per_row=s * d * F,
     )
-    block_params = 4 * d * d + 2 * d * f + 9 * d + f
-    # Forward element traffic: 24sd (LN 2+2, QKV 1+3, q.k^T 2, p.v 1+1, transpose 2, proj 1+1,
-    # residual adds 3+3, fc1 1, fc2 1) + 4sf (fc1 out, GELU 2, fc2 in) + 8hs^2 (scores written,
-    # scale 2, mask 2, softmax 2, read by p.v); each dropout reads and writes sd plus its mask.
-    block_traffic = e * (24 * s * d + 4 * s * f + 8 * h * s * s) + 4 * STAT_BYTES * s
-    block_traffic += drop * (2 * e + MASK_BYTES) * 2 * s * d
-    block_saved = e * (8 * s * d + 2 * s * f + h * s * s) + 4 * STAT_BYTES * s
-    block_saved += drop * MASK_BYTES * 2 * s * d
+    matmul_weights = 4 * d * d + 2 * d * f
+    block_params = matmul_weights + 9 * d + f
+    # Forward traffic per sd: 8 fp32 elements (LN 2+2, residual adds read x and write 2+2) and 16 in
+    # the compute dtype (QKV 1+3, q.k^T 2, p.v 1+1, transpose 2, proj 1+1, adds read the branch 1+1,
+    # fc1 1, fc2 1), plus 2 casts (LN outputs); per sf 4 (fc1 out, GELU 2, fc2 in); per h*s^2 6 in the
+    # compute dtype (scores written, scale 2, mask 2, read by p.v), 2 in fp32 (softmax) and 2 casts
+    # (to fp32 and back); each dropout reads and writes sd plus its mask.
+    block_traffic = (s * d * (8 * F + 16 * c + 2 * x) + 4 * s * f * c + h * s * s * (6 * c + 2 * F + 2 * x)
+                     + 4 * STAT_BYTES * s + drop * (2 * c + MASK_BYTES) * 2 * s * d)
+    block_saved = (s * d * (2 * F + 6 * c) + 2 * s * f * c + h * s * s * (F + (c if p.casts else 0))
+                   + 4 * STAT_BYTES * s + drop * MASK_BYTES * 2 * s * d)
     block = LayerSpec(
         "block", params=block_params,
         flops_per_row=2.0 * s * (4 * d * d + 2 * d * f) + 4.0 * s * s * d,
-        traffic_bytes_per_row=block_traffic, fixed_traffic_bytes=block_params * e,
-        saved_bytes_per_row=block_saved,
-        input_bytes_per_row=s * d * e, output_bytes_per_row=s * d * e,
+        traffic_bytes_per_row=block_traffic,
+        fixed_traffic_bytes=_weights_read(p, block_params - 4 * d, 4 * d),
+        saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F, output_bytes_per_row=s * d * F,
+        fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
     )
     head_params = 2 * d + d * V + V
     head = LayerSpec(
         "head", params=head_params, flops_per_row=2.0 * s * d * V,
-        traffic_bytes_per_row=e * (3 * s * d + s * V) + 2 * STAT_BYTES * s,
-        fixed_traffic_bytes=head_params * e,
-        saved_bytes_per_row=2 * s * d * e + 2 * STAT_BYTES * s,
-        input_bytes_per_row=s * d * e, output_bytes_per_row=s * V * e,
+        # LN reads and writes sd in fp32; cast; Linear reads sd, writes sV
+        traffic_bytes_per_row=s * d * (2 * F + c + x) + c * s * V + 2 * STAT_BYTES * s,
+        fixed_traffic_bytes=_weights_read(p, d * V + V, 2 * d),
+        saved_bytes_per_row=s * d * (F + c) + 2 * STAT_BYTES * s,
+        input_bytes_per_row=s * d * F, output_bytes_per_row=s * V * c,
+        fixed_saved_bytes=p.weight_copy_bytes * d * V,
     )
     return [embed] + [block] * L + [head]
 
 
 # --- cnn -----------------------------------------------------------------------------------------
 def cnn_layers(o: dict[str, Any]) -> list[LayerSpec]:
-    """[Stem, ``layers`` x Conv-BN-ReLU, Head] on 3 x n x n images, C channels, k classes.
+    """[Stem, ``layers`` x Conv-BN-ReLU, Head] on 3 x n x n fp32 images, C channels, k classes.
 
-    Per row (image), with e = dtype bytes:
+    Per row (image), with c the compute bytes and x the bytes of one cast (see the module):
 
     - Stem Conv2d(3, C, 3, pad 1) + BN + ReLU: params 27C + C + 2C; F = 2*n^2*C*27;
-      saved = e(3n^2 + Cn^2) (conv input, BN input; ReLU output counted by the next layer).
+      saved = c(3n^2 + Cn^2) (conv input, BN input; ReLU output counted by the next layer). In
+      bf16 the conv saves the bf16 cast of the fp32 image, not the image (``saves_input`` false),
+      and the copy of its weight, 54C bytes (a convolution keeps its weight even when its input
+      needs no gradient; a Linear does not).
     - Block Conv2d(C, C, 3, pad 1) + BN + ReLU: params 9C^2 + C + 2C; F = 2*n^2*C*9C;
-      saved = 2Cn^2*e.
+      saved = 2Cn^2*c [+ 18C^2 weight copy in bf16].
     - Head AdaptiveAvgPool2d(1) + Flatten + Linear(C, k): params Ck + k; F = 2Ck;
-      saved = C*e (Linear's input; pooling to 1x1 runs as a mean, which saves only shapes).
+      saved = C*c (Linear's input; pooling to 1x1 runs as a mean, which saves only shapes, so the
+      head keeps nothing of its own input) [+ 2Ck weight copy in bf16].
     Traffic per row: conv reads its input, writes Cn^2; BN reads twice (statistics, normalise)
-    and writes once; ReLU reads and writes once. BN statistics per channel are not counted.
+    and writes once; ReLU reads and writes once; bf16 casts the image once. BN statistics per
+    channel are not counted.
     """
     L, C, n, k = (o[key] for key in ("layers", "channels", "image", "classes"))
-    e, area = DTYPE_BYTES[o["dtype"]], o["image"] ** 2
+    p, area = precision_of(o["precision"]), o["image"] ** 2
+    c = p.compute_bytes
     stem_params = 27 * C + C + 2 * C
     stem = LayerSpec(
         "stem", params=stem_params, flops_per_row=2.0 * area * C * 27,
-        traffic_bytes_per_row=e * (3 * area + 6 * C * area), fixed_traffic_bytes=stem_params * e,
-        saved_bytes_per_row=e * (3 * area + C * area),
-        input_bytes_per_row=3 * area * e, output_bytes_per_row=C * area * e,
+        traffic_bytes_per_row=c * (3 * area + 6 * C * area) + p.cast_bytes * 3 * area,
+        fixed_traffic_bytes=_weights_read(p, 28 * C, 2 * C),
+        saved_bytes_per_row=c * (3 * area + C * area),
+        input_bytes_per_row=3 * area * FP32_BYTES, output_bytes_per_row=C * area * c,
+        fixed_saved_bytes=p.weight_copy_bytes * 27 * C,  # a convolution saves its weight regardless
+        saves_input=not p.casts,
     )
     block_params = 9 * C * C + C + 2 * C
     block = LayerSpec(
         "conv_bn_relu", params=block_params, flops_per_row=2.0 * area * C * 9 * C,
-        traffic_bytes_per_row=7 * C * area * e, fixed_traffic_bytes=block_params * e,
-        saved_bytes_per_row=2 * C * area * e,
-        input_bytes_per_row=C * area * e, output_bytes_per_row=C * area * e,
+        traffic_bytes_per_row=7 * C * area * c, fixed_traffic_bytes=_weights_read(p, 9 * C * C + C, 2 * C),
+        saved_bytes_per_row=2 * C * area * c,
+        input_bytes_per_row=C * area * c, output_bytes_per_row=C * area * c,
+        fixed_saved_bytes=p.weight_copy_bytes * 9 * C * C,
     )
     head_params = C * k + k
     head = LayerSpec(
         "head", params=head_params, flops_per_row=2.0 * C * k,
-        traffic_bytes_per_row=e * (C * area + 2 * C + k), fixed_traffic_bytes=head_params * e,
-        saved_bytes_per_row=C * e,
-        input_bytes_per_row=C * area * e, output_bytes_per_row=k * e,
+        traffic_bytes_per_row=c * (C * area + 2 * C + k), fixed_traffic_bytes=_weights_read(p, head_params, 0),
+        saved_bytes_per_row=C * c,
+        input_bytes_per_row=C * area * c, output_bytes_per_row=k * c,
+        fixed_saved_bytes=p.weight_copy_bytes * C * k, saves_input=False,
     )
     return [stem] + [block] * L + [head]
 
@@ -283,11 +340,8 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_option(model: str, key: str, value: Any) -> Any:
-    if key == "dtype":
-        if value not in DTYPE_BYTES:
-            raise GpipeInputError(f"dtype={value!r} for model {model}; choose one of "
-                                  f"{', '.join(DTYPE_BYTES)}")
-        return value
+    if key == "precision":
+        return check_precision(value)
     if key == "dropout":
         try:
             p = float(value)

@@ -6,7 +6,8 @@ Every cell here uses one description, with nothing tuned to any cell:
 
 - model: the built-in transformer with the paper's sizes (d_model 2048, ff 8192, 32 heads,
   sequence 1024, vocabulary 32k, 48 blocks; about 50.3M parameters per block), fp32 weights and two
-  optimizer slots (RMSProp: 12 bytes per parameter, plus our fp32 gradient buffer);
+  optimizer slots (RMSProp: 12 bytes per parameter, plus our fp32 gradient buffer), precision fp32
+  (not the catalog's bf16 default for TPUs: the replay keeps the description it was published with);
 - hardware: the catalog's ``tpu-v3`` (one TPUv3 core per stage, 16 GiB, ICI links) at the
   catalog's default efficiency, which cancels in the normalised throughput;
 - training: batch 32 in every cell, re-materialization on for every micro-batch
@@ -44,7 +45,7 @@ PAPER_TABLE2: dict[tuple[int, int], float] = {
 STAGES = (2, 4, 8)
 MICROBATCHES = (1, 4, 32)
 TRANSFORMER_48 = {"layers": 48, "d_model": 2048, "ff": 8192, "heads": 32, "seq": 1024, "vocab": 32000,
-                  "dropout": 0.0, "dtype": "fp32", "optimizer_slots": 2}
+                  "dropout": 0.0, "precision": "fp32", "optimizer_slots": 2}
 BATCH = 32
 SYSTEM = "tpu-v3"
 CHECKPOINT = "always"
@@ -118,7 +119,8 @@ def format_table(cells: Sequence[PaperCell]) -> str:
     """The table as printed by ``gpipe paper``: paper / simulated (gap) per cell, then memory."""
     by_cell = {(c.stages, c.microbatches): c for c in cells}
     width = 28
-    lines = [f"GPipe Table 2, Transformer-48 on {SYSTEM}, batch {BATCH}, checkpoint {CHECKPOINT}: "
+    lines = [f"GPipe Table 2, Transformer-48 on {SYSTEM}, batch {BATCH}, checkpoint {CHECKPOINT}, "
+             f"precision {TRANSFORMER_48['precision']}: "
              "throughput normalised to K=2, M=1 (paper / simulated, relative gap)",
              "M \\ K " + "".join(f"{f'K={k}':>{width}}" for k in STAGES)]
     for m in MICROBATCHES:

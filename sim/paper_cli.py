@@ -16,12 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.paper import NOT_CAPTURED, bubble_points, cells_to_dicts, format_table, replay
+    from sim.paper import NOT_CAPTURED, TRANSFORMER_48, bubble_points, cells_to_dicts, format_table, replay
 
     check_output_path(args.html, "--html")
     cells = replay()
     if args.json:
-        json.dump({"cells": cells_to_dicts(cells), "not_captured": NOT_CAPTURED}, sys.stdout)
+        json.dump({"precision": TRANSFORMER_48["precision"], "cells": cells_to_dicts(cells),
+                   "not_captured": NOT_CAPTURED}, sys.stdout)
         print()
     else:
         print(format_table(cells))

@@ -1,7 +1,8 @@
 """The plan file: what to run, as chosen by ``gpipe plan`` and run by ``gpipe train``.
 
 A versioned JSON document. It is validated when loaded, so a hand-edited plan fails with one line
-naming the bad field before any process starts.
+naming the bad field before any process starts. ``precision`` (:mod:`sim.precision`) is what the
+prediction assumed and what ``gpipe train --plan`` trains at; plans without one are fp32.
 
 Example::
 
@@ -9,7 +10,7 @@ Example::
      "model": {"name": "transformer", "options": {"layers": 4, "d_model": 64},
                "num_layers": 6, "parameter_count": 123456},
      "partition": [3, 3], "batch_size": 32, "microbatches": 8,
-     "checkpoint": "except_last", "schedule": "gpipe", "optimizer": "adamw",
+     "checkpoint": "except_last", "schedule": "gpipe", "optimizer": "adamw", "precision": "bf16",
      "hardware": {"system": "cpu", "nodes": 1},
      "predicted": {"step_time_s": 0.12, "bubble_fraction": 0.11}}
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 from sim.errors import GpipeInputError, require_positive
 from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
+from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.schedule import check_checkpoint_policy, check_schedule_name
 from sim.timeline import write_json_atomic
 
@@ -51,6 +53,7 @@ class Plan:
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
+    precision: str = DEFAULT_PRECISION
 
     @property
     def stages(self) -> int:
@@ -63,6 +66,7 @@ class Plan:
         check_checkpoint_policy(self.checkpoint)
         check_schedule_name(self.schedule)
         check_optimizer(self.optimizer)
+        check_precision(self.precision)
         slots = self.model.options.get("optimizer_slots")
         if slots is not None and slots != optimizer_slots(self.optimizer):
             raise GpipeInputError(
@@ -126,6 +130,7 @@ def plan_from_dict(data: Any) -> Plan:
             hardware=dict(data.get("hardware", {"system": "cpu", "nodes": 1})),
             predicted=dict(data.get("predicted", {})),
             version=version,
+            precision=data.get("precision", DEFAULT_PRECISION),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None

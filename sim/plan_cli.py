@@ -7,22 +7,25 @@ import json
 import sys
 import time
 
-from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument, check_output_path,
-                             parse_int_list, simulation_options)
+from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
+                             add_precision_argument, check_output_path, parse_int_list, simulation_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import get_system
 from sim.plan import ModelRef, Plan, save_plan
 from sim.planner import PlanOption, SearchResult, default_stage_options, search
 from sim.microbatch import split_rows
-from sim.report import gib
+from sim.precision import check_precision
+from sim.report import describe_precision, gib
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
-from sim.workload_cli import workload_and_batch
+from sim.workload_cli import chosen_precision, workload_and_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_optimizer_argument(parser)
     add_hardware_arguments(parser, default="cpu")
+    add_precision_argument(parser, "the costs file's; else the device's: bf16 on A100, H100, H200 and "
+                                   "TPUs, fp32 elsewhere")
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
     parser.add_argument("--stages-options", default=None, metavar="LIST",
                         help="K values to try, e.g. 1,2,4,8 (default: powers of two up to devices and layers)")
@@ -52,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def planning_inputs(args: argparse.Namespace):
-    """The system (with any efficiency override) and the model options, shared by both modes."""
+    """The system (with any efficiency override), the model options and the precision, shared by
+    both modes."""
     from sim.whatif import efficiency_from_costs, with_efficiency
 
     efficiency, bandwidth = args.efficiency, None
@@ -63,10 +67,12 @@ def planning_inputs(args: argparse.Namespace):
     options = simulation_options(args)
     if args.input_shape:
         options["input_shape"] = args.input_shape
-    return system, options
+    return system, options, chosen_precision(args, system.device)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.precision is not None:
+        check_precision(args.precision)
     check_output_path(args.out, "--out")
     check_output_path(args.html, "--html")
     if args.max_layers:
@@ -76,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     require_positive("--top", args.top)
     checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
     schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
-    system, options = planning_inputs(args)
-    workload, batch = workload_and_batch(args, options)
+    system, options, precision = planning_inputs(args)
+    workload, batch = workload_and_batch(args, options, precision)
     if args.stages_options:
         stage_options = parse_int_list(args.stages_options, "--stages-options")
         too_many = [k for k in stage_options if k > workload.num_layers]
@@ -104,16 +110,16 @@ def run(args: argparse.Namespace) -> int:
     description = workload.describe()
     if args.out:
         save_plan(to_plan(result.best, description, batch, system.name, system.nodes,
-                          planned_optimizer(args, workload)), args.out)
+                          planned_optimizer(args, workload), precision), args.out)
     if args.json:
         json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
-                   "parameter_count": description["parameter_count"],
+                   "parameter_count": description["parameter_count"], "precision": precision,
                    "candidates": result.candidates, "simulated": result.simulated,
                    "elapsed_s": result.elapsed_s,
                    "ranked": [_option_dict(o) for o in result.ranked]}, sys.stdout)
         print()
     else:
-        print(format_table(result, description, system.name, batch))
+        print(format_table(result, description, system.name, batch, precision))
         if args.out:
             print(f"plan written to {args.out}")
     if args.html:
@@ -149,16 +155,19 @@ def planned_optimizer(args: argparse.Namespace, workload) -> str:
     return args.optimizer or getattr(workload, "optimizer", None) or DEFAULT_OPTIMIZER
 
 
-def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int, optimizer: str) -> Plan:
+def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int, optimizer: str,
+            precision: str) -> Plan:
+    """The plan file of ``option``; the precision is the plan's own field, not a model option."""
     c = option.candidate
     assert option.result is not None and option.partition is not None
+    options = {k: v for k, v in description["options"].items() if k != "precision"}
     return Plan(
-        model=ModelRef(name=description["name"], options=description["options"],
+        model=ModelRef(name=description["name"], options=options,
                        num_layers=description["num_layers"],
                        parameter_count=description["parameter_count"]),
         partition=tuple(option.partition), batch_size=batch, microbatches=c.microbatches,
         checkpoint=c.checkpoint, schedule=c.schedule, hardware={"system": system, "nodes": nodes},
-        predicted=option.result.to_dict(), optimizer=optimizer,
+        predicted=option.result.to_dict(), optimizer=optimizer, precision=precision,
     )
 
 
@@ -170,9 +179,10 @@ def _option_dict(option: PlanOption) -> dict:
                 k: v for k, v in option.result.to_dict().items() if k not in ("partition", "schedule", "checkpoint")}}
 
 
-def format_table(result: SearchResult, description: dict, system: str, batch: int) -> str:
+def format_table(result: SearchResult, description: dict, system: str, batch: int, precision: str) -> str:
     head = (f"model {description['name']} ({description['num_layers']} layers, "
-            f"{description['parameter_count'] / 1e6:.1f}M parameters), batch {batch}, on {system}: "
+            f"{description['parameter_count'] / 1e6:.1f}M parameters), batch {batch}, on {system}, "
+            f"precision {describe_precision(precision)}: "
             f"{result.candidates} candidates, {result.simulated} simulated, {result.not_fitting} do not fit, "
             f"{result.elapsed_s:.2f} s")
     rows = [head, f"{'rank':>4} {'K':>3} {'M':>3} {'checkpoint':<11} {'schedule':<8} {'step ms':>10} "

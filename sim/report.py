@@ -14,9 +14,10 @@ def gib(nbytes: float) -> str:
     return "unlimited" if math.isinf(nbytes) else f"{nbytes / GIB:.2f} GiB"
 
 
-def format_summary(result: SimResult, system: System) -> str:
+def format_summary(result: SimResult, system: System, precision: str) -> str:
     lines = [
         f"system       {system.name} x{system.nodes} node(s), device {system.device.name}",
+        f"precision    {describe_precision(precision)}",
         f"partition    {','.join(map(str, result.partition))} layers per stage",
         f"micro-batch  {result.microbatches} of {result.microbatch_rows[0]} rows "
         f"(batch {result.batch_size}), {result.schedule}, checkpoint {result.checkpoint}",
@@ -30,6 +31,13 @@ def format_summary(result: SimResult, system: System) -> str:
                      f"   {gib(s.peak_memory_bytes):>11}   {gib(s.memory_capacity_bytes):>9}   "
                      f"{'yes' if s.fits else 'NO'}")
     return "\n".join(lines)
+
+
+def describe_precision(precision: str) -> str:
+    """``precision`` as a reader needs it: what computes in which dtype."""
+    if precision == "bf16":
+        return "bf16 (autocast compute; fp32 master weights, gradients and optimizer state)"
+    return precision
 
 
 def fit_advice(result: SimResult, system: System) -> str:

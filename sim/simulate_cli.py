@@ -7,17 +7,19 @@ import json
 import sys
 
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                             add_pipeline_arguments, check_output_path, simulation_options)
+                             add_pipeline_arguments, add_precision_argument, check_output_path,
+                             simulation_options)
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import System, get_system
 from sim.optimizers import optimizer_slots
 from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
+from sim.precision import check_precision
 from sim.schedule import check_checkpoint_policy, check_schedule_name
 from sim.report import fit_advice, format_summary
 from sim.workload import Workload
-from sim.workload_cli import resolve_workload, workload_and_batch
+from sim.workload_cli import chosen_precision, resolve_workload, with_precision, workload_and_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_optimizer_argument(parser)
     add_pipeline_arguments(parser)
     add_hardware_arguments(parser)
+    add_precision_argument(parser, "the plan's; else the costs file's; else the device's: bf16 on "
+                                   "A100, H100, H200 and TPUs, fp32 elsewhere")
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"),
                         help="how to split layers when --partition is not given")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -36,33 +40,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.precision is not None:
+        check_precision(args.precision)
     check_output_path(args.trace, "--trace")
     check_output_path(args.html, "--html")
     if args.plan:
         plan = load_plan(args.plan)
         system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
+        precision = chosen_precision(args, system.device, args.precision or plan.precision)
         options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
-        workload = resolve_workload(plan.model.name, options, args.costs)
+        workload = resolve_workload(plan.model.name,
+                                    with_precision(plan.model.name, options, precision, args.costs),
+                                    args.costs)
         if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
                           plan.checkpoint, plan.schedule)
     else:
-        result, system, workload = simulate_from_flags(args)
+        result, system, workload, precision = simulate_from_flags(args)
     if not result.fits and not args.allow_overflow:
         raise GpipeInputError(fit_advice(result, system))
-    emit(result, system, workload, args)
+    emit(result, system, workload, precision, args)
     return 0
 
 
-def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Workload]:
+def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Workload, str]:
     """Validate every flag before simulating, then run the simulation."""
     require_positive("stages (K)", args.stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
     check_checkpoint_policy(args.checkpoint)
     check_schedule_name(args.schedule)
     system = get_system(args.hardware, args.nodes)
-    workload, batch = workload_and_batch(args, simulation_options(args))
+    precision = chosen_precision(args, system.device)
+    workload, batch = workload_and_batch(args, simulation_options(args), precision)
     partition = parse_partition(args.partition) if args.partition is not None else None
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
         stages = len(partition) if partition is not None else args.stages
@@ -76,10 +86,11 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         candidate = Candidate(args.stages, args.microbatches, args.checkpoint, args.schedule)
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
     result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule)
-    return result, system, workload
+    return result, system, workload, precision
 
 
-def emit(result: SimResult, system: System, workload: Workload, args: argparse.Namespace) -> None:
+def emit(result: SimResult, system: System, workload: Workload, precision: str,
+         args: argparse.Namespace) -> None:
     if args.trace:
         result.timeline.write_chrome_trace(args.trace)
     if args.html:
@@ -88,6 +99,7 @@ def emit(result: SimResult, system: System, workload: Workload, args: argparse.N
         write_html(timeline_figure(result.timeline, title=f"Simulated step on {system.name}"), args.html)
     if args.json:
         data = result.to_dict()
+        data["precision"] = precision
         data["hardware"] = {"system": system.name, "nodes": system.nodes}
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
@@ -95,7 +107,7 @@ def emit(result: SimResult, system: System, workload: Workload, args: argparse.N
         json.dump(data, sys.stdout)
         print()
     else:
-        print(format_summary(result, system))
+        print(format_summary(result, system, precision))
         for flag, path in (("trace", args.trace), ("timeline", args.html)):
             if path:
                 print(f"{flag} written to {path}")

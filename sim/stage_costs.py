@@ -4,9 +4,12 @@ Memory accounting, shared with the executor's measurement: a stage holds its sta
 (parameters, gradients, optimizer state) all step long. For a micro-batch that is not re-materialized
 it holds every tensor its layers save for backward from the forward until the backward; for one that
 is, it holds only the stage's boundary input (the stash) until the recompute, then everything saved.
-This assumes the stage's first layer saves its own input for backward (true of Linear, Conv,
-LayerNorm and Embedding), so the stash is counted once, inside ``saved_bytes``. Transient working
-memory inside an op, gradients in flight and allocator fragmentation are not modelled.
+When the stage's first layer saves its own input for backward (true of Linear, Conv, LayerNorm and
+Embedding in fp32), the stash is counted once, inside ``saved_bytes``; when it does not
+(``LayerCost.saves_input`` false: under bf16 autocast a Linear saves a bf16 cast of an fp32 input,
+and a pooling head saves nothing of it), the input is added to the stage's ``saved_bytes``, since the
+stage holds it until the backward all the same. Transient working memory inside an op, gradients in
+flight and allocator fragmentation are not modelled.
 """
 
 from __future__ import annotations
@@ -42,12 +45,17 @@ def stage_bounds(partition: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
+def held_input_bytes(first: LayerCost) -> int:
+    """Bytes of the stage's input held until the backward besides what its layers save."""
+    return 0 if first.saves_input else first.input_bytes
+
+
 def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
     return StageCost(
         forward_s=sum(c.forward_s for c in layers),
         backward_s=sum(c.backward_s for c in layers),
         recompute_s=sum(c.recompute_s for c in layers),
-        saved_bytes=sum(c.saved_bytes for c in layers),
+        saved_bytes=sum(c.saved_bytes for c in layers) + held_input_bytes(layers[0]),
         stash_bytes=layers[0].input_bytes,
         output_bytes=layers[-1].output_bytes,
         static_bytes=sum(c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in layers),
@@ -108,7 +116,8 @@ class CostTable:
             else:  # sum_stage, in O(1) from running sums
                 sums, layers = self._prefix_sums(rows), self.layers(rows)
                 low, high = sums[first], sums[end]
-                cost = StageCost(high[0] - low[0], high[1] - low[1], high[2] - low[2], high[3] - low[3],
+                saved = high[3] - low[3] + held_input_bytes(layers[first])
+                cost = StageCost(high[0] - low[0], high[1] - low[1], high[2] - low[2], saved,
                                  layers[first].input_bytes, layers[end - 1].output_bytes, high[4] - low[4],
                                  high[5] - low[5])
             if self._shared:

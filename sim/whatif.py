@@ -44,7 +44,8 @@ def efficiency_from_costs(path: str) -> tuple[float, float | None]:
 
     fitted = read_costs(path).get("efficiency")
     if not fitted:
-        raise GpipeInputError(f"costs file {path!r} has no fitted efficiency (its model has no analytic form); "
+        raise GpipeInputError(f"costs file {path!r} has no fitted efficiency (its model has no analytic form, "
+                              "or it was measured at a precision the device has no peak for); "
                               "pass --efficiency instead")
     return float(fitted["efficiency"]), fitted.get("bandwidth_efficiency")
 

@@ -34,6 +34,9 @@ class LayerCost:
     optimizer_bytes: int  # optimizer state (e.g. two slots for Adam or RMSProp)
     input_bytes: int = 0  # the layer's input: what a stage starting here stashes per micro-batch
     optimizer_s: float = 0.0  # this layer's share of the once-per-step optimizer update
+    # whether saved_bytes holds the input's own storage; when not (a bf16 cast of it is saved
+    # instead, or nothing), a stage starting here holds its stashed input besides saved_bytes
+    saves_input: bool = True
 
 
 @dataclass(frozen=True)

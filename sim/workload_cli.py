@@ -6,7 +6,9 @@ torch-free resolution (:mod:`sim.resolve`) to calibration's meta-device analysis
 for, so built-in models never import torch.
 
 With ``--costs FILE`` and no ``--model``, the model, its options and the batch are the file's: the
-costs describe exactly one model, so asking for it again would only invite a mismatch.
+costs describe exactly one model, so asking for it again would only invite a mismatch. So is the
+precision without ``--precision``; without either, the precision is the device's default
+(:func:`sim.precision.choose_precision`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import argparse
 from typing import Any
 
 from sim import resolve
+from sim.costs import measured_precision, read_costs
 from sim.errors import GpipeInputError, require_positive
+from sim.hardware import Device
 from sim.model_defaults import DEFAULT_BATCH
+from sim.precision import choose_precision
 from sim.workload import Workload
 
 DEFAULT_MODEL = "uniform"  # gpipe simulate and plan without --model or --costs
@@ -45,12 +50,31 @@ def model_name(args: argparse.Namespace) -> str | None:
     return None if getattr(args, "costs", None) else DEFAULT_MODEL
 
 
-def workload_and_batch(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Workload, int]:
-    """The workload and the mini-batch rows the flags name (``--batch``, else the costs file's batch,
-    else the model's default)."""
+def chosen_precision(args: argparse.Namespace, device: Device, given: str | None = None) -> str:
+    """``given`` (default ``--precision``), else the costs file's precision, else ``device``'s default."""
+    costs = getattr(args, "costs", None)
+    measured = measured_precision(read_costs(costs)) if costs else None
+    return choose_precision(given if given is not None else args.precision, device, measured)
+
+
+def with_precision(model: str | None, options: dict[str, Any], precision: str,
+                   costs: str | None = None) -> dict[str, Any]:
+    """``options`` with the precision for models whose costs follow it: the analytic and torch
+    models. Measured costs carry their own, and the uniform model's costs are nominal."""
+    if costs or model in (None, "uniform"):
+        return dict(options)
+    return {**options, "precision": precision}
+
+
+def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
+                       precision: str) -> tuple[Workload, int]:
+    """The workload at ``precision`` and the mini-batch rows the flags name (``--batch``, else the
+    costs file's batch, else the model's default)."""
     if args.batch is not None:
         require_positive("batch size", args.batch, "use --batch 1 or more")
-    workload = resolve_workload(model_name(args), options, getattr(args, "costs", None))
+    costs = getattr(args, "costs", None)
+    model = model_name(args)
+    workload = resolve_workload(model, with_precision(model, options, precision, costs), costs)
     batch = args.batch
     if batch is None:
         batch = getattr(workload, "batch_size", None) or DEFAULT_BATCH.get(workload.describe()["name"], 32)

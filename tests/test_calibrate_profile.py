@@ -19,22 +19,32 @@ BATCH = 8
 FAST = Repeats(warmup=1, min_runs=2, max_runs=2, budget_s=0.0)
 
 
-@pytest.fixture(scope="module")
-def profile():
+def _profile(precision: str):
     torch.manual_seed(0)
     model = build_model(MODEL, OPTIONS, seed=0)
     threads = torch.get_num_threads()
     try:
         return profile_model(model, lambda r: example_batch(MODEL, OPTIONS, r, seed=1),
-                             loss_function("cross_entropy"), [1, 2, 4, 8], [1], torch.device("cpu"), FAST)
+                             loss_function("cross_entropy"), [1, 2, 4, 8], [1], torch.device("cpu"), FAST,
+                             precision=precision)
     finally:
         torch.set_num_threads(threads)
 
 
-def _costs(profile) -> dict:
+@pytest.fixture(scope="module")
+def profile():
+    return _profile("fp32")
+
+
+@pytest.fixture(scope="module")
+def profile_bf16():
+    return _profile("bf16")
+
+
+def _costs(profile, precision: str = "fp32") -> dict:
     return {"machine": {"cpu_cores": 1, "device": "cpu"}, "system": "cpu",
             "model": {"name": MODEL, "options": OPTIONS, "num_layers": 4}, "batch_size": BATCH,
-            "profile": profile.to_dict(), "pipeline": {}}
+            "precision": precision, "profile": profile.to_dict(), "pipeline": {}}
 
 
 def test_every_layer_pass_and_row_count_is_timed(profile):
@@ -68,17 +78,35 @@ def test_saved_bytes_grow_with_rows_and_weights_are_excluded(profile):
     assert block.param_bytes == sum(p.numel() * 4 for p in build_model(MODEL, OPTIONS)[1].parameters())
 
 
+def test_bf16_profile_saves_casts_and_weight_copies(profile, profile_bf16):
+    """Under autocast the block keeps fp32 inputs (its LayerNorm runs fp32 on the fp32 residual
+    stream) and saves less of its own per row, plus a bf16 copy of its weights per micro-batch;
+    the head's logits are bf16."""
+    fp32, bf16 = profile.memory[1], profile_bf16.memory[1]
+    assert bf16.input_bytes == fp32.input_bytes and bf16.saves_input
+    copies = 2 * sum(p.numel() for name, p in build_model(MODEL, OPTIONS)[1].named_parameters()
+                     if p.dim() == 2)  # the four weight matrices
+    per_row = [b - copies for b in bf16.own_bytes]
+    assert per_row[3] - per_row[2] < fp32.own_bytes[3] - fp32.own_bytes[2]
+    slope = (per_row[3] - per_row[0]) // (8 - 1)  # affine in rows once the copies are taken out
+    assert per_row == [per_row[0] + slope * (r - 1) for r in (1, 2, 4, 8)]
+    assert profile_bf16.memory[-1].output_bytes[0] * 2 == profile.memory[-1].output_bytes[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_predicted_peak_activation_matches_the_executor(profile, checkpoint, schedule):
+def test_predicted_peak_activation_matches_the_executor(profile, profile_bf16, checkpoint, schedule, precision):
     partition, microbatches = (1, 2, 1), 3
     config = RunConfig(model=MODEL, options=OPTIONS, partition=partition, batch_size=BATCH,
-                       microbatches=microbatches, checkpoint=checkpoint, schedule=schedule, steps=1)
+                       microbatches=microbatches, checkpoint=checkpoint, schedule=schedule, steps=1,
+                       precision=precision)
     pipeline = LocalPipeline(config)
     pipeline.run_step(0)
     measured = [stage.counter.peak_bytes for stage in pipeline.stages]
     cpu = get_system("cpu", nodes=3)  # three stages, one per core of up to three machines
-    workload, system = MeasuredWorkload(_costs(profile)).bind(cpu, 3, checkpoint, microbatches)
+    measured_profile = profile if precision == "fp32" else profile_bf16
+    workload, system = MeasuredWorkload(_costs(measured_profile, precision)).bind(cpu, 3, checkpoint, microbatches)
     result = simulate(workload, system, partition, BATCH, microbatches, checkpoint, schedule)
     predicted = [s.peak_activation_bytes for s in result.stages]
     assert predicted == measured  # every stage exact: each micro-batch owns its rows in both

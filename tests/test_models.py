@@ -18,8 +18,8 @@ from torch import nn
 from sim.errors import GpipeInputError
 from sim.hardware import H100_SXM, IDEAL_DEVICE, TPU_V3
 from sim.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
-from sim.models import (BUILTIN_MODELS, DTYPE_BYTES, LAYER_OVERHEAD_S, AnalyticWorkload,
-                        get_workload)
+from sim.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, AnalyticWorkload, get_workload
+from sim.precision import PRECISIONS
 from sim.workload import UniformWorkload
 
 
@@ -79,8 +79,9 @@ def torch_input(name: str, o: dict, rows: int) -> torch.Tensor:
     return torch.randn(rows, 3, o["image"], o["image"])
 
 
-def measured_saved_bytes(layer: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """Bytes autograd saves running ``layer`` on ``x``: distinct storages, parameters excluded."""
+def measured_saved_bytes(layer: nn.Module, x: torch.Tensor, precision: str = "fp32") -> tuple[int, torch.Tensor]:
+    """Bytes autograd saves running ``layer`` on ``x`` (under CPU autocast for bf16): distinct
+    storages, parameters excluded (autocast's bf16 copies of them are counted)."""
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
 
@@ -90,9 +91,19 @@ def measured_saved_bytes(layer: nn.Module, x: torch.Tensor) -> tuple[int, torch.
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         out = layer(x)
     return sum(seen.values()), out
+
+
+def cpu_autocast_less(precision: str, name: str, o: dict, rows: int) -> int:
+    """Bytes CPU autocast saves less than CUDA's, which the analytic model follows: CPU runs
+    softmax in bf16 and saves its bf16 output only; CUDA runs it in fp32, saving the fp32 output
+    and (for p.v) its bf16 cast, 4 bytes per attention score more."""
+    if precision != "bf16" or name != "block":
+        return 0
+    return 4 * o["heads"] * o["seq"] ** 2 * rows
 
 
 OPTION_SETS = [
@@ -129,17 +140,19 @@ def test_paper_transformer_parameter_counts() -> None:
 
 
 # --- saved activations -----------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name,options", [OPTION_SETS[0], OPTION_SETS[2], OPTION_SETS[4]])
-def test_saved_bytes_match_autograd(name: str, options: dict) -> None:
+def test_saved_bytes_match_autograd(name: str, options: dict, precision: str) -> None:
     """Each layer's saved_bytes equals what autograd keeps, less a saved ReLU output (its output
-    is the next layer's input and counted there)."""
+    is the next layer's input and counted there). The model's input needs no gradient, as in the
+    pipeline; every later layer's does. bf16 runs under CPU autocast, see cpu_autocast_less."""
     rows = 3
-    workload = get_workload(name, options)
-    x = torch_input(name, workload.describe()["options"], rows)
-    for layer, cost in zip(torch_layers(name, workload.describe()["options"]),
-                           workload.layer_costs(rows, IDEAL_DEVICE)):
-        x = x.detach().requires_grad_(x.is_floating_point())
-        measured, out = measured_saved_bytes(layer, x)
+    workload = get_workload(name, {**options, "precision": precision})
+    o = workload.describe()["options"]
+    x = torch_input(name, o, rows)
+    for i, (layer, cost) in enumerate(zip(torch_layers(name, o), workload.layer_costs(rows, IDEAL_DEVICE))):
+        x = x.detach().requires_grad_(x.is_floating_point() and i > 0)
+        measured, out = measured_saved_bytes(layer, x, precision)
         ends_in_relu = isinstance(layer, nn.Sequential) and isinstance(layer[-1], nn.ReLU)
         expected = cost.saved_bytes + (cost.output_bytes if ends_in_relu else 0)
         # Per-call tensors that do not grow with rows, left out of the model: position ids,
@@ -150,49 +163,80 @@ def test_saved_bytes_match_autograd(name: str, options: dict) -> None:
             expected += options["seq"] ** 2
         elif name == "cnn" and cost.name != "head":
             expected += 4 * options["channels"] * 4
-        assert measured == expected, cost.name
+        assert measured == expected - cpu_autocast_less(precision, cost.name, o, rows), cost.name
         assert out.numel() * out.element_size() == cost.output_bytes
         assert x.numel() * x.element_size() == cost.input_bytes
         x = out
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name,options", OPTION_SETS[::2] + [
     ("transformer", {"layers": 1, "d_model": 16, "ff": 24, "heads": 2, "seq": 6, "vocab": 30,
                      "dropout": 0.1})])
-def test_executor_models_match(name: str, options: dict) -> None:
-    """The executor's own torch models, when present: same layers, parameters and saved bytes.
-    On CPU, PyTorch's dropout keeps its mask in the input's dtype (4 bytes here), not 1 byte."""
+def test_executor_models_match(name: str, options: dict, precision: str) -> None:
+    """The executor's own torch models, when present: same layers, parameters and saved bytes,
+    input and output bytes (what crosses a stage boundary). On CPU, PyTorch's dropout keeps its
+    mask in the input's dtype (4 bytes for the embedding's fp32 sum, 2 after a bf16 matmul), not
+    1 byte; CPU autocast saves less around softmax (cpu_autocast_less)."""
     executor_models = pytest.importorskip("executor.models")
     rows = 2
-    workload = get_workload(name, options)
+    workload = get_workload(name, {**options, "precision": precision})
     model = executor_models.build_model(name, options)
     model.train()
     assert len(model) == workload.num_layers
     assert sum(p.numel() for p in model.parameters()) == workload.describe()["parameter_count"]
-    x = torch_input(name, workload.describe()["options"], rows)
+    o = workload.describe()["options"]
+    x = torch_input(name, o, rows)
     drop = options.get("dropout", 0.0) > 0
-    for layer, cost in zip(model, workload.layer_costs(rows, IDEAL_DEVICE)):
-        x = x.detach().requires_grad_(x.is_floating_point())
-        measured, x = measured_saved_bytes(layer, x)
+    mask_bytes = {"embedding": 4, "block": 4 if precision == "fp32" else 2}
+    for i, (layer, cost) in enumerate(zip(model, workload.layer_costs(rows, IDEAL_DEVICE))):
+        x = x.detach().requires_grad_(x.is_floating_point() and i > 0)
+        assert x.numel() * x.element_size() == cost.input_bytes, cost.name
+        measured, x = measured_saved_bytes(layer, x, precision)
+        assert x.numel() * x.element_size() == cost.output_bytes, cost.name
         if isinstance(layer, nn.Sequential) and isinstance(layer[-1], nn.ReLU):
             measured -= x.numel() * x.element_size()
         fixed = {"embedding": options.get("seq", 0) * 8, "block": options.get("seq", 0) ** 2,
                  "stem": 16 * options.get("channels", 0),
                  "conv_bn_relu": 16 * options.get("channels", 0)}.get(cost.name, 0)
         masks = {"embedding": 1, "block": 2}.get(cost.name, 0) if drop else 0
-        cpu_mask_extra = masks * rows * options.get("seq", 0) * options.get("d_model", 0) * 3
-        assert measured == cost.saved_bytes + fixed + cpu_mask_extra, cost.name
+        elements = rows * options.get("seq", 0) * options.get("d_model", 0)
+        cpu_mask_extra = masks * elements * (mask_bytes.get(cost.name, 1) - 1)
+        expected = cost.saved_bytes + fixed + cpu_mask_extra - cpu_autocast_less(precision, cost.name, o, rows)
+        assert measured == expected, cost.name
 
 
 def test_transformer_block_saved_bytes_korthikanti() -> None:
-    """Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes at 16 bits with dropout.
-    Ours adds the fp32 LayerNorm statistics (16 bytes per token) they ignore and has no dropout on
-    the attention probabilities (their mask a*s^2*b plus dropped probabilities 2*a*s^2*b)."""
+    """Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes at 16 bits with dropout, of
+    which 2 bytes per token and hidden unit and a*s^2*b are one-byte dropout masks. In fp32 every
+    other tensor doubles: s*b*h*(2*34 - 2) + (2*5 - 1)*a*s^2*b. Ours adds the fp32 LayerNorm
+    statistics (16 bytes per token) they ignore and has no dropout on the attention probabilities
+    (their one-byte mask and the 4-byte dropped probabilities: 5*a*s^2*b in fp32)."""
     s, d, a, b = 128, 256, 8, 2
     workload = get_workload("transformer", {"layers": 1, "d_model": d, "ff": 4 * d, "heads": a,
-                                            "seq": s, "dropout": 0.1, "dtype": "bf16"})
+                                            "seq": s, "dropout": 0.1, "precision": "fp32"})
     block = workload.layer_costs(b, IDEAL_DEVICE)[1]
-    assert block.saved_bytes == s * b * d * (34 + 5 * a * s / d) + 16 * s * b - 3 * a * s * s * b
+    assert block.saved_bytes == s * b * d * (2 * 34 - 2) + (2 * 5 - 1) * a * s * s * b + 16 * s * b - 5 * a * s * s * b
+
+
+def test_transformer_block_saved_bytes_bf16_autocast() -> None:
+    """Under CUDA's bf16 autocast, per token: the fp32 residual stream saved twice (LN1 and LN2
+    inputs, 2 x 4 bytes per unit), six bf16 tensors (QKV's and fc1's cast inputs, q/k/v, proj's
+    input: 6 x 2), fc1's output and GELU's output (2 x 2 per ff unit), per score the fp32 softmax
+    output and its bf16 cast (6 bytes), 16 bytes of LN statistics, and once per micro-batch the
+    bf16 copies of the four weight matrices. The activations come to 3/4 of fp32's here (the
+    scores, at 6 bytes instead of 4, weigh much at seq 128); at 2 rows per micro-batch the weight
+    copies make the total exceed fp32's."""
+    s, d, f, a, b = 128, 256, 1024, 8, 2
+    options = {"layers": 1, "d_model": d, "ff": f, "heads": a, "seq": s}
+    bf16 = get_workload("transformer", {**options, "precision": "bf16"}).layer_costs(b, IDEAL_DEVICE)[1]
+    fp32 = get_workload("transformer", options).layer_costs(b, IDEAL_DEVICE)[1]
+    copies = 2 * (4 * d * d + 2 * d * f)
+    assert bf16.saved_bytes == s * b * (d * (2 * 4 + 6 * 2) + f * 2 * 2 + a * s * 6 + 16) + copies
+    assert (bf16.saved_bytes - copies) / fp32.saved_bytes == pytest.approx(0.75, abs=0.01)
+    assert bf16.saved_bytes > fp32.saved_bytes
+    assert bf16.param_bytes == fp32.param_bytes == bf16.grad_bytes
+    assert bf16.input_bytes == bf16.output_bytes == s * b * d * 4  # the residual stream stays fp32
 
 
 # --- roofline --------------------------------------------------------------------------------------
@@ -222,10 +266,16 @@ def test_compute_bound_vs_memory_bound() -> None:
     rows = 8192
     many = workload.layer_costs(rows, H100_SXM)[0]
     assert many.forward_s == pytest.approx(2 * w * w * rows / flops_s + LAYER_OVERHEAD_S)
-    # bf16 halves the bytes and has 15x the peak on an H100: the big case gets much faster
-    fast = get_workload("mlp", {"width": w, "layers": 1, "dtype": "bf16"}).layer_costs(rows, H100_SXM)[0]
+    # bf16 has 15x the peak on an H100: the big case gets much faster; weights stay fp32, the
+    # Linear saves the bf16 cast of its fp32 input instead of the input
+    fast = get_workload("mlp", {"width": w, "layers": 1, "precision": "bf16"}).layer_costs(rows, H100_SXM)[0]
+    assert fast.forward_s == pytest.approx(2 * w * w * rows / H100_SXM.achieved_flops("bf16") + LAYER_OVERHEAD_S)
     assert fast.forward_s < many.forward_s / 10
-    assert fast.param_bytes == many.param_bytes // 2
+    assert fast.param_bytes == many.param_bytes
+    assert fast.saved_bytes == many.saved_bytes // 2 and not fast.saves_input
+    # memory-bound at one row, bf16 moves more: each weight is cast (read 4, write 2) and read (2)
+    slow = get_workload("mlp", {"width": w, "layers": 1, "precision": "bf16"}).layer_costs(1, H100_SXM)[0]
+    assert slow.forward_s == pytest.approx(((w * w + w) * 8 + 8 * w + 6 * w) / bytes_s + LAYER_OVERHEAD_S)
 
 
 def test_embedding_is_memory_bound() -> None:
@@ -253,7 +303,7 @@ def test_paper_transformer_forward_time_on_tpu_v3() -> None:
     ~15 ms. Expect the order of 10 ms: between the peak bound and 3x it.
     """
     workload = get_workload("transformer", {"layers": 4, "d_model": 2048, "ff": 8192, "heads": 32,
-                                            "seq": 1024, "vocab": 32000, "dtype": "bf16"})
+                                            "seq": 1024, "vocab": 32000, "precision": "bf16"})
     costs = workload.layer_costs(32 // 8, TPU_V3)
     at_peak_s = 4 * (2 * 1024 * (4 * 2048**2 + 2 * 2048 * 8192) + 4 * 1024**2 * 2048) / 61.5e12
     assert at_peak_s == pytest.approx(7.3e-3, rel=0.01)
@@ -271,10 +321,10 @@ def test_registry_and_describe() -> None:
     assert get_workload("uniform", {"layers": 6}).num_layers == 6
     info = get_workload("transformer", {"layers": 3}).describe()
     assert info["name"] == "transformer" and info["num_layers"] == 5
-    assert info["options"] == {**DEFAULT_OPTIONS["transformer"], "layers": 3, "dtype": "fp32",
+    assert info["options"] == {**DEFAULT_OPTIONS["transformer"], "layers": 3, "precision": "fp32",
                                "optimizer_slots": 2}
     assert get_workload("cnn", {"channels": "8"}).describe()["options"]["channels"] == 8
-    assert set(DTYPE_BYTES) == {"fp32", "bf16"}
+    assert set(PRECISIONS) == {"fp32", "bf16"}
 
 
 @pytest.mark.parametrize("name,options,shown", [
@@ -284,10 +334,10 @@ def test_registry_and_describe() -> None:
     ("cnn", {"channels": "many"}, "channels='many'"),
     ("transformer", {"heads": 5}, "heads=5"),
     ("transformer", {"dropout": 1.0}, "dropout=1.0"),
-    ("transformer", {"dtype": "fp64"}, "dtype='fp64'"),
+    ("transformer", {"precision": "fp16"}, "unknown precision 'fp16'; choose one of fp32, bf16"),
     ("transformer", {"widht": 3}, "widht"),
     ("mlp", {"optimizer_slots": -1}, "optimizer_slots=-1"),
-    ("uniform", {"dtype": "bf16"}, "dtype"),
+    ("uniform", {"precision": "bf16"}, "precision"),
     ("resnet", {}, "resnet"),
 ])
 def test_bad_options_name_the_value(name: str, options: dict, shown: str) -> None:
@@ -297,13 +347,13 @@ def test_bad_options_name_the_value(name: str, options: dict, shown: str) -> Non
     assert shown in message and "\n" not in message
 
 
-def test_bad_rows_and_missing_dtype() -> None:
+def test_bad_rows_and_a_device_without_the_precision() -> None:
     workload = get_workload("mlp", {})
     with pytest.raises(GpipeInputError, match="rows"):
         workload.layer_costs(0, IDEAL_DEVICE)
     cpu_like = IDEAL_DEVICE.__class__("cpu", {"fp32": 1e11}, 1e10, 2e10)
     with pytest.raises(GpipeInputError, match="bf16"):
-        get_workload("mlp", {"dtype": "bf16"}).layer_costs(1, cpu_like)
+        get_workload("mlp", {"precision": "bf16"}).layer_costs(1, cpu_like)
 
 
 def test_models_module_does_not_import_torch() -> None:
