@@ -143,11 +143,11 @@ def test_calibration_cache_tells_precisions_apart(tmp_path, monkeypatch):
     path = tmp_path / "costs.json"
     write_costs({**_costs("bf16"), "batch_size": 4}, path)
     options = {"layers": 2, "width": 4}
-    assert cli.cached(str(path), "mlp", options, 4, "cpu", "bf16") is not None
-    assert cli.cached(str(path), "mlp", options, 4, "cpu", "fp32") is None
+    assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd", "bf16") is not None
+    assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd", "fp32") is None
     write_costs(_costs(None), path)  # written before precisions were recorded: fp32
-    assert cli.cached(str(path), "mlp", options, 4, "cpu") is not None
-    assert cli.cached(str(path), "mlp", options, 4, "cpu", "bf16") is None
+    assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd") is not None
+    assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd", "bf16") is None
 
 
 def _train_args(*argv):

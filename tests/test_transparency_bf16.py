@@ -122,20 +122,23 @@ def test_boundaries_cross_in_the_dtype_autocast_produced():
     gradients back; the transformer's residual stream stays fp32 (a bf16 branch added onto fp32
     promotes), so its blocks exchange fp32 under bf16 too."""
     mlp = LocalPipeline(bf16_config("mlp", 2))
-    assert [b.dtype for b in mlp.prepared.boundaries] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    assert [[leaf.dtype for leaf in b.leaves] for b in mlp.prepared.boundaries] == [
+        [torch.float32], [torch.bfloat16], [torch.bfloat16]]
     sent = []
     transport = mlp.stages[0].transport
     send = transport.send
-    transport.send = lambda channel, m, tensor: (sent.append((channel, tensor.dtype)), send(channel, m, tensor))
+    transport.send = lambda channel, m, tensors: (sent.extend((channel, t.dtype) for t in tensors),
+                                                  send(channel, m, tensors))
     grads = []
     back = mlp.stages[1].transport
     back_send = back.send
-    back.send = lambda channel, m, tensor: (grads.append((channel, tensor.dtype)), back_send(channel, m, tensor))
+    back.send = lambda channel, m, tensors: (grads.extend((channel, t.dtype) for t in tensors),
+                                             back_send(channel, m, tensors))
     mlp.run_step(0)
     assert set(sent) == {("act", torch.bfloat16)} and set(grads) == {("grad", torch.bfloat16)}
     transformer = LocalPipeline(bf16_config("transformer", 2))
-    assert transformer.prepared.boundaries[1].dtype == torch.float32
-    assert transformer.prepared.boundaries[-1].dtype == torch.bfloat16  # the head's logits
+    assert [leaf.dtype for leaf in transformer.prepared.boundaries[1].leaves] == [torch.float32]
+    assert [leaf.dtype for leaf in transformer.prepared.boundaries[-1].leaves] == [torch.bfloat16]  # logits
 
 
 def test_several_bf16_steps_keep_fp32_master_weights_and_optimizer_state():
