@@ -131,7 +131,7 @@ class LocalPipeline:
         device = torch.device(config.device)
         self.stages = [make_stage(config, self.prepared, k, mailboxes.endpoint(k), device)
                        for k in range(config.stages)]
-        self.grad_norms: list[float] = []  # global gradient norm (before clipping) of each updating step
+        self.grad_norms: list[float] = []  # global gradient norm (before clipping) of each clipping step
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -176,11 +176,12 @@ class LocalPipeline:
     def _update(self) -> None:
         """The update phases of :meth:`PipelineStage.end_step`, with the shared gradients and the norm
         summed over stages here."""
-        total_sq = sum(float(stage.grad_sq_norm()) for stage in self.stages)
-        grad_norm = math.sqrt(total_sq)
+        grad_norm = None
+        if self.stages[0].needs_global_norm:
+            grad_norm = math.sqrt(sum(float(stage.grad_sq_norm()) for stage in self.stages))
+            self.grad_norms.append(grad_norm)
         for stage in self.stages:
             stage.update(grad_norm)
-        self.grad_norms.append(grad_norm)
 
     def model(self) -> nn.Sequential:
         """The whole (trained) model: every stage's layers in order."""

@@ -2,7 +2,7 @@
 
 Fields: ``step_time_s`` (median over the steps after ``warmup_steps``), ``step_times_s`` (every
 step), ``losses`` (one per step, from step 0 when resumed), ``grad_norms`` (the global L2 norm of
-every step's gradients over all stages, before clipping; as ``losses``), ``stages`` (per stage:
+every step's gradients over all stages, before clipping; taken only with ``--clip-grad-norm``), ``stages`` (per stage:
 ``peak_activation_bytes`` as defined in :mod:`executor.memory`, ``busy_s`` the median per-step
 compute time, ``peak_allocated_bytes`` on CUDA), ``actions`` (median duration of every
 (stage, kind, micro-batch) over the measured steps, with its rows: what calibration fits), the

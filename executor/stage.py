@@ -171,12 +171,14 @@ class PipelineStage:
             duplicates = {id(p) for p in self.duplicates}
             return squared_norm(gradients([p for p in self.params if id(p) not in duplicates]), self.device)
 
-    def update(self, grad_norm: float) -> None:
-        """Clip by the global ``grad_norm``, step the optimizer and the schedule, commit batch norms."""
+    def update(self, grad_norm: float | None) -> None:
+        """Clip by the global ``grad_norm`` (None: no clipping asked for, no norm taken), step the
+        optimizer and the schedule, commit batch norms."""
         with self.recorder.span(OPTIMIZER):
             self.grad_norm, self.lr = grad_norm, self.optim.lr_at(self.step)
             if self.optimizer is not None:
-                scale_(gradients(self.params), clip_coefficient(grad_norm, self.optim.clip_grad_norm))
+                if grad_norm is not None:
+                    scale_(gradients(self.params), clip_coefficient(grad_norm, self.optim.clip_grad_norm))
                 self.optimizer.step()
                 self.scheduler.step()  # type: ignore[union-attr]  # exists with the optimizer
             commit_all(self.module)
@@ -187,14 +189,23 @@ class PipelineStage:
             return None
         return float(sum(loss.detach() for loss in self.losses.values()))
 
+    @property
+    def needs_global_norm(self) -> bool:
+        """Only clipping needs the norm over all stages: an all-reduce that makes every stage wait for
+        the slowest before its optimizer step, so it is not taken otherwise."""
+        return self.optim.clip_grad_norm is not None
+
     def end_step(self) -> float | None:
         """Every end-of-step phase, the norm summed over ranks by the transport; return the loss."""
         self.finish_sends()
         self.reduce_shared_gradients()
-        local = self.grad_sq_norm()
-        with self.recorder.span(RECV_WAIT):  # every stage's sum, from the other ranks
-            total = self.transport.all_reduce_sum(local)
-        self.update(math.sqrt(float(total)))
+        grad_norm = None
+        if self.needs_global_norm:
+            local = self.grad_sq_norm()
+            with self.recorder.span(RECV_WAIT):  # every stage's sum, from the other ranks
+                total = self.transport.all_reduce_sum(local)
+            grad_norm = math.sqrt(float(total))
+        self.update(grad_norm)
         self.recorder.flush()
         return self.step_loss()
 

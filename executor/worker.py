@@ -140,9 +140,11 @@ def train(config: RunConfig) -> None:
             loss = train_step_with_data(config, stage, step)
             if stage.is_last:
                 history.losses.append(float(loss))  # type: ignore[arg-type]
-                history.grad_norms.append(float(stage.grad_norm))  # type: ignore[arg-type]
-                print(f"gpipe: step {step} loss {loss:.6f} grad norm {stage.grad_norm:.4g} lr {stage.lr:.4g}",
-                      flush=True)
+                norm = ""
+                if stage.grad_norm is not None:  # taken only when clipping
+                    history.grad_norms.append(float(stage.grad_norm))
+                    norm = f" grad norm {stage.grad_norm:.4g}"
+                print(f"gpipe: step {step} loss {loss:.6f}{norm} lr {stage.lr:.4g}", flush=True)
             if config.save_every and (step + 1) % config.save_every == 0:
                 _save(config, stage, step, history)
         _finish(config, stage, history, first_step, device, writers)
