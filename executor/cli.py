@@ -23,7 +23,6 @@ from typing import Any
 from executor.launch import check_nodes, run_torchrun, torchrun_command
 from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
                              add_precision_argument, model_options)
-from sim.costs import ANALYSIS_OPTIONS
 from sim.errors import GpipeInputError
 from sim.partition import even_partition
 from sim.plan import load_plan, parse_partition
@@ -117,10 +116,7 @@ def config_from_args(args: argparse.Namespace):
     if args.precision is not None:
         extra["precision"] = check_precision(args.precision)
     if args.plan:
-        config = RunConfig.from_plan(load_plan(args.plan), **extra)
-        # the simulator's analysis options (precision is the plan's own field) are not the model's
-        analysis = (*ANALYSIS_OPTIONS, "input_shape")
-        config.options = {k: v for k, v in config.options.items() if k not in analysis}
+        config = RunConfig.from_plan(load_plan(args.plan), **extra)  # drops the analysis options
     else:
         if not args.model:
             raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")

@@ -115,18 +115,24 @@ def _initialise(layer: nn.Module, index: int, seed: int) -> None:
 
 def materialise(meta: nn.Sequential, indices: Sequence[int], seed: int,
                 device: torch.device = torch.device("cpu")) -> list[nn.Module]:
-    """Real copies of layers ``indices`` of the meta model ``meta``, initialised from ``seed``."""
+    """Real copies of layers ``indices`` of the meta model ``meta``, initialised from ``seed``.
+
+    Layers are initialised last to first, so a tensor several of them share ends with the value its
+    first layer gives it; one whose first layer is outside ``indices`` takes that layer's value from
+    a copy of it initialised on its own.
+    """
     home = first_layer_of(meta)
-    originals = {i: [(table, name, table[name]) for _, table, name in _owners(meta[i])] for i in indices}
     layers = copy.deepcopy([meta[i] for i in indices])  # one memo: sharing inside the set is kept
     _to_empty(layers, device)
-    for index, layer in zip(indices, layers):
+    for index, layer in sorted(zip(indices, layers), key=lambda pair: pair[0], reverse=True):
         _initialise(layer, index, seed)
+    inside, copied = set(indices), set()
     for index, layer in zip(indices, layers):
-        copies = [(table, name) for _, table, name in _owners(layer)]
-        for (table, name), (_, _, original) in zip(copies, originals[index]):
+        for (_, table, name), (_, meta_table, meta_name) in zip(_owners(layer), _owners(meta[index])):
+            original = meta_table[meta_name]
             first = home[id(original)]
-            if first != index:  # shared with an earlier layer: take the value that layer gives it
+            if first not in inside and id(table[name]) not in copied:
+                copied.add(id(table[name]))
                 with torch.no_grad():
                     table[name].copy_(_value_in_layer(meta, first, original, seed, device))
     return layers
@@ -135,15 +141,10 @@ def materialise(meta: nn.Sequential, indices: Sequence[int], seed: int,
 def _value_in_layer(meta: nn.Sequential, index: int, original: torch.Tensor, seed: int,
                     device: torch.device) -> torch.Tensor:
     """The value layer ``index`` gives the meta tensor ``original`` when initialised on its own."""
-    (layer,) = materialise_alone(meta, index, seed, device)
+    layer = copy.deepcopy(meta[index])
+    _to_empty([layer], device)
+    _initialise(layer, index, seed)
     for (_, table, name), (_, meta_table, meta_name) in zip(_owners(layer), _owners(meta[index])):
         if meta_table[meta_name] is original:
             return table[name]
     raise RuntimeError(f"layer {index} does not hold the shared tensor it was said to")
-
-
-def materialise_alone(meta: nn.Sequential, index: int, seed: int, device: torch.device) -> list[nn.Module]:
-    layer = copy.deepcopy(meta[index])
-    _to_empty([layer], device)
-    _initialise(layer, index, seed)
-    return [layer]

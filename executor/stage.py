@@ -94,8 +94,10 @@ class PipelineStage:
         # Sums the gradients of parameters other stages hold too (executor.sharing); the in-process
         # pipeline does it for all stages at once instead.
         self.reduce_shared: Callable[[], None] | None = None
-        # Copies of parameters another stage holds first: a global gradient norm leaves them out.
-        self.duplicates = list(duplicates or [])
+        # The global gradient norm counts each parameter once: copies another stage holds first are
+        # left out of this stage's share.
+        left_out = {id(p) for p in duplicates or []}
+        self.norm_params = [p for p in self.params if id(p) not in left_out]
         self.step = 0
         self._reset()
 
@@ -168,8 +170,7 @@ class PipelineStage:
         """This stage's sum of squared gradient norms: a float64 scalar on its device. A copy of a
         parameter another stage holds first is left out: the global norm counts each parameter once."""
         with self.recorder.span(OPTIMIZER):
-            duplicates = {id(p) for p in self.duplicates}
-            return squared_norm(gradients([p for p in self.params if id(p) not in duplicates]), self.device)
+            return squared_norm(gradients(self.norm_params), self.device)
 
     def update(self, grad_norm: float | None) -> None:
         """Clip by the global ``grad_norm`` (None: no clipping asked for, no norm taken), step the
