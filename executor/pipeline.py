@@ -30,13 +30,14 @@ from executor.init_from import check_file, first_names, load_values
 from executor.materialize import materialise
 from executor.models import build_meta_model, check_loss, checkpoint_names, default_loss, loss_function
 from executor.recording import Recorder
-from executor.shapes import dry_run, stage_bounds
+from executor.shapes import dry_run
 from executor.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
                               reduce_in_process)
 from executor.stage import PipelineStage, StageConfig
 from executor.transport import DistTransport, LocalMailboxes, Transport, boundary_groups
 from sim.errors import GpipeInputError
 from sim.plan import validate_partition
+from sim.stage_costs import stage_bounds
 from sim.schedule import format_grid
 
 

@@ -30,17 +30,9 @@ from executor.fake import fake_mode
 from executor.precision import autocast
 from sim.errors import GpipeInputError
 from sim.plan import validate_partition
+from sim.stage_costs import stage_bounds, stage_of_layers
 
 DRY_ROWS = (2, 3)  # two row counts tell a leaf whose first dimension is the rows from a fixed one
-
-
-def stage_bounds(partition: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
-    """``[(first layer, end layer)]`` per stage."""
-    bounds, start = [], 0
-    for count in partition:
-        bounds.append((start, start + count))
-        start += count
-    return bounds
 
 
 def _first_line(exc: BaseException) -> str:
@@ -134,7 +126,7 @@ def dry_run(model: nn.Sequential, partition: tuple[int, ...], inputs: Any, targe
     """Validate ``model`` against ``partition``; return the K+1 boundaries (input, cuts, output)."""
     validate_partition(partition, len(model))
     cuts = {end for _, end in stage_bounds(partition)}
-    layer_stage = [k for k, count in enumerate(partition) for _ in range(count)]
+    layer_stage = stage_of_layers(partition)
     was_training = model.training
     model.eval()
     try:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sim.errors import GpipeInputError
+from sim.stage_costs import stage_of_layers
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,9 @@ def shared_tensors(model: nn.Sequential) -> list[tuple[str, tuple[int, ...], int
     return [(name, tuple(layers), numel) for name, layers, numel in seen.values() if len(layers) > 1]
 
 
-def _stage_of(partition: Sequence[int]) -> list[int]:
-    return [k for k, count in enumerate(partition) for _ in range(count)]
-
-
 def find_shared(model: nn.Sequential, partition: Sequence[int]) -> list[SharedGroup]:
     """The parameters layers on different stages share; a buffer shared so is refused in one line."""
-    stage_of = _stage_of(partition)
+    stage_of = stage_of_layers(partition)
     names = list(model._modules)  # the children's keys: "0", "1", ... for a plain nn.Sequential
     buffers: dict[int, tuple[int, str]] = {}
     for index, layer in enumerate(model):

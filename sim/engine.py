@@ -32,7 +32,7 @@ from sim.hardware import Link, System
 from sim.microbatch import split_rows
 from sim.plan import validate_partition
 from sim.schedule import Kind, build_schedule, recomputes
-from sim.stage_costs import CostTable, StageCost
+from sim.stage_costs import CostTable, StageCost, stage_of_layers
 from sim.timeline import (OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE, STEP_OVERHEAD,
                           MemorySample, Record, Timeline)
 from sim.workload import Workload, shared_parameters
@@ -167,7 +167,7 @@ def ring_allreduce_s(nbytes: int, parties: int, link: Link) -> float:
 
 def shared_reductions(workload: Workload, partition: Sequence[int], system: System) -> list[SharedReduction]:
     """One reduction per shared parameter whose layers sit on more than one stage, in layer order."""
-    stage_of = [k for k, count in enumerate(partition) for _ in range(count)]
+    stage_of = stage_of_layers(partition)
     reductions = []
     for parameter in shared_parameters(workload):
         owners = tuple(sorted({stage_of[layer] for layer in parameter.layers}))

@@ -50,6 +50,11 @@ def held_input_bytes(first: LayerCost) -> int:
     return 0 if first.saves_input else first.input_bytes
 
 
+def stage_of_layers(partition: Sequence[int]) -> list[int]:
+    """The stage of every layer, in layer order, for layers per stage ``partition``."""
+    return [k for k, count in enumerate(partition) for _ in range(count)]
+
+
 def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
     return StageCost(
         forward_s=sum(c.forward_s for c in layers),
