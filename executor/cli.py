@@ -23,7 +23,7 @@ from typing import Any
 from executor.launch import check_nodes, run_torchrun, torchrun_command
 from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
                              add_precision_argument, model_options)
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, require_positive
 from sim.partition import even_partition
 from sim.plan import load_plan, parse_partition
 from sim.precision import check_precision
@@ -104,6 +104,8 @@ def config_from_args(args: argparse.Namespace):
     from executor.config import RunConfig
     from executor.models import model_ref
 
+    if args.stages is not None:
+        require_positive("--stages", args.stages, "use --stages 1 or more")
     extra = dict(steps=args.steps, seed=args.seed, loss=args.loss or "", lr=args.lr,
                  weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm,
                  lr_schedule=args.lr_schedule, lr_warmup_steps=args.lr_warmup,

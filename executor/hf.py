@@ -181,7 +181,12 @@ def build(name: str, options: dict[str, Any]) -> nn.Sequential:
     transformers = _transformers()
     config = config_of(name, options)
     family = FAMILIES[config.model_type]
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # sizes the config accepts but the model cannot be built with
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
+        raise GpipeInputError(f"{name!r} cannot be built from its config ({type(exc).__name__}: {reason}); "
+                              "check the --option sizes") from None
     initialiser = _Initialiser(model)
     decoder = model.transformer.h if family == "gpt2" else model.model.layers
     norm = model.transformer.ln_f if family == "gpt2" else model.model.norm

@@ -148,3 +148,8 @@ def test_a_report_into_a_missing_directory_is_refused_before_training(tmp_path):
     with pytest.raises(GpipeInputError) as error:
         run(parse("--model", "mlp", "--stages", "2", "--report", str(missing)))
     assert str(error.value) == f"--report {missing}: directory {missing.parent} does not exist; create it first"
+
+
+def test_zero_stages_is_one_line_not_a_one_stage_run():
+    with pytest.raises(GpipeInputError, match="--stages must be a positive integer, got 0"):
+        config_from_args(parse("--model", "mlp", "--stages", "0"))

@@ -145,3 +145,9 @@ def test_an_unknown_hugging_face_type_ends_every_command_with_one_line_and_exit_
     assert main([command, "--model", "hf:bert", *(["--stages", "2"] if command == "train" else [])]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "model type 'bert' is not supported; choose one of gpt2, llama" in err
+
+
+def test_a_config_the_model_cannot_be_built_from_is_one_line():
+    with pytest.raises(GpipeInputError) as info:
+        model_ref("hf:llama", {**CONFIGS["llama"], "hidden_size": 0})
+    assert "cannot be built from its config" in str(info.value) and "\n" not in str(info.value)
