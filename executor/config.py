@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sim.errors import GpipeInputError, require_positive
 from sim.optimizers import DEFAULT_OPTIMIZER
+from sim.placement import DEFAULT_PLACEMENT
 from sim.plan import ModelRef, Plan
 from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.timeline import write_json_atomic
@@ -58,10 +59,20 @@ class RunConfig:
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
     precision: str = DEFAULT_PRECISION  # fp32, or bf16: autocast compute, fp32 weights (executor.precision)
+    replicas: int = 1  # D data-parallel copies of the pipeline; batch_size is the global batch
+    virtual_stages: int = 1  # V chunks per device (interleaved schedule); partition has V*K entries
+    zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
+    placement: str = DEFAULT_PLACEMENT  # sim.placement: which rank runs which replica's stage
 
     @property
     def stages(self) -> int:
-        return len(self.partition)
+        """K, processes in one pipeline."""
+        return len(self.partition) // max(1, self.virtual_stages)
+
+    @property
+    def world_size(self) -> int:
+        """D x K ranks."""
+        return self.replicas * self.stages
 
     def validate(self) -> "RunConfig":
         require_positive("steps", self.steps, "use --steps 1 or more")
@@ -86,7 +97,8 @@ class RunConfig:
         return Plan(model=model_ref, partition=tuple(self.partition), batch_size=self.batch_size,
                     microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
                     hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer,
-                    precision=self.precision)
+                    precision=self.precision, replicas=self.replicas, virtual_stages=self.virtual_stages,
+                    zero=self.zero, placement=self.placement)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
@@ -101,7 +113,10 @@ class RunConfig:
         return cls(model=plan.model.name, options=options, partition=tuple(plan.partition),
                    batch_size=plan.batch_size, microbatches=plan.microbatches, schedule=plan.schedule,
                    checkpoint=plan.checkpoint, hardware=dict(plan.hardware),
-                   predicted=dict(plan.predicted), **{"precision": plan.precision, **settings})
+                   predicted=dict(plan.predicted),
+                   **{"precision": plan.precision, "replicas": plan.replicas,
+                      "virtual_stages": plan.virtual_stages, "zero": plan.zero, "placement": plan.placement,
+                      **settings})
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -24,6 +24,7 @@ from typing import Any
 
 from sim.errors import GpipeInputError, require_positive
 from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
+from sim.placement import DEFAULT_PLACEMENT, check_placement
 from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.schedule import check_checkpoint_policy, check_schedule_name
 from sim.timeline import write_json_atomic
@@ -44,7 +45,7 @@ class ModelRef:
 @dataclass(frozen=True)
 class Plan:
     model: ModelRef
-    partition: tuple[int, ...]  # layers per stage, first stage first
+    partition: tuple[int, ...]  # layers per (virtual) stage, in model order: V*K entries
     batch_size: int  # rows per mini-batch (one optimizer step)
     microbatches: int
     checkpoint: str = "except_last"
@@ -54,13 +55,26 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
     precision: str = DEFAULT_PRECISION
+    replicas: int = 1  # D data-parallel copies of the pipeline; batch_size is the global batch
+    virtual_stages: int = 1  # V chunks per device (the interleaved schedule); 1 otherwise
+    zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
+    placement: str = DEFAULT_PLACEMENT  # sim.placement: which device runs which replica's stage
 
     @property
     def stages(self) -> int:
-        return len(self.partition)
+        """K, devices in one pipeline: the partition has V chunks per device."""
+        return len(self.partition) // self.virtual_stages
 
     def __post_init__(self) -> None:
         validate_partition(self.partition, self.model.num_layers)
+        require_positive("replicas (D)", self.replicas, "use --replicas 1 or more")
+        require_positive("virtual stages (V)", self.virtual_stages, "use --virtual-stages 1 or more")
+        if len(self.partition) % self.virtual_stages:
+            raise GpipeInputError(f"partition has {len(self.partition)} entries, not a multiple of "
+                                  f"--virtual-stages {self.virtual_stages}; give V x K entries")
+        if self.zero not in (0, 1):
+            raise GpipeInputError(f"zero must be 0 or 1, got {self.zero!r}")
+        check_placement(self.placement)
         require_positive("batch size", self.batch_size, "use --batch 1 or more")
         require_positive("micro-batches (M)", self.microbatches, "use --microbatches 1 or more")
         check_checkpoint_policy(self.checkpoint)
@@ -131,6 +145,10 @@ def plan_from_dict(data: Any) -> Plan:
             predicted=dict(data.get("predicted", {})),
             version=version,
             precision=data.get("precision", DEFAULT_PRECISION),
+            replicas=data.get("replicas", 1),
+            virtual_stages=data.get("virtual_stages", 1),
+            zero=data.get("zero", 0),
+            placement=data.get("placement", DEFAULT_PLACEMENT),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None

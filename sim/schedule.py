@@ -15,6 +15,16 @@ Backward runs in reverse micro-batch order, so under ``except_last`` the last mi
 activations are still live when backward starts, is the one not recomputed. ``1f1b`` interleaves one
 forward with one backward after a warm-up of K-k-1 forwards on stage k and runs backwards in
 micro-batch order; it bounds the number of micro-batches in flight per stage by K-k.
+
+``interleaved`` (Megatron-LM's interleaved 1F1B) gives each of the K devices V chunks of layers:
+chunk c of device d is virtual stage s = c*K + d, so a micro-batch visits devices 0..K-1 V times.
+:func:`build_schedule` then returns one list per *device*, and each action's ``stage`` is the
+virtual stage it runs. Micro-batches go in groups of K: a device runs the forwards of K
+micro-batches on its chunk 0, then the same K on chunk 1, and so on; backwards mirror this from the
+last chunk. After a warm-up of 2(K-d-1) + (V-1)K forwards, device d alternates one forward with one
+backward. With V = 1 it is ``1f1b``. It needs M to be a multiple of K (a group of K micro-batches
+keeps every device busy while the first reaches the next chunk) and V*K layers at least; on
+uniform costs and free links its bubble is (K-1)/(V*M+K-1), V times smaller than 1F1B's.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from dataclasses import dataclass
 
 from sim.errors import GpipeInputError, require_positive
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CHECKPOINT_POLICIES = ("always", "except_last", "never")
 
 
@@ -39,7 +49,10 @@ class Kind(str, enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: ``stage`` runs ``kind`` on micro-batch ``microbatch`` (all 0-based)."""
+    """One unit of work: ``stage`` runs ``kind`` on micro-batch ``microbatch`` (all 0-based).
+
+    ``stage`` is the virtual stage (the chunk c*K + d of the interleaved schedule); without
+    interleaving, virtual stage and device are the same."""
 
     stage: int
     kind: Kind
@@ -108,22 +121,89 @@ def _stage_1f1b(stage: int, stages: int, microbatches: int, checkpoint: str) -> 
     return actions
 
 
+def _interleaved_microbatch(index: int, stages: int, virtual_stages: int, forward: bool) -> tuple[int, int]:
+    """(chunk, micro-batch) of a device's ``index``-th forward (or backward): groups of K
+    micro-batches sweep the chunks, first to last for forwards and last to first for backwards."""
+    group, within = divmod(index, stages * virtual_stages)
+    chunk = within // stages
+    if not forward:
+        chunk = virtual_stages - 1 - chunk
+    return chunk, group * stages + within % stages
+
+
+def _device_interleaved(device: int, stages: int, microbatches: int, virtual_stages: int,
+                        checkpoint: str) -> list[Action]:
+    total = microbatches * virtual_stages
+
+    def forward(i: int) -> Action:
+        chunk, m = _interleaved_microbatch(i, stages, virtual_stages, True)
+        return Action(chunk * stages + device, Kind.FORWARD, m)
+
+    def backward(i: int) -> list[Action]:
+        chunk, m = _interleaved_microbatch(i, stages, virtual_stages, False)
+        return _backward_with_recompute(chunk * stages + device, m, microbatches, checkpoint)
+
+    warmup = min(2 * (stages - device - 1) + (virtual_stages - 1) * stages, total)
+    actions = [forward(i) for i in range(warmup)]
+    next_backward = 0
+    for i in range(warmup, total):
+        actions.append(forward(i))
+        actions += backward(next_backward)
+        next_backward += 1
+    for i in range(next_backward, total):
+        actions += backward(i)
+    return actions
+
+
+def check_interleaving(stages: int, microbatches: int, virtual_stages: int, num_layers: int | None = None) -> None:
+    """The interleaved schedule's requirements, each refused in one line."""
+    require_positive("virtual stages (V)", virtual_stages, "use --virtual-stages 2 or more")
+    if microbatches % stages:
+        raise GpipeInputError(f"the interleaved schedule needs micro-batches (M={microbatches}) to be a multiple "
+                              f"of stages (K={stages}); use --microbatches {stages * max(1, -(-microbatches // stages))}")
+    if num_layers is not None and virtual_stages * stages > num_layers:
+        raise GpipeInputError(f"{virtual_stages} virtual stages x {stages} stages = {virtual_stages * stages} "
+                              f"chunks but the model has {num_layers} layers; use fewer --virtual-stages or --stages")
+
+
+def check_virtual_stages(schedule: str, virtual_stages: int) -> None:
+    """--virtual-stages belongs to the interleaved schedule alone."""
+    if schedule != "interleaved" and virtual_stages != 1:
+        raise GpipeInputError(f"--virtual-stages {virtual_stages} needs --schedule interleaved "
+                              f"(the {schedule} schedule runs one chunk per device)")
+    if schedule == "interleaved" and virtual_stages < 2:
+        raise GpipeInputError(f"--schedule interleaved needs --virtual-stages 2 or more, got {virtual_stages}")
+
+
 def build_schedule(stages: int, microbatches: int, schedule: str = "gpipe",
-                   checkpoint: str = "except_last") -> list[list[Action]]:
-    """Each stage's ordered actions for one mini-batch: ``result[k]`` is stage k's list."""
+                   checkpoint: str = "except_last", virtual_stages: int = 1) -> list[list[Action]]:
+    """Each device's ordered actions for one mini-batch: ``result[k]`` is device k's list.
+
+    ``stages`` is K, the devices of one pipeline; with ``interleaved`` each device runs
+    ``virtual_stages`` chunks and the actions name virtual stages (see the module docstring)."""
     require_positive("stages (K)", stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", microbatches, "use --microbatches 1 or more")
     check_schedule_name(schedule)
     check_checkpoint_policy(checkpoint)
-    return [stage_actions(k, stages, microbatches, schedule, checkpoint) for k in range(stages)]
+    check_virtual_stages(schedule, virtual_stages)
+    if schedule == "interleaved":
+        check_interleaving(stages, microbatches, virtual_stages)
+    return [stage_actions(k, stages, microbatches, schedule, checkpoint, virtual_stages) for k in range(stages)]
 
 
 def stage_actions(stage: int, stages: int, microbatches: int, schedule: str = "gpipe",
-                  checkpoint: str = "except_last") -> list[Action]:
-    """Stage ``stage``'s list of :func:`build_schedule`, without building the others' (unchecked)."""
+                  checkpoint: str = "except_last", virtual_stages: int = 1) -> list[Action]:
+    """Device ``stage``'s list of :func:`build_schedule`, without building the others' (unchecked)."""
     if schedule == "gpipe":
         return _stage_gpipe(stage, microbatches, checkpoint)
+    if schedule == "interleaved":
+        return _device_interleaved(stage, stages, microbatches, virtual_stages, checkpoint)
     return _stage_1f1b(stage, stages, microbatches, checkpoint)
+
+
+def device_of_virtual_stage(virtual_stage: int, stages: int) -> int:
+    """The device that runs virtual stage ``virtual_stage`` (chunk ``virtual_stage // K``)."""
+    return virtual_stage % stages
 
 
 def format_grid(per_stage: list[list[Action]], highlight: Action | None = None) -> str:
