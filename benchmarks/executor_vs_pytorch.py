@@ -1,19 +1,31 @@
 """Benchmark: the gpipe executor against torch.distributed.pipelining and unpipelined training.
 
-For each configuration (model, K, M, schedule), in one run on this machine:
-  * executor: ``gpipe train`` (torchrun, one process per stage, checkpoint ``never`` to match PyTorch's
-    schedules, which do not re-materialize); step time = median after warm-up, from its report;
-  * pytorch: ``torch.distributed.pipelining`` PipelineStage + ScheduleGPipe / Schedule1F1B on the same
-    model, partition, batch, M, threads per process and optimizer, launched the same way (this file
+For each configuration (model, D replicas, K stages, V virtual stages, M, schedule), in one run on
+this machine:
+  * executor: ``gpipe train`` (torchrun, one process per stage and replica, checkpoint ``never`` to
+    match PyTorch's schedules, which do not re-materialize); step time = median after warm-up, from
+    its report;
+  * pytorch: ``torch.distributed.pipelining`` PipelineStage + ScheduleGPipe / Schedule1F1B /
+    ScheduleInterleaved1F1B (V stages per rank) on the same model, partition, batch, M, threads per
+    process and optimizer, each stage module wrapped in DistributedDataParallel over the
+    data-parallel dimension of a DeviceMesh ("dp", "pp") when D > 1 (the pipelining stages hold its
+    gradient synchronisation back until the last micro-batch), launched the same way (this file
     re-runs itself under torchrun); step time = median of the same steps, measured on rank 0 around
-    ``schedule.step`` + ``optimizer.step`` after a barrier;
+    ``schedule.step`` + ``optimizer.step`` after a barrier. With torch 2.13, DDP under ScheduleGPipe
+    fails an internal assertion when it rebuilds its buckets unless built with ``static_graph=True``,
+    and under Schedule1F1B ``static_graph=True`` leaves the last stage's replicas unsynchronised, so
+    the static graph is used with GPipe alone; every run ends by checking that the replicas hold
+    identical weights;
   * single: the whole model trained in one process with all cores, one batch per step;
   * ideal: the executor's own per-micro-batch compute cost (F + B durations from its report) spread
     over K devices with the K*M/(M+K-1) speed-up of a balanced pipeline; ``bottleneck`` uses the
     slowest stage instead, (M+K-1) x its per-micro-batch cost, plus the optimizer step. ``overhead``
-    is the part of the executor's step outside that bound (communication, waits, Python).
+    is the part of the executor's step outside that bound (communication, waits, Python). These
+    bounds are given for one pipeline with one chunk per device (D = V = 1) only.
 
-Usage: ``python benchmarks/executor_vs_pytorch.py [--steps 20] [--out benchmarks/results/...json]``.
+Usage: ``python benchmarks/executor_vs_pytorch.py [--configs pipeline|scale_out|all] [--steps 20]
+[--out benchmarks/results/...json]``. On a machine with fewer cores than D x K processes the run is
+oversubscribed, and the ratio says how the two cope with that, not how they scale.
 """
 
 from __future__ import annotations
@@ -37,6 +49,23 @@ CONFIGS = [
     {"model": "transformer", "options": {"layers": 4, "d_model": 128, "ff": 512, "seq": 64},
      "stages": 2, "batch": 16, "microbatches": 4},
 ]
+# data-parallel replicas and the interleaved schedule (D x K processes; V chunks per process)
+SCALE_OUT_CONFIGS = [
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "replicas": 2, "stages": 1, "batch": 64,
+     "microbatches": 4, "schedules": ["gpipe"]},
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "stages": 2, "virtual_stages": 2, "batch": 64,
+     "microbatches": 4, "schedules": ["interleaved"]},
+    {"model": "transformer", "options": {"layers": 4, "d_model": 128, "ff": 512, "seq": 64},
+     "stages": 2, "virtual_stages": 2, "batch": 16, "microbatches": 4, "schedules": ["interleaved"]},
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "replicas": 2, "stages": 2, "batch": 64,
+     "microbatches": 4, "schedules": ["1f1b"]},
+]
+CONFIG_SETS = {"pipeline": CONFIGS, "scale_out": SCALE_OUT_CONFIGS, "all": CONFIGS + SCALE_OUT_CONFIGS}
+
+
+def _shape(cfg: dict) -> tuple[int, int, int]:
+    """(D, K, V) of a configuration."""
+    return cfg.get("replicas", 1), cfg["stages"], cfg.get("virtual_stages", 1)
 
 
 def _torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> None:
@@ -44,7 +73,7 @@ def _torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> None:
                *argv]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -57,12 +86,17 @@ def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int
         from executor.cli import even_partition
         from executor.models import model_ref
 
+        replicas, stages, virtual = _shape(cfg)
         layers = model_ref(cfg["model"], cfg["options"]).num_layers
-        partition = ",".join(map(str, even_partition(layers, cfg["stages"])))  # as the PyTorch side splits
+        partition = ",".join(map(str, even_partition(layers, stages * virtual)))  # as the PyTorch side splits
         argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--partition", partition,
                 "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
                 "--checkpoint", "never", "--optimizer", "sgd", "--steps", str(steps), "--warmup-steps", str(warmup),
                 "--threads", str(threads), "--report", report_path]
+        if replicas > 1:
+            argv += ["--replicas", str(replicas)]
+        if virtual > 1:
+            argv += ["--virtual-stages", str(virtual)]
         for key, value in cfg["options"].items():
             argv += ["--option", f"{key}={value}"]
         result = subprocess.run(argv, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
@@ -93,16 +127,21 @@ def run_pytorch(cfg: dict, schedule: str, steps: int, warmup: int, threads: int)
         path = os.path.join(tmp, "job.json")
         with open(path, "w") as handle:
             json.dump(job, handle)
-        _torchrun(cfg["stages"], [os.path.abspath(__file__), "--pytorch-worker", path], _env(threads))
+        replicas, stages, _ = _shape(cfg)
+        _torchrun(replicas * stages, [os.path.abspath(__file__), "--pytorch-worker", path], _env(threads))
         with open(job["out"]) as handle:
             return json.load(handle)["step_time_s"]
 
 
 def pytorch_worker(path: str) -> None:
-    """One rank of torch.distributed.pipelining on the same model and partition."""
+    """One rank of torch.distributed.pipelining (with DDP over the replicas) on the same model and
+    partition: rank d*K + k runs pipeline rank k of replica d, as ``gpipe train`` places them."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+    from torch.nn.parallel import DistributedDataParallel
 
     from executor.cli import even_partition
     from executor.data import batch_for_step
@@ -112,32 +151,54 @@ def pytorch_worker(path: str) -> None:
     with open(path) as handle:
         job = json.load(handle)
     torch.set_num_threads(job["threads"])
+    replicas, stages, virtual = _shape(job)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (replicas, stages), mesh_dim_names=("dp", "pp"))
+    replica, pipeline_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     model = build_model(job["model"], job["options"], 0)
-    partition = even_partition(len(model), world)
-    module = stage_module(model, partition, rank)
+    partition = even_partition(len(model), stages * virtual)
     loss_fn = loss_function(default_loss(job["model"]))
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    cls = ScheduleGPipe if job["schedule"] == "gpipe" else Schedule1F1B
-    schedule = cls(stage, job["microbatches"], loss_fn=loss_fn)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    pipeline_stages, modules = [], []
+    for chunk in range(virtual):
+        index = chunk * stages + pipeline_rank
+        module = stage_module(model, partition, index)
+        modules.append(module)
+        if replicas > 1:
+            module = DistributedDataParallel(module, process_group=mesh["dp"].get_group(), static_graph=job["schedule"] == "gpipe")
+        pipeline_stages.append(PipelineStage(module, index, stages * virtual, torch.device("cpu"),
+                                             group=mesh["pp"].get_group()))
+    if job["schedule"] == "interleaved":
+        schedule = ScheduleInterleaved1F1B(pipeline_stages, job["microbatches"], loss_fn=loss_fn)
+    else:
+        cls = ScheduleGPipe if job["schedule"] == "gpipe" else Schedule1F1B
+        schedule = cls(pipeline_stages[0], job["microbatches"], loss_fn=loss_fn)
+    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.01)
+    first, last = pipeline_rank == 0, pipeline_rank == stages - 1
     times = []
     for step in range(job["steps"]):
         inputs, targets = batch_for_step(job["model"], job["options"], job["batch"], 0, step)
+        inputs, targets = torch.chunk(inputs, replicas)[replica], torch.chunk(targets, replicas)[replica]
         dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad()
-        if rank == 0:
+        if first and last:
+            schedule.step(inputs, target=targets, losses=[])
+        elif first:
             schedule.step(inputs)
-        elif rank == world - 1:
+        elif last:
             schedule.step(target=targets, losses=[])
         else:
             schedule.step()
         optimizer.step()
         dist.barrier()
         times.append(time.perf_counter() - start)
-    if rank == 0:
+    if replicas > 1:  # replicas saw different rows: equal weights show the gradients were averaged
+        checksum = torch.stack([p.detach().double().sum() for m in modules for p in m.parameters()])
+        copies = [torch.empty_like(checksum) for _ in range(replicas)]
+        dist.all_gather(copies, checksum, group=mesh["dp"].get_group())
+        if not all(torch.allclose(c, checksum, rtol=1e-6, atol=1e-6) for c in copies):
+            raise RuntimeError("PyTorch's replicas diverged: DDP did not synchronise the gradients")
+    if dist.get_rank() == 0:
         with open(job["out"], "w") as handle:
             json.dump({"step_time_s": statistics.median(times[job["warmup"]:])}, handle)
     dist.destroy_process_group()
@@ -169,6 +230,7 @@ def main() -> int:
         pytorch_worker(sys.argv[2])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", choices=sorted(CONFIG_SETS), default="all")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3,
@@ -177,31 +239,35 @@ def main() -> int:
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     rows = []
-    for cfg in CONFIGS:
-        threads = max(1, cores // cfg["stages"])
+    for cfg in CONFIG_SETS[args.configs]:
+        replicas, stages, virtual = _shape(cfg)
+        threads = max(1, cores // (replicas * stages))
         single_s = run_single(cfg, args.steps, args.warmup, cores)
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in cfg.get("schedules", ("gpipe", "1f1b")):
             reports, pytorch_runs = [], []
             for _ in range(args.rounds):  # alternating, so both see the same drifts of a shared machine
                 reports.append(run_executor(cfg, schedule, args.steps, args.warmup, threads))
                 pytorch_runs.append(run_pytorch(cfg, schedule, args.steps, args.warmup, threads))
             reports.sort(key=lambda r: r["step_time_s"])
             report = reports[len(reports) // 2]
-            bounds = ideal(report, cfg["stages"])
             pytorch_s = statistics.median(pytorch_runs)
             step_s = report["step_time_s"]
-            row = {"model": cfg["model"], "options": cfg["options"], "K": cfg["stages"], "M": cfg["microbatches"],
-                   "batch": cfg["batch"], "schedule": schedule, "executor_step_s": step_s,
-                   "pytorch_step_s": pytorch_s, "single_process_step_s": single_s, **bounds,
-                   "overhead_fraction": (step_s - bounds["bottleneck_bound_s"]) / step_s,
+            row = {"model": cfg["model"], "options": cfg["options"], "D": replicas, "K": stages, "V": virtual,
+                   "M": cfg["microbatches"], "batch": cfg["batch"], "schedule": schedule,
+                   "processes": replicas * stages, "oversubscribed": replicas * stages > cores,
+                   "executor_step_s": step_s, "pytorch_step_s": pytorch_s, "single_process_step_s": single_s,
                    "speedup_vs_pytorch": pytorch_s / step_s,
                    "executor_rounds_s": [r["step_time_s"] for r in reports], "pytorch_rounds_s": pytorch_runs}
+            bound_text = ""
+            if replicas == virtual == 1:
+                bounds = ideal(report, stages)
+                row.update(bounds, overhead_fraction=(step_s - bounds["bottleneck_bound_s"]) / step_s)
+                bound_text = (f"  ideal {bounds['ideal_balanced_s'] * 1e3:7.2f} ms  bound "
+                              f"{bounds['bottleneck_bound_s'] * 1e3:7.2f} ms  overhead {row['overhead_fraction']:.1%}")
             rows.append(row)
-            print(f"{cfg['model']:12s} K={cfg['stages']} M={cfg['microbatches']} {schedule:5s} "
+            print(f"{cfg['model']:12s} D={replicas} K={stages} V={virtual} M={cfg['microbatches']} {schedule:11s} "
                   f"executor {step_s * 1e3:7.2f} ms  pytorch {pytorch_s * 1e3:7.2f} ms  "
-                  f"single {single_s * 1e3:7.2f} ms  ideal {bounds['ideal_balanced_s'] * 1e3:7.2f} ms  "
-                  f"bound {bounds['bottleneck_bound_s'] * 1e3:7.2f} ms  overhead {row['overhead_fraction']:.1%}",
-                  flush=True)
+                  f"x{row['speedup_vs_pytorch']:.2f}  single {single_s * 1e3:7.2f} ms{bound_text}", flush=True)
     import torch
 
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": cores,
