@@ -21,10 +21,11 @@ chunk c of device d is virtual stage s = c*K + d, so a micro-batch visits device
 :func:`build_schedule` then returns one list per *device*, and each action's ``stage`` is the
 virtual stage it runs. Micro-batches go in groups of K: a device runs the forwards of K
 micro-batches on its chunk 0, then the same K on chunk 1, and so on; backwards mirror this from the
-last chunk. After a warm-up of 2(K-d-1) + (V-1)K forwards, device d alternates one forward with one
-backward. With V = 1 it is ``1f1b``. It needs M to be a multiple of K (a group of K micro-batches
-keeps every device busy while the first reaches the next chunk) and V*K layers at least; on
-uniform costs and free links its bubble is (K-1)/(V*M+K-1), V times smaller than 1F1B's.
+last chunk. After a warm-up of 2(K-d-1) + (V-1)K forwards (Megatron-LM's count), device d
+alternates one forward with one backward. It needs M to be a multiple of K (a group of K
+micro-batches keeps every device busy until the first of them comes back for the next chunk) and
+V*K layers at least. On uniform costs and free links its bubble is (K-1)/(V*M+K-1): the idle time
+of 1F1B divided by V, paid for with more activations in flight and V times the hand-offs.
 """
 
 from __future__ import annotations

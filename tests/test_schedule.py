@@ -1,7 +1,7 @@
 import pytest
 
 from sim.errors import GpipeInputError
-from sim.schedule import Action, Kind, build_schedule, format_grid, recomputes
+from sim.schedule import Action, Kind, build_schedule, check_interleaving, format_grid, recomputes
 
 
 def grid(stages, microbatches, schedule, checkpoint):
@@ -75,3 +75,86 @@ def test_grid_printer_highlights_an_action():
 def test_bad_arguments_raise_one_line_errors(args, message):
     with pytest.raises(GpipeInputError, match=message):
         build_schedule(*args)
+
+
+
+def grid_interleaved(stages, microbatches, virtual, checkpoint="never"):
+    return [" ".join(map(str, actions))
+            for actions in build_schedule(stages, microbatches, "interleaved", checkpoint, virtual)]
+
+
+def test_interleaved_literal_two_devices_two_chunks():
+    # device 0 holds virtual stages 0 and 2, device 1 holds 1 and 3; micro-batches go in groups of K=2
+    assert grid_interleaved(2, 4, 2) == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+    ]
+
+
+def _list_schedule(per_device, virtual_stages_total, forward_s=1.0, backward_s=2.0):
+    """Run the lists with each action waiting only for its input (sends free and asynchronous):
+    (step time, busy time per device). Fails on a deadlock."""
+    done, free_s, position = {}, [0.0] * len(per_device), [0] * len(per_device)
+    busy_s = [0.0] * len(per_device)
+    progress = True
+    while progress:
+        progress = False
+        for device, actions in enumerate(per_device):
+            while position[device] < len(actions):
+                action = actions[position[device]]
+                needs = None
+                if action.kind is Kind.FORWARD and action.stage > 0:
+                    needs = (action.stage - 1, Kind.FORWARD, action.microbatch)
+                elif action.kind is Kind.BACKWARD and action.stage < virtual_stages_total - 1:
+                    needs = (action.stage + 1, Kind.BACKWARD, action.microbatch)
+                if needs is not None and needs not in done:
+                    break
+                duration = backward_s if action.kind is Kind.BACKWARD else forward_s
+                start = max(free_s[device], done[needs] if needs else 0.0)
+                free_s[device] = start + duration
+                busy_s[device] += duration
+                done[(action.stage, action.kind, action.microbatch)] = free_s[device]
+                position[device] += 1
+                progress = True
+    assert position == [len(a) for a in per_device], "the lists deadlock"
+    return max(free_s), busy_s
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("virtual", [2, 3, 4])
+@pytest.mark.parametrize("groups", [1, 2, 5])
+def test_interleaved_runs_every_chunk_once_on_its_device_with_the_formula_bubble(stages, virtual, groups):
+    microbatches = groups * stages
+    per_device = build_schedule(stages, microbatches, "interleaved", "never", virtual)
+    for device, actions in enumerate(per_device):
+        assert {a.stage % stages for a in actions} == {device}
+        expected = {(c * stages + device, kind, m) for c in range(virtual) for m in range(microbatches)
+                    for kind in (Kind.FORWARD, Kind.BACKWARD)}
+        assert sorted((a.stage, a.kind, a.microbatch) for a in actions) == sorted(expected)
+    step_s, busy_s = _list_schedule(per_device, stages * virtual)
+    bubble = sum(step_s - b for b in busy_s) / (stages * step_s)
+    assert bubble == pytest.approx((stages - 1) / (virtual * microbatches + stages - 1), abs=1e-12)
+
+
+def test_interleaved_recomputes_per_chunk_before_each_backward():
+    per_device = build_schedule(2, 2, "interleaved", "except_last", 2)
+    for actions in per_device:
+        for index, action in enumerate(actions):
+            if action.kind is Kind.BACKWARD and action.microbatch != 1:
+                assert actions[index - 1] == Action(action.stage, Kind.RECOMPUTE, action.microbatch)
+
+
+@pytest.mark.parametrize("stages, microbatches, virtual, schedule, message", [
+    (2, 3, 2, "interleaved", "multiple of stages"),
+    (2, 4, 1, "interleaved", "--virtual-stages 2 or more"),
+    (2, 4, 2, "1f1b", "needs --schedule interleaved"),
+])
+def test_interleaved_refusals_are_one_line(stages, microbatches, virtual, schedule, message):
+    with pytest.raises(GpipeInputError, match=message) as error:
+        build_schedule(stages, microbatches, schedule, "never", virtual)
+    assert "\n" not in str(error.value)
+
+
+def test_more_chunks_than_layers_is_refused():
+    with pytest.raises(GpipeInputError, match="6 chunks but the model has 5 layers"):
+        check_interleaving(3, 3, 2, num_layers=5)
