@@ -324,7 +324,7 @@ class _Step:
 
     def _span(self, device: int, kind: str, start_s: float, end_s: float) -> None:
         if self.record and end_s > start_s:
-            self.records.append((device, kind, -1, start_s, end_s))
+            self.records.append(Record(device, kind, -1, start_s, end_s))
 
     def result(self, batch_size: int, schedule: str, checkpoint: str, zero: int) -> SimResult:
         layout = self.layout
@@ -361,12 +361,16 @@ class _Step:
                 "placement": layout.placement}
         if not self.record:
             return Timeline(source="simulated", meta=meta)
-        spans = list(self.records)
-        memory: list[tuple] = []
+        records = list(self.records)
+        memory: list[MemorySample] = []
         for d, run in enumerate(self.runs):
             devices = layout.devices(d)
-            spans.extend((devices[r[0]], *r[1:]) for r in run.records)
-            memory.extend((devices[m[0]], *m[1:]) for m in run.memory)
-        records = [Record(*fields) for fields in sorted(spans, key=lambda r: (r[3], r[0]))]
-        return Timeline(records=records, memory=[MemorySample._make(m) for m in memory], source="simulated",
-                        meta=meta)
+            records.extend(_record(devices[k], kind, m, start, end) for k, kind, m, start, end, _ in run.records)
+            memory.extend(MemorySample(devices[k], time_s, held) for k, time_s, held in run.memory)
+        records.sort(key=lambda r: (r.start_s, r.stage))
+        return Timeline(records=records, memory=memory, source="simulated", meta=meta)
+
+
+def _record(device: int, kind: str, microbatch: int, start_s: float, end_s: float) -> Record:
+    """A span on a row of the timeline: the global device (D x K rows), as the placement numbers them."""
+    return Record(device, kind, microbatch, start_s, end_s)

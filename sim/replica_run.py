@@ -67,7 +67,8 @@ class ReplicaRun:
     """One replica's step up to each device's last backward: busy time, memory and spans.
 
     ``costs[rows][s]`` is virtual stage s's cost for a micro-batch of ``rows``; ``devices[k]`` is
-    the global device of pipeline position k. Records name the position k; the engine relabels.
+    the global device of pipeline position k. Records name the position k and the virtual stage;
+    the engine turns them into :class:`sim.timeline.Record`.
     """
 
     def __init__(self, system: System, devices: Sequence[int], virtual_stages: int, rows: list[int],
@@ -87,7 +88,8 @@ class ReplicaRun:
         self.busy_s = [0.0] * self.stages
         self.held_bytes = [0] * self.stages
         self.peak_bytes = [0] * self.stages
-        self.records: list[tuple] = []  # Record fields; tuples are cheaper in the hot loop
+        # (position k, kind, micro-batch, start_s, end_s, virtual stage): tuples are cheaper in the hot loop
+        self.records: list[tuple] = []
         self.memory: list[tuple] = []  # MemorySample fields
         self.last_backward_s = [0.0] * self.stages
 
@@ -122,7 +124,7 @@ class ReplicaRun:
                 wait_start = env.now
                 yield waiting_on
                 if self.record and env.now > wait_start:
-                    self.records.append((device, RECV_WAIT, m, wait_start, env.now))
+                    self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
             if kind is Kind.FORWARD:
                 duration = cost.forward_s
             elif kind is Kind.RECOMPUTE:
@@ -134,7 +136,7 @@ class ReplicaRun:
                 yield env.timeout(duration)
             self.busy_s[device] += duration
             if self.record:
-                self.records.append((device, kind.value, m, start, env.now))
+                self.records.append((device, kind.value, m, start, env.now, s))
             if kind is Kind.FORWARD:
                 stashed = recomputes(self.checkpoint, m, microbatches)
                 self._hold(device, cost.stash_bytes if stashed else cost.saved_bytes)
@@ -161,5 +163,7 @@ class ReplicaRun:
         now = self.env.now
         start, arrival = self.links.reserve(link, key, now, nbytes)
         if self.record:
-            self.records.append((device, SEND_ACTIVATION if forward else SEND_GRADIENT, microbatch, start, arrival))
+            source = target - 1 if forward else target + 1
+            self.records.append((device, SEND_ACTIVATION if forward else SEND_GRADIENT, microbatch, start, arrival,
+                                 source))
         self.env.timeout(arrival - now).callbacks.append(lambda _event: arrived.succeed())
