@@ -361,16 +361,22 @@ class _Step:
                 "placement": layout.placement}
         if not self.record:
             return Timeline(source="simulated", meta=meta)
-        records = list(self.records)
+        spans = [tuple(r) for r in self.records]
         memory: list[MemorySample] = []
         for d, run in enumerate(self.runs):
             devices = layout.devices(d)
-            records.extend(_record(devices[k], kind, m, start, end) for k, kind, m, start, end, _ in run.records)
+            spans.extend(_span_fields(devices[k], kind, m, start, end) for k, kind, m, start, end, _ in run.records)
             memory.extend(MemorySample(devices[k], time_s, held) for k, time_s, held in run.memory)
-        records.sort(key=lambda r: (r.start_s, r.stage))
-        return Timeline(records=records, memory=memory, source="simulated", meta=meta)
+        spans.sort(key=_by_start_then_row)
+        return Timeline(records=[Record(*fields) for fields in spans], memory=memory, source="simulated",
+                        meta=meta)
 
 
-def _record(device: int, kind: str, microbatch: int, start_s: float, end_s: float) -> Record:
-    """A span on a row of the timeline: the global device (D x K rows), as the placement numbers them."""
-    return Record(device, kind, microbatch, start_s, end_s)
+def _span_fields(device: int, kind: str, microbatch: int, start_s: float, end_s: float) -> tuple:
+    """A span's :class:`Record` fields on a row of the timeline: the global device (D x K rows), as
+    the placement numbers them."""
+    return device, kind, microbatch, start_s, end_s
+
+
+def _by_start_then_row(fields: tuple) -> tuple:
+    return fields[3], fields[0]

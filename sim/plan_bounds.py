@@ -20,7 +20,9 @@ smaller. The all-reduce is the engine's own closed form, which depends on bytes 
 :func:`balanced_bound_s`, before any partition: the K devices share the whole model's work and,
 with D > 1, each device's all-reduce; the busiest device does at least the average. The all-reduce
 of stage k is affine in its bytes (a_k x bytes + b_k), the devices together hold at least the
-model's gradient bytes, so the sum over k is at least min(a) x bytes + K x min(b).
+model's gradient bytes, so the sum over k is at least min(a) x bytes + K x min(b). Without
+interleaving it also takes the pipeline's fill and drain at their least over all partitions
+(:meth:`BalancedBounds.bubble_s`), which rules out deep pipelines of few micro-batches unpartitioned.
 """
 
 from __future__ import annotations
@@ -129,7 +131,35 @@ class BalancedBounds:
             self._work[key] = total
         return self._work[key]
 
+    def _chain_s(self, rows: tuple[int, ...]) -> float:
+        """One micro-batch through every layer and back, at the cheapest rows: F_min + B_min."""
+        key = (rows, "chain")
+        if key not in self._work:
+            layers = self.table.workload.num_layers
+            wholes = [self.table.stage(r, 0, layers) for r in set(rows)]
+            self._work[key] = min(w.forward_s for w in wholes) + min(w.backward_s for w in wholes)
+        return self._work[key]
+
     def __call__(self, candidate) -> float:
+        return max(self.balanced_s(candidate), self.bubble_s(candidate))
+
+    def bubble_s(self, candidate) -> float:
+        """The pipeline's fill and drain, without a partition (V = 1; 0 otherwise).
+
+        With x_k the cost of one micro-batch's forward and backward on device k's layers (cheapest
+        rows), device k cannot end before the chain through the devices before it plus its own M
+        micro-batches: step >= x_0 + ... + x_{k-1} + M x_k for every k, the x_k summing to the
+        whole chain C. The smallest such maximum over all partitions makes every term equal, a
+        geometric series: T = C / (1 - (1 - 1/M)^K). It is C for M = 1 and tends to C M / K.
+        """
+        c = candidate
+        if c.virtual_stages > 1:
+            return 0.0
+        rows = tuple(replica_rows(self.batch_size, c.replicas, c.microbatches))
+        m = len(rows)
+        return self._chain_s(rows) / (1 - (1 - 1 / m) ** c.stages)
+
+    def balanced_s(self, candidate) -> float:
         c = candidate
         rows = tuple(replica_rows(self.batch_size, c.replicas, c.microbatches))
         layers = self.table.workload.num_layers

@@ -193,11 +193,27 @@ class Partitions:
         capacity = self.system.device.memory_bytes
         if capacity == float("inf"):
             return free
+        if free is not None and self._fits_holding_everything(free, rows[0], len(rows), c):
+            return free
         held = [peak_coefficients(c.stages, len(rows), c.schedule, c.checkpoint, k, c.virtual_stages)
                 for k in range(c.stages)]
         if free is not None and self._devices_fit(free, rows[0], held, c):
             return free
         return self._constrained(rows[0], held, c)
+
+    def _fits_holding_everything(self, partition: Sequence[int], rows: int, microbatches: int, c: Candidate) -> bool:
+        """Whether each device fits even holding every micro-batch's largest of stash and saved
+        activations on every chunk at once: more than any schedule holds, and cheap to check."""
+        bounds = stage_bounds(partition)
+        capacity = self.system.device.memory_bytes
+        for k in range(c.stages):
+            total = 0
+            for a, b in (bounds[s] for s in range(k, len(bounds), c.stages)):
+                cost = self.table.stage(rows, a, b)
+                total += self._chunk_static(rows, a, b, c) + microbatches * max(cost.stash_bytes, cost.saved_bytes)
+            if total > capacity:
+                return False
+        return True
 
     def _chunk_static(self, rows: int, first: int, end: int, c: Candidate) -> int:
         cost = self.table.stage(rows, first, end)
