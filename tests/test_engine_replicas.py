@@ -9,6 +9,7 @@ from sim.engine import simulate
 from sim.errors import GpipeInputError
 from sim.hardware import FREE_LINK, Link, System, get_system
 from sim.memory import peak_coefficients, peak_from_coefficients
+from sim.planner import Candidate, Partitions
 from sim.stage_costs import CostTable
 from sim.timeline import DP_ALLREDUCE, RECV_WAIT, SEND_ACTIVATION
 from sim.workload import UniformWorkload
@@ -122,6 +123,9 @@ def test_zero_divides_optimizer_state_over_the_replicas():
     assert {s.static_bytes for s in plain.stages} == {2 * (4 + 4 + 8) * MIB}
     assert {s.static_bytes for s in zero.stages} == {2 * (4 + 4 + 8 // 4) * MIB}
     assert zero.step_time_s == plain.step_time_s and zero.zero == 1
+    planner = Partitions(CostTable(workload, IDEAL.device), IDEAL, 16)
+    for z, result in ((0, plain), (1, zero)):  # the planner's memory check holds what the engine holds
+        assert planner._chunk_static(1, 0, 2, Candidate(2, 4, "never", "gpipe", 4, 1, z)) == result.stages[0].static_bytes
     assert [s.peak_activation_bytes for s in zero.stages] == [s.peak_activation_bytes for s in plain.stages]
 
 
@@ -160,11 +164,17 @@ def test_memory_estimate_matches_the_simulation_interleaved(list_workload, check
     partition = [1, 2, 1, 2]  # K=2 devices, V=2 chunks each
     result = simulate(workload, IDEAL, partition, batch_size=8 * replicas, microbatches=4, checkpoint=checkpoint,
                       schedule="interleaved", virtual_stages=2, replicas=replicas, zero=zero)
-    costs = CostTable(workload, IDEAL.device).stages(2, partition)
+    table = CostTable(workload, IDEAL.device)
+    costs = table.stages(2, partition)
+    planner = Partitions(table, IDEAL, 8 * replicas)
+    candidate = Candidate(2, 4, checkpoint, "interleaved", replicas, 2, zero)
+    bounds = [(0, 1), (1, 3), (3, 4), (4, 6)]
     for stage in result.stages:
         chunks = [costs[stage.stage], costs[stage.stage + 2]]
         points = peak_coefficients(2, 4, "interleaved", checkpoint, stage.stage, 2)
         assert peak_from_coefficients(chunks, points) == stage.peak_activation_bytes
+        static = sum(planner._chunk_static(2, *bounds[s], candidate) for s in (stage.stage, stage.stage + 2))
+        assert static == stage.static_bytes  # the planner's memory check counts what the engine holds
 
 
 def test_a_calibrated_collective_link_replaces_the_systems_links():
