@@ -87,6 +87,27 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int 
     group.add_argument("--schedule", default="gpipe", help=f"{', '.join(SCHEDULES)}")
 
 
+def add_scale_out_arguments(parser: argparse.ArgumentParser) -> None:
+    """``gpipe simulate``'s data-parallel replicas, virtual stages, ZeRO and placement of one plan."""
+    from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
+
+    group = parser.add_argument_group("replicas and interleaving")
+    group.add_argument("--replicas", "-D", type=int, default=1,
+                       help="data-parallel copies of the pipeline D; --batch is the global batch (default 1)")
+    group.add_argument("--virtual-stages", "-V", type=int, default=None,
+                       help="chunks per device V with --schedule interleaved (default 2 there, 1 elsewhere)")
+    group.add_argument("--zero", type=int, default=0, help="1: shard optimizer state over the replicas (ZeRO-1)")
+    group.add_argument("--placement", default=DEFAULT_PLACEMENT,
+                       help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} (default {DEFAULT_PLACEMENT})")
+
+
+def virtual_stages_of(args: argparse.Namespace) -> int:
+    """``--virtual-stages``, defaulting to 2 under the interleaved schedule and 1 elsewhere."""
+    if args.virtual_stages is not None:
+        return args.virtual_stages
+    return 2 if args.schedule == "interleaved" else 1
+
+
 def add_hardware_arguments(parser: argparse.ArgumentParser, default: str = "ideal") -> None:
     group = parser.add_argument_group("hardware")
     group.add_argument("--hardware", default=default, help=f"one of {', '.join(SYSTEMS)} (default {default})")

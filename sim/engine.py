@@ -1,23 +1,37 @@
-"""The SimPy discrete-event model of one training step of a pipeline.
+"""The discrete-event model of one training step of D data-parallel replicas of a K-stage pipeline.
 
-Each stage is a SimPy process walking its action list from :func:`sim.schedule.build_schedule`. A
-forward waits for the previous stage's activation, a backward for the next stage's gradient; a
-recompute waits for nothing but the device, so it can run before the gradient arrives (the GPipe
-paper's observation). Finished activations and gradients travel over first-come-first-served link
-channels: a dedicated one per neighbour pair and direction, or, for PCIe through the host, one per
-node and direction that every transfer on that node queues for (see :class:`_Links`).
+Each replica's forwards and backwards run as a SimPy model (:mod:`sim.replica_run`): its K devices
+walk their action lists from :func:`sim.schedule.build_schedule` (with the interleaved schedule, V
+chunks per device), transfers cross the links between the devices :mod:`sim.placement` gives them.
+Replica d trains ``torch.chunk(global_batch, D)[d]``, which has one of at most two sizes, and its
+links depend only on which of its devices share a node; replicas alike in both are simulated once.
+
+After a device's last backward comes, in this order, the same on every replica:
+
+1. the data-parallel all-reduce of its gradients (fp32) over its stage's group, the D devices
+   holding the same stage: launched when the last of them has finished its last backward, timed by
+   :func:`sim.allreduce.group_allreduce_s` (ring inside a node, hierarchical across nodes), or as a
+   ring on ``allreduce_link`` when one is given (a calibrated collective);
+2. the sum of each shared parameter's gradient among the stages holding a copy (a tied embedding
+   and head, :class:`sim.workload.SharedParameter`): each owner waits until all have arrived, then a
+   ring all-reduce of its bytes takes 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency on the
+   slowest link between the owners;
+3. the optimizer step, then any fitted per-step overhead.
+
+Why the data-parallel all-reduce starts after the last backward rather than inside it (bucket by
+bucket, as DDP does): a stage's last backward is 1/M of its backward work, so little could overlap
+there, while launching after it leaves accumulation and re-materialization untouched and is what
+the executor does; the overlap that matters is with the rest of the drain, as stage k finishes
+before stage k-1 and its all-reduce runs while the earlier stages still compute.
 
 Limits of the model: compute and communication overlap perfectly (sends are asynchronous, as with
 copy engines and non-blocking NCCL calls); a device runs one action at a time and never stalls for
 other reasons (no kernel-launch jitter, no thermal throttling, no interference from other
-processes); a transfer holds its channel for bytes / bandwidth and arrives a latency later, with no protocol or
-congestion effects.
-The optimizer update runs once per step after a stage's last backward. A parameter shared by
-layers on several stages (a tied embedding and head, :class:`sim.workload.SharedParameter`) has its
-gradient summed among the owning stages first: each owner waits until all have finished their
-backwards, then a ring all-reduce of its bytes takes 2(n-1)/n x bytes / bandwidth + 2(n-1) x latency
-on the slowest link between the owners (not contended by other transfers), and every owner then
-runs its optimizer step.
+processes); a transfer holds its channel for bytes / bandwidth and arrives a latency later, with no
+protocol or congestion effects. Replicas are simulated apart: their transfers never queue behind
+each other on a shared PCIe channel, and all-reduces are not contended by anything. ZeRO-1 is
+modelled in memory alone (each device keeps 1/D of its optimizer state): the step on 1/D of the
+parameters and the parameter broadcast after it are taken to cancel, and neither is timed.
 """
 
 from __future__ import annotations
@@ -26,33 +40,43 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import simpy
-
+from sim.allreduce import data_parallel_group, group_allreduce_s, ring_allreduce_s
+from sim.errors import GpipeInputError
 from sim.hardware import Link, System
+from sim.memory import static_bytes
 from sim.microbatch import split_rows
+from sim.placement import DEFAULT_PLACEMENT, check_placement, device_of
 from sim.plan import validate_partition
-from sim.schedule import Kind, build_schedule, recomputes
-from sim.stage_costs import CostTable, StageCost, stage_of_layers
-from sim.timeline import (OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE, STEP_OVERHEAD,
-                          MemorySample, Record, Timeline)
+from sim.replica_run import ReplicaRun
+from sim.schedule import build_schedule, check_interleaving, check_virtual_stages
+from sim.stage_costs import CostTable, StageCost, stage_bounds, stage_of_layers
+from sim.timeline import (DP_ALLREDUCE, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
+                          Record, Timeline)
 from sim.workload import Workload, shared_parameters
+
+__all__ = ["SimResult", "StageResult", "SharedReduction", "ring_allreduce_s", "shared_reductions", "simulate"]
 
 
 @dataclass(frozen=True)
 class StageResult:
+    """One device: pipeline position ``stage`` of ``replica``, on global device ``device``."""
+
     stage: int
-    layers: int
+    layers: int  # over all of the device's chunks
     busy_s: float
     peak_memory_bytes: int  # static + peak activation
     peak_activation_bytes: int  # saved-for-backward tensors + stashed inputs, at their peak
-    static_bytes: int  # parameters + gradients + optimizer state
+    static_bytes: int  # parameters + gradients + optimizer state (1/D of it with ZeRO-1)
     memory_capacity_bytes: float
     fits: bool
+    replica: int = 0
+    device: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         capacity = self.memory_capacity_bytes
         return {
-            "stage": self.stage, "layers": self.layers, "busy_s": self.busy_s,
+            "stage": self.stage, "replica": self.replica, "device": self.device, "layers": self.layers,
+            "busy_s": self.busy_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_activation_bytes": self.peak_activation_bytes,
             "static_bytes": self.static_bytes,
@@ -64,16 +88,21 @@ class StageResult:
 @dataclass
 class SimResult:
     step_time_s: float
-    bubble_fraction: float
-    throughput_samples_per_s: float
-    partition: tuple[int, ...]
-    batch_size: int
-    microbatches: int  # as executed: torch.chunk may make fewer than asked for
-    microbatch_rows: list[int]
+    bubble_fraction: float  # idle share of all D x K devices' time
+    throughput_samples_per_s: float  # of the global batch
+    partition: tuple[int, ...]  # layers per virtual stage: V x K entries
+    batch_size: int  # the global mini-batch
+    microbatches: int  # replica 0's, as executed: torch.chunk may make fewer than asked for
+    microbatch_rows: list[int]  # replica 0's
     schedule: str
     checkpoint: str
-    stages: list[StageResult]
+    stages: list[StageResult]  # one per device, in device order
     timeline: Timeline = field(repr=False)
+    replicas: int = 1
+    virtual_stages: int = 1
+    zero: int = 0
+    placement: str = DEFAULT_PLACEMENT
+    replica_rows: list[int] = field(default_factory=list)  # rows of the global batch each replica trains
 
     @property
     def fits(self) -> bool:
@@ -90,251 +119,264 @@ class SimResult:
             "microbatch_rows": self.microbatch_rows,
             "schedule": self.schedule,
             "checkpoint": self.checkpoint,
+            "replicas": self.replicas,
+            "virtual_stages": self.virtual_stages,
+            "zero": self.zero,
+            "placement": self.placement,
+            "replica_rows": self.replica_rows,
             "fits": self.fits,
             "stages": [s.to_dict() for s in self.stages],
         }
 
 
-class _Links:
-    """The links as FIFO channels: one per neighbour pair and direction, or one per node and
-    direction where the link is shared (PCIe through the host).
+@dataclass(frozen=True)
+class SharedReduction:
+    """The all-reduce of one shared parameter's gradient among the pipeline positions holding it."""
 
-    A transfer occupies its channel for bytes / bandwidth, from the moment the channel is free; its
-    latency is pipelined (it delays arrival, not the next transfer). Requests reach a channel in
-    simulated-time order, so a first-come-first-served resource reduces to the time the channel
-    next falls free: that closed form is what is kept, which saves most of SimPy's resource events.
-    """
+    owners: tuple[int, ...]
+    nbytes: int
+    duration_s: float  # on replica 0's devices
 
-    def __init__(self, system: System, stages: int) -> None:
-        self.system = system
-        self.links: list[Link] = [system.link_between(k) for k in range(stages - 1)]
-        self._free_at_s: dict[tuple, float] = {}
 
-    def is_free(self, boundary: int) -> bool:
-        link = self.links[boundary]
-        return link.latency_s == 0.0 and math.isinf(link.bandwidth_bytes_per_s)
+def shared_reductions(workload: Workload, partition: Sequence[int], system: System, virtual_stages: int = 1,
+                      devices: Sequence[int] | None = None) -> list[SharedReduction]:
+    """One reduction per shared parameter whose layers sit on more than one device, in layer order.
 
-    def reserve(self, boundary: int, forward: bool, now_s: float, nbytes: int) -> tuple[float, float]:
-        """Book a transfer of ``nbytes`` over ``boundary``: (start_s, arrival_s)."""
-        link = self.links[boundary]
-        direction = "forward" if forward else "backward"
-        key: tuple = ((self.system.node_of(boundary), direction) if link.shared else (boundary, direction, 0))
-        start_s = max(now_s, self._free_at_s.get(key, 0.0))
-        wire_s = 0.0 if math.isinf(link.bandwidth_bytes_per_s) else nbytes / link.bandwidth_bytes_per_s
-        self._free_at_s[key] = start_s + wire_s
-        return start_s, start_s + wire_s + link.latency_s
+    ``devices[k]`` is the global device of pipeline position k (default: device k)."""
+    stages = len(partition) // virtual_stages
+    devices = list(range(stages)) if devices is None else devices
+    stage_of = stage_of_layers(partition)
+    reductions = []
+    for parameter in shared_parameters(workload):
+        owners = tuple(sorted({stage_of[layer] % stages for layer in parameter.layers}))
+        if len(owners) < 2:
+            continue
+        reductions.append(SharedReduction(owners, parameter.param_bytes,
+                                          _owners_ring_s(parameter.param_bytes, [devices[k] for k in owners], system)))
+    return reductions
+
+
+def _owners_ring_s(nbytes: int, devices: Sequence[int], system: System) -> float:
+    nodes = {system.node_of(d) for d in devices}
+    return ring_allreduce_s(nbytes, len(devices), system.intra_link if len(nodes) == 1 else system.inter_link)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """D replicas of K devices with V chunks each, placed on the system; validated at construction."""
+
+    replicas: int
+    stages: int
+    virtual_stages: int
+    placement: str
+
+    def devices(self, replica: int) -> list[int]:
+        return [device_of(replica, k, self.replicas, self.stages, self.placement) for k in range(self.stages)]
+
+    def chunks(self, stage: int) -> list[int]:
+        """The virtual stages device position ``stage`` runs, chunk 0 first."""
+        return [c * self.stages + stage for c in range(self.virtual_stages)]
+
+
+def check_layout(workload: Workload, system: System, partition: Sequence[int], schedule: str, virtual_stages: int,
+                 replicas: int, zero: int, placement: str) -> tuple[tuple[int, ...], Layout]:
+    """Every refusal of :func:`simulate`'s layout arguments, one line each, before any work."""
+    partition = validate_partition(partition, workload.num_layers)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise GpipeInputError(f"replicas (D) must be a positive integer, got {replicas!r}; use --replicas 1 or more")
+    check_virtual_stages(schedule, virtual_stages)
+    if len(partition) % virtual_stages:
+        raise GpipeInputError(f"partition has {len(partition)} entries, not a multiple of --virtual-stages "
+                              f"{virtual_stages}; give V x K entries")
+    if zero not in (0, 1):
+        raise GpipeInputError(f"--zero must be 0 or 1, got {zero!r}")
+    if zero == 1 and replicas == 1:
+        raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
+                              "--replicas 2 or more; use --zero 0 with one replica")
+    check_placement(placement)
+    stages = len(partition) // virtual_stages
+    system.check_fits(stages, replicas)
+    return partition, Layout(replicas, stages, virtual_stages, placement)
+
+
+def replica_microbatch_rows(batch_size: int, replicas: int, microbatches: int) -> list[list[int]]:
+    """Each replica's micro-batch rows: ``torch.chunk`` of the global batch into D, then into M."""
+    replica_rows = split_rows(batch_size, replicas)
+    if len(replica_rows) < replicas:
+        raise GpipeInputError(f"a global batch of {batch_size} rows splits (like torch.chunk) into only "
+                              f"{len(replica_rows)} parts, too few for {replicas} replicas; use --batch "
+                              f"{replicas} or more with a batch torch.chunk splits into {replicas} parts")
+    return [split_rows(rows, microbatches) for rows in replica_rows]
 
 
 def simulate(workload: Workload, system: System, partition: Sequence[int], batch_size: int,
              microbatches: int, checkpoint: str = "except_last", schedule: str = "gpipe",
-             costs: CostTable | None = None, record: bool = True) -> SimResult:
-    """Simulate one step of ``workload`` split by ``partition`` on ``system``.
+             costs: CostTable | None = None, record: bool = True, virtual_stages: int = 1, replicas: int = 1,
+             zero: int = 0, placement: str = DEFAULT_PLACEMENT, allreduce_link: Link | None = None) -> SimResult:
+    """Simulate one step of ``workload`` split by ``partition`` (V x K entries) on ``system``.
 
+    ``batch_size`` is the global mini-batch, which the ``replicas`` split like torch.chunk.
     ``costs`` lets a caller (the planner) share one cost cache across many simulations;
     ``record=False`` skips building the timeline when only the figures are wanted.
+    ``allreduce_link``, when given, times the data-parallel all-reduce as a ring on that link.
     """
-    partition = validate_partition(partition, workload.num_layers)
-    stages = len(partition)
-    system.check_fits(stages)
-    rows = split_rows(batch_size, microbatches)
+    partition, layout = check_layout(workload, system, partition, schedule, virtual_stages, replicas, zero, placement)
+    per_replica_rows = replica_microbatch_rows(batch_size, replicas, microbatches)
+    if schedule == "interleaved":
+        for rows in {tuple(r) for r in per_replica_rows}:
+            if len(rows) != microbatches and len(rows) % layout.stages:
+                raise GpipeInputError(
+                    f"{sum(rows)} rows split (like torch.chunk) into {len(rows)} micro-batches, not "
+                    f"{microbatches}, and the interleaved schedule needs a multiple of K={layout.stages}; "
+                    f"choose --batch and --microbatches that split evenly")
+            check_interleaving(layout.stages, len(rows), virtual_stages, workload.num_layers)
     table = costs if costs is not None else CostTable(workload, system.device)
-    stage_costs = {r: table.stages(r, partition) for r in set(rows)}
-    per_stage_actions = build_schedule(stages, len(rows), schedule, checkpoint)
-    run = _Run(system, stages, rows, stage_costs, checkpoint, record,
-               shared_reductions(workload, partition, system))
-    for k in range(stages):
-        run.env.process(run.stage_process(k, per_stage_actions[k]))
-    run.env.run()
-    return run.result(partition, batch_size, schedule, checkpoint)
+    runs = _run_replicas(system, layout, partition, per_replica_rows, table, schedule, checkpoint, record)
+    step = _Step(workload, system, layout, partition, table, per_replica_rows, runs, zero, allreduce_link, record)
+    return step.result(batch_size, schedule, checkpoint, zero)
 
 
-@dataclass(frozen=True)
-class SharedReduction:
-    """The all-reduce of one shared parameter's gradient among the stages holding a copy."""
-
-    owners: tuple[int, ...]
-    duration_s: float
-
-
-def ring_allreduce_s(nbytes: int, parties: int, link: Link) -> float:
-    """Ring all-reduce of ``nbytes`` among ``parties`` over ``link``: 2(n-1)/n of the bytes on the
-    wire per party and 2(n-1) latencies (reduce-scatter then all-gather)."""
-    if parties < 2:
-        return 0.0
-    wire_s = 0.0 if math.isinf(link.bandwidth_bytes_per_s) else nbytes / link.bandwidth_bytes_per_s
-    return 2 * (parties - 1) / parties * wire_s + 2 * (parties - 1) * link.latency_s
+def _signature(system: System, devices: Sequence[int], rows: Sequence[int]) -> tuple:
+    """What a replica's simulation depends on: its micro-batch rows, and which devices share a node."""
+    first_seen: dict[int, int] = {}
+    pattern = tuple(first_seen.setdefault(system.node_of(d), len(first_seen)) for d in devices)
+    return tuple(rows), pattern
 
 
-def shared_reductions(workload: Workload, partition: Sequence[int], system: System) -> list[SharedReduction]:
-    """One reduction per shared parameter whose layers sit on more than one stage, in layer order."""
-    stage_of = stage_of_layers(partition)
-    reductions = []
-    for parameter in shared_parameters(workload):
-        owners = tuple(sorted({stage_of[layer] for layer in parameter.layers}))
-        if len(owners) < 2:
-            continue
-        nodes = {system.node_of(k) for k in owners}
-        link = system.intra_link if len(nodes) == 1 else system.inter_link
-        reductions.append(SharedReduction(owners, ring_allreduce_s(parameter.param_bytes, len(owners), link)))
-    return reductions
+def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], per_replica_rows: list[list[int]],
+                  table: CostTable, schedule: str, checkpoint: str, record: bool) -> list[ReplicaRun]:
+    """One :class:`ReplicaRun` per replica; replicas with the same signature share one."""
+    bounds = stage_bounds(partition)
+    done: dict[tuple, ReplicaRun] = {}
+    runs = []
+    for d, rows in enumerate(per_replica_rows):
+        devices = layout.devices(d)
+        key = _signature(system, devices, rows)
+        if key not in done:
+            stage_costs = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
+            actions = build_schedule(layout.stages, len(rows), schedule, checkpoint, layout.virtual_stages)
+            done[key] = ReplicaRun(system, devices, layout.virtual_stages, rows, stage_costs, checkpoint,
+                                   record).run(actions)
+        runs.append(done[key])
+    return runs
 
 
-class _Reduction:
-    """A shared reduction in flight: owners that have arrived, and the event of its end."""
+class _Step:
+    """The rest of the step after each device's last backward, and the result: a closed form, since
+    nothing after the last backward depends on anything but when each device got there."""
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.arrived = 0
-        self.start_s = 0.0
-        self.done = env.event()
-
-
-class _Run:
-    """State of one simulation: the environment, arrival events, busy times and memory."""
-
-    def __init__(self, system: System, stages: int, rows: list[int],
-                 stage_costs: dict[int, list[StageCost]], checkpoint: str, record: bool,
-                 reductions: Sequence[SharedReduction] = ()) -> None:
-        self.env = simpy.Environment()
-        self.system = system
-        self.stages = stages
-        self.rows = rows
-        self.costs = stage_costs
-        self.checkpoint = checkpoint
+    def __init__(self, workload: Workload, system: System, layout: Layout, partition: tuple[int, ...],
+                 table: CostTable, per_replica_rows: list[list[int]], runs: list[ReplicaRun], zero: int,
+                 allreduce_link: Link | None, record: bool) -> None:
+        self.system, self.layout, self.partition, self.runs = system, layout, partition, runs
+        self.per_replica_rows = per_replica_rows
         self.record = record
-        self.links = _Links(system, stages)
-        m = len(rows)
-        # activation_in[k][m]: stage k has micro-batch m's input; gradient_in[k][m]: its output grad
-        self.activation_in = [[self.env.event() for _ in range(m)] for _ in range(stages)]
-        self.gradient_in = [[self.env.event() for _ in range(m)] for _ in range(stages)]
-        self.busy_s = [0.0] * stages
-        self.held_bytes = [0] * stages
-        self.peak_bytes = [0] * stages
-        self.records: list[tuple] = []  # Record fields; tuples are cheaper in the hot loop
-        self.memory: list[tuple] = []  # MemorySample fields
-        self.end_s = [0.0] * stages
-        self.reductions = [(r, _Reduction(self.env)) for r in reductions]
+        self.records: list[tuple] = []
+        bounds = stage_bounds(partition)
+        rows0 = per_replica_rows[0][0]
+        K, D = layout.stages, layout.replicas
+        self.chunk_costs: list[list[StageCost]] = [[table.stage(rows0, *bounds[s]) for s in layout.chunks(k)]
+                                                   for k in range(K)]
+        self.static: list[int] = []
+        self.allreduce_s: list[float] = []
+        for k in range(K):
+            state = [table.gradient_and_optimizer_bytes(rows0, *bounds[s]) for s in layout.chunks(k)]
+            gradient_bytes = sum(g for g, _ in state)
+            optimizer_bytes = sum(o for _, o in state)
+            chunk_static = sum(c.static_bytes for c in self.chunk_costs[k])
+            self.static.append(static_bytes(chunk_static, optimizer_bytes, D, zero))
+            group = data_parallel_group(k, D, K, layout.placement)
+            self.allreduce_s.append(group_allreduce_s(gradient_bytes, group, system, allreduce_link))
+        self.reductions = shared_reductions(workload, partition, system, layout.virtual_stages)
+        self.end_s, self.busy_s = self._tail()
 
-    def cost(self, stage: int, microbatch: int) -> StageCost:
-        return self.costs[self.rows[microbatch]][stage]
+    def _tail(self) -> tuple[list[list[float]], list[list[float]]]:
+        """Per replica and position: when the device ends, and its busy seconds (optimizer included)."""
+        K, layout = self.layout.stages, self.layout
+        start_s = [max(run.last_backward_s[k] for run in self.runs) for k in range(K)]
+        reduced_s = [start_s[k] + self.allreduce_s[k] for k in range(K)]
+        ends, busy = [], []
+        for d, run in enumerate(self.runs):
+            devices = layout.devices(d)
+            t = list(reduced_s)
+            for k in range(K):
+                self._span(devices[k], RECV_WAIT, run.last_backward_s[k], start_s[k])
+                self._span(devices[k], DP_ALLREDUCE, start_s[k], reduced_s[k])
+            for reduction in self.reductions:
+                begin = max(t[k] for k in reduction.owners)
+                finish = begin + _owners_ring_s(reduction.nbytes, [devices[k] for k in reduction.owners], self.system)
+                for k in reduction.owners:
+                    self._span(devices[k], RECV_WAIT, t[k], begin)
+                    self._span(devices[k], SHARED_ALLREDUCE, begin, finish)
+                    t[k] = finish
+            replica_busy = list(run.busy_s)
+            for k in range(K):
+                optimizer_s = sum(c.optimizer_s for c in self.chunk_costs[k])
+                overhead_s = max(c.step_overhead_s for c in self.chunk_costs[k])
+                self._span(devices[k], OPTIMIZER, t[k], t[k] + optimizer_s)
+                replica_busy[k] += optimizer_s
+                t[k] += optimizer_s
+                self._span(devices[k], STEP_OVERHEAD, t[k], t[k] + overhead_s)  # not busy: not known to compute
+                t[k] += overhead_s
+            ends.append(t)
+            busy.append(replica_busy)
+        return ends, busy
 
-    def _hold(self, stage: int, delta: int) -> None:
-        self.held_bytes[stage] += delta
-        if self.held_bytes[stage] > self.peak_bytes[stage]:
-            self.peak_bytes[stage] = self.held_bytes[stage]
-        if self.record:
-            self.memory.append((stage, self.env.now, self.held_bytes[stage]))
+    def _span(self, device: int, kind: str, start_s: float, end_s: float) -> None:
+        if self.record and end_s > start_s:
+            self.records.append(Record(device, kind, -1, start_s, end_s))
 
-    def stage_process(self, stage: int, actions):
-        env = self.env
-        microbatches = len(self.rows)
-        if self.record:
-            self.memory.append((stage, 0.0, 0))
-        for action in actions:
-            m = action.microbatch
-            cost = self.cost(stage, m)
-            kind = action.kind
-            waiting_on = None
-            if kind is Kind.FORWARD and stage > 0:
-                waiting_on = self.activation_in[stage][m]
-            elif kind is Kind.BACKWARD and stage < self.stages - 1:
-                waiting_on = self.gradient_in[stage][m]
-            if waiting_on is not None and not waiting_on.processed:
-                wait_start = env.now
-                yield waiting_on
-                if self.record and env.now > wait_start:
-                    self.records.append((stage, RECV_WAIT, m, wait_start, env.now))
-            if kind is Kind.FORWARD:
-                duration = cost.forward_s
-            elif kind is Kind.RECOMPUTE:
-                duration = cost.recompute_s
-            else:
-                duration = cost.backward_s
-            start = env.now
-            if duration > 0:
-                yield env.timeout(duration)
-            self.busy_s[stage] += duration
-            if self.record:
-                self.records.append((stage, kind.value, m, start, env.now))
-            if kind is Kind.FORWARD:
-                stashed = recomputes(self.checkpoint, m, microbatches)
-                self._hold(stage, cost.stash_bytes if stashed else cost.saved_bytes)
-                if stage < self.stages - 1:
-                    self._send(stage, stage + 1, m, cost.output_bytes, forward=True)
-            elif kind is Kind.RECOMPUTE:
-                self._hold(stage, cost.saved_bytes - cost.stash_bytes)
-            else:
-                self._hold(stage, -cost.saved_bytes)
-                if stage > 0:
-                    input_bytes = cost.stash_bytes
-                    self._send(stage, stage - 1, m, input_bytes, forward=False)
-        for reduction, state in self.reductions:
-            if stage in reduction.owners:
-                yield from self._reduce(stage, reduction, state)
-        per_step = self.costs[self.rows[0]][stage]
-        if per_step.optimizer_s > 0:
-            start = env.now
-            yield env.timeout(per_step.optimizer_s)
-            self.busy_s[stage] += per_step.optimizer_s
-            if self.record:
-                self.records.append((stage, OPTIMIZER, -1, start, env.now))
-        if per_step.step_overhead_s > 0:  # not busy: the device is not known to compute then
-            start = env.now
-            yield env.timeout(per_step.step_overhead_s)
-            if self.record:
-                self.records.append((stage, STEP_OVERHEAD, -1, start, env.now))
-        self.end_s[stage] = env.now
-
-    def _reduce(self, stage: int, reduction: SharedReduction, state: _Reduction):
-        """Join a shared gradient's all-reduce; it starts when the last owner joins."""
-        env = self.env
-        joined_s = env.now
-        state.arrived += 1
-        if state.arrived == len(reduction.owners):
-            state.start_s = joined_s
-            env.timeout(reduction.duration_s).callbacks.append(lambda _event: state.done.succeed())
-        if not state.done.processed:
-            yield state.done
-        if self.record:
-            if state.start_s > joined_s:
-                self.records.append((stage, RECV_WAIT, -1, joined_s, state.start_s))
-            if env.now > state.start_s:
-                self.records.append((stage, SHARED_ALLREDUCE, -1, state.start_s, env.now))
-
-    def _send(self, source: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:
-        boundary = min(source, target)
-        arrived = (self.activation_in if forward else self.gradient_in)[target][microbatch]
-        if self.links.is_free(boundary):
-            arrived.succeed()
-            return
-        now = self.env.now
-        start, arrival = self.links.reserve(boundary, forward, now, nbytes)
-        if self.record:
-            kind = SEND_ACTIVATION if forward else SEND_GRADIENT
-            self.records.append((source, kind, microbatch, start, arrival))
-        self.env.timeout(arrival - now).callbacks.append(lambda _event: arrived.succeed())
-
-    def result(self, partition: tuple[int, ...], batch_size: int, schedule: str,
-               checkpoint: str) -> SimResult:
-        step_s = max(self.end_s)
-        idle_s = sum(step_s - busy for busy in self.busy_s)
-        bubble = idle_s / (self.stages * step_s) if step_s > 0 else 0.0
+    def result(self, batch_size: int, schedule: str, checkpoint: str, zero: int) -> SimResult:
+        layout = self.layout
+        K, D = layout.stages, layout.replicas
+        step_s = max(max(t) for t in self.end_s)
+        devices_total = K * D
+        idle_s = sum(step_s - b for busy in self.busy_s for b in busy)
+        bubble = idle_s / (devices_total * step_s) if step_s > 0 else 0.0
         capacity = self.system.device.memory_bytes
+        layers = [sum(self.partition[s] for s in layout.chunks(k)) for k in range(K)]
         stage_results = []
-        for k in range(self.stages):
-            static = self.costs[self.rows[0]][k].static_bytes
-            peak = static + self.peak_bytes[k]
-            stage_results.append(StageResult(
-                stage=k, layers=partition[k], busy_s=self.busy_s[k], peak_memory_bytes=peak,
-                peak_activation_bytes=self.peak_bytes[k], static_bytes=static,
-                memory_capacity_bytes=capacity, fits=peak <= capacity))
-        records = [Record(*fields) for fields in sorted(self.records, key=lambda r: (r[3], r[0]))]
-        memory = [MemorySample._make(fields) for fields in self.memory]
-        timeline = Timeline(records=records, memory=memory, source="simulated",
-                            meta={"schedule": schedule, "checkpoint": checkpoint,
-                                  "partition": list(partition), "system": self.system.name})
+        for d, run in enumerate(self.runs):
+            for k, device in enumerate(layout.devices(d)):
+                peak = self.static[k] + run.peak_bytes[k]
+                stage_results.append(StageResult(
+                    stage=k, layers=layers[k], busy_s=self.busy_s[d][k], peak_memory_bytes=peak,
+                    peak_activation_bytes=run.peak_bytes[k], static_bytes=self.static[k],
+                    memory_capacity_bytes=capacity, fits=peak <= capacity, replica=d, device=device))
+        stage_results.sort(key=lambda s: s.device)
+        rows0 = self.per_replica_rows[0]
         return SimResult(
             step_time_s=step_s, bubble_fraction=bubble,
             throughput_samples_per_s=batch_size / step_s if step_s > 0 else math.inf,
-            partition=partition, batch_size=batch_size, microbatches=len(self.rows),
-            microbatch_rows=list(self.rows), schedule=schedule, checkpoint=checkpoint,
-            stages=stage_results, timeline=timeline)
+            partition=self.partition, batch_size=batch_size, microbatches=len(rows0),
+            microbatch_rows=list(rows0), schedule=schedule, checkpoint=checkpoint,
+            stages=stage_results, timeline=self._timeline(schedule, checkpoint), replicas=D,
+            virtual_stages=layout.virtual_stages, zero=zero, placement=layout.placement,
+            replica_rows=[sum(rows) for rows in self.per_replica_rows])
+
+    def _timeline(self, schedule: str, checkpoint: str) -> Timeline:
+        layout = self.layout
+        meta = {"schedule": schedule, "checkpoint": checkpoint, "partition": list(self.partition),
+                "system": self.system.name, "replicas": layout.replicas, "virtual_stages": layout.virtual_stages,
+                "placement": layout.placement}
+        if not self.record:
+            return Timeline(source="simulated", meta=meta)
+        spans = [tuple(r) for r in self.records]
+        memory: list[MemorySample] = []
+        for d, run in enumerate(self.runs):
+            devices = layout.devices(d)
+            spans.extend(_span_fields(devices[k], kind, m, start, end) for k, kind, m, start, end, _ in run.records)
+            memory.extend(MemorySample(devices[k], time_s, held) for k, time_s, held in run.memory)
+        spans.sort(key=_by_start_then_row)
+        return Timeline(records=[Record(*fields) for fields in spans], memory=memory, source="simulated",
+                        meta=meta)
+
+
+def _span_fields(device: int, kind: str, microbatch: int, start_s: float, end_s: float) -> tuple:
+    """A span's :class:`Record` fields on a row of the timeline: the global device (D x K rows), as
+    the placement numbers them."""
+    return device, kind, microbatch, start_s, end_s
+
+
+def _by_start_then_row(fields: tuple) -> tuple:
+    return fields[3], fields[0]

@@ -70,7 +70,8 @@ class Link:
 
 @dataclass(frozen=True)
 class System:
-    """``nodes`` nodes of ``devices_per_node`` identical devices; stage k runs on device k."""
+    """``nodes`` nodes of ``devices_per_node`` identical devices, numbered node by node: device i is
+    on node i // devices_per_node (:mod:`sim.placement` says which device runs which stage)."""
 
     name: str
     device: Device
@@ -84,20 +85,26 @@ class System:
     def total_devices(self) -> int:
         return self.devices_per_node * self.nodes
 
-    def node_of(self, stage: int) -> int:
-        return stage // self.devices_per_node
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
 
-    def link_between(self, stage: int) -> Link:
-        """The link that carries tensors between ``stage`` and ``stage + 1``."""
-        same_node = self.node_of(stage) == self.node_of(stage + 1)
-        return self.intra_link if same_node else self.inter_link
+    def link_between(self, device: int, other: int | None = None) -> Link:
+        """The link between ``device`` and ``other`` (default ``device + 1``): intra-node inside a
+        node, else inter-node."""
+        other = device + 1 if other is None else other
+        return self.intra_link if self.node_of(device) == self.node_of(other) else self.inter_link
 
-    def check_fits(self, stages: int) -> None:
-        if stages > self.total_devices:
-            raise GpipeInputError(
-                f"{stages} stages need {stages} devices but {self.name} with {self.nodes} node(s) has "
-                f"{self.total_devices}; use --nodes {math.ceil(stages / self.devices_per_node)} or fewer stages"
-            )
+    def check_fits(self, stages: int, replicas: int = 1) -> None:
+        """One device per stage of each replica: D x K devices at most."""
+        needed = stages * replicas
+        if needed <= self.total_devices:
+            return
+        what = f"{stages} stages" if replicas == 1 else f"{replicas} replicas x {stages} stages"
+        fewer = "fewer stages" if replicas == 1 else "fewer replicas or stages"
+        raise GpipeInputError(
+            f"{what} need {needed} devices but {self.name} with {self.nodes} node(s) has "
+            f"{self.total_devices}; use --nodes {math.ceil(needed / self.devices_per_node)} or {fewer}"
+        )
 
 
 # --- Devices -----------------------------------------------------------------------------------

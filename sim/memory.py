@@ -1,10 +1,14 @@
-"""Peak activation memory of a stage without running the simulator, for the partitioner.
+"""Peak memory of a device without running the simulator, for the partitioner and the planner.
 
-Walking a stage's action list, the bytes it holds are always ``a * stash + b * saved`` for whole
-numbers a, b (stashed boundary inputs and sets of saved activations of micro-batches in flight).
-The peak over the step is therefore the largest of a few such pairs, which depend only on the
-schedule, the checkpoint policy, K, M and the stage index, and can be cached. The simulator's own
-accounting (:mod:`sim.engine`) is the reference; a test checks the two agree.
+Walking a device's action list, the bytes it holds are always ``sum over its chunks c of
+a_c * stash_c + b_c * saved_c`` for whole numbers a_c, b_c (stashed boundary inputs and sets of
+saved activations of micro-batches in flight on chunk c; one chunk unless the schedule is
+interleaved). The peak over the step is therefore the largest of a few such vectors, which depend
+only on the schedule, the checkpoint policy, K, M, V and the device, and can be cached. The
+simulator's own accounting (:mod:`sim.engine`) is the reference; a test checks the two agree.
+
+Static bytes (weights, gradients, optimizer state) are held all step; with ZeRO-1 over D replicas
+a device keeps 1/D of its optimizer state (:func:`static_bytes`).
 
 Uses the largest micro-batch's sizes for every micro-batch, so with an uneven split it may
 overestimate slightly (never underestimate).
@@ -13,33 +17,47 @@ overestimate slightly (never underestimate).
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Sequence
 
 from sim.schedule import Kind, recomputes, stage_actions
 from sim.stage_costs import StageCost
 
+Point = tuple[int, ...]  # (stash count, saved count) per chunk, chunk 0 first
+
 
 @lru_cache(maxsize=1 << 16)
 def peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint: str,
-                      stage: int) -> tuple[tuple[int, int], ...]:
-    """Pareto-maximal (stash count, saved-set count) pairs reached on ``stage``."""
-    actions = stage_actions(stage, stages, microbatches, schedule, checkpoint)
-    stash = saved = 0
+                      stage: int, virtual_stages: int = 1) -> tuple[Point, ...]:
+    """Pareto-maximal (stash, saved) counts per chunk reached on device ``stage``: with one chunk,
+    pairs (a, b); with V chunks, vectors (a_0, b_0, ..., a_{V-1}, b_{V-1})."""
+    actions = stage_actions(stage, stages, microbatches, schedule, checkpoint, virtual_stages)
+    counts = [0] * (2 * virtual_stages)
     points = set()
     for action in actions:
-        m = action.microbatch
+        base = 2 * (action.stage // stages)  # chunk of the virtual stage, times two
         if action.kind is Kind.FORWARD:
-            if recomputes(checkpoint, m, microbatches):
-                stash += 1
+            if recomputes(checkpoint, action.microbatch, microbatches):
+                counts[base] += 1
             else:
-                saved += 1
+                counts[base + 1] += 1
         elif action.kind is Kind.RECOMPUTE:
-            stash -= 1
-            saved += 1
+            counts[base] -= 1
+            counts[base + 1] += 1
         else:
-            saved -= 1
-        points.add((stash, saved))
-    return tuple(p for p in points
-                 if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
+            counts[base + 1] -= 1
+        points.add(tuple(counts))
+    return _maximal(points)
+
+
+def _maximal(points: set[Point]) -> tuple[Point, ...]:
+    """The points no other point dominates. Taken in descending order, a point's dominator comes
+    before it and is itself maximal (or dominated by one that is), so comparing with the kept
+    points suffices: fast while the kept set is small, as it is here."""
+    kept: list[Point] = []
+    for p in sorted(points, reverse=True):
+        if not any(all(x >= y for x, y in zip(q, p)) for q in kept):
+            kept.append(p)
+    return tuple(kept)
 
 
 def peak_activation_bytes(cost: StageCost, stages: int, microbatches: int, schedule: str,
@@ -52,6 +70,30 @@ def peak_activation_bytes(cost: StageCost, stages: int, microbatches: int, sched
     return peak_from_coefficients(cost, peak_coefficients(stages, microbatches, schedule, checkpoint, stage))
 
 
-def peak_from_coefficients(cost: StageCost, pairs: tuple[tuple[int, int], ...]) -> int:
-    """``a * stash + b * saved`` at its largest over the (a, b) pairs of :func:`peak_coefficients`."""
-    return max((a * cost.stash_bytes + b * cost.saved_bytes for a, b in pairs), default=0)
+def peak_from_coefficients(cost: StageCost | Sequence[StageCost], points: tuple[Point, ...]) -> int:
+    """``sum_c a_c * stash_c + b_c * saved_c`` at its largest over ``points`` of
+    :func:`peak_coefficients`; ``cost`` is the one chunk's, or the device's chunks' in order."""
+    costs = (cost,) if isinstance(cost, StageCost) else tuple(cost)
+    terms = [(c.stash_bytes, c.saved_bytes) for c in costs]
+    best = 0
+    for p in points:
+        total = 0
+        for i, (stash, saved) in enumerate(terms):
+            total += p[2 * i] * stash + p[2 * i + 1] * saved
+        best = max(best, total)
+    return best
+
+
+def chunk_peak_from_coefficients(cost: StageCost, points: tuple[Point, ...], chunk: int) -> int:
+    """The peak of chunk ``chunk``'s own activations alone: never above the device's, so a chunk
+    that does not fit by itself rules the device out (the partitioner's per-chunk check)."""
+    return max((p[2 * chunk] * cost.stash_bytes + p[2 * chunk + 1] * cost.saved_bytes for p in points), default=0)
+
+
+def static_bytes(stage_static_bytes: int, optimizer_bytes: int, replicas: int = 1, zero: int = 0) -> int:
+    """Bytes held all step: weights, gradients and optimizer state; with ZeRO-1 the optimizer state
+    is split over the D ranks of the data-parallel group (each keeps ceil(1/D) of it; torch's
+    ZeroRedundancyOptimizer shards by whole parameters, so real shards can be less even)."""
+    if zero and replicas > 1:
+        return stage_static_bytes - optimizer_bytes + -(-optimizer_bytes // replicas)
+    return stage_static_bytes

@@ -78,8 +78,12 @@ def _feasible(prefix: list[float], limit: float, memory_ends: list[list[int]]) -
     stages = len(memory_ends)
     reachable = [True] + [False] * num_layers  # boundaries reachable after 0 stages
     history = []
+    furthest: dict[int, list[int]] = {}  # stages sharing one memory-ends list share their furthest ends
     for k in range(stages):
-        ends = _furthest_ends(prefix, limit, memory_ends[k])
+        key = id(memory_ends[k])
+        if key not in furthest:
+            furthest[key] = _furthest_ends(prefix, limit, memory_ends[k])
+        ends = furthest[key]
         # mark [i + 1, ends[i]] for every reachable start i, with a difference array
         delta = [0] * (num_layers + 2)
         for i in range(num_layers):
@@ -110,6 +114,9 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
     prefix = _prefix(costs)
     n = len(costs)
     candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+    if fits is None:  # one memory-ends list for all stages, and a greedy test finds the bottleneck
+        memory_ends = [[n] * n] * stages
+        return _feasible(prefix, candidates[_lowest_greedy_limit(prefix, candidates, stages)], memory_ends)
     memory_ends = [_memory_ends(n, k, fits) for k in range(stages)]
     low, high = 0, len(candidates) - 1
     best = _feasible(prefix, candidates[high], memory_ends)
@@ -123,6 +130,41 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
         else:
             best, high = parts, middle
     return best
+
+
+def _lowest_greedy_limit(prefix: list[float], candidates: list[float], stages: int) -> int:
+    """Index of the smallest candidate bottleneck that K stages can meet without memory limits.
+
+    Without memory limits, "at most K contiguous parts of at most ``limit``" is decided greedily in
+    O(L) (take as many layers as fit, then the next part), and with K <= L at most K parts means
+    exactly K non-empty ones: the same test as :func:`_feasible`, which then builds the partition
+    once, so the result is the one the general search returns.
+    """
+    n = len(prefix) - 1
+
+    def greedy_fits(limit: float) -> bool:
+        bound = limit * (1 + 1e-12)  # the tolerance of _furthest_ends
+        parts, start = 0, 0
+        while start < n:
+            end = start
+            while end < n and prefix[end + 1] - prefix[start] <= bound:
+                end += 1
+            if end == start:
+                return False  # one layer alone is over the limit
+            parts += 1
+            if parts > stages:
+                return False
+            start = end
+        return True
+
+    low, high = 0, len(candidates) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if greedy_fits(candidates[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def min_variance_partition(costs: Sequence[float], stages: int, fits: Fits | None = None) -> list[int] | None:

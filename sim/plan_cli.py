@@ -12,7 +12,8 @@ from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_op
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import get_system
 from sim.plan import ModelRef, Plan, save_plan
-from sim.planner import PlanOption, SearchResult, default_stage_options, search
+from sim.placement import PLACEMENTS, check_placement
+from sim.planner import PlanOption, SearchResult, default_replica_options, default_stage_options, search
 from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
@@ -33,6 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="M values to try, e.g. 1-64 or 1,4,32 (default 1-64)")
     parser.add_argument("--checkpoints", default=",".join(CHECKPOINT_POLICIES), help="policies to try")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="schedules to try")
+    space = parser.add_argument_group("replicas and interleaving (D x K devices at most the system's)")
+    space.add_argument("--replicas-options", "--replicas", dest="replicas_options", default=None, metavar="LIST",
+                       help="D values to try, data-parallel copies of the pipeline; --batch is the global batch "
+                            "(default: powers of two up to the devices)")
+    space.add_argument("--virtual-stages-options", "--virtual-stages", dest="virtual_options", default=None,
+                       metavar="LIST", help="V values to try: 1 runs gpipe and 1f1b, 2 or more the interleaved "
+                                            "schedule (default 1,2,4)")
+    space.add_argument("--zero-options", "--zero", dest="zero_options", default="0", metavar="LIST",
+                       help="ZeRO stages to try, 0 and/or 1 (1 only with D > 1; default 0: ZeRO-1 is timed like 0, "
+                            "so ask for it where memory is short)")
+    space.add_argument("--placements", default=",".join(PLACEMENTS),
+                       help="placements to try where they differ (several nodes, D > 1, K > 1)")
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"))
     parser.add_argument("--top", type=int, default=10, help="rows in the ranked table (default 10)")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
@@ -82,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
     require_positive("--top", args.top)
     checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
     schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
+    placements = [check_placement(p) for p in args.placements.split(",")]
     system, options, precision = planning_inputs(args)
+    space = search_space(args, system, schedules)
     workload, batch = workload_and_batch(args, options, precision)
     if args.stages_options:
         stage_options = parse_int_list(args.stages_options, "--stages-options")
@@ -95,18 +110,21 @@ def run(args: argparse.Namespace) -> int:
     else:
         stage_options = default_stage_options(system, workload.num_layers)
     microbatch_options = parse_int_list(args.microbatch_options, "--microbatch-options")
+    check_space_fits(space, stage_options, microbatch_options, system, workload.num_layers)
     progress = None if args.quiet else _Progress()
     if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (sim.costs)
         result = _search_each_stage_count(workload, system, batch, stage_options, microbatch_options,
-                                          checkpoints, schedules, args.partitioner, args.top, progress)
+                                          checkpoints, space["schedules"], args.partitioner, args.top, progress,
+                                          space, placements)
     else:
-        result = search(workload, system, batch, stage_options, microbatch_options, checkpoints, schedules,
-                        args.partitioner, args.top, progress)
+        result = search(workload, system, batch, stage_options, microbatch_options, checkpoints, space["schedules"],
+                        args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
+                        placements)
     if progress:
         progress.finish()
     if result.best is None:
         raise GpipeInputError(_nothing_fits(result, workload, system, batch, stage_options, microbatch_options,
-                                            checkpoints, schedules))
+                                            checkpoints, space["schedules"]))
     description = workload.describe()
     if args.out:
         save_plan(to_plan(result.best, description, batch, system.name, system.nodes,
@@ -131,15 +149,70 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def search_space(args: argparse.Namespace, system, schedules: list[str]) -> dict:
+    """D, V and ZeRO values to search, and the schedules they leave; refused in one line where they
+    cannot combine (V without the interleaved schedule, ZeRO-1 with one replica)."""
+    replicas = (parse_int_list(args.replicas_options, "--replicas") if args.replicas_options
+                else default_replica_options(system))
+    virtual = parse_int_list(args.virtual_options, "--virtual-stages") if args.virtual_options else [1, 2, 4]
+    zero = parse_zero_list(args.zero_options)
+    interleaving = [v for v in virtual if v >= 2]
+    if args.virtual_options and interleaving and "interleaved" not in schedules:
+        raise GpipeInputError(f"--virtual-stages {interleaving[0]} needs the interleaved schedule; add it to "
+                              f"--schedules (e.g. --schedules {','.join(schedules)},interleaved)")
+    if args.virtual_options and not interleaving and schedules == ["interleaved"]:
+        raise GpipeInputError("--schedules interleaved needs --virtual-stages 2 or more")
+    kept = [s for s in schedules if (s == "interleaved" and interleaving) or (s != "interleaved" and 1 in virtual)]
+    if not kept:
+        raise GpipeInputError(f"--virtual-stages {args.virtual_options} leaves none of --schedules "
+                              f"{','.join(schedules)}: V=1 runs gpipe and 1f1b, V >= 2 the interleaved schedule")
+    if zero == [1] and replicas == [1]:
+        raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
+                              "--replicas 2 or more; use --zero 0 with one replica")
+    return {"replicas": replicas, "virtual": virtual, "zero": zero, "schedules": kept,
+            "replicas_given": bool(args.replicas_options)}
+
+
+def parse_zero_list(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        if part.strip() not in ("0", "1"):
+            raise GpipeInputError(f"--zero {text!r}: each value must be 0 or 1, e.g. --zero 0,1")
+        values.append(int(part))
+    return sorted(set(values))
+
+
+def check_space_fits(space: dict, stage_options: list[int], microbatch_options: list[int], system,
+                     num_layers: int) -> None:
+    """D x K within the system's devices, and for the interleaved schedule alone V x K within the
+    layers and M a multiple of K, for at least one K."""
+    for d in space["replicas"] if space["replicas_given"] else ():  # defaults beyond the devices are skipped
+        system.check_fits(min(stage_options), d)
+    interleaving = [v for v in space["virtual"] if v >= 2]
+    if interleaving and space["schedules"] == ["interleaved"]:
+        deep = [k for k in stage_options if k > 1]
+        if not deep:
+            raise GpipeInputError("the interleaved schedule needs 2 stages or more; add them to --stages-options")
+        if min(interleaving) * min(deep) > num_layers:
+            v, k = min(interleaving), min(deep)
+            raise GpipeInputError(f"{v} virtual stages x {k} stages = {v * k} chunks but the model has "
+                                  f"{num_layers} layers; use fewer --virtual-stages or --stages-options")
+        if not any(m % k == 0 for m in microbatch_options for k in deep):
+            raise GpipeInputError(f"the interleaved schedule needs micro-batches (M) a multiple of stages (K), and no "
+                                  f"--microbatch-options value is a multiple of any --stages-options value above 1; "
+                                  f"use e.g. --microbatch-options {2 * min(deep)}")
+
+
 def _search_each_stage_count(workload, system, batch: int, stage_options: list[int], microbatch_options: list[int],
                              checkpoints: list[str], schedules: list[str], partitioner: str, top: int,
-                             progress) -> SearchResult:
+                             progress, space: dict, placements: list[str]) -> SearchResult:
     """Search K by K with the measured workload bound to each K, then merge the rankings."""
     parts = []
     for k in stage_options:
         bound, bound_system = workload.bind(system, k)
         parts.append(search(bound, bound_system, batch, [k], microbatch_options, checkpoints, schedules,
-                            partitioner, top, progress))
+                            partitioner, top, progress, space["replicas"], space["virtual"], space["zero"],
+                            placements))
     ranked = sorted((o for part in parts for o in part.ranked),
                     key=lambda o: (o.step_time_s, o.max_peak_memory_bytes, o.candidate.stages))[:top]
     return SearchResult(ranked=ranked, candidates=sum(p.candidates for p in parts),
@@ -168,6 +241,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         partition=tuple(option.partition), batch_size=batch, microbatches=c.microbatches,
         checkpoint=c.checkpoint, schedule=c.schedule, hardware={"system": system, "nodes": nodes},
         predicted=option.result.to_dict(), optimizer=optimizer, precision=precision,
+        replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
     )
 
 
@@ -175,8 +249,10 @@ def _option_dict(option: PlanOption) -> dict:
     c = option.candidate
     assert option.result is not None
     return {"stages": c.stages, "microbatches": c.microbatches, "checkpoint": c.checkpoint,
-            "schedule": c.schedule, "partition": option.partition, **{
-                k: v for k, v in option.result.to_dict().items() if k not in ("partition", "schedule", "checkpoint")}}
+            "schedule": c.schedule, "replicas": c.replicas, "virtual_stages": c.virtual_stages, "zero": c.zero,
+            "placement": c.placement, "partition": option.partition, **{
+                k: v for k, v in option.result.to_dict().items()
+                if k not in ("partition", "schedule", "checkpoint", "replicas", "virtual_stages", "zero", "placement")}}
 
 
 def format_table(result: SearchResult, description: dict, system: str, batch: int, precision: str) -> str:
@@ -185,13 +261,15 @@ def format_table(result: SearchResult, description: dict, system: str, batch: in
             f"precision {describe_precision(precision)}: "
             f"{result.candidates} candidates, {result.simulated} simulated, {result.not_fitting} do not fit, "
             f"{result.elapsed_s:.2f} s")
-    rows = [head, f"{'rank':>4} {'K':>3} {'M':>3} {'checkpoint':<11} {'schedule':<8} {'step ms':>10} "
-                  f"{'bubble':>7} {'samples/s':>10} {'peak mem':>10}  partition"]
+    rows = [head, f"{'rank':>4} {'D':>3} {'K':>3} {'V':>2} {'M':>3} {'checkpoint':<11} {'schedule':<11} "
+                  f"{'zero':>4} {'placement':<17} {'step ms':>10} {'bubble':>7} {'samples/s':>10} {'peak mem':>10}  "
+                  f"partition"]
     for rank, option in enumerate(result.ranked, 1):
         c = option.candidate
         r = option.result
         assert r is not None
-        rows.append(f"{rank:>4} {c.stages:>3} {c.microbatches:>3} {c.checkpoint:<11} {c.schedule:<8} "
+        rows.append(f"{rank:>4} {c.replicas:>3} {c.stages:>3} {c.virtual_stages:>2} {c.microbatches:>3} "
+                    f"{c.checkpoint:<11} {c.schedule:<11} {c.zero:>4} {c.placement:<17} "
                     f"{r.step_time_s * 1e3:>10.3f} {r.bubble_fraction:>7.1%} "
                     f"{r.throughput_samples_per_s:>10.1f} {gib(option.max_peak_memory_bytes):>10}  "
                     f"{','.join(map(str, option.partition or []))}")
@@ -210,9 +288,13 @@ def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_opti
     policy = min(checkpoints, key=order.index)
     stages = max(stage_options)
     microbatches = len(split_rows(batch, max(microbatch_options)))
-    candidate = Candidate(stages, microbatches, policy, schedules[0])
+    schedule = next((s for s in schedules if s != "interleaved"), None)
+    if schedule is None:
+        return (f"no plan among {result.candidates} candidates fits; try more stages or "
+                f"--checkpoints always, or --schedules with gpipe or 1f1b")
+    candidate = Candidate(stages, microbatches, policy, schedule)
     partition = default_partition(workload, system, batch, candidate)
-    leanest = simulate(workload, system, partition, batch, microbatches, policy, schedules[0], record=False)
+    leanest = simulate(workload, system, partition, batch, microbatches, policy, schedule, record=False)
     return (f"no plan among {result.candidates} candidates fits; even K={stages} M={microbatches} {policy}: "
             + fit_advice(leanest, system))
 

@@ -1,14 +1,20 @@
-"""Searching K, M, checkpoint policy, schedule and partition for the fastest plan that fits.
+"""Searching D, K, V, M, checkpoint policy, schedule, placement and partition for the fastest plan that fits.
 
-Every candidate gets a partition (min-max by default, respecting per-stage memory through
-:mod:`sim.memory`) and a cheap lower bound on its step time. Candidates are then simulated in
-order of their lower bound, and the search stops once the bound of the next candidate exceeds the
-``top``-th best simulated step time: the ranking it returns is exact, yet most candidates are never
-simulated.
+On a system of N devices the search covers D data-parallel replicas of a K-stage pipeline with
+D x K <= N, V chunks per device for the interleaved schedule (V x K <= layers, M a multiple of K),
+each placement that differs (:mod:`sim.placement`: on one node, or with D = 1 or K = 1, both
+layouts are the same devices) and, when asked, ZeRO-1. ``batch_size`` is the global batch.
 
-The lower bound for stage k: the forwards of the first micro-batch on stages before k, all of stage
-k's own work, and the backwards of one micro-batch on stages before k (a stage's last backward
-must still flow back to stage 0). It ignores communication, so it never exceeds the simulated time.
+Every candidate gets a partition (min-max by default, respecting per-device memory through
+:mod:`sim.memory`) and a cheap lower bound on its step time (:mod:`sim.plan_bounds`). Candidates
+are then simulated in order of their lower bound, and the search stops once the bound of the next
+candidate exceeds the ``top``-th best simulated step time: the ranking it returns is exact, yet most
+candidates are never partitioned, let alone simulated.
+
+Partitions are cached: without a memory limit that binds, a partition depends on the micro-batch
+rows, the checkpoint policy and V x K alone, so the placements, D and M of a candidate share it.
+With the interleaved schedule the partitioner balances the V x K chunks checking each chunk's own
+memory, then the whole device is checked; a plan that fits only by unbalancing chunks is not found.
 """
 
 from __future__ import annotations
@@ -20,30 +26,41 @@ from typing import Callable, Iterable, Sequence
 
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError
-from sim.hardware import System
-from sim.memory import peak_coefficients, peak_from_coefficients
+from sim.hardware import Link, System
+from sim.memory import chunk_peak_from_coefficients, peak_coefficients, peak_from_coefficients, static_bytes
 from sim.microbatch import split_rows
 from sim.partition import min_max_partition, min_variance_partition
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, recomputes
-from sim.stage_costs import CostTable, StageCost, stage_bounds
+from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from sim.plan_bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
+from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
+from sim.stage_costs import CostTable, stage_bounds
 from sim.workload import Workload
+
+__all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",
+           "default_partition", "default_stage_options", "lower_bound_s", "placements_differ", "search", "simulate_candidate"]
 
 PARTITIONERS = {"min_max": min_max_partition, "variance": min_variance_partition}
 Progress = Callable[[int, int, "PlanOption | None"], None]
+# schedules, in the order they are searched; the non-interleaved ones run V = 1
+NON_INTERLEAVED = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    stages: int
-    microbatches: int
+    stages: int  # K: devices of one pipeline
+    microbatches: int  # M as asked (torch.chunk may make fewer); the candidates differ in their splits
     checkpoint: str
     schedule: str
+    replicas: int = 1  # D
+    virtual_stages: int = 1  # V
+    zero: int = 0
+    placement: str = DEFAULT_PLACEMENT
 
 
 @dataclass
 class PlanOption:
     candidate: Candidate
-    partition: list[int] | None  # None: no partition fits memory
+    partition: list[int] | None  # V x K entries; None: no partition fits memory
     lower_bound_s: float
     result: SimResult | None = None
 
@@ -73,33 +90,79 @@ class SearchResult:
 
 def default_stage_options(system: System, num_layers: int) -> list[int]:
     """Powers of two up to the number of devices and layers."""
-    limit = min(system.total_devices, num_layers)
-    options, k = [], 1
+    return _powers_of_two(min(system.total_devices, num_layers))
+
+
+def default_replica_options(system: System) -> list[int]:
+    """Powers of two up to the number of devices."""
+    return _powers_of_two(system.total_devices)
+
+
+def _powers_of_two(limit: int, start: int = 1) -> list[int]:
+    options, k = [], start
     while k <= limit:
         options.append(k)
         k *= 2
     return options
 
 
+def placements_differ(system: System | None, replicas: int, stages: int) -> bool:
+    """Whether the placements put some stage on other devices' links: only when D > 1, K > 1 and
+    the D x K devices span more than one node (on one node every link is the intra-node link)."""
+    if system is None:
+        return replicas > 1 and stages > 1
+    return replicas > 1 and stages > 1 and replicas * stages > system.devices_per_node
+
+
 def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], batch_size: int,
-               checkpoints: Sequence[str] = CHECKPOINT_POLICIES,
-               schedules: Sequence[str] = SCHEDULES) -> list[Candidate]:
-    """Every combination; M values that torch.chunk would turn into the same split appear once."""
+               checkpoints: Sequence[str] = CHECKPOINT_POLICIES, schedules: Sequence[str] = SCHEDULES,
+               replica_options: Iterable[int] = (1,), virtual_options: Iterable[int] = (2,),
+               zero_options: Iterable[int] = (0,), placements: Sequence[str] = PLACEMENTS,
+               system: System | None = None, num_layers: int | None = None) -> list[Candidate]:
+    """Every combination worth simulating: M values that torch.chunk would turn into the same
+    splits appear once, D x K beyond the system's devices, placements that are the same devices,
+    ZeRO with one replica, and interleaving that cannot run (V x K over the layers, M not a multiple
+    of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule."""
+    stage_options, microbatch_options = list(stage_options), list(microbatch_options)
+    virtual_options = [v for v in virtual_options if v >= 2]
     out = []
-    for k in stage_options:
-        seen_splits = set()
-        for m in microbatch_options:
-            split = tuple(split_rows(batch_size, m))
-            if split in seen_splits:
+    for d in replica_options:
+        parts = split_rows(batch_size, d)
+        if len(parts) < d:
+            continue  # torch.chunk gives fewer parts than replicas
+        distinct = sorted(set(parts), reverse=True)
+        for k in stage_options:
+            if system is not None and d * k > system.total_devices:
                 continue
-            seen_splits.add(split)
-            for checkpoint in checkpoints:
-                if checkpoint == "except_last" and len(split) == 1:
-                    continue  # identical to never with one micro-batch
-                for schedule in schedules:
-                    if schedule == "1f1b" and k == 1:
-                        continue  # identical to gpipe on one stage
-                    out.append(Candidate(k, len(split), checkpoint, schedule))
+            where = list(placements) if placements_differ(system, d, k) else [placements[0]]
+            zeros = [z for z in zero_options if z == 0 or d > 1]
+            seen_splits = set()
+            for m in microbatch_options:
+                splits = tuple(tuple(split_rows(r, m)) for r in distinct)
+                if splits in seen_splits:
+                    continue
+                seen_splits.add(splits)
+                counts = {len(split) for split in splits}
+                for checkpoint in checkpoints:
+                    if checkpoint == "except_last" and counts == {1}:
+                        continue  # identical to never with one micro-batch
+                    for schedule, v in _schedule_options(schedules, virtual_options, k, counts, num_layers):
+                        for zero in zeros:
+                            for placement in where:
+                                out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement))
+    return out
+
+
+def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], stages: int, counts: set[int],
+                      num_layers: int | None) -> list[tuple[str, int]]:
+    out = []
+    for schedule in schedules:
+        if schedule == "gpipe":
+            out.append((schedule, 1))
+        elif schedule == "1f1b" and stages > 1:  # identical to gpipe on one stage
+            out.append((schedule, 1))
+        elif schedule == "interleaved" and stages > 1 and all(c % stages == 0 for c in counts):
+            out.extend((schedule, v) for v in virtual_options if num_layers is None or v * stages <= num_layers)
     return out
 
 
@@ -109,23 +172,85 @@ def _layer_weights(table: CostTable, rows: int, checkpoint: str) -> list[float]:
     return [c.forward_s + c.backward_s + (c.recompute_s if recompute else 0.0) for c in layers]
 
 
+class Partitions:
+    """:func:`choose_partition` with the memory-free partitions cached across candidates."""
+
+    def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max") -> None:
+        self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
+        self._free: dict[tuple, list[int] | None] = {}
+
+    def __call__(self, candidate: Candidate) -> list[int] | None:
+        c = candidate
+        rows = replica_rows(self.batch_size, c.replicas, c.microbatches)
+        parts = c.stages * c.virtual_stages
+        if parts > self.table.workload.num_layers:
+            return None
+        key = (rows[0], c.checkpoint != "never", parts)
+        if key not in self._free:
+            weights = _layer_weights(self.table, rows[0], c.checkpoint)
+            self._free[key] = PARTITIONERS[self.partitioner](weights, parts, None)
+        free = self._free[key]
+        capacity = self.system.device.memory_bytes
+        if capacity == float("inf"):
+            return free
+        if free is not None and self._fits_holding_everything(free, rows[0], len(rows), c):
+            return free
+        held = [peak_coefficients(c.stages, len(rows), c.schedule, c.checkpoint, k, c.virtual_stages)
+                for k in range(c.stages)]
+        if free is not None and self._devices_fit(free, rows[0], held, c):
+            return free
+        return self._constrained(rows[0], held, c)
+
+    def _fits_holding_everything(self, partition: Sequence[int], rows: int, microbatches: int, c: Candidate) -> bool:
+        """Whether each device fits even holding every micro-batch's largest of stash and saved
+        activations on every chunk at once: more than any schedule holds, and cheap to check."""
+        bounds = stage_bounds(partition)
+        capacity = self.system.device.memory_bytes
+        for k in range(c.stages):
+            total = 0
+            for a, b in (bounds[s] for s in range(k, len(bounds), c.stages)):
+                cost = self.table.stage(rows, a, b)
+                total += self._chunk_static(rows, a, b, c) + microbatches * max(cost.stash_bytes, cost.saved_bytes)
+            if total > capacity:
+                return False
+        return True
+
+    def _chunk_static(self, rows: int, first: int, end: int, c: Candidate) -> int:
+        cost = self.table.stage(rows, first, end)
+        optimizer_bytes = self.table.gradient_and_optimizer_bytes(rows, first, end)[1]
+        return static_bytes(cost.static_bytes, optimizer_bytes, c.replicas, c.zero)
+
+    def _devices_fit(self, partition: Sequence[int], rows: int, held, c: Candidate) -> bool:
+        bounds = stage_bounds(partition)
+        capacity = self.system.device.memory_bytes
+        for k in range(c.stages):
+            chunks = [bounds[s] for s in range(k, len(bounds), c.stages)]
+            total = sum(self._chunk_static(rows, a, b, c) for a, b in chunks)
+            total += peak_from_coefficients([self.table.stage(rows, a, b) for a, b in chunks], held[k])
+            if total > capacity:
+                return False
+        return True
+
+    def _constrained(self, rows: int, held, c: Candidate) -> list[int] | None:
+        capacity = self.system.device.memory_bytes
+
+        def fits(part: int, first: int, end: int) -> bool:  # coefficients looked up once, not per call
+            device, chunk = part % c.stages, part // c.stages
+            cost = self.table.stage(rows, first, end)
+            return (self._chunk_static(rows, first, end, c)
+                    + chunk_peak_from_coefficients(cost, held[device], chunk)) <= capacity
+
+        weights = _layer_weights(self.table, rows, c.checkpoint)
+        partition = PARTITIONERS[self.partitioner](weights, c.stages * c.virtual_stages, fits)
+        if partition is None or (c.virtual_stages > 1 and not self._devices_fit(partition, rows, held, c)):
+            return None
+        return partition
+
+
 def choose_partition(table: CostTable, system: System, batch_size: int, candidate: Candidate,
                      partitioner: str = "min_max") -> list[int] | None:
-    """The partition of ``candidate`` under ``partitioner``, or None if nothing fits memory."""
-    rows = split_rows(batch_size, candidate.microbatches)[0]
-    capacity = system.device.memory_bytes
-    c = candidate
-
-    held = [peak_coefficients(c.stages, c.microbatches, c.schedule, c.checkpoint, k) for k in range(c.stages)]
-
-    def fits(stage: int, first: int, end: int) -> bool:  # coefficients looked up once, not per call
-        cost = table.stage(rows, first, end)
-        return cost.static_bytes + peak_from_coefficients(cost, held[stage]) <= capacity
-
-    weights = _layer_weights(table, rows, c.checkpoint)
-    if c.stages > len(weights):
-        return None
-    return PARTITIONERS[partitioner](weights, c.stages, None if capacity == float("inf") else fits)
+    """The partition of ``candidate`` (V x K entries) under ``partitioner``, or None if nothing fits memory."""
+    return Partitions(table, system, batch_size, partitioner)(candidate)
 
 
 def default_partition(workload: Workload, system: System, batch_size: int, candidate: Candidate,
@@ -145,47 +270,22 @@ def default_partition(workload: Workload, system: System, batch_size: int, candi
     return partition
 
 
-def lower_bound_s(table: CostTable, batch_size: int, candidate: Candidate, partition: list[int]) -> float:
-    rows = split_rows(batch_size, candidate.microbatches)
-    bounds = stage_bounds(partition)
-    by_rows: dict[int, list[StageCost]] = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
-    first = by_rows[rows[0]]
-    best = 0.0
-    fill = drain = 0.0
-    for k in range(len(partition)):
-        busy = first[k].optimizer_s + first[k].step_overhead_s
-        for m, r in enumerate(rows):
-            cost = by_rows[r][k]
-            busy += cost.forward_s + cost.backward_s
-            if recomputes(candidate.checkpoint, m, len(rows)):
-                busy += cost.recompute_s
-        best = max(best, fill + busy + drain)
-        fill += first[k].forward_s
-        drain += min(by_rows[r][k].backward_s for r in by_rows)
-    return best
-
-
-def balanced_bound_s(table: CostTable, batch_size: int, candidate: Candidate) -> float:
-    """A lower bound that needs no partition: the whole model's work spread evenly over K stages.
-
-    The slowest stage does at least the average; :func:`lower_bound_s` is never below this.
-    """
-    rows = split_rows(batch_size, candidate.microbatches)
-    layers = table.workload.num_layers
-    whole_model = table.stage(rows[0], 0, layers)
-    total = whole_model.optimizer_s + whole_model.step_overhead_s * candidate.stages  # every stage has it
-    for m, r in enumerate(rows):
-        whole = table.stage(r, 0, layers)
-        total += whole.forward_s + whole.backward_s
-        if recomputes(candidate.checkpoint, m, len(rows)):
-            total += whole.recompute_s
-    return total / candidate.stages
+def simulate_candidate(workload: Workload, system: System, partition: Sequence[int], batch_size: int,
+                       candidate: Candidate, table: CostTable | None = None, record: bool = False,
+                       allreduce_link: Link | None = None) -> SimResult:
+    """:func:`sim.engine.simulate` of ``candidate`` with ``partition``."""
+    c = candidate
+    return simulate(workload, system, partition, batch_size, c.microbatches, c.checkpoint, c.schedule, costs=table,
+                    record=record, virtual_stages=c.virtual_stages, replicas=c.replicas, zero=c.zero,
+                    placement=c.placement, allreduce_link=allreduce_link)
 
 
 def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],
            microbatch_options: Sequence[int], checkpoints: Sequence[str] = CHECKPOINT_POLICIES,
            schedules: Sequence[str] = SCHEDULES, partitioner: str = "min_max", top: int = 10,
-           progress: Progress | None = None) -> SearchResult:
+           progress: Progress | None = None, replica_options: Sequence[int] = (1,),
+           virtual_options: Sequence[int] = (2,), zero_options: Sequence[int] = (0,),
+           placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -198,9 +298,12 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     started = time.perf_counter()
     table = CostTable(workload, system.device)
     unfit: list[PlanOption] = []
-    all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules)
-    waiting = sorted(((balanced_bound_s(table, batch_size, c), i, c) for i, c in enumerate(all_candidates)),
-                     key=lambda entry: entry[:2])
+    all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
+                                replica_options, virtual_options, zero_options, placements, system,
+                                workload.num_layers)
+    balanced = BalancedBounds(table, batch_size, system, allreduce_link)
+    waiting = sorted(((balanced(c), i, c) for i, c in enumerate(all_candidates)), key=lambda entry: entry[:2])
+    partitions = Partitions(table, system, batch_size, partitioner)
     partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
     kept: list[tuple[float, int, PlanOption]] = []  # max-heap of the top fitting, by -step time
     simulated = examined = 0
@@ -212,9 +315,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
             bound, index, option = heapq.heappop(partitioned)
             if bound > worst_kept:
                 break
-            c = option.candidate
-            option.result = simulate(workload, system, option.partition, batch_size, c.microbatches,
-                                     c.checkpoint, c.schedule, costs=table, record=False)
+            option.result = simulate_candidate(workload, system, option.partition, batch_size, option.candidate, table,
+                                               allreduce_link=allreduce_link)
             simulated += 1
             if option.result.fits:
                 heapq.heappush(kept, (-option.step_time_s, index, option))
@@ -230,16 +332,17 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
             _, index, candidate = waiting[next_waiting]
             next_waiting += 1
             examined += 1
-            partition = choose_partition(table, system, batch_size, candidate, partitioner)
+            partition = partitions(candidate)
             if partition is None:
                 unfit.append(PlanOption(candidate, None, float("inf")))
                 continue
-            bound = lower_bound_s(table, batch_size, candidate, partition)
+            bound = lower_bound_s(table, batch_size, candidate, partition, system, allreduce_link)
             heapq.heappush(partitioned, (bound, index, PlanOption(candidate, partition, bound)))
         else:
             break
-    ranked = sorted((entry[2] for entry in kept),
-                    key=lambda o: (o.step_time_s, o.max_peak_memory_bytes, o.candidate.stages))
+    ranked = sorted((entry[2] for entry in kept), key=lambda o: (o.step_time_s, o.max_peak_memory_bytes,
+                                                                  o.candidate.stages * o.candidate.replicas,
+                                                                  o.candidate.stages))
     return SearchResult(ranked=ranked, candidates=len(all_candidates), simulated=simulated,
                         not_fitting=len(unfit), elapsed_s=time.perf_counter() - started,
                         unfit_examples=unfit[:5], partitioned=examined)

@@ -21,16 +21,31 @@ def format_summary(result: SimResult, system: System, precision: str) -> str:
         f"partition    {','.join(map(str, result.partition))} layers per stage",
         f"micro-batch  {result.microbatches} of {result.microbatch_rows[0]} rows "
         f"(batch {result.batch_size}), {result.schedule}, checkpoint {result.checkpoint}",
+        *_scale_out_lines(result),
         f"step time    {result.step_time_s * 1e3:.3f} ms",
         f"bubble       {result.bubble_fraction:.1%}",
         f"throughput   {result.throughput_samples_per_s:.2f} samples/s",
-        "stage  layers  busy ms   activations   peak memory   capacity   fits",
+        ("device replica " if result.replicas > 1 else "") + "stage  layers  busy ms   activations   "
+        "peak memory   capacity   fits",
     ]
     for s in result.stages:
-        lines.append(f"{s.stage:>5}  {s.layers:>6}  {s.busy_s * 1e3:>7.3f}   {gib(s.peak_activation_bytes):>11}"
+        where = f"{s.device:>6} {s.replica:>7} " if result.replicas > 1 else ""
+        lines.append(f"{where}{s.stage:>5}  {s.layers:>6}  {s.busy_s * 1e3:>7.3f}   {gib(s.peak_activation_bytes):>11}"
                      f"   {gib(s.peak_memory_bytes):>11}   {gib(s.memory_capacity_bytes):>9}   "
                      f"{'yes' if s.fits else 'NO'}")
     return "\n".join(lines)
+
+
+def _scale_out_lines(result: SimResult) -> list[str]:
+    """Replicas and chunks, when there are any: one pipeline of one chunk per device says nothing."""
+    lines = []
+    if result.virtual_stages > 1:
+        lines.append(f"chunks       {result.virtual_stages} virtual stages per device (partition lists V x K chunks)")
+    if result.replicas > 1:
+        rows = ",".join(map(str, result.replica_rows))
+        lines.append(f"replicas     {result.replicas} x {len(result.partition) // result.virtual_stages} stages, "
+                     f"{result.placement}, rows per replica {rows}, zero {result.zero}")
+    return lines
 
 
 def describe_precision(precision: str) -> str:
@@ -52,7 +67,8 @@ def fit_advice(result: SimResult, system: System) -> str:
             hints.append("--checkpoint always")
         hints.append("more micro-batches (-M)")
         hints.append("more stages (-K)")
-    return (f"plan does not fit in memory: stage {worst.stage} needs {gib(worst.peak_memory_bytes)} "
+    where = f"device {worst.device} (stage {worst.stage})" if result.replicas > 1 else f"stage {worst.stage}"
+    return (f"plan does not fit in memory: {where} needs {gib(worst.peak_memory_bytes)} "
             f"(weights+optimizer {gib(worst.static_bytes)}, activations {gib(worst.peak_activation_bytes)}) "
             f"of {gib(worst.memory_capacity_bytes)} on {system.device.name}, over by {gib(over)}; "
             f"try {', or '.join(hints)}")

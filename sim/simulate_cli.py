@@ -7,16 +7,17 @@ import json
 import sys
 
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                             add_pipeline_arguments, add_precision_argument, check_output_path,
-                             simulation_options)
+                             add_pipeline_arguments, add_precision_argument, add_scale_out_arguments,
+                             check_output_path, simulation_options, virtual_stages_of)
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import System, get_system
 from sim.optimizers import optimizer_slots
+from sim.placement import check_placement
 from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
 from sim.precision import check_precision
-from sim.schedule import check_checkpoint_policy, check_schedule_name
+from sim.schedule import check_checkpoint_policy, check_interleaving, check_schedule_name, check_virtual_stages
 from sim.report import fit_advice, format_summary
 from sim.workload import Workload
 from sim.workload_cli import chosen_precision, resolve_workload, with_precision, workload_and_batch
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_optimizer_argument(parser)
     add_pipeline_arguments(parser)
+    add_scale_out_arguments(parser)
     add_hardware_arguments(parser)
     add_precision_argument(parser, "the plan's; else the costs file's; else the device's: bf16 on "
                                    "A100, H100, H200 and TPUs, fp32 elsewhere")
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
-                          plan.checkpoint, plan.schedule)
+                          plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
+                          replicas=plan.replicas, zero=plan.zero, placement=plan.placement)
     else:
         result, system, workload, precision = simulate_from_flags(args)
     if not result.fits and not args.allow_overflow:
@@ -68,25 +71,45 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     """Validate every flag before simulating, then run the simulation."""
     require_positive("stages (K)", args.stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
+    require_positive("replicas (D)", args.replicas, "use --replicas 1 or more")
     check_checkpoint_policy(args.checkpoint)
     check_schedule_name(args.schedule)
+    virtual = virtual_stages_of(args)
+    check_virtual_stages(args.schedule, virtual)
+    check_placement(args.placement)
+    check_zero(args.zero, args.replicas)
+    partition = parse_partition(args.partition) if args.partition is not None else None
+    if partition is not None and len(partition) % virtual:
+        raise GpipeInputError(f"--partition has {len(partition)} entries, not a multiple of --virtual-stages "
+                              f"{virtual}; give V x K entries")
+    stages = len(partition) // virtual if partition is not None else args.stages
     system = get_system(args.hardware, args.nodes)
+    system.check_fits(stages, args.replicas)
     precision = chosen_precision(args, system.device)
     workload, batch = workload_and_batch(args, simulation_options(args), precision)
-    partition = parse_partition(args.partition) if args.partition is not None else None
+    if args.schedule == "interleaved":
+        check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
-        stages = len(partition) if partition is not None else args.stages
         workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches)
     if partition is None:
-        if args.stages > workload.num_layers:
+        if stages * virtual > workload.num_layers:
             raise GpipeInputError(
-                f"{args.stages} stages for a model of {workload.num_layers} layers leaves a stage empty; "
-                f"use --stages {workload.num_layers} or fewer")
-        system.check_fits(args.stages)
-        candidate = Candidate(args.stages, args.microbatches, args.checkpoint, args.schedule)
+                f"{stages * virtual} stages for a model of {workload.num_layers} layers leaves a stage empty; "
+                f"use --stages {workload.num_layers // virtual} or fewer")
+        candidate = Candidate(stages, args.microbatches, args.checkpoint, args.schedule, args.replicas, virtual,
+                              args.zero, args.placement)
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
-    result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule)
+    result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule,
+                      virtual_stages=virtual, replicas=args.replicas, zero=args.zero, placement=args.placement)
     return result, system, workload, precision
+
+
+def check_zero(zero: int, replicas: int) -> None:
+    if zero not in (0, 1):
+        raise GpipeInputError(f"--zero must be 0 or 1, got {zero}")
+    if zero == 1 and replicas == 1:
+        raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
+                              "--replicas 2 or more; use --zero 0 with one replica")
 
 
 def emit(result: SimResult, system: System, workload: Workload, precision: str,

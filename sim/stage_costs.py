@@ -93,6 +93,7 @@ class CostTable:
         self._prefix: dict[int, list[tuple[float, float, float, int, int, float]]] = {}
         self._exact = getattr(workload, "stage_cost", None)
         self._shared = shared_parameters(workload)
+        self._state_bytes: dict[tuple[int, int], tuple[int, int]] = {}
 
     def layers(self, rows: int) -> tuple[LayerCost, ...]:
         if rows not in self._layers:
@@ -132,3 +133,20 @@ class CostTable:
 
     def stages(self, rows: int, partition: Sequence[int]) -> list[StageCost]:
         return [self.stage(rows, first, end) for first, end in stage_bounds(partition)]
+
+    def gradient_and_optimizer_bytes(self, rows: int, first: int, end: int) -> tuple[int, int]:
+        """(weight-gradient bytes, optimizer-state bytes) the layers [first, end) hold, a shared
+        parameter counted once: what a data-parallel all-reduce moves and what ZeRO-1 shards."""
+        key = (first, end)
+        found = self._state_bytes.get(key)
+        if found is None:
+            layers = self.layers(rows)[first:end]
+            gradient = sum(c.grad_bytes for c in layers)
+            optimizer = sum(c.optimizer_bytes for c in layers)
+            for parameter in self._shared:
+                extra = sum(first <= layer < end for layer in parameter.layers) - 1
+                if extra > 0:
+                    gradient -= extra * parameter.param_bytes
+                    optimizer -= extra * max(0, parameter.static_bytes - 2 * parameter.param_bytes)
+            found = self._state_bytes[key] = (max(0, gradient), max(0, optimizer))
+        return found

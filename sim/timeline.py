@@ -21,6 +21,7 @@ RECV_WAIT = "recv_wait"  # time a stage sat waiting for a neighbour's tensor
 OPTIMIZER = "optimizer"
 STEP_OVERHEAD = "overhead"  # simulated only: calibration's fitted per-step constant
 SHARED_ALLREDUCE = "allreduce_shared"  # summing a shared parameter's gradient among the stages holding it
+DP_ALLREDUCE = "allreduce_dp"  # averaging a stage's gradients over its data-parallel group (D replicas)
 
 KIND_NAMES = {
     "F": "forward",
@@ -32,6 +33,7 @@ KIND_NAMES = {
     OPTIMIZER: "optimizer step",
     STEP_OVERHEAD: "fitted step overhead",
     SHARED_ALLREDUCE: "all-reduce shared gradients",
+    DP_ALLREDUCE: "all-reduce data-parallel gradients",
 }
 
 

@@ -109,7 +109,9 @@ def write_whatif_html(workload: Workload, system: System, batch_size: int, stage
     if best is not None:
         c = best.candidate
         result = simulate(workload, system, best.partition, batch_size, c.microbatches, c.checkpoint,
-                          c.schedule)
-        figures.append(timeline_figure(result.timeline, title=f"Best plan: K={c.stages}, M={c.microbatches}, "
+                          c.schedule, virtual_stages=c.virtual_stages, replicas=c.replicas, zero=c.zero,
+                          placement=c.placement)
+        figures.append(timeline_figure(result.timeline, title=f"Best plan: D={c.replicas}, K={c.stages}, "
+                                                              f"V={c.virtual_stages}, M={c.microbatches}, "
                                                               f"{c.checkpoint}, {c.schedule}"))
     write_html_many(figures, path, title=f"gpipe what-if: {workload.name} on {system.name}")

@@ -46,7 +46,14 @@ def test_simulate_writes_trace_and_html(tmp_path):
     (["--partition", "3,5"], "partition 3,5 sums to 8 layers but the model has 16"),
     (["--model", "resnet"], "unknown model 'resnet'"),
     (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
-    (["--schedule", "interleaved"], "unknown schedule 'interleaved'"),
+    (["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    (["--hardware", "h100-nvlink", "--replicas", "4", "--stages", "4"],
+     "4 replicas x 4 stages need 16 devices but h100-nvlink with 1 node"),
+    (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
+    (["--schedule", "interleaved", "--virtual-stages", "8", "--stages", "4"], "32 chunks but the model has 16 layers"),
+    (["--schedule", "interleaved", "--stages", "4", "--microbatches", "6"], "multiple of stages"),
+    (["--zero", "1"], "--zero 1 shards optimizer state"),
+    (["--placement", "scattered"], "unknown placement 'scattered'"),
     (["--checkpoint", "sometimes"], "unknown checkpoint policy 'sometimes'"),
     (["--hardware", "h100-nvlink", "--stages", "16", "--partition", "1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"],
      "16 stages need 16 devices"),
@@ -93,11 +100,41 @@ def test_plan_writes_a_plan_that_simulate_reads_back(tmp_path):
     (["--stages-options", "0,2"], "every value of --stages-options must be a positive integer, got 0"),
     (["--stages-options", "64"], "--stages-options 64 exceeds the model's 6 layers"),
     (["--batch", "-4"], "batch size must be a positive integer, got -4"),
+    (["--hardware", "h100-nvlink", "--replicas", "16"], "16 replicas x 1 stages need 16 devices but h100-nvlink with 1 node(s) has 8"),
+    (["--virtual-stages", "2", "--schedules", "gpipe"], "--virtual-stages 2 needs the interleaved schedule"),
+    (["--virtual-stages", "4", "--schedules", "interleaved", "--stages-options", "2"], "8 chunks but the model has 6 layers"),
+    (["--schedules", "interleaved", "--stages-options", "2", "--microbatch-options", "3,5"], "a multiple of stages (K)"),
+    (["--zero", "1", "--replicas", "1"], "--zero 1 shards optimizer state"),
+    (["--zero", "0,2"], "each value must be 0 or 1"),
 ])
 def test_plan_bad_input(args, message):
     proc = run("plan", "--model", "transformer", *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message in proc.stderr
+
+
+def test_plan_searches_replicas_and_interleaving_and_writes_them(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run("plan", "--model", "transformer", "--layers", "8", "--hardware", "h100-nvlink", "--nodes", "2",
+               "--batch", "64", "--microbatch-options", "1,2,4,8", "--zero", "0,1", "--out", str(out), "--json",
+               "--quiet", "--top", "40")
+    assert proc.returncode == 0, proc.stderr
+    ranked = json.loads(proc.stdout)["ranked"]
+    assert all({"replicas", "virtual_stages", "zero", "placement"} <= set(entry) for entry in ranked)
+    assert len({e["replicas"] for e in ranked}) > 1
+    assert all(e["replicas"] * len(e["partition"]) // e["virtual_stages"] <= 16 for e in ranked)
+    times = [e["step_time_s"] for e in ranked]
+    assert times == sorted(times)
+    plan = json.loads(out.read_text())
+    best = ranked[0]
+    assert [plan[k] for k in ("replicas", "virtual_stages", "zero", "placement")] == \
+        [best[k] for k in ("replicas", "virtual_stages", "zero", "placement")]
+    again = run("simulate", "--plan", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"])
+    table = run("plan", "--model", "transformer", "--layers", "8", "--hardware", "h100-nvlink", "--nodes", "2",
+                "--batch", "64", "--microbatch-options", "1,2,4,8", "--quiet")
+    assert "   D   K  V   M" in table.stdout and "placement" in table.stdout
 
 
 def test_plan_that_nothing_fits_names_the_overflowing_stage():

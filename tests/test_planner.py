@@ -1,22 +1,26 @@
 import pytest
+from dataclasses import replace
 
 from sim.engine import simulate
 from sim.hardware import get_system
 from sim.models import get_workload
-from sim.planner import candidates, choose_partition, lower_bound_s, search
+from sim.planner import (balanced_bound_s, candidates, choose_partition, lower_bound_s, search,
+                         simulate_candidate)
 from sim.stage_costs import CostTable
 
 
-def exhaustive(workload, system, batch, stage_options, microbatch_options):
+def exhaustive(workload, system, batch, stage_options, microbatch_options, **space):
     table = CostTable(workload, system.device)
     results = []
-    for c in candidates(stage_options, microbatch_options, batch):
+    for c in candidates(stage_options, microbatch_options, batch, system=system, num_layers=workload.num_layers,
+                        **space):
         partition = choose_partition(table, system, batch, c)
         if partition is None:
             continue
-        result = simulate(workload, system, partition, batch, c.microbatches, c.checkpoint, c.schedule,
-                          record=False)
-        assert lower_bound_s(table, batch, c, partition) <= result.step_time_s * (1 + 1e-12)
+        result = simulate_candidate(workload, system, partition, batch, c)
+        bound = lower_bound_s(table, batch, c, partition, system)
+        assert bound <= result.step_time_s * (1 + 1e-12)
+        assert balanced_bound_s(table, batch, c, system) <= bound * (1 + 1e-12)
         if result.fits:
             results.append(result.step_time_s)
     return sorted(results)
@@ -30,6 +34,33 @@ def test_pruned_search_ranks_exactly_like_exhaustive_simulation(system_name):
     expected = exhaustive(workload, system, 16, [1, 2, 4], list(range(1, 17)))
     assert [o.step_time_s for o in result.ranked] == pytest.approx(expected[:5], rel=1e-12)
     assert result.simulated < result.candidates
+
+
+@pytest.mark.parametrize("system_name,nodes", [("h100-pcie", 2), ("a100-nvlink", 2), ("tpu-v3", 1)])
+def test_pruned_search_over_replicas_and_interleaving_ranks_exactly_like_exhaustive(system_name, nodes):
+    workload = get_workload("transformer", {"layers": 6, "d_model": 256, "ff": 1024, "seq": 128, "vocab": 1000})
+    system = replace(get_system(system_name, nodes), devices_per_node=4)
+    space = dict(replica_options=[1, 2, 4], virtual_options=[2], zero_options=[0, 1])
+    result = search(workload, system, 24, [1, 2, 4], [1, 2, 4, 8, 12], top=6, **space)
+    expected = exhaustive(workload, system, 24, [1, 2, 4], [1, 2, 4, 8, 12], **space)
+    assert [o.step_time_s for o in result.ranked] == pytest.approx(expected[:6], rel=1e-12)
+    assert result.simulated < result.candidates
+
+
+def test_the_search_covers_replicas_placements_and_interleaving_within_the_devices():
+    system = get_system("h100-nvlink", 2)  # 16 devices on two nodes
+    found = candidates([1, 2, 4, 8, 16], [8], 64, checkpoints=["never"], replica_options=[1, 2, 4, 8, 16],
+                       virtual_options=[2], zero_options=[0, 1], system=system, num_layers=12)
+    assert all(c.replicas * c.stages <= 16 for c in found)
+    assert {(c.replicas, c.stages) for c in found} >= {(16, 1), (1, 16), (2, 8), (4, 4)}
+    # placements differ only across nodes, with D > 1 and K > 1
+    assert {c.placement for c in found if (c.replicas, c.stages) == (4, 4)} == {"stages_adjacent", "replicas_adjacent"}
+    assert {c.placement for c in found if (c.replicas, c.stages) == (2, 2)} == {"stages_adjacent"}
+    assert {c.placement for c in found if c.replicas == 1} == {"stages_adjacent"}
+    assert not [c for c in found if c.zero == 1 and c.replicas == 1]
+    interleaved = [c for c in found if c.schedule == "interleaved"]
+    assert interleaved and all(c.virtual_stages * c.stages <= 12 and c.stages > 1 for c in interleaved)
+    assert all(c.virtual_stages == 1 for c in found if c.schedule != "interleaved")
 
 
 def test_with_costs_linear_in_rows_the_best_plan_uses_all_stages_and_most_microbatches():

@@ -1,0 +1,169 @@
+"""The SimPy model of one replica's forwards and backwards: K devices walking their action lists.
+
+Each device is a SimPy process walking its list from :func:`sim.schedule.build_schedule`. A forward
+of virtual stage s waits for s-1's activation, a backward for s+1's gradient; a recompute waits for
+nothing but the device, so it can run before the gradient arrives (the GPipe paper's observation).
+Without interleaving, virtual stage and device are the same; with it, virtual stage s runs on device
+s % K, so a micro-batch goes round the K devices V times and the hop from device K-1 back to device
+0 between chunks is a transfer like any other.
+
+Finished activations and gradients travel over first-come-first-served link channels: a dedicated
+one per device pair and direction, or, for PCIe through the host, one per node and direction that
+every transfer on that node queues for (see :class:`Links`). Which link a hop crosses comes from the
+replica's global devices (:mod:`sim.placement`): the intra-node link inside a node, else the
+inter-node link.
+
+This module stops at each device's last backward: what follows (the data-parallel all-reduce, the
+shared-parameter reduction, the optimizer step) is a closed form in :mod:`sim.engine`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import simpy
+
+from sim.hardware import Link, System
+from sim.schedule import Action, Kind, recomputes
+from sim.stage_costs import StageCost
+from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+
+
+class Links:
+    """The links of one replica as FIFO channels, one per device pair and direction, or one per
+    node and direction where the link is shared (PCIe through the host).
+
+    A transfer occupies its channel for bytes / bandwidth, from the moment the channel is free; its
+    latency is pipelined (it delays arrival, not the next transfer). Requests reach a channel in
+    simulated-time order, so a first-come-first-served resource reduces to the time the channel
+    next falls free: that closed form is what is kept, which saves most of SimPy's resource events.
+    Replicas are simulated apart, so two replicas' transfers never queue on a shared channel.
+    """
+
+    def __init__(self, system: System, devices: Sequence[int]) -> None:
+        stages = len(devices)
+        self._free_at_s: dict[tuple, float] = {}
+        # hop[(k, forward)]: (link, channel key, free) for device k's send to its next or previous device
+        self.hop: dict[tuple[int, bool], tuple[Link, tuple, bool]] = {}
+        for k in range(stages):
+            for forward in (True, False):
+                source, target = devices[k], devices[(k + (1 if forward else -1)) % stages]
+                link = system.link_between(source, target)
+                key = ((system.node_of(min(source, target)), target > source) if link.shared
+                       else (source, target))
+                free = link.latency_s == 0.0 and math.isinf(link.bandwidth_bytes_per_s)
+                self.hop[(k, forward)] = (link, key, free)
+
+    def reserve(self, link: Link, key: tuple, now_s: float, nbytes: int) -> tuple[float, float]:
+        """Book a transfer of ``nbytes`` on channel ``key`` of ``link``: (start_s, arrival_s)."""
+        start_s = max(now_s, self._free_at_s.get(key, 0.0))
+        wire_s = 0.0 if math.isinf(link.bandwidth_bytes_per_s) else nbytes / link.bandwidth_bytes_per_s
+        self._free_at_s[key] = start_s + wire_s
+        return start_s, start_s + wire_s + link.latency_s
+
+
+class ReplicaRun:
+    """One replica's step up to each device's last backward: busy time, memory and spans.
+
+    ``costs[rows][s]`` is virtual stage s's cost for a micro-batch of ``rows``; ``devices[k]`` is
+    the global device of pipeline position k. Records name the position k and the virtual stage;
+    the engine turns them into :class:`sim.timeline.Record`.
+    """
+
+    def __init__(self, system: System, devices: Sequence[int], virtual_stages: int, rows: list[int],
+                 costs: dict[int, list[StageCost]], checkpoint: str, record: bool) -> None:
+        self.env = simpy.Environment()
+        self.stages = len(devices)
+        self.virtual = virtual_stages * self.stages
+        self.rows = rows
+        self.costs = costs
+        self.checkpoint = checkpoint
+        self.record = record
+        self.links = Links(system, devices)
+        m = len(rows)
+        # activation_in[s][m]: virtual stage s has micro-batch m's input; gradient_in[s][m]: its output grad
+        self.activation_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
+        self.gradient_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
+        self.busy_s = [0.0] * self.stages
+        self.held_bytes = [0] * self.stages
+        self.peak_bytes = [0] * self.stages
+        # (position k, kind, micro-batch, start_s, end_s, virtual stage): tuples are cheaper in the hot loop
+        self.records: list[tuple] = []
+        self.memory: list[tuple] = []  # MemorySample fields
+        self.last_backward_s = [0.0] * self.stages
+
+    def run(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
+        for k in range(self.stages):
+            self.env.process(self.device_process(k, per_device_actions[k]))
+        self.env.run()
+        return self
+
+    def _hold(self, device: int, delta: int) -> None:
+        self.held_bytes[device] += delta
+        if self.held_bytes[device] > self.peak_bytes[device]:
+            self.peak_bytes[device] = self.held_bytes[device]
+        if self.record:
+            self.memory.append((device, self.env.now, self.held_bytes[device]))
+
+    def device_process(self, device: int, actions: Sequence[Action]):
+        env = self.env
+        microbatches = len(self.rows)
+        last = self.virtual - 1
+        if self.record:
+            self.memory.append((device, 0.0, 0))
+        for action in actions:
+            m, s, kind = action.microbatch, action.stage, action.kind
+            cost = self.costs[self.rows[m]][s]
+            waiting_on = None
+            if kind is Kind.FORWARD and s > 0:
+                waiting_on = self.activation_in[s][m]
+            elif kind is Kind.BACKWARD and s < last:
+                waiting_on = self.gradient_in[s][m]
+            if waiting_on is not None and not waiting_on.processed:
+                wait_start = env.now
+                yield waiting_on
+                if self.record and env.now > wait_start:
+                    self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
+            if kind is Kind.FORWARD:
+                duration = cost.forward_s
+            elif kind is Kind.RECOMPUTE:
+                duration = cost.recompute_s
+            else:
+                duration = cost.backward_s
+            start = env.now
+            if duration > 0:
+                yield env.timeout(duration)
+            self.busy_s[device] += duration
+            if self.record:
+                self.records.append((device, kind.value, m, start, env.now, s))
+            if kind is Kind.FORWARD:
+                stashed = recomputes(self.checkpoint, m, microbatches)
+                self._hold(device, cost.stash_bytes if stashed else cost.saved_bytes)
+                if s < last:
+                    self._send(device, s + 1, m, cost.output_bytes, forward=True)
+            elif kind is Kind.RECOMPUTE:
+                self._hold(device, cost.saved_bytes - cost.stash_bytes)
+            else:
+                self._hold(device, -cost.saved_bytes)
+                if s > 0:
+                    self._send(device, s - 1, m, cost.stash_bytes, forward=False)
+        self.last_backward_s[device] = env.now
+
+    def _send(self, device: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:
+        """Hand virtual stage ``target`` its input (or gradient) of ``microbatch``."""
+        arrived = (self.activation_in if forward else self.gradient_in)[target][microbatch]
+        if self.stages == 1:  # chunks on one device hand over in memory
+            arrived.succeed()
+            return
+        link, key, free = self.links.hop[(device, forward)]
+        if free:
+            arrived.succeed()
+            return
+        now = self.env.now
+        start, arrival = self.links.reserve(link, key, now, nbytes)
+        if self.record:
+            source = target - 1 if forward else target + 1
+            self.records.append((device, SEND_ACTIVATION if forward else SEND_GRADIENT, microbatch, start, arrival,
+                                 source))
+        self.env.timeout(arrival - now).callbacks.append(lambda _event: arrived.succeed())
