@@ -120,6 +120,7 @@ class SimResult:
             "schedule": self.schedule,
             "checkpoint": self.checkpoint,
             "replicas": self.replicas,
+            "pipeline_stages": len(self.partition) // self.virtual_stages,
             "virtual_stages": self.virtual_stages,
             "zero": self.zero,
             "placement": self.placement,

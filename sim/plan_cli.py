@@ -248,7 +248,8 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
 def _option_dict(option: PlanOption) -> dict:
     c = option.candidate
     assert option.result is not None
-    return {"stages": c.stages, "microbatches": c.microbatches, "checkpoint": c.checkpoint,
+    # "stages" is the per-device list of results and "pipeline_stages" is K, as in gpipe simulate --json
+    return {"microbatches": c.microbatches, "checkpoint": c.checkpoint,
             "schedule": c.schedule, "replicas": c.replicas, "virtual_stages": c.virtual_stages, "zero": c.zero,
             "placement": c.placement, "partition": option.partition, **{
                 k: v for k, v in option.result.to_dict().items()

@@ -123,6 +123,8 @@ def test_plan_searches_replicas_and_interleaving_and_writes_them(tmp_path):
     assert all({"replicas", "virtual_stages", "zero", "placement"} <= set(entry) for entry in ranked)
     assert len({e["replicas"] for e in ranked}) > 1
     assert all(e["replicas"] * len(e["partition"]) // e["virtual_stages"] <= 16 for e in ranked)
+    assert all(e["pipeline_stages"] == len(e["partition"]) // e["virtual_stages"] == len(e["stages"]) // e["replicas"]
+               for e in ranked)
     times = [e["step_time_s"] for e in ranked]
     assert times == sorted(times)
     plan = json.loads(out.read_text())
