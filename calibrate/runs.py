@@ -4,12 +4,13 @@ Starting torchrun and importing torch costs seconds per launch, more than a smal
 configurations that share a replica count D and a stage count K run one after another inside the
 same D x K worker processes (``python -m torch.distributed.run --nproc-per-node D*K -m
 calibrate.runs CONFIGS OUTDIR``). Each configuration runs exactly as ``gpipe train`` runs it: the
-executor's own :func:`prepare`, :func:`make_dist_stage` (global rank to replica and stage through
+executor's own :func:`prepare`, :func:`make_dist_stage` (each rank's replica and stage as laid out by
 :mod:`sim.placement`), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per
 process; its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With
 D > 1 the report's per-stage figures (peak activation bytes, losses) are replica 0's, whose rows
-``torch.chunk`` makes the largest; step times span every rank. Differences from a fresh ``gpipe train`` launch: the process, its allocator and the
-gloo groups are reused from the previous configuration, and every rank times the speed probe of
+``torch.chunk`` makes the largest; step times span every rank. Differences from a fresh ``gpipe
+train`` launch: the process, its allocator and the gloo groups are reused from the previous
+configuration, and every rank times the speed probe of
 :mod:`calibrate.speed` just before and just after the run (all ranks at once, outside the timed
 steps); the report's ``speed_probe_s`` holds them, per rank.
 

@@ -242,6 +242,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     if s.get("oversubscribed_runs"):
-        lines.append(f"{OVERSUBSCRIBED_MARK} oversubscribed: more processes (D x K) than this machine has cores "
-                     f"(GPUs); measured for correctness, {s['oversubscribed_runs']} run(s) left out of the errors above")
+        lines.append(f"{OVERSUBSCRIBED_MARK} oversubscribed: more processes (D x K) than this machine has "
+                     f"cores (GPUs); measured for correctness, {s['oversubscribed_runs']} run(s) left out of "
+                     "the errors above")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ def test_two_gloo_ranks_all_reduce_small_tensors():
 
 
 def test_the_costs_entry_holds_the_points_and_a_fit_the_simulator_reads(monkeypatch):
-    import calibrate.collective as collective
+    from calibrate import collective
 
     calls = []
 
