@@ -43,7 +43,13 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
 def test_validation_measures_and_predicts_two_replicas(tmp_path):
     from calibrate.calibration import run_config
     from calibrate.runs import run_configs
-    from calibrate.validate import compare, format_table, machine_processes, summarize, validation_design
+    from calibrate.validate import (
+        compare,
+        format_table,
+        machine_processes,
+        summarize,
+        validation_design,
+    )
     from sim.cli import main
     from tests.test_calibrate_validate import TINY
 
