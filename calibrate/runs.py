@@ -7,8 +7,9 @@ calibrate.runs CONFIGS OUTDIR``). Each configuration runs exactly as ``gpipe tra
 executor's own :func:`prepare`, :func:`make_dist_stage` (each rank's replica and stage as laid out by
 :mod:`sim.placement`), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per
 process; its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With
-D > 1 the report's per-stage figures (peak activation bytes, losses) are replica 0's, whose rows
-``torch.chunk`` makes the largest; step times span every rank. Differences from a fresh ``gpipe
+D > 1 the replicas are made as ``gpipe train`` makes them (:mod:`executor.replicas`), the losses
+are the global batch's mean, the report's per-stage figures are replica 0's (whose rows
+``torch.chunk`` makes the largest) and step times span every rank. Differences from a fresh ``gpipe
 train`` launch: the process, its allocator and the gloo groups are reused from the previous
 configuration, and every rank times the speed probe of
 :mod:`calibrate.speed` just before and just after the run (all ranks at once, outside the timed
@@ -88,21 +89,22 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     import torch
     import torch.distributed as dist
 
-    from executor.pipeline import make_dist_stage, prepare, train_step_with_data
-    from executor.recording import Recorder
+    from executor.pipeline import prepare, train_step_with_data
 
     prepared = prepare(config)
     dist.barrier()
     pace_before = probe.measure(PROBE_BUDGET_S)  # every rank at once, as the run will load the machine
     dist.barrier()
-    recorder = Recorder(rank, device)
-    # boundary groups made once per launch serve one replica of rank == stage; with replicas the
-    # executor makes its pipeline and data-parallel groups itself
-    stage = make_dist_stage(config, prepared, rank, device, recorder, groups if config.replicas == 1 else None)
+    stage, layout = _make_stage(config, prepared, rank, device, groups)
     del prepared
     losses = []
     for step in range(config.steps):
-        loss = train_step_with_data(config, stage, step)
+        if layout is None:
+            loss = train_step_with_data(config, stage, step)
+        else:
+            loss = train_step_with_data(config, stage, step, layout)
+            if stage.is_last:
+                loss = layout.global_loss(loss)  # the global batch's mean; collective over the last stages
         if stage.is_last:
             losses.append(float(loss))  # type: ignore[arg-type]
     dist.barrier()
@@ -120,12 +122,33 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     return _report(config, gathered, device)
 
 
-def replica_zero(config: Any, gathered: Sequence[Any]) -> list[Any]:
-    """The payloads of replica 0's ranks, stage by stage (all of them when D = 1)."""
+def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict) -> tuple[Any, Any]:
+    """This rank's stage as ``gpipe train`` makes it, and its replica layout (None for one replica).
+
+    One replica reuses the launch's boundary groups (rank == stage); with D replicas the executor
+    builds the mesh and every replica's groups (:mod:`executor.replicas`), collectively.
+    """
+    from executor.pipeline import make_dist_stage
+    from executor.recording import Recorder
+
+    if config.replicas == 1:
+        return make_dist_stage(config, prepared, rank, device, Recorder(rank, device), groups), None
+    from executor import replicas
+
+    layout = replicas.build_layout(config, rank, device.type, prepared.shared)
+    recorder = Recorder(layout.stage, device, replica=layout.replica)
+    stage = make_dist_stage(config, prepared, rank, device, recorder, layout=layout)
+    replicas.attach(stage, layout)
+    return stage, layout
+
+
+def by_replica_and_stage(config: Any, gathered: Sequence[Any]) -> list[Any]:
+    """Every rank's payload in (replica, stage) order, the order :func:`build_report` reads peak
+    bytes in (rank order when D = 1); ranks sit where :mod:`sim.placement` puts them."""
     from sim.placement import device_of
 
-    return [gathered[device_of(0, k, config.replicas, config.stages, config.placement)]
-            for k in range(config.stages)]
+    return [gathered[device_of(d, k, config.replicas, config.stages, config.placement)]
+            for d in range(config.replicas) for k in range(config.stages)]
 
 
 def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]:
@@ -136,10 +159,11 @@ def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]
 
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
-    pipeline = replica_zero(config, gathered)
-    allocated = [p["peak_allocated_bytes"] for p in pipeline] if device.type == "cuda" else None
-    report = build_report(timeline, pipeline[-1]["losses"], config.to_dict(), plan,
-                          [p["peak_activation_bytes"] for p in pipeline], allocated, 0)
+    ordered = by_replica_and_stage(config, gathered)
+    allocated = [p["peak_allocated_bytes"] for p in ordered] if device.type == "cuda" else None
+    losses = ordered[config.stages - 1]["losses"]  # replica 0's last stage: the global mean with D > 1
+    report = build_report(timeline, losses, config.to_dict(), plan, [p["peak_activation_bytes"] for p in ordered],
+                          allocated, 0)
     report["speed_probe_s"] = [p["speed_probe_s"] for p in gathered]  # per rank: [before, after]
     return report
 

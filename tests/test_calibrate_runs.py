@@ -1,4 +1,4 @@
-"""Executor runs for calibration: one launch of D x K ranks per (replicas, stages), replica 0's figures."""
+"""Executor runs for calibration: one launch of D x K ranks per (replicas, stages), ranks in placement order."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def test_each_replicas_and_stages_pair_gets_one_launch_of_d_times_k_ranks(monkey
                         (2, "4", [(1, (2, 2))]), (4, "2", [(2, (2, 2))])]
 
 
-def test_replica_zero_picks_each_stage_of_the_first_replica_by_placement():
+def test_payloads_are_ordered_by_replica_then_stage_as_placed():
     ranks = [f"rank {r}" for r in range(6)]
     config = _config((2, 2), 3)
-    assert runs.replica_zero(config, ranks) == ["rank 0", "rank 1"]  # stages_adjacent: d*K + k
-    config.placement = "replicas_adjacent"
-    assert runs.replica_zero(config, ranks) == ["rank 0", "rank 3"]  # k*D + d
-    assert runs.replica_zero(_config((1, 1, 2)), ranks[:3]) == ranks[:3]
+    assert runs.by_replica_and_stage(config, ranks) == ranks  # stages_adjacent: rank d*K + k
+    config.placement = "replicas_adjacent"  # rank k*D + d
+    assert runs.by_replica_and_stage(config, ranks) == ["rank 0", "rank 3", "rank 1", "rank 4", "rank 2", "rank 5"]
+    assert runs.by_replica_and_stage(_config((1, 1, 2)), ranks[:3]) == ranks[:3]
