@@ -198,13 +198,19 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     The pipeline fits are those of the stage count K (each fitted with K processes sharing the
     machine); with D > 1 the D x K processes share it more than any fit saw, which this does not
     correct. The data-parallel all-reduce is priced on the measured all-reduce link where the costs
-    file has one (:func:`sim.costs.allreduce_link`).
+    file has one (:func:`sim.costs.allreduce_link`). A run with more processes than the system has
+    devices (D x K = 4 on two cores) is predicted as if each process had a device of its own on this
+    one node: what the simulator models, not the cores taking turns (validation marks such runs).
     """
+    from dataclasses import replace
+
     from sim.engine import simulate
     from sim.hardware import get_system
 
-    workload, system = MeasuredWorkload(data).bind(get_system(system_name), spec.stages, spec.checkpoint,
-                                                   spec.microbatches)
+    system = get_system(system_name)
+    if spec.processes > system.total_devices:
+        system = replace(system, devices_per_node=spec.processes, nodes=1)
+    workload, system = MeasuredWorkload(data).bind(system, spec.stages, spec.checkpoint, spec.microbatches)
     # one replica has nothing to average, so no all-reduce to price
     replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
                 if spec.replicas > 1 else {})

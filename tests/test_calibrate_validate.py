@@ -101,3 +101,20 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
 def test_validate_refuses_a_missing_costs_file(tmp_path, capsys):
     assert main(["validate", "--costs", str(tmp_path / "none.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
+    """D x K beyond the system's devices: predicted on a node with a device per process."""
+    import sim.engine
+    from calibrate.calibration import predict
+    from sim.hardware import get_system
+    from tests.test_calibrate_costs import synthetic_costs
+
+    systems = []
+    monkeypatch.setattr(sim.engine, "simulate", lambda workload, system, *args, **kwargs: systems.append(system))
+    devices = get_system("cpu").total_devices
+    predict(synthetic_costs(), RunSpec((2, 1), 2, "never", "gpipe", 8, replicas=devices))
+    predict(synthetic_costs(), RunSpec((3,), 2, "never", "gpipe", 8))
+    assert (systems[0].nodes, systems[0].devices_per_node) == (1, 2 * devices)
+    assert systems[0].intra_link == systems[1].intra_link  # the fitted link, as for a run that fits
+    assert systems[1].devices_per_node == devices
