@@ -154,11 +154,18 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     # the pace probed with as many processes sharing the machine as this run has (D x K)
     reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
     return Comparison(spec.label(), result.step_time_s, measured,
-                      [s.peak_activation_bytes for s in result.stages],
+                      replica_zero_peak_bytes(result),
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
                       [r["step_time_s"] for r in reports],
                       [speed_factor(run_probes(r), reference) for r in reports], spec.replicas,
                       processes_available is not None and spec.processes > processes_available)
+
+
+def replica_zero_peak_bytes(result: Any) -> list[int]:
+    """Predicted peak activation bytes of replica 0's stages, in stage order, as the executor's
+    report gives its measured ones (the simulator lists every device of every replica)."""
+    stages = sorted((s for s in result.stages if getattr(s, "replica", 0) == 0), key=lambda s: s.stage)
+    return [s.peak_activation_bytes for s in stages]
 
 
 def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:

@@ -118,3 +118,17 @@ def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
     assert (systems[0].nodes, systems[0].devices_per_node) == (1, 2 * devices)
     assert systems[0].intra_link == systems[1].intra_link  # the fitted link, as for a run that fits
     assert systems[1].devices_per_node == devices
+
+
+def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
+    from types import SimpleNamespace
+
+    from calibrate.validate import replica_zero_peak_bytes
+
+    def device(replica, stage, peak):
+        return SimpleNamespace(replica=replica, stage=stage, peak_activation_bytes=peak)
+
+    placed = [device(0, 0, 10), device(1, 0, 11), device(0, 1, 20), device(1, 1, 21)]  # replicas adjacent
+    assert replica_zero_peak_bytes(SimpleNamespace(stages=placed)) == [10, 20]
+    one = [SimpleNamespace(stage=k, peak_activation_bytes=5 * k) for k in range(3)]  # no replica field
+    assert replica_zero_peak_bytes(SimpleNamespace(stages=one)) == [0, 5, 10]
