@@ -38,21 +38,32 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One executor run: (K, M, partition, checkpoint, schedule) at a batch size."""
+    """One executor run: (D, K, M, partition, checkpoint, schedule) at a global batch size.
+
+    ``replicas`` D copies of the pipeline train on ``torch.chunk`` of the batch each and average
+    their gradients (D x K processes in all); the calibration design keeps D = 1.
+    """
 
     partition: tuple[int, ...]
     microbatches: int
     checkpoint: str
     schedule: str
     batch_size: int
+    replicas: int = 1
 
     @property
     def stages(self) -> int:
         return len(self.partition)
 
+    @property
+    def processes(self) -> int:
+        """D x K: one process per (replica, stage)."""
+        return self.replicas * self.stages
+
     def label(self) -> str:
         parts = ",".join(map(str, self.partition))
-        return f"K={self.stages} M={self.microbatches} [{parts}] {self.checkpoint} {self.schedule}"
+        replicas = f"D={self.replicas} " if self.replicas > 1 else ""
+        return f"{replicas}K={self.stages} M={self.microbatches} [{parts}] {self.checkpoint} {self.schedule}"
 
 
 def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
@@ -83,7 +94,7 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
                      batch_size=spec.batch_size, microbatches=spec.microbatches,
                      schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
                      warmup_steps=1, device=device, timeout_s=120.0, optimizer=optimizer,
-                     precision=precision).validate()
+                     precision=precision, replicas=spec.replicas).validate()
 
 
 # ----------------------------------------------------------------------------- observations
@@ -182,14 +193,29 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
 
 
 def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> Any:
-    """Simulate one run spec with the costs in ``data``; the :class:`sim.engine.SimResult`."""
+    """Simulate one run spec with the costs in ``data``; the :class:`sim.engine.SimResult`.
+
+    The pipeline fits are those of the stage count K (each fitted with K processes sharing the
+    machine); with D > 1 the D x K processes share it more than any fit saw, which this does not
+    correct. The data-parallel all-reduce is priced on the measured all-reduce link where the costs
+    file has one (:func:`sim.costs.allreduce_link`). A run with more processes than the system has
+    devices (D x K = 4 on two cores) is predicted as if each process had a device of its own on this
+    one node: what the simulator models, not the cores taking turns (validation marks such runs).
+    """
+    from dataclasses import replace
+
     from sim.engine import simulate
     from sim.hardware import get_system
 
-    workload, system = MeasuredWorkload(data).bind(get_system(system_name), spec.stages, spec.checkpoint,
-                                                   spec.microbatches)
+    system = get_system(system_name)
+    if spec.processes > system.total_devices:
+        system = replace(system, devices_per_node=spec.processes, nodes=1)
+    workload, system = MeasuredWorkload(data).bind(system, spec.stages, spec.checkpoint, spec.microbatches)
+    # one replica has nothing to average, so no all-reduce to price
+    replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
+                if spec.replicas > 1 else {})
     return simulate(workload, system, spec.partition, spec.batch_size, spec.microbatches, spec.checkpoint,
-                    spec.schedule)
+                    spec.schedule, **replicas)
 
 
 def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
@@ -274,6 +300,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     """
     import torch
 
+    from calibrate.collective import available_parties, calibrate_allreduce, party_counts
     from calibrate.link import ping_pong
     from calibrate.machine import machine_stamp
     from calibrate.profile import Repeats, profile_model
@@ -324,6 +351,10 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         points = ping_pong(device)
         link = fit_link([p["bytes"] for p in points], [p["one_way_s"] for p in points])
         data["link"] = {"name": "gloo" if device == "cpu" else "nccl", **link.to_dict(), "measured": points}
+    parties = party_counts(available_parties(device))
+    if parties:
+        say(f"all-reduce among {', '.join(map(str, parties))} ranks (data-parallel gradient averaging)")
+        data["allreduce"] = calibrate_allreduce(device, quick, parties)
     design = calibration_design(ref.num_layers, batch_size, max_stages)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]

@@ -133,6 +133,7 @@ def summary_text(data: dict[str, Any]) -> str:
     if link:
         lines.append(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
                      f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
+    lines += allreduce_lines(data.get("allreduce"))
     for k, fit in sorted(data.get("pipeline", {}).items()):
         acts = ", ".join(f"{kind} x{a['slope']:.3f}{a['intercept'] * 1e6:+.0f}us"
                          for kind, a in fit["actions"].items())
@@ -154,3 +155,23 @@ def summary_text(data: dict[str, Any]) -> str:
                      "measured, and predictions will be off by as much; run gpipe calibrate --force again "
                      "(more --rounds average more of the drift out)")
     return "\n".join(lines)
+
+
+def allreduce_lines(entry: dict[str, Any] | None) -> list[str]:
+    """The all-reduce fit, then each group size's measured points (bytes: time), one line each."""
+    if not entry:
+        return []
+    lines = [f"all-reduce ({entry['backend']}, ring model): latency {entry['latency_s'] * 1e6:.1f} us, "
+             f"bandwidth {entry['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, worst point off by "
+             f"{entry.get('worst_relative', 0.0) * 100:.1f}%"]
+    for parties, row in zip(entry["parties"], entry["measured_s"]):
+        points = ", ".join(f"{_size(b)} {t * 1e3:.3g} ms" for b, t in zip(entry["sizes_bytes"], row))
+        lines.append(f"  all-reduce among {parties} ranks: {points}")
+    return lines
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"

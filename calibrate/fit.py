@@ -5,6 +5,8 @@ Every fit minimises *relative* residuals ``(predicted - measured) / measured`` w
 goal is a relative error. The models, each affine in what was measured:
 
 * link (ping-pong): ``one_way_s = latency_s + bytes / bandwidth``                 (Hockney 1994)
+* all-reduce among n parties (ring): ``seconds = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency_s``
+  (Patarasuk and Yuan 2009; the form :func:`sim.engine.ring_allreduce_s` predicts with)
 * actions in the pipeline, per (K, kind): ``measured_s = scale * profiled_s + overhead_s``, where
   ``profiled_s`` sums the stage's layers from the isolated layer profile. ``scale`` absorbs
   contention between the K processes sharing the machine; ``overhead_s`` the executor's per-action
@@ -111,6 +113,37 @@ def fit_link(nbytes: Sequence[float], one_way_s: Sequence[float]) -> LinkFit:
     """Latency and bandwidth from ping-pong points (one-way seconds per message size)."""
     line = fit_affine(nbytes, one_way_s, slope_bounds=(1e-15, np.inf), intercept_bounds=(0.0, np.inf))
     return LinkFit(line.intercept, 1.0 / line.slope, line.residuals)
+
+
+def fit_ring_allreduce(parties: Sequence[int], nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+    """Latency and bandwidth of the ring all-reduce model from measured all-reduces.
+
+    Point i all-reduced ``nbytes[i]`` among ``parties[i]`` processes in ``seconds[i]``. The model is
+    linear in (1 / bandwidth, latency) with regressors ``2(n-1)/n * bytes`` (bytes each party sends)
+    and ``2(n-1)`` (steps of the ring), so one party count and two sizes identify both; several
+    party counts pool into one link. Limits: a backend that switches algorithm with size (NCCL's
+    tree for small messages, gloo's halving-doubling) is fitted as if it were a ring throughout.
+    """
+    n, b, t = (np.asarray(v, dtype=float) for v in (parties, nbytes, seconds))
+    if not len(n) == len(b) == len(t):
+        raise ValueError(f"need as many parties, sizes and times, got {len(n)}, {len(b)} and {len(t)}")
+    if len(np.unique(b)) < 2:
+        raise ValueError("need at least two distinct sizes to separate latency from bandwidth")
+    if np.any(n < 2) or np.any(t <= 0):
+        raise ValueError("every all-reduce needs 2 or more parties and a positive time")
+    wire_bytes, steps = 2 * (n - 1) / n * b, 2 * (n - 1)
+    start, *_ = np.linalg.lstsq(np.stack([wire_bytes / t, steps / t], axis=1), np.ones_like(t), rcond=None)
+    lower, upper = np.array([1e-15, 0.0]), np.array([np.inf, np.inf])
+    start = np.clip(start, lower + 1e-300, upper)
+    scale = np.array([max(abs(start[0]), 1e-12), max(abs(start[1]), float(np.min(t)) * 1e-3)])
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return (p[0] * wire_bytes + p[1] * steps - t) / t
+
+    result = least_squares(residuals, start, bounds=(lower, upper), x_scale=scale, xtol=1e-15, ftol=1e-15,
+                           gtol=1e-15)
+    seconds_per_byte, latency_s = (float(v) for v in result.x)
+    return LinkFit(latency_s, 1.0 / seconds_per_byte, tuple(float(v) for v in residuals(result.x)))
 
 
 def fit_constant(measured: Sequence[float], predicted: Sequence[float]) -> tuple[float, tuple[float, ...]]:

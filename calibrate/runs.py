@@ -1,13 +1,17 @@
 """Traced executor runs for calibration and validation: many configurations per torchrun launch.
 
 Starting torchrun and importing torch costs seconds per launch, more than a small run itself, so the
-configurations that share a stage count K run one after another inside the same K worker processes
-(``python -m torch.distributed.run --nproc-per-node K -m calibrate.runs CONFIGS OUTDIR``). Each
-configuration runs exactly as ``gpipe train`` runs it: the executor's own :func:`prepare`,
-:func:`make_dist_stage`, :class:`Recorder` and :func:`build_report`, with
-cores/K threads per process; its first ``warmup_steps`` are left out of the step time as in
-``gpipe train``. Differences from a fresh ``gpipe train`` launch: the process, its allocator and the
-gloo groups are reused from the previous configuration, and every rank times the speed probe of
+configurations that share a replica count D and a stage count K run one after another inside the
+same D x K worker processes (``python -m torch.distributed.run --nproc-per-node D*K -m
+calibrate.runs CONFIGS OUTDIR``). Each configuration runs exactly as ``gpipe train`` runs it: the
+executor's own :func:`prepare`, :func:`make_dist_stage` (each rank's replica and stage as laid out by
+:mod:`sim.placement`), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per
+process; its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With
+D > 1 the replicas are made as ``gpipe train`` makes them (:mod:`executor.replicas`), the losses
+are the global batch's mean, the report's per-stage figures are replica 0's (whose rows
+``torch.chunk`` makes the largest) and step times span every rank. Differences from a fresh ``gpipe
+train`` launch: the process, its allocator and the gloo groups are reused from the previous
+configuration, and every rank times the speed probe of
 :mod:`calibrate.speed` just before and just after the run (all ranks at once, outside the timed
 steps); the report's ``speed_probe_s`` holds them, per rank.
 
@@ -38,26 +42,28 @@ def _env(threads: int | None = None) -> dict[str, str]:
 def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run every :class:`executor.config.RunConfig`; the reports come back in the same order."""
-    by_stages: dict[int, list[int]] = {}
+    by_shape: dict[tuple[int, int], list[int]] = {}  # (D, K) -> configurations, one launch each
     for index, config in enumerate(configs):
-        by_stages.setdefault(config.stages, []).append(index)
+        by_shape.setdefault((config.replicas, config.stages), []).append(index)
     reports: list[dict[str, Any]] = [{} for _ in configs]
-    for stages, indices in sorted(by_stages.items()):
+    for (replicas, stages), indices in sorted(by_shape.items(), key=lambda item: (item[0][1], item[0][0])):
+        world = replicas * stages
+        shape = f"D={replicas} K={stages}" if replicas > 1 else f"K={stages}"
         if progress is not None:
-            progress(f"running {len(indices)} executor configuration(s) with K={stages}")
+            progress(f"running {len(indices)} executor configuration(s) with {shape}")
         with tempfile.TemporaryDirectory(prefix="gpipe-runs-") as directory:
             path = os.path.join(directory, "configs.json")
             with open(path, "w") as handle:
                 json.dump([configs[i].to_dict() for i in indices], handle)
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", str(stages), "--monitor-interval", "0.2",
+                       "--nproc-per-node", str(world), "--monitor-interval", "0.2",
                        "-m", "calibrate.runs", path, directory]
-            threads = max(1, (os.cpu_count() or 1) // stages)
+            threads = max(1, (os.cpu_count() or 1) // world)
             done = subprocess.run(command, env=_env(threads), capture_output=True, text=True,
                                   timeout=timeout_s)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-                raise RuntimeError(f"executor runs with K={stages} failed: " + " | ".join(tail))
+                raise RuntimeError(f"executor runs with {shape} failed: " + " | ".join(tail))
             for position, index in enumerate(indices):
                 with open(os.path.join(directory, f"report-{position}.json")) as handle:
                     reports[index] = json.load(handle)
@@ -83,22 +89,22 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     import torch
     import torch.distributed as dist
 
-    from executor.models import model_ref
-    from executor.pipeline import make_dist_stage, prepare, train_step_with_data
-    from executor.recording import Recorder
-    from executor.report import build_report
-    from sim.timeline import Timeline, merge
+    from executor.pipeline import prepare, train_step_with_data
 
     prepared = prepare(config)
     dist.barrier()
     pace_before = probe.measure(PROBE_BUDGET_S)  # every rank at once, as the run will load the machine
     dist.barrier()
-    recorder = Recorder(rank, device)
-    stage = make_dist_stage(config, prepared, rank, device, recorder, groups)
+    stage, layout = _make_stage(config, prepared, rank, device, groups)
     del prepared
     losses = []
     for step in range(config.steps):
-        loss = train_step_with_data(config, stage, step)
+        if layout is None:
+            loss = train_step_with_data(config, stage, step)
+        else:
+            loss = train_step_with_data(config, stage, step, layout)
+            if stage.is_last:
+                loss = layout.global_loss(loss)  # the global batch's mean; collective over the last stages
         if stage.is_last:
             losses.append(float(loss))  # type: ignore[arg-type]
     dist.barrier()
@@ -109,15 +115,55 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
                                         if device.type == "cuda" else None),
                "losses": losses if stage.is_last else None,
                "speed_probe_s": [pace_before, pace_after]}
-    gathered: list[Any] = [None] * config.stages if rank == 0 else []
+    gathered: list[Any] = [None] * config.world_size if rank == 0 else []
     dist.gather_object(payload, gathered if rank == 0 else None, dst=0)
     if rank != 0:
         return None
+    return _report(config, gathered, device)
+
+
+def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict) -> tuple[Any, Any]:
+    """This rank's stage as ``gpipe train`` makes it, and its replica layout (None for one replica).
+
+    One replica reuses the launch's boundary groups (rank == stage); with D replicas the executor
+    builds the mesh and every replica's groups (:mod:`executor.replicas`), collectively.
+    """
+    from executor.pipeline import make_dist_stage
+    from executor.recording import Recorder
+
+    if config.replicas == 1:
+        return make_dist_stage(config, prepared, rank, device, Recorder(rank, device), groups), None
+    from executor import replicas
+
+    layout = replicas.build_layout(config, rank, device.type, prepared.shared)
+    recorder = Recorder(layout.stage, device, replica=layout.replica)
+    stage = make_dist_stage(config, prepared, rank, device, recorder, layout=layout)
+    replicas.attach(stage, layout)
+    return stage, layout
+
+
+def by_replica_and_stage(config: Any, gathered: Sequence[Any]) -> list[Any]:
+    """Every rank's payload in (replica, stage) order, the order :func:`build_report` reads peak
+    bytes in (rank order when D = 1); ranks sit where :mod:`sim.placement` puts them."""
+    from sim.placement import device_of
+
+    return [gathered[device_of(d, k, config.replicas, config.stages, config.placement)]
+            for d in range(config.replicas) for k in range(config.stages)]
+
+
+def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]:
+    """Rank 0's report of one configuration from every rank's payload (see the module for D > 1)."""
+    from executor.models import model_ref
+    from executor.report import build_report
+    from sim.timeline import Timeline, merge
+
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
-    allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
-    report = build_report(timeline, gathered[-1]["losses"], config.to_dict(), plan,
-                          [p["peak_activation_bytes"] for p in gathered], allocated, 0)
+    ordered = by_replica_and_stage(config, gathered)
+    allocated = [p["peak_allocated_bytes"] for p in ordered] if device.type == "cuda" else None
+    losses = ordered[config.stages - 1]["losses"]  # replica 0's last stage: the global mean with D > 1
+    report = build_report(timeline, losses, config.to_dict(), plan, [p["peak_activation_bytes"] for p in ordered],
+                          allocated, 0)
     report["speed_probe_s"] = [p["speed_probe_s"] for p in gathered]  # per rank: [before, after]
     return report
 
@@ -148,11 +194,12 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(configs[0].threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=configs[0].timeout_s))
     try:
-        groups = boundary_groups(world)
+        groups = boundary_groups(world) if configs[0].replicas == 1 else {}
         probes: dict[str, SpeedProbe] = {}
         for position, config in enumerate(configs):
-            if config.stages != world:
-                raise ValueError(f"configuration {position} has {config.stages} stages, world is {world}")
+            if config.world_size != world or config.replicas != configs[0].replicas:
+                raise ValueError(f"configuration {position} has {config.replicas} replica(s) of {config.stages} "
+                                 f"stage(s), the launch {configs[0].replicas} replica(s) in a world of {world}")
             key = json.dumps([config.model, config.options, config.batch_size, config.loss], sort_keys=True)
             if key not in probes:
                 probes[key] = SpeedProbe.model(config.model, config.options, config.batch_size,

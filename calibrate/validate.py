@@ -2,8 +2,14 @@
 
 The held-out design covers: K in {1, 2} (and up to the stage count the
 machine has room for), M from 1 to 16 including values that do not divide the batch, balanced and
-skewed partitions, every checkpoint policy and both schedules. Any configuration that is also in
-the calibration design is dropped, so no prediction is of a run the fit learned from.
+skewed partitions, every checkpoint policy and both schedules, and D = 2 data-parallel replicas
+with K = 1 and K = 2 (their gradients averaged by the all-reduce calibration measured). Any
+configuration that is also in the calibration design is dropped, so no prediction is of a run the
+fit learned from.
+
+A run with more processes (D x K) than the machine has cores (CPU) or GPUs is still measured and
+its error shown, marked ``oversubscribed``: it checks that the run works, but processes taking
+turns on a core are not what the simulator models, so its error stays out of the summary.
 
 Errors are relative to the measurement: ``(predicted - measured) / measured``. Step times compare
 the simulator's step with the executor's median step (warm-up excluded); memory compares each
@@ -18,6 +24,7 @@ how precisely this machine measured the run at all. Both are published beside th
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -41,21 +48,40 @@ HELD_OUT = [
     (2, 12, "balanced", "except_last", "gpipe"),
     (2, 16, "skewed", "never", "1f1b"),
 ]
+# (replicas, stages, microbatches, partition kind, checkpoint, schedule): data-parallel runs
+HELD_OUT_REPLICAS = [
+    (2, 1, 3, "balanced", "except_last", "gpipe"),
+    (2, 2, 4, "balanced", "never", "1f1b"),
+]
 
 
 def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
-                      limit: int | None = None) -> list[RunSpec]:
-    """The held-out runs for a model of ``num_layers`` layers, none of them in the calibration design."""
+                      limit: int | None = None, max_replicas: int = 2) -> list[RunSpec]:
+    """The held-out runs for a model of ``num_layers`` layers, none of them in the calibration design.
+
+    Data-parallel runs come last and need every replica to get at least one row per micro-batch
+    (batch >= D x M); they are kept even where D x K oversubscribes the machine (see the module).
+    """
     seen = set(calibration_design(num_layers, batch_size, max_stages))
+    wanted = [(1, *run) for run in HELD_OUT] + [run for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
     specs = []
-    for stages, m, kind, checkpoint, schedule in HELD_OUT:
-        if stages > min(max_stages, num_layers):
+    for replicas, stages, m, kind, checkpoint, schedule in wanted:
+        if stages > min(max_stages, num_layers) or batch_size < replicas * m:
             continue
         split = even_partition if kind == "balanced" else skewed
-        spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size)
+        spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size, replicas)
         if spec not in seen and spec not in specs:
             specs.append(spec)
     return specs[:limit] if limit else specs
+
+
+def machine_processes(device: str) -> int:
+    """Processes this machine runs side by side without oversubscribing: cores, or GPUs on CUDA."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
 
 
 @dataclass
@@ -67,6 +93,8 @@ class Comparison:
     measured_peak_bytes: list[int]
     measured_rounds_s: list[float]  # each round's median step; measured_step_s is their median
     round_speeds: list[float]  # each round's speed factor against the calibration's reference pace
+    replicas: int = 1  # D data-parallel copies of the pipeline
+    oversubscribed: bool = False  # D x K processes exceeded the machine's cores (GPUs)
 
     @property
     def step_error(self) -> float:
@@ -108,29 +136,45 @@ class Comparison:
                 "step_error": self.step_error, "round_speeds": self.round_speeds,
                 "measured_at_reference_s": self.measured_at_reference_s,
                 "step_error_at_reference": self.step_error_at_reference,
-                "round_spread": self.round_spread,
+                "round_spread": self.round_spread, "replicas": self.replicas,
+                "oversubscribed": self.oversubscribed,
                 "predicted_peak_activation_bytes": self.predicted_peak_bytes,
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
                 "memory_errors": self.memory_errors}
 
 
-def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]]) -> Comparison:
-    """Prediction against the median step time over ``reports`` (one per round) of one run."""
+def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]],
+            processes_available: int | None = None) -> Comparison:
+    """Prediction against the median step time over ``reports`` (one per round) of one run.
+
+    ``processes_available`` (None: no limit) marks the run oversubscribed when D x K exceeds it.
+    """
     result = predict(data, spec, data.get("system", "cpu"))
     measured = statistics.median(r["step_time_s"] for r in reports)
-    reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.stages))
+    # the pace probed with as many processes sharing the machine as this run has (D x K)
+    reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
     return Comparison(spec.label(), result.step_time_s, measured,
-                      [s.peak_activation_bytes for s in result.stages],
+                      replica_zero_peak_bytes(result),
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
                       [r["step_time_s"] for r in reports],
-                      [speed_factor(run_probes(r), reference) for r in reports])
+                      [speed_factor(run_probes(r), reference) for r in reports], spec.replicas,
+                      processes_available is not None and spec.processes > processes_available)
 
 
-def summarize(comparisons: Sequence[Comparison]) -> dict[str, Any]:
+def replica_zero_peak_bytes(result: Any) -> list[int]:
+    """Predicted peak activation bytes of replica 0's stages, in stage order, as the executor's
+    report gives its measured ones (the simulator lists every device of every replica)."""
+    stages = sorted((s for s in result.stages if getattr(s, "replica", 0) == 0), key=lambda s: s.stage)
+    return [s.peak_activation_bytes for s in stages]
+
+
+def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
+    """Median and worst errors over the runs that fit the machine; oversubscribed ones are counted."""
+    comparisons = [c for c in all_comparisons if not c.oversubscribed]
     steps = [abs(c.step_error) for c in comparisons]
     at_reference = [abs(c.step_error_at_reference) for c in comparisons]
     memory = [abs(e) for c in comparisons for e in c.memory_errors]
-    return {"runs": len(comparisons),
+    return {"runs": len(comparisons), "oversubscribed_runs": len(all_comparisons) - len(comparisons),
             "median_step_error": statistics.median(steps) if steps else 0.0,
             "worst_step_error": max(steps, default=0.0),
             "median_step_error_at_reference": statistics.median(at_reference) if at_reference else 0.0,
@@ -149,8 +193,9 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     tens of percent over seconds, one measurement of a run says more about the moment than the run.
     """
     from calibrate.runs import run_configs
-    from sim.costs import measured_precision
+    from sim.costs import allreduce_link, measured_precision
 
+    allreduce_link(data)  # a malformed entry is refused before any run starts
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit)
@@ -160,7 +205,8 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
                for s in specs]
     progress(f"validating on {len(specs)} held-out configurations ({steps} steps each, {rounds} rounds)")
     reports = run_configs(configs * rounds, progress=progress)
-    comparisons = [compare(data, s, reports[i::len(specs)]) for i, s in enumerate(specs)]
+    available = machine_processes(device)
+    comparisons = [compare(data, s, reports[i::len(specs)], available) for i, s in enumerate(specs)]
     return {"model": model, "precision": measured_precision(data), "machine": data.get("machine", {}),
             "steps": steps, "rounds": rounds,
             "summary": summarize(comparisons), "runs": [c.to_dict() for c in comparisons]}
@@ -170,14 +216,22 @@ def _mib(values: Sequence[int]) -> str:
     return "/".join(f"{v / 2**20:.2f}" for v in values)
 
 
+OVERSUBSCRIBED_MARK = "*"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """A plain-text table: one line per run, then the median and worst errors."""
-    header = (f"{'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} {'spread':>7}  "
-              f"{'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}")
+    """A plain-text table: one line per run (D, then the run), then the median and worst errors.
+
+    Runs with more processes than the machine has cores (GPUs) carry :data:`OVERSUBSCRIBED_MARK`
+    after D and stay out of the summary lines.
+    """
+    header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
+              f"{'spread':>7}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
         worst_mem = max((abs(e) for e in run["memory_errors"]), default=0.0)
-        lines.append(f"{run['run']:<40} {run['predicted_step_s'] * 1e3:>9.2f} "
+        mark = OVERSUBSCRIBED_MARK if run.get("oversubscribed") else " "
+        lines.append(f"{run.get('replicas', 1):>2}{mark} {run['run']:<40} {run['predicted_step_s'] * 1e3:>9.2f} "
                      f"{run['measured_step_s'] * 1e3:>9.2f} {run['step_error'] * 100:>+6.1f}% "
                      f"{run.get('measured_at_reference_s', run['measured_step_s']) * 1e3:>9.2f} "
                      f"{run.get('step_error_at_reference', run['step_error']) * 100:>+7.1f}% "
@@ -194,4 +248,8 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{s.get('median_round_spread', 0.0) * 100:.1f}% (median interquartile range)")
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
+    if s.get("oversubscribed_runs"):
+        lines.append(f"{OVERSUBSCRIBED_MARK} oversubscribed: more processes (D x K) than this machine has "
+                     f"cores (GPUs); measured for correctness, {s['oversubscribed_runs']} run(s) left out of "
+                     "the errors above")
     return "\n".join(lines)

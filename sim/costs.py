@@ -8,7 +8,11 @@ The file (JSON, ``version`` 1) holds what ``gpipe calibrate`` measured and fitte
 machine stamp, the model and its options, the precision it ran at (``precision``, fp32 when absent),
 the per-layer profile (times per row count and thread
 count, exact saved bytes), the fitted link, the per-K pipeline fits (action scale and overhead per
-kind, send, optimizer and step overhead) and the fitted roofline efficiency. Torch-free to load.
+kind, send, optimizer and step overhead), the fitted roofline efficiency and, where the machine ran
+two processes or more, the measured all-reduce (``allreduce``: backend, group sizes ``parties``,
+``sizes_bytes``, ``measured_s[i][j]`` for ``parties[i]`` and ``sizes_bytes[j]``, and the ring model's
+``latency_s`` and ``bandwidth_bytes_per_s``, which :func:`allreduce_link` turns into the link the
+simulator prices data-parallel gradient averaging on). Torch-free to load.
 
 :class:`MeasuredWorkload` answers ``layer_costs(rows, device)`` from the profile, interpolating
 piecewise-linearly between measured row counts (linear extrapolation beyond them), and gives the
@@ -31,6 +35,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -136,6 +141,12 @@ class MeasuredWorkload:
                           float(link["latency_s"]))
             system = replace(system, intra_link=fitted)
         return bound, system
+
+    def allreduce_link(self, system: System) -> Link | None:
+        """The calibrated all-reduce link for ``system`` if it is the one measured, else None."""
+        if system.name != self.data.get("system", "cpu"):
+            return None
+        return allreduce_link(self.data)
 
     @property
     def fit(self) -> PipelineFit:
@@ -284,6 +295,36 @@ def write_costs(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     write_json_atomic(path, {"kind": COSTS_KIND, "version": COSTS_VERSION, **data})
 
 
+def allreduce_link(data: dict[str, Any]) -> Link | None:
+    """The all-reduce the costs file measured as a :class:`Link` for the ring model, or None when
+    it has none (a one-core machine, or a file from before it was measured).
+
+    The simulator prices a data-parallel group of D ranks as ``2(D-1)/D * bytes / bandwidth +
+    2(D-1) * latency`` on this link instead of the slowest link the group crosses. Limits: it was
+    measured idle on one host (:mod:`calibrate.collective`); across nodes the catalog's links apply.
+    """
+    entry = data.get("allreduce")
+    if entry is None:
+        return None
+    fix = "re-run gpipe calibrate --force to measure it again"
+    if not isinstance(entry, dict):
+        raise GpipeInputError(f"the costs file's allreduce entry is {type(entry).__name__}, not an object; {fix}")
+    try:
+        latency_s = float(entry["latency_s"])
+        bandwidth = float(entry["bandwidth_bytes_per_s"])
+    except KeyError as exc:
+        raise GpipeInputError(f"the costs file's allreduce entry has no {exc.args[0]}; {fix}") from None
+    except (TypeError, ValueError):
+        raise GpipeInputError(f"the costs file's allreduce latency_s {entry['latency_s']!r} or bandwidth_bytes_per_s "
+                              f"{entry['bandwidth_bytes_per_s']!r} is not a number; {fix}") from None
+    if not (math.isfinite(latency_s) and latency_s >= 0):
+        raise GpipeInputError(f"the costs file's allreduce latency_s {latency_s!r} is not a finite time of 0 s or "
+                              f"more; {fix}")
+    if not bandwidth > 0:
+        raise GpipeInputError(f"the costs file's allreduce bandwidth_bytes_per_s {bandwidth!r} is not positive; {fix}")
+    return Link(f"fitted {entry.get('backend', 'all-reduce')} all-reduce", bandwidth, latency_s)
+
+
 def requested_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
     """The model's full options as the executor builds it: built-in defaults overlaid (torch-free)."""
     from sim.model_defaults import DEFAULT_OPTIONS
@@ -328,6 +369,7 @@ def load_costs_workload(path: str, model: str | None, options: dict[str, Any]) -
     """
     data = read_costs(path)
     check_model(data, model, options, path)
+    allreduce_link(data)  # a malformed entry is refused before any work starts
     workload = MeasuredWorkload(data)
     wanted = options.get("optimizer_slots")
     if wanted is not None and wanted != workload.optimizer_slots:

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from sim.costs import interpolate, load_costs_workload, read_costs, write_costs
+from sim.costs import allreduce_link, interpolate, load_costs_workload, read_costs, write_costs
 from sim.engine import simulate
 from sim.errors import GpipeInputError
-from sim.hardware import LOCAL_CPU, V100, get_system
+from sim.hardware import LOCAL_CPU, V100, Link, get_system
 from sim.models import get_workload
 
 ROWS = [1, 2, 4]
@@ -41,6 +41,9 @@ def synthetic_costs() -> dict:
             "profile": {"rows": ROWS, "times_s": {"1": times, "2": times}, "memory": memory},
             "pipeline": {"1": {**fit, "threads": 2}, "2": fit},
             "link": {"name": "gloo", "latency_s": 3e-5, "bandwidth_bytes_per_s": 1e9},
+            "allreduce": {"backend": "gloo", "parties": [2], "sizes_bytes": [4096, 65536],
+                          "measured_s": [[4.4e-5, 1.71e-4]], "latency_s": 2e-5, "bandwidth_bytes_per_s": 5e8,
+                          "points": 2, "worst_relative": 0.0},
             "efficiency": {"efficiency": 0.25, "bandwidth_efficiency": 0.5}}
 
 
@@ -120,6 +123,43 @@ def test_wrong_model_wrong_version_and_missing_file_are_one_line_errors(costs_fi
         read_costs(str(tmp_path / "none.json"))
 
 
+def test_the_measured_allreduce_reads_back_as_a_link_on_the_measured_system_only(costs_file):
+    data = read_costs(costs_file)
+    link = allreduce_link(data)
+    assert isinstance(link, Link)
+    assert (link.latency_s, link.bandwidth_bytes_per_s) == (2e-5, 5e8)
+    w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
+    assert w.allreduce_link(get_system("cpu")) == link
+    assert w.allreduce_link(get_system("v100-nvlink")) is None  # measured here, not there
+    assert allreduce_link({k: v for k, v in data.items() if k != "allreduce"}) is None  # older files
+
+
+@pytest.mark.parametrize("entry, says", [
+    ([1, 2], "is list, not an object"),
+    ({"bandwidth_bytes_per_s": 5e8}, "has no latency_s"),
+    ({"latency_s": 2e-5}, "has no bandwidth_bytes_per_s"),
+    ({"latency_s": "fast", "bandwidth_bytes_per_s": 5e8}, "is not a number"),
+    ({"latency_s": -1e-5, "bandwidth_bytes_per_s": 5e8}, "latency_s -1e-05 is not a finite time"),
+    ({"latency_s": float("nan"), "bandwidth_bytes_per_s": 5e8}, "latency_s nan is not a finite time"),
+    ({"latency_s": 2e-5, "bandwidth_bytes_per_s": 0}, "bandwidth_bytes_per_s 0.0 is not positive"),
+])
+def test_a_malformed_allreduce_entry_is_one_line_before_any_work(entry, says, tmp_path, capsys):
+    data = synthetic_costs()
+    data["allreduce"] = entry
+    path = tmp_path / "costs.json"
+    write_costs(data, path)
+    with pytest.raises(GpipeInputError, match=says) as caught:
+        allreduce_link(read_costs(path))
+    assert "\n" not in str(caught.value) and "gpipe calibrate --force" in str(caught.value)
+    with pytest.raises(GpipeInputError, match=says):
+        load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8})
+    from sim.cli import main
+
+    assert main(["simulate", "--costs", str(path), "--hardware", "cpu", "-K", "1", "-M", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1
+
+
 def test_gpipe_simulate_takes_costs(costs_file, capsys):
     from sim.cli import main
 
@@ -167,3 +207,12 @@ def test_calibration_summary_warns_when_the_fit_misses_a_design_run_by_much():
     assert "warning" not in summary_text(_design([0.02, -0.05]))
     noisy = summary_text(_design([0.02, -0.26]))
     assert "warning: the fit misses a design run by 26%" in noisy and "--force" in noisy
+
+
+def test_calibration_summary_publishes_the_allreduce_fit_and_its_points():
+    from calibrate.cli import summary_text
+
+    text = summary_text({**_design([0.0]), "allreduce": synthetic_costs()["allreduce"]})
+    assert "all-reduce (gloo, ring model): latency 20.0 us, bandwidth 0.50 GB/s" in text
+    assert "all-reduce among 2 ranks: 4 KiB 0.044 ms, 64 KiB 0.171 ms" in text
+    assert "all-reduce" not in summary_text(_design([0.0]))

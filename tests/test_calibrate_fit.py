@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibrate.fit import fit_affine, fit_constant, fit_link, fit_roofline
+from calibrate.fit import fit_affine, fit_constant, fit_link, fit_ring_allreduce, fit_roofline
 
 
 def test_affine_recovers_slope_and_intercept_exactly():
@@ -44,6 +44,39 @@ def test_link_recovers_latency_and_bandwidth():
     link = fit_link(sizes, one_way)
     assert link.latency_s == pytest.approx(50e-6, rel=1e-7)
     assert link.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-7)
+
+
+def ring_s(parties: int, nbytes: int, latency_s: float, bandwidth: float) -> float:
+    return 2 * (parties - 1) / parties * nbytes / bandwidth + 2 * (parties - 1) * latency_s
+
+
+def test_ring_allreduce_recovers_latency_and_bandwidth_from_one_group_size():
+    sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+    seconds = [ring_s(2, n, 40e-6, 2.5e9) for n in sizes]
+    fit = fit_ring_allreduce([2] * len(sizes), sizes, seconds)
+    assert fit.latency_s == pytest.approx(40e-6, rel=1e-7)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(2.5e9, rel=1e-7)
+    assert max(abs(r) for r in fit.residuals) < 1e-9
+
+
+def test_ring_allreduce_pools_group_sizes_into_one_link():
+    sizes = [4 << 10, 1 << 20, 16 << 20]
+    parties = [n for n in (2, 4, 8) for _ in sizes]
+    seconds = [ring_s(n, b, 15e-6, 8e9) for n, b in zip(parties, sizes * 3)]
+    fit = fit_ring_allreduce(parties, sizes * 3, seconds)
+    assert fit.latency_s == pytest.approx(15e-6, rel=1e-7)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(8e9, rel=1e-7)
+    # the ring's 2(n-1) steps, not a ping-pong's one: an affine fit of n = 2 alone sees twice the latency
+    assert fit_link(sizes, seconds[:3]).latency_s == pytest.approx(2 * 15e-6, rel=1e-6)
+
+
+def test_ring_allreduce_refuses_what_cannot_be_fitted():
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_ring_allreduce([2, 2], [4096, 4096], [1e-4, 1e-4])
+    with pytest.raises(ValueError, match="2 or more parties"):
+        fit_ring_allreduce([1, 1], [4096, 8192], [1e-4, 2e-4])
+    with pytest.raises(ValueError, match="as many"):
+        fit_ring_allreduce([2], [4096, 8192], [1e-4, 2e-4])
 
 
 def test_constant_recovers_a_shift():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from calibrate.calibration import calibration_design
-from calibrate.validate import validation_design
+from calibrate.calibration import RunSpec, calibration_design, run_config
+from calibrate.validate import Comparison, format_table, summarize, validation_design
 from sim.cli import main
 
 TINY = ["--model", "transformer", "--layers", "2", "--d-model", "16", "--ff", "32", "--heads", "2",
@@ -25,6 +25,48 @@ def test_held_out_design_never_repeats_a_calibration_run():
         assert len({s.partition for s in held_out if s.stages == 2}) == 2  # balanced and skewed
 
 
+def test_held_out_design_adds_two_replicas_with_one_and_two_stages():
+    held_out = validation_design(6, 32)
+    replicated = [s for s in held_out if s.replicas > 1]
+    assert [(s.replicas, s.stages) for s in replicated] == [(2, 1), (2, 2)]
+    assert held_out[-2:] == replicated  # after the single-pipeline runs, so --limit keeps those first
+    assert all(s.processes == s.replicas * s.stages for s in held_out)
+    assert all(s.label().startswith("D=2 ") for s in replicated)
+    assert not any(s.label().startswith("D=") for s in held_out if s.replicas == 1)
+    assert [s for s in validation_design(6, 32, max_replicas=1) if s.replicas > 1] == []
+    assert [(s.replicas, s.stages) for s in validation_design(6, 32, max_stages=1) if s.replicas > 1] == [(2, 1)]
+    # every replica needs a row per micro-batch: batch 6 takes D=2 x M=3, not D=2 x M=4
+    assert [(s.stages, s.microbatches) for s in validation_design(6, 6) if s.replicas > 1] == [(1, 3)]
+
+
+def test_a_run_spec_passes_its_replicas_to_the_run_config():
+    spec = RunSpec((2, 2), 4, "never", "1f1b", 8, replicas=2)
+    config = run_config("mlp", {"layers": 4, "width": 8}, spec, steps=3)
+    assert config.replicas == 2 and config.stages == 2 and config.world_size == 4
+    assert config.batch_size == 8  # the global batch
+    assert run_config("mlp", {"layers": 4, "width": 8}, RunSpec((4,), 2, "never", "gpipe", 8), 3).replicas == 1
+
+
+def _comparison(run: str, predicted: float, measured: float, replicas: int = 1, oversubscribed: bool = False):
+    return Comparison(run, predicted, measured, [100], [100], [measured], [1.0], replicas, oversubscribed)
+
+
+def test_the_table_shows_d_and_keeps_oversubscribed_runs_out_of_the_errors():
+    comparisons = [_comparison("K=1 M=1", 1.1, 1.0), _comparison("D=2 K=1 M=3", 0.95, 1.0, 2),
+                   _comparison("D=2 K=2 M=4", 3.0, 1.0, 2, oversubscribed=True)]
+    summary = summarize(comparisons)
+    assert summary["runs"] == 2 and summary["oversubscribed_runs"] == 1
+    assert summary["worst_step_error"] == pytest.approx(0.1)  # the +200% oversubscribed run is not in it
+    result = {"runs": [c.to_dict() for c in comparisons], "summary": summary}
+    lines = format_table(result).splitlines()
+    assert lines[0].split()[:2] == ["D", "run"]
+    assert lines[2].split()[0] == "1" and lines[3].split()[0] == "2"
+    assert lines[4].split()[0] == "2*" and "+200.0%" in lines[4]
+    assert lines[-1].startswith("* oversubscribed") and "1 run(s) left out" in lines[-1]
+    assert not any(line.startswith("*") for line in format_table(
+        {"runs": result["runs"][:2], "summary": summarize(comparisons[:2])}).splitlines())
+
+
 @pytest.mark.slow
 def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
     costs = str(tmp_path / "costs.json")
@@ -36,6 +78,10 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
     assert set(data["pipeline"]) >= {"1"}
     assert data["model"]["num_layers"] == 4
     assert set(data["speed"]["reference_s"]) == set(data["pipeline"])  # a reference pace per K
+    assert ("allreduce" in data) == (data["machine"]["cpu_cores"] >= 2)  # a data-parallel group fits
+    if "allreduce" in data:
+        assert data["allreduce"]["parties"][0] == 2 and data["allreduce"]["bandwidth_bytes_per_s"] > 0
+        assert "all-reduce among 2 ranks" in first
     assert all(v > 0 for v in data["speed"]["reference_s"].values())
     assert main(["calibrate", *TINY, "--out", costs, "--quick"]) == 0
     assert "reusing" in capsys.readouterr().out
@@ -55,3 +101,34 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
 def test_validate_refuses_a_missing_costs_file(tmp_path, capsys):
     assert main(["validate", "--costs", str(tmp_path / "none.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
+    """D x K beyond the system's devices: predicted on a node with a device per process."""
+    import sim.engine
+    from calibrate.calibration import predict
+    from sim.hardware import get_system
+    from tests.test_calibrate_costs import synthetic_costs
+
+    systems = []
+    monkeypatch.setattr(sim.engine, "simulate", lambda workload, system, *args, **kwargs: systems.append(system))
+    devices = get_system("cpu").total_devices
+    predict(synthetic_costs(), RunSpec((2, 1), 2, "never", "gpipe", 8, replicas=devices))
+    predict(synthetic_costs(), RunSpec((3,), 2, "never", "gpipe", 8))
+    assert (systems[0].nodes, systems[0].devices_per_node) == (1, 2 * devices)
+    assert systems[0].intra_link == systems[1].intra_link  # the fitted link, as for a run that fits
+    assert systems[1].devices_per_node == devices
+
+
+def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
+    from types import SimpleNamespace
+
+    from calibrate.validate import replica_zero_peak_bytes
+
+    def device(replica, stage, peak):
+        return SimpleNamespace(replica=replica, stage=stage, peak_activation_bytes=peak)
+
+    placed = [device(0, 0, 10), device(1, 0, 11), device(0, 1, 20), device(1, 1, 21)]  # replicas adjacent
+    assert replica_zero_peak_bytes(SimpleNamespace(stages=placed)) == [10, 20]
+    one = [SimpleNamespace(stage=k, peak_activation_bytes=5 * k) for k in range(3)]  # no replica field
+    assert replica_zero_peak_bytes(SimpleNamespace(stages=one)) == [0, 5, 10]

@@ -1,0 +1,125 @@
+"""All-reduce among n ranks on the executor's own backend: the data-parallel gradient average's cost.
+
+The executor averages each stage's gradients over its data-parallel group with an all-reduce (sum,
+fp32) on its backend: gloo for CPU tensors, NCCL for CUDA tensors (one GPU per rank). Here n fresh
+processes on this host, started by torchrun as the executor's workers are, all-reduce one fp32
+tensor per size: two warm-up calls, then the median of ``repeats`` calls as rank 0 timed them, each
+started right after a barrier. :func:`calibrate.fit.fit_ring_allreduce` turns the points into the
+latency and bandwidth of the ring model the simulator predicts with.
+
+Limits: the collective is measured idle, among processes doing nothing else, one tensor at a time;
+the executor's buckets overlap each other and the rest of the drain, and the ranks of a CPU run
+share cores with compute, which this does not capture. Rank 0's clock stands for the group: the
+ranks leave the barrier within microseconds of each other on one host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+QUICK_SIZES_BYTES = (4 << 10, 256 << 10, 4 << 20)
+DEFAULT_REPEATS = 10
+QUICK_REPEATS = 5
+WARMUP_CALLS = 2
+MAX_CPU_PARTIES = 8  # beyond this, starting the processes costs more than the measurement tells
+
+
+def party_counts(available: int) -> list[int]:
+    """The group sizes to measure: 2, and as many as this machine runs one rank per core or GPU."""
+    if available < 2:
+        return []
+    return sorted({2, available})
+
+
+def available_parties(device_type: str) -> int:
+    """Ranks the machine gives one core (CPU, at most :data:`MAX_CPU_PARTIES`) or one GPU (CUDA) each."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return min(os.cpu_count() or 1, MAX_CPU_PARTIES)
+
+
+def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) -> None:
+    """One rank's side (started by torchrun); rank 0 writes ``[{"bytes", "seconds"}, ...]``."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    try:
+        results = []
+        for size in sizes:
+            buffer = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+            times = []
+            for i in range(repeats + WARMUP_CALLS):
+                dist.barrier()
+                if device_type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+                if device_type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= WARMUP_CALLS:
+                    times.append(time.perf_counter() - start)
+            results.append({"bytes": buffer.numel() * 4, "seconds": statistics.median(times)})
+        if rank == 0:
+            with open(out_path, "w") as handle:
+                json.dump(results, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_allreduce(parties: int, device_type: str = "cpu", sizes: tuple[int, ...] = DEFAULT_SIZES_BYTES,
+                      repeats: int = DEFAULT_REPEATS) -> list[dict[str, float]]:
+    """``[{"bytes": n, "seconds": t}, ...]``: one all-reduce among ``parties`` fresh local processes."""
+    from calibrate.runs import _env
+
+    with tempfile.TemporaryDirectory(prefix="gpipe-allreduce-") as directory:
+        out_path = os.path.join(directory, "allreduce.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(parties), "--monitor-interval", "0.2", "-m", "calibrate.collective", device_type,
+                   ",".join(map(str, sizes)), str(repeats), out_path]
+        done = subprocess.run(command, env=_env(1), capture_output=True, text=True, timeout=300, check=False)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"all-reduce among {parties} processes failed: " + " | ".join(tail))
+        with open(out_path) as handle:
+            return list(json.load(handle))
+
+
+def calibrate_allreduce(device_type: str = "cpu", quick: bool = False,
+                        parties: list[int] | None = None) -> dict | None:
+    """The costs file's ``allreduce`` entry (:func:`sim.costs.allreduce_link` reads it): the measured
+    points per group size and the ring model fitted on all of them; None on a one-core machine."""
+    from calibrate.fit import fit_ring_allreduce
+
+    counts = parties if parties is not None else party_counts(available_parties(device_type))
+    if not counts:
+        return None
+    sizes = QUICK_SIZES_BYTES if quick else DEFAULT_SIZES_BYTES
+    repeats = QUICK_REPEATS if quick else DEFAULT_REPEATS
+    measured = [measure_allreduce(n, device_type, sizes, repeats) for n in counts]
+    sizes_bytes = [int(p["bytes"]) for p in measured[0]]
+    seconds = [[float(p["seconds"]) for p in row] for row in measured]
+    fit = fit_ring_allreduce([n for n in counts for _ in sizes_bytes], sizes_bytes * len(counts),
+                             [t for row in seconds for t in row])
+    return {"backend": "nccl" if device_type == "cuda" else "gloo", "parties": list(counts),
+            "sizes_bytes": sizes_bytes, "measured_s": seconds, **fit.to_dict()}
+
+
+if __name__ == "__main__":
+    _measure(sys.argv[1], [int(v) for v in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,43 @@
+"""The all-reduce calibration: group sizes per machine, and one real measurement among two gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from calibrate.collective import calibrate_allreduce, measure_allreduce, party_counts
+from sim.costs import allreduce_link
+
+
+def test_group_sizes_are_two_and_the_most_the_machine_runs():
+    assert party_counts(1) == []  # one core: no data-parallel group to measure
+    assert party_counts(2) == [2]
+    assert party_counts(8) == [2, 8]
+
+
+def test_two_gloo_ranks_all_reduce_small_tensors():
+    sizes = (4 << 10, 256 << 10)
+    points = measure_allreduce(2, "cpu", sizes, repeats=3)
+    assert [p["bytes"] for p in points] == list(sizes)
+    assert all(0 < p["seconds"] < 1.0 for p in points)
+
+
+def test_the_costs_entry_holds_the_points_and_a_fit_the_simulator_reads(monkeypatch):
+    from calibrate import collective
+
+    calls = []
+
+    def fake_measure(parties, device_type, sizes, repeats):
+        calls.append((parties, device_type, tuple(sizes), repeats))
+        return [{"bytes": b, "seconds": 2 * (parties - 1) / parties * b / 1e9 + 2 * (parties - 1) * 3e-5}
+                for b in sizes]
+
+    monkeypatch.setattr(collective, "measure_allreduce", fake_measure)
+    entry = calibrate_allreduce("cpu", quick=True, parties=[2, 4])
+    assert [c[0] for c in calls] == [2, 4] and all(c[2] == collective.QUICK_SIZES_BYTES for c in calls)
+    assert entry["backend"] == "gloo" and entry["parties"] == [2, 4]
+    assert entry["sizes_bytes"] == list(collective.QUICK_SIZES_BYTES)
+    assert len(entry["measured_s"]) == 2 and all(len(row) == 3 for row in entry["measured_s"])
+    link = allreduce_link({"allreduce": entry})
+    assert link.latency_s == pytest.approx(3e-5, rel=1e-6)
+    assert link.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    assert calibrate_allreduce("cpu", parties=[]) is None

@@ -1,0 +1,72 @@
+"""Calibration and validation with D data-parallel replicas: predictions price the measured
+all-reduce, and the held-out D = 2 runs are measured and predicted end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from calibrate.calibration import RunSpec, predict
+from sim.hardware import Link
+from tests.test_calibrate_costs import synthetic_costs
+
+
+def test_predict_passes_replicas_and_the_measured_allreduce_link_to_the_simulator(monkeypatch):
+    import sim.engine
+
+    calls = []
+    monkeypatch.setattr(sim.engine, "simulate", lambda *args, **kwargs: calls.append(kwargs))
+    data = synthetic_costs()
+    predict(data, RunSpec((3,), 2, "never", "gpipe", 8, replicas=2))
+    predict(data, RunSpec((3,), 2, "never", "gpipe", 8))
+    assert calls[0] == {"replicas": 2, "allreduce_link": Link("fitted gloo all-reduce", 5e8, 2e-5)}
+    assert calls[1] == {}  # one replica: nothing to average
+
+
+def _ring_s(nbytes: int, parties: int, latency_s: float, bandwidth: float) -> float:
+    return 2 * (parties - 1) / parties * nbytes / bandwidth + 2 * (parties - 1) * latency_s
+
+
+def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_model():
+    """K = 1: the all-reduce of the whole model's gradients sits between the last backward and the
+    optimizer step, with nothing to hide behind."""
+    fast, slow = synthetic_costs(), synthetic_costs()
+    slow["allreduce"] = {**slow["allreduce"], "latency_s": 1e-3, "bandwidth_bytes_per_s": 1e6}
+    spec = RunSpec((3,), 2, "never", "gpipe", 8, replicas=2)
+    grad_bytes = sum(layer["param_bytes"] for layer in fast["profile"]["memory"])
+    extra_s = _ring_s(grad_bytes, 2, 1e-3, 1e6) - _ring_s(grad_bytes, 2, 2e-5, 5e8)
+    assert predict(slow, spec).step_time_s - predict(fast, spec).step_time_s == pytest.approx(extra_s, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_validation_measures_and_predicts_two_replicas(tmp_path):
+    from calibrate.calibration import run_config
+    from calibrate.runs import run_configs
+    from calibrate.validate import (
+        compare,
+        format_table,
+        machine_processes,
+        summarize,
+        validation_design,
+    )
+    from sim.cli import main
+    from tests.test_calibrate_validate import TINY
+
+    costs = str(tmp_path / "costs.json")
+    assert main(["calibrate", *TINY, "--out", costs, "--quick", "--steps", "3"]) == 0
+    with open(costs) as handle:
+        data = json.load(handle)
+    specs = [s for s in validation_design(data["model"]["num_layers"], data["batch_size"]) if s.replicas > 1]
+    assert [(s.replicas, s.stages) for s in specs] == [(2, 1), (2, 2)]
+    model = data["model"]
+    reports = run_configs([run_config(model["name"], model["options"], s, 3) for s in specs])
+    comparisons = [compare(data, s, [r], machine_processes("cpu")) for s, r in zip(specs, reports)]
+    for spec, report, comparison in zip(specs, reports, comparisons):
+        assert len(report["speed_probe_s"]) == spec.processes  # every rank of every replica probed
+        assert len(report["stages"]) == spec.stages  # replica 0's stages
+        assert comparison.measured_step_s > 0 and comparison.predicted_step_s > 0
+        assert comparison.measured_peak_bytes == comparison.predicted_peak_bytes  # exact, as for D = 1
+    assert comparisons[1].oversubscribed == (4 > machine_processes("cpu"))
+    table = format_table({"runs": [c.to_dict() for c in comparisons], "summary": summarize(comparisons)})
+    assert all(line.lstrip().startswith("2") for line in table.splitlines()[2:4])
