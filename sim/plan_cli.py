@@ -18,7 +18,7 @@ from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
-from sim.workload_cli import chosen_precision, workload_and_batch
+from sim.workload_cli import calibrated_allreduce, chosen_precision, workload_and_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -212,7 +212,7 @@ def _search_each_stage_count(workload, system, batch: int, stage_options: list[i
         bound, bound_system = workload.bind(system, k)
         parts.append(search(bound, bound_system, batch, [k], microbatch_options, checkpoints, schedules,
                             partitioner, top, progress, space["replicas"], space["virtual"], space["zero"],
-                            placements))
+                            placements, calibrated_allreduce(bound, bound_system)))
     ranked = sorted((o for part in parts for o in part.ranked),
                     key=lambda o: (o.step_time_s, o.max_peak_memory_bytes, o.candidate.stages))[:top]
     return SearchResult(ranked=ranked, candidates=sum(p.candidates for p in parts),

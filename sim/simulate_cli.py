@@ -20,7 +20,8 @@ from sim.precision import check_precision
 from sim.schedule import check_checkpoint_policy, check_interleaving, check_schedule_name, check_virtual_stages
 from sim.report import fit_advice, format_summary
 from sim.workload import Workload
-from sim.workload_cli import chosen_precision, resolve_workload, with_precision, workload_and_batch
+from sim.workload_cli import (calibrated_allreduce, chosen_precision, resolve_workload, with_precision,
+                              workload_and_batch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
                           plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
-                          replicas=plan.replicas, zero=plan.zero, placement=plan.placement)
+                          replicas=plan.replicas, zero=plan.zero, placement=plan.placement,
+                          allreduce_link=calibrated_allreduce(workload, system))
     else:
         result, system, workload, precision = simulate_from_flags(args)
     if not result.fits and not args.allow_overflow:
@@ -100,9 +102,9 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                               args.zero, args.placement)
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
     result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule,
-                      virtual_stages=virtual, replicas=args.replicas, zero=args.zero, placement=args.placement)
+                      virtual_stages=virtual, replicas=args.replicas, zero=args.zero, placement=args.placement,
+                      allreduce_link=calibrated_allreduce(workload, system))
     return result, system, workload, precision
-
 
 def check_zero(zero: int, replicas: int) -> None:
     if zero not in (0, 1):

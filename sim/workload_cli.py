@@ -19,7 +19,7 @@ from typing import Any
 from sim import resolve
 from sim.costs import measured_precision, read_costs
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import Device
+from sim.hardware import Device, Link, System
 from sim.model_defaults import DEFAULT_BATCH
 from sim.precision import choose_precision
 from sim.workload import Workload
@@ -79,3 +79,9 @@ def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
     if batch is None:
         batch = getattr(workload, "batch_size", None) or DEFAULT_BATCH.get(workload.describe()["name"], 32)
     return workload, int(batch)
+
+
+def calibrated_allreduce(workload: Workload, system: System) -> Link | None:
+    """The all-reduce a costs file measured on ``system`` (:func:`sim.costs.allreduce_link`), or None,
+    in which case the simulator prices data-parallel groups on the catalog's links."""
+    return workload.allreduce_link(system) if hasattr(workload, "allreduce_link") else None

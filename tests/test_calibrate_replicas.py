@@ -70,3 +70,33 @@ def test_validation_measures_and_predicts_two_replicas(tmp_path):
     assert comparisons[1].oversubscribed == (4 > machine_processes("cpu"))
     table = format_table({"runs": [c.to_dict() for c in comparisons], "summary": summarize(comparisons)})
     assert all(line.lstrip().startswith("2") for line in table.splitlines()[2:4])
+
+
+def test_simulate_and_plan_price_replicas_on_the_costs_files_allreduce(tmp_path, capsys):
+    """The composition root hands the calibrated all-reduce to the simulator: a slower measured
+    all-reduce lengthens `gpipe simulate --replicas 2` by the ring model, and `gpipe plan` ranks
+    with it."""
+    from sim.cli import main
+    from sim.costs import write_costs
+
+    paths = {}
+    for name, latency_s, bandwidth in (("fast", 2e-5, 5e8), ("slow", 1e-3, 1e6)):
+        data = synthetic_costs()
+        data["allreduce"] = {**data["allreduce"], "latency_s": latency_s, "bandwidth_bytes_per_s": bandwidth}
+        paths[name] = str(tmp_path / f"{name}.json")
+        write_costs(data, paths[name])
+    steps = {}
+    for name, path in paths.items():
+        assert main(["simulate", "--costs", path, "--hardware", "cpu", "-K", "1", "-M", "2", "--replicas", "2",
+                     "--json"]) == 0
+        steps[name] = json.loads(capsys.readouterr().out)["step_time_s"]
+    grad_bytes = sum(layer["param_bytes"] for layer in synthetic_costs()["profile"]["memory"])
+    extra_s = _ring_s(grad_bytes, 2, 1e-3, 1e6) - _ring_s(grad_bytes, 2, 2e-5, 5e8)
+    assert steps["slow"] - steps["fast"] == pytest.approx(extra_s, rel=1e-6)
+    ranked = {}
+    for name, path in paths.items():
+        assert main(["plan", "--costs", path, "--hardware", "cpu", "--replicas", "2", "--stages-options", "1",
+                     "--microbatch-options", "2", "--schedules", "gpipe", "--checkpoints", "never", "--json",
+                     "--quiet"]) == 0
+        ranked[name] = json.loads(capsys.readouterr().out)["ranked"][0]["step_time_s"]
+    assert ranked["slow"] - ranked["fast"] == pytest.approx(extra_s, rel=1e-6)
