@@ -21,6 +21,7 @@ RECV_WAIT = "recv_wait"  # time a stage sat waiting for a neighbour's tensor
 OPTIMIZER = "optimizer"
 STEP_OVERHEAD = "overhead"  # simulated only: calibration's fitted per-step constant
 SHARED_ALLREDUCE = "allreduce_shared"  # summing a shared parameter's gradient among the stages holding it
+DP_ALLREDUCE = "allreduce_dp"  # averaging a stage's gradients over its data-parallel group (D replicas)
 
 KIND_NAMES = {
     "F": "forward",
@@ -32,6 +33,7 @@ KIND_NAMES = {
     OPTIMIZER: "optimizer step",
     STEP_OVERHEAD: "fitted step overhead",
     SHARED_ALLREDUCE: "all-reduce shared gradients",
+    DP_ALLREDUCE: "all-reduce data-parallel gradients",
 }
 
 
@@ -48,6 +50,7 @@ class Record(NamedTuple):
     start_s: float
     end_s: float
     step: int = 0
+    replica: int = 0  # which of D data-parallel copies of the pipeline (0 with one)
 
     @property
     def duration_s(self) -> float:
@@ -60,6 +63,7 @@ class MemorySample(NamedTuple):
     stage: int
     time_s: float
     bytes: int
+    replica: int = 0
 
 
 @dataclass
@@ -95,8 +99,8 @@ class Timeline:
         return {
             "source": self.source,
             "meta": self.meta,
-            "records": [r._asdict() for r in self.records],
-            "memory": [s._asdict() for s in self.memory],
+            "records": [_fields(r) for r in self.records],
+            "memory": [_fields(s) for s in self.memory],
         }
 
     @classmethod
@@ -108,30 +112,53 @@ class Timeline:
             meta=dict(data.get("meta", {})),
         )
 
+    @property
+    def replicas(self) -> int:
+        """D, data-parallel copies of the pipeline the timeline holds (1 for one pipeline)."""
+        seen = [r.replica for r in self.records] + [s.replica for s in self.memory]
+        return max(seen) + 1 if seen else 1
+
     def to_chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace-event JSON: one thread per stage; opens in Perfetto and chrome://tracing."""
+        """Chrome trace-event JSON: one thread per stage (per replica and stage with several
+        replicas: thread d*K + k); opens in Perfetto and chrome://tracing."""
         pid = 0
         events: list[dict[str, Any]] = [
             {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"gpipe ({self.source})"}}
         ]
-        for stage in range(self.stages):
-            events.append({"ph": "M", "pid": pid, "tid": stage, "name": "thread_name",
-                           "args": {"name": f"stage {stage}"}})
+        stages, replicas = self.stages, self.replicas
+        for replica in range(replicas):
+            for stage in range(stages):
+                events.append({"ph": "M", "pid": pid, "tid": replica * stages + stage, "name": "thread_name",
+                               "args": {"name": row_name(replica, stage, replicas)}})
         for r in self.records:
             label = KIND_NAMES.get(r.kind, r.kind)
             name = f"{label} {r.microbatch}" if r.microbatch >= 0 else label
             events.append({
-                "ph": "X", "pid": pid, "tid": r.stage, "name": name, "cat": r.kind,
+                "ph": "X", "pid": pid, "tid": r.replica * stages + r.stage, "name": name, "cat": r.kind,
                 "ts": r.start_s * 1e6, "dur": max(r.duration_s, 0.0) * 1e6,
                 "args": {"microbatch": r.microbatch, "step": r.step},
             })
         for s in self.memory:
-            events.append({"ph": "C", "pid": pid, "tid": s.stage, "name": f"memory stage {s.stage}",
+            events.append({"ph": "C", "pid": pid, "tid": s.replica * stages + s.stage,
+                           "name": f"memory {row_name(s.replica, s.stage, replicas)}",
                            "ts": s.time_s * 1e6, "args": {"bytes": s.bytes}})
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"meta": self.meta}}
 
     def write_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         write_json_atomic(path, self.to_chrome_trace())
+
+
+def row_name(replica: int, stage: int, replicas: int) -> str:
+    """A stage row's label: ``stage k``, or ``replica d stage k`` when there are several replicas."""
+    return f"replica {replica} stage {stage}" if replicas > 1 else f"stage {stage}"
+
+
+def _fields(point: Record | MemorySample) -> dict[str, Any]:
+    """A record or sample as a dict; ``replica`` only when not 0, so one pipeline's JSON is unchanged."""
+    data = point._asdict()
+    if not data["replica"]:
+        del data["replica"]
+    return data
 
 
 def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
@@ -141,8 +168,8 @@ def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
         merged.records.extend(t.records)
         merged.memory.extend(t.memory)
         merged.meta.update(t.meta)
-    merged.records.sort(key=lambda r: (r.start_s, r.stage))
-    merged.memory.sort(key=lambda s: (s.time_s, s.stage))
+    merged.records.sort(key=lambda r: (r.start_s, r.replica, r.stage))
+    merged.memory.sort(key=lambda s: (s.time_s, s.replica, s.stage))
     return merged
 
 
