@@ -62,7 +62,7 @@ def reference(batch, settings, steps=STEPS):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad_norm)))
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, norms, dict(model.named_parameters())
 
 
@@ -172,3 +172,37 @@ def test_bad_replica_settings_are_refused_in_one_line_before_any_worker(tmp_path
     line = one_line_error(capsys, *base, "--batch", "8", "--save-every", "1", "--checkpoint-dir",
                           str(blocked / "ck"))
     assert f"--checkpoint-dir {blocked / 'ck'} cannot be written" in line
+
+
+def test_two_nodes_run_one_replica_each(tmp_path):
+    from test_executor_nodes import Node, free_port
+
+    port = free_port()
+    common = ["--stages", "1", "--replicas", "2", "--steps", str(STEPS), *flags(SGD)]
+    nodes = [Node(tmp_path, 0, port, *common, "--report", str(tmp_path / "r.json")),
+             Node(tmp_path, 1, port, *common)]
+    codes = [node.wait() for node in nodes]
+    assert codes == [0, 0], [node.stderr[-3000:] for node in nodes]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["losses"] == pytest.approx(reference(10, SGD)[0], rel=1e-5)
+    # replica 0 (node 0) prints the global losses; each node ran its replica's only stage
+    assert "gpipe: step 2 loss" in nodes[0].stdout and "gpipe: step" not in nodes[1].stdout
+    assert {(r.get("replica", 0), r["stage"]) for r in report["timeline"]["records"]} == {(0, 0), (1, 0)}
+
+
+def test_a_plan_file_carries_replicas_zero_and_placement(tmp_path):
+    import argparse
+
+    from executor.cli import add_arguments, config_from_args
+    from executor.models import model_ref
+    from sim.plan import Plan, save_plan
+
+    plan = Plan(model=model_ref("mlp", OPTIONS), partition=(4, 4), batch_size=12, microbatches=2, replicas=2,
+                zero=1, placement="replicas_adjacent")
+    save_plan(plan, tmp_path / "plan.json")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--plan", str(tmp_path / "plan.json")]))
+    assert (config.replicas, config.zero, config.placement, config.world_size) == (2, 1, "replicas_adjacent", 4)
+    config = config_from_args(parser.parse_args(["--plan", str(tmp_path / "plan.json"), "--replicas", "3"]))
+    assert config.replicas == 3 and config.world_size == 6
