@@ -51,14 +51,13 @@ in fp32, so an uneven split agrees with one process to float rounding, not bit f
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from executor.config import RunConfig
 from executor.data import split
 from executor.optim import make_scheduler, optimizer_class_and_kwargs
 from executor.recording import Recorder
@@ -77,6 +76,19 @@ BUCKET_BYTES = 25 * 2**20  # largest all-reduce message, as DDP's bucket_cap_mb 
 REPLICA_SEED = 0x5EED  # mixed with the replica into replica d > 0's dropout seed
 
 
+class ReplicaSettings(Protocol):
+    """What this module reads of a run's settings (an :class:`executor.config.RunConfig`, which
+    calls :func:`check_data_parallel` from its ``validate``: so this module does not import it)."""
+
+    replicas: int
+    batch_size: int
+    zero: int
+    placement: str
+
+    @property
+    def stages(self) -> int: ...
+
+
 def replica_rows(batch_size: int, replicas: int) -> list[int]:
     """Rows of each replica's share of a global batch, as ``torch.chunk(batch, replicas)`` splits it.
 
@@ -93,7 +105,7 @@ def replica_rows(batch_size: int, replicas: int) -> list[int]:
     return rows
 
 
-def check_data_parallel(config: RunConfig) -> None:
+def check_data_parallel(config: ReplicaSettings) -> None:
     """The replica settings of ``config``, one line each: rows for every replica, ZeRO only with D > 1."""
     if config.zero and config.replicas == 1:
         raise GpipeInputError("--zero 1 shards optimizer state over data-parallel replicas but --replicas is 1; "
@@ -155,7 +167,7 @@ def _device_of(group: dist.ProcessGroup) -> torch.device:
         else torch.device("cpu")
 
 
-def build_layout(config: RunConfig, rank: int, device_type: str, shared: Sequence[SharedGroup]) -> Layout:
+def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: Sequence[SharedGroup]) -> Layout:
     """The mesh and every replica's boundary and shared-parameter groups; this rank's layout.
 
     Collective: every rank calls it at the same point (``new_group`` is collective, and every rank
