@@ -85,12 +85,16 @@ class Recorder:
         return close
 
     def memory(self, nbytes: int) -> None:
+        """A memory sample; replica 0's only (a sample names its stage, not its replica; every rank's
+        peak is in the report's ``ranks``)."""
+        if self.replica:
+            return
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self._memory.append((event, nbytes))
             return
-        self.timeline.memory.append(MemorySample(self.stage, self.now_s(), nbytes, self.replica))
+        self.timeline.memory.append(MemorySample(self.stage, self.now_s(), nbytes))
 
     def flush(self) -> None:
         """End of step: turn CUDA events into records (one synchronize); no-op on CPU."""
@@ -104,6 +108,6 @@ class Recorder:
                 base_s + base_event.elapsed_time(end) / 1e3, self.step, self.replica))
         for event, nbytes in self._memory:
             self.timeline.memory.append(
-                MemorySample(self.stage, base_s + base_event.elapsed_time(event) / 1e3, nbytes, self.replica))
+                MemorySample(self.stage, base_s + base_event.elapsed_time(event) / 1e3, nbytes))
         self._events.clear()
         self._memory.clear()

@@ -58,12 +58,12 @@ class Record(NamedTuple):
 
 
 class MemorySample(NamedTuple):
-    """Bytes held on ``stage`` from ``time_s`` on (until the next sample of that stage)."""
+    """Bytes held on ``stage`` from ``time_s`` on (until the next sample of that stage); with several
+    replicas, replica 0's stage (the executor samples replica 0 only)."""
 
     stage: int
     time_s: float
     bytes: int
-    replica: int = 0
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Timeline:
             "source": self.source,
             "meta": self.meta,
             "records": [_fields(r) for r in self.records],
-            "memory": [_fields(s) for s in self.memory],
+            "memory": [s._asdict() for s in self.memory],
         }
 
     @classmethod
@@ -115,8 +115,7 @@ class Timeline:
     @property
     def replicas(self) -> int:
         """D, data-parallel copies of the pipeline the timeline holds (1 for one pipeline)."""
-        seen = [r.replica for r in self.records] + [s.replica for s in self.memory]
-        return max(seen) + 1 if seen else 1
+        return max((r.replica for r in self.records), default=0) + 1
 
     def to_chrome_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON: one thread per stage (per replica and stage with several
@@ -139,8 +138,7 @@ class Timeline:
                 "args": {"microbatch": r.microbatch, "step": r.step},
             })
         for s in self.memory:
-            events.append({"ph": "C", "pid": pid, "tid": s.replica * stages + s.stage,
-                           "name": f"memory {row_name(s.replica, s.stage, replicas)}",
+            events.append({"ph": "C", "pid": pid, "tid": s.stage, "name": f"memory {row_name(0, s.stage, replicas)}",
                            "ts": s.time_s * 1e6, "args": {"bytes": s.bytes}})
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"meta": self.meta}}
 
@@ -153,9 +151,9 @@ def row_name(replica: int, stage: int, replicas: int) -> str:
     return f"replica {replica} stage {stage}" if replicas > 1 else f"stage {stage}"
 
 
-def _fields(point: Record | MemorySample) -> dict[str, Any]:
-    """A record or sample as a dict; ``replica`` only when not 0, so one pipeline's JSON is unchanged."""
-    data = point._asdict()
+def _fields(record: Record) -> dict[str, Any]:
+    """A record as a dict; ``replica`` only when not 0, so one pipeline's JSON is unchanged."""
+    data = record._asdict()
     if not data["replica"]:
         del data["replica"]
     return data
@@ -169,7 +167,7 @@ def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
         merged.memory.extend(t.memory)
         merged.meta.update(t.meta)
     merged.records.sort(key=lambda r: (r.start_s, r.replica, r.stage))
-    merged.memory.sort(key=lambda s: (s.time_s, s.replica, s.stage))
+    merged.memory.sort(key=lambda s: (s.time_s, s.stage))
     return merged
 
 
