@@ -125,7 +125,7 @@ def test_replicas_of_the_pipeline_train_as_one_process(tmp_path, replicas, stage
     assert names == {f"replica {d} stage {k}" for d in range(replicas) for k in range(stages)}
 
 
-def test_zero_equals_plain_and_resumes_exactly_after_a_kill(tmp_path):
+def test_zero_equals_plain_and_resumes_exactly_after_a_kill(tmp_path, capsys):
     run = [*MLP, *flags(ADAMW), "--batch", "10", "--stages", "1", "--replicas", "2", "--zero", "1", "--steps", "4"]
     full = gpipe("train", *run, "--save-every", "4", "--checkpoint-dir", str(tmp_path / "full"),
                  "--report", str(tmp_path / "full.json"))
@@ -146,7 +146,9 @@ def test_zero_equals_plain_and_resumes_exactly_after_a_kill(tmp_path):
     assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
     ours = json.loads((tmp_path / "resumed.json").read_text())
     assert ours["losses"] == theirs["losses"] and ours["grad_norms"] == theirs["grad_norms"]
-    assert main(["train", *common, "--resume", "--replicas", "1", "--zero", "0"]) == 2
+    assert one_line_error(capsys, *common, "--resume", "--replicas", "1", "--zero", "0") == (
+        "gpipe: error: the checkpoint was trained with --replicas 2 but this run asks for 1; resume with "
+        "--replicas 2 or use a new --checkpoint-dir")
 
 
 def one_line_error(capsys, *argv):
