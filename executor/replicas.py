@@ -294,6 +294,15 @@ def shard_optimizer(stage: PipelineStage, layout: Layout) -> None:
     stage.scheduler = make_scheduler(stage.optim, stage.optimizer)
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of optimizer state this rank holds: with ZeRO its shard only, about 1/D of the stage's."""
+    if optimizer is None:
+        return 0
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return sum(value.numel() * value.element_size() for state in local.state.values()
+               for value in state.values() if torch.is_tensor(value))
+
+
 def consolidate(stage: PipelineStage) -> None:
     """Before a checkpoint: with ZeRO, gather the stage's optimizer state onto replica 0 (group rank
     0 of the dp group), which writes the shard. Collective over the dp group; a no-op otherwise."""

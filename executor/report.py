@@ -10,7 +10,8 @@ compute time, ``peak_allocated_bytes`` on CUDA), ``actions`` (median duration of
 
 With D data-parallel replicas (:mod:`executor.replicas`), ``stages`` and ``actions`` are replica
 0's (what one pipeline of the run did, on replica 0's rows), ``ranks`` lists every (replica, stage)
-with its ``peak_activation_bytes`` and ``busy_s``, and the timeline holds every rank's spans, each
+with its ``peak_activation_bytes``, ``busy_s`` and ``optimizer_state_bytes`` (the optimizer state
+it holds after the last step: with ``--zero 1`` its shard), and the timeline holds every rank's spans, each
 record carrying its ``replica`` (the data-parallel all-reduce is the kind ``allreduce_dp``).
 
 A step's time is the gap between the end of its last span on any rank and the end of the
@@ -44,7 +45,8 @@ def step_times_s(timeline: Timeline) -> dict[int, float]:
 
 def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any], plan: dict[str, Any],
                  peak_activation_bytes: list[int], peak_allocated_bytes: list[int] | None = None,
-                 first_step: int = 0, grad_norms: list[float] | None = None) -> dict[str, Any]:
+                 first_step: int = 0, grad_norms: list[float] | None = None,
+                 optimizer_state_bytes: list[int] | None = None) -> dict[str, Any]:
     times = step_times_s(timeline)
     measured = [s for s in sorted(times) if s >= first_step + config.get("warmup_steps", 1)]
     if not measured:
@@ -85,6 +87,8 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
         extra["ranks"] = [{"replica": i // stage_count, "stage": i % stage_count, "peak_activation_bytes": peak,
                            "busy_s": busy_s(i // stage_count, i % stage_count)}
                           for i, peak in enumerate(peak_activation_bytes)]
+        for entry, nbytes in zip(extra["ranks"], optimizer_state_bytes or []):
+            entry["optimizer_state_bytes"] = nbytes
     return {
         "step_time_s": step_time,
         "step_times_s": [times[s] for s in sorted(times)],

@@ -189,6 +189,7 @@ def _finish(config: RunConfig, stage: PipelineStage, history: History | None, fi
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "history": asdict(history) if history is not None else None,
         "replica": layout.replica, "stage": layout.stage,
+        "optimizer_state_bytes": replicas.optimizer_state_bytes(stage.optimizer),
     }
     gathered: list[Any] = [None] * config.world_size if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
@@ -213,7 +214,8 @@ def _report(config: RunConfig, gathered: list[Any], first_step: int, device: tor
     allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
     last = next(p["history"] for p in gathered if p["history"] is not None)
     return build_report(timeline, last["losses"], config.to_dict(), plan,
-                        [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"])
+                        [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
+                        [p["optimizer_state_bytes"] for p in gathered])
 
 
 def _watchdog() -> failures.Watchdog | None:

@@ -63,7 +63,7 @@ def reference(batch, settings, steps=STEPS):
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
-    return losses, norms, dict(model.named_parameters())
+    return losses, norms, dict(model.named_parameters()), optimizer
 
 
 def checkpoint_parameters(root, stages):
@@ -75,7 +75,7 @@ def checkpoint_parameters(root, stages):
 
 
 def assert_trains_as_one_process(report, parameters, batch, settings):
-    losses, norms, expected = reference(batch, settings)
+    losses, norms, expected, _ = reference(batch, settings)
     assert report["losses"] == pytest.approx(losses, rel=1e-5)
     assert report["grad_norms"] == pytest.approx(norms, rel=1e-5)
     if norms:
@@ -132,11 +132,15 @@ def test_zero_equals_plain_and_resumes_exactly_after_a_kill(tmp_path, capsys):
     assert full.returncode == 0, full.stderr[-3000:]
     theirs = json.loads((tmp_path / "full.json").read_text())
     _, parameters = checkpoint_parameters(tmp_path / "full", 1)
-    losses, norms, expected = reference(10, ADAMW, steps=4)
+    losses, norms, expected, optimizer = reference(10, ADAMW, steps=4)
     assert theirs["losses"] == pytest.approx(losses, rel=1e-5)
     assert theirs["grad_norms"] == pytest.approx(norms, rel=1e-5)
     for name, value in expected.items():
         torch.testing.assert_close(parameters[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    # each replica holds its shard of the AdamW state: together, one optimizer's
+    shards = [rank["optimizer_state_bytes"] for rank in theirs["ranks"]]
+    whole = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
+    assert len(shards) == 2 and min(shards) > 0 and sum(shards) == whole
     common = [*run, "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
     killed = gpipe("train", *common, env={"GPIPE_FAULT_RANK": "1", "GPIPE_FAULT_STEP": "3"})
     assert killed.returncode != 0
