@@ -3,7 +3,7 @@
 Layout under ``--checkpoint-dir``::
 
     step-000012/stage-0.pt ... stage-{K-1}.pt   # layers (buffers included), optimizer, lr schedule, RNG
-    manifest.json                               # {"step": 12, "stages": K, "dir": "step-000012", ...}
+    manifest.json                               # {"step": 12, "stages": K, "replicas": D, "dir": ...}
 
 Every file is written to a temporary name and renamed (``os.replace``), and the manifest is written
 last, by rank 0, after every rank has finished its shard (a barrier). A kill at any moment leaves
@@ -15,6 +15,12 @@ A shard holds the optimizer's state (adam's moments, step counts, the current le
 schedule's position, so a resumed run takes the same steps. Resuming with other optimizer or schedule
 settings than the checkpoint's would not (torch.optim would keep the checkpoint's rate and decay and
 silently ignore the new ones): :func:`check_resumable` refuses it with one line.
+
+With D data-parallel replicas the replicas hold the same values, so replica 0 of each stage writes
+the stage's shard and every replica loads it; with ``--zero 1`` the shard holds the optimizer state
+consolidated from the whole data-parallel group (:mod:`executor.replicas`). A resume with another
+``--replicas`` or ``--zero`` is refused with one line: a consolidated ZeRO state is not a plain
+optimizer's, and D changes the run's dropout draws, so neither would continue the same run exactly.
 """
 
 from __future__ import annotations
@@ -70,7 +76,8 @@ def write_manifest(root: str, step: int, stages: int, losses: list[float], confi
     barrier that follows every rank's :func:`save_shard`.
     """
     write_json_atomic(os.path.join(root, MANIFEST), {
-        "step": step, "stages": stages, "dir": os.path.basename(step_dir(root, step)),
+        "step": step, "stages": stages, "replicas": config.get("replicas", 1),
+        "dir": os.path.basename(step_dir(root, step)),
         "losses": losses, "grad_norms": grad_norms or [], "config": config,
     })
     for name in os.listdir(root):
@@ -106,13 +113,15 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
 # Settings whose state lives in a shard: a resumed run must use the checkpoint's.
 OPTIMIZER_SETTINGS = {"optimizer": "--optimizer", "lr": "--lr", "weight_decay": "--weight-decay",
                       "lr_schedule": "--lr-schedule", "lr_warmup_steps": "--lr-warmup"}
+# How the run is laid out over replicas: the shards are written for these (executor.replicas).
+REPLICA_SETTINGS = {"replicas": "--replicas", "zero": "--zero"}
 
 
 def check_resumable(manifest: dict[str, Any], config: dict[str, Any]) -> None:
-    """Raise GpipeInputError naming the first optimizer or schedule setting that differs from the
-    checkpoint's (and ``--steps``, over which a cosine schedule decays)."""
+    """Raise GpipeInputError naming the first optimizer, schedule or replica setting that differs from
+    the checkpoint's (and ``--steps``, over which a cosine schedule decays)."""
     saved = manifest.get("config", {})
-    names = dict(OPTIMIZER_SETTINGS)
+    names = {**OPTIMIZER_SETTINGS, **REPLICA_SETTINGS}
     if config.get("lr_schedule") == "cosine":
         names["steps"] = "--steps"
     for key, flag in names.items():

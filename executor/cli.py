@@ -20,11 +20,12 @@ import sys
 import tempfile
 from typing import Any
 
-from executor.launch import check_nodes, run_torchrun, torchrun_command
+from executor.launch import check_capacity, check_nodes, run_torchrun, torchrun_command
 from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
                              add_precision_argument, model_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.partition import even_partition
+from sim.placement import PLACEMENTS
 from sim.plan import load_plan, parse_partition
 from sim.precision import check_precision
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--plan", help="plan JSON written by gpipe plan --out")
     what.add_argument("--stages", type=int, help="K: stages; layers split evenly unless --partition")
     what.add_argument("--partition", help="layers per stage, e.g. 3,5")
-    what.add_argument("--batch", type=int, help="rows per mini-batch")
+    what.add_argument("--batch", type=int, help="rows per mini-batch (the global batch with --replicas)")
     what.add_argument("--microbatches", type=int, help="M: micro-batches per mini-batch")
     what.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, help="re-materialization policy")
     what.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
@@ -51,6 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--hardware", default="ideal",
                       help="system whose analytic costs choose the partition when --partition is not given, "
                            "as gpipe simulate does (default ideal)")
+    data_parallel = parser.add_argument_group("data-parallel replicas of the pipeline")
+    data_parallel.add_argument("--replicas", type=int, metavar="D",
+                               help="D copies of the pipeline, each on its torch.chunk share of --batch; "
+                                    "gradients averaged over them (default: the plan's, else 1)")
+    data_parallel.add_argument("--zero", type=int, choices=(0, 1),
+                               help="1: shard optimizer state over the replicas (ZeroRedundancyOptimizer)")
+    data_parallel.add_argument("--placement", choices=PLACEMENTS,
+                               help="which rank runs which replica's stage: stages_adjacent (rank d*K+k, "
+                                    "the default) or replicas_adjacent (rank k*D+d)")
     how = parser.add_argument_group("how to train")
     how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
     add_optimizer_argument(how, recorded="the plan's")
@@ -140,7 +150,7 @@ def config_from_args(args: argparse.Namespace):
         config.batch_size = args.batch
     elif not args.plan:
         config.batch_size = _default_batch(config.model)
-    for name in ("microbatches", "checkpoint", "schedule"):
+    for name in ("microbatches", "checkpoint", "schedule", "replicas", "zero", "placement"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
     config.plan(ref)  # validates partition, batch, M, schedule and policy with one-line errors
@@ -169,6 +179,35 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     return tuple(simulator_partition(workload, system, batch, candidate))
 
 
+def check_checkpoint_dir(config) -> None:
+    """Before any worker starts: a ``--checkpoint-dir`` to save to must be writable (a probe file is
+    created and removed in it), and ``--resume`` needs a checkpoint there whose settings match.
+
+    ``--resume`` from a directory with no checkpoint is refused rather than silently starting from
+    step 0: the user asked to continue a run, and a wrong path would otherwise train from scratch.
+    A torchrun restart (``--max-restarts``) that finds no checkpoint yet does start from step 0.
+    """
+    from executor import checkpoint
+
+    root = config.checkpoint_dir
+    if config.save_every:
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".gpipe-probe-", dir=root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise GpipeInputError(f"--checkpoint-dir {root} cannot be written ({exc.strerror or exc}); give a "
+                                  "directory this user can create and write") from None
+    if config.resume:
+        manifest = checkpoint.read_manifest(root) if os.path.isdir(root) else None
+        if manifest is None:
+            raise GpipeInputError(f"--resume but --checkpoint-dir {root} holds no checkpoint ({checkpoint.MANIFEST}); "
+                                  "give the directory a run saved to with --save-every, or drop --resume to start "
+                                  "from step 0")
+        checkpoint.check_resumable(manifest, config.to_dict())
+
+
 def _default_batch(model: str) -> int:
     try:
         from sim.model_defaults import DEFAULT_BATCH
@@ -180,8 +219,12 @@ def _default_batch(model: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from executor.pipeline import prepare
 
+    import torch
+
     config = config_from_args(args)
-    check_nodes(args, config.stages)
+    check_nodes(args, config.world_size)
+    check_capacity(config.world_size, args.nnodes, config.device, os.cpu_count() or 1,
+                   torch.cuda.device_count() if config.device == "cuda" else 0)
     for flag, path in (("--report", config.report), ("--trace", config.trace)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise GpipeInputError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not "
@@ -189,12 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
     prepare(config)  # a bad model or partition fails here, before any process starts
-    if config.resume:
-        from executor import checkpoint
-
-        manifest = checkpoint.read_manifest(config.checkpoint_dir)
-        if manifest is not None:
-            checkpoint.check_resumable(manifest, config.to_dict())
+    check_checkpoint_dir(config)
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
     try:
         config_path = os.path.join(workdir, "config.json")
@@ -203,8 +241,8 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(error_dir)
         env = dict(os.environ, GPIPE_ERROR_DIR=error_dir)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
-        command = torchrun_command(config_path, config.stages, args)
-        per_node = config.stages // args.nnodes
+        command = torchrun_command(config_path, config.world_size, args)
+        per_node = config.world_size // args.nnodes
         env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
         code, message = run_torchrun(command, env, error_dir, args)
         if code != 0:

@@ -84,6 +84,9 @@ class RunConfig:
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
         check_precision(self.precision)
+        from executor.replicas import check_data_parallel
+
+        check_data_parallel(self)
         return self
 
     def optim_settings(self) -> "OptimSettings":

@@ -55,11 +55,12 @@ def endpoint(text: str | None) -> tuple[str, int]:
 
 
 def check_nodes(args: argparse.Namespace, stages: int) -> None:
-    """The node flags, checked before anything starts (one line each)."""
+    """The node flags, checked before anything starts (one line each); ``stages`` is the run's ranks
+    (D replicas x K stages)."""
     require_positive("--nnodes", args.nnodes)
     if stages % args.nnodes:
-        raise GpipeInputError(f"{stages} stages do not split over --nnodes {args.nnodes}; "
-                              "use a node count that divides the number of stages")
+        raise GpipeInputError(f"{stages} ranks (replicas x stages) do not split over --nnodes {args.nnodes}; "
+                              "use a node count that divides them")
     if args.nnodes > 1:
         if not 0 <= args.node_rank < args.nnodes:
             raise GpipeInputError(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}; "
@@ -68,8 +69,29 @@ def check_nodes(args: argparse.Namespace, stages: int) -> None:
         endpoint(args.rdzv_endpoint)
 
 
+# A CPU run may oversubscribe its cores (gloo ranks share them, each with one torch thread) up to
+# this many ranks per core: enough for correctness runs such as 2 replicas x 2 stages on 2 cores.
+CPU_RANKS_PER_CORE = 4
+
+
+def check_capacity(ranks: int, nnodes: int, device: str, cores: int, gpus: int) -> None:
+    """Refuse, in one line, more ranks per node than this machine runs: with ``--device cuda`` one
+    rank per GPU (``gpus``, as torch counts them: NCCL cannot share a GPU between two ranks); on cpu
+    :data:`CPU_RANKS_PER_CORE` per core (``cores``, ``os.cpu_count()``). Each node checks its own."""
+    per_node = ranks // max(1, nnodes)
+    where = "this node" if nnodes > 1 else "this machine"
+    if device == "cuda" and per_node > gpus:
+        raise GpipeInputError(f"{per_node} ranks (replicas x stages / nodes) need {per_node} GPUs but {where} has "
+                              f"{gpus}; use fewer --replicas or --stages, or more --nnodes")
+    if device == "cpu" and per_node > CPU_RANKS_PER_CORE * cores:
+        raise GpipeInputError(f"{per_node} ranks (replicas x stages / nodes) are more than {where}'s {cores} cores "
+                              f"run ({CPU_RANKS_PER_CORE} per core, at most {CPU_RANKS_PER_CORE * cores}); use "
+                              "fewer --replicas or --stages, or more --nnodes")
+
+
 def torchrun_command(config_path: str, stages: int, args: argparse.Namespace) -> list[str]:
-    """The torchrun command line that starts this node's workers (K / nnodes of them)."""
+    """The torchrun command line that starts this node's workers (``stages`` / nnodes of them;
+    ``stages`` is the run's ranks, D replicas x K stages)."""
     check_nodes(args, stages)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages // args.nnodes),
                "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.2"]

@@ -97,13 +97,19 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> 
     return 0.5 * (1.0 + math.cos(math.pi * done / decay_steps))
 
 
+OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def optimizer_class_and_kwargs(settings: OptimSettings) -> tuple[type[torch.optim.Optimizer], dict[str, float]]:
+    """The torch.optim class and its settings: what a plain optimizer and a ZeRO-sharded one
+    (:mod:`executor.replicas`) are both built from."""
+    return OPTIMIZER_CLASSES[settings.optimizer], {"lr": settings.lr, "weight_decay": settings.weight_decay}
+
+
 def make_optimizer(settings: OptimSettings, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-    params = list(params)
-    if settings.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    if settings.optimizer == "adam":
-        return torch.optim.Adam(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    return torch.optim.SGD(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer_class, kwargs = optimizer_class_and_kwargs(settings)
+    return optimizer_class(list(params), **kwargs)
 
 
 def make_scheduler(settings: OptimSettings, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

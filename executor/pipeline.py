@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from sim.errors import GpipeInputError
 from sim.plan import validate_partition
 from sim.stage_costs import stage_bounds
 from sim.schedule import format_grid
+
+if TYPE_CHECKING:
+    from executor.replicas import Layout
 
 
 @dataclass
@@ -98,27 +101,39 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
 
 
 def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: torch.device,
-                    recorder: Recorder | None = None, groups: dict | None = None) -> PipelineStage:
+                    recorder: Recorder | None = None, groups: dict | None = None,
+                    layout: "Layout | None" = None) -> PipelineStage:
     """Rank ``rank``'s stage over ``torch.distributed`` (rank == stage), its shared parameters'
     gradients summed with the other owners. Collective: every rank calls it at the same point.
-    ``groups`` reuses boundary groups made before (:func:`executor.transport.boundary_groups`)."""
+    ``groups`` reuses boundary groups made before (:func:`executor.transport.boundary_groups`).
+    With ``layout`` (:mod:`executor.replicas`) the stage is ``layout.stage`` of one of D replicas,
+    on that replica's rows of the global batch, with the replica's groups and neighbours."""
+    ranks = pipeline_group = None
+    if layout is not None:
+        config = replace(config, batch_size=layout.rows)
+        rank, groups, ranks, pipeline_group = layout.stage, layout.boundary_groups, layout.stage_ranks, layout.pp_group
     groups = groups if groups is not None else boundary_groups(config.stages)
-    shared_groups = process_groups(prepared.shared)
-    stage = make_stage(config, prepared, rank, DistTransport(rank, groups, device), device, recorder)
+    shared_groups = layout.shared_groups if layout is not None else process_groups(prepared.shared)
+    transport = DistTransport(rank, groups, device, pipeline_group, ranks)
+    stage = make_stage(config, prepared, rank, transport, device, recorder)
     if any(rank in group.owners for group in prepared.shared):
         stage.reduce_shared = dist_reducer(rank, stage.module, prepared.shared, shared_groups)
     return stage
 
 
-def train_step_with_data(config: RunConfig, stage: PipelineStage, step: int) -> float | None:
+def train_step_with_data(config: RunConfig, stage: PipelineStage, step: int,
+                         layout: "Layout | None" = None) -> float | None:
     """One mini-batch on ``stage``: draw step ``step``'s data where the stage needs it, then train.
 
     The first stage keeps the inputs, the last the targets; the loss comes back on the last stage.
+    With ``layout``, the stage's replica keeps its rows of the global batch (its loss: their mean).
     """
     inputs = targets = None
     if stage.is_first or stage.is_last:
         inputs, targets = batch_for_step(config.model, config.options, config.batch_size, config.seed, step,
                                          config.data or None)
+        if layout is not None:
+            inputs, targets = layout.share(inputs), layout.share(targets)
     return stage.train_step(step, inputs, targets)
 
 

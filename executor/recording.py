@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -22,8 +22,9 @@ from sim.timeline import MemorySample, Record, Timeline
 class Recorder:
     """Collects :class:`Record` spans and :class:`MemorySample` points of one stage."""
 
-    def __init__(self, stage: int, device: torch.device, origin_s: float | None = None) -> None:
+    def __init__(self, stage: int, device: torch.device, origin_s: float | None = None, replica: int = 0) -> None:
         self.stage = stage
+        self.replica = replica  # which data-parallel copy of the pipeline (executor.replicas)
         self.cuda = device.type == "cuda"
         self.origin_s = time.perf_counter() if origin_s is None else origin_s
         self.timeline = Timeline(source="measured")
@@ -59,9 +60,35 @@ class Recorder:
             return
         start_s = self.now_s()
         yield
-        self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), self.step))
+        self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), self.step,
+                                            self.replica))
+
+    def open_span(self, kind: str, microbatch: int = -1) -> Callable[[], None]:
+        """A span that starts now and ends when the returned function is called: for work that runs
+        in the background between two calls (an asynchronous all-reduce from launch to its wait)."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+
+            def close_cuda() -> None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((kind, microbatch, start, end))
+
+            return close_cuda
+        start_s, step = self.now_s(), self.step
+
+        def close() -> None:
+            self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), step,
+                                                self.replica))
+
+        return close
 
     def memory(self, nbytes: int) -> None:
+        """A memory sample; replica 0's only (a sample names its stage, not its replica; every rank's
+        peak is in the report's ``ranks``)."""
+        if self.replica:
+            return
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -78,7 +105,7 @@ class Recorder:
         for kind, microbatch, start, end in self._events:
             self.timeline.records.append(Record(
                 self.stage, kind, microbatch, base_s + base_event.elapsed_time(start) / 1e3,
-                base_s + base_event.elapsed_time(end) / 1e3, self.step))
+                base_s + base_event.elapsed_time(end) / 1e3, self.step, self.replica))
         for event, nbytes in self._memory:
             self.timeline.memory.append(
                 MemorySample(self.stage, base_s + base_event.elapsed_time(event) / 1e3, nbytes))

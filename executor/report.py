@@ -8,6 +8,12 @@ compute time, ``peak_allocated_bytes`` on CUDA), ``actions`` (median duration of
 (stage, kind, micro-batch) over the measured steps, with its rows: what calibration fits), the
 ``plan``, the run ``config`` and the ``timeline`` itself.
 
+With D data-parallel replicas (:mod:`executor.replicas`), ``stages`` and ``actions`` are replica
+0's (what one pipeline of the run did, on replica 0's rows), ``ranks`` lists every (replica, stage)
+with its ``peak_activation_bytes``, ``busy_s`` and ``optimizer_state_bytes`` (the optimizer state
+it holds after the last step: with ``--zero 1`` its shard), and the timeline holds every rank's spans, each
+record carrying its ``replica`` (the data-parallel all-reduce is the kind ``allreduce_dp``).
+
 A step's time is the gap between the end of its last span on any rank and the end of the
 previous step's (the first measured step counts from its first span), so steady-state step times
 include the inherent pipeline bubble and every overhead.
@@ -39,28 +45,35 @@ def step_times_s(timeline: Timeline) -> dict[int, float]:
 
 def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any], plan: dict[str, Any],
                  peak_activation_bytes: list[int], peak_allocated_bytes: list[int] | None = None,
-                 first_step: int = 0, grad_norms: list[float] | None = None) -> dict[str, Any]:
+                 first_step: int = 0, grad_norms: list[float] | None = None,
+                 optimizer_state_bytes: list[int] | None = None) -> dict[str, Any]:
     times = step_times_s(timeline)
     measured = [s for s in sorted(times) if s >= first_step + config.get("warmup_steps", 1)]
     if not measured:
         measured = sorted(times)
-    busy: dict[tuple[int, int], float] = defaultdict(float)
+    busy: dict[tuple[int, int, int], float] = defaultdict(float)  # (replica, stage, step)
     durations: dict[tuple[int, str, int], list[float]] = defaultdict(list)
     for r in timeline.records:
         if r.step not in measured:
             continue
         if r.kind in ("F", "R", "B", OPTIMIZER):
-            busy[(r.stage, r.step)] += r.duration_s
-        if r.kind in ("F", "R", "B"):
+            busy[(r.replica, r.stage, r.step)] += r.duration_s
+        if r.kind in ("F", "R", "B") and r.replica == 0:
             durations[(r.stage, r.kind, r.microbatch)].append(r.duration_s)
-    rows = split_rows(config["batch_size"], config["microbatches"])
+    replicas = config.get("replicas", 1)
+    rows = split_rows(split_rows(config["batch_size"], replicas)[0], config["microbatches"])
+    stage_count = len(peak_activation_bytes) // replicas
+
+    def busy_s(replica: int, stage: int) -> float:
+        return statistics.median([busy[(replica, stage, s)] for s in measured]) if measured else 0.0
+
     stages = []
-    for k in range(len(peak_activation_bytes)):
+    for k in range(stage_count):
         entry: dict[str, Any] = {
             "stage": k,
             "layers": config["partition"][k],
             "peak_activation_bytes": peak_activation_bytes[k],
-            "busy_s": statistics.median([busy[(k, s)] for s in measured]) if measured else 0.0,
+            "busy_s": busy_s(0, k),
         }
         if peak_allocated_bytes is not None:
             entry["peak_allocated_bytes"] = peak_allocated_bytes[k]
@@ -69,6 +82,13 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
                 "duration_s": statistics.median(values)}
                for (k, kind, m), values in sorted(durations.items())]
     step_time = statistics.median([times[s] for s in measured]) if measured else 0.0
+    extra: dict[str, Any] = {}
+    if replicas > 1:  # peak bytes in (replica, stage) order
+        extra["ranks"] = [{"replica": i // stage_count, "stage": i % stage_count, "peak_activation_bytes": peak,
+                           "busy_s": busy_s(i // stage_count, i % stage_count)}
+                          for i, peak in enumerate(peak_activation_bytes)]
+        for entry, nbytes in zip(extra["ranks"], optimizer_state_bytes or []):
+            entry["optimizer_state_bytes"] = nbytes
     return {
         "step_time_s": step_time,
         "step_times_s": [times[s] for s in sorted(times)],
@@ -80,4 +100,5 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
         "plan": plan,
         "config": config,
         "timeline": timeline.to_dict(),
+        **extra,
     }

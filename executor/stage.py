@@ -94,6 +94,9 @@ class PipelineStage:
         # Sums the gradients of parameters other stages hold too (executor.sharing); the in-process
         # pipeline does it for all stages at once instead.
         self.reduce_shared: Callable[[], None] | None = None
+        # Waits for the data-parallel gradient average launched after the last backward
+        # (executor.replicas); None with one replica.
+        self.sync_gradients: Callable[[], None] | None = None
         # The global gradient norm counts each parameter once: copies another stage holds first are
         # left out of this stage's share.
         left_out = {id(p) for p in duplicates or []}
@@ -199,6 +202,8 @@ class PipelineStage:
     def end_step(self) -> float | None:
         """Every end-of-step phase, the norm summed over ranks by the transport; return the loss."""
         self.finish_sends()
+        if self.sync_gradients is not None:
+            self.sync_gradients()
         self.reduce_shared_gradients()
         grad_norm = None
         if self.needs_global_norm:

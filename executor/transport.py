@@ -110,11 +110,15 @@ def boundary_groups(stages: int) -> dict[tuple[int, str], dist.ProcessGroup]:
 
 
 class DistTransport:
-    """Point-to-point over ``torch.distributed``; rank == stage. Works with gloo and NCCL."""
+    """Point-to-point over ``torch.distributed``; rank == stage, or ``ranks[stage]`` for one of several
+    replicas of the pipeline. Works with gloo and NCCL."""
 
     def __init__(self, stage: int, groups: dict[tuple[int, str], dist.ProcessGroup],
-                 device: torch.device, pipeline_group: dist.ProcessGroup | None = None) -> None:
+                 device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
+                 ranks: Sequence[int] | None = None) -> None:
         self.stage = stage
+        # global rank of each stage of this pipeline (one of several replicas, executor.replicas); None: rank == stage
+        self.ranks = tuple(ranks) if ranks is not None else None
         self.groups = groups
         self.device = device
         self.pipeline_group = pipeline_group  # every stage of this pipeline; None: the whole world
@@ -127,7 +131,8 @@ class DistTransport:
             peer = self.stage - 1 if incoming else self.stage + 1
         else:
             peer = self.stage + 1 if incoming else self.stage - 1
-        return peer, self.groups[(min(peer, self.stage), channel)]
+        group = self.groups[(min(peer, self.stage), channel)]
+        return (self.ranks[peer] if self.ranks is not None else peer), group
 
     def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
         peer, group = self._peer_and_group(channel, incoming=True)

@@ -1,4 +1,5 @@
-"""The torchrun worker: one process per stage, rank == stage.
+"""The torchrun worker: one process per stage, rank == stage (with D replicas, rank =
+``sim.placement.device_of(replica, stage)``; :mod:`executor.replicas`).
 
 Run as ``python -m executor.worker CONFIG.json`` under torchrun (``gpipe train`` does this). Every
 rank builds the model on the meta device and validates it (a bad plan fails on every rank the same
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from executor import checkpoint, failures, nodes
+from executor import checkpoint, failures, nodes, replicas
 from executor.config import RunConfig
 from executor.models import model_ref
 from executor.pipeline import make_dist_stage, prepare, train_step_with_data
@@ -105,10 +106,13 @@ class History:
     grad_norms: list[float] = field(default_factory=list)  # global L2 norm before clipping
 
 
-def _save(config: RunConfig, stage: PipelineStage, step: int, history: History) -> None:
-    checkpoint.save_shard(config.checkpoint_dir, step, stage)
+def _save(config: RunConfig, stage: PipelineStage, step: int, history: History, layout: replicas.Layout) -> None:
+    """Replica 0 of each stage writes its shard (with ZeRO, its optimizer state gathered first)."""
+    replicas.consolidate(stage)
+    if layout.replica == 0:
+        checkpoint.save_shard(config.checkpoint_dir, step, stage)
     dist.barrier()
-    if stage.is_last:
+    if stage.is_last and layout.replica == 0:
         checkpoint.write_manifest(config.checkpoint_dir, step, config.stages, history.losses, config.to_dict(),
                                   history.grad_norms)
 
@@ -116,9 +120,11 @@ def _save(config: RunConfig, stage: PipelineStage, step: int, history: History) 
 def train(config: RunConfig) -> None:
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
-    if world != config.stages:
-        raise GpipeInputError(f"the plan has {config.stages} stages but torchrun started {world} processes; "
-                              f"start exactly one process per stage (nnodes x nproc-per-node = {config.stages})")
+    if world != config.world_size:
+        plan = f"{config.stages} stages" if config.replicas == 1 else \
+            f"{config.replicas} replicas x {config.stages} stages = {config.world_size} ranks"
+        raise GpipeInputError(f"the plan has {plan} but torchrun started {world} processes; start exactly one "
+                              f"process per stage (nnodes x nproc-per-node = {config.world_size})")
     device, backend = _setup_device(config, local_rank, local_world)
     prepared = prepare(config)  # validates before any communication
     _init_process_group(backend, rank, world, timedelta(seconds=config.timeout_s))
@@ -126,19 +132,24 @@ def train(config: RunConfig) -> None:
         views = nodes.share(config, _env_int("GROUP_RANK", 0))
         nodes.check_same_settings(views)
         writers = nodes.output_writers(views)
-        recorder = Recorder(rank, device)
-        stage = make_dist_stage(config, prepared, rank, device, recorder)
+        layout = replicas.build_layout(config, rank, device.type, prepared.shared)
+        recorder = Recorder(layout.stage, device, replica=layout.replica)
+        stage = make_dist_stage(config, prepared, rank, device, recorder, layout=layout)
+        replicas.attach(stage, layout)
         dist.barrier()
         recorder.restart()  # time origin right after the barrier on every rank
         del prepared
         history, start = _resume(config, stage)
         step_ref = [start]
-        stage.after_action = _fault_hook(rank, step_ref)
+        stage.after_action = replicas.chain(_fault_hook(rank, step_ref), stage.after_action)
         first_step = start
+        reports = stage.is_last and layout.replica == 0  # prints the losses, keeps the history
         for step in range(start, config.steps):
             step_ref[0] = step
-            loss = train_step_with_data(config, stage, step)
+            loss = train_step_with_data(config, stage, step, layout)
             if stage.is_last:
+                loss = layout.global_loss(loss)  # type: ignore[arg-type]
+            if reports:
                 history.losses.append(float(loss))  # type: ignore[arg-type]
                 norm = ""
                 if stage.grad_norm is not None:  # taken only when clipping
@@ -146,8 +157,8 @@ def train(config: RunConfig) -> None:
                     norm = f" grad norm {stage.grad_norm:.4g}"
                 print(f"gpipe: step {step} loss {loss:.6f}{norm} lr {stage.lr:.4g}", flush=True)
             if config.save_every and (step + 1) % config.save_every == 0:
-                _save(config, stage, step, history)
-        _finish(config, stage, history, first_step, device, writers)
+                _save(config, stage, step, history, layout)
+        _finish(config, stage, history if reports else None, first_step, device, writers, layout)
     finally:
         dist.destroy_process_group()
 
@@ -167,17 +178,20 @@ def _resume(config: RunConfig, stage: PipelineStage) -> tuple[History, int]:
     return History(list(manifest["losses"]), list(manifest.get("grad_norms", []))), int(manifest["step"]) + 1
 
 
-def _finish(config: RunConfig, stage: PipelineStage, history: History, first_step: int,
-            device: torch.device, writers: dict[int, tuple[str, str]]) -> None:
+def _finish(config: RunConfig, stage: PipelineStage, history: History | None, first_step: int,
+            device: torch.device, writers: dict[int, tuple[str, str]], layout: replicas.Layout) -> None:
     """Gather every rank's timeline to rank 0 and write the report and trace there and on each
-    other node that asked (``writers``); a last barrier makes a failed write fail every rank."""
+    other node that asked (``writers``); a last barrier makes a failed write fail every rank.
+    ``history`` is the reporting rank's (replica 0's last stage), None elsewhere."""
     payload: dict[str, Any] = {
         "timeline": stage.recorder.timeline.to_dict(),
         "peak_activation_bytes": stage.counter.peak_bytes,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "history": asdict(history) if stage.is_last else None,
+        "history": asdict(history) if history is not None else None,
+        "replica": layout.replica, "stage": layout.stage,
+        "optimizer_state_bytes": replicas.optimizer_state_bytes(stage.optimizer),
     }
-    gathered: list[Any] = [None] * config.stages if dist.get_rank() == 0 else []
+    gathered: list[Any] = [None] * config.world_size if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() == 0:
         report = _report(config, gathered, first_step, device)
@@ -192,14 +206,16 @@ def _finish(config: RunConfig, stage: PipelineStage, history: History, first_ste
 
 def _report(config: RunConfig, gathered: list[Any], first_step: int, device: torch.device) -> dict[str, Any]:
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
+    gathered = sorted(gathered, key=lambda p: (p["replica"], p["stage"]))  # replica 0's stages first
     timeline.meta.update({"model": config.model, "partition": list(config.partition),
                           "microbatches": config.microbatches, "schedule": config.schedule,
                           "checkpoint": config.checkpoint, "device": device.type})
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
     allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
-    last = gathered[-1]["history"]
+    last = next(p["history"] for p in gathered if p["history"] is not None)
     return build_report(timeline, last["losses"], config.to_dict(), plan,
-                        [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"])
+                        [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
+                        [p["optimizer_state_bytes"] for p in gathered])
 
 
 def _watchdog() -> failures.Watchdog | None:

@@ -50,6 +50,7 @@ class Record(NamedTuple):
     start_s: float
     end_s: float
     step: int = 0
+    replica: int = 0  # which of D data-parallel copies of the pipeline (0 with one)
 
     @property
     def duration_s(self) -> float:
@@ -57,7 +58,8 @@ class Record(NamedTuple):
 
 
 class MemorySample(NamedTuple):
-    """Bytes held on ``stage`` from ``time_s`` on (until the next sample of that stage)."""
+    """Bytes held on ``stage`` from ``time_s`` on (until the next sample of that stage); with several
+    replicas, replica 0's stage (the executor samples replica 0 only)."""
 
     stage: int
     time_s: float
@@ -97,7 +99,7 @@ class Timeline:
         return {
             "source": self.source,
             "meta": self.meta,
-            "records": [r._asdict() for r in self.records],
+            "records": [_fields(r) for r in self.records],
             "memory": [s._asdict() for s in self.memory],
         }
 
@@ -110,30 +112,51 @@ class Timeline:
             meta=dict(data.get("meta", {})),
         )
 
+    @property
+    def replicas(self) -> int:
+        """D, data-parallel copies of the pipeline the timeline holds (1 for one pipeline)."""
+        return max((r.replica for r in self.records), default=0) + 1
+
     def to_chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace-event JSON: one thread per stage; opens in Perfetto and chrome://tracing."""
+        """Chrome trace-event JSON: one thread per stage (per replica and stage with several
+        replicas: thread d*K + k); opens in Perfetto and chrome://tracing."""
         pid = 0
         events: list[dict[str, Any]] = [
             {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"gpipe ({self.source})"}}
         ]
-        for stage in range(self.stages):
-            events.append({"ph": "M", "pid": pid, "tid": stage, "name": "thread_name",
-                           "args": {"name": f"stage {stage}"}})
+        stages, replicas = self.stages, self.replicas
+        for replica in range(replicas):
+            for stage in range(stages):
+                events.append({"ph": "M", "pid": pid, "tid": replica * stages + stage, "name": "thread_name",
+                               "args": {"name": row_name(replica, stage, replicas)}})
         for r in self.records:
             label = KIND_NAMES.get(r.kind, r.kind)
             name = f"{label} {r.microbatch}" if r.microbatch >= 0 else label
             events.append({
-                "ph": "X", "pid": pid, "tid": r.stage, "name": name, "cat": r.kind,
+                "ph": "X", "pid": pid, "tid": r.replica * stages + r.stage, "name": name, "cat": r.kind,
                 "ts": r.start_s * 1e6, "dur": max(r.duration_s, 0.0) * 1e6,
                 "args": {"microbatch": r.microbatch, "step": r.step},
             })
         for s in self.memory:
-            events.append({"ph": "C", "pid": pid, "tid": s.stage, "name": f"memory stage {s.stage}",
+            events.append({"ph": "C", "pid": pid, "tid": s.stage, "name": f"memory {row_name(0, s.stage, replicas)}",
                            "ts": s.time_s * 1e6, "args": {"bytes": s.bytes}})
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"meta": self.meta}}
 
     def write_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         write_json_atomic(path, self.to_chrome_trace())
+
+
+def row_name(replica: int, stage: int, replicas: int) -> str:
+    """A stage row's label: ``stage k``, or ``replica d stage k`` when there are several replicas."""
+    return f"replica {replica} stage {stage}" if replicas > 1 else f"stage {stage}"
+
+
+def _fields(record: Record) -> dict[str, Any]:
+    """A record as a dict; ``replica`` only when not 0, so one pipeline's JSON is unchanged."""
+    data = record._asdict()
+    if not data["replica"]:
+        del data["replica"]
+    return data
 
 
 def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
@@ -143,7 +166,7 @@ def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
         merged.records.extend(t.records)
         merged.memory.extend(t.memory)
         merged.meta.update(t.meta)
-    merged.records.sort(key=lambda r: (r.start_s, r.stage))
+    merged.records.sort(key=lambda r: (r.start_s, r.replica, r.stage))
     merged.memory.sort(key=lambda s: (s.time_s, s.stage))
     return merged
 

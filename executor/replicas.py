@@ -1,0 +1,310 @@
+"""D data-parallel replicas of a K-stage pipeline: the mesh, the groups, the gradient average, ZeRO-1.
+
+The D x K ranks form a ``torch.distributed`` :class:`~torch.distributed.device_mesh.DeviceMesh` with
+the named dimensions ``"dp"`` (the D ranks that hold one stage in different replicas) and ``"pp"``
+(the K ranks of one replica). Which global rank runs which (replica, stage) comes from
+:func:`sim.placement.device_of`, as in the simulator. Each replica has its own boundary groups, so
+pipeline sends and receives go to the neighbours in the same replica over the transport and tags of
+a single pipeline; shared (tied) parameters are summed among the owning stages of the same replica.
+
+How the global batch splits: replica d takes ``torch.chunk(batch, D)[d]`` (its ``rows_d`` of the B
+rows), which its stages split into micro-batches with ``torch.chunk`` as one pipeline does; the
+last stage's loss is the mean over the replica's rows. A global batch that gives fewer than D chunks
+(fewer rows than D, or B=5 with D=4: chunks 2, 2, 1) is refused in one line.
+
+What is averaged, and when: after the last backward action of its step, each rank launches an
+asynchronous all-reduce of its gradients over its stage's dp group, in buckets of at most
+:data:`BUCKET_BYTES` (DDP's default of 25 MiB), and waits for it at the start of the end of the
+step, before the shared-parameter reduction, the gradient norm and the optimizer step. Each rank
+scales its gradients by ``rows_d / B`` before the sum, so the result is the gradient of the mean
+loss over the whole global batch, exactly what one process training B rows computes, even and
+uneven splits alike (for an even split the weight is 1/D: the plain average). Why not inside the
+last backward: it is 1/M of the stage's backward work, so overlapping with it saves little, while
+launching after it leaves accumulation and recompute untouched and is what the simulator models;
+the overlap that matters is with the rest of the drain (stage k finishes before stage k-1 does).
+The reported loss is the same weighted sum of the replicas' losses: the global mean.
+
+The gradient norm for clipping is taken after the average: each stage's share over its own
+gradients, summed over the replica's pipeline group; every replica then holds the same norm, that
+of ``clip_grad_norm_`` on the unpipelined model.
+
+ZeRO-1 (``--zero 1``): each stage's optimizer is a
+:class:`~torch.distributed.optim.ZeroRedundancyOptimizer` over its dp group with the configured
+torch.optim class and settings; it keeps 1/D of the optimizer state per rank, steps its part of the
+parameters and broadcasts them. Gradients are all-reduced in full as without ZeRO, so clipping,
+weight decay and the learning-rate schedule act as without it.
+
+Checkpoints: replica 0 of each stage writes the stage's shard (the replicas hold the same values).
+With ZeRO the optimizer state is first consolidated onto replica 0 (a collective over the dp group),
+so a shard always holds its stage's whole optimizer state and every replica loads its part back.
+The replica count and ``--zero`` are recorded in the manifest's config and a resume with other
+values is refused in one line (:mod:`executor.checkpoint`).
+
+Dropout: replica d > 0 draws its masks from its own seed, so replicas do not repeat each other's
+masks; replica 0 draws what a single pipeline draws.
+
+Limits: a parameter whose gradient is None on a step takes no part in that step's average (every
+replica runs the same graph, so all leave out the same ones); the all-reduce adds the rows' weights
+in fp32, so an uneven split agrees with one process to float rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from executor.data import split
+from executor.optim import make_scheduler, optimizer_class_and_kwargs
+from executor.recording import Recorder
+from executor.seeds import mix_seed
+from executor.sharing import SharedGroup
+from executor.stage import PipelineStage
+from executor.transport import ACT, GRAD
+from sim.errors import GpipeInputError
+from sim.microbatch import split_rows
+from sim.placement import device_of, replica_and_stage
+from sim.schedule import Action, Kind
+from sim.timeline import DP_ALLREDUCE
+
+DP, PP = "dp", "pp"  # the mesh's dimension names: data-parallel, pipeline
+BUCKET_BYTES = 25 * 2**20  # largest all-reduce message, as DDP's bucket_cap_mb default
+REPLICA_SEED = 0x5EED  # mixed with the replica into replica d > 0's dropout seed
+
+
+class ReplicaSettings(Protocol):
+    """What this module reads of a run's settings (an :class:`executor.config.RunConfig`, which
+    calls :func:`check_data_parallel` from its ``validate``: so this module does not import it)."""
+
+    replicas: int
+    batch_size: int
+    zero: int
+    placement: str
+
+    @property
+    def stages(self) -> int: ...
+
+
+def replica_rows(batch_size: int, replicas: int) -> list[int]:
+    """Rows of each replica's share of a global batch, as ``torch.chunk(batch, replicas)`` splits it.
+
+    Raises GpipeInputError (one line) when a replica would get no rows.
+    """
+    if batch_size < replicas:
+        raise GpipeInputError(f"--batch {batch_size} has fewer rows than --replicas {replicas}; every replica "
+                              f"needs rows of the global batch: use --batch {replicas} or more")
+    rows = split_rows(batch_size, replicas)
+    if len(rows) < replicas:
+        raise GpipeInputError(f"--batch {batch_size} splits by torch.chunk into {len(rows)} chunks "
+                              f"({','.join(map(str, rows))}) for --replicas {replicas}; use a batch that is a "
+                              f"multiple of {replicas}")
+    return rows
+
+
+def check_data_parallel(config: ReplicaSettings) -> None:
+    """The replica settings of ``config``, one line each: rows for every replica, ZeRO only with D > 1."""
+    if config.zero and config.replicas == 1:
+        raise GpipeInputError("--zero 1 shards optimizer state over data-parallel replicas but --replicas is 1; "
+                              "add --replicas 2 or more, or drop --zero")
+    replica_rows(config.batch_size, config.replicas)
+
+
+def replica_seed(seed: int, replica: int) -> int:
+    """The seed replica ``replica``'s dropout masks come from (replica 0: ``seed`` itself)."""
+    return seed if replica == 0 else mix_seed(seed, REPLICA_SEED, replica)
+
+
+@dataclass
+class Layout:
+    """This rank's place among D replicas of a K-stage pipeline, and the groups it talks over."""
+
+    replicas: int  # D
+    stages: int  # K
+    replica: int  # d, this rank's replica
+    stage: int  # k, this rank's stage
+    rows: int  # rows of every global batch this replica trains
+    batch_size: int  # B, the global batch
+    zero: int  # 1: optimizer state sharded over the dp group
+    stage_ranks: tuple[int, ...]  # global rank of each stage of this replica
+    mesh: DeviceMesh
+    boundary_groups: dict[tuple[int, str], dist.ProcessGroup]  # this replica's, as transport.boundary_groups
+    shared_groups: list[dist.ProcessGroup]  # this replica's owners of each shared parameter
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The D ranks that hold this stage: replica d is group rank d."""
+        return self.mesh.get_group(DP)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The K ranks of this replica's pipeline."""
+        return self.mesh.get_group(PP)
+
+    @property
+    def weight(self) -> float:
+        """This replica's share of the global batch, ``rows_d / B``: its gradients' and loss's weight."""
+        return self.rows / self.batch_size
+
+    def share(self, value: Any) -> Any:
+        """This replica's rows of a global batch's inputs or targets (``torch.chunk`` along rows)."""
+        return value if self.replicas == 1 else split(value, self.replicas)[self.replica]
+
+    def global_loss(self, loss: float) -> float:
+        """The global batch's mean loss from every replica's (on the last stages; collective there)."""
+        if self.replicas == 1:
+            return loss
+        total = torch.tensor(loss * self.weight, dtype=torch.float64, device=_device_of(self.dp_group))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return float(total)
+
+
+def _device_of(group: dist.ProcessGroup) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
+def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: Sequence[SharedGroup]) -> Layout:
+    """The mesh and every replica's boundary and shared-parameter groups; this rank's layout.
+
+    Collective: every rank calls it at the same point (``new_group`` is collective, and every rank
+    creates every replica's groups in the same order).
+    """
+    replicas, stages, placement = config.replicas, config.stages, config.placement
+    replica, stage = replica_and_stage(rank, replicas, stages, placement)
+    grid = [[device_of(d, k, replicas, stages, placement) for k in range(stages)] for d in range(replicas)]
+    mesh = DeviceMesh(device_type, torch.tensor(grid, dtype=torch.int), mesh_dim_names=(DP, PP))
+    boundary: dict[tuple[int, str], dist.ProcessGroup] = {}
+    shared_groups: list[dist.ProcessGroup] = []
+    for d, ranks in enumerate(grid):
+        for b in range(stages - 1):
+            for channel in (ACT, GRAD):
+                group = dist.new_group([ranks[b], ranks[b + 1]])
+                if d == replica:
+                    boundary[(b, channel)] = group
+        groups = [dist.new_group([ranks[k] for k in g.owners]) for g in shared]
+        if d == replica:
+            shared_groups = groups
+    rows = replica_rows(config.batch_size, replicas)[replica]
+    return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, tuple(grid[replica]),
+                  mesh, boundary, shared_groups)
+
+
+class GradientAverage:
+    """The weighted sum of one stage's gradients over its dp group: asynchronous, in buckets.
+
+    :meth:`launch` after the stage's last backward of a step, :meth:`wait` before anything reads
+    the gradients. Buckets hold consecutive gradients of one dtype, at most ``bucket_bytes`` each
+    (a larger gradient is a bucket of its own). The span :data:`~sim.timeline.DP_ALLREDUCE` runs
+    from the launch to the end of the wait: on the host's clock, the time the all-reduce was in
+    flight, bounded above by when the stage came to wait for it.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, weight: float,
+                 recorder: Recorder, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.params = list(params)
+        self.group = group
+        self.weight = weight
+        self.recorder = recorder
+        self.bucket_bytes = bucket_bytes
+        self._pending: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+        self._close: Callable[[], None] | None = None
+
+    def buckets(self, grads: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        result: list[list[torch.Tensor]] = []
+        size = 0
+        for grad in grads:
+            nbytes = grad.numel() * grad.element_size()
+            if not result or grad.dtype != result[-1][0].dtype or size + nbytes > self.bucket_bytes:
+                result.append([])
+                size = 0
+            result[-1].append(grad)
+            size += nbytes
+        return result
+
+    def launch(self) -> None:
+        self._close = self.recorder.open_span(DP_ALLREDUCE)
+        for bucket in self.buckets([p.grad for p in self.params if p.grad is not None]):
+            flat = torch.cat([g.reshape(-1) for g in bucket]).mul_(self.weight)
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._pending.append((work, flat, bucket))  # type: ignore[arg-type]
+
+    def wait(self) -> None:
+        for work, flat, bucket in self._pending:
+            work.wait()
+            offset = 0
+            for grad in bucket:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._pending.clear()
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+
+def last_backward_index(actions: Sequence[Action]) -> int:
+    """Position of the last backward action in a device's list (-1 when it has none)."""
+    return max((i for i, a in enumerate(actions) if a.kind == Kind.BACKWARD), default=-1)
+
+
+def chain(*hooks: Callable[[int, Action], None] | None) -> Callable[[int, Action], None] | None:
+    """One after-action hook that calls each given one in turn (None when none is given)."""
+    present = [h for h in hooks if h is not None]
+    if not present:
+        return None
+
+    def hook(index: int, action: Action) -> None:
+        for h in present:
+            h(index, action)
+
+    return hook
+
+
+def attach(stage: PipelineStage, layout: Layout) -> None:
+    """Make ``stage`` one of D replicas: its own dropout seeds, its gradients averaged over its dp
+    group (launched after its last backward, awaited at the end of the step) and, with ZeRO, its
+    optimizer sharded. Nothing changes with one replica."""
+    if layout.replicas == 1:
+        return
+    stage.config = replace(stage.config, seed=replica_seed(stage.config.seed, layout.replica))
+    average = GradientAverage(stage.params, layout.dp_group, layout.weight, stage.recorder)
+    last = last_backward_index(stage.actions)
+
+    def launch_after_last_backward(index: int, action: Action) -> None:
+        if index == last:
+            average.launch()
+
+    stage.after_action = chain(stage.after_action, launch_after_last_backward)
+    stage.sync_gradients = average.wait
+    if layout.zero:
+        shard_optimizer(stage, layout)
+
+
+def shard_optimizer(stage: PipelineStage, layout: Layout) -> None:
+    """Replace the stage's optimizer by a ZeroRedundancyOptimizer over its dp group, with the same
+    torch.optim class and settings, and its learning-rate schedule by one over the new optimizer."""
+    if stage.optimizer is None:
+        return
+    optimizer_class, kwargs = optimizer_class_and_kwargs(stage.optim)
+    stage.optimizer = ZeroRedundancyOptimizer(stage.params, optimizer_class=optimizer_class,
+                                              process_group=layout.dp_group, **kwargs)
+    stage.scheduler = make_scheduler(stage.optim, stage.optimizer)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of optimizer state this rank holds: with ZeRO its shard only, about 1/D of the stage's."""
+    if optimizer is None:
+        return 0
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return sum(value.numel() * value.element_size() for state in local.state.values()
+               for value in state.values() if torch.is_tensor(value))
+
+
+def consolidate(stage: PipelineStage) -> None:
+    """Before a checkpoint: with ZeRO, gather the stage's optimizer state onto replica 0 (group rank
+    0 of the dp group), which writes the shard. Collective over the dp group; a no-op otherwise."""
+    if isinstance(stage.optimizer, ZeroRedundancyOptimizer):
+        stage.optimizer.consolidate_state_dict(to=0)
