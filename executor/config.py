@@ -16,6 +16,8 @@ from sim.optimizers import DEFAULT_OPTIMIZER
 from sim.placement import DEFAULT_PLACEMENT
 from sim.plan import ModelRef, Plan
 from sim.precision import DEFAULT_PRECISION, check_precision
+from sim.microbatch import split_rows
+from sim.schedule import check_interleaving, check_virtual_stages
 from sim.timeline import write_json_atomic
 
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
@@ -84,7 +86,31 @@ class RunConfig:
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
         check_precision(self.precision)
+        self.check_virtual_stages()
         return self
+
+    def check_virtual_stages(self) -> None:
+        """The interleaved schedule's needs, in one line each: V only with it, V*K chunks at most one
+        per layer, and M as executed (``torch.chunk`` may make fewer micro-batches than asked) a
+        multiple of K."""
+        check_virtual_stages(self.schedule, self.virtual_stages)
+        if self.schedule != "interleaved" or not self.partition:
+            return
+        if len(self.partition) % self.virtual_stages:
+            raise GpipeInputError(f"partition has {len(self.partition)} entries, not a multiple of "
+                                  f"--virtual-stages {self.virtual_stages}; give V x K entries")
+        executed, stages = self.executed_microbatches, self.stages
+        if executed != self.microbatches and executed % stages and self.microbatches % stages == 0:
+            rows = -(-self.batch_size // self.microbatches)
+            raise GpipeInputError(f"--batch {self.batch_size} splits into {executed} micro-batches of up to {rows} rows, "
+                                  f"not the {self.microbatches} asked, and the interleaved schedule needs a multiple "
+                                  f"of K={stages}; use --batch {self.microbatches * rows}")
+        check_interleaving(stages, executed, self.virtual_stages, sum(self.partition))
+
+    @property
+    def executed_microbatches(self) -> int:
+        """M as run: ``torch.chunk`` makes fewer micro-batches than asked when the batch is small."""
+        return len(split_rows(self.batch_size, self.microbatches))
 
     def optim_settings(self) -> "OptimSettings":
         from executor.optim import OptimSettings

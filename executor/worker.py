@@ -40,6 +40,8 @@ import torch.distributed as dist
 from executor import checkpoint, failures, nodes
 from executor.config import RunConfig
 from executor.models import model_ref
+from executor.chunks import ChunkedDevice, shards
+from executor.interleaved import make_dist_chunks
 from executor.pipeline import make_dist_stage, prepare, train_step_with_data
 from executor.recording import Recorder
 from executor.report import build_report
@@ -105,12 +107,13 @@ class History:
     grad_norms: list[float] = field(default_factory=list)  # global L2 norm before clipping
 
 
-def _save(config: RunConfig, stage: PipelineStage, step: int, history: History) -> None:
-    checkpoint.save_shard(config.checkpoint_dir, step, stage)
+def _save(config: RunConfig, stage: PipelineStage | ChunkedDevice, step: int, history: History) -> None:
+    for shard in shards(stage):  # one per (virtual) stage
+        checkpoint.save_shard(config.checkpoint_dir, step, shard)
     dist.barrier()
     if stage.is_last:
-        checkpoint.write_manifest(config.checkpoint_dir, step, config.stages, history.losses, config.to_dict(),
-                                  history.grad_norms)
+        checkpoint.write_manifest(config.checkpoint_dir, step, len(config.partition), history.losses,
+                                  config.to_dict(), history.grad_norms)
 
 
 def train(config: RunConfig) -> None:
@@ -127,7 +130,8 @@ def train(config: RunConfig) -> None:
         nodes.check_same_settings(views)
         writers = nodes.output_writers(views)
         recorder = Recorder(rank, device)
-        stage = make_dist_stage(config, prepared, rank, device, recorder)
+        make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage
+        stage = make(config, prepared, rank, device, recorder)
         dist.barrier()
         recorder.restart()  # time origin right after the barrier on every rank
         del prepared
@@ -152,7 +156,7 @@ def train(config: RunConfig) -> None:
         dist.destroy_process_group()
 
 
-def _resume(config: RunConfig, stage: PipelineStage) -> tuple[History, int]:
+def _resume(config: RunConfig, stage: PipelineStage | ChunkedDevice) -> tuple[History, int]:
     """Losses and norms so far and the first step to run, from the last checkpoint when resuming."""
     restarted = _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
     if not config.checkpoint_dir or not (config.resume or restarted):
@@ -163,11 +167,12 @@ def _resume(config: RunConfig, stage: PipelineStage) -> tuple[History, int]:
             print(f"gpipe: no checkpoint in {config.checkpoint_dir!r} yet; starting from step 0", flush=True)
         return History(), 0
     checkpoint.check_resumable(manifest, config.to_dict())
-    checkpoint.load_shard(config.checkpoint_dir, manifest, stage)
+    for shard in shards(stage):
+        checkpoint.load_shard(config.checkpoint_dir, manifest, shard)
     return History(list(manifest["losses"]), list(manifest.get("grad_norms", []))), int(manifest["step"]) + 1
 
 
-def _finish(config: RunConfig, stage: PipelineStage, history: History, first_step: int,
+def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: History, first_step: int,
             device: torch.device, writers: dict[int, tuple[str, str]]) -> None:
     """Gather every rank's timeline to rank 0 and write the report and trace there and on each
     other node that asked (``writers``); a last barrier makes a failed write fail every rank."""
