@@ -4,8 +4,10 @@ Fields: ``step_time_s`` (median over the steps after ``warmup_steps``), ``step_t
 step), ``losses`` (one per step, from step 0 when resumed), ``grad_norms`` (the global L2 norm of
 every step's gradients over all stages, before clipping; taken only with ``--clip-grad-norm``), ``stages`` (per stage:
 ``peak_activation_bytes`` as defined in :mod:`executor.memory`, ``busy_s`` the median per-step
-compute time, ``peak_allocated_bytes`` on CUDA), ``actions`` (median duration of every
-(stage, kind, micro-batch) over the measured steps, with its rows: what calibration fits), the
+compute time, ``peak_allocated_bytes`` on CUDA; under the interleaved schedule a stage is a device,
+its ``layers`` summed over its chunks, listed per chunk in ``chunk_layers``), ``actions`` (median
+duration of every (stage, kind, micro-batch) over the measured steps, with its rows: what
+calibration fits; under the interleaved schedule one per chunk, with its ``virtual_stage``), the
 ``plan``, the run ``config`` and the ``timeline`` itself.
 
 A step's time is the gap between the end of its last span on any rank and the end of the
@@ -45,29 +47,34 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
     if not measured:
         measured = sorted(times)
     busy: dict[tuple[int, int], float] = defaultdict(float)
-    durations: dict[tuple[int, str, int], list[float]] = defaultdict(list)
+    durations: dict[tuple[int, int, str, int], list[float]] = defaultdict(list)
     for r in timeline.records:
         if r.step not in measured:
             continue
         if r.kind in ("F", "R", "B", OPTIMIZER):
             busy[(r.stage, r.step)] += r.duration_s
         if r.kind in ("F", "R", "B"):
-            durations[(r.stage, r.kind, r.microbatch)].append(r.duration_s)
+            virtual = r.stage if r.virtual_stage is None else r.virtual_stage
+            durations[(r.stage, virtual, r.kind, r.microbatch)].append(r.duration_s)
     rows = split_rows(config["batch_size"], config["microbatches"])
     stages = []
+    interleaved = config.get("virtual_stages", 1) > 1
+    devices = len(config["partition"]) // config.get("virtual_stages", 1)  # K; device k: partition[k::K]
     for k in range(len(peak_activation_bytes)):
         entry: dict[str, Any] = {
             "stage": k,
-            "layers": config["partition"][k],
+            "layers": sum(config["partition"][k::devices]),
             "peak_activation_bytes": peak_activation_bytes[k],
             "busy_s": statistics.median([busy[(k, s)] for s in measured]) if measured else 0.0,
         }
+        if interleaved:
+            entry["chunk_layers"] = list(config["partition"][k::devices])
         if peak_allocated_bytes is not None:
             entry["peak_allocated_bytes"] = peak_allocated_bytes[k]
         stages.append(entry)
-    actions = [{"stage": k, "kind": kind, "microbatch": m, "rows": rows[m],
-                "duration_s": statistics.median(values)}
-               for (k, kind, m), values in sorted(durations.items())]
+    actions = [{"stage": k, **({"virtual_stage": s} if interleaved else {}), "kind": kind, "microbatch": m,
+                "rows": rows[m], "duration_s": statistics.median(values)}
+               for (k, s, kind, m), values in sorted(durations.items())]
     step_time = statistics.median([times[s] for s in measured]) if measured else 0.0
     return {
         "step_time_s": step_time,
