@@ -55,6 +55,8 @@ class ChunkRecorder:
         return self.device.span(kind, microbatch, self.virtual_stage)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "device":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.device, name)
 
 

@@ -341,15 +341,17 @@ def test_gpipe_train_splits_the_layers_into_v_times_k_chunks():
 
 
 @pytest.mark.slow
-def test_two_processes_two_chunks_each_match_the_in_process_pipeline(tmp_path):
-    report = tmp_path / "report.json"
-    result = gpipe("train", "--model", "mlp", "--option", "width=32", "--batch", "11", "--microbatches", "4",
-                   "--stages", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--checkpoint", "always",
-                   "--clip-grad-norm", "0.05", "--steps", "3", "--report", str(report))
+def test_two_processes_two_chunks_each_match_in_process_and_resume_exactly(tmp_path):
+    """K = 2, V = 2 over gloo: the losses and norms of the in-process pipeline; a run killed after its
+    step-1 checkpoint and resumed gives the uninterrupted run's losses and norms exactly."""
+    run = ["--model", "mlp", "--option", "width=32", "--batch", "11", "--microbatches", "4", "--stages", "2",
+           "--schedule", "interleaved", "--virtual-stages", "2", "--checkpoint", "always", "--optimizer", "adam",
+           "--clip-grad-norm", "0.05", "--steps", "4"]
+    result = gpipe("train", *run, "--report", str(tmp_path / "full.json"))
     assert result.returncode == 0, result.stderr
-    data = json.loads(report.read_text())
-    pipe = LocalPipeline(interleaved("mlp", 2, 2, 4, "always", clip_grad_norm=0.05, steps=3))
-    expected = [pipe.run_step(s) for s in range(3)]
+    data = json.loads((tmp_path / "full.json").read_text())
+    pipe = LocalPipeline(interleaved("mlp", 2, 2, 4, "always", optimizer="adam", clip_grad_norm=0.05, steps=4))
+    expected = [pipe.run_step(s) for s in range(4)]
     assert data["losses"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
     assert data["grad_norms"] == pytest.approx(pipe.grad_norms, rel=1e-6)
     assert [s["layers"] for s in data["stages"]] == [4, 4]
@@ -358,3 +360,15 @@ def test_two_processes_two_chunks_each_match_the_in_process_pipeline(tmp_path):
     records = data["timeline"]["records"]
     assert {(r["stage"], r["virtual_stage"]) for r in records if r["kind"] == "F"} == {(0, 0), (1, 1), (0, 2), (1, 3)}
     assert {(a["stage"], a["virtual_stage"]) for a in data["actions"]} == {(0, 0), (1, 1), (0, 2), (1, 3)}
+
+    saving = [*run, "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    killed = subprocess.run([sys.executable, "-m", "sim.cli", "train", *saving], cwd=ROOT, capture_output=True,
+                            text=True, timeout=180,
+                            env=dict(os.environ, GPIPE_FAULT_RANK="1", GPIPE_FAULT_STEP="3"))
+    assert killed.returncode != 0
+    assert sorted(os.listdir(tmp_path / "ck" / "step-000001")) == [f"stage-{s}.pt" for s in range(4)]
+    resumed = gpipe("train", *saving, "--resume", "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
+    ours = json.loads((tmp_path / "resumed.json").read_text())
+    assert ours["losses"] == data["losses"] and ours["grad_norms"] == data["grad_norms"]
