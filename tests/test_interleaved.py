@@ -209,6 +209,22 @@ def test_tied_weights_across_chunks_match_unpipelined(stages, virtual_stages, ch
     torch.testing.assert_close(layers[-1].weight.grad, model[0].embedding.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_the_worker_sums_copies_on_chunks_of_one_process_before_the_others():
+    """``chunk_reducer`` with K = 1: both copies on one process, no process group; each copy ends
+    with the sum of the two gradients."""
+    from executor.interleaved import chunk_reducer
+
+    pipe = LocalPipeline(tied(1, 2, 2))
+    embedding = pipe.stages[0].module[0].embedding.weight
+    head = pipe.stages[1].module[-1].weight
+    embedding.grad, head.grad = torch.full_like(embedding, 1.0), torch.full_like(head, 2.0)
+    reduce = chunk_reducer(pipe.stages, pipe.prepared.shared, [None])
+    reduce()
+    assert torch.equal(embedding.grad, torch.full_like(embedding, 3.0))
+    assert torch.equal(head.grad, torch.full_like(head, 3.0))
+    assert chunk_reducer(pipe.stages[1:], [], []) is None
+
+
 @pytest.mark.parametrize("stages,virtual_stages", [(1, 2), (2, 2)])
 def test_tied_weights_train_as_one_with_clipping(stages, virtual_stages):
     """The copies stay equal, and the global norm counts the shared weight once."""
@@ -372,3 +388,23 @@ def test_two_processes_two_chunks_each_match_in_process_and_resume_exactly(tmp_p
     assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
     ours = json.loads((tmp_path / "resumed.json").read_text())
     assert ours["losses"] == data["losses"] and ours["grad_norms"] == data["grad_norms"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partition", ["1,1,1,1", "2,2"])
+def test_tied_weights_over_torchrun_train_as_one_model(tmp_path, partition):
+    """K = 2 (the head's copy on the other process, summed over a process group) and K = 1 (both
+    copies on chunks of the one process, summed there, hand-offs in process), V = 2, against the
+    in-process pipeline; the copies' sum is recorded as its own span."""
+    report = tmp_path / "report.json"
+    result = gpipe("train", "--model", TIED, "--data", "tests.sample_models:tied_lm_data", "--loss", "cross_entropy",
+                   "--partition", partition, "--schedule", "interleaved", "--virtual-stages", "2", "--batch", "11",
+                   "--microbatches", "4", "--steps", "3", "--optimizer", "adam", "--lr", "0.05",
+                   "--clip-grad-norm", "0.1", "--report", str(report))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    stages = len(partition.split(",")) // 2  # K = chunks / V
+    pipe = LocalPipeline(tied(stages, 2, 4, optimizer="adam", lr=0.05, clip_grad_norm=0.1, steps=3))
+    assert data["losses"] == pytest.approx([pipe.run_step(s) for s in range(3)], rel=1e-6, abs=1e-7)
+    assert data["grad_norms"] == pytest.approx(pipe.grad_norms, rel=1e-6)
+    assert "allreduce_shared" in {r["kind"] for r in data["timeline"]["records"]}
