@@ -28,7 +28,7 @@ from sim.partition import even_partition
 from sim.placement import PLACEMENTS
 from sim.plan import load_plan, parse_partition
 from sim.precision import check_precision
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
+from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_interleaving, check_virtual_stages
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--microbatches", type=int, help="M: micro-batches per mini-batch")
     what.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, help="re-materialization policy")
     what.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
+    what.add_argument("--virtual-stages", type=int,
+                      help="V: chunks of layers per process, with --schedule interleaved (2 or more); "
+                           "--partition then lists V x K chunks in model order")
     what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
     what.add_argument("--data", help="package.module:function(batch_size, step=, seed=) -> (inputs, targets)")
     what.add_argument("--seed", type=int, default=0)
@@ -140,29 +143,37 @@ def config_from_args(args: argparse.Namespace):
         config.options = {**(config.options if not args.model else {}), **options}
     ref = model_ref(config.model, config.options, config.seed)
     config.options = dict(ref.options)
+    for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "placement"):
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    check_virtual_stages(config.schedule, config.virtual_stages)
+    chunks = config.virtual_stages  # layer groups per process: V under the interleaved schedule
     if args.partition:
         config.partition = parse_partition(args.partition)
     elif args.stages or not config.partition:
+        if config.schedule == "interleaved":  # M is checked once the batch is known (RunConfig.validate)
+            check_interleaving(args.stages or 1, args.stages or 1, chunks, ref.num_layers)
         config.partition = default_partition(config, ref.num_layers, args)
-    if args.stages and len(config.partition) != args.stages:
+    if args.stages and len(config.partition) != args.stages * chunks:
+        if chunks > 1:
+            raise GpipeInputError(f"--partition has {len(config.partition)} chunks but --stages {args.stages} x "
+                                  f"--virtual-stages {chunks} needs {args.stages * chunks}")
         raise GpipeInputError(f"--partition has {len(config.partition)} stages but --stages is {args.stages}")
     if args.batch is not None:
         config.batch_size = args.batch
     elif not args.plan:
         config.batch_size = _default_batch(config.model)
-    for name in ("microbatches", "checkpoint", "schedule", "replicas", "zero", "placement"):
-        if getattr(args, name) is not None:
-            setattr(config, name, getattr(args, name))
     config.plan(ref)  # validates partition, batch, M, schedule and policy with one-line errors
     return config.validate()
 
 
 def default_partition(config, num_layers: int, args: argparse.Namespace) -> tuple[int, ...]:
     """The partition ``gpipe simulate`` picks for the same flags, so predicted and measured runs
-    split the model the same way; an even split for models the simulator has no analytic form of."""
+    split the model the same way; an even split for models the simulator has no analytic form of.
+    Under the interleaved schedule the layers are split into V x K chunks."""
     from sim.models import BUILTIN_MODELS, get_workload
 
-    stages = args.stages or 1
+    stages = (args.stages or 1) * config.virtual_stages
     partition = even_partition(num_layers, stages)  # also rejects more stages than layers
     if config.model not in BUILTIN_MODELS:
         return partition
@@ -172,8 +183,8 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
 
     batch = args.batch if args.batch is not None else (config.batch_size or _default_batch(config.model))
     microbatches = args.microbatches or config.microbatches
-    candidate = Candidate(stages, microbatches, args.checkpoint or config.checkpoint,
-                          args.schedule or config.schedule)
+    candidate = Candidate(args.stages or 1, microbatches, args.checkpoint or config.checkpoint, config.schedule,
+                          config.replicas, config.virtual_stages, config.zero, config.placement)
     system = get_system(args.hardware)
     workload = get_workload(config.model, {**config.options, "precision": config.precision})
     return tuple(simulator_partition(workload, system, batch, candidate))

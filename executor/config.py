@@ -16,6 +16,8 @@ from sim.optimizers import DEFAULT_OPTIMIZER
 from sim.placement import DEFAULT_PLACEMENT
 from sim.plan import ModelRef, Plan
 from sim.precision import DEFAULT_PRECISION, check_precision
+from sim.microbatch import split_rows
+from sim.schedule import check_interleaving, check_virtual_stages
 from sim.timeline import write_json_atomic
 
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
@@ -87,7 +89,34 @@ class RunConfig:
         from executor.replicas import check_data_parallel
 
         check_data_parallel(self)
+        self.check_virtual_stages()
         return self
+
+    def check_virtual_stages(self) -> None:
+        """The interleaved schedule's needs, in one line each: V only with it, V*K chunks at most one
+        per layer, and M as executed (``torch.chunk`` may make fewer micro-batches than asked) a
+        multiple of K."""
+        check_virtual_stages(self.schedule, self.virtual_stages)
+        if self.schedule != "interleaved" or not self.partition:
+            return
+        if len(self.partition) % self.virtual_stages:
+            raise GpipeInputError(f"partition has {len(self.partition)} entries, not a multiple of "
+                                  f"--virtual-stages {self.virtual_stages}; give V x K entries")
+        stages = self.stages
+        for rows, executed in zip(split_rows(self.batch_size, self.replicas), self.executed_microbatches):
+            if executed != self.microbatches and executed % stages and self.microbatches % stages == 0:
+                size = -(-rows // self.microbatches)
+                share = f"--batch {self.batch_size}" if self.replicas == 1 else f"a replica's {rows} rows"
+                raise GpipeInputError(f"{share} splits into {executed} micro-batches of up to {size} rows, not the "
+                                      f"{self.microbatches} asked, and the interleaved schedule needs a multiple of "
+                                      f"K={stages}; use --batch {self.replicas * self.microbatches * size}")
+            check_interleaving(stages, executed, self.virtual_stages, sum(self.partition))
+
+    @property
+    def executed_microbatches(self) -> list[int]:
+        """M as run by each replica: ``torch.chunk`` makes fewer micro-batches than asked when a
+        replica's share of the batch is small."""
+        return [len(split_rows(rows, self.microbatches)) for rows in split_rows(self.batch_size, self.replicas)]
 
     def optim_settings(self) -> "OptimSettings":
         from executor.optim import OptimSettings

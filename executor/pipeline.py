@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
+from executor.chunks import ChunkedDevice, chunks_of_device
 from executor.config import RunConfig
 from executor.data import batch_for_step
 from executor.boundary import Boundary, map_tensors
@@ -87,10 +88,11 @@ def stage_layers(config: RunConfig, prepared: Prepared, stage: int) -> nn.Sequen
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
                device: torch.device = torch.device("cpu"), recorder: Recorder | None = None) -> PipelineStage:
-    stages = config.stages
+    stages = len(config.partition)  # virtual stages: K, or V*K under the interleaved schedule
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
                                microbatches=config.microbatches, schedule=config.schedule,
-                               checkpoint=config.checkpoint, seed=config.seed, precision=config.precision)
+                               checkpoint=config.checkpoint, seed=config.seed, precision=config.precision,
+                               virtual_stages=config.virtual_stages)
     module = stage_layers(config, prepared, stage)
     return PipelineStage(
         stage_config, module, transport, prepared.loss_fn,
@@ -121,7 +123,7 @@ def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: to
     return stage
 
 
-def train_step_with_data(config: RunConfig, stage: PipelineStage, step: int,
+def train_step_with_data(config: RunConfig, stage: PipelineStage | ChunkedDevice, step: int,
                          layout: "Layout | None" = None) -> float | None:
     """One mini-batch on ``stage``: draw step ``step``'s data where the stage needs it, then train.
 
@@ -138,15 +140,21 @@ def train_step_with_data(config: RunConfig, stage: PipelineStage, step: int,
 
 
 class LocalPipeline:
-    """All K stages in this process. ``stages[k].module`` holds stage k's (live) layers."""
+    """All K stages in this process. ``stages[k].module`` holds stage k's (live) layers; under the
+    interleaved schedule ``stages[s]`` is virtual stage s, and ``devices[d]`` walks device d's list
+    over its chunks (:mod:`executor.chunks`)."""
 
     def __init__(self, config: RunConfig, prepared: Prepared | None = None) -> None:
         self.config = config
         self.prepared = prepared or prepare(config)
         mailboxes = LocalMailboxes()
         device = torch.device(config.device)
-        self.stages = [make_stage(config, self.prepared, k, mailboxes.endpoint(k), device)
-                       for k in range(config.stages)]
+        self.stages = [make_stage(config, self.prepared, s, mailboxes.endpoint(s), device)
+                       for s in range(len(config.partition))]
+        self.devices: list[PipelineStage] | list[ChunkedDevice] = self.stages
+        if config.virtual_stages > 1:
+            self.devices = [ChunkedDevice(chunks_of_device(self.stages, d, config.stages))
+                            for d in range(config.stages)]
         self.grad_norms: list[float] = []  # global gradient norm (before clipping) of each clipping step
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,12 +172,14 @@ class LocalPipeline:
             inputs, targets = self.batch(step)
         for stage in self.stages:
             stage.begin_step(step, inputs, targets)
-        position = [0] * len(self.stages)
-        while any(p < len(s.actions) for p, s in zip(position, self.stages)):
+        walks = [d.actions for d in self.devices]  # each device's list; actions name (virtual) stages
+        position = [0] * len(walks)
+        while any(p < len(actions) for p, actions in zip(position, walks)):
             progressed = False
-            for k, stage in enumerate(self.stages):
-                while position[k] < len(stage.actions):
-                    action = stage.actions[position[k]]
+            for k, actions in enumerate(walks):
+                while position[k] < len(actions):
+                    action = actions[position[k]]
+                    stage = self.stages[action.stage]
                     need = stage.needs(action)
                     if need is not None and not stage.transport.ready(*need):
                         break
@@ -177,9 +187,9 @@ class LocalPipeline:
                     position[k] += 1
                     progressed = True
             if not progressed:
-                stuck = self.stages[0].actions
+                stuck = walks[0]
                 raise RuntimeError("pipeline deadlock:\n" + format_grid(
-                    [s.actions for s in self.stages], highlight=stuck[min(position[0], len(stuck) - 1)]))
+                    walks, highlight=stuck[min(position[0], len(stuck) - 1)]))
         for stage in self.stages:
             stage.finish_sends()
         reduce_in_process([stage.module for stage in self.stages], self.prepared.shared)

@@ -29,7 +29,7 @@ class Recorder:
         self.origin_s = time.perf_counter() if origin_s is None else origin_s
         self.timeline = Timeline(source="measured")
         self.step = 0
-        self._events: list[tuple[str, int, Any, Any]] = []
+        self._events: list[tuple[str, int, Any, Any, int | None]] = []
         self._memory: list[tuple[Any, int]] = []
         self._step_event: Any = None
         self._step_host_s = 0.0
@@ -50,18 +50,20 @@ class Recorder:
             self._step_event.record()
 
     @contextlib.contextmanager
-    def span(self, kind: str, microbatch: int = -1) -> Iterator[None]:
+    def span(self, kind: str, microbatch: int = -1, virtual_stage: int | None = None) -> Iterator[None]:
+        """Time the block as ``kind`` of ``microbatch``; ``virtual_stage``: the chunk it ran on, under
+        the interleaved schedule (:mod:`executor.chunks`)."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            self._events.append((kind, microbatch, start, end))
+            self._events.append((kind, microbatch, start, end, virtual_stage))
             return
         start_s = self.now_s()
         yield
         self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), self.step,
-                                            self.replica))
+                                            self.replica, virtual_stage))
 
     def open_span(self, kind: str, microbatch: int = -1) -> Callable[[], None]:
         """A span that starts now and ends when the returned function is called: for work that runs
@@ -73,7 +75,7 @@ class Recorder:
             def close_cuda() -> None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                self._events.append((kind, microbatch, start, end))
+                self._events.append((kind, microbatch, start, end, None))
 
             return close_cuda
         start_s, step = self.now_s(), self.step
@@ -102,10 +104,10 @@ class Recorder:
             return
         torch.cuda.synchronize()
         base_event, base_s = self._step_event, self._step_host_s
-        for kind, microbatch, start, end in self._events:
+        for kind, microbatch, start, end, virtual_stage in self._events:
             self.timeline.records.append(Record(
                 self.stage, kind, microbatch, base_s + base_event.elapsed_time(start) / 1e3,
-                base_s + base_event.elapsed_time(end) / 1e3, self.step, self.replica))
+                base_s + base_event.elapsed_time(end) / 1e3, self.step, self.replica, virtual_stage))
         for event, nbytes in self._memory:
             self.timeline.memory.append(
                 MemorySample(self.stage, base_s + base_event.elapsed_time(event) / 1e3, nbytes))

@@ -84,6 +84,7 @@ class ReplicaSettings(Protocol):
     batch_size: int
     zero: int
     placement: str
+    virtual_stages: int
 
     @property
     def stages(self) -> int: ...
@@ -132,7 +133,7 @@ class Layout:
     stage_ranks: tuple[int, ...]  # global rank of each stage of this replica
     mesh: DeviceMesh
     boundary_groups: dict[tuple[int, str], dist.ProcessGroup]  # this replica's, as transport.boundary_groups
-    shared_groups: list[dist.ProcessGroup]  # this replica's owners of each shared parameter
+    shared_groups: list[dist.ProcessGroup | None]  # this replica's owners of each shared parameter (None: one rank)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -174,18 +175,24 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     creates every replica's groups in the same order).
     """
     replicas, stages, placement = config.replicas, config.stages, config.placement
+    chunks = stages * config.virtual_stages  # virtual stages: chunk c of device k is c*K + k
     replica, stage = replica_and_stage(rank, replicas, stages, placement)
     grid = [[device_of(d, k, replicas, stages, placement) for k in range(stages)] for d in range(replicas)]
     mesh = DeviceMesh(device_type, torch.tensor(grid, dtype=torch.int), mesh_dim_names=(DP, PP))
     boundary: dict[tuple[int, str], dist.ProcessGroup] = {}
-    shared_groups: list[dist.ProcessGroup] = []
+    shared_groups: list[dist.ProcessGroup | None] = []
     for d, ranks in enumerate(grid):
-        for b in range(stages - 1):
+        # virtual boundary b joins the ranks of virtual stages b and b+1 (with K = 1 both are this
+        # rank, and chunks hand over in process)
+        for b in range(chunks - 1 if stages > 1 else 0):
             for channel in (ACT, GRAD):
-                group = dist.new_group([ranks[b], ranks[b + 1]])
+                group = dist.new_group(sorted({ranks[b % stages], ranks[(b + 1) % stages]}))
                 if d == replica:
                     boundary[(b, channel)] = group
-        groups = [dist.new_group([ranks[k] for k in g.owners]) for g in shared]
+        groups = []
+        for g in shared:
+            owners = sorted({ranks[owner % stages] for owner in g.owners})
+            groups.append(dist.new_group(owners) if len(owners) > 1 else None)
         if d == replica:
             shared_groups = groups
     rows = replica_rows(config.batch_size, replicas)[replica]
@@ -263,14 +270,18 @@ def chain(*hooks: Callable[[int, Action], None] | None) -> Callable[[int, Action
     return hook
 
 
-def attach(stage: PipelineStage, layout: Layout) -> None:
-    """Make ``stage`` one of D replicas: its own dropout seeds, its gradients averaged over its dp
-    group (launched after its last backward, awaited at the end of the step) and, with ZeRO, its
+def attach(stage: Any, layout: Layout) -> None:
+    """Make ``stage`` (a :class:`PipelineStage`, or a device of several chunks under the
+    interleaved schedule) one of D replicas: its own dropout seeds, its gradients averaged over its
+    dp group (launched after its last backward, awaited at the end of the step) and, with ZeRO, its
     optimizer sharded. Nothing changes with one replica."""
     if layout.replicas == 1:
         return
-    stage.config = replace(stage.config, seed=replica_seed(stage.config.seed, layout.replica))
-    average = GradientAverage(stage.params, layout.dp_group, layout.weight, stage.recorder)
+    parts = stage_parts(stage)
+    for part in parts:
+        part.config = replace(part.config, seed=replica_seed(part.config.seed, layout.replica))
+    average = GradientAverage([p for part in parts for p in part.params], layout.dp_group, layout.weight,
+                              stage.recorder)
     last = last_backward_index(stage.actions)
 
     def launch_after_last_backward(index: int, action: Action) -> None:
@@ -280,7 +291,13 @@ def attach(stage: PipelineStage, layout: Layout) -> None:
     stage.after_action = chain(stage.after_action, launch_after_last_backward)
     stage.sync_gradients = average.wait
     if layout.zero:
-        shard_optimizer(stage, layout)
+        for part in parts:
+            shard_optimizer(part, layout)
+
+
+def stage_parts(stage: Any) -> list[PipelineStage]:
+    """The :class:`PipelineStage` objects a rank runs: a device's chunks, or the stage itself."""
+    return list(getattr(stage, "chunks", [stage]))
 
 
 def shard_optimizer(stage: PipelineStage, layout: Layout) -> None:
@@ -294,17 +311,24 @@ def shard_optimizer(stage: PipelineStage, layout: Layout) -> None:
     stage.scheduler = make_scheduler(stage.optim, stage.optimizer)
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of optimizer state this rank holds: with ZeRO its shard only, about 1/D of the stage's."""
-    if optimizer is None:
-        return 0
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    return sum(value.numel() * value.element_size() for state in local.state.values()
-               for value in state.values() if torch.is_tensor(value))
+def optimizer_state_bytes(stage: Any) -> int:
+    """Bytes of optimizer state this rank holds (over its chunks): with ZeRO its shard only, about
+    1/D of the stage's."""
+    total = 0
+    for part in stage_parts(stage):
+        optimizer = part.optimizer
+        if optimizer is None:
+            continue
+        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        total += sum(value.numel() * value.element_size() for state in local.state.values()
+                     for value in state.values() if torch.is_tensor(value))
+    return total
 
 
-def consolidate(stage: PipelineStage) -> None:
-    """Before a checkpoint: with ZeRO, gather the stage's optimizer state onto replica 0 (group rank
-    0 of the dp group), which writes the shard. Collective over the dp group; a no-op otherwise."""
-    if isinstance(stage.optimizer, ZeroRedundancyOptimizer):
-        stage.optimizer.consolidate_state_dict(to=0)
+def consolidate(stage: Any) -> None:
+    """Before a checkpoint: with ZeRO, gather the stage's (each chunk's) optimizer state onto
+    replica 0 (group rank 0 of the dp group), which writes the shards. Collective over the dp
+    group; a no-op otherwise."""
+    for part in stage_parts(stage):
+        if isinstance(part.optimizer, ZeroRedundancyOptimizer):
+            part.optimizer.consolidate_state_dict(to=0)

@@ -4,8 +4,10 @@ Fields: ``step_time_s`` (median over the steps after ``warmup_steps``), ``step_t
 step), ``losses`` (one per step, from step 0 when resumed), ``grad_norms`` (the global L2 norm of
 every step's gradients over all stages, before clipping; taken only with ``--clip-grad-norm``), ``stages`` (per stage:
 ``peak_activation_bytes`` as defined in :mod:`executor.memory`, ``busy_s`` the median per-step
-compute time, ``peak_allocated_bytes`` on CUDA), ``actions`` (median duration of every
-(stage, kind, micro-batch) over the measured steps, with its rows: what calibration fits), the
+compute time, ``peak_allocated_bytes`` on CUDA; under the interleaved schedule a stage is a device,
+its ``layers`` summed over its chunks, listed per chunk in ``chunk_layers``), ``actions`` (median
+duration of every (stage, kind, micro-batch) over the measured steps, with its rows: what
+calibration fits; under the interleaved schedule one per chunk, with its ``virtual_stage``), the
 ``plan``, the run ``config`` and the ``timeline`` itself.
 
 With D data-parallel replicas (:mod:`executor.replicas`), ``stages`` and ``actions`` are replica
@@ -47,21 +49,28 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
                  peak_activation_bytes: list[int], peak_allocated_bytes: list[int] | None = None,
                  first_step: int = 0, grad_norms: list[float] | None = None,
                  optimizer_state_bytes: list[int] | None = None) -> dict[str, Any]:
+    """The run's report. ``stages`` are replica 0's devices (under the interleaved schedule a device
+    lists its chunks' layers) and ``actions`` replica 0's median durations; with several replicas,
+    ``ranks`` has every rank's peak activation bytes and busy time, in (replica, stage) order."""
     times = step_times_s(timeline)
     measured = [s for s in sorted(times) if s >= first_step + config.get("warmup_steps", 1)]
     if not measured:
         measured = sorted(times)
     busy: dict[tuple[int, int, int], float] = defaultdict(float)  # (replica, stage, step)
-    durations: dict[tuple[int, str, int], list[float]] = defaultdict(list)
+    durations: dict[tuple[int, int, str, int], list[float]] = defaultdict(list)  # (stage, virtual, kind, m)
     for r in timeline.records:
         if r.step not in measured:
             continue
         if r.kind in ("F", "R", "B", OPTIMIZER):
             busy[(r.replica, r.stage, r.step)] += r.duration_s
         if r.kind in ("F", "R", "B") and r.replica == 0:
-            durations[(r.stage, r.kind, r.microbatch)].append(r.duration_s)
+            virtual = r.stage if r.virtual_stage is None else r.virtual_stage
+            durations[(r.stage, virtual, r.kind, r.microbatch)].append(r.duration_s)
     replicas = config.get("replicas", 1)
+    virtual_stages = config.get("virtual_stages", 1)
+    interleaved = virtual_stages > 1
     rows = split_rows(split_rows(config["batch_size"], replicas)[0], config["microbatches"])
+    devices = len(config["partition"]) // virtual_stages  # K; device k holds partition[k::K]
     stage_count = len(peak_activation_bytes) // replicas
 
     def busy_s(replica: int, stage: int) -> float:
@@ -71,16 +80,18 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
     for k in range(stage_count):
         entry: dict[str, Any] = {
             "stage": k,
-            "layers": config["partition"][k],
+            "layers": sum(config["partition"][k::devices]),
             "peak_activation_bytes": peak_activation_bytes[k],
             "busy_s": busy_s(0, k),
         }
+        if interleaved:
+            entry["chunk_layers"] = list(config["partition"][k::devices])
         if peak_allocated_bytes is not None:
             entry["peak_allocated_bytes"] = peak_allocated_bytes[k]
         stages.append(entry)
-    actions = [{"stage": k, "kind": kind, "microbatch": m, "rows": rows[m],
-                "duration_s": statistics.median(values)}
-               for (k, kind, m), values in sorted(durations.items())]
+    actions = [{"stage": k, **({"virtual_stage": s} if interleaved else {}), "kind": kind, "microbatch": m,
+                "rows": rows[m], "duration_s": statistics.median(values)}
+               for (k, s, kind, m), values in sorted(durations.items())]
     step_time = statistics.median([times[s] for s in measured]) if measured else 0.0
     extra: dict[str, Any] = {}
     if replicas > 1:  # peak bytes in (replica, stage) order

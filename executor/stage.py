@@ -53,14 +53,15 @@ from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, S
 
 @dataclass(frozen=True)
 class StageConfig:
-    stage: int
-    stages: int
+    stage: int  # the virtual stage under the interleaved schedule
+    stages: int  # stages in the pipeline: V*K virtual stages under the interleaved schedule
     batch_size: int
     microbatches: int
     schedule: str = "gpipe"
     checkpoint: str = "except_last"
     seed: int = 0
     precision: str = "fp32"  # bf16: layers under autocast, loss in fp32 (executor.precision)
+    virtual_stages: int = 1  # V chunks per device (the interleaved schedule)
 
 
 class PipelineStage:
@@ -88,8 +89,12 @@ class PipelineStage:
         self.recorder = recorder or Recorder(config.stage, device)
         self.counter = ActivationCounter(list(self.module.parameters()) + list(self.module.buffers()))
         self.rows = split_rows(config.batch_size, config.microbatches)
-        self.actions = build_schedule(config.stages, len(self.rows), config.schedule,
-                                      config.checkpoint)[config.stage]
+        # This (virtual) stage's share of its device's list: all of it unless the device holds several
+        # chunks (executor.chunks); virtual stage s runs on device s % K.
+        devices = config.stages // config.virtual_stages
+        self.actions = [a for a in build_schedule(devices, len(self.rows), config.schedule, config.checkpoint,
+                                                  config.virtual_stages)[config.stage % devices]
+                        if a.stage == config.stage]
         self.after_action: Callable[[int, Action], None] | None = None  # fault-injection hook
         # Sums the gradients of parameters other stages hold too (executor.sharing); the in-process
         # pipeline does it for all stages at once instead.

@@ -41,6 +41,8 @@ import torch.distributed as dist
 from executor import checkpoint, failures, nodes, replicas
 from executor.config import RunConfig
 from executor.models import model_ref
+from executor.chunks import ChunkedDevice, shards
+from executor.interleaved import make_dist_chunks
 from executor.pipeline import make_dist_stage, prepare, train_step_with_data
 from executor.recording import Recorder
 from executor.report import build_report
@@ -106,15 +108,18 @@ class History:
     grad_norms: list[float] = field(default_factory=list)  # global L2 norm before clipping
 
 
-def _save(config: RunConfig, stage: PipelineStage, step: int, history: History, layout: replicas.Layout) -> None:
-    """Replica 0 of each stage writes its shard (with ZeRO, its optimizer state gathered first)."""
+def _save(config: RunConfig, stage: PipelineStage | ChunkedDevice, step: int, history: History,
+          layout: replicas.Layout) -> None:
+    """Replica 0 of each stage writes its shards, one per (virtual) stage (with ZeRO, its optimizer
+    state gathered first)."""
     replicas.consolidate(stage)
     if layout.replica == 0:
-        checkpoint.save_shard(config.checkpoint_dir, step, stage)
+        for shard in shards(stage):
+            checkpoint.save_shard(config.checkpoint_dir, step, shard)
     dist.barrier()
     if stage.is_last and layout.replica == 0:
-        checkpoint.write_manifest(config.checkpoint_dir, step, config.stages, history.losses, config.to_dict(),
-                                  history.grad_norms)
+        checkpoint.write_manifest(config.checkpoint_dir, step, len(config.partition), history.losses,
+                                  config.to_dict(), history.grad_norms)
 
 
 def train(config: RunConfig) -> None:
@@ -134,7 +139,8 @@ def train(config: RunConfig) -> None:
         writers = nodes.output_writers(views)
         layout = replicas.build_layout(config, rank, device.type, prepared.shared)
         recorder = Recorder(layout.stage, device, replica=layout.replica)
-        stage = make_dist_stage(config, prepared, rank, device, recorder, layout=layout)
+        make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage
+        stage = make(config, prepared, rank, device, recorder, layout=layout)
         replicas.attach(stage, layout)
         dist.barrier()
         recorder.restart()  # time origin right after the barrier on every rank
@@ -163,7 +169,7 @@ def train(config: RunConfig) -> None:
         dist.destroy_process_group()
 
 
-def _resume(config: RunConfig, stage: PipelineStage) -> tuple[History, int]:
+def _resume(config: RunConfig, stage: PipelineStage | ChunkedDevice) -> tuple[History, int]:
     """Losses and norms so far and the first step to run, from the last checkpoint when resuming."""
     restarted = _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
     if not config.checkpoint_dir or not (config.resume or restarted):
@@ -174,11 +180,12 @@ def _resume(config: RunConfig, stage: PipelineStage) -> tuple[History, int]:
             print(f"gpipe: no checkpoint in {config.checkpoint_dir!r} yet; starting from step 0", flush=True)
         return History(), 0
     checkpoint.check_resumable(manifest, config.to_dict())
-    checkpoint.load_shard(config.checkpoint_dir, manifest, stage)
+    for shard in shards(stage):
+        checkpoint.load_shard(config.checkpoint_dir, manifest, shard)
     return History(list(manifest["losses"]), list(manifest.get("grad_norms", []))), int(manifest["step"]) + 1
 
 
-def _finish(config: RunConfig, stage: PipelineStage, history: History | None, first_step: int,
+def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: History | None, first_step: int,
             device: torch.device, writers: dict[int, tuple[str, str]], layout: replicas.Layout) -> None:
     """Gather every rank's timeline to rank 0 and write the report and trace there and on each
     other node that asked (``writers``); a last barrier makes a failed write fail every rank.
@@ -189,7 +196,7 @@ def _finish(config: RunConfig, stage: PipelineStage, history: History | None, fi
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "history": asdict(history) if history is not None else None,
         "replica": layout.replica, "stage": layout.stage,
-        "optimizer_state_bytes": replicas.optimizer_state_bytes(stage.optimizer),
+        "optimizer_state_bytes": replicas.optimizer_state_bytes(stage),
     }
     gathered: list[Any] = [None] * config.world_size if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)

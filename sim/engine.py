@@ -301,31 +301,31 @@ class _Step:
             devices = layout.devices(d)
             t = list(reduced_s)
             for k in range(K):
-                self._span(devices[k], RECV_WAIT, run.last_backward_s[k], start_s[k])
-                self._span(devices[k], DP_ALLREDUCE, start_s[k], reduced_s[k])
+                self._span(d, k, RECV_WAIT, run.last_backward_s[k], start_s[k])
+                self._span(d, k, DP_ALLREDUCE, start_s[k], reduced_s[k])
             for reduction in self.reductions:
                 begin = max(t[k] for k in reduction.owners)
                 finish = begin + _owners_ring_s(reduction.nbytes, [devices[k] for k in reduction.owners], self.system)
                 for k in reduction.owners:
-                    self._span(devices[k], RECV_WAIT, t[k], begin)
-                    self._span(devices[k], SHARED_ALLREDUCE, begin, finish)
+                    self._span(d, k, RECV_WAIT, t[k], begin)
+                    self._span(d, k, SHARED_ALLREDUCE, begin, finish)
                     t[k] = finish
             replica_busy = list(run.busy_s)
             for k in range(K):
                 optimizer_s = sum(c.optimizer_s for c in self.chunk_costs[k])
                 overhead_s = max(c.step_overhead_s for c in self.chunk_costs[k])
-                self._span(devices[k], OPTIMIZER, t[k], t[k] + optimizer_s)
+                self._span(d, k, OPTIMIZER, t[k], t[k] + optimizer_s)
                 replica_busy[k] += optimizer_s
                 t[k] += optimizer_s
-                self._span(devices[k], STEP_OVERHEAD, t[k], t[k] + overhead_s)  # not busy: not known to compute
+                self._span(d, k, STEP_OVERHEAD, t[k], t[k] + overhead_s)  # not busy: not known to compute
                 t[k] += overhead_s
             ends.append(t)
             busy.append(replica_busy)
         return ends, busy
 
-    def _span(self, device: int, kind: str, start_s: float, end_s: float) -> None:
+    def _span(self, replica: int, stage: int, kind: str, start_s: float, end_s: float) -> None:
         if self.record and end_s > start_s:
-            self.records.append(Record(device, kind, -1, start_s, end_s))
+            self.records.append(Record(stage, kind, -1, start_s, end_s, 0, replica))
 
     def result(self, batch_size: int, schedule: str, checkpoint: str, zero: int) -> SimResult:
         layout = self.layout
@@ -363,21 +363,22 @@ class _Step:
         if not self.record:
             return Timeline(source="simulated", meta=meta)
         spans = [tuple(r) for r in self.records]
-        memory: list[MemorySample] = []
+        interleaved = layout.virtual_stages > 1
         for d, run in enumerate(self.runs):
-            devices = layout.devices(d)
-            spans.extend(_span_fields(devices[k], kind, m, start, end) for k, kind, m, start, end, _ in run.records)
-            memory.extend(MemorySample(devices[k], time_s, held) for k, time_s, held in run.memory)
+            spans.extend(_span_fields(d, k, kind, m, start, end, s if interleaved else None)
+                         for k, kind, m, start, end, s in run.records)
+        memory = [MemorySample(k, time_s, held) for k, time_s, held in self.runs[0].memory]  # as the executor samples
         spans.sort(key=_by_start_then_row)
         return Timeline(records=[Record(*fields) for fields in spans], memory=memory, source="simulated",
                         meta=meta)
 
 
-def _span_fields(device: int, kind: str, microbatch: int, start_s: float, end_s: float) -> tuple:
-    """A span's :class:`Record` fields on a row of the timeline: the global device (D x K rows), as
-    the placement numbers them."""
-    return device, kind, microbatch, start_s, end_s
+def _span_fields(replica: int, stage: int, kind: str, microbatch: int, start_s: float, end_s: float,
+                 virtual_stage: int | None) -> tuple:
+    """A span's :class:`Record` fields as the executor records them: the row is (replica, stage),
+    and under the interleaved schedule the span names its virtual stage."""
+    return stage, kind, microbatch, start_s, end_s, 0, replica, virtual_stage
 
 
 def _by_start_then_row(fields: tuple) -> tuple:
-    return fields[3], fields[0]
+    return fields[3], fields[6], fields[0]

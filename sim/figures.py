@@ -12,7 +12,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sim.timeline import KIND_NAMES, Timeline
+from sim.timeline import KIND_NAMES, Timeline, row_name
 
 KIND_COLOURS = {
     "F": "#4C78A8",  # forward: blue
@@ -24,22 +24,25 @@ KIND_COLOURS = {
     "optimizer": "#E45756",
     "overhead": "#BAB0AC",
     "allreduce_shared": "#72B7B2",
+    "allreduce_dp": "#EECA3B",
 }
-KIND_ORDER = ["F", "R", "B", "allreduce_shared", "optimizer", "overhead", "send_act", "send_grad", "recv_wait"]
+KIND_ORDER = ["F", "R", "B", "allreduce_shared", "allreduce_dp", "optimizer", "overhead", "send_act", "send_grad",
+              "recv_wait"]
 
 
 def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: str,
                          show_legend: bool) -> None:
+    replicas = timeline.replicas
     for kind in KIND_ORDER:
         records = [r for r in timeline.records if r.kind == kind]
         if not records:
             continue
-        comm = kind in ("send_act", "send_grad", "recv_wait", "allreduce_shared")
+        comm = kind in ("send_act", "send_grad", "recv_wait", "allreduce_shared", "allreduce_dp")
         fig.add_trace(go.Bar(
             orientation="h",
             base=[r.start_s * 1e3 for r in records],
             x=[max(r.duration_s, 0.0) * 1e3 for r in records],
-            y=[f"{label}stage {r.stage}" for r in records],
+            y=[f"{label}{row_name(r.replica, r.stage, replicas)}" for r in records],
             width=0.35 if comm else 0.8,
             offset=0.05 if comm else -0.4,
             marker_color=KIND_COLOURS[kind],
@@ -47,7 +50,7 @@ def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: st
             name=KIND_NAMES[kind],
             legendgroup=kind,
             showlegend=show_legend,
-            text=[str(r.microbatch) if r.microbatch >= 0 and not comm else "" for r in records],
+            text=[_bar_text(r) if r.microbatch >= 0 and not comm else "" for r in records],
             textposition="inside",
             insidetextanchor="middle",
             customdata=[[r.microbatch, r.start_s * 1e3, r.end_s * 1e3, r.duration_s * 1e3] for r in records],
@@ -55,6 +58,13 @@ def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: st
                            "start %{customdata[1]:.4f} ms<br>end %{customdata[2]:.4f} ms<br>"
                            "duration %{customdata[3]:.4f} ms<extra>%{y}</extra>"),
         ), row=row, col=1)
+
+
+def _bar_text(record) -> str:
+    """The micro-batch, and under the interleaved schedule the virtual stage it ran (``3@v2``)."""
+    if record.virtual_stage is None:
+        return str(record.microbatch)
+    return f"{record.microbatch}@v{record.virtual_stage}"
 
 
 def _add_memory_traces(fig: go.Figure, timeline: Timeline, row: int, label: str) -> None:

@@ -40,6 +40,10 @@ KIND_NAMES = {
 class Record(NamedTuple):
     """One span: ``stage`` did ``kind`` for ``microbatch`` (-1 when none) from start_s to end_s.
 
+    ``stage`` is the row the span sits on: the device. Under the interleaved schedule a device runs
+    several chunks, and ``virtual_stage`` names the one the span belongs to (chunk c of device d is
+    virtual stage c*K + d); None where stage and virtual stage are one.
+
     A named tuple rather than a dataclass: simulations of large pipelines create hundreds of
     thousands of these, and tuples are several times cheaper to build.
     """
@@ -51,6 +55,7 @@ class Record(NamedTuple):
     end_s: float
     step: int = 0
     replica: int = 0  # which of D data-parallel copies of the pipeline (0 with one)
+    virtual_stage: int | None = None
 
     @property
     def duration_s(self) -> float:
@@ -132,10 +137,13 @@ class Timeline:
         for r in self.records:
             label = KIND_NAMES.get(r.kind, r.kind)
             name = f"{label} {r.microbatch}" if r.microbatch >= 0 else label
+            args = {"microbatch": r.microbatch, "step": r.step}
+            if r.virtual_stage is not None:
+                name += f" (virtual stage {r.virtual_stage})"
+                args["virtual_stage"] = r.virtual_stage
             events.append({
                 "ph": "X", "pid": pid, "tid": r.replica * stages + r.stage, "name": name, "cat": r.kind,
-                "ts": r.start_s * 1e6, "dur": max(r.duration_s, 0.0) * 1e6,
-                "args": {"microbatch": r.microbatch, "step": r.step},
+                "ts": r.start_s * 1e6, "dur": max(r.duration_s, 0.0) * 1e6, "args": args,
             })
         for s in self.memory:
             events.append({"ph": "C", "pid": pid, "tid": s.stage, "name": f"memory {row_name(0, s.stage, replicas)}",
@@ -152,10 +160,13 @@ def row_name(replica: int, stage: int, replicas: int) -> str:
 
 
 def _fields(record: Record) -> dict[str, Any]:
-    """A record as a dict; ``replica`` only when not 0, so one pipeline's JSON is unchanged."""
+    """A record as a dict; ``replica`` only when not 0 and ``virtual_stage`` only when set, so one
+    pipeline's JSON is unchanged."""
     data = record._asdict()
     if not data["replica"]:
         del data["replica"]
+    if data["virtual_stage"] is None:
+        del data["virtual_stage"]
     return data
 
 

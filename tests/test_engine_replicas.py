@@ -34,6 +34,8 @@ def test_interleaved_literal_timeline():
         (1, "B0", 9, 11), (1, "B1", 11, 13),
     ]
     assert result.step_time_s == pytest.approx(15e-3)
+    device0 = sorted((r for r in result.timeline.records if r.stage == 0 and r.kind in "FB"), key=lambda r: r.start_s)
+    assert [r.virtual_stage for r in device0] == [0, 0, 2, 2, 2, 2, 0, 0]  # spans name their chunk, as executed
     assert result.bubble_fraction == pytest.approx(1 / 5)
     assert [s.layers for s in result.stages] == [2, 2]
 
@@ -66,7 +68,7 @@ def test_replicas_on_free_links_take_one_pipelines_step_plus_the_all_reduce():
     allreduce_s = 2 * 3 / 4 * gradient_bytes / 1e9 + 2 * 3 * 1e-5
     assert slow.step_time_s == pytest.approx(one.step_time_s + allreduce_s)
     reduces = [r for r in slow.timeline.records if r.kind == DP_ALLREDUCE]
-    assert sorted(r.stage for r in reduces) == list(range(16))
+    assert sorted((r.replica, r.stage) for r in reduces) == [(d, k) for d in range(4) for k in range(4)]
     assert all(r.duration_s == pytest.approx(allreduce_s) for r in reduces)
 
 
@@ -139,7 +141,7 @@ def test_uneven_replicas_train_torch_chunk_rows_and_the_all_reduce_waits_for_the
     busy = {(s.replica, s.stage): s.busy_s for s in result.stages}
     assert busy[(1, 0)] < busy[(0, 0)]
     waits = [r for r in result.timeline.records if r.kind == RECV_WAIT and r.microbatch == -1]
-    assert {r.stage for r in waits} == {2, 3}  # replica 1's devices wait for replica 0 to finish
+    assert {(r.replica, r.stage) for r in waits} == {(1, 0), (1, 1)}  # replica 1 waits for replica 0 to finish
 
 
 def test_replicas_are_refused_in_one_line():

@@ -1,0 +1,145 @@
+"""The interleaved schedule over ``torch.distributed``: one process per device, V chunks in each.
+
+Rank d builds its chunks, virtual stages d, d+K, ..., d+(V-1)K (:mod:`executor.chunks`), and joins
+them with the chunks of the other ranks:
+
+* activations of virtual stage s go to the rank of s+1 and gradients to the rank of s-1 (rank =
+  virtual stage % K; from rank K-1 the activations wrap to rank 0 between chunks). Every virtual
+  boundary b (s = b to b+1) gets two process groups of its two ranks, one per direction, as the
+  boundaries of one chunk per device do (:func:`executor.transport.boundary_groups`): on every
+  communicator messages flow one way, in the order both ends' lists put them, and a message's
+  tensors are tagged (micro-batch x tensors + index), so (group, tag) is unique per (virtual
+  boundary, micro-batch, tensor).
+* with K = 1 every chunk is on the one rank, and hand-offs go through in-process mailboxes, never
+  through a process group.
+* a parameter several chunks share (a tied embedding and head) is summed over the rank's own
+  copies first, then over the ranks that hold a copy (one group per shared parameter, reduced in
+  the order of its first layer on every rank, as :mod:`executor.sharing` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from executor.chunks import ChunkedDevice
+from executor.config import RunConfig
+from executor.pipeline import Prepared, make_stage
+from executor.recording import Recorder
+from executor.sharing import SharedGroup
+from executor.stage import PipelineStage
+from executor.transport import ACT, GRAD, DistTransport, LocalMailboxes, Transport
+
+if TYPE_CHECKING:
+    from executor.replicas import Layout
+
+
+def virtual_boundary_groups(devices: int, virtual_stages: int) -> dict[tuple[int, str], dist.ProcessGroup]:
+    """Two groups per virtual boundary b (virtual stages b and b+1, on ranks b % K and (b+1) % K).
+
+    Every rank must call this, in the same order, since ``new_group`` is collective. Needs K > 1.
+    """
+    groups = {}
+    for b in range(devices * virtual_stages - 1):
+        ranks = sorted({b % devices, (b + 1) % devices})
+        for channel in (ACT, GRAD):
+            groups[(b, channel)] = dist.new_group(ranks)
+    return groups
+
+
+class ChunkTransport(DistTransport):
+    """Point-to-point for one chunk: ``stage`` is its virtual stage, its peers the ranks of the
+    neighbouring virtual stages, over the groups of :func:`virtual_boundary_groups` (or of
+    :func:`executor.replicas.build_layout` for one of several replicas, ``ranks`` then giving the
+    global rank of each device of the replica)."""
+
+    def __init__(self, virtual_stage: int, devices: int, groups: dict[tuple[int, str], dist.ProcessGroup],
+                 device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
+                 ranks: Sequence[int] | None = None) -> None:
+        super().__init__(virtual_stage, groups, device, pipeline_group, ranks)
+        self.devices = devices
+
+    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup]:
+        # act flows s -> s+1 over virtual boundary s; grad flows s+1 -> s over virtual boundary s.
+        if channel == ACT:
+            peer = self.stage - 1 if incoming else self.stage + 1
+        else:
+            peer = self.stage + 1 if incoming else self.stage - 1
+        position = peer % self.devices
+        rank = self.ranks[position] if self.ranks is not None else position
+        return rank, self.groups[(min(peer, self.stage), channel)]
+
+
+def shared_process_groups(groups: Sequence[SharedGroup], devices: int) -> list[dist.ProcessGroup | None]:
+    """One group of the ranks holding a copy, per shared parameter (None: one rank holds them all).
+
+    Every rank must call this, in the same order, since ``new_group`` is collective.
+    """
+    result: list[dist.ProcessGroup | None] = []
+    for group in groups:
+        ranks = sorted({owner % devices for owner in group.owners})
+        result.append(dist.new_group(ranks) if len(ranks) > 1 else None)
+    return result
+
+
+def _grad_or_zeros(parameter: nn.Parameter) -> torch.Tensor:
+    if parameter.grad is None:
+        parameter.grad = torch.zeros_like(parameter)
+    return parameter.grad
+
+
+def chunk_reducer(chunks: Sequence[PipelineStage], groups: Sequence[SharedGroup],
+                  process_groups: Sequence[dist.ProcessGroup | None]) -> Callable[[], None] | None:
+    """Sum each shared parameter's gradient over this rank's copies, then over the other ranks';
+    None when this rank holds no shared parameter."""
+    mine = []
+    for group, process_group in zip(groups, process_groups):
+        copies = [chunk.module.get_parameter(group.names[chunk.config.stage]) for chunk in chunks
+                  if chunk.config.stage in group.owners]
+        if copies:
+            mine.append((copies, process_group))
+    if not mine:
+        return None
+
+    def reduce() -> None:
+        for copies, process_group in mine:
+            grads = [_grad_or_zeros(p) for p in copies]
+            total = torch.stack(grads).sum(dim=0) if len(grads) > 1 else grads[0]
+            if process_group is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
+            for grad in grads:
+                grad.copy_(total)
+
+    return reduce
+
+
+def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: torch.device,
+                     recorder: Recorder | None = None, layout: "Layout | None" = None) -> ChunkedDevice:
+    """Rank ``rank``'s chunks over ``torch.distributed``. Collective: every rank calls it at the
+    same point. With ``layout`` (:mod:`executor.replicas`) the rank is device ``layout.stage`` of one
+    of D replicas, on that replica's rows, with the replica's groups and neighbours."""
+    devices = config.stages
+    ranks = pipeline_group = None
+    if layout is not None:
+        config = replace(config, batch_size=layout.rows)
+        rank, groups, ranks, pipeline_group = layout.stage, layout.boundary_groups, layout.stage_ranks, layout.pp_group
+        shared = layout.shared_groups
+    else:
+        groups = virtual_boundary_groups(devices, config.virtual_stages) if devices > 1 else {}
+        shared = shared_process_groups(prepared.shared, devices)
+    mailboxes = LocalMailboxes() if devices == 1 else None
+
+    def transport(virtual_stage: int) -> Transport:
+        if mailboxes is not None:
+            return mailboxes.endpoint(virtual_stage)
+        return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks)
+
+    chunks = [make_stage(config, prepared, s, transport(s), device)
+              for s in range(rank, len(config.partition), devices)]
+    chunked = ChunkedDevice(chunks, recorder)
+    chunked.reduce_shared = chunk_reducer(chunks, prepared.shared, shared)
+    return chunked
