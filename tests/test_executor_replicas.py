@@ -85,23 +85,27 @@ def assert_trains_as_one_process(report, parameters, batch, settings):
         torch.testing.assert_close(parameters[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("replicas,stages,batch,settings,placement", [
-    (1, 1, 10, SGD, "stages_adjacent"),
-    (1, 2, 11, ADAMW, "stages_adjacent"),
-    (2, 1, 10, SGD, "stages_adjacent"),
-    (2, 2, 11, ADAMW, "replicas_adjacent"),
+@pytest.mark.parametrize("replicas,stages,batch,settings,placement,virtual", [
+    (1, 1, 10, SGD, "stages_adjacent", 1),
+    (1, 2, 11, ADAMW, "stages_adjacent", 1),
+    (2, 1, 10, SGD, "stages_adjacent", 1),
+    (2, 2, 11, ADAMW, "replicas_adjacent", 1),
+    (2, 1, 11, SGD, "stages_adjacent", 2),  # the interleaved schedule: chunks hand over in process
+    (2, 2, 12, ADAMW, "stages_adjacent", 2),  # the interleaved schedule across processes, per replica
 ])
-def test_replicas_of_the_pipeline_train_as_one_process(tmp_path, replicas, stages, batch, settings, placement):
+def test_replicas_of_the_pipeline_train_as_one_process(tmp_path, replicas, stages, batch, settings, placement,
+                                                       virtual):
     report_path, trace_path, root = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "ck"
+    interleaved = ["--schedule", "interleaved", "--virtual-stages", str(virtual)] if virtual > 1 else []
     result = gpipe("train", *MLP, *flags(settings), "--batch", str(batch), "--stages", str(stages),
                    "--replicas", str(replicas), "--placement", placement, "--steps", str(STEPS),
                    "--save-every", str(STEPS), "--checkpoint-dir", str(root), "--report", str(report_path),
-                   "--trace", str(trace_path))
+                   "--trace", str(trace_path), *interleaved)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("gpipe: step 0 loss") == 1  # one rank prints, the global loss
     report = json.loads(report_path.read_text())
-    manifest, parameters = checkpoint_parameters(root, stages)
-    assert manifest["replicas"] == replicas and manifest["stages"] == stages
+    manifest, parameters = checkpoint_parameters(root, stages * virtual)  # one shard per chunk
+    assert manifest["replicas"] == replicas and manifest["stages"] == stages * virtual
     assert_trains_as_one_process(report, parameters, batch, settings)
     records = report["timeline"]["records"]
     ranks = {(r.get("replica", 0), r["stage"]) for r in records}
