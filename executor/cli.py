@@ -146,6 +146,8 @@ def config_from_args(args: argparse.Namespace):
     for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "placement"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
+    if args.virtual_stages is None and config.schedule == "interleaved" and config.virtual_stages == 1:
+        config.virtual_stages = 2  # as gpipe simulate defaults it (sim.cli_options.virtual_stages_of)
     check_virtual_stages(config.schedule, config.virtual_stages)
     chunks = config.virtual_stages  # layer groups per process: V under the interleaved schedule
     if args.partition:

@@ -326,7 +326,8 @@ def parse(*argv):
 
 @pytest.mark.parametrize("argv,message", [
     (("--stages", "2", "--virtual-stages", "2"), "--virtual-stages 2 needs --schedule interleaved"),
-    (("--stages", "2", "--schedule", "interleaved"), "--schedule interleaved needs --virtual-stages 2 or more"),
+    (("--stages", "2", "--schedule", "interleaved", "--virtual-stages", "1"),
+     "--schedule interleaved needs --virtual-stages 2 or more"),
     (("--stages", "2", "--schedule", "interleaved", "--virtual-stages", "5"),
      r"5 virtual stages x 2 stages = 10 chunks but the model has 8 layers"),
     (("--stages", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3"),
@@ -339,6 +340,11 @@ def parse(*argv):
 def test_gpipe_train_flags_are_checked(argv, message):
     with pytest.raises(GpipeInputError, match=message):
         config_from_args(parse(*argv))
+
+
+def test_the_interleaved_schedule_defaults_to_two_chunks_per_process_as_the_simulator_does():
+    config = config_from_args(parse("--stages", "2", "--schedule", "interleaved"))
+    assert config.virtual_stages == 2 and len(config.partition) == 4
 
 
 def test_gpipe_train_refuses_with_one_line_and_exit_2():
