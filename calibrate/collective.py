@@ -22,7 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
+
+from calibrate.link import join_measurement
 
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 QUICK_SIZES_BYTES = (4 << 10, 256 << 10, 4 << 20)
@@ -54,12 +55,7 @@ def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) ->
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    device = join_measurement(device_type)
     try:
         results = []
         for size in sizes:

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.cli import calibrate_cached
     from calibrate.runs import train_report
     from executor.models import model_ref
-    from sim.engine import simulate
+    from sim.planner import simulate_candidate
     from sim.plan import Plan, save_plan
     from sim.errors import require_positive
 
@@ -88,13 +88,15 @@ def run(args: argparse.Namespace) -> int:
     # where fewer stages would be faster (on a few CPU cores one process using them all often is).
     option, workload, system = per_k[max(per_k)]
     c = option.candidate
-    say(f"    chosen: K={c.stages} M={c.microbatches} partition {option.partition} {c.checkpoint} {c.schedule}")
+    chunks = f" V={c.virtual_stages}" if c.virtual_stages > 1 else ""
+    say(f"    chosen: K={c.stages}{chunks} M={c.microbatches} partition {option.partition} {c.checkpoint} {c.schedule}")
     say("3/5 simulating the chosen plan")
-    predicted = simulate(workload, system, option.partition, DEMO_BATCH, c.microbatches, c.checkpoint, c.schedule)
+    predicted = simulate_candidate(workload, system, option.partition, DEMO_BATCH, c, record=True)
     say(f"    predicted step {predicted.step_time_s * 1e3:.1f} ms, bubble {predicted.bubble_fraction:.1%}")
     ref = model_ref(DEMO_MODEL, DEMO_OPTIONS)
     plan = Plan(model=ref, partition=tuple(option.partition), batch_size=DEMO_BATCH, microbatches=c.microbatches,
                 checkpoint=c.checkpoint, schedule=c.schedule, optimizer=workload.optimizer,
+                replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
                 hardware={"system": system.name, "nodes": 1},
                 predicted={"step_time_s": predicted.step_time_s, "bubble_fraction": predicted.bubble_fraction})
     plan_path = os.path.join(args.out_dir, "plan.json")

@@ -22,8 +22,9 @@ from datetime import timedelta
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) -> None:
-    """One rank's side of the ping-pong (started by torchrun); rank 0 writes the results."""
+def join_measurement(device_type: str):
+    """A measuring rank (started by torchrun) joins the process group on the executor's backend for
+    ``device_type``, one thread, its own GPU on CUDA; returns its torch device."""
     import torch
     import torch.distributed as dist
 
@@ -34,6 +35,16 @@ def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) ->
     if device_type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    return device
+
+
+def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) -> None:
+    """One rank's side of the ping-pong (started by torchrun); rank 0 writes the results."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    device = join_measurement(device_type)
     try:
         results = []
         for size in sizes:

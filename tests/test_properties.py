@@ -129,8 +129,9 @@ def _check_scaled(result, scenario):
         replica, k = replica_and_stage(device, D, K, scenario["placement"])
         rows = split_rows(split_rows(scenario["batch_size"], D)[replica], scenario["microbatches"])
         actions = build_schedule(K, len(rows), scenario["schedule"], scenario["checkpoint"], V)[k]
-        mine = sorted((r for r in compute if r.stage == device), key=lambda r: r.start_s)
+        mine = sorted((r for r in compute if (r.replica, r.stage) == (replica, k)), key=lambda r: r.start_s)
         assert [(a.kind.value, a.microbatch) for a in actions] == [(r.kind, r.microbatch) for r in mine]
+        assert [r.virtual_stage for r in mine] == [a.stage if V > 1 else None for a in actions]
         for before, after in zip(mine, mine[1:]):
             assert after.start_s >= before.end_s - eps, "a device ran two actions at once"
         for action, r in zip(actions, mine):
@@ -147,7 +148,7 @@ def _check_scaled(result, scenario):
     for sample in result.timeline.memory:
         assert sample.bytes >= 0
         final[sample.stage] = sample.bytes
-    assert sorted(final) == list(range(D * K)) and all(v == 0 for v in final.values())
+    assert sorted(final) == list(range(K)) and all(v == 0 for v in final.values())  # replica 0's, as executed
     assert 0.0 <= result.bubble_fraction < 1.0
 
 
