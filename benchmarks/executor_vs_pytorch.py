@@ -71,7 +71,7 @@ def _shape(cfg: dict) -> tuple[int, int, int]:
 def _torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                *argv]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
@@ -201,6 +201,8 @@ def pytorch_worker(path: str) -> None:
     if dist.get_rank() == 0:
         with open(job["out"], "w") as handle:
             json.dump({"step_time_s": statistics.median(times[job["warmup"]:])}, handle)
+    del schedule, pipeline_stages  # DDP's reducers before the process group they use
+    dist.barrier()
     dist.destroy_process_group()
 
 
