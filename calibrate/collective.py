@@ -15,21 +15,14 @@ ranks leave the barrier within microseconds of each other on one host.
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
 
-from calibrate.link import join_measurement
+from calibrate.rank_timing import join_measurement, median_call_s, rank_main, run_ranks, write_points
 
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 QUICK_SIZES_BYTES = (4 << 10, 256 << 10, 4 << 20)
 DEFAULT_REPEATS = 10
 QUICK_REPEATS = 5
-WARMUP_CALLS = 2
 MAX_CPU_PARTIES = 8  # beyond this, starting the processes costs more than the measurement tells
 
 
@@ -54,27 +47,14 @@ def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) ->
     import torch
     import torch.distributed as dist
 
-    rank = int(os.environ["RANK"])
     device = join_measurement(device_type)
     try:
         results = []
         for size in sizes:
             buffer = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-            times = []
-            for i in range(repeats + WARMUP_CALLS):
-                dist.barrier()
-                if device_type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-                if device_type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i >= WARMUP_CALLS:
-                    times.append(time.perf_counter() - start)
-            results.append({"bytes": buffer.numel() * 4, "seconds": statistics.median(times)})
-        if rank == 0:
-            with open(out_path, "w") as handle:
-                json.dump(results, handle)
+            seconds = median_call_s(lambda: dist.all_reduce(buffer, op=dist.ReduceOp.SUM), device, repeats)
+            results.append({"bytes": buffer.numel() * 4, "seconds": seconds})
+        write_points(results, out_path)
     finally:
         dist.destroy_process_group()
 
@@ -82,19 +62,8 @@ def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) ->
 def measure_allreduce(parties: int, device_type: str = "cpu", sizes: tuple[int, ...] = DEFAULT_SIZES_BYTES,
                       repeats: int = DEFAULT_REPEATS) -> list[dict[str, float]]:
     """``[{"bytes": n, "seconds": t}, ...]``: one all-reduce among ``parties`` fresh local processes."""
-    from calibrate.runs import _env
-
-    with tempfile.TemporaryDirectory(prefix="gpipe-allreduce-") as directory:
-        out_path = os.path.join(directory, "allreduce.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(parties), "--monitor-interval", "0.2", "-m", "calibrate.collective", device_type,
-                   ",".join(map(str, sizes)), str(repeats), out_path]
-        done = subprocess.run(command, env=_env(1), capture_output=True, text=True, timeout=300, check=False)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"all-reduce among {parties} processes failed: " + " | ".join(tail))
-        with open(out_path) as handle:
-            return list(json.load(handle))
+    return run_ranks("calibrate.collective", parties, device_type, sizes, repeats,
+                     f"all-reduce among {parties} processes")
 
 
 def calibrate_allreduce(device_type: str = "cpu", quick: bool = False,
@@ -118,4 +87,4 @@ def calibrate_allreduce(device_type: str = "cpu", quick: bool = False,
 
 
 if __name__ == "__main__":
-    _measure(sys.argv[1], [int(v) for v in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4])
+    rank_main(_measure)

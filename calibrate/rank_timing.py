@@ -1,0 +1,89 @@
+"""Timing one communication call among fresh local ranks, as the link and all-reduce measurements do.
+
+The measuring processes are started on this host by torchrun, as the executor's workers are, and
+join ``torch.distributed`` on the executor's backend (gloo for CPU tensors, NCCL for CUDA tensors,
+one GPU per rank). Each timed call starts right after a barrier and, on CUDA, between two
+synchronisations; the first calls warm up and are left out. Rank 0 writes the points to a JSON file
+the launching process reads back. Limits: rank 0's clock stands for the group (the ranks leave the
+barrier within microseconds of each other on one host), and the call is measured idle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+WARMUP_CALLS = 2
+
+
+def join_measurement(device_type: str):
+    """A measuring rank joins the process group on the executor's backend for ``device_type``, one
+    thread, its own GPU on CUDA; returns its torch device."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    return device
+
+
+def median_call_s(call: Callable[[], None], device: Any, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``call`` after :data:`WARMUP_CALLS` warm-up ones."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(repeats + WARMUP_CALLS):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= WARMUP_CALLS:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def write_points(points: list[dict[str, float]], out_path: str) -> None:
+    """Rank 0 writes the points."""
+    if int(os.environ["RANK"]) == 0:
+        with open(out_path, "w") as handle:
+            json.dump(points, handle)
+
+
+def run_ranks(module: str, ranks: int, device_type: str, sizes: tuple[int, ...], repeats: int,
+              what: str) -> list[dict[str, float]]:
+    """Start ``ranks`` processes of ``python -m module DEVICE SIZES REPEATS OUT`` under torchrun and
+    return the points rank 0 wrote; a failure raises RuntimeError naming ``what`` and the last lines."""
+    from calibrate.runs import _env
+
+    with tempfile.TemporaryDirectory(prefix="gpipe-measure-") as directory:
+        out_path = os.path.join(directory, "points.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                   "--monitor-interval", "0.2", "-m", module, device_type, ",".join(map(str, sizes)),
+                   str(repeats), out_path]
+        done = subprocess.run(command, env=_env(1), capture_output=True, text=True, timeout=300, check=False)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"{what} failed: " + " | ".join(tail))
+        with open(out_path) as handle:
+            return list(json.load(handle))
+
+
+def rank_main(measure: Callable[[str, list[int], int, str], None]) -> None:
+    """A measuring module's ``__main__``: ``measure(device_type, sizes, repeats, out_path)``."""
+    measure(sys.argv[1], [int(v) for v in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4])
