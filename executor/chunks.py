@@ -28,16 +28,15 @@ device's parameters for the per-parameter optimizers the executor offers (sgd, a
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable
 
 import torch
 
 from executor.memory import ActivationCounter
 from executor.recording import Recorder
-from executor.stage import PipelineStage
+from executor.stage import PipelineStage, StepPhases
 from sim.schedule import Action, build_schedule
-from sim.timeline import RECV_WAIT, SHARED_ALLREDUCE
+from sim.timeline import RECV_WAIT
 
 
 class ChunkRecorder:
@@ -97,7 +96,7 @@ def chunks_of_device(stages: list[Any], device: int, devices: int) -> list[Any]:
     return stages[device::devices]
 
 
-class ChunkedDevice:
+class ChunkedDevice(StepPhases):
     """Device d's V chunks (virtual stages d, d+K, ...), run as one pipeline stage is.
 
     Offers what the worker and the in-process pipeline use of a :class:`PipelineStage`:
@@ -166,23 +165,9 @@ class ChunkedDevice:
     def run(self, action: Action) -> None:
         self.chunk(action).run(action)
 
-    def train_step(self, step: int, inputs: Any, targets: Any) -> float | None:
-        """One mini-batch: walk the device's actions in order (receives block), then update."""
-        self.begin_step(step, inputs, targets)
-        for index, action in enumerate(self.actions):
-            self.run(action)
-            if self.after_action is not None:
-                self.after_action(index, action)
-        return self.end_step()
-
     def finish_sends(self) -> None:
         for chunk in self.chunks:
             chunk.finish_sends()
-
-    def reduce_shared_gradients(self) -> None:
-        if self.reduce_shared is not None:
-            with self.recorder.span(SHARED_ALLREDUCE):
-                self.reduce_shared()
 
     def grad_sq_norm(self) -> torch.Tensor:
         """The device's share of the squared global norm: its chunks' shares added."""
@@ -195,23 +180,13 @@ class ChunkedDevice:
     def step_loss(self) -> float | None:
         return self.chunks[-1].step_loss()
 
-    def end_step(self) -> float | None:
-        """:meth:`PipelineStage.end_step` over the chunks: the norm summed over chunks here, then
-        over devices by the transport (with K = 1 there is no other device)."""
-        self.finish_sends()
-        if self.sync_gradients is not None:
-            self.sync_gradients()
-        self.reduce_shared_gradients()
-        grad_norm = None
-        if self.needs_global_norm:
-            total = self.grad_sq_norm()
-            if self.devices > 1:
-                with self.recorder.span(RECV_WAIT):
-                    total = self.chunks[0].transport.all_reduce_sum(total)
-            grad_norm = math.sqrt(float(total))
-        self.update(grad_norm)
-        self.recorder.flush()
-        return self.step_loss()
+    def pipeline_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """The norm is summed over the chunks already (:meth:`grad_sq_norm`); then over the devices by
+        the transport (with K = 1 there is no other device)."""
+        if self.devices == 1:
+            return local
+        with self.recorder.span(RECV_WAIT):
+            return self.chunks[0].transport.all_reduce_sum(local)
 
 
 def shards(device: PipelineStage | ChunkedDevice) -> list[PipelineStage]:

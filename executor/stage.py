@@ -64,7 +64,60 @@ class StageConfig:
     virtual_stages: int = 1  # V chunks per device (the interleaved schedule)
 
 
-class PipelineStage:
+class StepPhases:
+    """One mini-batch of a rank: walk its action list, then the end-of-step phases in order (sends,
+    the data-parallel average, shared gradients, the global norm when clipping, the update).
+
+    Shared by a :class:`PipelineStage` and a device of several chunks (:mod:`executor.chunks`),
+    which supply the phases themselves and :meth:`pipeline_sum`, the squared norm summed over the
+    pipeline's ranks.
+    """
+
+    actions: list[Action]
+    after_action: Callable[[int, Action], None] | None  # e.g. fault injection, the data-parallel launch
+    sync_gradients: Callable[[], None] | None  # awaits the data-parallel average (executor.replicas)
+    reduce_shared: Callable[[], None] | None  # sums shared parameters' gradients over their owners
+    recorder: Recorder
+
+    def pipeline_sum(self, local: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reduce_shared_gradients(self) -> None:
+        """Sum the gradients of parameters other stages hold too (tied weights, executor.sharing).
+
+        Runs after the sends have finished and before the gradient norm is taken, so that the norm,
+        clipping and the optimizer see the summed gradients. The worker sets ``reduce_shared`` (an
+        all-reduce over the owning ranks); the in-process pipeline sums over its stages itself and
+        leaves it None.
+        """
+        if self.reduce_shared is not None:
+            with self.recorder.span(SHARED_ALLREDUCE):
+                self.reduce_shared()
+
+    def end_step(self) -> float | None:
+        """Every end-of-step phase, the norm summed over the pipeline's ranks; return the loss."""
+        self.finish_sends()
+        if self.sync_gradients is not None:
+            self.sync_gradients()
+        self.reduce_shared_gradients()
+        grad_norm = None
+        if self.needs_global_norm:
+            grad_norm = math.sqrt(float(self.pipeline_sum(self.grad_sq_norm())))
+        self.update(grad_norm)
+        self.recorder.flush()
+        return self.step_loss()
+
+    def train_step(self, step: int, inputs: Any, targets: Any) -> float | None:
+        """One mini-batch: walk the actions in order (receives block), then update."""
+        self.begin_step(step, inputs, targets)
+        for index, action in enumerate(self.actions):
+            self.run(action)
+            if self.after_action is not None:
+                self.after_action(index, action)
+        return self.end_step()
+
+
+class PipelineStage(StepPhases):
     """Runs one stage's actions; ``incoming``/``outgoing`` are its boundary tensors (None at ends)."""
 
     def __init__(self, config: StageConfig, module: nn.Sequential, transport: Transport,
@@ -162,18 +215,6 @@ class PipelineStage:
         with self.recorder.span(SEND_ACTIVATION if self.is_first else SEND_GRADIENT):
             self.transport.finish_step()
 
-    def reduce_shared_gradients(self) -> None:
-        """Sum the gradients of parameters other stages hold too (tied weights, executor.sharing).
-
-        Runs on every stage after its sends have finished and before the gradient norm is taken, so
-        that the norm, clipping and the optimizer see the summed gradients. The worker sets
-        ``reduce_shared`` (an all-reduce over the owning ranks); the in-process pipeline sums over
-        its stages itself and leaves it None.
-        """
-        if self.reduce_shared is not None:
-            with self.recorder.span(SHARED_ALLREDUCE):
-                self.reduce_shared()
-
     def grad_sq_norm(self) -> torch.Tensor:
         """This stage's sum of squared gradient norms: a float64 scalar on its device. A copy of a
         parameter another stage holds first is left out: the global norm counts each parameter once."""
@@ -204,30 +245,9 @@ class PipelineStage:
         the slowest before its optimizer step, so it is not taken otherwise."""
         return self.optim.clip_grad_norm is not None
 
-    def end_step(self) -> float | None:
-        """Every end-of-step phase, the norm summed over ranks by the transport; return the loss."""
-        self.finish_sends()
-        if self.sync_gradients is not None:
-            self.sync_gradients()
-        self.reduce_shared_gradients()
-        grad_norm = None
-        if self.needs_global_norm:
-            local = self.grad_sq_norm()
-            with self.recorder.span(RECV_WAIT):  # every stage's sum, from the other ranks
-                total = self.transport.all_reduce_sum(local)
-            grad_norm = math.sqrt(float(total))
-        self.update(grad_norm)
-        self.recorder.flush()
-        return self.step_loss()
-
-    def train_step(self, step: int, inputs: Any, targets: Any) -> float | None:
-        """One mini-batch: walk this stage's actions in order (receives block), then update."""
-        self.begin_step(step, inputs, targets)
-        for index, action in enumerate(self.actions):
-            self.run(action)
-            if self.after_action is not None:
-                self.after_action(index, action)
-        return self.end_step()
+    def pipeline_sum(self, local: torch.Tensor) -> torch.Tensor:
+        with self.recorder.span(RECV_WAIT):  # every stage's sum, from the other ranks
+            return self.transport.all_reduce_sum(local)
 
     # ------------------------------------------------------------------ actions
 
