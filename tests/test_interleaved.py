@@ -33,7 +33,7 @@ from executor.models import build_model
 from executor.pipeline import LocalPipeline
 from sim.errors import GpipeInputError
 from sim.schedule import Kind, build_schedule
-from test_transparency import CLIP, check_step, torch_schedule, without_key_bias
+from test_transparency import CLIP, check_adamw_steps, check_step
 from test_transparency_bf16 import check_bf16_step
 
 OPTIONS = {"mlp": {"width": 32}, "transformer": {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}}
@@ -105,25 +105,7 @@ def test_adamw_with_clipping_and_cosine_matches_unpipelined(model, stages, virtu
     config = interleaved(model, stages, virtual_stages, checkpoint=checkpoint, optimizer="adamw", lr=0.01,
                          weight_decay=0.1, clip_grad_norm=CLIP[model], lr_schedule="cosine", lr_warmup_steps=1,
                          steps=ADAMW_STEPS)
-    pipe = LocalPipeline(config)
-    reference = build_model(model, OPTIONS[model], 0)
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
-    scheduler = torch_schedule(optimizer, "cosine", 1, ADAMW_STEPS)
-    for step in range(ADAMW_STEPS):
-        inputs, targets = pipe.batch(step)
-        loss = pipe.run_step(step)
-        optimizer.zero_grad()
-        ref = pipe.prepared.loss_fn(reference(inputs), targets)
-        ref.backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP[model])
-        optimizer.step()
-        scheduler.step()
-        torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
-        assert pipe.grad_norms[step] == pytest.approx(float(norm), rel=1e-5)
-        assert pipe.grad_norms[step] > CLIP[model]  # so this step clipped
-    for (name, p), q in zip(pipe.model().named_parameters(), reference.parameters()):
-        torch.testing.assert_close(without_key_bias(name, p), without_key_bias(name, q), rtol=1e-5, atol=1e-6,
-                                   msg=name)
+    check_adamw_steps(config)
 
 
 def test_bf16_step_matches_unpipelined_under_autocast():

@@ -113,22 +113,29 @@ def test_adamw_with_clipping_and_lr_schedule_matches_unpipelined(model, stages, 
                        microbatches=3, checkpoint=checkpoint, schedule=schedule, optimizer="adamw", lr=0.01,
                        weight_decay=0.1, clip_grad_norm=CLIP[model], lr_schedule=lr_schedule, lr_warmup_steps=2,
                        steps=ADAMW_STEPS)
+    check_adamw_steps(config)
+
+
+def check_adamw_steps(config: RunConfig) -> None:
+    """``config`` (AdamW with weight decay and clipping, its learning-rate schedule) in process
+    against torch alone on the same model: loss and global norm every step, each step clipped, then
+    every parameter."""
     pipe = LocalPipeline(config)
-    reference = build_model(model, OPTIONS[model], 0)
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
-    scheduler = torch_schedule(optimizer, lr_schedule, 2, ADAMW_STEPS)
-    for step in range(ADAMW_STEPS):
+    reference = build_model(config.model, config.options, 0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch_schedule(optimizer, config.lr_schedule, config.lr_warmup_steps, config.steps)
+    for step in range(config.steps):
         inputs, targets = pipe.batch(step)
         loss = pipe.run_step(step)
         optimizer.zero_grad()
         ref = pipe.prepared.loss_fn(reference(inputs), targets)
         ref.backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP[model])
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_grad_norm)
         optimizer.step()
         scheduler.step()
         torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
         assert pipe.grad_norms[step] == pytest.approx(float(norm), rel=1e-5)
-        assert pipe.grad_norms[step] > CLIP[model]  # so this step clipped
+        assert pipe.grad_norms[step] > config.clip_grad_norm  # so this step clipped
     for (name, p), q in zip(pipe.model().named_parameters(), reference.parameters()):
         torch.testing.assert_close(without_key_bias(name, p), without_key_bias(name, q), rtol=1e-5, atol=1e-6,
                                    msg=name)
