@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.models import build_model
 from executor.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
+from test_transparency import check_step
 
 MODEL = "tests.sample_models:several_tensors"
 PARTITIONS = {1: (6,), 2: (2, 4), 3: (1, 2, 3), 6: (1, 1, 1, 1, 1, 1)}
@@ -29,16 +29,7 @@ def config(stages, microbatches=4, checkpoint="except_last", schedule="gpipe", *
 
 @pytest.mark.parametrize("stages,microbatches,checkpoint,schedule", GRID)
 def test_one_step_matches_unpipelined(stages, microbatches, checkpoint, schedule):
-    pipe = LocalPipeline(config(stages, microbatches, checkpoint, schedule))
-    inputs, targets = pipe.batch(0)
-    loss = pipe.run_step(0, update=False)
-    model = build_model(MODEL, {}, 0)
-    ref = pipe.prepared.loss_fn(model(inputs), targets)
-    ref.backward()
-    torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-6, atol=1e-6)
-    params = dict(pipe.model().named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    check_step(config(stages, microbatches, checkpoint, schedule))
 
 
 def test_boundaries_describe_every_leaf():
