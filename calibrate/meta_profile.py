@@ -227,7 +227,7 @@ def torch_workload(model: str, options: dict[str, Any] | None = None) -> MetaWor
     analysis = {k: options.pop(k, v) for k, v in ANALYSIS_DEFAULTS.items()}
     precision = check_precision(analysis["precision"])
     started = time.perf_counter()
-    module = build_meta_model(model, options, check=False)  # values do not matter here
+    module = build_meta_model(model, options)  # values do not matter here
     shared = [SharedTensor(f"{layers[0]}.{name}", layers, numel) for name, layers, numel in shared_tensors(module)]
     sample = _sample(model, options, input_shape)
     if precision == DEFAULT_PRECISION:  # nothing to autocast: the faster plain meta tensors

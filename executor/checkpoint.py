@@ -2,8 +2,13 @@
 
 Layout under ``--checkpoint-dir``::
 
-    step-000012/stage-0.pt ... stage-{K-1}.pt   # layers (buffers included), optimizer, lr schedule, RNG
-    manifest.json                               # {"step": 12, "stages": K, "replicas": D, "dir": ...}
+    step-000012/stage-0.safetensors ... stage-{K-1}.safetensors  # layers, optimizer, lr schedule, RNG
+    manifest.json                                                 # {"step": 12, "stages": K, ...}
+
+A shard is a safetensors file with the non-tensor state as JSON in its metadata
+(:mod:`executor.state_file`): reading a checkpoint runs no code, and a shard that is not such a file
+(a pickle put in its place) is refused in one line, by ``gpipe train --resume`` before any worker
+starts.
 
 Every file is written to a temporary name and renamed (``os.replace``), and the manifest is written
 last, by rank 0, after every rank has finished its shard (a barrier). A kill at any moment leaves
@@ -28,11 +33,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import torch
 
+from executor import state_file
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
 from sim.timeline import write_json_atomic
@@ -55,17 +60,17 @@ def save_shard(root: str, step: int, stage: PipelineStage) -> None:
         "cpu_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, os.path.join(directory, f"stage-{stage.config.stage}.pt"))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    state_file.save(shard_path(directory, stage.config.stage), state)
+
+
+def shard_path(directory: str, stage: int) -> str:
+    return os.path.join(directory, f"stage-{stage}.safetensors")
+
+
+def check_shards(root: str, manifest: dict[str, Any]) -> None:
+    """Every shard the manifest names is a state file (headers only); else one line naming it."""
+    for stage in range(manifest["stages"]):
+        state_file.check(shard_path(os.path.join(root, manifest["dir"]), stage))
 
 
 def write_manifest(root: str, step: int, stages: int, losses: list[float], config: dict[str, Any],
@@ -98,8 +103,7 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
     if manifest["stages"] != stage.config.stages:
         raise GpipeInputError(f"checkpoint in {root!r} has {manifest['stages']} stages but the plan has "
                               f"{stage.config.stages}; resume with the same plan or a new --checkpoint-dir")
-    path = os.path.join(root, manifest["dir"], f"stage-{stage.config.stage}.pt")
-    state = torch.load(path, map_location=stage.device, weights_only=False)
+    state = state_file.load(shard_path(os.path.join(root, manifest["dir"]), stage.config.stage), stage.device)
     stage.module.load_state_dict(state["module"])
     if stage.optimizer is not None and state["optimizer"] is not None:
         stage.optimizer.load_state_dict(state["optimizer"])

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
     what.add_argument("--data", help="package.module:function(batch_size, step=, seed=) -> (inputs, targets)")
     what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--init", choices=("factory", "meta"),
+                      help="first weights: factory (default: exactly what the model's factory gives after "
+                           "torch.manual_seed(--seed), built once per node by this command) or meta (built on "
+                           "the meta device, each layer from reset_parameters() seeded per layer: for a model "
+                           "larger than this host)")
     what.add_argument("--init-from", metavar="PATH",
                       help="start from these weights: a state dict, a safetensors file or a model folder "
                            "(each process reads only its own stage's tensors)")
@@ -130,6 +135,11 @@ def config_from_args(args: argparse.Namespace):
         extra["optimizer"] = args.optimizer
     if args.precision is not None:
         extra["precision"] = check_precision(args.precision)
+    if args.init is not None:
+        if args.init_from:
+            raise GpipeInputError(f"--init {args.init} and --init-from both say where the first weights come "
+                                  "from; give one of them")
+        extra["init"] = args.init
     if args.plan:
         config = RunConfig.from_plan(load_plan(args.plan), **extra)  # drops the analysis options
     else:
@@ -219,6 +229,7 @@ def check_checkpoint_dir(config) -> None:
                                   "give the directory a run saved to with --save-every, or drop --resume to start "
                                   "from step 0")
         checkpoint.check_resumable(manifest, config.to_dict())
+        checkpoint.check_shards(root, manifest)
 
 
 def _default_batch(model: str) -> int:
@@ -244,10 +255,16 @@ def run(args: argparse.Namespace) -> int:
                                   "exist; create it first")
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
-    prepare(config)  # a bad model or partition fails here, before any process starts
+    prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
     try:
+        if config.init == "factory" and not config.init_from:
+            from executor.initial_weights import save_factory_weights
+
+            config.factory_weights = save_factory_weights(config.model, config.options, config.seed, prepared.model,
+                                                          os.path.join(workdir, "factory-weights"))
+        del prepared
         config_path = os.path.join(workdir, "config.json")
         config.save(config_path)
         error_dir = os.path.join(workdir, "errors")

@@ -47,7 +47,9 @@ class RunConfig:
     lr_schedule: str = "constant"  # constant | cosine (to 0 over ``steps``)
     lr_warmup_steps: int = 0  # linear warm-up steps before the schedule
     data: str = ""  # package.module:function, "" = built-in synthetic data
-    init_from: str = ""  # state dict, safetensors file or model folder to start from; "" = from the seed
+    init: str = "factory"  # first values: factory (factory()'s, after manual_seed(seed)) or meta (seeded per layer)
+    init_from: str = ""  # state dict, safetensors file or model folder to start from (overrides init)
+    factory_weights: str = ""  # set by gpipe train: the folder it wrote factory()'s values to on this node
     steps: int = 10
     warmup_steps: int = 1  # steps left out of step_time_s
     report: str = ""
@@ -86,6 +88,9 @@ class RunConfig:
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
         check_precision(self.precision)
+        from executor.initial_weights import check_init
+
+        check_init(self.init)
         from executor.replicas import check_data_parallel
 
         check_data_parallel(self)

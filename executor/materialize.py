@@ -1,4 +1,6 @@
-"""Build a model on the meta device and give real values to only the layers a process needs.
+"""``--init meta``: build a model on the meta device and give only the layers a process needs values
+of their own, seeded per layer (the default start, ``factory()``'s values, is
+:mod:`executor.initial_weights`).
 
 Nothing of the whole model is ever allocated: it is built under ``torch.device("meta")`` (shapes,
 no storage), and a process materialises the layers of its own stage on its device. Values are a
@@ -57,18 +59,22 @@ def _can_reset(module: nn.Module) -> bool:
     return callable(getattr(module, "reset_parameters", None))
 
 
-def check_initialisable(model: nn.Sequential) -> None:
+def check_initialisable(model: nn.Sequential, only: set[int] | None = None,
+                        why: str = "after a meta-device build") -> None:
     """Refuse a model with a parameter or buffer no ``reset_parameters()`` on its path can set, in
-    the first layer holding it (later layers sharing it take that layer's value)."""
+    the first layer holding it (later layers sharing it take that layer's value); ``only``: the
+    ``id``s of the tensors to check (default all). ``why`` ends the message's first clause."""
     home = first_layer_of(model)
     for index, layer in enumerate(model):
         for path, table, name in _owners(layer):
-            if home[id(table[name])] == index and not any(_can_reset(module) for module in path):
+            tensor = table[name]
+            if only is not None and id(tensor) not in only:
+                continue
+            if home[id(tensor)] == index and not any(_can_reset(module) for module in path):
                 holder = type(path[-1]).__name__
                 raise GpipeInputError(
                     f"{name!r} of {holder} in layer {index} ({type(layer).__name__}) has no reset_parameters() "
-                    f"to initialise it after a meta-device build; give {holder} a reset_parameters() method "
-                    "that sets it")
+                    f"to initialise it {why}; give {holder} a reset_parameters() method that sets it")
 
 
 def first_layer_of(model: nn.Sequential) -> dict[int, int]:
@@ -80,7 +86,7 @@ def first_layer_of(model: nn.Sequential) -> dict[int, int]:
     return home
 
 
-def _to_empty(layers: Sequence[nn.Module], device: torch.device) -> None:
+def to_empty(layers: Sequence[nn.Module], device: torch.device) -> None:
     """Storage for every parameter and buffer of ``layers``, one per tensor however often it is held."""
     memo: dict[int, torch.Tensor] = {}
     for layer in layers:
@@ -94,7 +100,7 @@ def _to_empty(layers: Sequence[nn.Module], device: torch.device) -> None:
             table[name] = new
 
 
-def _initialise(layer: nn.Module, index: int, seed: int) -> None:
+def initialise_layer(layer: nn.Module, index: int, seed: int) -> None:
     """Seed with (seed, layer), then ``reset_parameters()`` children before parents, as
     ``nn.Module.apply`` visits them: a module that sets up its whole subtree has the last word."""
     def visit(module: nn.Module, seen: set[int]) -> None:
@@ -123,9 +129,9 @@ def materialise(meta: nn.Sequential, indices: Sequence[int], seed: int,
     """
     home = first_layer_of(meta)
     layers = copy.deepcopy([meta[i] for i in indices])  # one memo: sharing inside the set is kept
-    _to_empty(layers, device)
+    to_empty(layers, device)
     for index, layer in sorted(zip(indices, layers), key=lambda pair: pair[0], reverse=True):
-        _initialise(layer, index, seed)
+        initialise_layer(layer, index, seed)
     inside, copied = set(indices), set()
     for index, layer in zip(indices, layers):
         for (_, table, name), (_, meta_table, meta_name) in zip(_owners(layer), _owners(meta[index])):
@@ -142,8 +148,8 @@ def _value_in_layer(meta: nn.Sequential, index: int, original: torch.Tensor, see
                     device: torch.device) -> torch.Tensor:
     """The value layer ``index`` gives the meta tensor ``original`` when initialised on its own."""
     layer = copy.deepcopy(meta[index])
-    _to_empty([layer], device)
-    _initialise(layer, index, seed)
+    to_empty([layer], device)
+    initialise_layer(layer, index, seed)
     for (_, table, name), (_, meta_table, meta_name) in zip(_owners(layer), _owners(meta[index])):
         if meta_table[meta_name] is original:
             return table[name]

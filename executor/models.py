@@ -1,8 +1,9 @@
 """The torch models the executor trains: built-ins ``mlp``, ``transformer``, ``cnn`` and user factories.
 
 Every builder returns an ``nn.Sequential`` whose top-level children are the pipeline's layers (the
-partition counts them). Models are built from a seed, so every rank builds the same weights and
-keeps only its own stage's layers. The layer lists mirror the simulator's analytic models
+partition counts them). :func:`build_model` is the model a user would train without a pipeline: the
+builder called once after ``torch.manual_seed(seed)``; where a run's stages take their first values
+from is :mod:`executor.initial_weights`. The layer lists mirror the simulator's analytic models
 (``sim.models``) and read their defaults from :mod:`sim.model_defaults`.
 
 A user model is named ``package.module:function``; the function is called with the model options as
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor import hf
-from executor.materialize import build_meta, check_initialisable, materialise
+from executor.materialize import build_meta
 from sim.errors import GpipeInputError
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.plan import ModelRef
@@ -171,23 +172,28 @@ def load_object(spec: str, what: str) -> Any:
     return getattr(module, attr)
 
 
-def build_meta_model(name: str, options: dict[str, Any] | None = None, check: bool = True) -> nn.Sequential:
-    """The model's structure on the meta device (no storage), checked (``check``) to be
-    initialisable layer by layer (see :mod:`executor.materialize`)."""
+def _builder(name: str, options: dict[str, Any] | None) -> Callable[[], nn.Sequential]:
+    """The call that builds the model (a user factory is imported here, one line if it cannot be)."""
     opts = resolve_options(name, options)
     if hf.is_hf(name):
-        model = build_meta(lambda: hf.build(name, opts))
-    elif is_builtin(name):
-        model = build_meta(lambda: _BUILDERS[name](opts))
-    else:
-        factory = load_object(name, "model factory")
-        model = build_meta(lambda: factory(**opts))
+        return lambda: hf.build(name, opts)
+    if is_builtin(name):
+        return lambda: _BUILDERS[name](opts)
+    factory = load_object(name, "model factory")
+
+    def build() -> nn.Sequential:
+        model = factory(**opts)
         if not isinstance(model, nn.Sequential):
             raise GpipeInputError(f"model factory {name!r} returned {type(model).__name__}; "
                                   "it must return an nn.Sequential whose children are the pipeline layers")
-    if check:
-        check_initialisable(model)
-    return model
+        return model
+
+    return build
+
+
+def build_meta_model(name: str, options: dict[str, Any] | None = None) -> nn.Sequential:
+    """The model's structure on the meta device (no storage)."""
+    return build_meta(_builder(name, options))
 
 
 def checkpoint_names(name: str, options: dict[str, Any] | None = None) -> Callable[[str], str] | None:
@@ -198,10 +204,12 @@ def checkpoint_names(name: str, options: dict[str, Any] | None = None) -> Callab
 
 
 def build_model(name: str, options: dict[str, Any] | None = None, seed: int = 0) -> nn.Sequential:
-    """The whole model, every layer's values a pure function of (``seed``, layer): what the pipeline
-    trains, built in one piece (for references, profiling and tests; the executor never does this)."""
-    meta = build_meta_model(name, options)
-    return nn.Sequential(*materialise(meta, range(len(meta)), seed))
+    """The whole model as the user builds it: ``torch.manual_seed(seed)``, then the factory (the
+    caller's random state is left as it was). What ``--init factory`` runs start from."""
+    build = _builder(name, options)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
 
 
 def example_batch(name: str, options: dict[str, Any] | None, rows: int,

@@ -3,7 +3,8 @@
 :func:`prepare` builds the model on the meta device and checks it against the partition with a dry
 forward of meta tensors (:mod:`executor.shapes`): nothing is allocated, so ``gpipe train`` and every
 worker can check a model larger than one host's memory. :func:`make_stage` gives real values to one
-stage's layers only (:mod:`executor.materialize`), from the seed and the layer index. The multi-process
+stage's layers only, from where the run's first weights come from (:mod:`executor.initial_weights`:
+``factory()``'s values by default). The multi-process
 worker makes one stage per rank; :class:`LocalPipeline` makes all of them in one process, joined by
 in-process mailboxes, and interleaves their action lists in a fixed order: it sweeps the stages
 round-robin, running each stage's next actions while their inputs are present. Every action runs
@@ -27,8 +28,7 @@ from executor.chunks import ChunkedDevice, chunks_of_device
 from executor.config import RunConfig
 from executor.data import batch_for_step
 from executor.boundary import Boundary, map_tensors
-from executor.init_from import check_file, first_names, load_values
-from executor.materialize import materialise
+from executor.initial_weights import WeightSource, check_source, weight_source
 from executor.models import build_meta_model, check_loss, checkpoint_names, default_loss, loss_function
 from executor.recording import Recorder
 from executor.shapes import dry_run
@@ -51,6 +51,7 @@ class Prepared:
     boundaries: list[Boundary]  # K+1: model input, each cut, model output
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     shared: list[SharedGroup]  # parameters layers on different stages share
+    source: WeightSource | None = None  # where the stages' first values come from, once asked (weights_of)
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -66,24 +67,26 @@ def prepare(config: RunConfig) -> Prepared:
     loss_fn = loss_function(loss)
     validate_partition(tuple(config.partition), len(model))
     shared = find_shared(model, tuple(config.partition))
-    if config.init_from:
-        check_file(config.init_from, model, checkpoint_names(config.model, config.options))
+    check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
     boundaries = dry_run(model, tuple(config.partition), to_meta(inputs), to_meta(targets), loss_fn,
                          config.precision)
     return Prepared(model, boundaries, loss_fn, shared)
 
 
+def weights_of(config: RunConfig, prepared: Prepared) -> WeightSource:
+    """The run's source of first values in this process, made once (``factory()`` may be built here)."""
+    if prepared.source is None:
+        prepared.source = weight_source(config, prepared.model, checkpoint_names(config.model, config.options))
+    return prepared.source
+
+
 def stage_layers(config: RunConfig, prepared: Prepared, stage: int) -> nn.Sequential:
-    """Stage ``stage``'s layers with real values, keyed by their index in the whole model."""
+    """Stage ``stage``'s layers with their first values, keyed by their index in the whole model."""
     first, end = stage_bounds(config.partition)[stage]
     indices = list(range(first, end))
-    layers = materialise(prepared.model, indices, config.seed)
-    module = nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, layers)))
-    if config.init_from:
-        load_values(config.init_from, module, first_names(prepared.model),
-                    checkpoint_names(config.model, config.options))
-    return module
+    layers = weights_of(config, prepared).layers(prepared.model, indices)
+    return nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, layers)))
 
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
@@ -151,6 +154,7 @@ class LocalPipeline:
         device = torch.device(config.device)
         self.stages = [make_stage(config, self.prepared, s, mailboxes.endpoint(s), device)
                        for s in range(len(config.partition))]
+        self.prepared.source = None  # a factory() model built here is not needed once the stages hold copies
         self.devices: list[PipelineStage] | list[ChunkedDevice] = self.stages
         if config.virtual_stages > 1:
             self.devices = [ChunkedDevice(chunks_of_device(self.stages, d, config.stages))

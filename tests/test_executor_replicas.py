@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from executor import state_file
 from executor.data import batch_for_step
 from executor.models import build_model, default_loss, loss_function
 from executor.optim import OptimSettings, make_optimizer, make_scheduler
@@ -70,7 +71,7 @@ def checkpoint_parameters(root, stages):
     manifest = json.loads((root / "manifest.json").read_text())
     values = {}
     for k in range(stages):
-        values.update(torch.load(root / manifest["dir"] / f"stage-{k}.pt", weights_only=False)["module"])
+        values.update(state_file.load(str(root / manifest["dir"] / f"stage-{k}.safetensors"))["module"])
     return manifest, values
 
 

@@ -361,7 +361,7 @@ def test_two_processes_two_chunks_each_match_in_process_and_resume_exactly(tmp_p
                             text=True, timeout=180,
                             env=dict(os.environ, GPIPE_FAULT_RANK="1", GPIPE_FAULT_STEP="3"))
     assert killed.returncode != 0
-    assert sorted(os.listdir(tmp_path / "ck" / "step-000001")) == [f"stage-{s}.pt" for s in range(4)]
+    assert sorted(os.listdir(tmp_path / "ck" / "step-000001")) == [f"stage-{s}.safetensors" for s in range(4)]
     resumed = gpipe("train", *saving, "--resume", "--report", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
     assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
