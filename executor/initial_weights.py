@@ -190,9 +190,10 @@ def check_source(meta: nn.Sequential, init: str, init_from: str, rename=None) ->
         if absent:
             named = dict(indexed(meta).named_buffers(remove_duplicate=False))
             check_initialisable(meta, only={id(named[name]) for name in absent},
-                                why=f"a non-persistent buffer --init-from {init_from!r} does not hold")
+                                why=f"(a non-persistent buffer --init-from {init_from!r} does not hold)")
     elif init == "meta":
-        check_initialisable(meta, why="on --init meta; or drop --init meta to start from factory()'s values")
+        check_initialisable(meta, why="under --init meta",
+                            alternative=", or drop --init meta to start from factory()'s values")
 
 
 def weight_source(config: Any, meta: nn.Sequential, rename=None) -> WeightSource:

@@ -60,10 +60,11 @@ def _can_reset(module: nn.Module) -> bool:
 
 
 def check_initialisable(model: nn.Sequential, only: set[int] | None = None,
-                        why: str = "after a meta-device build") -> None:
+                        why: str = "after a meta-device build", alternative: str = "") -> None:
     """Refuse a model with a parameter or buffer no ``reset_parameters()`` on its path can set, in
     the first layer holding it (later layers sharing it take that layer's value); ``only``: the
-    ``id``s of the tensors to check (default all). ``why`` ends the message's first clause."""
+    ``id``s of the tensors to check (default all). ``why`` ends the message's first clause,
+    ``alternative`` its last."""
     home = first_layer_of(model)
     for index, layer in enumerate(model):
         for path, table, name in _owners(layer):
@@ -74,7 +75,7 @@ def check_initialisable(model: nn.Sequential, only: set[int] | None = None,
                 holder = type(path[-1]).__name__
                 raise GpipeInputError(
                     f"{name!r} of {holder} in layer {index} ({type(layer).__name__}) has no reset_parameters() "
-                    f"to initialise it {why}; give {holder} a reset_parameters() method that sets it")
+                    f"to initialise it {why}; give {holder} a reset_parameters() method that sets it{alternative}")
 
 
 def first_layer_of(model: nn.Sequential) -> dict[int, int]:
