@@ -5,7 +5,8 @@ configurations that share a replica count D and a stage count K run one after an
 same D x K worker processes (``python -m torch.distributed.run --nproc-per-node D*K -m
 calibrate.runs CONFIGS OUTDIR``). Each configuration runs exactly as ``gpipe train`` runs it: the
 executor's own :func:`prepare`, :func:`make_dist_stage` (each rank's replica and stage as laid out by
-:mod:`sim.placement`), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per
+:mod:`sim.placement`, its layers read from ``factory()``'s values written once by the launching
+process, as ``gpipe train`` writes them), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per
 process; its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With
 D > 1 the replicas are made as ``gpipe train`` makes them (:mod:`executor.replicas`), the losses
 are the global batch's mean, the report's per-stage figures are replica 0's (whose rows
@@ -54,7 +55,8 @@ def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
         with tempfile.TemporaryDirectory(prefix="gpipe-runs-") as directory:
             path = os.path.join(directory, "configs.json")
             with open(path, "w") as handle:
-                json.dump([configs[i].to_dict() for i in indices], handle)
+                json.dump([_with_factory_weights(configs[i], os.path.join(directory, f"weights-{i}")).to_dict()
+                           for i in indices], handle)
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc-per-node", str(world), "--monitor-interval", "0.2",
                        "-m", "calibrate.runs", path, directory]
@@ -68,6 +70,21 @@ def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
                 with open(os.path.join(directory, f"report-{position}.json")) as handle:
                     reports[index] = json.load(handle)
     return reports
+
+
+def _with_factory_weights(config: Any, directory: str) -> Any:
+    """``config`` starting from ``factory()``'s values written once here, as ``gpipe train`` writes
+    them, so the ranks read their own layers instead of each building the whole model."""
+    if config.init != "factory" or config.init_from or config.factory_weights:
+        return config
+    from dataclasses import replace
+
+    from executor.initial_weights import save_factory_weights
+    from executor.models import build_meta_model
+
+    meta = build_meta_model(config.model, config.options)
+    return replace(config, factory_weights=save_factory_weights(config.model, config.options, config.seed, meta,
+                                                                directory))
 
 
 def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int = 1) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 
 Run as ``python -m executor.worker CONFIG.json`` under torchrun (``gpipe train`` does this). Every
 rank builds the model on the meta device and validates it (a bad plan fails on every rank the same
-way, before any process group exists), gives real values to its own stage's layers only, trains
+way, before any process group exists), gives its own stage's layers their first values only (read
+from the file of ``factory()``'s values ``gpipe train`` wrote, from ``--init-from``, or seeded per
+layer under ``--init meta``: :mod:`executor.initial_weights`), trains
 ``steps`` mini-batches,
 saves checkpoints, and finally sends its timeline to rank 0, which writes ``--report`` and
 ``--trace``.

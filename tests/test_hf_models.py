@@ -151,3 +151,24 @@ def test_a_config_the_model_cannot_be_built_from_is_one_line():
     with pytest.raises(GpipeInputError) as info:
         model_ref("hf:llama", {**CONFIGS["llama"], "hidden_size": 0})
     assert "cannot be built from its config" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("gpt2", None)])
+def test_without_a_file_training_starts_from_what_from_config_gives(family, tie):
+    """``hf:<type>`` with no ``--init-from``: every tensor is what ``from_config`` gives under the
+    run's seed, and the first step's loss is the model's own."""
+    options = dict(CONFIGS[family], **({} if tie is None else {"tie_word_embeddings": tie}))
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(family, **options))
+    pipe = LocalPipeline(RunConfig(model=f"hf:{family}", options={**options, "seq": SEQ}, partition=PARTITIONS[2],
+                                   batch_size=6, microbatches=2, seed=4))
+    rename = checkpoint_names(f"hf:{family}", options)
+    ours = {rename(name): tensor for name, tensor in pipe.model().state_dict().items()}
+    theirs = model.state_dict()
+    assert set(theirs) <= set(ours)
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+    ids, _ = pipe.batch(0)
+    expected = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(torch.tensor(pipe.run_step(0, update=False)), expected.detach(), rtol=1e-5,
+                               atol=1e-6)
