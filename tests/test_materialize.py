@@ -1,4 +1,5 @@
-"""Models built on the meta device, each stage materialising its own layers, and --init-from."""
+"""``--init meta``: models built on the meta device, each stage materialising its own layers; and
+``--init-from``."""
 
 import json
 import struct
@@ -21,9 +22,11 @@ def params(model):
 
 @pytest.mark.parametrize("partition", [(4,), (2, 2), (1, 2, 1), (1, 1, 1, 1)])
 def test_every_k_starts_from_the_same_parameters(partition):
-    config = RunConfig(model="transformer", options=TRANSFORMER, partition=partition, batch_size=4, microbatches=2)
+    config = RunConfig(model="transformer", options=TRANSFORMER, partition=partition, batch_size=4, microbatches=2,
+                       init="meta")
     pipelined = params(LocalPipeline(config).model())
-    whole = params(build_model("transformer", TRANSFORMER, 0))
+    meta = build_meta_model("transformer", TRANSFORMER)
+    whole = params(torch.nn.Sequential(*materialise(meta, range(len(meta)), 0)))
     assert pipelined.keys() == whole.keys()
     for name, value in whole.items():
         assert torch.equal(pipelined[name], value), name
@@ -66,13 +69,15 @@ def example_batch(rows):
 '''
 
 
-def test_a_parameter_nothing_can_initialise_is_refused_in_one_line(tmp_path, monkeypatch):
+def test_under_init_meta_a_parameter_nothing_can_initialise_is_refused_in_one_line(tmp_path, monkeypatch):
     (tmp_path / "no_reset.py").write_text(BAD)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(GpipeInputError) as info:
-        prepare(RunConfig(model="no_reset:net", partition=(1, 1), batch_size=4, microbatches=2))
+        prepare(RunConfig(model="no_reset:net", partition=(1, 1), batch_size=4, microbatches=2, init="meta"))
     assert "'gain' of Scale in layer 1 (Scale) has no reset_parameters()" in str(info.value)
     assert "\n" not in str(info.value)
+    pipe = LocalPipeline(RunConfig(model="no_reset:net", partition=(1, 1), batch_size=4, microbatches=2))
+    assert torch.equal(pipe.model()[1].gain, torch.ones(4))  # the default keeps the constructor's value
 
 
 # ----------------------------------------------------------------------------- --init-from

@@ -119,11 +119,12 @@ def test_adamw_with_clipping_and_lr_schedule_matches_unpipelined(model, stages, 
 def check_adamw_steps(config: RunConfig) -> None:
     """``config`` (AdamW with weight decay and clipping, its learning-rate schedule) in process
     against torch alone on the same model: loss and global norm every step, each step clipped, then
-    every parameter."""
+    every parameter (:func:`assert_adam_close`)."""
     pipe = LocalPipeline(config)
     reference = build_model(config.model, config.options, 0)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch_schedule(optimizer, config.lr_schedule, config.lr_warmup_steps, config.steps)
+    near_zero = [torch.zeros_like(p, dtype=torch.bool) for p in reference.parameters()]
     for step in range(config.steps):
         inputs, targets = pipe.batch(step)
         loss = pipe.run_step(step)
@@ -131,28 +132,43 @@ def check_adamw_steps(config: RunConfig) -> None:
         ref = pipe.prepared.loss_fn(reference(inputs), targets)
         ref.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_grad_norm)
+        for mask, p in zip(near_zero, reference.parameters()):
+            mask |= p.grad.abs() < NEAR_ZERO_GRADIENT
         optimizer.step()
         scheduler.step()
         torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
         assert pipe.grad_norms[step] == pytest.approx(float(norm), rel=1e-5)
         assert pipe.grad_norms[step] > config.clip_grad_norm  # so this step clipped
-    for (name, p), q in zip(pipe.model().named_parameters(), reference.parameters()):
-        torch.testing.assert_close(without_key_bias(name, p), without_key_bias(name, q), rtol=1e-5, atol=1e-6,
-                                   msg=name)
+    atol = 1e-5 if any(mask.any() for mask in near_zero) else 1e-6
+    for (name, p), q, mask in zip(pipe.model().named_parameters(), reference.parameters(), near_zero):
+        assert_adam_close(name, p, q, mask, config.lr * config.steps, atol)
 
 
-def without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` without the attention's key bias, which AdamW cannot be compared on.
+# Adam's eps is 1e-8: an update g / (sqrt(v) + eps) of a gradient within 100 eps of zero depends on
+# the gradient's rounding
+NEAR_ZERO_GRADIENT = 1e-6
 
-    Adding the same vector to every key shifts each row of attention scores by one constant, which
-    softmax ignores: the key bias has no effect on the loss, its gradient is zero but computed as
-    rounding noise (about 1e-10), and Adam normalises that noise into steps of about lr with a sign no
-    two summation orders agree on. Losses, norms and every other parameter are compared in full.
+
+def assert_adam_close(name: str, actual: torch.Tensor, expected: torch.Tensor, near_zero: torch.Tensor,
+                      lr_sum: float, atol: float) -> None:
+    """Parameters after Adam steps: rtol 1e-5 and ``atol``, except elements whose gradient was below
+    :data:`NEAR_ZERO_GRADIENT` at some step (``near_zero``), which must only stay within Adam's
+    bound on their movement (``lr_sum``, the learning rates added up, times 4).
+
+    A gradient that small is the cancellation of terms a million times larger (the attention's key
+    bias, which softmax ignores, has one of about 1e-10; a unit no sample of the batch activates, one
+    of about 1e-8), so its rounding depends on the order of summation, which micro-batches change;
+    Adam divides by sqrt(v) + eps and turns that rounding into steps of up to about lr whose size no
+    two orders agree on. Each Adam step moves an element by at most (1 - beta1) / sqrt(1 - beta2),
+    about 3.2, times lr. Such an element's divergence reaches the other parameters' gradients from
+    the next step on, so where one occurred the rest is compared at atol 1e-5, else at 1e-6
+    (:func:`check_adamw_steps`). Measured on the interleaved transformer K = 2, V = 2 case: 8.9e-6
+    at most outside the key bias with torch's eps 1e-8, 2.0e-7 with eps 1e-5 on both sides. Losses
+    and norms are compared at every step in full.
     """
-    if not name.endswith("attn.qkv.bias"):
-        return tensor
-    d_model = tensor.numel() // 3  # (query, key, value) biases
-    return torch.cat([tensor[:d_model], tensor[2 * d_model:]])
+    torch.testing.assert_close(actual[~near_zero], expected[~near_zero], rtol=1e-5, atol=atol, msg=name)
+    if near_zero.any():
+        assert float((actual[near_zero] - expected[near_zero]).abs().max()) <= 4 * lr_sum, name
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
