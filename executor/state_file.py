@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from sim.errors import GpipeInputError
+from sim.timeline import write_atomic
 
 METADATA_KEY = "gpipe_state"
 
@@ -76,20 +76,10 @@ def _decode(value: Any, tensors: Any) -> Any:
 
 
 def save(path: str, state: Any) -> None:
-    """Write ``state`` to ``path`` atomically (a temporary file, flushed, then renamed)."""
+    """Write ``state`` to ``path`` atomically (:func:`sim.timeline.write_atomic`)."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = json.dumps(_encode(state, tensors))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
-        save_file(storage_free(tensors), tmp, metadata={METADATA_KEY: skeleton})
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, lambda tmp: save_file(storage_free(tensors), tmp, metadata={METADATA_KEY: skeleton}))
 
 
 def _open(path: str, device: str = "cpu"):

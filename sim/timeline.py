@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 # Kinds of span beyond the compute kinds F/R/B of sim.schedule.Kind.
 SEND_ACTIVATION = "send_act"
@@ -182,19 +182,29 @@ def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
     return merged
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON so that a crash mid-write never leaves a truncated file: temp file, then rename."""
+def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, flushed to disk, then renamed to ``path``:
+    a crash mid-write never leaves a truncated file."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1)
-            handle.flush()
+        write(tmp)
+        with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON atomically (:func:`write_atomic`)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as handle:
+            json.dump(data, handle, indent=1)
+
+    write_atomic(path, write)
