@@ -42,7 +42,6 @@ from executor.state_file import storage_free
 from sim.errors import GpipeInputError
 
 INIT_MODES = ("factory", "meta")
-DEFAULT_INIT = "factory"
 INDEX_FILE = INDEX_FILES[0]
 WAYS_OUT = ("use --init meta (each layer from its modules' reset_parameters(), seeded per layer; no process "
             "holds more than its stage) or --init-from PATH (weights saved beforehand)")
@@ -125,11 +124,7 @@ def save_factory_weights(name: str, options: dict[str, Any], seed: int, meta: nn
     from executor.models import build_model
 
     check_buildable(meta, name, os.path.dirname(os.path.abspath(directory)))
-    model = build_model(name, options, seed)
-    try:
-        return write_layers(indexed(model), directory)
-    finally:
-        del model
+    return write_layers(indexed(build_model(name, options, seed)), directory)  # the model is freed on return
 
 
 class WeightSource(Protocol):

@@ -166,7 +166,7 @@ def test_gpt2_blocks_with_dropout_at_one_stage_equal_the_users_model_on_the_same
     inputs, targets = pipe.batch(0)
     torch.default_generator.manual_seed(mix_seed(config.seed, 0, 0, 0))
     outputs = model(inputs)
-    assert pipe.run_step(0) == pytest.approx(float(pipe.prepared.loss_fn(outputs, targets)), rel=1e-6)
+    assert pipe.run_step(0) == pytest.approx(pipe.prepared.loss_fn(outputs, targets).item(), rel=1e-6)
     without_dropout = users_model(user_init_models.gpt2_blocks)(inputs)
     assert (outputs - without_dropout).abs().max() > 0.01  # dropout was on (float noise is below 1e-5)
 
