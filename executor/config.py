@@ -142,6 +142,10 @@ class RunConfig:
         """The plan's run (its optimizer too) with ``overrides``; the options that only told the
         simulator how to analyse the model (its dtype, optimizer state, sample shape) are not the
         model's and are dropped; the precision is the plan's own field."""
+        if plan.tensor_parallel > 1:
+            raise GpipeInputError(f"the plan splits each stage over {plan.tensor_parallel} devices (tensor_parallel), "
+                                  "which gpipe train does not run yet; plan again with --tensor-parallel-options 1 "
+                                  "for a plan it trains")
         options = dict(plan.model.options)
         for name in ANALYSIS_OPTIONS:
             options.pop(name, None)

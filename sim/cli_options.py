@@ -99,6 +99,16 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero", type=int, default=0, help="1: shard optimizer state over the replicas (ZeRO-1)")
     group.add_argument("--placement", default=DEFAULT_PLACEMENT,
                        help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} (default {DEFAULT_PLACEMENT})")
+    group.add_argument("--tensor-parallel", "-T", type=int, default=1,
+                       help="T devices of one node per stage, each layer split over them as Megatron-LM splits "
+                            "it (the built-in transformer; default 1)")
+    add_sequence_parallel_argument(group)
+
+
+def add_sequence_parallel_argument(group: Any) -> None:
+    group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                       help="with tensor parallelism, split norms and dropout along the sequence (default: on "
+                            "wherever T > 1)")
 
 
 def virtual_stages_of(args: argparse.Namespace) -> int:

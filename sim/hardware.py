@@ -94,13 +94,16 @@ class System:
         other = device + 1 if other is None else other
         return self.intra_link if self.node_of(device) == self.node_of(other) else self.inter_link
 
-    def check_fits(self, stages: int, replicas: int = 1) -> None:
-        """One device per stage of each replica: D x K devices at most."""
-        needed = stages * replicas
+    def check_fits(self, stages: int, replicas: int = 1, tensor_parallel: int = 1) -> None:
+        """T devices per stage of each replica: D x K x T devices at most."""
+        needed = stages * replicas * tensor_parallel
         if needed <= self.total_devices:
             return
         what = f"{stages} stages" if replicas == 1 else f"{replicas} replicas x {stages} stages"
         fewer = "fewer stages" if replicas == 1 else "fewer replicas or stages"
+        if tensor_parallel > 1:
+            what += f" x {tensor_parallel} tensor-parallel devices"
+            fewer += " or a smaller --tensor-parallel"
         raise GpipeInputError(
             f"{what} need {needed} devices but {self.name} with {self.nodes} node(s) has "
             f"{self.total_devices}; use --nodes {math.ceil(needed / self.devices_per_node)} or {fewer}"

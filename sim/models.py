@@ -60,8 +60,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from sim.allreduce import ring_allreduce_s
 from sim.errors import GpipeInputError
-from sim.hardware import Device
+from sim.hardware import Device, Link
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES, Precision, check_precision, precision_of
@@ -99,21 +100,34 @@ class LayerSpec:
     output_bytes_per_row: float
     fixed_saved_bytes: float = 0.0  # per micro-batch whatever its rows: bf16 weight copies
     saves_input: bool = True  # whether the saved bytes hold the input's own storage
+    # tensor parallelism (sim.tensor_parallel): collectives over the layer's T devices, counted in
+    # all-reduces of one tensor of this many bytes per row (an all-gather or reduce-scatter is half)
+    tp_allreduce_bytes_per_row: float = 0.0
+    tp_allreduces_forward: float = 0.0
+    tp_allreduces_backward: float = 0.0
 
 
 class AnalyticWorkload:
     """A built-in model as a list of :class:`LayerSpec`, costed on any device by the roofline."""
 
-    def __init__(self, name: str, options: dict[str, Any], layers: Sequence[LayerSpec]) -> None:
+    def __init__(self, name: str, options: dict[str, Any], layers: Sequence[LayerSpec],
+                 tensor_parallel: int = 1, sequence_parallel: bool = False, tp_link: Link | None = None) -> None:
         self.name = name
         self.options = dict(options)
         self.layers = tuple(layers)
         self.num_layers = len(self.layers)
         self.precision: str = options["precision"]
         self.optimizer_slots: int = options["optimizer_slots"]
+        # layers split over T devices of one node (sim.tensor_parallel); costs are one device's
+        self.tensor_parallel = tensor_parallel
+        self.sequence_parallel = sequence_parallel
+        self.tp_link = tp_link
 
     @property
     def parameter_count(self) -> int:
+        """The whole model's parameters (a tensor-parallel layer's whole, not one device's share)."""
+        if self.tensor_parallel > 1 or self.sequence_parallel:
+            return AnalyticWorkload(self.name, self.options, _BUILDERS[self.name](self.options)).parameter_count
         return sum(spec.params for spec in self.layers)
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
@@ -128,6 +142,11 @@ class AnalyticWorkload:
         moved = spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes
         forward_s = max(flops / flops_s, moved / bytes_s) + LAYER_OVERHEAD_S
         backward_s = max(2 * flops / flops_s, 2 * moved / bytes_s) + 2 * LAYER_OVERHEAD_S
+        if self.tp_link is not None and self.tensor_parallel > 1:  # the matmuls wait for them: no overlap
+            collective_s = ring_allreduce_s(spec.tp_allreduce_bytes_per_row * rows, self.tensor_parallel,
+                                            self.tp_link)
+            forward_s += spec.tp_allreduces_forward * collective_s
+            backward_s += spec.tp_allreduces_backward * collective_s
         param_bytes = spec.params * FP32_BYTES  # fp32 master weights in either precision
         extra = {}
         if _HAS_OPTIMIZER_S:
@@ -180,7 +199,7 @@ def mlp_layers(o: dict[str, Any]) -> list[LayerSpec]:
 
 
 # --- transformer ---------------------------------------------------------------------------------
-def transformer_layers(o: dict[str, Any]) -> list[LayerSpec]:
+def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list[LayerSpec]:
     """[Embedding, ``layers`` x pre-LayerNorm Block, Head], GPT-style with learned positions.
 
     With s = seq, d = d_model, f = ff, h = heads, V = vocab; c the compute bytes (4 in fp32, 2 in
@@ -201,46 +220,78 @@ def transformer_layers(o: dict[str, Any]) -> list[LayerSpec]:
       each adds a mask of sd bytes.
     - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = F*sd (LN in) +
       c*sd (Linear's input) + 8s [+ 2dV weight copy in bf16]; output c*sV logits.
+
+    Tensor parallelism over ``tp`` = T devices, as Megatron-LM splits a GPT (Shoeybi et al. 2019;
+    Korthikanti et al. 2022 for ``sp``, sequence parallelism): one device's share. QKV and fc1 are
+    column-parallel (heads and the FFN's hidden units split), proj and fc2 row-parallel (their
+    biases, the layer norms and the position table replicated), the token embedding and the head
+    vocabulary-parallel (ceil(V/T) rows each). Every matmul FLOP and the attention's are split; of
+    the saved tensors q/k/v, the attention's input to proj, fc1's and GELU's outputs and the
+    probabilities are split, while the residual stream, the LN outputs feeding QKV and fc1, the LN
+    statistics and the dropout masks are replicated unless ``sp``, which splits them along the
+    sequence (the LN outputs kept split and gathered again for backward), so with ``sp`` every saved
+    tensor is divided by T (Korthikanti's sbh(34 + 5as/h)/t). Collectives, in all-reduces of the
+    layer's activation (an all-gather or reduce-scatter is half of one): a block, two forward
+    (after proj and fc2) and two backward (the input gradients of QKV and fc1), in the compute
+    dtype, with ``sp`` as all-gather/reduce-scatter pairs of the same volume; the embedding one
+    forward (the partial lookups summed, fp32; a reduce-scatter with ``sp``), none backward (half,
+    an all-gather, with ``sp``); the head one backward (its input gradient) and, with ``sp``, half
+    forward (the all-gather of its input). The cross entropy's statistics over the vocabulary
+    slices (three all-reduces of s floats) are left out. Without ``sp`` a stage boundary carries the
+    full residual stream on every device (no scatter-gather of the send); with ``sp``, 1/T of it.
     """
     L, s, d, f, h, V = (o[k] for k in ("layers", "seq", "d_model", "ff", "heads", "vocab"))
     p, drop = precision_of(o["precision"]), o["dropout"] > 0
     c, F, x = p.compute_bytes, FP32_BYTES, p.cast_bytes
+    t = tp
+    split_seq = t if sp else 1  # what sequence parallelism splits: the residual stream and the norms
+    vocab = -(-V // t)  # vocabulary rows per device
     embed = LayerSpec(
-        "embedding", params=V * d + s * d, flops_per_row=0.0,
+        "embedding", params=vocab * d + s * d, flops_per_row=0.0,
         # read ids; gather reads/writes sd; add reads sd (+ position table once), writes sd
         traffic_bytes_per_row=INDEX_BYTES * s + 4 * s * d * F + drop * (2 * s * d * F + s * d),
         fixed_traffic_bytes=s * d * F,
-        saved_bytes_per_row=INDEX_BYTES * s + drop * MASK_BYTES * s * d,
-        input_bytes_per_row=INDEX_BYTES * s, output_bytes_per_row=s * d * F,
+        saved_bytes_per_row=INDEX_BYTES * s + drop * MASK_BYTES * s * d / split_seq,
+        input_bytes_per_row=INDEX_BYTES * s, output_bytes_per_row=s * d * F / split_seq,
+        tp_allreduce_bytes_per_row=s * d * F, tp_allreduces_forward=0.5 if sp else 1.0,
+        tp_allreduces_backward=0.5 if sp else 0.0,
     )
-    matmul_weights = 4 * d * d + 2 * d * f
-    block_params = matmul_weights + 9 * d + f
+    split_weights = 4 * d * d + 2 * d * f  # QKV, proj, fc1, fc2 weights: split over T
+    matmul_weights = split_weights // t  # T divides heads, so d, and ff (sim.tensor_parallel)
+    block_params = (split_weights + 3 * d + f) // t + 6 * d  # QKV and fc1 biases split; LNs, proj/fc2 biases not
     # Forward traffic per sd: 8 fp32 elements (LN 2+2, residual adds read x and write 2+2) and 16 in
     # the compute dtype (QKV 1+3, q.k^T 2, p.v 1+1, transpose 2, proj 1+1, adds read the branch 1+1,
     # fc1 1, fc2 1), plus 2 casts (LN outputs); per sf 4 (fc1 out, GELU 2, fc2 in); per h*s^2 6 in the
     # compute dtype (scores written, scale 2, mask 2, read by p.v), 2 in fp32 (softmax) and 2 casts
-    # (to fp32 and back); each dropout reads and writes sd plus its mask.
-    block_traffic = (s * d * (8 * F + 16 * c + 2 * x) + 4 * s * f * c + h * s * s * (6 * c + 2 * F + 2 * x)
-                     + 4 * STAT_BYTES * s + drop * (2 * c + MASK_BYTES) * 2 * s * d)
-    block_saved = (s * d * (2 * F + 6 * c) + 2 * s * f * c + h * s * s * (F + (c if p.casts else 0))
-                   + 4 * STAT_BYTES * s + drop * MASK_BYTES * 2 * s * d)
+    # (to fp32 and back); each dropout reads and writes sd plus its mask. Over T devices: of the 16,
+    # QKV's and fc1's inputs and proj's and fc2's outputs are whole tensors on each, the adds' 2 follow
+    # the residual stream, the other 10 are split; the sf and h*s^2 terms are split.
+    block_traffic = (s * d * ((8 * F + 2 * x + 2 * c) / split_seq + 4 * c + 10 * c / t) + 4 * s * f * c / t
+                     + h * s * s * (6 * c + 2 * F + 2 * x) / t + 4 * STAT_BYTES * s / split_seq
+                     + drop * (2 * c + MASK_BYTES) * 2 * s * d / split_seq)
+    block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * s * f * c / t
+                   + h * s * s * (F + (c if p.casts else 0)) / t
+                   + 4 * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq)
     block = LayerSpec(
         "block", params=block_params,
-        flops_per_row=2.0 * s * (4 * d * d + 2 * d * f) + 4.0 * s * s * d,
+        flops_per_row=(2.0 * s * (4 * d * d + 2 * d * f) + 4.0 * s * s * d) / t,
         traffic_bytes_per_row=block_traffic,
         fixed_traffic_bytes=_weights_read(p, block_params - 4 * d, 4 * d),
-        saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F, output_bytes_per_row=s * d * F,
+        saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F / split_seq,
+        output_bytes_per_row=s * d * F / split_seq,
         fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
+        tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=2.0,
     )
-    head_params = 2 * d + d * V + V
+    head_params = 2 * d + vocab * d + vocab
     head = LayerSpec(
-        "head", params=head_params, flops_per_row=2.0 * s * d * V,
+        "head", params=head_params, flops_per_row=2.0 * s * d * vocab,
         # LN reads and writes sd in fp32; cast; Linear reads sd, writes sV
-        traffic_bytes_per_row=s * d * (2 * F + c + x) + c * s * V + 2 * STAT_BYTES * s,
-        fixed_traffic_bytes=_weights_read(p, d * V + V, 2 * d),
-        saved_bytes_per_row=s * d * (F + c) + 2 * STAT_BYTES * s,
-        input_bytes_per_row=s * d * F, output_bytes_per_row=s * V * c,
-        fixed_saved_bytes=p.weight_copy_bytes * d * V,
+        traffic_bytes_per_row=s * d * ((2 * F + x) / split_seq + c) + c * s * vocab + 2 * STAT_BYTES * s / split_seq,
+        fixed_traffic_bytes=_weights_read(p, vocab * d + vocab, 2 * d),
+        saved_bytes_per_row=s * d * (F + c) / split_seq + 2 * STAT_BYTES * s / split_seq,
+        input_bytes_per_row=s * d * F / split_seq, output_bytes_per_row=s * vocab * c,
+        fixed_saved_bytes=p.weight_copy_bytes * d * vocab,
+        tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=0.5 if sp else 0.0, tp_allreduces_backward=1.0,
     )
     return [embed] + [block] * L + [head]
 

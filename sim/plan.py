@@ -59,6 +59,8 @@ class Plan:
     virtual_stages: int = 1  # V chunks per device (the interleaved schedule); 1 otherwise
     zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
     placement: str = DEFAULT_PLACEMENT  # sim.placement: which device runs which replica's stage
+    tensor_parallel: int = 1  # T devices of one node per stage (sim.tensor_parallel)
+    sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
 
     @property
     def stages(self) -> int:
@@ -69,6 +71,9 @@ class Plan:
         validate_partition(self.partition, self.model.num_layers)
         require_positive("replicas (D)", self.replicas, "use --replicas 1 or more")
         require_positive("virtual stages (V)", self.virtual_stages, "use --virtual-stages 1 or more")
+        require_positive("tensor_parallel (T)", self.tensor_parallel, "use --tensor-parallel 1 or more")
+        if not isinstance(self.sequence_parallel, bool):
+            raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if len(self.partition) % self.virtual_stages:
             raise GpipeInputError(f"partition has {len(self.partition)} entries, not a multiple of "
                                   f"--virtual-stages {self.virtual_stages}; give V x K entries")
@@ -149,6 +154,8 @@ def plan_from_dict(data: Any) -> Plan:
             virtual_stages=data.get("virtual_stages", 1),
             zero=data.get("zero", 0),
             placement=data.get("placement", DEFAULT_PLACEMENT),
+            tensor_parallel=data.get("tensor_parallel", 1),
+            sequence_parallel=data.get("sequence_parallel", False),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None

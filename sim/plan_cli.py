@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                             add_precision_argument, check_output_path, parse_int_list, simulation_options)
+                             add_precision_argument, add_sequence_parallel_argument, check_output_path,
+                             parse_int_list, simulation_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import get_system
 from sim.plan import ModelRef, Plan, save_plan
@@ -18,6 +20,7 @@ from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
+from sim.tensor_parallel import check_tensor_parallel, default_sequence_parallel, with_tensor_parallel
 from sim.workload_cli import calibrated_allreduce, chosen_precision, workload_and_batch
 
 
@@ -46,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "so ask for it where memory is short)")
     space.add_argument("--placements", default=",".join(PLACEMENTS),
                        help="placements to try where they differ (several nodes, D > 1, K > 1)")
+    space.add_argument("--tensor-parallel-options", "--tensor-parallel", dest="tensor_parallel_options",
+                       default=None, metavar="LIST",
+                       help="T values to try, devices of one node per stage (the built-in transformer; default: "
+                            "the powers of two up to a node that divide its heads and FFN width; 1 for other models)")
+    add_sequence_parallel_argument(space)
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"))
     parser.add_argument("--top", type=int, default=10, help="rows in the ranked table (default 10)")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
@@ -117,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
                                           checkpoints, space["schedules"], args.partitioner, args.top, progress,
                                           space, placements)
     else:
-        result = search(workload, system, batch, stage_options, microbatch_options, checkpoints, space["schedules"],
-                        args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
-                        placements)
+        result = _search_each_tensor_parallel(workload, system, batch, tensor_parallel_options(args, workload, system),
+                                              args.sequence_parallel, stage_options, microbatch_options, checkpoints,
+                                              args, progress, space, placements)
     if progress:
         progress.finish()
     if result.best is None:
@@ -213,6 +221,52 @@ def _search_each_stage_count(workload, system, batch: int, stage_options: list[i
         parts.append(search(bound, bound_system, batch, [k], microbatch_options, checkpoints, schedules,
                             partitioner, top, progress, space["replicas"], space["virtual"], space["zero"],
                             placements, calibrated_allreduce(bound, bound_system)))
+    return _merged(parts, top)
+
+
+def tensor_parallel_options(args: argparse.Namespace, workload, system) -> list[int]:
+    """``--tensor-parallel-options``, each checked; by default the powers of two up to a node that
+    the model allows (T = 1 for models tensor parallelism is not modelled for, and on this machine's
+    ``cpu`` system, whose cores share one memory: plans for it are what ``gpipe train`` runs here)."""
+    if args.tensor_parallel_options:
+        options = parse_int_list(args.tensor_parallel_options, "--tensor-parallel-options")
+        for t in options:
+            check_tensor_parallel(t, workload, system)
+        return options
+    if system.name == "cpu":
+        return [1]
+    options = []
+    for t in (2 ** i for i in range(system.devices_per_node.bit_length())):
+        try:
+            check_tensor_parallel(t, workload, system)
+        except GpipeInputError:
+            continue
+        options.append(t)
+    return options
+
+
+def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: list[int], sequence: bool | None,
+                                 stage_options: list[int], microbatch_options: list[int], checkpoints: list[str],
+                                 args: argparse.Namespace, progress, space: dict, placements: list[str]) -> SearchResult:
+    """Search T by T, each on its split workload and its system of T-device groups, then merge the
+    rankings (each exact, so the merged top is exact)."""
+    parts = []
+    for t in tensor_options:
+        sequence_parallel = default_sequence_parallel(t, sequence) and t > 1
+        split, groups = with_tensor_parallel(workload, system, t, sequence_parallel)
+        stages = [k for k in stage_options if k <= groups.total_devices]
+        if not stages:
+            continue
+        part = search(split, groups, batch, stages, microbatch_options, checkpoints, space["schedules"],
+                      args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
+                      placements)
+        for option in part.ranked + part.unfit_examples:
+            option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel)
+        parts.append(part)
+    return _merged(parts, args.top)
+
+
+def _merged(parts: list[SearchResult], top: int) -> SearchResult:
     ranked = sorted((o for part in parts for o in part.ranked),
                     key=lambda o: (o.step_time_s, o.max_peak_memory_bytes, o.candidate.stages))[:top]
     return SearchResult(ranked=ranked, candidates=sum(p.candidates for p in parts),
@@ -242,6 +296,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         checkpoint=c.checkpoint, schedule=c.schedule, hardware={"system": system, "nodes": nodes},
         predicted=option.result.to_dict(), optimizer=optimizer, precision=precision,
         replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
+        tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel,
     )
 
 
@@ -251,7 +306,8 @@ def _option_dict(option: PlanOption) -> dict:
     # "stages" is the per-device list of results and "pipeline_stages" is K, as in gpipe simulate --json
     return {"microbatches": c.microbatches, "checkpoint": c.checkpoint,
             "schedule": c.schedule, "replicas": c.replicas, "virtual_stages": c.virtual_stages, "zero": c.zero,
-            "placement": c.placement, "partition": option.partition, **{
+            "placement": c.placement, "tensor_parallel": c.tensor_parallel,
+            "sequence_parallel": c.sequence_parallel, "partition": option.partition, **{
                 k: v for k, v in option.result.to_dict().items()
                 if k not in ("partition", "schedule", "checkpoint", "replicas", "virtual_stages", "zero", "placement")}}
 
@@ -262,18 +318,22 @@ def format_table(result: SearchResult, description: dict, system: str, batch: in
             f"precision {describe_precision(precision)}: "
             f"{result.candidates} candidates, {result.simulated} simulated, {result.not_fitting} do not fit, "
             f"{result.elapsed_s:.2f} s")
-    rows = [head, f"{'rank':>4} {'D':>3} {'K':>3} {'V':>2} {'M':>3} {'checkpoint':<11} {'schedule':<11} "
+    rows = [head, f"{'rank':>4} {'T':>3} {'D':>3} {'K':>3} {'V':>2} {'M':>3} {'checkpoint':<11} {'schedule':<11} "
                   f"{'zero':>4} {'placement':<17} {'step ms':>10} {'bubble':>7} {'samples/s':>10} {'peak mem':>10}  "
                   f"partition"]
     for rank, option in enumerate(result.ranked, 1):
         c = option.candidate
         r = option.result
         assert r is not None
-        rows.append(f"{rank:>4} {c.replicas:>3} {c.stages:>3} {c.virtual_stages:>2} {c.microbatches:>3} "
+        tensor = f"{c.tensor_parallel}{'s' if c.sequence_parallel else ''}"
+        rows.append(f"{rank:>4} {tensor:>3} {c.replicas:>3} {c.stages:>3} {c.virtual_stages:>2} {c.microbatches:>3} "
                     f"{c.checkpoint:<11} {c.schedule:<11} {c.zero:>4} {c.placement:<17} "
                     f"{r.step_time_s * 1e3:>10.3f} {r.bubble_fraction:>7.1%} "
                     f"{r.throughput_samples_per_s:>10.1f} {gib(option.max_peak_memory_bytes):>10}  "
                     f"{','.join(map(str, option.partition or []))}")
+    if any(o.candidate.tensor_parallel > 1 for o in result.ranked):
+        rows.append("T: devices of one node per stage, each layer split over them (s: sequence parallel); D x K x T "
+                    "devices in all; memory is one device's")
     return "\n".join(rows)
 
 

@@ -55,6 +55,8 @@ class Candidate:
     virtual_stages: int = 1  # V
     zero: int = 0
     placement: str = DEFAULT_PLACEMENT
+    tensor_parallel: int = 1  # T devices per stage (sim.tensor_parallel); the search of one T leaves it 1
+    sequence_parallel: bool = False
 
 
 @dataclass

@@ -19,6 +19,7 @@ from sim.planner import Candidate, default_partition
 from sim.precision import check_precision
 from sim.schedule import check_checkpoint_policy, check_interleaving, check_schedule_name, check_virtual_stages
 from sim.report import fit_advice, format_summary
+from sim.tensor_parallel import check_tensor_parallel, default_sequence_parallel, with_tensor_parallel
 from sim.workload import Workload
 from sim.workload_cli import (calibrated_allreduce, chosen_precision, resolve_workload, with_precision,
                               workload_and_batch)
@@ -57,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
                                     args.costs)
         if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
+        check_tensor_parallel(plan.tensor_parallel, workload, system)
+        system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel)
+        workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
                           plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
                           replicas=plan.replicas, zero=plan.zero, placement=plan.placement,
@@ -86,9 +90,12 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                               f"{virtual}; give V x K entries")
     stages = len(partition) // virtual if partition is not None else args.stages
     system = get_system(args.hardware, args.nodes)
-    system.check_fits(stages, args.replicas)
     precision = chosen_precision(args, system.device)
     workload, batch = workload_and_batch(args, simulation_options(args), precision)
+    check_tensor_parallel(args.tensor_parallel, workload, system)
+    system.check_fits(stages, args.replicas, args.tensor_parallel)
+    workload, system = with_tensor_parallel(workload, system, args.tensor_parallel,
+                                            default_sequence_parallel(args.tensor_parallel, args.sequence_parallel))
     if args.schedule == "interleaved":
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
@@ -126,6 +133,8 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data = result.to_dict()
         data["precision"] = precision
         data["hardware"] = {"system": system.name, "nodes": system.nodes}
+        data["tensor_parallel"] = getattr(workload, "tensor_parallel", 1)
+        data["sequence_parallel"] = getattr(workload, "sequence_parallel", False)
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
@@ -133,6 +142,11 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         print()
     else:
         print(format_summary(result, system, precision))
+        tensor_parallel = getattr(workload, "tensor_parallel", 1)
+        if tensor_parallel > 1:
+            sequence = "on" if workload.sequence_parallel else "off"  # type: ignore[attr-defined]
+            print(f"tensor parallel T={tensor_parallel} (sequence parallel {sequence}): each stage is {tensor_parallel} "
+                  "devices of one node; memory and busy time are one device's")
         for flag, path in (("trace", args.trace), ("timeline", args.html)):
             if path:
                 print(f"{flag} written to {path}")

@@ -142,7 +142,7 @@ def test_plan_searches_replicas_and_interleaving_and_writes_them(tmp_path):
 def test_plan_that_nothing_fits_names_the_overflowing_stage():
     proc = run("plan", "--model", "transformer", "--layers", "48", "--d-model", "2048", "--ff", "8192",
                "--heads", "32", "--seq", "1024", "--vocab", "32000", "--batch", "32", "--hardware", "tpu-v3",
-               "--stages-options", "1,2", "--quiet")
+               "--stages-options", "1,2", "--tensor-parallel-options", "1", "--quiet")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert "no plan among" in proc.stderr and "more stages" in proc.stderr
     assert re.search(r"stage \d+ needs [\d.]+ GiB", proc.stderr)
