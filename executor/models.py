@@ -78,21 +78,33 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+    """Causal multi-head attention; with ``kv_heads`` < ``heads``, grouped-query attention (each
+    key/value head serves heads / kv_heads query heads, repeated to them before the matmuls)."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float, kv_heads: int = 0) -> None:
         super().__init__()
         if d_model % heads:
             raise GpipeInputError(f"d_model={d_model} is not divisible by heads={heads}; "
                                   "pick heads that divide d_model")
-        self.heads = heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        kv_heads = kv_heads or heads
+        if heads % kv_heads:
+            raise GpipeInputError(f"kv_heads={kv_heads} does not divide heads={heads}; choose a divisor of heads "
+                                  "(0: one per head)")
+        self.heads, self.kv_heads = heads, kv_heads
+        self.kv_width = kv_heads * (d_model // heads)
+        self.qkv = nn.Linear(d_model, d_model + 2 * self.kv_width)
         self.proj = nn.Linear(d_model, d_model)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=2)
+        head_dim = d_model // self.heads
+        q, k, v = self.qkv(x).split([d_model, self.kv_width, self.kv_width], dim=2)
         # (rows, heads, seq, head_dim)
-        q, k, v = (t.view(rows, seq, self.heads, d_model // self.heads).transpose(1, 2) for t in (q, k, v))
+        q = q.view(rows, seq, self.heads, head_dim).transpose(1, 2)
+        k, v = (t.view(rows, seq, self.kv_heads, head_dim).transpose(1, 2) for t in (k, v))
+        if self.kv_heads != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(d_model // self.heads)
         mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
         attn = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
@@ -103,10 +115,10 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(LN(x)); x + MLP(LN(x))."""
 
-    def __init__(self, d_model: int, ff: int, heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, ff: int, heads: int, dropout: float, kv_heads: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads, dropout)
+        self.attn = CausalSelfAttention(d_model, heads, dropout, kv_heads)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, ff), nn.GELU(), nn.Linear(ff, d_model), nn.Dropout(dropout))
 
@@ -136,7 +148,7 @@ def _mlp(o: dict[str, Any]) -> nn.Sequential:
 
 
 def _transformer(o: dict[str, Any]) -> nn.Sequential:
-    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"]) for _ in range(o["layers"])]
+    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"], o["kv_heads"]) for _ in range(o["layers"])]
     return nn.Sequential(Embedding(o["vocab"], o["seq"], o["d_model"], o["dropout"]), *blocks,
                          Head(o["d_model"], o["vocab"]))
 

@@ -12,7 +12,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, int | float]] = {
     "uniform": {"layers": 16},
     "mlp": {"layers": 8, "width": 256},
     "transformer": {"layers": 4, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 256,
-                    "dropout": 0.0},
+                    "dropout": 0.0, "kv_heads": 0},  # kv_heads 0: one key/value head per head
     "cnn": {"layers": 4, "channels": 16, "image": 16, "classes": 10},
 }
 

@@ -221,6 +221,11 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = F*sd (LN in) +
       c*sd (Linear's input) + 8s [+ 2dV weight copy in bf16]; output c*sV logits.
 
+    Grouped-query attention (``kv_heads`` < ``heads``; 0 means one key/value head per head): QKV
+    projects to d + 2e, e = kv_heads * d / heads, so the block has 2d(d - e) fewer QKV weights and
+    2s*2d(d - e) fewer FLOPs; keys and values are repeated to their query heads before the
+    attention matmuls (as the executor runs it), which then save as much as without grouping.
+
     Tensor parallelism over ``tp`` = T devices, as Megatron-LM splits a GPT (Shoeybi et al. 2019;
     Korthikanti et al. 2022 for ``sp``, sequence parallelism): one device's share. QKV and fc1 are
     column-parallel (heads and the FFN's hidden units split), proj and fc2 row-parallel (their
@@ -244,6 +249,13 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     p, drop = precision_of(o["precision"]), o["dropout"] > 0
     c, F, x = p.compute_bytes, FP32_BYTES, p.cast_bytes
     t = tp
+    kv = o.get("kv_heads") or h
+    e = kv * (d // h)  # the key (and the value) width: d with one key/value head per head
+    grouped = kv != h
+    # QKV writes d + 2e per token; grouped keys and values are repeated to every head of their group
+    # (read 2e, write 2d); the attention matmuls save q and the (repeated) k and v, 3d per token as
+    # without grouping: grouping saves weights and QKV FLOPs, not activations, in this eager form
+    qkv_written = d + 2 * e + grouped * (2 * e + 2 * d)
     split_seq = t if sp else 1  # what sequence parallelism splits: the residual stream and the norms
     vocab = -(-V // t)  # vocabulary rows per device
     embed = LayerSpec(
@@ -256,9 +268,9 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
         tp_allreduce_bytes_per_row=s * d * F, tp_allreduces_forward=0.5 if sp else 1.0,
         tp_allreduces_backward=0.5 if sp else 0.0,
     )
-    split_weights = 4 * d * d + 2 * d * f  # QKV, proj, fc1, fc2 weights: split over T
-    matmul_weights = split_weights // t  # T divides heads, so d, and ff (sim.tensor_parallel)
-    block_params = (split_weights + 3 * d + f) // t + 6 * d  # QKV and fc1 biases split; LNs, proj/fc2 biases not
+    split_weights = d * (d + 2 * e) + d * d + 2 * d * f  # QKV, proj, fc1, fc2 weights: split over T
+    matmul_weights = split_weights // t  # T divides heads and kv heads, so d and e, and ff (sim.tensor_parallel)
+    block_params = (split_weights + d + 2 * e + f) // t + 6 * d  # QKV and fc1 biases split; LNs, proj/fc2 biases not
     # Forward traffic per sd: 8 fp32 elements (LN 2+2, residual adds read x and write 2+2) and 16 in
     # the compute dtype (QKV 1+3, q.k^T 2, p.v 1+1, transpose 2, proj 1+1, adds read the branch 1+1,
     # fc1 1, fc2 1), plus 2 casts (LN outputs); per sf 4 (fc1 out, GELU 2, fc2 in); per h*s^2 6 in the
@@ -266,7 +278,8 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     # (to fp32 and back); each dropout reads and writes sd plus its mask. Over T devices: of the 16,
     # QKV's and fc1's inputs and proj's and fc2's outputs are whole tensors on each, the adds' 2 follow
     # the residual stream, the other 10 are split; the sf and h*s^2 terms are split.
-    block_traffic = (s * d * ((8 * F + 2 * x + 2 * c) / split_seq + 4 * c + 10 * c / t) + 4 * s * f * c / t
+    block_traffic = (s * d * ((8 * F + 2 * x + 2 * c) / split_seq + 4 * c) + s * (7 * d + qkv_written) * c / t
+                     + 4 * s * f * c / t
                      + h * s * s * (6 * c + 2 * F + 2 * x) / t + 4 * STAT_BYTES * s / split_seq
                      + drop * (2 * c + MASK_BYTES) * 2 * s * d / split_seq)
     block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * s * f * c / t
@@ -274,7 +287,7 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
                    + 4 * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq)
     block = LayerSpec(
         "block", params=block_params,
-        flops_per_row=(2.0 * s * (4 * d * d + 2 * d * f) + 4.0 * s * s * d) / t,
+        flops_per_row=(2.0 * s * (d * (d + 2 * e) + d * d + 2 * d * f) + 4.0 * s * s * d) / t,
         traffic_bytes_per_row=block_traffic,
         fixed_traffic_bytes=_weights_read(p, block_params - 4 * d, 4 * d),
         saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F / split_seq,
@@ -387,6 +400,10 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         raise GpipeInputError(
             f"heads={merged['heads']} does not divide d_model={merged['d_model']}; "
             "choose heads that divide d_model")
+    if name == "transformer" and merged["kv_heads"] and merged["heads"] % merged["kv_heads"]:
+        raise GpipeInputError(
+            f"kv_heads={merged['kv_heads']} does not divide heads={merged['heads']}; each key/value head serves "
+            "a whole group of query heads: choose a divisor of heads (0: one per head)")
     return merged
 
 
@@ -401,7 +418,7 @@ def _check_option(model: str, key: str, value: Any) -> Any:
         if isinstance(value, bool) or not 0.0 <= p < 1.0:
             raise GpipeInputError(f"dropout={value!r} for model {model}; use a number in [0, 1)")
         return p
-    least = 0 if key == "optimizer_slots" else 1
+    least = 0 if key in ("optimizer_slots", "kv_heads") else 1
     number = value
     if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         number = int(value)

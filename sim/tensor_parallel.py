@@ -12,8 +12,8 @@ node's link that the matmuls wait for (no overlap). Each member all-reduces its 
 gradients with its data-parallel peers, one ring per member at the same time on the node's links
 and network rails, which is the group's all-reduce on the per-device links the engine uses.
 
-Refused in one line: T that does not divide the heads and the FFN width (every head and hidden unit
-whole on one device), T larger than a node's devices (the collectives need the node's NVLink), and
+Refused in one line: T that does not divide the heads, the key/value heads and the FFN width (every
+head and hidden unit whole on one device), T larger than a node's devices (the collectives need the node's NVLink), and
 T > 1 for models other than the built-in transformer (no split is modelled for them yet).
 
 Limits: stage-to-stage sends carry the full activation on each member without sequence parallelism
@@ -53,12 +53,14 @@ def check_tensor_parallel(tensor_parallel: int, workload: Workload, system: Syst
     if system.devices_per_node % tensor_parallel:
         raise GpipeInputError(f"--tensor-parallel {tensor_parallel} does not divide {system.name}'s "
                               f"{system.devices_per_node} devices per node; use a divisor of it")
-    options = workload.options
-    for key in ("heads", "ff"):
+    options = dict(workload.options)
+    options["kv_heads"] = options.get("kv_heads") or options["heads"]
+    for key in ("heads", "kv_heads", "ff"):
         if options[key] % tensor_parallel:
             raise GpipeInputError(f"--tensor-parallel {tensor_parallel} does not divide {key}={options[key]}: "
-                                  f"each device holds whole heads and FFN units; use a T that divides "
-                                  f"heads={options['heads']} and ff={options['ff']}")
+                                  f"each device holds whole heads, key/value heads and FFN units; use a T that "
+                                  f"divides heads={options['heads']}, kv_heads={options['kv_heads']} and "
+                                  f"ff={options['ff']}")
 
 
 def tensor_parallel_system(system: System, tensor_parallel: int) -> System:

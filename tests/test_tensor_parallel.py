@@ -115,6 +115,19 @@ def test_sequence_parallel_divides_every_saved_tensor_by_t(tp, precision, dropou
                                                                                      rel=1e-12)
 
 
+def test_grouped_query_attention_has_fewer_qkv_weights_and_flops_and_splits_them():
+    d, s = GPT["d_model"], GPT["seq"]
+    e = 2 * d // GPT["heads"]  # two key/value heads
+    grouped = get_workload("transformer", {**options(), "kv_heads": 2}).layers[1]
+    full = get_workload("transformer", options()).layers[1]
+    assert full.params - grouped.params == 2 * d * (d - e) + 2 * (d - e)
+    assert full.flops_per_row - grouped.flops_per_row == 2 * s * 2 * d * (d - e)
+    assert grouped.saved_bytes_per_row == full.saved_bytes_per_row
+    split, _ = with_tensor_parallel(get_workload("transformer", {**options(), "kv_heads": 2}),
+                                    get_system("a100-nvlink"), 2)
+    assert split.layers[1].params == (d * (d + 2 * e) + d * d + 2 * d * GPT["ff"] + d + 2 * e + GPT["ff"]) // 2 + 6 * d
+
+
 def test_the_pipeline_sees_groups_of_t_devices():
     workload, groups = with_tensor_parallel(get_workload("transformer", options()), get_system("a100-nvlink", 2), 4)
     assert groups.devices_per_node == 2 and groups.total_devices == 4
@@ -133,6 +146,8 @@ def run_cli(capsys, *args):
     (["--tensor-parallel", "16", "--stages", "1", "--nodes", "2"], "--tensor-parallel 16 spans more than a node"),
     (["--tensor-parallel", "0"], "--tensor-parallel must be a positive integer, got 0"),
     (["--heads", "4", "--tensor-parallel", "8", "--stages", "1"], "--tensor-parallel 8 does not divide heads=4"),
+    (["--heads", "8", "--option", "kv_heads=2", "--tensor-parallel", "4", "--stages", "1"],
+     "--tensor-parallel 4 does not divide kv_heads=2"),
     (["--tensor-parallel", "4", "--stages", "4"], "4 stages x 4 tensor-parallel devices need 16 devices"),
     (["--model", "mlp", "--tensor-parallel", "2", "--stages", "1"], "modelled for the built-in transformer only"),
 ])

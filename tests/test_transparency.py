@@ -191,3 +191,21 @@ def test_sgd_clipping_uses_the_norm_over_all_stages(stages):
         assert norm > CLIP["mlp"]
     for (name, p), q in zip(pipe.model().named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stages,checkpoint,schedule", [(2, "always", "gpipe"), (4, "except_last", "1f1b")])
+def test_grouped_query_attention_matches_unpipelined(stages, checkpoint, schedule):
+    """Two key/value heads for four query heads (``kv_heads``): one step against the whole model."""
+    options = {**OPTIONS["transformer"], "heads": 4, "kv_heads": 2}
+    check_step(RunConfig(model="transformer", options=options, partition=PARTITIONS[("transformer", stages)],
+                         batch_size=10, microbatches=3, checkpoint=checkpoint, schedule=schedule))
+
+
+def test_kv_heads_that_do_not_divide_heads_are_one_line_in_both_halves():
+    from executor.models import build_model
+    from sim.errors import GpipeInputError
+    from sim.models import get_workload
+
+    for build in (lambda o: get_workload("transformer", o), lambda o: build_model("transformer", o)):
+        with pytest.raises(GpipeInputError, match="kv_heads=3 does not divide heads=4"):
+            build({**OPTIONS["transformer"], "heads": 4, "kv_heads": 3})
