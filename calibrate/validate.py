@@ -47,6 +47,8 @@ HELD_OUT = [
     (2, 7, "balanced", "always", "gpipe"),
     (2, 12, "balanced", "except_last", "gpipe"),
     (2, 16, "skewed", "never", "1f1b"),
+    (1, 4, "balanced", "full", "gpipe"),  # per-layer recompute: no calibration run has it
+    (2, 4, "skewed", "full", "1f1b"),
 ]
 # (replicas, stages, microbatches, partition kind, checkpoint, schedule): data-parallel runs
 HELD_OUT_REPLICAS = [

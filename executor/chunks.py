@@ -61,20 +61,26 @@ class ChunkRecorder:
 
 class ChunkCounter:
     """A chunk's view of its device's :class:`ActivationCounter`: micro-batch m of chunk c is entry
-    ``c * M + m``, so chunks' micro-batches stay apart while the peak is the device's."""
+    ``c * M + m``, so chunks' micro-batches stay apart while the peak is the device's. An entry may be
+    (m, tag), for what a micro-batch holds per layer under ``--checkpoint full``."""
 
     def __init__(self, device: ActivationCounter, offset: int) -> None:
         self.device = device
         self.offset = offset
 
-    def stash(self, microbatch: int, value: Any) -> None:
-        self.device.stash(self.offset + microbatch, value)
+    def _key(self, microbatch: Any) -> Any:
+        if isinstance(microbatch, tuple):
+            return (self.offset + microbatch[0], *microbatch[1:])
+        return self.offset + microbatch
 
-    def saving(self, microbatch: int) -> contextlib.AbstractContextManager[None]:
-        return self.device.saving(self.offset + microbatch)
+    def stash(self, microbatch: Any, value: Any) -> None:
+        self.device.stash(self._key(microbatch), value)
 
-    def release(self, microbatch: int) -> None:
-        self.device.release(self.offset + microbatch)
+    def saving(self, microbatch: Any) -> contextlib.AbstractContextManager[None]:
+        return self.device.saving(self._key(microbatch))
+
+    def release(self, microbatch: Any) -> None:
+        self.device.release(self._key(microbatch))
 
     def sample(self) -> int:
         return self.device.sample()

@@ -34,7 +34,9 @@ class ActivationCounter:
 
     def __init__(self, excluded: list[torch.Tensor]) -> None:
         self._excluded = {_storage_key(t)[0] for t in excluded}
-        self._live: dict[int, dict[int, int]] = {}  # micro-batch -> {storage ptr: nbytes}
+        # micro-batch (or (micro-batch, tag): a layer's input or recompute under --checkpoint full)
+        # -> {storage ptr: nbytes}
+        self._live: dict[Any, dict[int, int]] = {}
         self.peak_bytes = 0
         self.current_bytes = 0
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from executor.batchnorm import DeferredBatchNorm, commit_all, recomputing
-from executor.boundary import Boundary, map_tensors
+from executor.boundary import Boundary, map_tensors, tensors
 from executor.data import mix_seed, split, split_rows
 from executor.memory import ActivationCounter
 from executor.optim import (OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_,
@@ -47,7 +47,7 @@ from executor.optim import (OptimSettings, clip_coefficient, gradients, make_opt
 from executor.precision import autocast, check_boundary
 from executor.recording import Recorder
 from executor.transport import ACT, GRAD, Transport
-from sim.schedule import Action, Kind, build_schedule, recomputes
+from sim.schedule import Action, Kind, build_schedule, recomputes, recomputes_per_layer
 from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
 
 
@@ -175,6 +175,8 @@ class PipelineStage(StepPhases):
         self.targets: list[Any] = []
         self.stash: dict[int, list[torch.Tensor]] = {}  # received tensors kept for the recompute
         self.graph: dict[int, tuple[list[torch.Tensor], Any]] = {}  # (inputs needing a gradient, output)
+        # --checkpoint full: (received, every layer's input, the RNG state before each layer) per micro-batch
+        self.layer_inputs: dict[int, tuple[list[torch.Tensor], list[Any], list[Any]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ step boundaries
@@ -299,13 +301,23 @@ class PipelineStage(StepPhases):
         with autocast(self.config.precision, self.device.type):
             return self.module(x)
 
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+
+    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
     def _forward(self, m: int) -> None:
         received = [] if self.is_first else self._receive(ACT, m)
         rematerialize = recomputes(self.config.checkpoint, m, len(self.rows))
         with self.recorder.span(Kind.FORWARD.value, m):
             self._seed(m)
             self.counter.stash(m, self.inputs[m] if self.is_first else received)
-            if rematerialize:
+            if recomputes_per_layer(self.config.checkpoint):
+                out = self._forward_keeping_layer_inputs(m, received)
+            elif rematerialize:
                 self.stash[m] = received
                 x, _ = self._input(m, received, grad=False)
                 with torch.no_grad():
@@ -321,6 +333,65 @@ class PipelineStage(StepPhases):
             with self.recorder.span(SEND_ACTIVATION, m):
                 self.transport.send(ACT, m, self.outgoing.flatten(out))
 
+    def _forward_keeping_layer_inputs(self, m: int, received: list[torch.Tensor]) -> Any:
+        """``full``: the layers without gradients, keeping each layer's input (counted as held by
+        ``m`` until that layer's backward) and the random state before it, for its recompute."""
+        y, _ = self._input(m, received, grad=False)
+        inputs, states = [], []
+        with torch.no_grad(), autocast(self.config.precision, self.device.type):
+            for index, layer in enumerate(self.module):
+                inputs.append(y)
+                states.append(self._rng_state())
+                if index:
+                    self.counter.stash((m, index), y)
+                y = layer(y)
+            out = self._output(m, y)
+        self.layer_inputs[m] = (received, inputs, states)
+        return out
+
+    def _backward_layer_by_layer(self, m: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``full``: last layer first, recompute the layer from its kept input and random state with
+        gradients on, then its backward; returns the stage input's tensors that need a gradient (their
+        ``.grad`` set). Each layer's recomputed tensors and input are freed after its backward."""
+        received, inputs, states = self.layer_inputs.pop(m)
+        layers = list(self.module)
+        needs_grad: list[torch.Tensor] = []
+        for index in reversed(range(len(layers))):
+            if index == 0:
+                x, needs_grad = self._input(m, received, grad=True)
+                leaves = needs_grad
+            else:
+                x = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), inputs[index])
+                leaves = tensors(x)
+            self._set_rng_state(states[index])
+            with torch.enable_grad(), recomputing(), self.counter.saving((m, "layer")):
+                with autocast(self.config.precision, self.device.type):
+                    y = layers[index](x)
+                if index == len(layers) - 1:
+                    y = self._output(m, y)  # the loss on the last stage, outside autocast as always
+            self.counter.sample()  # the held inputs and this layer's recomputed tensors: the backward's peak
+            if index == len(layers) - 1:
+                roots, root_grads = self._roots(y, grads)
+            else:
+                pairs = [(t, g) for t, g in zip(tensors(y), grads) if t.requires_grad and g is not None]
+                roots, root_grads = [p[0] for p in pairs], [p[1] for p in pairs]
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+            self.counter.release((m, "layer"))
+            self.counter.release((m, index))
+        return needs_grad
+
+    def _roots(self, out: Any, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What the stage's backward starts from: the loss on the last stage, else the sent tensors
+        that carry a gradient, with the gradients received for them."""
+        if self.is_last:
+            return [out], None
+        assert self.outgoing is not None
+        leaves = self.outgoing.flatten(out)
+        pairs = [(leaves[i], g) for i, g in zip(self.outgoing.grad_indices, grads) if leaves[i].requires_grad]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
     def _recompute(self, m: int) -> None:
         with self.recorder.span(Kind.RECOMPUTE.value, m):
             x, needs_grad = self._input(m, self.stash.pop(m), grad=True)
@@ -332,17 +403,14 @@ class PipelineStage(StepPhases):
     def _backward(self, m: int) -> None:
         grads = self._receive(GRAD, m) if self.needs(Action(self.config.stage, Kind.BACKWARD, m)) else []
         with self.recorder.span(Kind.BACKWARD.value, m):
-            needs_grad, out = self.graph.pop(m)
-            if self.is_last:
-                roots, root_grads = [out], None
+            if recomputes_per_layer(self.config.checkpoint):
+                needs_grad = self._backward_layer_by_layer(m, grads)
             else:
-                assert self.outgoing is not None
-                leaves = self.outgoing.flatten(out)
-                pairs = [(leaves[i], g) for i, g in zip(self.outgoing.grad_indices, grads) if leaves[i].requires_grad]
-                roots, root_grads = [p[0] for p in pairs], [p[1] for p in pairs]
-            roots_with_grad = [r for r in roots if r.requires_grad]
-            if roots_with_grad:
-                torch.autograd.backward(roots_with_grad, root_grads)
+                needs_grad, out = self.graph.pop(m)
+                roots, root_grads = self._roots(out, grads)
+                roots_with_grad = [r for r in roots if r.requires_grad]
+                if roots_with_grad:
+                    torch.autograd.backward(roots_with_grad, root_grads)
             self.counter.release(m)
         if not self.is_first and self.incoming is not None and self.incoming.has_grad:
             dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in needs_grad]

@@ -25,7 +25,7 @@ from sim.hardware import System
 from sim.memory import peak_activation_bytes, peak_coefficients
 from sim.microbatch import split_rows
 from sim.planner import Candidate, choose_partition
-from sim.stage_costs import CostTable, stage_bounds
+from sim.stage_costs import CostTable, held_sizes, stage_bounds
 from sim.workload import Workload
 
 WITH_REMAT, WITHOUT_REMAT = "always", "never"
@@ -42,7 +42,7 @@ class StageMemory:
     gradient_bytes: int
     optimizer_bytes: int
     activation_bytes: int  # tensors saved for backward, of the micro-batches in flight
-    stash_bytes: int  # boundary inputs kept for re-materialization
+    stash_bytes: int  # boundary inputs kept for re-materialization (under full: in activation_bytes)
     capacity_bytes: float
 
     @property
@@ -77,16 +77,17 @@ def stage_memory(table: CostTable, system: System, batch_size: int, candidate: C
     out = []
     for k, (first, end) in enumerate(stage_bounds(partition)):
         cost = table.stage(rows, first, end)
-        pairs = peak_coefficients(candidate.stages, candidate.microbatches, candidate.schedule,
-                                  candidate.checkpoint, k)
-        stash_count, saved_count = max(pairs, default=(0, 0),
-                                       key=lambda p: p[0] * cost.stash_bytes + p[1] * cost.saved_bytes)
+        points = peak_coefficients(candidate.stages, candidate.microbatches, candidate.schedule,
+                                   candidate.checkpoint, k)
+        stash, saved, transient = held_sizes(cost, candidate.checkpoint)
+        peak = max(points, default=(0, 0, 0), key=lambda p: p[0] * stash + p[1] * saved + p[2:3].count(1) * transient)
+        stash_count, saved_count, running = peak[0], peak[1], peak[2:3].count(1)
         own = layers[first:end]
         out.append(StageMemory(
             stage=k, layers=end - first, weights_bytes=sum(c.param_bytes for c in own),
             gradient_bytes=sum(c.grad_bytes for c in own),
             optimizer_bytes=sum(c.optimizer_bytes for c in own),
-            activation_bytes=saved_count * cost.saved_bytes, stash_bytes=stash_count * cost.stash_bytes,
+            activation_bytes=saved_count * saved + running * transient, stash_bytes=stash_count * stash,
             capacity_bytes=system.device.memory_bytes))
     return out
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from sim.schedule import Kind, recomputes, stage_actions
-from sim.stage_costs import StageCost
+from sim.schedule import Kind, recomputes, recomputes_per_layer, stage_actions
+from sim.stage_costs import StageCost, held_sizes
 
 Point = tuple[int, ...]  # (stash count, saved count) per chunk, chunk 0 first
 
@@ -29,12 +29,20 @@ Point = tuple[int, ...]  # (stash count, saved count) per chunk, chunk 0 first
 def peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint: str,
                       stage: int, virtual_stages: int = 1) -> tuple[Point, ...]:
     """Pareto-maximal (stash, saved) counts per chunk reached on device ``stage``: with one chunk,
-    pairs (a, b); with V chunks, vectors (a_0, b_0, ..., a_{V-1}, b_{V-1})."""
+    pairs (a, b); with V chunks, vectors (a_0, b_0, ..., a_{V-1}, b_{V-1}). Under ``full`` each
+    vector ends with V more entries, 1 for the chunk whose backward is running (its transient,
+    :func:`sim.stage_costs.held_sizes`), 0 elsewhere."""
     actions = stage_actions(stage, stages, microbatches, schedule, checkpoint, virtual_stages)
     counts = [0] * (2 * virtual_stages)
+    per_layer = recomputes_per_layer(checkpoint)
+    idle = (0,) * virtual_stages if per_layer else ()
     points = set()
     for action in actions:
         base = 2 * (action.stage // stages)  # chunk of the virtual stage, times two
+        if per_layer and action.kind is Kind.BACKWARD:  # the recomputed layer's tensors, on top
+            running = [0] * virtual_stages
+            running[action.stage // stages] = 1
+            points.add(tuple(counts) + tuple(running))
         if action.kind is Kind.FORWARD:
             if recomputes(checkpoint, action.microbatch, microbatches):
                 counts[base] += 1
@@ -45,7 +53,7 @@ def peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint:
             counts[base + 1] += 1
         else:
             counts[base + 1] -= 1
-        points.add(tuple(counts))
+        points.add(tuple(counts) + idle)
     return _maximal(points)
 
 
@@ -67,27 +75,36 @@ def peak_activation_bytes(cost: StageCost, stages: int, microbatches: int, sched
     ``saved`` includes the stage's input (see :mod:`sim.stage_costs`), so a re-materialized
     micro-batch moves from holding ``stash`` to holding ``saved``, not both.
     """
-    return peak_from_coefficients(cost, peak_coefficients(stages, microbatches, schedule, checkpoint, stage))
+    return peak_from_coefficients(cost, peak_coefficients(stages, microbatches, schedule, checkpoint, stage),
+                                  checkpoint)
 
 
-def peak_from_coefficients(cost: StageCost | Sequence[StageCost], points: tuple[Point, ...]) -> int:
-    """``sum_c a_c * stash_c + b_c * saved_c`` at its largest over ``points`` of
-    :func:`peak_coefficients`; ``cost`` is the one chunk's, or the device's chunks' in order."""
+def peak_from_coefficients(cost: StageCost | Sequence[StageCost], points: tuple[Point, ...],
+                           checkpoint: str) -> int:
+    """``sum_c a_c * stash_c + b_c * saved_c (+ t_c * transient_c)`` at its largest over ``points``
+    of :func:`peak_coefficients` for ``checkpoint``; ``cost`` is the one chunk's, or the device's
+    chunks' in order."""
     costs = (cost,) if isinstance(cost, StageCost) else tuple(cost)
-    terms = [(c.stash_bytes, c.saved_bytes) for c in costs]
+    terms = [held_sizes(c, checkpoint) for c in costs]
+    chunks = len(terms)
     best = 0
     for p in points:
         total = 0
-        for i, (stash, saved) in enumerate(terms):
+        for i, (stash, saved, transient) in enumerate(terms):
             total += p[2 * i] * stash + p[2 * i + 1] * saved
+            if len(p) > 2 * chunks:
+                total += p[2 * chunks + i] * transient
         best = max(best, total)
     return best
 
 
-def chunk_peak_from_coefficients(cost: StageCost, points: tuple[Point, ...], chunk: int) -> int:
+def chunk_peak_from_coefficients(cost: StageCost, points: tuple[Point, ...], chunk: int, checkpoint: str) -> int:
     """The peak of chunk ``chunk``'s own activations alone: never above the device's, so a chunk
     that does not fit by itself rules the device out (the partitioner's per-chunk check)."""
-    return max((p[2 * chunk] * cost.stash_bytes + p[2 * chunk + 1] * cost.saved_bytes for p in points), default=0)
+    stash, saved, transient = held_sizes(cost, checkpoint)
+    chunks = len(points[0]) // (3 if recomputes_per_layer(checkpoint) else 2) if points else 1
+    return max((p[2 * chunk] * stash + p[2 * chunk + 1] * saved
+                + (p[2 * chunks + chunk] * transient if len(p) > 2 * chunks else 0) for p in points), default=0)
 
 
 def static_bytes(stage_static_bytes: int, optimizer_bytes: int, replicas: int = 1, zero: int = 0) -> int:

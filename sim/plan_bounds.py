@@ -34,7 +34,7 @@ from sim.allreduce import data_parallel_group, group_allreduce_s
 from sim.hardware import Link, System
 from sim.microbatch import split_rows
 from sim.schedule import recomputes
-from sim.stage_costs import CostTable, StageCost, stage_bounds
+from sim.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 
 
 def replica_rows(batch_size: int, replicas: int, microbatches: int) -> list[int]:
@@ -76,7 +76,7 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate, partition: Seque
             again = recomputes(c.checkpoint, m, len(rows))
             for s in chunks:
                 cost = by_rows[r][s]
-                compute += cost.forward_s + cost.backward_s + (cost.recompute_s if again else 0.0)
+                compute += cost.forward_s + backward_time_s(cost, c.checkpoint) + (cost.recompute_s if again else 0.0)
         computes.append(compute)
         tails.append(allreduce[k] + sum(first[s].optimizer_s for s in chunks)
                      + max(first[s].step_overhead_s for s in chunks))
@@ -125,7 +125,7 @@ class BalancedBounds:
             total = whole_model.optimizer_s
             for m, r in enumerate(rows):
                 whole = self.table.stage(r, 0, layers)
-                total += whole.forward_s + whole.backward_s
+                total += whole.forward_s + backward_time_s(whole, checkpoint)
                 if recomputes(checkpoint, m, len(rows)):
                     total += whole.recompute_s
             self._work[key] = total

@@ -345,7 +345,7 @@ def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_opti
     from sim.planner import Candidate, default_partition
     from sim.report import fit_advice
 
-    order = ["always", "except_last", "never"]
+    order = ["full", "always", "except_last", "never"]  # the leanest first, as large models run
     policy = min(checkpoints, key=order.index)
     stages = max(stage_options)
     microbatches = len(split_rows(batch, max(microbatch_options)))

@@ -33,7 +33,7 @@ from sim.partition import min_max_partition, min_variance_partition
 from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from sim.plan_bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
-from sim.stage_costs import CostTable, stage_bounds
+from sim.stage_costs import CostTable, held_sizes, stage_bounds
 from sim.workload import Workload
 
 __all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",
@@ -211,8 +211,8 @@ class Partitions:
         for k in range(c.stages):
             total = 0
             for a, b in (bounds[s] for s in range(k, len(bounds), c.stages)):
-                cost = self.table.stage(rows, a, b)
-                total += self._chunk_static(rows, a, b, c) + microbatches * max(cost.stash_bytes, cost.saved_bytes)
+                stash, saved, transient = held_sizes(self.table.stage(rows, a, b), c.checkpoint)
+                total += self._chunk_static(rows, a, b, c) + microbatches * max(stash, saved) + transient
             if total > capacity:
                 return False
         return True
@@ -228,7 +228,7 @@ class Partitions:
         for k in range(c.stages):
             chunks = [bounds[s] for s in range(k, len(bounds), c.stages)]
             total = sum(self._chunk_static(rows, a, b, c) for a, b in chunks)
-            total += peak_from_coefficients([self.table.stage(rows, a, b) for a, b in chunks], held[k])
+            total += peak_from_coefficients([self.table.stage(rows, a, b) for a, b in chunks], held[k], c.checkpoint)
             if total > capacity:
                 return False
         return True
@@ -240,7 +240,7 @@ class Partitions:
             device, chunk = part % c.stages, part // c.stages
             cost = self.table.stage(rows, first, end)
             return (self._chunk_static(rows, first, end, c)
-                    + chunk_peak_from_coefficients(cost, held[device], chunk)) <= capacity
+                    + chunk_peak_from_coefficients(cost, held[device], chunk, c.checkpoint)) <= capacity
 
         weights = _layer_weights(self.table, rows, c.checkpoint)
         partition = PARTITIONERS[self.partitioner](weights, c.stages * c.virtual_stages, fits)

@@ -26,7 +26,7 @@ import simpy
 
 from sim.hardware import Link, System
 from sim.schedule import Action, Kind, recomputes
-from sim.stage_costs import StageCost
+from sim.stage_costs import StageCost, backward_time_s, held_sizes
 from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 
 
@@ -130,7 +130,10 @@ class ReplicaRun:
             elif kind is Kind.RECOMPUTE:
                 duration = cost.recompute_s
             else:
-                duration = cost.backward_s
+                duration = backward_time_s(cost, self.checkpoint)
+            stash, saved, transient = held_sizes(cost, self.checkpoint)
+            if kind is Kind.BACKWARD and transient:
+                self._hold(device, transient)  # the layer being recomputed, on top of what is held
             start = env.now
             if duration > 0:
                 yield env.timeout(duration)
@@ -139,13 +142,13 @@ class ReplicaRun:
                 self.records.append((device, kind.value, m, start, env.now, s))
             if kind is Kind.FORWARD:
                 stashed = recomputes(self.checkpoint, m, microbatches)
-                self._hold(device, cost.stash_bytes if stashed else cost.saved_bytes)
+                self._hold(device, stash if stashed else saved)
                 if s < last:
                     self._send(device, s + 1, m, cost.output_bytes, forward=True)
             elif kind is Kind.RECOMPUTE:
-                self._hold(device, cost.saved_bytes - cost.stash_bytes)
+                self._hold(device, saved - stash)
             else:
-                self._hold(device, -cost.saved_bytes)
+                self._hold(device, -saved - transient)
                 if s > 0:
                     self._send(device, s - 1, m, cost.stash_bytes, forward=False)
         self.last_backward_s[device] = env.now

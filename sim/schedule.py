@@ -37,7 +37,10 @@ from dataclasses import dataclass
 from sim.errors import GpipeInputError, require_positive
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-CHECKPOINT_POLICIES = ("always", "except_last", "never")
+# always / except_last: GPipe's re-materialization of a whole stage (an R action before its backward);
+# full: every layer's input kept and each layer recomputed inside the backward, just before its own
+# backward (Megatron-LM's full recompute, torch's per-block activation checkpointing): no R action
+CHECKPOINT_POLICIES = ("always", "except_last", "never", "full")
 
 
 class Kind(str, enum.Enum):
@@ -85,8 +88,15 @@ def check_checkpoint_policy(checkpoint: str) -> str:
     return checkpoint
 
 
+def recomputes_per_layer(checkpoint: str) -> bool:
+    """Whether each layer is recomputed inside its backward (``full``): the backward costs a forward
+    more, and a micro-batch in flight holds every layer's input."""
+    return checkpoint == "full"
+
+
 def recomputes(checkpoint: str, microbatch: int, microbatches: int) -> bool:
-    """Whether micro-batch ``microbatch`` is re-materialized (forward run again before backward)."""
+    """Whether micro-batch ``microbatch`` is re-materialized as a whole stage (an R action before its
+    backward); ``full`` recomputes layer by layer inside the backward instead (:func:`recomputes_per_layer`)."""
     if checkpoint == "always":
         return True
     if checkpoint == "except_last":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sim.hardware import Device
+from sim.schedule import recomputes_per_layer
 from sim.workload import LayerCost, SharedParameter, Workload, shared_parameters
 
 
@@ -34,6 +35,11 @@ class StageCost:
     static_bytes: int  # parameters + gradients + optimizer state
     optimizer_s: float  # once per step
     step_overhead_s: float = 0.0  # once per step, fitted by calibration: what spans do not explain
+    # --checkpoint full: every layer's input, held per micro-batch from forward to backward, and the most
+    # one layer's recompute adds during the backward to what is still held (inputs of the layers not yet
+    # done, the layer's own saved tensors); see per_layer_bytes
+    layer_inputs_bytes: int = 0
+    layer_transient_bytes: int = 0
 
 
 def stage_bounds(partition: Sequence[int]) -> list[tuple[int, int]]:
@@ -55,7 +61,41 @@ def stage_of_layers(partition: Sequence[int]) -> list[int]:
     return [k for k, count in enumerate(partition) for _ in range(count)]
 
 
+def per_layer_bytes(inputs: Sequence[int], alone: Sequence[int]) -> tuple[int, int]:
+    """(held, transient) of ``--checkpoint full`` over a stage's layers, from each layer's input bytes
+    and what it saves as a stage of its own (``alone``, its input included). Every layer's input is
+    kept until the micro-batch's backward, which runs the layers last to first, recomputing each just
+    before its own backward: then the inputs of it and the layers before it are still held and its
+    saved tensors are alive; each input is freed after its layer's backward. So the backward's peak is
+    max_i(sum_{j<=i} in_j + alone_i - in_i), the transient being that less all the inputs."""
+    running, peak = 0, 0
+    for held, saved in zip(inputs, alone):
+        running += held
+        peak = max(peak, running + saved - held)
+    return running, max(0, peak - running)
+
+
+def layer_alone_bytes(cost: LayerCost) -> int:
+    """What one layer holds as a stage of its own: its saved tensors, and its input if it does not save it."""
+    return cost.saved_bytes + held_input_bytes(cost)
+
+
+def backward_time_s(cost: StageCost, checkpoint: str) -> float:
+    """A backward action's time: with ``--checkpoint full`` it recomputes every layer first."""
+    return cost.backward_s + (cost.recompute_s if recomputes_per_layer(checkpoint) else 0.0)
+
+
+def held_sizes(cost: StageCost, checkpoint: str) -> tuple[int, int, int]:
+    """(stash, saved, transient) bytes for the counts of :func:`sim.memory.peak_coefficients`: what a
+    micro-batch holds until its recompute, from then (or its forward) until its backward, and what a
+    backward adds while it runs (``full`` only)."""
+    if recomputes_per_layer(checkpoint):
+        return 0, cost.layer_inputs_bytes, cost.layer_transient_bytes
+    return cost.stash_bytes, cost.saved_bytes, 0
+
+
 def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
+    inputs, transient = per_layer_bytes([c.input_bytes for c in layers], [layer_alone_bytes(c) for c in layers])
     return StageCost(
         forward_s=sum(c.forward_s for c in layers),
         backward_s=sum(c.backward_s for c in layers),
@@ -65,6 +105,7 @@ def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
         output_bytes=layers[-1].output_bytes,
         static_bytes=sum(c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in layers),
         optimizer_s=sum(c.optimizer_s for c in layers),
+        layer_inputs_bytes=inputs, layer_transient_bytes=transient,
     )
 
 
@@ -123,9 +164,11 @@ class CostTable:
                 sums, layers = self._prefix_sums(rows), self.layers(rows)
                 low, high = sums[first], sums[end]
                 saved = high[3] - low[3] + held_input_bytes(layers[first])
+                inputs, transient = per_layer_bytes([c.input_bytes for c in layers[first:end]],
+                                                    [layer_alone_bytes(c) for c in layers[first:end]])
                 cost = StageCost(high[0] - low[0], high[1] - low[1], high[2] - low[2], saved,
                                  layers[first].input_bytes, layers[end - 1].output_bytes, high[4] - low[4],
-                                 high[5] - low[5])
+                                 high[5] - low[5], layer_inputs_bytes=inputs, layer_transient_bytes=transient)
             if self._shared:
                 cost = replace(cost, static_bytes=cost.static_bytes - duplicate_static_bytes(self._shared, first, end))
             self._stages[key] = cost

@@ -94,7 +94,7 @@ def test_bf16_profile_saves_casts_and_weight_copies(profile, profile_bf16):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_predicted_peak_activation_matches_the_executor(profile, profile_bf16, checkpoint, schedule, precision):
     partition, microbatches = (1, 2, 1), 3

@@ -91,7 +91,7 @@ def test_gpipe_memory_formula_with_and_without_rematerialization(list_workload):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full"])
 def test_partitioner_memory_estimate_matches_the_simulation(list_workload, schedule, checkpoint):
     workload = list_workload([1e-3, 2e-3, 1e-3, 3e-3, 1e-3, 1e-3], saved_bytes=7, input_bytes=2)
     partition = [1, 2, 1, 2]
@@ -101,6 +101,25 @@ def test_partitioner_memory_estimate_matches_the_simulation(list_workload, sched
     for k, cost in enumerate(table.stages(2, partition)):
         estimate = peak_activation_bytes(cost, 4, 5, schedule, checkpoint, k)
         assert estimate == result.stages[k].peak_activation_bytes
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_full_recompute_holds_every_layers_input_and_one_layer_at_a_time(list_workload, schedule):
+    """``--checkpoint full``: per micro-batch in flight, each layer's input (2 bytes a row here); during
+    a backward, the layer being recomputed adds its saved tensors besides its own input (7 - 2 a row),
+    the layers before it still holding theirs: at most all inputs + 5 a row, once. Backward costs a
+    forward more; there is no R action."""
+    workload = list_workload([1e-3] * 6, saved_bytes=7, input_bytes=2)
+    rows, microbatches = 2, 4
+    full = simulate(workload, IDEAL, [3, 3], batch_size=rows * microbatches, microbatches=microbatches,
+                    checkpoint="full", schedule=schedule)
+    never = simulate(workload, IDEAL, [3, 3], batch_size=rows * microbatches, microbatches=microbatches,
+                     checkpoint="never", schedule=schedule)
+    in_flight = {"gpipe": [4, 4], "1f1b": [2, 1]}[schedule]  # most micro-batches held at once per stage
+    for stage, held in zip(full.stages, in_flight):
+        assert stage.peak_activation_bytes == held * 3 * 2 * rows + (7 - 2) * rows
+        assert stage.busy_s == pytest.approx(never.stages[stage.stage].busy_s * 4 / 3)  # F + (B + F) per layer
+    assert "R" not in {r.kind for r in full.timeline.records}
 
 
 def test_uneven_batch_splits_like_torch_chunk():

@@ -159,7 +159,7 @@ def test_replicas_are_refused_in_one_line():
         simulate(workload, system, [1, 1, 1, 1], 4, 4, virtual_stages=2)
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full"])
 @pytest.mark.parametrize("replicas,zero", [(1, 0), (2, 1)])
 def test_memory_estimate_matches_the_simulation_interleaved(list_workload, checkpoint, replicas, zero):
     workload = list_workload([1e-3, 2e-3, 1e-3, 3e-3, 1e-3, 1e-3], saved_bytes=7, input_bytes=2)
@@ -174,7 +174,7 @@ def test_memory_estimate_matches_the_simulation_interleaved(list_workload, check
     for stage in result.stages:
         chunks = [costs[stage.stage], costs[stage.stage + 2]]
         points = peak_coefficients(2, 4, "interleaved", checkpoint, stage.stage, 2)
-        assert peak_from_coefficients(chunks, points) == stage.peak_activation_bytes
+        assert peak_from_coefficients(chunks, points, checkpoint) == stage.peak_activation_bytes
         static = sum(planner._chunk_static(2, *bounds[s], candidate) for s in (stage.stage, stage.stage + 2))
         assert static == stage.static_bytes  # the planner's memory check counts what the engine holds
 

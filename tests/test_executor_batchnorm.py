@@ -12,7 +12,7 @@ from executor.pipeline import LocalPipeline
 CNN = {"layers": 2, "channels": 8, "image": 8}
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full"])
 @pytest.mark.parametrize("microbatches", [1, 3, 4])
 def test_running_stats_equal_the_whole_mini_batch(checkpoint, microbatches):
     # The first BN sits right after the first conv, so its inputs equal the unpipelined run's.

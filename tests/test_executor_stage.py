@@ -21,7 +21,7 @@ def one_step(checkpoint, schedule="gpipe", seed=0, microbatches=3):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "full"])
 def test_dropout_recompute_replays_the_masks(checkpoint, schedule):
     loss, grads = one_step(checkpoint, schedule)
     ref_loss, ref_grads = one_step("never", schedule)

@@ -149,7 +149,7 @@ def test_gpt2_blocks_with_dropout_replay_their_masks_under_rematerialisation():
 
     for stages in (2, 4):
         loss, expected = grads(stages, "never")
-        for policy in ("always", "except_last"):
+        for policy in ("always", "except_last", "full"):
             again, got = grads(stages, policy)
             assert again == loss
             for name, grad in expected.items():

@@ -44,7 +44,7 @@ PARTITIONS = {
     ("transformer", 1, 2): (1, 3), ("transformer", 2, 2): (1, 1, 1, 1), ("transformer", 1, 4): (1, 1, 1, 1),
 }
 MICROBATCHES = {1: (1, 3, 4), 2: (2, 4), 3: (3, 6)}
-POLICIES = ("always", "except_last", "never")
+POLICIES = ("always", "except_last", "never", "full")
 GRID = [(model, k, v, m, policy) for (model, k, v) in PARTITIONS for m in MICROBATCHES[k] for policy in POLICIES]
 
 

@@ -29,7 +29,7 @@ def scenarios(draw):
         partition=partition,
         batch_size=draw(st.integers(1, 12)),
         microbatches=draw(st.integers(1, 8)),
-        checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
+        checkpoint=draw(st.sampled_from(["always", "except_last", "never", "full"])),
         schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
     )
 
@@ -108,7 +108,7 @@ def scaled_scenarios(draw):
         system=System("t", IDEAL.device, per_node, link, Link("ib", 2e8, 5e-4), nodes=-(-devices // per_node)),
         partition=[bounds[i + 1] - bounds[i] for i in range(parts)],
         batch_size=batch, microbatches=microbatches,
-        checkpoint=draw(st.sampled_from(["always", "except_last", "never"])), schedule=schedule,
+        checkpoint=draw(st.sampled_from(["always", "except_last", "never", "full"])), schedule=schedule,
         virtual_stages=virtual, replicas=replicas, zero=draw(st.sampled_from([0, 1])) if replicas > 1 else 0,
         placement=draw(st.sampled_from(PLACEMENTS)),
     )

@@ -41,7 +41,7 @@ def test_1f1b_with_fewer_microbatches_than_stages():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full"])
 @pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 5), (4, 4), (5, 2)])
 def test_every_stage_runs_each_microbatch_once_in_a_valid_order(schedule, checkpoint, stages, microbatches):
     for k, actions in enumerate(build_schedule(stages, microbatches, schedule, checkpoint)):

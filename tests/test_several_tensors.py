@@ -19,7 +19,7 @@ from test_transparency import check_step
 
 MODEL = "tests.sample_models:several_tensors"
 PARTITIONS = {1: (6,), 2: (2, 4), 3: (1, 2, 3), 6: (1, 1, 1, 1, 1, 1)}
-GRID = list(itertools.product((1, 2, 3, 6), (1, 3, 4), ("always", "except_last", "never"), ("gpipe", "1f1b")))
+GRID = list(itertools.product((1, 2, 3, 6), (1, 3, 4), ("always", "except_last", "never", "full"), ("gpipe", "1f1b")))
 
 
 def config(stages, microbatches=4, checkpoint="except_last", schedule="gpipe", **overrides):

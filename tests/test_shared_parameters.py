@@ -21,7 +21,7 @@ from sim.errors import GpipeInputError
 MODEL = "tests.sample_models:tied_lm"
 DATA = "tests.sample_models:tied_lm_data"
 PARTITIONS = {1: (4,), 2: (2, 2), 3: (1, 2, 1), 4: (1, 1, 1, 1)}
-GRID = list(itertools.product((1, 2, 3, 4), (1, 3, 4), ("always", "except_last", "never"), ("gpipe", "1f1b")))
+GRID = list(itertools.product((1, 2, 3, 4), (1, 3, 4), ("always", "except_last", "never", "full"), ("gpipe", "1f1b")))
 
 
 def config(stages, microbatches=4, checkpoint="except_last", schedule="gpipe", **overrides):

@@ -30,7 +30,7 @@ PARTITIONS = {
 }
 OPTIONS = {"mlp": {"width": 32}, "transformer": {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}}
 GRID = list(itertools.product(("mlp", "transformer"), (1, 2, 4), (1, 3, 4, 8),
-                              ("always", "except_last", "never"), ("gpipe", "1f1b")))
+                              ("always", "except_last", "never", "full"), ("gpipe", "1f1b")))
 
 
 def reference(config: RunConfig, inputs, targets, loss_fn):
@@ -102,7 +102,7 @@ def torch_schedule(optimizer, schedule: str, warmup: int, total: int):
 
 # cosine over the whole grid; warm-up then constant on one policy and schedule per K
 ADAMW_GRID = [(*case, "cosine") for case in itertools.product(
-    ("mlp", "transformer"), (1, 2, 4), ("always", "except_last", "never"), ("gpipe", "1f1b"))] + [
+    ("mlp", "transformer"), (1, 2, 4), ("always", "except_last", "never", "full"), ("gpipe", "1f1b"))] + [
     (model, stages, checkpoint, schedule, "constant") for model in ("mlp", "transformer")
     for stages, checkpoint, schedule in ((1, "always", "gpipe"), (2, "except_last", "1f1b"), (4, "never", "gpipe"))]
 

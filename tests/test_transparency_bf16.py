@@ -46,7 +46,7 @@ PARTITIONS = {
 OPTIONS = {"mlp": {"width": 32}, "transformer": {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}}
 BATCH, MICROBATCHES = 10, 4
 WHOLE_BATCH_GRAD_TOLERANCE = 1.5e-2  # of each gradient's largest element; see the module docstring
-GRID = list(itertools.product(("mlp", "transformer"), (1, 2, 4), ("always", "except_last", "never"),
+GRID = list(itertools.product(("mlp", "transformer"), (1, 2, 4), ("always", "except_last", "never", "full"),
                               ("gpipe", "1f1b")))
 
 
