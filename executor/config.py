@@ -91,6 +91,9 @@ class RunConfig:
         from executor.initial_weights import check_init
 
         check_init(self.init)
+        if self.checkpoint == "selective" and self.model != "transformer":
+            raise GpipeInputError(f"--checkpoint selective recomputes the attention core of the built-in transformer "
+                                  f"only, not {self.model}; use full (every layer recomputed) or never")
         from executor.replicas import check_data_parallel
 
         check_data_parallel(self)

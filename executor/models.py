@@ -15,7 +15,6 @@ keyword arguments (none by default) and must return an ``nn.Sequential``. Its da
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Any, Callable
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 
 from executor import hf
 from executor.materialize import build_meta
+from executor.selective import AttentionCore, attention_core, recomputing_attention_core
 from sim.errors import GpipeInputError
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.plan import ModelRef
@@ -103,13 +103,12 @@ class CausalSelfAttention(nn.Module):
         # (rows, heads, seq, head_dim)
         q = q.view(rows, seq, self.heads, head_dim).transpose(1, 2)
         k, v = (t.view(rows, seq, self.kv_heads, head_dim).transpose(1, 2) for t in (k, v))
-        if self.kv_heads != self.heads:
-            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d_model // self.heads)
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-        attn = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        out = (attn @ v).transpose(1, 2).reshape(rows, seq, d_model)
-        return self.drop(self.proj(out))
+        groups = self.heads // self.kv_heads
+        if recomputing_attention_core():  # --checkpoint selective: keep q, k, v only (executor.selective)
+            out = AttentionCore.apply(q, k, v, groups)
+        else:
+            out = attention_core(q, k, v, groups)
+        return self.drop(self.proj(out.transpose(1, 2).reshape(rows, seq, d_model)))
 
 
 class Block(nn.Module):

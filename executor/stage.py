@@ -46,8 +46,9 @@ from executor.optim import (OptimSettings, clip_coefficient, gradients, make_opt
                             squared_norm)
 from executor.precision import autocast, check_boundary
 from executor.recording import Recorder
+from executor.selective import recompute_attention_core
 from executor.transport import ACT, GRAD, Transport
-from sim.schedule import Action, Kind, build_schedule, recomputes, recomputes_per_layer
+from sim.schedule import Action, Kind, build_schedule, recomputes, recomputes_attention_core, recomputes_per_layer
 from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
 
 
@@ -297,8 +298,10 @@ class PipelineStage(StepPhases):
         return loss
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
-        """The stage's layers on ``x`` at the run's precision; forward and recompute alike."""
-        with autocast(self.config.precision, self.device.type):
+        """The stage's layers on ``x`` at the run's precision; forward and recompute alike. Under
+        ``selective`` the attention cores keep no probabilities (:mod:`executor.selective`)."""
+        with autocast(self.config.precision, self.device.type), \
+                recompute_attention_core(recomputes_attention_core(self.config.checkpoint)):
             return self.module(x)
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:

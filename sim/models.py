@@ -105,6 +105,10 @@ class LayerSpec:
     tp_allreduce_bytes_per_row: float = 0.0
     tp_allreduces_forward: float = 0.0
     tp_allreduces_backward: float = 0.0
+    # the attention core (QK^T, softmax, attention over V): what selective recompute drops and reruns
+    core_saved_bytes_per_row: float = 0.0
+    core_flops_per_row: float = 0.0
+    core_traffic_bytes_per_row: float = 0.0
 
 
 class AnalyticWorkload:
@@ -122,6 +126,7 @@ class AnalyticWorkload:
         self.tensor_parallel = tensor_parallel
         self.sequence_parallel = sequence_parallel
         self.tp_link = tp_link
+        self.has_attention_core = name == "transformer"  # what --checkpoint selective recomputes
 
     @property
     def parameter_count(self) -> int:
@@ -152,6 +157,10 @@ class AnalyticWorkload:
         if _HAS_OPTIMIZER_S:
             # Elementwise update: read weight, grad and slots, write weight and slots.
             extra["optimizer_s"] = (3 + 2 * self.optimizer_slots) * param_bytes / bytes_s
+        if spec.core_flops_per_row:
+            extra["core_recompute_s"] = max(spec.core_flops_per_row * rows / flops_s,
+                                            spec.core_traffic_bytes_per_row * rows / bytes_s)
+            extra["core_saved_bytes"] = round(spec.core_saved_bytes_per_row * rows)
         return LayerCost(
             name=spec.name, forward_s=forward_s, backward_s=backward_s, recompute_s=forward_s,
             saved_bytes=round(spec.saved_bytes_per_row * rows + spec.fixed_saved_bytes),
@@ -226,6 +235,11 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     2s*2d(d - e) fewer FLOPs; keys and values are repeated to their query heads before the
     attention matmuls (as the executor runs it), which then save as much as without grouping.
 
+    Selective recompute (Korthikanti et al. 2022) drops the attention core's saved tensors (the
+    probabilities, fp32, and in bf16 their cast; with grouped keys and values their repeats, the
+    core keeping q, k and v as QKV wrote them) and reruns the core (QK^T, softmax, attention over V:
+    4s^2*d FLOPs and its h*s^2 traffic) inside the backward.
+
     Tensor parallelism over ``tp`` = T devices, as Megatron-LM splits a GPT (Shoeybi et al. 2019;
     Korthikanti et al. 2022 for ``sp``, sequence parallelism): one device's share. QKV and fc1 are
     column-parallel (heads and the FFN's hidden units split), proj and fc2 row-parallel (their
@@ -294,6 +308,9 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
         output_bytes_per_row=s * d * F / split_seq,
         fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
         tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=2.0,
+        core_saved_bytes_per_row=(h * s * s * (F + (c if p.casts else 0)) + grouped * 2 * s * (d - e) * c) / t,
+        core_flops_per_row=4.0 * s * s * d / t,
+        core_traffic_bytes_per_row=(h * s * s * (6 * c + 2 * F + 2 * x) + grouped * s * (2 * e + 2 * d) * c) / t,
     )
     head_params = 2 * d + vocab * d + vocab
     head = LayerSpec(

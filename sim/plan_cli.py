@@ -21,6 +21,7 @@ from sim.precision import check_precision
 from sim.report import describe_precision, gib
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
 from sim.tensor_parallel import check_tensor_parallel, default_sequence_parallel, with_tensor_parallel
+from sim.workload import check_checkpoint_for
 from sim.workload_cli import calibrated_allreduce, chosen_precision, workload_and_batch
 
 
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     system, options, precision = planning_inputs(args)
     space = search_space(args, system, schedules)
     workload, batch = workload_and_batch(args, options, precision)
+    checkpoints = policies_for(workload, checkpoints, args.checkpoints != ",".join(CHECKPOINT_POLICIES))
     if args.stages_options:
         stage_options = parse_int_list(args.stages_options, "--stages-options")
         too_many = [k for k in stage_options if k > workload.num_layers]
@@ -222,6 +224,15 @@ def _search_each_stage_count(workload, system, batch: int, stage_options: list[i
                             partitioner, top, progress, space["replicas"], space["virtual"], space["zero"],
                             placements, calibrated_allreduce(bound, bound_system)))
     return _merged(parts, top)
+
+
+def policies_for(workload, checkpoints: list[str], asked: bool) -> list[str]:
+    """The policies to search; ``selective`` asked for explicitly where the model has no attention
+    core to recompute is refused in one line (by default :func:`sim.planner.search` leaves it out)."""
+    if asked:
+        for checkpoint in checkpoints:
+            check_checkpoint_for(workload, checkpoint)
+    return checkpoints
 
 
 def tensor_parallel_options(args: argparse.Namespace, workload, system) -> list[int]:
@@ -345,7 +356,7 @@ def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_opti
     from sim.planner import Candidate, default_partition
     from sim.report import fit_advice
 
-    order = ["full", "always", "except_last", "never"]  # the leanest first, as large models run
+    order = ["full", "always", "selective", "except_last", "never"]  # the leanest first, as large models run
     policy = min(checkpoints, key=order.index)
     stages = max(stage_options)
     microbatches = len(split_rows(batch, max(microbatch_options)))

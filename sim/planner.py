@@ -294,9 +294,11 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     partition is needed; partitioned ones wait, ordered by :func:`lower_bound_s`, until their
     simulation is. A candidate is simulated only when no other can have a smaller bound, and the
     search ends when the smallest bound left exceeds the ``top``-th best simulated step.
+    ``selective`` is searched only where the workload has an attention core to recompute.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
+    checkpoints = [c for c in checkpoints if c != "selective" or getattr(workload, "has_attention_core", False)]
     started = time.perf_counter()
     table = CostTable(workload, system.device)
     unfit: list[PlanOption] = []

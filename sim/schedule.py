@@ -39,8 +39,10 @@ from sim.errors import GpipeInputError, require_positive
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # always / except_last: GPipe's re-materialization of a whole stage (an R action before its backward);
 # full: every layer's input kept and each layer recomputed inside the backward, just before its own
-# backward (Megatron-LM's full recompute, torch's per-block activation checkpointing): no R action
-CHECKPOINT_POLICIES = ("always", "except_last", "never", "full")
+# backward (Megatron-LM's full recompute, torch's per-block activation checkpointing): no R action;
+# selective: only the attention core (QK^T, softmax, attention over V) recomputed inside the backward
+# (Korthikanti et al. 2022), everything else kept: no R action either
+CHECKPOINT_POLICIES = ("always", "except_last", "never", "full", "selective")
 
 
 class Kind(str, enum.Enum):
@@ -92,6 +94,11 @@ def recomputes_per_layer(checkpoint: str) -> bool:
     """Whether each layer is recomputed inside its backward (``full``): the backward costs a forward
     more, and a micro-batch in flight holds every layer's input."""
     return checkpoint == "full"
+
+
+def recomputes_attention_core(checkpoint: str) -> bool:
+    """Whether only the attention core is recomputed, inside the backward (``selective``)."""
+    return checkpoint == "selective"
 
 
 def recomputes(checkpoint: str, microbatch: int, microbatches: int) -> bool:

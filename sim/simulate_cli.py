@@ -20,7 +20,7 @@ from sim.precision import check_precision
 from sim.schedule import check_checkpoint_policy, check_interleaving, check_schedule_name, check_virtual_stages
 from sim.report import fit_advice, format_summary
 from sim.tensor_parallel import check_tensor_parallel, default_sequence_parallel, with_tensor_parallel
-from sim.workload import Workload
+from sim.workload import Workload, check_checkpoint_for
 from sim.workload_cli import (calibrated_allreduce, chosen_precision, resolve_workload, with_precision,
                               workload_and_batch)
 
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         check_tensor_parallel(plan.tensor_parallel, workload, system)
         system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel)
         workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel)
+        check_checkpoint_for(workload, plan.checkpoint)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
                           plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
                           replicas=plan.replicas, zero=plan.zero, placement=plan.placement,
@@ -93,6 +94,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     precision = chosen_precision(args, system.device)
     workload, batch = workload_and_batch(args, simulation_options(args), precision)
     check_tensor_parallel(args.tensor_parallel, workload, system)
+    check_checkpoint_for(workload, args.checkpoint)
     system.check_fits(stages, args.replicas, args.tensor_parallel)
     workload, system = with_tensor_parallel(workload, system, args.tensor_parallel,
                                             default_sequence_parallel(args.tensor_parallel, args.sequence_parallel))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sim.hardware import Device
-from sim.schedule import recomputes_per_layer
+from sim.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.workload import LayerCost, SharedParameter, Workload, shared_parameters
 
 
@@ -40,6 +40,9 @@ class StageCost:
     # done, the layer's own saved tensors); see per_layer_bytes
     layer_inputs_bytes: int = 0
     layer_transient_bytes: int = 0
+    # --checkpoint selective: the attention cores' saved bytes, not held, and their recompute time
+    core_saved_bytes: int = 0
+    core_recompute_s: float = 0.0
 
 
 def stage_bounds(partition: Sequence[int]) -> list[tuple[int, int]]:
@@ -81,8 +84,13 @@ def layer_alone_bytes(cost: LayerCost) -> int:
 
 
 def backward_time_s(cost: StageCost, checkpoint: str) -> float:
-    """A backward action's time: with ``--checkpoint full`` it recomputes every layer first."""
-    return cost.backward_s + (cost.recompute_s if recomputes_per_layer(checkpoint) else 0.0)
+    """A backward action's time: with ``--checkpoint full`` it recomputes every layer first, with
+    ``selective`` every attention core."""
+    if recomputes_per_layer(checkpoint):
+        return cost.backward_s + cost.recompute_s
+    if recomputes_attention_core(checkpoint):
+        return cost.backward_s + cost.core_recompute_s
+    return cost.backward_s
 
 
 def held_sizes(cost: StageCost, checkpoint: str) -> tuple[int, int, int]:
@@ -91,6 +99,8 @@ def held_sizes(cost: StageCost, checkpoint: str) -> tuple[int, int, int]:
     backward adds while it runs (``full`` only)."""
     if recomputes_per_layer(checkpoint):
         return 0, cost.layer_inputs_bytes, cost.layer_transient_bytes
+    if recomputes_attention_core(checkpoint):
+        return cost.stash_bytes, cost.saved_bytes - cost.core_saved_bytes, 0
     return cost.stash_bytes, cost.saved_bytes, 0
 
 
@@ -106,6 +116,7 @@ def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
         static_bytes=sum(c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in layers),
         optimizer_s=sum(c.optimizer_s for c in layers),
         layer_inputs_bytes=inputs, layer_transient_bytes=transient,
+        core_saved_bytes=sum(c.core_saved_bytes for c in layers), core_recompute_s=sum(c.core_recompute_s for c in layers),
     )
 
 
@@ -131,7 +142,7 @@ class CostTable:
         self.device = device
         self._layers: dict[int, tuple[LayerCost, ...]] = {}
         self._stages: dict[tuple[int, int, int], StageCost] = {}
-        self._prefix: dict[int, list[tuple[float, float, float, int, int, float]]] = {}
+        self._prefix: dict[int, list[tuple[float, float, float, int, int, float, int, float]]] = {}
         self._exact = getattr(workload, "stage_cost", None)
         self._shared = shared_parameters(workload)
         self._state_bytes: dict[tuple[int, int], tuple[int, int]] = {}
@@ -141,14 +152,16 @@ class CostTable:
             self._layers[rows] = tuple(self.workload.layer_costs(rows, self.device))
         return self._layers[rows]
 
-    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float]]:
-        """Running sums of (forward, backward, recompute, saved, static, optimizer) over layers."""
+    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float, int, float]]:
+        """Running sums of (forward, backward, recompute, saved, static, optimizer, core saved, core
+        recompute) over layers."""
         if rows not in self._prefix:
-            sums = [(0.0, 0.0, 0.0, 0, 0, 0.0)]
+            sums = [(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0.0)]
             for c in self.layers(rows):
-                f, b, r, saved, static, opt = sums[-1]
+                f, b, r, saved, static, opt, core, core_s = sums[-1]
                 sums.append((f + c.forward_s, b + c.backward_s, r + c.recompute_s, saved + c.saved_bytes,
-                             static + c.param_bytes + c.grad_bytes + c.optimizer_bytes, opt + c.optimizer_s))
+                             static + c.param_bytes + c.grad_bytes + c.optimizer_bytes, opt + c.optimizer_s,
+                             core + c.core_saved_bytes, core_s + c.core_recompute_s))
             self._prefix[rows] = sums
         return self._prefix[rows]
 
@@ -168,7 +181,8 @@ class CostTable:
                                                     [layer_alone_bytes(c) for c in layers[first:end]])
                 cost = StageCost(high[0] - low[0], high[1] - low[1], high[2] - low[2], saved,
                                  layers[first].input_bytes, layers[end - 1].output_bytes, high[4] - low[4],
-                                 high[5] - low[5], layer_inputs_bytes=inputs, layer_transient_bytes=transient)
+                                 high[5] - low[5], layer_inputs_bytes=inputs, layer_transient_bytes=transient,
+                                 core_saved_bytes=high[6] - low[6], core_recompute_s=high[7] - low[7])
             if self._shared:
                 cost = replace(cost, static_bytes=cost.static_bytes - duplicate_static_bytes(self._shared, first, end))
             self._stages[key] = cost

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from sim.errors import GpipeInputError
 from sim.hardware import Device
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 
@@ -37,6 +38,10 @@ class LayerCost:
     # whether saved_bytes holds the input's own storage; when not (a bf16 cast of it is saved
     # instead, or nothing), a stage starting here holds its stashed input besides saved_bytes
     saves_input: bool = True
+    # --checkpoint selective: what the attention core saves (dropped and recomputed inside the backward)
+    # and the time to recompute it; 0 for a layer without attention
+    core_saved_bytes: int = 0
+    core_recompute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,16 @@ class SharedParameter:
     layers: tuple[int, ...]  # the layers using it, ascending
     param_bytes: int  # its weights
     static_bytes: int  # weights, gradient and optimizer state: what a stage saves by not holding a copy
+
+
+def check_checkpoint_for(workload: "Workload", checkpoint: str) -> str:
+    """``selective`` recomputes an attention core, which only the built-in transformer's analytic
+    model knows of (``has_attention_core``); refused in one line elsewhere."""
+    if checkpoint == "selective" and not getattr(workload, "has_attention_core", False):
+        name = getattr(workload, "name", "this model")
+        raise GpipeInputError(f"--checkpoint selective recomputes the attention core, modelled for the built-in "
+                              f"transformer's analytic costs only, not {name} (nor a costs file); use full")
+    return checkpoint
 
 
 def shared_parameters(workload: "Workload") -> tuple[SharedParameter, ...]:

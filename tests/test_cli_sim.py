@@ -168,3 +168,17 @@ def test_the_simulator_alone_refuses_a_torch_model_it_was_not_given_a_way_to_mea
         resolve_workload("my_pkg.models:net", {})
     with pytest.raises(GpipeInputError, match="no model"):
         resolve_workload(None, {})
+
+
+def test_the_planner_searches_selective_recompute_where_there_is_an_attention_core():
+    transformer = run("plan", "--model", "transformer", "--hardware", "a100-nvlink", "--microbatch-options", "4",
+                      "--checkpoints", "selective,full", "--tensor-parallel-options", "1", "--json", "--quiet",
+                      "--top", "50")
+    assert transformer.returncode == 0, transformer.stderr
+    assert {o["checkpoint"] for o in json.loads(transformer.stdout)["ranked"]} == {"selective", "full"}
+    mlp = run("plan", "--model", "mlp", "--hardware", "a100-nvlink", "--microbatch-options", "4", "--json", "--quiet",
+              "--top", "100")
+    assert "selective" not in {o["checkpoint"] for o in json.loads(mlp.stdout)["ranked"]}
+    refused = run("plan", "--model", "mlp", "--hardware", "a100-nvlink", "--checkpoints", "selective", "--quiet")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "--checkpoint selective recomputes the attention core" in refused.stderr

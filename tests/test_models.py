@@ -362,3 +362,24 @@ def test_models_module_does_not_import_torch() -> None:
     code = "import sys, sim.models; sim.models.get_workload('transformer', {}); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kv_heads", [0, 2])
+def test_selective_recompute_saves_what_the_model_predicts(precision: str, kv_heads: int) -> None:
+    """Under ``--checkpoint selective`` a block of the executor's transformer saves what the analytic
+    model says less its attention core: no probabilities (nor, on CPU, the bf16 ones CUDA would keep
+    besides), no causal mask, and with grouped keys and values no repeats."""
+    executor_models = pytest.importorskip("executor.models")
+    from executor.selective import recompute_attention_core
+
+    options = {"layers": 1, "d_model": 32, "ff": 48, "heads": 8, "kv_heads": kv_heads, "seq": 6, "vocab": 30}
+    rows = 2
+    workload = get_workload("transformer", {**options, "precision": precision})
+    embedding, block = executor_models.build_model("transformer", options)[:2]
+    x = embedding(torch_input("transformer", workload.describe()["options"], rows)).detach().requires_grad_(True)
+    cost = workload.layer_costs(rows, IDEAL_DEVICE)[1]
+    with recompute_attention_core():
+        measured, _ = measured_saved_bytes(block, x, precision)
+    assert cost.core_saved_bytes > 0
+    assert measured == cost.saved_bytes - cost.core_saved_bytes

@@ -209,3 +209,29 @@ def test_kv_heads_that_do_not_divide_heads_are_one_line_in_both_halves():
     for build in (lambda o: get_workload("transformer", o), lambda o: build_model("transformer", o)):
         with pytest.raises(GpipeInputError, match="kv_heads=3 does not divide heads=4"):
             build({**OPTIONS["transformer"], "heads": 4, "kv_heads": 3})
+
+
+SELECTIVE_GRID = list(itertools.product((1, 2, 4), (1, 3, 8), ("gpipe", "1f1b")))
+
+
+@pytest.mark.parametrize("stages,microbatches,schedule", SELECTIVE_GRID)
+def test_selective_recompute_matches_unpipelined(stages, microbatches, schedule):
+    """``--checkpoint selective``: the attention cores rerun inside the backward; the transformer only."""
+    check_step(RunConfig(model="transformer", options=OPTIONS["transformer"], partition=PARTITIONS[("transformer", stages)],
+                         batch_size=10, microbatches=microbatches, checkpoint="selective", schedule=schedule))
+
+
+def test_selective_recompute_with_adamw_and_grouped_attention():
+    config = RunConfig(model="transformer", options={**OPTIONS["transformer"], "heads": 4, "kv_heads": 2},
+                       partition=PARTITIONS[("transformer", 2)], batch_size=10, microbatches=3, checkpoint="selective",
+                       schedule="1f1b", optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=CLIP["transformer"],
+                       lr_schedule="cosine", lr_warmup_steps=2, steps=ADAMW_STEPS)
+    check_adamw_steps(config)
+
+
+def test_selective_recompute_is_refused_where_there_is_no_attention_core():
+    from sim.errors import GpipeInputError
+
+    with pytest.raises(GpipeInputError, match="--checkpoint selective recomputes the attention core of the built-in "
+                                              "transformer only, not mlp; use full"):
+        RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(8,), checkpoint="selective").validate()

@@ -98,6 +98,12 @@ def test_bf16_step_matches_unpipelined_under_autocast(model, stages, checkpoint,
     check_bf16_step(bf16_config(model, stages, checkpoint, schedule))
 
 
+@pytest.mark.parametrize("stages,schedule", [(2, "gpipe"), (4, "1f1b")])
+def test_bf16_selective_recompute_matches_unpipelined_under_autocast(stages, schedule):
+    """The attention core rerun in the backward at the forward's autocast state."""
+    check_bf16_step(bf16_config("transformer", stages, "selective", schedule))
+
+
 def test_the_bf16_check_can_fail(monkeypatch):
     """A recompute that forgets autocast: the transformer's gradients (and its recomputed loss)
     leave the tolerances, the mlp's bf16 boundary input meets fp32 weights and fails."""
