@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "calibrate": ("calibrate.cli", "profile this machine and fit the simulator's costs"),
     "validate": ("calibrate.validate_cli", "compare predictions with measured runs the fit never saw"),
     "paper": ("sim.paper_cli", "replay the GPipe paper's Table 2 (Transformer-48 on TPUv3) in simulation"),
+    "replay": ("sim.replay_cli", "predict published GPU runs of a runs file against their measured step times"),
     "demo": ("calibrate.demo", "the main job: calibrate, plan, simulate, train and report"),
 }
 

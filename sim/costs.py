@@ -44,6 +44,7 @@ from sim.errors import GpipeInputError
 from sim.hardware import LOCAL_CPU, Device, Link, System
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES
 from sim.stage_costs import StageCost, per_layer_bytes
+from sim.timeline import read_json
 from sim.workload import LayerCost, SharedParameter
 
 COSTS_VERSION = 1
@@ -275,14 +276,7 @@ class MeasuredWorkload:
 
 def read_costs(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The costs file as a dict, checked for kind and version, with one-line errors."""
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        raise GpipeInputError(f"costs file {os.fspath(path)!r} does not exist; "
-                              "create it with gpipe calibrate --out FILE") from None
-    except json.JSONDecodeError as exc:
-        raise GpipeInputError(f"costs file {os.fspath(path)!r} is not valid JSON ({exc})") from None
+    data = read_json(path, "costs file", "create it with gpipe calibrate --out FILE")
     if not isinstance(data, dict) or data.get("kind") != COSTS_KIND:
         raise GpipeInputError(f"{os.fspath(path)!r} is not a gpipe costs file; "
                               "create one with gpipe calibrate --out FILE")

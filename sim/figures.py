@@ -211,3 +211,23 @@ def write_html_many(figs: Sequence[go.Figure], path: str | os.PathLike[str], tit
     with open(os.fspath(path), "w") as handle:
         handle.write(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title></head>"
                      f"<body>{''.join(parts)}</body></html>")
+
+
+def replay_figure(results: Sequence, title: str = "Published runs: predicted against measured step time") -> go.Figure:
+    """Predicted against measured step time per modelled run (``sim.replay.Replayed``), the diagonal
+    being a perfect prediction; runs not modelled are listed in the title."""
+    modelled = [r for r in results if r.modelled]
+    skipped = [r.id for r in results if not r.modelled]
+    top = max([r.measured_step_s for r in modelled] + [r.predicted_step_s for r in modelled] + [1e-3]) * 1.1
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="exact", line={"dash": "dot", "color": "#999"}))
+    fig.add_trace(go.Scatter(
+        x=[r.measured_step_s for r in modelled], y=[r.predicted_step_s for r in modelled], mode="markers+text",
+        text=[r.id for r in modelled], textposition="top center", name="runs", marker={"size": 10, "color": "#4C78A8"},
+        customdata=[[r.error * 100] for r in modelled],
+        hovertemplate="%{text}<br>measured %{x:.3f} s<br>predicted %{y:.3f} s<br>error %{customdata[0]:+.1f} %<extra></extra>"))
+    fig.update_xaxes(title_text="measured step (s)", range=[0, top])
+    fig.update_yaxes(title_text="predicted step (s)", range=[0, top])
+    note = f" (not modelled: {', '.join(skipped)})" if skipped else ""
+    fig.update_layout(title=title + note, height=550, width=650)
+    return fig

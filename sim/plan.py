@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,7 +26,7 @@ from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
 from sim.placement import DEFAULT_PLACEMENT, check_placement
 from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.schedule import check_checkpoint_policy, check_schedule_name
-from sim.timeline import write_json_atomic
+from sim.timeline import read_json, write_json_atomic
 
 PLAN_VERSION = 1
 
@@ -162,14 +161,7 @@ def plan_from_dict(data: Any) -> Plan:
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        raise GpipeInputError(f"plan file {os.fspath(path)!r} does not exist; write one with gpipe plan --out") from None
-    except json.JSONDecodeError as exc:
-        raise GpipeInputError(f"plan file {os.fspath(path)!r} is not valid JSON ({exc})") from None
-    return plan_from_dict(data)
+    return plan_from_dict(read_json(path, "plan file", "write one with gpipe plan --out"))
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple
 
+from sim.errors import GpipeInputError
+
 # Kinds of span beyond the compute kinds F/R/B of sim.schedule.Kind.
 SEND_ACTIVATION = "send_act"
 SEND_GRADIENT = "send_grad"
@@ -180,6 +182,18 @@ def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
     merged.records.sort(key=lambda r: (r.start_s, r.replica, r.stage))
     merged.memory.sort(key=lambda s: (s.time_s, s.stage))
     return merged
+
+
+def read_json(path: str | os.PathLike[str], what: str, missing_fix: str) -> Any:
+    """The JSON document at ``path``; one line naming ``what`` it is when it is missing (with
+    ``missing_fix``) or not JSON."""
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise GpipeInputError(f"{what} {os.fspath(path)!r} does not exist; {missing_fix}") from None
+    except json.JSONDecodeError as exc:
+        raise GpipeInputError(f"{what} {os.fspath(path)!r} is not valid JSON ({exc})") from None
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
