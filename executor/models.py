@@ -111,15 +111,29 @@ class CausalSelfAttention(nn.Module):
         return self.drop(self.proj(out.transpose(1, 2).reshape(rows, seq, d_model)))
 
 
+class SquaredReLU(nn.Module):
+    """relu(x)^2, Nemotron-4's MLP activation (So et al. 2021, "Primer")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))
+
+
+ACTIVATION_MODULES = {"gelu": nn.GELU, "squared_relu": SquaredReLU}
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(LN(x)); x + MLP(LN(x))."""
 
-    def __init__(self, d_model: int, ff: int, heads: int, dropout: float, kv_heads: int = 0) -> None:
+    def __init__(self, d_model: int, ff: int, heads: int, dropout: float, kv_heads: int = 0,
+                 activation: str = "gelu") -> None:
         super().__init__()
+        if activation not in ACTIVATION_MODULES:
+            raise GpipeInputError(f"activation={activation!r}; choose one of {', '.join(ACTIVATION_MODULES)}")
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, heads, dropout, kv_heads)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, ff), nn.GELU(), nn.Linear(ff, d_model), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(nn.Linear(d_model, ff), ACTIVATION_MODULES[activation](), nn.Linear(ff, d_model),
+                                 nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -147,7 +161,8 @@ def _mlp(o: dict[str, Any]) -> nn.Sequential:
 
 
 def _transformer(o: dict[str, Any]) -> nn.Sequential:
-    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"], o["kv_heads"]) for _ in range(o["layers"])]
+    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"], o["kv_heads"], o["activation"])
+              for _ in range(o["layers"])]
     return nn.Sequential(Embedding(o["vocab"], o["seq"], o["d_model"], o["dropout"]), *blocks,
                          Head(o["d_model"], o["vocab"]))
 

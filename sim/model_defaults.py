@@ -12,9 +12,13 @@ DEFAULT_OPTIONS: dict[str, dict[str, int | float]] = {
     "uniform": {"layers": 16},
     "mlp": {"layers": 8, "width": 256},
     "transformer": {"layers": 4, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 256,
-                    "dropout": 0.0, "kv_heads": 0},  # kv_heads 0: one key/value head per head
+                    "dropout": 0.0, "kv_heads": 0,  # kv_heads 0: one key/value head per head
+                    "activation": "gelu"},  # the MLP's: gelu or squared_relu (ReLU squared, as Nemotron-4)
     "cnn": {"layers": 4, "channels": 16, "image": 16, "classes": 10},
 }
+
+# The transformer MLP's activations, by option value
+ACTIVATIONS = ("gelu", "squared_relu")
 
 # Mini-batch size (samples per step, before splitting into micro-batches) per model.
 DEFAULT_BATCH: dict[str, int] = {

@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 from sim.allreduce import ring_allreduce_s
 from sim.errors import GpipeInputError
 from sim.hardware import Device, Link
-from sim.model_defaults import DEFAULT_OPTIONS
+from sim.model_defaults import ACTIVATIONS, DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES, Precision, check_precision, precision_of
 from sim.workload import LayerCost, UniformWorkload, Workload
@@ -229,6 +229,10 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
       each adds a mask of sd bytes.
     - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = F*sd (LN in) +
       c*sd (Linear's input) + 8s [+ 2dV weight copy in bf16]; output c*sV logits.
+
+    ``activation`` ``squared_relu`` (ReLU then its square, Nemotron-4's MLP) in place of GELU saves
+    the same two (s, f) tensors (ReLU's output, which the square saves as its input, and the square's
+    output, fc2's input) and moves the same bytes, so nothing above changes.
 
     Grouped-query attention (``kv_heads`` < ``heads``; 0 means one key/value head per head): QKV
     projects to d + 2e, e = kv_heads * d / heads, so the block has 2d(d - e) fewer QKV weights and
@@ -427,6 +431,10 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
 def _check_option(model: str, key: str, value: Any) -> Any:
     if key == "precision":
         return check_precision(value)
+    if key == "activation":
+        if value not in ACTIVATIONS:
+            raise GpipeInputError(f"activation={value!r} for model {model}; choose one of {', '.join(ACTIVATIONS)}")
+        return value
     if key == "dropout":
         try:
             p = float(value)

@@ -20,7 +20,8 @@ reason, never dropped. ``error`` is predicted / measured - 1.
 
 Limits, stated in every run's ``assumed``: the data-parallel all-reduce is the simulator's (after
 each stage's last backward, not bucketed inside it as Megatron-LM overlaps it); efficiencies are
-the catalog's (:mod:`sim.hardware`), not fitted on these runs.
+the catalog's (:mod:`sim.hardware`), not fitted on these runs; attention is the materialised kernel
+the executor runs, not flash attention (which keeps no (heads, seq, seq) tensor).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "sequence_parallel", "precision", "measured_step_s")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce after each stage's last backward (Megatron-LM overlaps it with the "
-                  "backward)", "the catalog's efficiency, not fitted")
+                  "backward)", "the catalog's efficiency, not fitted",
+                  "attention materialised as the executor runs it (its (heads, seq, seq) scores saved and moved), "
+                  "not a fused or flash kernel")
 
 
 @dataclass

@@ -174,7 +174,9 @@ def test_saved_bytes_match_autograd(name: str, options: dict, precision: str) ->
     ("transformer", {"layers": 1, "d_model": 16, "ff": 24, "heads": 2, "seq": 6, "vocab": 30,
                      "dropout": 0.1}),
     ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 8, "kv_heads": 2, "seq": 6, "vocab": 30}),
-    ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 4, "kv_heads": 4, "seq": 6, "vocab": 30})])
+    ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 4, "kv_heads": 4, "seq": 6, "vocab": 30}),
+    ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 4, "seq": 6, "vocab": 30,
+                     "activation": "squared_relu"})])
 def test_executor_models_match(name: str, options: dict, precision: str) -> None:
     """The executor's own torch models, when present: same layers, parameters and saved bytes,
     input and output bytes (what crosses a stage boundary). On CPU, PyTorch's dropout keeps its

@@ -38,7 +38,7 @@ def test_the_error_is_predicted_over_measured_less_one():
 
 @pytest.mark.parametrize("change,reason", [
     ({"context_parallel": 2}, "context parallelism is not modelled yet"),
-    ({"options": {**RUN["options"], "activation": "squared_relu"}}, "unknown option(s) activation"),
+    ({"options": {**RUN["options"], "positions": "rotary"}}, "unknown option(s) positions"),
     ({"tensor_parallel": 16}, "spans more than a node"),
     ({"model": "mlp", "options": {}, "checkpoint": "selective"}, "--checkpoint selective recomputes"),
 ])
@@ -71,7 +71,7 @@ def test_the_development_set_replays(capsys, tmp_path):
     report = json.loads(capsys.readouterr().out)
     by_id = {r["id"]: r for r in report["runs"]}
     assert set(by_id) == {"korth-22b-full", "korth-22b-selective-sp", "narayanan-1.7b-dp32", "nemotron4-15b-h100"}
-    assert by_id["korth-22b-full"]["modelled"] and by_id["korth-22b-selective-sp"]["modelled"]
-    assert not by_id["nemotron4-15b-h100"]["modelled"]  # squared-ReLU is not an option of the transformer yet
+    assert all(run["modelled"] for run in report["runs"])
+    assert by_id["nemotron4-15b-h100"]["layout"]["tensor_parallel"] == 4  # kv_heads 8 and squared ReLU modelled
     assert report["worst_abs_error"] >= report["median_abs_error"] > 0
     assert (tmp_path / "r.html").stat().st_size > 1000
