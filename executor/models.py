@@ -79,10 +79,15 @@ class Embedding(nn.Module):
 
 class CausalSelfAttention(nn.Module):
     """Causal multi-head attention; with ``kv_heads`` < ``heads``, grouped-query attention (each
-    key/value head serves heads / kv_heads query heads, repeated to them before the matmuls)."""
+    key/value head serves heads / kv_heads query heads, repeated to them before the matmuls).
+    ``attention`` eager materialises the scores; flash runs ``scaled_dot_product_attention``
+    (causal), whose kernels keep no (heads, seq, seq) tensor."""
 
-    def __init__(self, d_model: int, heads: int, dropout: float, kv_heads: int = 0) -> None:
+    def __init__(self, d_model: int, heads: int, dropout: float, kv_heads: int = 0, attention: str = "eager") -> None:
         super().__init__()
+        if attention not in ("eager", "flash"):
+            raise GpipeInputError(f"attention={attention!r}; choose one of eager, flash")
+        self.flash = attention == "flash"
         if d_model % heads:
             raise GpipeInputError(f"d_model={d_model} is not divisible by heads={heads}; "
                                   "pick heads that divide d_model")
@@ -104,7 +109,11 @@ class CausalSelfAttention(nn.Module):
         q = q.view(rows, seq, self.heads, head_dim).transpose(1, 2)
         k, v = (t.view(rows, seq, self.kv_heads, head_dim).transpose(1, 2) for t in (k, v))
         groups = self.heads // self.kv_heads
-        if recomputing_attention_core():  # --checkpoint selective: keep q, k, v only (executor.selective)
+        if self.flash:  # a fused kernel: no (heads, seq, seq) tensor kept, nothing for selective to drop
+            if groups > 1:
+                k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif recomputing_attention_core():  # --checkpoint selective: keep q, k, v only (executor.selective)
             out = AttentionCore.apply(q, k, v, groups)
         else:
             out = attention_core(q, k, v, groups)
@@ -125,12 +134,12 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(LN(x)); x + MLP(LN(x))."""
 
     def __init__(self, d_model: int, ff: int, heads: int, dropout: float, kv_heads: int = 0,
-                 activation: str = "gelu") -> None:
+                 activation: str = "gelu", attention: str = "eager") -> None:
         super().__init__()
         if activation not in ACTIVATION_MODULES:
             raise GpipeInputError(f"activation={activation!r}; choose one of {', '.join(ACTIVATION_MODULES)}")
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads, dropout, kv_heads)
+        self.attn = CausalSelfAttention(d_model, heads, dropout, kv_heads, attention)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, ff), ACTIVATION_MODULES[activation](), nn.Linear(ff, d_model),
                                  nn.Dropout(dropout))
@@ -161,7 +170,7 @@ def _mlp(o: dict[str, Any]) -> nn.Sequential:
 
 
 def _transformer(o: dict[str, Any]) -> nn.Sequential:
-    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"], o["kv_heads"], o["activation"])
+    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"], o["kv_heads"], o["activation"], o["attention"])
               for _ in range(o["layers"])]
     return nn.Sequential(Embedding(o["vocab"], o["seq"], o["d_model"], o["dropout"]), *blocks,
                          Head(o["d_model"], o["vocab"]))

@@ -13,12 +13,15 @@ DEFAULT_OPTIONS: dict[str, dict[str, int | float]] = {
     "mlp": {"layers": 8, "width": 256},
     "transformer": {"layers": 4, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 256,
                     "dropout": 0.0, "kv_heads": 0,  # kv_heads 0: one key/value head per head
-                    "activation": "gelu"},  # the MLP's: gelu or squared_relu (ReLU squared, as Nemotron-4)
+                    "activation": "gelu",  # the MLP's: gelu or squared_relu (ReLU squared, as Nemotron-4)
+                    "attention": "eager"},  # eager (scores materialised) or flash (a fused kernel keeping none)
     "cnn": {"layers": 4, "channels": 16, "image": 16, "classes": 10},
 }
 
 # The transformer MLP's activations, by option value
 ACTIVATIONS = ("gelu", "squared_relu")
+# The transformer's attention kernels: eager materialises the (heads, seq, seq) scores, flash does not
+ATTENTIONS = ("eager", "flash")
 
 # Mini-batch size (samples per step, before splitting into micro-batches) per model.
 DEFAULT_BATCH: dict[str, int] = {

@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 from sim.allreduce import ring_allreduce_s
 from sim.errors import GpipeInputError
 from sim.hardware import Device, Link
-from sim.model_defaults import ACTIVATIONS, DEFAULT_OPTIONS
+from sim.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES, Precision, check_precision, precision_of
 from sim.workload import LayerCost, UniformWorkload, Workload
@@ -109,6 +109,7 @@ class LayerSpec:
     core_saved_bytes_per_row: float = 0.0
     core_flops_per_row: float = 0.0
     core_traffic_bytes_per_row: float = 0.0
+    backward_extra_flops_per_row: float = 0.0  # beyond twice the forward's: flash attention's recompute
 
 
 class AnalyticWorkload:
@@ -146,7 +147,8 @@ class AnalyticWorkload:
         flops = spec.flops_per_row * rows
         moved = spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes
         forward_s = max(flops / flops_s, moved / bytes_s) + LAYER_OVERHEAD_S
-        backward_s = max(2 * flops / flops_s, 2 * moved / bytes_s) + 2 * LAYER_OVERHEAD_S
+        backward_s = (max((2 * flops + spec.backward_extra_flops_per_row * rows) / flops_s, 2 * moved / bytes_s)
+                      + 2 * LAYER_OVERHEAD_S)
         if self.tp_link is not None and self.tensor_parallel > 1:  # the matmuls wait for them: no overlap
             collective_s = ring_allreduce_s(spec.tp_allreduce_bytes_per_row * rows, self.tensor_parallel,
                                             self.tp_link)
@@ -230,6 +232,12 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = F*sd (LN in) +
       c*sd (Linear's input) + 8s [+ 2dV weight copy in bf16]; output c*sV logits.
 
+    ``attention`` ``flash`` (a fused kernel, ``scaled_dot_product_attention``, as GPU trainers run
+    attention): no (heads, s, s) tensor is written, read or saved; the kernel keeps a fp32
+    log-sum-exp per head and token (4hs; its output is the storage proj saves), with grouped keys
+    and values their repeats (2se*c more than without); its backward recomputes QK^T (2s^2*d FLOPs
+    more). Selective recompute then has nothing left to drop.
+
     ``activation`` ``squared_relu`` (ReLU then its square, Nemotron-4's MLP) in place of GELU saves
     the same two (s, f) tensors (ReLU's output, which the square saves as its input, and the square's
     output, fc2's input) and moves the same bytes, so nothing above changes.
@@ -296,12 +304,19 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     # (to fp32 and back); each dropout reads and writes sd plus its mask. Over T devices: of the 16,
     # QKV's and fc1's inputs and proj's and fc2's outputs are whole tensors on each, the adds' 2 follow
     # the residual stream, the other 10 are split; the sf and h*s^2 terms are split.
+    flash = o.get("attention", "eager") == "flash"
+    scores_traffic = h * s * 2 * STAT_BYTES if flash else h * s * s * (6 * c + 2 * F + 2 * x)
+    # eager keeps the probabilities; flash keeps one fp32 log-sum-exp per head and token (its output, laid
+    # out as the projection reads it, is the storage proj saves anyway) and with grouped keys and values
+    # their repeats beside QKV's whole output
+    scores_saved = (h * s * STAT_BYTES + grouped * 2 * s * e * c if flash
+                    else h * s * s * (F + (c if p.casts else 0)))
     block_traffic = (s * d * ((8 * F + 2 * x + 2 * c) / split_seq + 4 * c) + s * (7 * d + qkv_written) * c / t
                      + 4 * s * f * c / t
-                     + h * s * s * (6 * c + 2 * F + 2 * x) / t + 4 * STAT_BYTES * s / split_seq
+                     + scores_traffic / t + 4 * STAT_BYTES * s / split_seq
                      + drop * (2 * c + MASK_BYTES) * 2 * s * d / split_seq)
     block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * s * f * c / t
-                   + h * s * s * (F + (c if p.casts else 0)) / t
+                   + scores_saved / t
                    + 4 * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq)
     block = LayerSpec(
         "block", params=block_params,
@@ -312,9 +327,10 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
         output_bytes_per_row=s * d * F / split_seq,
         fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
         tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=2.0,
-        core_saved_bytes_per_row=(h * s * s * (F + (c if p.casts else 0)) + grouped * 2 * s * (d - e) * c) / t,
-        core_flops_per_row=4.0 * s * s * d / t,
-        core_traffic_bytes_per_row=(h * s * s * (6 * c + 2 * F + 2 * x) + grouped * s * (2 * e + 2 * d) * c) / t,
+        core_saved_bytes_per_row=0.0 if flash else (scores_saved + grouped * 2 * s * (d - e) * c) / t,
+        core_flops_per_row=0.0 if flash else 4.0 * s * s * d / t,
+        core_traffic_bytes_per_row=0.0 if flash else (scores_traffic + grouped * s * (2 * e + 2 * d) * c) / t,
+        backward_extra_flops_per_row=2.0 * s * s * d / t if flash else 0.0,  # flash recomputes QK^T
     )
     head_params = 2 * d + vocab * d + vocab
     head = LayerSpec(
@@ -431,9 +447,10 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
 def _check_option(model: str, key: str, value: Any) -> Any:
     if key == "precision":
         return check_precision(value)
-    if key == "activation":
-        if value not in ACTIVATIONS:
-            raise GpipeInputError(f"activation={value!r} for model {model}; choose one of {', '.join(ACTIVATIONS)}")
+    if key in ("activation", "attention"):
+        choices = ACTIVATIONS if key == "activation" else ATTENTIONS
+        if value not in choices:
+            raise GpipeInputError(f"{key}={value!r} for model {model}; choose one of {', '.join(choices)}")
         return value
     if key == "dropout":
         try:

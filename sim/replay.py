@@ -20,8 +20,8 @@ reason, never dropped. ``error`` is predicted / measured - 1.
 
 Limits, stated in every run's ``assumed``: the data-parallel all-reduce is the simulator's (after
 each stage's last backward, not bucketed inside it as Megatron-LM overlaps it); efficiencies are
-the catalog's (:mod:`sim.hardware`), not fitted on these runs; attention is the materialised kernel
-the executor runs, not flash attention (which keeps no (heads, seq, seq) tensor).
+the catalog's (:mod:`sim.hardware`), not fitted on these runs; a distributed optimizer is ZeRO-1.
+A transformer run whose options do not say ``attention: flash`` is timed with materialised scores.
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "sequence_parallel", "precision", "measured_step_s")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce after each stage's last backward (Megatron-LM overlaps it with the "
-                  "backward)", "the catalog's efficiency, not fitted",
-                  "attention materialised as the executor runs it (its (heads, seq, seq) scores saved and moved), "
-                  "not a fused or flash kernel")
+                  "backward); a distributed optimizer taken as ZeRO-1, searched beside none",
+                  "the catalog's efficiency, not fitted")
 
 
 @dataclass
@@ -107,6 +106,9 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed) -> None:
     tensor, stages, replicas = (int(run[key] or 1) for key in ("tensor_parallel", "pipeline_stages", "replicas"))
     system = get_system(run["hardware"], int(run["nodes"] or 1))
     workload = resolve(run["model"], {**run["options"], "precision": run["precision"]})
+    if run["model"] == "transformer" and run["options"].get("attention", "eager") == "eager":
+        out.assumed.append("attention materialised (its (heads, seq, seq) scores saved and moved): the run's "
+                           "options do not say attention=flash")
     checkpoint = check_checkpoint_for(workload, run["checkpoint"])
     sequence = bool(run["sequence_parallel"])
     check_tensor_parallel(tensor, workload, system)
@@ -127,25 +129,29 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed) -> None:
         per_replica = batch // replicas
         microbatch_options = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
         out.assumed.append("micro-batch size not given: the fastest fitting one the planner finds")
+    zero_options = [0, 1] if replicas > 1 else [0]  # Megatron's distributed optimizer shards as ZeRO-1 does
     found = search(workload, groups, batch, [stages], microbatch_options, [checkpoint], schedules, top=1,
-                   replica_options=[replicas], virtual_options=virtual_options)
+                   replica_options=[replicas], virtual_options=virtual_options, zero_options=zero_options)
     best = found.best
     if best is None:
-        candidate = Candidate(stages, microbatch_options[-1], checkpoint, schedules[0], replicas,
-                              virtual_options[0] if schedules[0] == "interleaved" else 1)
+        schedule = "1f1b" if "1f1b" in schedules else schedules[0]  # the fewest micro-batches in flight
+        candidate = Candidate(stages, microbatch_options[-1], checkpoint, schedule, replicas,
+                              virtual_options[0] if schedule == "interleaved" else 1, zero_options[-1])
         partition = default_partition(workload, groups, batch, candidate)
         result = simulate(workload, groups, partition, batch, candidate.microbatches, checkpoint, candidate.schedule,
-                          record=False, virtual_stages=candidate.virtual_stages, replicas=replicas)
+                          record=False, virtual_stages=candidate.virtual_stages, replicas=replicas,
+                          zero=candidate.zero)
         peak = max(s.peak_memory_bytes for s in result.stages)
-        out.assumed.append(f"{run['id']} does not fit the simulated memory ({peak / 2**30:.1f} GiB on the fullest "
-                           "device): timed all the same")
+        if not all(s.fits for s in result.stages):
+            out.assumed.append(f"{run['id']} does not fit the simulated memory ({peak / 2**30:.1f} GiB on the "
+                               "fullest device): timed all the same")
     else:
         candidate, partition, result = best.candidate, best.partition, best.result
         assert result is not None
     out.predicted_step_s = result.step_time_s
     out.layout = {"tensor_parallel": tensor, "sequence_parallel": sequence, "replicas": replicas,
                   "pipeline_stages": stages, "virtual_stages": candidate.virtual_stages,
-                  "microbatches": candidate.microbatches, "microbatch_rows": split_rows(batch // replicas,
+                  "microbatches": candidate.microbatches, "zero": candidate.zero, "microbatch_rows": split_rows(batch // replicas,
                                                                                         candidate.microbatches)[0],
                   "schedule": candidate.schedule, "partition": list(partition or [])}
 

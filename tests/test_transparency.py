@@ -248,3 +248,11 @@ def test_squared_relu_matches_unpipelined_and_an_unknown_activation_is_one_line(
     for build in (lambda o: get_workload("transformer", o), lambda o: build_model("transformer", o)):
         with pytest.raises(GpipeInputError, match="activation='swish'"):
             build({**OPTIONS["transformer"], "activation": "swish"})
+
+
+@pytest.mark.parametrize("checkpoint,kv_heads", [("never", 0), ("full", 2), ("selective", 0)])
+def test_flash_attention_matches_unpipelined(checkpoint, kv_heads):
+    """``attention=flash``: ``scaled_dot_product_attention`` in place of the explicit scores."""
+    options = {**OPTIONS["transformer"], "heads": 4, "kv_heads": kv_heads, "attention": "flash"}
+    check_step(RunConfig(model="transformer", options=options, partition=PARTITIONS[("transformer", 2)], batch_size=10,
+                         microbatches=3, checkpoint=checkpoint, schedule="1f1b"))
