@@ -161,7 +161,8 @@ def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], 
     for schedule in schedules:
         if schedule == "gpipe":
             out.append((schedule, 1))
-        elif schedule == "1f1b" and stages > 1:  # identical to gpipe on one stage
+        elif schedule == "1f1b" and (stages > 1 or max(counts) > 1):
+            # on one stage as fast as gpipe, but holding one micro-batch at a time, not all of them
             out.append((schedule, 1))
         elif schedule == "interleaved" and stages > 1 and all(c % stages == 0 for c in counts):
             out.extend((schedule, v) for v in virtual_options if num_layers is None or v * stages <= num_layers)
