@@ -97,7 +97,7 @@ def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    precision = check_precision(args.precision or DEFAULT_PRECISION)
+    precision = check_precision(args.precision or DEFAULT_PRECISION, trained=True)
     check_output_path(args.out, "--out")
     options = model_options(args)
     optimizer = check_optimizer(args.optimizer or DEFAULT_OPTIMIZER)

@@ -134,7 +134,7 @@ def config_from_args(args: argparse.Namespace):
     if args.optimizer is not None:  # else the plan's, or RunConfig's default
         extra["optimizer"] = args.optimizer
     if args.precision is not None:
-        extra["precision"] = check_precision(args.precision)
+        extra["precision"] = check_precision(args.precision, trained=True)
     if args.init is not None:
         if args.init_from:
             raise GpipeInputError(f"--init {args.init} and --init-from both say where the first weights come "

@@ -87,13 +87,16 @@ class RunConfig:
             raise GpipeInputError(f"--save-every must be 0 (off) or positive, got {self.save_every}")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
-        check_precision(self.precision)
+        check_precision(self.precision, trained=True)
         from executor.initial_weights import check_init
 
         check_init(self.init)
         if self.checkpoint == "selective" and self.model != "transformer":
             raise GpipeInputError(f"--checkpoint selective recomputes the attention core of the built-in transformer "
                                   f"only, not {self.model}; use full (every layer recomputed) or never")
+        if self.model == "transformer" and self.options.get("attention") == "fused":
+            raise GpipeInputError("attention=fused is Megatron-LM's fused softmax kernel, a planning option: the "
+                                  "executor trains attention=eager (the same arithmetic) or attention=flash")
         from executor.replicas import check_data_parallel
 
         check_data_parallel(self)

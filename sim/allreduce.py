@@ -70,3 +70,16 @@ def group_allreduce_s(nbytes: float, devices: Sequence[int], system: System, lin
 def data_parallel_group(stage: int, replicas: int, stages: int, placement: str = DEFAULT_PLACEMENT) -> list[int]:
     """The devices holding ``stage`` in each of the ``replicas`` pipelines of ``stages`` devices."""
     return [device_of(d, stage, replicas, stages, placement) for d in range(replicas)]
+
+
+def exposed_allreduce_s(allreduce_s: float, last_backward_s: float, layers: int) -> float:
+    """What a data-parallel all-reduce run bucket by bucket inside the last backward leaves after it.
+
+    Each layer's gradients are final once the last micro-batch's backward has passed it, so the
+    reduction can run beside that backward (Megatron-LM's bucketed, overlapped reduction); what
+    outlasts the backward is exposed, and at least the last layer's share, which becomes ready only
+    as the backward ends. Limits: buckets are per layer, and the reduction does not slow the backward.
+    """
+    if allreduce_s <= 0:
+        return 0.0
+    return max(allreduce_s - last_backward_s, allreduce_s / max(1, layers))

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "validate": ("calibrate.validate_cli", "compare predictions with measured runs the fit never saw"),
     "paper": ("sim.paper_cli", "replay the GPipe paper's Table 2 (Transformer-48 on TPUv3) in simulation"),
     "replay": ("sim.replay_cli", "predict published GPU runs of a runs file against their measured step times"),
+    "fit-gpu": ("calibrate.gpu_fit_cli", "fit GPU kernel efficiencies on a development set of published runs"),
     "demo": ("calibrate.demo", "the main job: calibrate, plan, simulate, train and report"),
 }
 

@@ -24,6 +24,11 @@ there, while launching after it leaves accumulation and re-materialization untou
 the executor does; the overlap that matters is with the rest of the drain, as stage k finishes
 before stage k-1 and its all-reduce runs while the earlier stages still compute.
 
+With ``dp_overlap`` (Megatron-LM's bucketed reduction, which published runs use) the all-reduce
+instead runs during the device's last backward, as its layers' gradients become final: only what
+outlasts that backward is exposed after it, and never less than one layer's share (the bucket the
+backward finishes last).
+
 Limits of the model: compute and communication overlap perfectly (sends are asynchronous, as with
 copy engines and non-blocking NCCL calls); a device runs one action at a time and never stalls for
 other reasons (no kernel-launch jitter, no thermal throttling, no interference from other
@@ -40,7 +45,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sim.allreduce import data_parallel_group, group_allreduce_s, ring_allreduce_s
+from sim.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
 from sim.errors import GpipeInputError
 from sim.hardware import Link, System
 from sim.memory import static_bytes
@@ -49,7 +54,7 @@ from sim.placement import DEFAULT_PLACEMENT, check_placement, device_of
 from sim.plan import validate_partition
 from sim.replica_run import ReplicaRun
 from sim.schedule import build_schedule, check_interleaving, check_virtual_stages
-from sim.stage_costs import CostTable, StageCost, stage_bounds, stage_of_layers
+from sim.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
 from sim.timeline import (DP_ALLREDUCE, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
                           Record, Timeline)
 from sim.workload import Workload, shared_parameters
@@ -213,13 +218,16 @@ def replica_microbatch_rows(batch_size: int, replicas: int, microbatches: int) -
 def simulate(workload: Workload, system: System, partition: Sequence[int], batch_size: int,
              microbatches: int, checkpoint: str = "except_last", schedule: str = "gpipe",
              costs: CostTable | None = None, record: bool = True, virtual_stages: int = 1, replicas: int = 1,
-             zero: int = 0, placement: str = DEFAULT_PLACEMENT, allreduce_link: Link | None = None) -> SimResult:
+             zero: int = 0, placement: str = DEFAULT_PLACEMENT, allreduce_link: Link | None = None,
+             dp_overlap: bool = False) -> SimResult:
     """Simulate one step of ``workload`` split by ``partition`` (V x K entries) on ``system``.
 
     ``batch_size`` is the global mini-batch, which the ``replicas`` split like torch.chunk.
     ``costs`` lets a caller (the planner) share one cost cache across many simulations;
     ``record=False`` skips building the timeline when only the figures are wanted.
     ``allreduce_link``, when given, times the data-parallel all-reduce as a ring on that link.
+    ``dp_overlap`` runs it bucket by bucket inside each device's last backward, as Megatron-LM's
+    trainers do (:func:`sim.allreduce.exposed_allreduce_s`), instead of after it as the executor does.
     """
     partition, layout = check_layout(workload, system, partition, schedule, virtual_stages, replicas, zero, placement)
     per_replica_rows = replica_microbatch_rows(batch_size, replicas, microbatches)
@@ -233,7 +241,8 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
             check_interleaving(layout.stages, len(rows), virtual_stages, workload.num_layers)
     table = costs if costs is not None else CostTable(workload, system.device)
     runs = _run_replicas(system, layout, partition, per_replica_rows, table, schedule, checkpoint, record)
-    step = _Step(workload, system, layout, partition, table, per_replica_rows, runs, zero, allreduce_link, record)
+    step = _Step(workload, system, layout, partition, table, per_replica_rows, runs, zero, allreduce_link, record,
+                 checkpoint if dp_overlap else None)
     return step.result(batch_size, schedule, checkpoint, zero)
 
 
@@ -268,7 +277,7 @@ class _Step:
 
     def __init__(self, workload: Workload, system: System, layout: Layout, partition: tuple[int, ...],
                  table: CostTable, per_replica_rows: list[list[int]], runs: list[ReplicaRun], zero: int,
-                 allreduce_link: Link | None, record: bool) -> None:
+                 allreduce_link: Link | None, record: bool, overlap_checkpoint: str | None = None) -> None:
         self.system, self.layout, self.partition, self.runs = system, layout, partition, runs
         self.per_replica_rows = per_replica_rows
         self.record = record
@@ -287,7 +296,12 @@ class _Step:
             chunk_static = sum(c.static_bytes for c in self.chunk_costs[k])
             self.static.append(static_bytes(chunk_static, optimizer_bytes, D, zero))
             group = data_parallel_group(k, D, K, layout.placement)
-            self.allreduce_s.append(group_allreduce_s(gradient_bytes, group, system, allreduce_link))
+            allreduce_s = group_allreduce_s(gradient_bytes, group, system, allreduce_link)
+            if overlap_checkpoint is not None:  # the last backward on device k is its first chunk's
+                last = self.chunk_costs[k][0]
+                layers = sum(partition[s] for s in layout.chunks(k))
+                allreduce_s = exposed_allreduce_s(allreduce_s, backward_time_s(last, overlap_checkpoint), layers)
+            self.allreduce_s.append(allreduce_s)
         self.reductions = shared_reductions(workload, partition, system, layout.virtual_stages)
         self.end_s, self.busy_s = self._tail()
 

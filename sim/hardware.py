@@ -18,11 +18,14 @@ import os
 from dataclasses import dataclass, replace
 
 from sim.errors import GpipeInputError
+from sim.kernel_model import KernelEfficiency, read_efficiencies
+from sim.precision import PRECISIONS
 
 GB = 1e9
 GIB = 1 << 30
 TERA = 1e12
 
+PEAK_DTYPES = {name: p.peak for name, p in PRECISIONS.items()}  # a precision's name -> the peak it runs at
 DEFAULT_EFFICIENCY = 0.5  # assumption: large dense training layers reach roughly half of peak
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.8  # assumption: streaming kernels reach roughly 80% of peak
 
@@ -42,8 +45,10 @@ class Device:
     efficiency: float = DEFAULT_EFFICIENCY
     bandwidth_efficiency: float = DEFAULT_BANDWIDTH_EFFICIENCY
     default_precision: str = "fp32"
+    kernels: KernelEfficiency | None = None  # fitted fractions by kind of kernel (sim.kernel_model)
 
     def achieved_flops(self, dtype: str) -> float:
+        dtype = PEAK_DTYPES.get(dtype, dtype)
         if dtype not in self.peak_flops:
             known = ", ".join(sorted(self.peak_flops))
             raise GpipeInputError(f"device {self.name} has no {dtype} peak; choose one of {known}")
@@ -155,6 +160,22 @@ def _local_memory_bytes() -> float:
         return 16 * GIB
 
 
+
+
+def _fitted(device: Device, fitted: dict[str, KernelEfficiency]) -> Device:
+    """``device`` with its fitted fractions (``gpipe fit-gpu``), if the efficiency file has them: the
+    roofline's efficiencies become the fitted matmul and memory fractions, for models the kernel model
+    does not split (measured and meta workloads)."""
+    kernels = fitted.get(device.name)
+    if kernels is None:
+        return device
+    return replace(device, kernels=kernels, efficiency=kernels.matmul, bandwidth_efficiency=kernels.memory)
+
+
+_FITTED = read_efficiencies()
+_UNFITTED = {device.name: device for device in (A100_80GB, H100_SXM)}
+A100_80GB, H100_SXM = _fitted(A100_80GB, _FITTED), _fitted(H100_SXM, _FITTED)
+
 # The local CPU: a nominal x86 core with AVX2 (2 FMA units x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle)
 # at 3 GHz, 20 GB/s of DRAM bandwidth. Nominal only: gpipe calibrate measures this machine instead.
 LOCAL_CPU = Device("local-CPU", {"fp32": 96e9 * (os.cpu_count() or 1)}, _local_memory_bytes(), 20 * GB)
@@ -211,10 +232,31 @@ SYSTEMS: dict[str, System] = {
 }
 
 
-def get_system(name: str, nodes: int = 1) -> System:
-    """The catalog system ``name`` joined ``nodes`` times over its inter-node link."""
+def get_system(name: str, nodes: int = 1, kernels: KernelEfficiency | None = None, fitted: bool = True) -> System:
+    """The catalog system ``name`` joined ``nodes`` times over its inter-node link; ``kernels``
+    replaces its device's fitted fractions (what ``gpipe fit-gpu`` tries), and ``fitted=False``
+    drops them: the roofline at the catalog's assumed efficiency, links at their peak."""
     if name not in SYSTEMS:
         raise GpipeInputError(f"unknown hardware {name!r}; choose one of {', '.join(SYSTEMS)}")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes <= 0:
         raise GpipeInputError(f"nodes must be a positive integer, got {nodes!r}; use --nodes 1 or more")
-    return replace(SYSTEMS[name], nodes=nodes)
+    system = SYSTEMS[name]
+    if not fitted:
+        return replace(system, device=_UNFITTED.get(system.device.name, system.device), nodes=nodes)
+    if kernels is not None:
+        system = replace(system, device=_fitted(replace(system.device, kernels=None), {system.device.name: kernels}))
+    return replace(achieved_links(system), nodes=nodes)
+
+
+def achieved_links(system: System) -> System:
+    """``system`` with its links at the fitted collective fraction of their bandwidth, where its
+    device has fitted fractions (NCCL's collectives and sends do not reach a link's peak)."""
+    kernels = system.device.kernels
+    if kernels is None:
+        return system
+
+    def achieved(link: Link) -> Link:
+        return replace(link, name=f"{link.name} at {kernels.collective:.0%}",
+                       bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * kernels.collective)
+
+    return replace(system, intra_link=achieved(system.intra_link), inter_link=achieved(system.inter_link))

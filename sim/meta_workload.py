@@ -26,7 +26,7 @@ from typing import Any, Sequence
 from sim.errors import GpipeInputError
 from sim.hardware import Device
 from sim.models import LAYER_OVERHEAD_S
-from sim.precision import DEFAULT_PRECISION, FP32_BYTES
+from sim.precision import DEFAULT_PRECISION, FP32_BYTES, precision_of
 from sim.workload import LayerCost, SharedParameter
 
 MEASURED_ROWS = (1, 2, 3)  # measured directly; rows above the last lie on the line of the last two
@@ -85,6 +85,9 @@ class MetaWorkload:
         self.options = dict(options)
         self.profiles = tuple(profiles)
         self.num_layers = len(self.profiles)
+        if precision_of(precision).planning_only:
+            raise GpipeInputError(f"precision {precision} is modelled for the built-in transformer only, not {name}; "
+                                  "use bf16 (autocast)")
         self.precision = precision
         self.optimizer_slots = optimizer_slots
         self.analysis_s = analysis_s

@@ -63,6 +63,7 @@ from typing import Any, Callable, Sequence
 from sim.allreduce import ring_allreduce_s
 from sim.errors import GpipeInputError
 from sim.hardware import Device, Link
+from sim.kernel_model import layer_times
 from sim.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES, Precision, check_precision, precision_of
@@ -110,6 +111,14 @@ class LayerSpec:
     core_flops_per_row: float = 0.0
     core_traffic_bytes_per_row: float = 0.0
     backward_extra_flops_per_row: float = 0.0  # beyond twice the forward's: flash attention's recompute
+    # what the GPU kernel model (sim.kernel_model) times apart: of flops_per_row, the attention core's
+    # QK^T and attention over V; of traffic_bytes_per_row, what the matrix multiplications themselves
+    # read and write (their operands and results, which move while they compute); matrix-multiply
+    # kernels per forward
+    attention_flops_per_row: float = 0.0
+    matmul_traffic_bytes_per_row: float = 0.0
+    matmuls: int = 0
+    core_matmul_traffic_bytes_per_row: float = 0.0  # of core_traffic_bytes_per_row: the scores written and read
 
 
 class AnalyticWorkload:
@@ -141,25 +150,42 @@ class AnalyticWorkload:
             raise GpipeInputError(f"micro-batch rows must be a positive integer, got {rows!r}")
         flops_s = device.achieved_flops(self.precision)
         bytes_s = device.achieved_bandwidth()
-        return [self._cost(spec, rows, flops_s, bytes_s) for spec in self.layers]
+        return [self._cost(spec, rows, flops_s, bytes_s, device) for spec in self.layers]
 
-    def _cost(self, spec: LayerSpec, rows: int, flops_s: float, bytes_s: float) -> LayerCost:
-        flops = spec.flops_per_row * rows
-        moved = spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes
-        forward_s = max(flops / flops_s, moved / bytes_s) + LAYER_OVERHEAD_S
-        backward_s = (max((2 * flops + spec.backward_extra_flops_per_row * rows) / flops_s, 2 * moved / bytes_s)
-                      + 2 * LAYER_OVERHEAD_S)
-        if self.tp_link is not None and self.tensor_parallel > 1:  # the matmuls wait for them: no overlap
+    def _cost(self, spec: LayerSpec, rows: int, flops_s: float, bytes_s: float, device: Device) -> LayerCost:
+        collective_s = 0.0
+        if self.tp_link is not None and self.tensor_parallel > 1:
             collective_s = ring_allreduce_s(spec.tp_allreduce_bytes_per_row * rows, self.tensor_parallel,
                                             self.tp_link)
+        core_s = None
+        if device.kernels is not None:  # a GPU with fitted fractions: kernels by kind (sim.kernel_model)
+            times = layer_times(spec, rows, device.peak_flops[precision_of(self.precision).peak], device.memory_bandwidth_bytes_per_s,
+                                device.kernels, collective_s, LAYER_OVERHEAD_S)
+            forward_s, backward_s, core_s = times.forward_s, times.backward_s, times.core_recompute_s
+            bytes_s = device.memory_bandwidth_bytes_per_s * device.kernels.memory
+        else:  # the roofline; the matmuls wait for the collectives: no overlap
+            flops = spec.flops_per_row * rows
+            moved = spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes
+            forward_s = max(flops / flops_s, moved / bytes_s) + LAYER_OVERHEAD_S
+            backward_s = (max((2 * flops + spec.backward_extra_flops_per_row * rows) / flops_s, 2 * moved / bytes_s)
+                          + 2 * LAYER_OVERHEAD_S)
             forward_s += spec.tp_allreduces_forward * collective_s
             backward_s += spec.tp_allreduces_backward * collective_s
-        param_bytes = spec.params * FP32_BYTES  # fp32 master weights in either precision
+        precision = precision_of(self.precision)
+        param_bytes = spec.params * precision.weight_bytes  # fp32 weights (the master copy) unless a bf16 model
+        grad_bytes = spec.params * FP32_BYTES  # fp32 gradients (a bf16 model's main gradients too)
+        optimizer_bytes = (self.optimizer_slots + precision.master_copy) * spec.params * FP32_BYTES
         extra = {}
         if _HAS_OPTIMIZER_S:
-            # Elementwise update: read weight, grad and slots, write weight and slots.
-            extra["optimizer_s"] = (3 + 2 * self.optimizer_slots) * param_bytes / bytes_s
-        if spec.core_flops_per_row:
+            # Elementwise update: read weight, grad and slots, write weight and slots; a bf16 model's trainer
+            # also zeroes its fp32 main gradients, reads them for the global norm and copies the master
+            # weights to the bf16 ones (read 4, write 2) every step
+            megatron = precision.master_copy * (2 * FP32_BYTES + FP32_BYTES + precision.weight_bytes)
+            extra["optimizer_s"] = ((3 + 2 * self.optimizer_slots) * FP32_BYTES + megatron) * spec.params / bytes_s
+        if spec.core_flops_per_row and core_s is not None:
+            extra["core_recompute_s"] = core_s
+            extra["core_saved_bytes"] = round(spec.core_saved_bytes_per_row * rows)
+        elif spec.core_flops_per_row:
             extra["core_recompute_s"] = max(spec.core_flops_per_row * rows / flops_s,
                                             spec.core_traffic_bytes_per_row * rows / bytes_s)
             extra["core_saved_bytes"] = round(spec.core_saved_bytes_per_row * rows)
@@ -168,8 +194,8 @@ class AnalyticWorkload:
             saved_bytes=round(spec.saved_bytes_per_row * rows + spec.fixed_saved_bytes),
             output_bytes=round(spec.output_bytes_per_row * rows),
             input_bytes=round(spec.input_bytes_per_row * rows),
-            param_bytes=param_bytes, grad_bytes=param_bytes,
-            optimizer_bytes=self.optimizer_slots * param_bytes, saves_input=spec.saves_input, **extra,
+            param_bytes=param_bytes, grad_bytes=grad_bytes,
+            optimizer_bytes=optimizer_bytes, saves_input=spec.saves_input, **extra,
         )
 
     def describe(self) -> dict:
@@ -264,7 +290,9 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     tensor is divided by T (Korthikanti's sbh(34 + 5as/h)/t). Collectives, in all-reduces of the
     layer's activation (an all-gather or reduce-scatter is half of one): a block, two forward
     (after proj and fc2) and two backward (the input gradients of QKV and fc1), in the compute
-    dtype, with ``sp`` as all-gather/reduce-scatter pairs of the same volume; the embedding one
+    dtype, with ``sp`` as all-gather/reduce-scatter pairs of the same volume, and in its backward
+    one more (the all-gathers of proj's and fc2's output gradients, and of QKV's and fc1's inputs
+    saved split, against the reduce-scatters of their input gradients: three); the embedding one
     forward (the partial lookups summed, fp32; a reduce-scatter with ``sp``), none backward (half,
     an all-gather, with ``sp``); the head one backward (its input gradient) and, with ``sp``, half
     forward (the all-gather of its input). The cross entropy's statistics over the vocabulary
@@ -273,7 +301,9 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     """
     L, s, d, f, h, V = (o[k] for k in ("layers", "seq", "d_model", "ff", "heads", "vocab"))
     p, drop = precision_of(o["precision"]), o["dropout"] > 0
-    c, F, x = p.compute_bytes, FP32_BYTES, p.cast_bytes
+    # F: the residual stream's, the norms' and the embedding's bytes (fp32 under autocast, the compute dtype
+    # for a bf16 model); the eager softmax runs in fp32 either way
+    c, F, x = p.compute_bytes, p.activation_bytes, p.cast_bytes
     t = tp
     kv = o.get("kv_heads") or h
     e = kv * (d // h)  # the key (and the value) width: d with one key/value head per head
@@ -304,13 +334,23 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     # (to fp32 and back); each dropout reads and writes sd plus its mask. Over T devices: of the 16,
     # QKV's and fc1's inputs and proj's and fc2's outputs are whole tensors on each, the adds' 2 follow
     # the residual stream, the other 10 are split; the sf and h*s^2 terms are split.
-    flash = o.get("attention", "eager") == "flash"
-    scores_traffic = h * s * 2 * STAT_BYTES if flash else h * s * s * (6 * c + 2 * F + 2 * x)
+    kernel = o.get("attention", "eager")
+    flash, fused = kernel == "flash", kernel == "fused"
     # eager keeps the probabilities; flash keeps one fp32 log-sum-exp per head and token (its output, laid
     # out as the projection reads it, is the storage proj saves anyway) and with grouped keys and values
-    # their repeats beside QKV's whole output
-    scores_saved = (h * s * STAT_BYTES + grouped * 2 * s * e * c if flash
-                    else h * s * s * (F + (c if p.casts else 0)))
+    # their repeats beside QKV's whole output; fused (Megatron's scale-mask-softmax kernel) writes and
+    # keeps the probabilities in the compute dtype, and with dropout its mask and output (the
+    # probabilities' dropout of Korthikanti's count, which only this kernel has)
+    if flash:
+        scores_traffic = h * s * 2 * STAT_BYTES
+        scores_saved = h * s * STAT_BYTES + grouped * 2 * s * e * c
+    elif fused:
+        scores_traffic = h * s * s * (4 * c + drop * (2 * c + MASK_BYTES))
+        scores_saved = h * s * s * (c + drop * (MASK_BYTES + c))
+    else:
+        scores_traffic = h * s * s * (6 * c + 2 * FP32_BYTES + 2 * x)
+        scores_saved = h * s * s * (FP32_BYTES + (c if p.casts else 0))
+    scores_matmul_traffic = 0.0 if flash else 2 * c * h * s * s  # QK^T writes the scores, attention over V reads them
     block_traffic = (s * d * ((8 * F + 2 * x + 2 * c) / split_seq + 4 * c) + s * (7 * d + qkv_written) * c / t
                      + 4 * s * f * c / t
                      + scores_traffic / t + 4 * STAT_BYTES * s / split_seq
@@ -326,11 +366,17 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
         saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F / split_seq,
         output_bytes_per_row=s * d * F / split_seq,
         fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
-        tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=2.0,
+        tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=3.0 if sp else 2.0,
         core_saved_bytes_per_row=0.0 if flash else (scores_saved + grouped * 2 * s * (d - e) * c) / t,
         core_flops_per_row=0.0 if flash else 4.0 * s * s * d / t,
         core_traffic_bytes_per_row=0.0 if flash else (scores_traffic + grouped * s * (2 * e + 2 * d) * c) / t,
         backward_extra_flops_per_row=2.0 * s * s * d / t if flash else 0.0,  # flash recomputes QK^T
+        attention_flops_per_row=4.0 * s * s * d / t,
+        # whole on each device (QKV's and fc1's inputs, proj's and fc2's outputs), split (QKV's output, q, k,
+        # v and the attention's output read and written, proj's input, fc1's output, fc2's input), the scores
+        matmul_traffic_bytes_per_row=c * (4 * s * d + s * (6 * d + 2 * e) / t + 2 * s * f / t) + scores_matmul_traffic / t,
+        matmuls=4 + (1 if flash else 2),
+        core_matmul_traffic_bytes_per_row=scores_matmul_traffic / t,
     )
     head_params = 2 * d + vocab * d + vocab
     head = LayerSpec(
@@ -342,6 +388,7 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
         input_bytes_per_row=s * d * F / split_seq, output_bytes_per_row=s * vocab * c,
         fixed_saved_bytes=p.weight_copy_bytes * d * vocab,
         tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=0.5 if sp else 0.0, tp_allreduces_backward=1.0,
+        matmul_traffic_bytes_per_row=c * (s * d + s * vocab), matmuls=1,
     )
     return [embed] + [block] * L + [head]
 
@@ -433,6 +480,9 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     merged = {**defaults, **options}
     for key, value in merged.items():
         merged[key] = _check_option(name, key, value)
+    if name != "transformer" and precision_of(merged.get("precision", DEFAULT_PRECISION)).planning_only:
+        raise GpipeInputError(f"precision {merged['precision']} (a bf16 model with fp32 master weights) is modelled for "
+                              f"the built-in transformer only, not {name}; use bf16 (autocast)")
     if name == "transformer" and merged["d_model"] % merged["heads"]:
         raise GpipeInputError(
             f"heads={merged['heads']} does not divide d_model={merged['d_model']}; "

@@ -275,12 +275,12 @@ def default_partition(workload: Workload, system: System, batch_size: int, candi
 
 def simulate_candidate(workload: Workload, system: System, partition: Sequence[int], batch_size: int,
                        candidate: Candidate, table: CostTable | None = None, record: bool = False,
-                       allreduce_link: Link | None = None) -> SimResult:
+                       allreduce_link: Link | None = None, dp_overlap: bool = False) -> SimResult:
     """:func:`sim.engine.simulate` of ``candidate`` with ``partition``."""
     c = candidate
     return simulate(workload, system, partition, batch_size, c.microbatches, c.checkpoint, c.schedule, costs=table,
                     record=record, virtual_stages=c.virtual_stages, replicas=c.replicas, zero=c.zero,
-                    placement=c.placement, allreduce_link=allreduce_link)
+                    placement=c.placement, allreduce_link=allreduce_link, dp_overlap=dp_overlap)
 
 
 def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],
@@ -288,7 +288,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            schedules: Sequence[str] = SCHEDULES, partitioner: str = "min_max", top: int = 10,
            progress: Progress | None = None, replica_options: Sequence[int] = (1,),
            virtual_options: Sequence[int] = (2,), zero_options: Sequence[int] = (0,),
-           placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None) -> SearchResult:
+           placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,
+           dp_overlap: bool = False) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -296,6 +297,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     simulation is. A candidate is simulated only when no other can have a smaller bound, and the
     search ends when the smallest bound left exceeds the ``top``-th best simulated step.
     ``selective`` is searched only where the workload has an attention core to recompute.
+    ``dp_overlap`` (:func:`sim.engine.simulate`) leaves the all-reduce out of the bounds, which stay
+    bounds: an overlapped all-reduce adds nothing or more.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
@@ -306,7 +309,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
                                 replica_options, virtual_options, zero_options, placements, system,
                                 workload.num_layers)
-    balanced = BalancedBounds(table, batch_size, system, allreduce_link)
+    bound_system = None if dp_overlap else system
+    balanced = BalancedBounds(table, batch_size, bound_system, allreduce_link)
     waiting = sorted(((balanced(c), i, c) for i, c in enumerate(all_candidates)), key=lambda entry: entry[:2])
     partitions = Partitions(table, system, batch_size, partitioner)
     partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
@@ -321,7 +325,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
             if bound > worst_kept:
                 break
             option.result = simulate_candidate(workload, system, option.partition, batch_size, option.candidate, table,
-                                               allreduce_link=allreduce_link)
+                                               allreduce_link=allreduce_link, dp_overlap=dp_overlap)
             simulated += 1
             if option.result.fits:
                 heapq.heappush(kept, (-option.step_time_s, index, option))
@@ -341,7 +345,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
             if partition is None:
                 unfit.append(PlanOption(candidate, None, float("inf")))
                 continue
-            bound = lower_bound_s(table, batch_size, candidate, partition, system, allreduce_link)
+            bound = lower_bound_s(table, batch_size, candidate, partition, bound_system, allreduce_link)
             heapq.heappush(partitioned, (bound, index, PlanOption(candidate, partition, bound)))
         else:
             break

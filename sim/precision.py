@@ -9,6 +9,12 @@ holds its own copy (the executor enters autocast once per forward). Ops on autoc
 (layer_norm, softmax, the losses, ...) run in fp32 and save fp32 tensors; a residual stream that
 starts in fp32 stays fp32, since an add promotes. ``fp32`` casts nothing and runs at the fp32 peak.
 
+``bf16-model`` is mixed precision as Megatron-LM's ``--bf16`` and NeMo run it, which published
+GPU runs use: the model's weights and every activation (the residual stream and the norms' inputs
+included) are bf16, so nothing is cast per step; gradients are accumulated in fp32 (4 bytes per
+parameter) and the optimizer keeps an fp32 master copy of the weights beside its state (4 more).
+For the built-in transformer, in planning only: the executor trains ``fp32`` and ``bf16``.
+
 The what-if default is the precision people train in on a device, the catalog's
 ``Device.default_precision``: bf16 where the device has bf16 units, fp32 elsewhere. A costs file
 records the precision it was measured at, which then is the only one it can predict.
@@ -34,23 +40,43 @@ class Precision:
     compute_bytes: int  # what matmuls and convolutions read and write (the autocast dtype)
     cast_bytes: int  # moved by one autocast cast per element: read one dtype, write the other
     weight_copy_bytes: int  # autocast's cached low-precision copy of a matmul weight, per element
+    activation_bytes: int = FP32_BYTES  # the residual stream, the norms' inputs and outputs, the embedding's
+    weight_bytes: int = FP32_BYTES  # the model's own weights; below fp32 the optimizer keeps an fp32 master copy
+    peak_dtype: str = ""  # the device peak it runs at; its own name if empty
+    planning_only: bool = False  # the executor does not train it
 
     @property
     def casts(self) -> bool:
         return self.cast_bytes > 0
 
+    @property
+    def peak(self) -> str:
+        return self.peak_dtype or self.name
+
+    @property
+    def master_copy(self) -> int:
+        """1 when the optimizer keeps an fp32 copy of weights the model holds in fewer bytes."""
+        return int(self.weight_bytes < FP32_BYTES)
+
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", compute_bytes=4, cast_bytes=0, weight_copy_bytes=0),
     "bf16": Precision("bf16", compute_bytes=2, cast_bytes=2 + 4, weight_copy_bytes=2),
+    "bf16-model": Precision("bf16-model", compute_bytes=2, cast_bytes=0, weight_copy_bytes=0, activation_bytes=2,
+                            weight_bytes=2, peak_dtype="bf16", planning_only=True),
 }
 DEFAULT_PRECISION = "fp32"  # where nothing else decides: the executor, an old plan or costs file
 
 
-def check_precision(value: Any) -> str:
-    """``value`` if it names a precision, else a one-line error listing the choices."""
-    if value not in PRECISIONS:
-        raise GpipeInputError(f"unknown precision {value!r}; choose one of {', '.join(PRECISIONS)}")
+def check_precision(value: Any, trained: bool = False) -> str:
+    """``value`` if it names a precision (one the executor trains, if ``trained``), else a one-line
+    error listing the choices."""
+    choices = [name for name, p in PRECISIONS.items() if not (trained and p.planning_only)]
+    if value not in choices:
+        if value in PRECISIONS:
+            raise GpipeInputError(f"precision {value} is a planning option (the model in bf16 with fp32 master "
+                                  f"weights, as Megatron-LM trains); the executor trains {', '.join(choices)}")
+        raise GpipeInputError(f"unknown precision {value!r}; choose one of {', '.join(choices)}")
     return value
 
 
@@ -71,7 +97,7 @@ def choose_precision(given: str | None, device: Any, measured: str | None = None
             raise GpipeInputError(f"--precision {given} contradicts the costs file, which was measured at "
                                   f"{measured}; drop --precision or run gpipe calibrate --precision {given}")
     chosen = given or measured or device.default_precision
-    if measured is None and chosen not in device.peak_flops:
+    if measured is None and precision_of(chosen).peak not in device.peak_flops:
         raise GpipeInputError(
             f"device {device.name} has no {chosen} units in the catalog; use --precision "
             f"{device.default_precision}, or measure it with gpipe calibrate --precision {chosen}")

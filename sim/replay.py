@@ -18,10 +18,12 @@ confidence) are ignored. A run the simulator cannot model yet (context paralleli
 model does not know, more devices than the hardware has) is listed as not modelled, with the
 reason, never dropped. ``error`` is predicted / measured - 1.
 
-Limits, stated in every run's ``assumed``: the data-parallel all-reduce is the simulator's (after
-each stage's last backward, not bucketed inside it as Megatron-LM overlaps it); efficiencies are
-the catalog's (:mod:`sim.hardware`), not fitted on these runs; a distributed optimizer is ZeRO-1.
-A transformer run whose options do not say ``attention: flash`` is timed with materialised scores.
+The data-parallel all-reduce is bucketed inside each stage's last backward, as Megatron-LM runs it
+(``dp_overlap`` of :func:`sim.engine.simulate`). A device with fractions fitted on the development
+set (:mod:`sim.kernel_model`, ``gpipe fit-gpu``) is timed kernel by kind; any other keeps the
+catalog's assumed efficiency, and ``assumed`` says which. Limits, stated in every run's
+``assumed``: a distributed optimizer is ZeRO-1; a transformer run whose options do not name its
+attention kernel is timed with torch's unfused materialised scores (``attention: eager``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable
 
 from sim.errors import GpipeInputError
 from sim.hardware import get_system
+from sim.kernel_model import KernelEfficiency
 from sim.timeline import read_json
 from sim.workload import Workload
 
@@ -39,9 +42,8 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
 # Every run: what the simulator takes that the source's trainer does differently
-ALWAYS_ASSUMED = ("data-parallel all-reduce after each stage's last backward (Megatron-LM overlaps it with the "
-                  "backward); a distributed optimizer taken as ZeRO-1, searched beside none",
-                  "the catalog's efficiency, not fitted")
+ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
+                  "a distributed optimizer taken as ZeRO-1, searched beside none",)
 
 
 @dataclass
@@ -80,12 +82,13 @@ def load_runs(path: str) -> list[dict[str, Any]]:
 Resolve = Callable[[str, dict[str, Any]], Workload]
 
 
-def replay(run: dict[str, Any], resolve: Resolve) -> Replayed:
+def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEfficiency] | None = None) -> Replayed:
     """Predict one run; ``resolve(model, options)`` gives its workload (the composition root
-    supplies one that can measure torch models)."""
+    supplies one that can measure torch models); ``kernels`` (per hardware name) replaces the fitted
+    fractions, as ``gpipe fit-gpu`` does while it fits."""
     out = Replayed(run["id"], False, float(run["measured_step_s"]), assumed=list(ALWAYS_ASSUMED))
     try:
-        _predict(run, resolve, out)
+        _predict(run, resolve, out, (kernels or {}).get(run["hardware"]))
     except GpipeInputError as exc:
         out.reason = str(exc)
         return out
@@ -94,7 +97,7 @@ def replay(run: dict[str, Any], resolve: Resolve) -> Replayed:
     return out
 
 
-def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed) -> None:
+def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
     from sim.engine import simulate
     from sim.microbatch import split_rows
     from sim.planner import Candidate, default_partition, search
@@ -104,11 +107,16 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed) -> None:
     if (run["context_parallel"] or 1) > 1:
         raise GpipeInputError("context parallelism is not modelled yet")
     tensor, stages, replicas = (int(run[key] or 1) for key in ("tensor_parallel", "pipeline_stages", "replicas"))
-    system = get_system(run["hardware"], int(run["nodes"] or 1))
+    system = get_system(run["hardware"], int(run["nodes"] or 1), kernels)
+    fitted = system.device.kernels
+    out.assumed.append(f"{system.device.name}: kernels timed by kind at fractions fitted on the development set"
+                       if fitted is not None else
+                       f"{system.device.name}: efficiency assumed ({system.device.efficiency:.0%} of peak FLOP/s), "
+                       "not fitted")
     workload = resolve(run["model"], {**run["options"], "precision": run["precision"]})
-    if run["model"] == "transformer" and run["options"].get("attention", "eager") == "eager":
-        out.assumed.append("attention materialised (its (heads, seq, seq) scores saved and moved): the run's "
-                           "options do not say attention=flash")
+    if run["model"] == "transformer" and "attention" not in run["options"]:
+        out.assumed.append("attention as torch's unfused ops run it (its (heads, seq, seq) scores saved and moved): "
+                           "the run's options do not name the kernel (eager, fused or flash)")
     checkpoint = check_checkpoint_for(workload, run["checkpoint"])
     sequence = bool(run["sequence_parallel"])
     check_tensor_parallel(tensor, workload, system)
@@ -131,7 +139,8 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed) -> None:
         out.assumed.append("micro-batch size not given: the fastest fitting one the planner finds")
     zero_options = [0, 1] if replicas > 1 else [0]  # Megatron's distributed optimizer shards as ZeRO-1 does
     found = search(workload, groups, batch, [stages], microbatch_options, [checkpoint], schedules, top=1,
-                   replica_options=[replicas], virtual_options=virtual_options, zero_options=zero_options)
+                   replica_options=[replicas], virtual_options=virtual_options, zero_options=zero_options,
+                   dp_overlap=True)
     best = found.best
     if best is None:
         schedule = "1f1b" if "1f1b" in schedules else schedules[0]  # the fewest micro-batches in flight
@@ -140,7 +149,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed) -> None:
         partition = default_partition(workload, groups, batch, candidate)
         result = simulate(workload, groups, partition, batch, candidate.microbatches, checkpoint, candidate.schedule,
                           record=False, virtual_stages=candidate.virtual_stages, replicas=replicas,
-                          zero=candidate.zero)
+                          zero=candidate.zero, dp_overlap=True)
         peak = max(s.peak_memory_bytes for s in result.stages)
         if not all(s.fits for s in result.stages):
             out.assumed.append(f"{run['id']} does not fit the simulated memory ({peak / 2**30:.1f} GiB on the "

@@ -35,6 +35,10 @@ def with_efficiency(system: System, efficiency: float | None,
         if isinstance(value, bool) or not 0.0 < float(value) <= 1.5:
             raise GpipeInputError(f"{flag} {value} is not a fraction of peak; use a value in (0, 1]")
         device = replace(device, **{field_name: float(value)})
+        if device.kernels is not None:  # a fitted GPU: the given fraction replaces the fitted matmul (or memory) one
+            fractions = ({"matmul": float(value), "attention": float(value)} if field_name == "efficiency"
+                         else {"memory": float(value)})
+            device = replace(device, kernels=replace(device.kernels, **fractions))
     return replace(system, device=device)
 
 
