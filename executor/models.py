@@ -85,6 +85,9 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, d_model: int, heads: int, dropout: float, kv_heads: int = 0, attention: str = "eager") -> None:
         super().__init__()
+        if attention == "fused":
+            raise GpipeInputError("attention=fused is Megatron-LM's fused softmax kernel, a planning option: the "
+                                  "executor trains attention=eager (the same arithmetic) or attention=flash")
         if attention not in ("eager", "flash"):
             raise GpipeInputError(f"attention={attention!r}; choose one of eager, flash")
         self.flash = attention == "flash"

@@ -3,7 +3,10 @@
 Every public figure cites its source. Vendor peaks are not what training achieves, so a device keeps
 its peak and an achieved efficiency apart: ``efficiency`` (fraction of peak FLOP/s) and
 ``bandwidth_efficiency`` (fraction of peak memory bandwidth). The defaults below are stated
-assumptions, not measurements; ``gpipe calibrate`` fits them on a real machine.
+assumptions, not measurements; ``gpipe calibrate`` fits them on a real machine. The development
+set's GPUs (A100 80 GB, H100 SXM) carry fractions fitted on published runs by ``gpipe fit-gpu``
+(``sim/gpu_efficiency.json``, :mod:`sim.kernel_model`): their layers are timed kernel by kind and
+their links run at the fitted collective fraction; every other device keeps the assumed figures.
 
 Limits of the model: one device per stage; a link is characterised by latency plus bytes over a
 per-direction bandwidth (no congestion control, no protocol overheads beyond that); PCIe traffic

@@ -4,7 +4,8 @@ Each model's layer list mirrors the torch model the executor builds, layer for l
 (``balance``) means the same thing to the simulator and to the executor. Torch-free: ``gpipe
 simulate`` must not import torch.
 
-Time of one layer pass on ``device`` (the roofline, Williams et al., CACM 2009)::
+Time of one layer pass on ``device`` (the roofline, Williams et al., CACM 2009; a GPU with fractions
+fitted on published runs is timed kernel by kind instead, :mod:`sim.kernel_model`)::
 
     forward_s  = max(F / achieved_flops(precision), B / achieved_bandwidth) + LAYER_OVERHEAD_S
     backward_s = max(2F / achieved_flops(precision), 2B / achieved_bandwidth) + 2 * LAYER_OVERHEAD_S
@@ -44,8 +45,8 @@ Large Transformer Models", eq. 1, with every tensor at 4 bytes: at 16 bits with 
 s*b*h*(34 + 5*a*s/h) bytes, less their dropout on the attention probabilities (3*a*s^2*b), which the
 executor's model does not have.
 
-Limits: no kernel fusion, no flash attention (the (heads, seq, seq) scores are materialised, as
-in the explicit attention the executor runs), the causal mask saves no FLOPs, the loss after the
+Limits: no kernel fusion beyond the transformer's attention kernels (``attention`` eager, fused or
+flash), the causal mask saves no FLOPs, the loss after the
 last layer is not counted, one fixed launch overhead per layer, transient workspace not counted.
 bf16 follows CUDA's autocast op lists; CPU autocast runs softmax in bf16 and saves only its bf16
 output (the block saves 4 bytes per attention score less there), and TPUs (XLA) keep lists of
@@ -263,6 +264,13 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     log-sum-exp per head and token (4hs; its output is the storage proj saves), with grouped keys
     and values their repeats (2se*c more than without); its backward recomputes QK^T (2s^2*d FLOPs
     more). Selective recompute then has nothing left to drop.
+
+    ``attention`` ``fused`` (Megatron-LM's scale-mask-softmax kernel, for planning: the executor
+    trains eager, the same arithmetic): the scores are materialised, but scaled, masked and
+    normalised in one pass in the compute dtype (read and written once), and the probabilities are
+    kept in the compute dtype; with dropout, Megatron's dropout on them adds its mask and output (the
+    5as^2 of Korthikanti's count, which ``precision`` ``bf16-model`` then matches exactly, plus the
+    layer norms' statistics their count leaves out).
 
     ``activation`` ``squared_relu`` (ReLU then its square, Nemotron-4's MLP) in place of GELU saves
     the same two (s, f) tensors (ReLU's output, which the square saves as its input, and the square's

@@ -1,0 +1,148 @@
+"""The GPU kernel model and its fit on the development set: literal formulas, Korthikanti's activation
+memory, Megatron's bf16 model, the overlapped data-parallel reduction, and what the executor refuses."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sim.allreduce import exposed_allreduce_s, ring_allreduce_s
+from sim.engine import simulate
+from sim.errors import GpipeInputError
+from sim.hardware import get_system
+from sim.kernel_model import EFFICIENCY_FILE, KernelEfficiency, read_efficiencies
+from sim.models import get_workload
+from sim.planner import search
+from sim.tensor_parallel import with_tensor_parallel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEV = os.path.join(ROOT, "benchmarks", "published_runs", "dev.json")
+KERNELS = KernelEfficiency(matmul=0.7, attention=0.6, memory=0.8, collective=0.75, matmul_launch_s=8e-6)
+# Korthikanti et al. 2022's 22B layer, with a small sequence so the test is quick to read
+GPT = {"layers": 2, "d_model": 768, "ff": 3072, "heads": 16, "seq": 512, "vocab": 5000}
+
+
+def block(tp, sp, rows=2, kernels=KERNELS, **options):
+    system = get_system("a100-nvlink", 1, kernels)
+    workload, groups = with_tensor_parallel(get_workload("transformer", {**GPT, **options}), system, tp, sp)
+    return workload.layers[1], workload.layer_costs(rows, groups.device)[1], system
+
+
+@pytest.mark.parametrize("attention", ["fused", "flash"])
+@pytest.mark.parametrize("tp,sp", [(1, False), (4, False), (4, True)])
+def test_a_layer_is_its_kernels_timed_by_kind(attention, tp, sp):
+    """forward = matmuls at the matmul fraction + launches + attention + memory-bound bytes at the
+    memory fraction + the forward collectives; backward twice the work, its collectives exposed only
+    beyond the weight-gradient matmuls."""
+    rows, peak, bandwidth = 2, 312e12, 2039e9
+    spec, cost, system = block(tp, sp, rows, precision="bf16-model", attention=attention, dropout=0.1)
+    attention_flops = 4 * GPT["seq"] ** 2 * GPT["d_model"] / tp * rows
+    projections = spec.flops_per_row * rows - attention_flops
+    assert spec.attention_flops_per_row * rows == pytest.approx(attention_flops)
+    projection_s = projections / (peak * 0.7)
+    flash = attention == "flash"
+    attention_s = attention_flops / (peak * (0.6 if flash else 0.7))
+    memory_s = (spec.traffic_bytes_per_row - spec.matmul_traffic_bytes_per_row) * rows / (bandwidth * 0.8)
+    launches = (5 if flash else 6) * 8e-6
+    one = ring_allreduce_s(spec.tp_allreduce_bytes_per_row * rows, tp, system.intra_link) if tp > 1 else 0.0
+    assert system.intra_link.bandwidth_bytes_per_s == pytest.approx(300e9 * 0.75)  # NVLink 3 at the fitted fraction
+    assert cost.forward_s == pytest.approx(projection_s + attention_s + launches + memory_s + 10e-6 + 2 * one)
+    backward_attention = (2.5 if flash else 2) * attention_s  # flash recomputes QK^T: half the forward again
+    exposed = max(0.0, (3 if sp else 2) * one - projection_s)
+    assert cost.backward_s == pytest.approx(2 * projection_s + backward_attention + 2 * launches + 2 * memory_s
+                                            + 20e-6 + exposed)
+    assert cost.recompute_s == cost.forward_s
+
+
+def test_a_small_matmul_runs_further_from_peak():
+    from sim.kernel_model import achieved_matmul_fraction
+
+    big, small = (achieved_matmul_fraction(KERNELS, flops, 312e12) for flops in (1e12, 1e9))
+    assert big == pytest.approx(0.7 * 1e12 / (1e12 + 312e12 * 0.7 * 8e-6))
+    assert small < big / 2
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+def test_activation_memory_is_korthikantis(tp, sp):
+    """Korthikanti et al. 2022, eq. 2 and 4 (16-bit, attention and hidden dropout): per layer
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) with tensor parallelism, s*b*h*(34 + 5*a*s/h)/t with sequence
+    parallelism as well; ours adds the layer norms' fp32 mean and rstd (16 bytes per token, split
+    with the sequence), which their count leaves out."""
+    s, h, a, b = GPT["seq"], GPT["d_model"], GPT["heads"], 3
+    spec, cost, _ = block(tp, sp, b, precision="bf16-model", attention="fused", dropout=0.1)
+    statistics = 16 * s * b / (tp if sp else 1)
+    if sp:
+        expected = s * b * h * (34 + 5 * a * s / h) / tp
+    else:
+        expected = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    assert cost.saved_bytes == round(expected + statistics)
+
+
+def test_a_bf16_model_keeps_bf16_weights_fp32_gradients_and_an_fp32_master_copy():
+    _, cost, _ = block(1, False, precision="bf16-model")
+    _, autocast, _ = block(1, False, precision="bf16")
+    params = autocast.param_bytes // 4
+    assert (cost.param_bytes, cost.grad_bytes, cost.optimizer_bytes) == (2 * params, 4 * params, 3 * 4 * params)
+
+
+@pytest.mark.parametrize("command,message", [
+    (["simulate", "--model", "mlp", "--precision", "bf16-model"], "built-in transformer only"),
+    (["train", "--model", "transformer", "--stages", "2", "--precision", "bf16-model"], "planning option"),
+    (["train", "--model", "transformer", "--stages", "2", "--option", "attention=fused"], "planning option"),
+])
+def test_what_only_the_planner_models_is_refused_in_one_line(command, message):
+    proc = subprocess.run([sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_the_overlapped_reduction_leaves_what_outlasts_the_last_backward():
+    assert exposed_allreduce_s(0.0, 1.0, 4) == 0.0
+    assert exposed_allreduce_s(3.0, 1.0, 4) == pytest.approx(2.0)
+    assert exposed_allreduce_s(1.0, 3.0, 4) == pytest.approx(0.25)  # the last layer's bucket
+    workload = get_workload("transformer", {**GPT, "precision": "bf16"})
+    system = get_system("h100-nvlink", 2)
+    after = simulate(workload, system, (2, 2), 32, 4, "full", "1f1b", replicas=4, record=False)
+    overlapped = simulate(workload, system, (2, 2), 32, 4, "full", "1f1b", replicas=4, record=False, dp_overlap=True)
+    assert overlapped.step_time_s < after.step_time_s
+    assert [s.peak_memory_bytes for s in overlapped.stages] == [s.peak_memory_bytes for s in after.stages]
+
+
+def test_the_planner_with_an_overlapped_reduction_finds_the_exhaustive_best():
+    workload = get_workload("transformer", {**GPT, "layers": 8, "precision": "bf16"})
+    system = get_system("a100-nvlink", 2)
+    kwargs = dict(replica_options=[1, 2, 4], zero_options=[0, 1], dp_overlap=True)
+    pruned = search(workload, system, 32, [1, 2, 4], [1, 2, 4, 8], **kwargs, top=1)
+    everything = search(workload, system, 32, [1, 2, 4], [1, 2, 4, 8], **kwargs, top=10_000)
+    assert pruned.best.step_time_s == pytest.approx(everything.best.step_time_s, rel=1e-12)
+    assert pruned.simulated < everything.simulated
+
+
+def test_the_committed_fractions_are_the_fit_of_the_development_set_alone(tmp_path):
+    """gpipe fit-gpu on a copy of dev.json, in a folder holding no other runs file, writes what the
+    simulator reads: nothing was tuned by hand, nothing but the development set was seen."""
+    copy = tmp_path / "dev.json"
+    shutil.copy(DEV, copy)
+    out = tmp_path / "efficiency.json"
+    from sim.cli import main
+
+    assert main(["fit-gpu", str(copy), "--out", str(out)]) == 0
+    refit, committed = read_efficiencies(str(out)), read_efficiencies(EFFICIENCY_FILE)
+    assert set(refit) == set(committed) == {"A100-SXM-80GB", "H100-SXM-80GB"}
+    for name in committed:
+        for key in ("matmul", "attention", "memory", "collective", "matmul_launch_s"):
+            assert getattr(refit[name], key) == pytest.approx(getattr(committed[name], key), rel=1e-6, abs=1e-9)
+    rows = json.loads(out.read_text())["development_rows"]
+    assert {r["id"].split(":")[0] for r in rows} == {r["id"] for r in json.loads(copy.read_text())["runs"]} | {
+        r["id"] for r in json.loads(copy.read_text())["layer_times"]}
+
+
+def test_a_broken_efficiency_file_is_one_line(tmp_path):
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({"devices": {"A100-SXM-80GB": {"matmul": 1.7, "attention": 0.5, "memory": 0.5,
+                                                                "collective": 0.5, "matmul_launch_s": 0}}}))
+    with pytest.raises(GpipeInputError, match="matmul=1.7 is not a fraction"):
+        read_efficiencies(str(path))
