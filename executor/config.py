@@ -152,6 +152,10 @@ class RunConfig:
             raise GpipeInputError(f"the plan splits each stage over {plan.tensor_parallel} devices (tensor_parallel), "
                                   "which gpipe train does not run yet; plan again with --tensor-parallel-options 1 "
                                   "for a plan it trains")
+        if plan.context_parallel > 1:
+            raise GpipeInputError(f"the plan splits each sequence over {plan.context_parallel} devices "
+                                  "(context_parallel), which gpipe train does not run; plan again without "
+                                  "--context-parallel for a plan it trains")
         options = dict(plan.model.options)
         for name in ANALYSIS_OPTIONS:
             options.pop(name, None)

@@ -103,6 +103,17 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser) -> None:
                        help="T devices of one node per stage, each layer split over them as Megatron-LM splits "
                             "it (the built-in transformer; default 1)")
     add_sequence_parallel_argument(group)
+    add_context_parallel_arguments(group)
+
+
+def add_context_parallel_arguments(group: Any) -> None:
+    """--context-parallel and --dp-overlap, which simulate and plan share."""
+    group.add_argument("--context-parallel", "-C", type=int, default=1,
+                       help="C more devices of the node per stage, each sequence split over them (ring attention "
+                            "on flash kernels; the built-in transformer; default 1)")
+    group.add_argument("--dp-overlap", action="store_true",
+                       help="time the data-parallel gradient reduction bucket by bucket inside the last backward, "
+                            "as Megatron-LM runs it (default: after it, as gpipe train runs it)")
 
 
 def add_sequence_parallel_argument(group: Any) -> None:

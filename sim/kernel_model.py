@@ -17,7 +17,9 @@ matmul x F / (F + peak x matmul x matmul_launch_s) for F FLOPs. The backward's t
 collectives (the all-reduce of a column-parallel layer's input gradient, or with sequence
 parallelism its reduce-scatter and the all-gather of its input) overlap the weight-gradient matrix
 multiplies, as Megatron-LM issues them asynchronously beside those, so only what outlasts them is
-exposed; the forward's cannot overlap the matrix multiplies that wait for them. Collectives run at
+exposed; the forward's cannot overlap the matrix multiplies that wait for them. Context
+parallelism's ring exchange of keys and values runs beside the attention over the blocks already
+received (:func:`ring_exposed_s`). Collectives run at
 the system's links as :func:`sim.hardware.get_system` gives them (at their fitted fraction).
 
 The fractions are fitted on published runs of the development set
@@ -101,10 +103,11 @@ class KernelTimes:
 
 
 def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kernels: KernelEfficiency,
-                collective_s: float, overhead_s: float) -> KernelTimes:
+                collective_s: float, overhead_s: float, ring_send_s: float = 0.0) -> KernelTimes:
     """One pass of ``spec`` (a :class:`sim.models.LayerSpec`) over ``rows`` on a device of
     ``peak_flops`` and peak ``bandwidth``; ``collective_s`` is one tensor-parallel all-reduce of the
-    layer's activation (0 without tensor parallelism); ``overhead_s`` the per-pass dispatch."""
+    layer's activation (0 without tensor parallelism); ``overhead_s`` the per-pass dispatch;
+    ``ring_send_s`` one send of the device's keys and values to its context-parallel neighbour."""
     gemm_rate = peak_flops * kernels.matmul
     attention = spec.attention_flops_per_row * rows
     projections = spec.flops_per_row * rows - attention
@@ -125,12 +128,28 @@ def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kerne
     exposed_s = max(0.0, spec.tp_allreduces_backward * collective_s - projection_s)  # beside the weight gradients
     backward_s = (2 * projection_s + attention_backward_s + 2 * launches + 2 * memory_s + 2 * overhead_s
                   + exposed_s)
+    forward_ring_s, backward_ring_s = ring_exposed_s(spec.cp_steps, ring_send_s, attention_forward_s,
+                                                     attention_backward_s)
+    forward_s += forward_ring_s
+    backward_s += backward_ring_s
     core_s = 0.0
     if spec.core_flops_per_row:
         core_bytes = max(0.0, (spec.core_traffic_bytes_per_row - spec.core_matmul_traffic_bytes_per_row) * rows)
         core_s = (spec.core_flops_per_row * rows / gemm_rate + 2 * kernels.matmul_launch_s
                   + core_bytes / (bandwidth * kernels.memory))
     return KernelTimes(forward_s, backward_s, core_s)
+
+
+def ring_exposed_s(steps: int, send_s: float, attention_forward_s: float,
+                   attention_backward_s: float) -> tuple[float, float]:
+    """What ring attention's exchange adds to a layer's forward and backward: ``steps`` = C - 1
+    sends of a key/value block (backward, the blocks and their gradients: twice the bytes), each
+    beside the attention over one block already there (1/C of the attention), the rest exposed."""
+    if steps <= 0:
+        return 0.0, 0.0
+    share = steps / (steps + 1)
+    return (max(0.0, steps * send_s - attention_forward_s * share),
+            max(0.0, 2 * steps * send_s - attention_backward_s * share))
 
 
 def achieved_matmul_fraction(kernels: KernelEfficiency, flops: float, peak_flops: float) -> float:

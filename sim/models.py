@@ -64,7 +64,7 @@ from typing import Any, Callable, Sequence
 from sim.allreduce import ring_allreduce_s
 from sim.errors import GpipeInputError
 from sim.hardware import Device, Link
-from sim.kernel_model import layer_times
+from sim.kernel_model import layer_times, ring_exposed_s
 from sim.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES, Precision, check_precision, precision_of
@@ -120,13 +120,18 @@ class LayerSpec:
     matmul_traffic_bytes_per_row: float = 0.0
     matmuls: int = 0
     core_matmul_traffic_bytes_per_row: float = 0.0  # of core_traffic_bytes_per_row: the scores written and read
+    # context parallelism (sim.tensor_parallel): ring attention passes each device's keys and values
+    # (this many bytes per row) to its neighbour cp_steps times a forward, beside the attention
+    cp_exchange_bytes_per_row: float = 0.0
+    cp_steps: int = 0
 
 
 class AnalyticWorkload:
     """A built-in model as a list of :class:`LayerSpec`, costed on any device by the roofline."""
 
     def __init__(self, name: str, options: dict[str, Any], layers: Sequence[LayerSpec],
-                 tensor_parallel: int = 1, sequence_parallel: bool = False, tp_link: Link | None = None) -> None:
+                 tensor_parallel: int = 1, sequence_parallel: bool = False, tp_link: Link | None = None,
+                 context_parallel: int = 1) -> None:
         self.name = name
         self.options = dict(options)
         self.layers = tuple(layers)
@@ -137,12 +142,13 @@ class AnalyticWorkload:
         self.tensor_parallel = tensor_parallel
         self.sequence_parallel = sequence_parallel
         self.tp_link = tp_link
+        self.context_parallel = context_parallel  # C devices share each sequence; weights replicated over them
         self.has_attention_core = name == "transformer"  # what --checkpoint selective recomputes
 
     @property
     def parameter_count(self) -> int:
         """The whole model's parameters (a tensor-parallel layer's whole, not one device's share)."""
-        if self.tensor_parallel > 1 or self.sequence_parallel:
+        if self.tensor_parallel > 1 or self.sequence_parallel or self.context_parallel > 1:
             return AnalyticWorkload(self.name, self.options, _BUILDERS[self.name](self.options)).parameter_count
         return sum(spec.params for spec in self.layers)
 
@@ -158,10 +164,14 @@ class AnalyticWorkload:
         if self.tp_link is not None and self.tensor_parallel > 1:
             collective_s = ring_allreduce_s(spec.tp_allreduce_bytes_per_row * rows, self.tensor_parallel,
                                             self.tp_link)
+        ring_send_s = 0.0
+        if self.tp_link is not None and spec.cp_steps:
+            ring_send_s = self.tp_link.transfer_s(spec.cp_exchange_bytes_per_row * rows)
         core_s = None
         if device.kernels is not None:  # a GPU with fitted fractions: kernels by kind (sim.kernel_model)
-            times = layer_times(spec, rows, device.peak_flops[precision_of(self.precision).peak], device.memory_bandwidth_bytes_per_s,
-                                device.kernels, collective_s, LAYER_OVERHEAD_S)
+            times = layer_times(spec, rows, device.peak_flops[precision_of(self.precision).peak],
+                                device.memory_bandwidth_bytes_per_s, device.kernels, collective_s, LAYER_OVERHEAD_S,
+                                ring_send_s)
             forward_s, backward_s, core_s = times.forward_s, times.backward_s, times.core_recompute_s
             bytes_s = device.memory_bandwidth_bytes_per_s * device.kernels.memory
         else:  # the roofline; the matmuls wait for the collectives: no overlap
@@ -172,6 +182,10 @@ class AnalyticWorkload:
                           + 2 * LAYER_OVERHEAD_S)
             forward_s += spec.tp_allreduces_forward * collective_s
             backward_s += spec.tp_allreduces_backward * collective_s
+            attention_s = spec.attention_flops_per_row * rows / flops_s
+            ring_forward_s, ring_backward_s = ring_exposed_s(spec.cp_steps, ring_send_s, attention_s, 2 * attention_s)
+            forward_s += ring_forward_s
+            backward_s += ring_backward_s
         precision = precision_of(self.precision)
         param_bytes = spec.params * precision.weight_bytes  # fp32 weights (the master copy) unless a bf16 model
         grad_bytes = spec.params * FP32_BYTES  # fp32 gradients (a bf16 model's main gradients too)
@@ -183,6 +197,10 @@ class AnalyticWorkload:
             # weights to the bf16 ones (read 4, write 2) every step
             megatron = precision.master_copy * (2 * FP32_BYTES + FP32_BYTES + precision.weight_bytes)
             extra["optimizer_s"] = ((3 + 2 * self.optimizer_slots) * FP32_BYTES + megatron) * spec.params / bytes_s
+            if self.context_parallel > 1 and self.tp_link is not None:
+                # the C devices of a sequence hold the same weights: their gradients are summed on the
+                # node's link after the last backward, before the data-parallel reduction
+                extra["optimizer_s"] += ring_allreduce_s(grad_bytes, self.context_parallel, self.tp_link)
         if spec.core_flops_per_row and core_s is not None:
             extra["core_recompute_s"] = core_s
             extra["core_saved_bytes"] = round(spec.core_saved_bytes_per_row * rows)
@@ -237,7 +255,7 @@ def mlp_layers(o: dict[str, Any]) -> list[LayerSpec]:
 
 
 # --- transformer ---------------------------------------------------------------------------------
-def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list[LayerSpec]:
+def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int = 1) -> list[LayerSpec]:
     """[Embedding, ``layers`` x pre-LayerNorm Block, Head], GPT-style with learned positions.
 
     With s = seq, d = d_model, f = ff, h = heads, V = vocab; c the compute bytes (4 in fp32, 2 in
@@ -286,6 +304,13 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     core keeping q, k and v as QKV wrote them) and reruns the core (QK^T, softmax, attention over V:
     4s^2*d FLOPs and its h*s^2 traffic) inside the backward.
 
+    Context parallelism over ``cp`` = C devices (Megatron-LM's, ring attention on flash kernels:
+    Liu et al. 2023, "Ring Attention with Blockwise Transformers"): each device holds s/C tokens of
+    every sequence, so every token-proportional count above is divided by C, while its queries
+    attend to all s keys (the attention's FLOPs s/C x s) and the position table stays whole. The
+    keys and values go round the ring: C-1 sends of the device's own (s/C, 2e) block forward, beside
+    the attention over the blocks already received; backward the blocks again and their gradients.
+
     Tensor parallelism over ``tp`` = T devices, as Megatron-LM splits a GPT (Shoeybi et al. 2019;
     Korthikanti et al. 2022 for ``sp``, sequence parallelism): one device's share. QKV and fc1 are
     column-parallel (heads and the FFN's hidden units split), proj and fc2 row-parallel (their
@@ -307,7 +332,8 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     slices (three all-reduces of s floats) are left out. Without ``sp`` a stage boundary carries the
     full residual stream on every device (no scatter-gather of the send); with ``sp``, 1/T of it.
     """
-    L, s, d, f, h, V = (o[k] for k in ("layers", "seq", "d_model", "ff", "heads", "vocab"))
+    L, seq, d, f, h, V = (o[k] for k in ("layers", "seq", "d_model", "ff", "heads", "vocab"))
+    s = seq // cp  # the tokens of each sequence one device holds; its queries attend to all seq keys
     p, drop = precision_of(o["precision"]), o["dropout"] > 0
     # F: the residual stream's, the norms' and the embedding's bytes (fp32 under autocast, the compute dtype
     # for a bf16 model); the eager softmax runs in fp32 either way
@@ -323,7 +349,7 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
     split_seq = t if sp else 1  # what sequence parallelism splits: the residual stream and the norms
     vocab = -(-V // t)  # vocabulary rows per device
     embed = LayerSpec(
-        "embedding", params=vocab * d + s * d, flops_per_row=0.0,
+        "embedding", params=vocab * d + seq * d, flops_per_row=0.0,
         # read ids; gather reads/writes sd; add reads sd (+ position table once), writes sd
         traffic_bytes_per_row=INDEX_BYTES * s + 4 * s * d * F + drop * (2 * s * d * F + s * d),
         fixed_traffic_bytes=s * d * F,
@@ -368,7 +394,7 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
                    + 4 * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq)
     block = LayerSpec(
         "block", params=block_params,
-        flops_per_row=(2.0 * s * (d * (d + 2 * e) + d * d + 2 * d * f) + 4.0 * s * s * d) / t,
+        flops_per_row=(2.0 * s * (d * (d + 2 * e) + d * d + 2 * d * f) + 4.0 * s * seq * d) / t,
         traffic_bytes_per_row=block_traffic,
         fixed_traffic_bytes=_weights_read(p, block_params - 4 * d, 4 * d),
         saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F / split_seq,
@@ -378,8 +404,9 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False) -> list
         core_saved_bytes_per_row=0.0 if flash else (scores_saved + grouped * 2 * s * (d - e) * c) / t,
         core_flops_per_row=0.0 if flash else 4.0 * s * s * d / t,
         core_traffic_bytes_per_row=0.0 if flash else (scores_traffic + grouped * s * (2 * e + 2 * d) * c) / t,
-        backward_extra_flops_per_row=2.0 * s * s * d / t if flash else 0.0,  # flash recomputes QK^T
-        attention_flops_per_row=4.0 * s * s * d / t,
+        backward_extra_flops_per_row=2.0 * s * seq * d / t if flash else 0.0,  # flash recomputes QK^T
+        attention_flops_per_row=4.0 * s * seq * d / t,
+        cp_exchange_bytes_per_row=2.0 * s * e * c / t if cp > 1 else 0.0, cp_steps=cp - 1,
         # whole on each device (QKV's and fc1's inputs, proj's and fc2's outputs), split (QKV's output, q, k,
         # v and the attention's output read and written, proj's input, fc1's output, fc2's input), the scores
         matmul_traffic_bytes_per_row=c * (4 * s * d + s * (6 * d + 2 * e) / t + 2 * s * f / t) + scores_matmul_traffic / t,

@@ -60,6 +60,8 @@ class Plan:
     placement: str = DEFAULT_PLACEMENT  # sim.placement: which device runs which replica's stage
     tensor_parallel: int = 1  # T devices of one node per stage (sim.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
+    context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
+    dp_overlap: bool = False  # timed with the data-parallel reduction inside the last backward (Megatron's)
 
     @property
     def stages(self) -> int:
@@ -71,6 +73,9 @@ class Plan:
         require_positive("replicas (D)", self.replicas, "use --replicas 1 or more")
         require_positive("virtual stages (V)", self.virtual_stages, "use --virtual-stages 1 or more")
         require_positive("tensor_parallel (T)", self.tensor_parallel, "use --tensor-parallel 1 or more")
+        require_positive("context_parallel (C)", self.context_parallel, "use --context-parallel 1 or more")
+        if not isinstance(self.dp_overlap, bool):
+            raise GpipeInputError(f"dp_overlap must be true or false, got {self.dp_overlap!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if len(self.partition) % self.virtual_stages:
@@ -155,6 +160,8 @@ def plan_from_dict(data: Any) -> Plan:
             placement=data.get("placement", DEFAULT_PLACEMENT),
             tensor_parallel=data.get("tensor_parallel", 1),
             sequence_parallel=data.get("sequence_parallel", False),
+            context_parallel=data.get("context_parallel", 1),
+            dp_overlap=data.get("dp_overlap", False),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None

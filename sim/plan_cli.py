@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                             add_precision_argument, add_sequence_parallel_argument, check_output_path,
+                             add_context_parallel_arguments, add_precision_argument,
+                             add_sequence_parallel_argument, check_output_path,
                              parse_int_list, simulation_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import get_system
@@ -20,7 +21,8 @@ from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
-from sim.tensor_parallel import check_tensor_parallel, default_sequence_parallel, with_tensor_parallel
+from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
+                                 with_tensor_parallel)
 from sim.workload import check_checkpoint_for
 from sim.workload_cli import calibrated_allreduce, chosen_precision, workload_and_batch
 
@@ -55,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="T values to try, devices of one node per stage (the built-in transformer; default: "
                             "the powers of two up to a node that divide its heads and FFN width; 1 for other models)")
     add_sequence_parallel_argument(space)
+    add_context_parallel_arguments(space)
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"))
     parser.add_argument("--top", type=int, default=10, help="rows in the ranked table (default 10)")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     check_space_fits(space, stage_options, microbatch_options, system, workload.num_layers)
     progress = None if args.quiet else _Progress()
     if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (sim.costs)
+        check_context_parallel(args.context_parallel, workload, system)
         result = _search_each_stage_count(workload, system, batch, stage_options, microbatch_options,
                                           checkpoints, space["schedules"], args.partitioner, args.top, progress,
                                           space, placements)
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     description = workload.describe()
     if args.out:
         save_plan(to_plan(result.best, description, batch, system.name, system.nodes,
-                          planned_optimizer(args, workload), precision), args.out)
+                          planned_optimizer(args, workload), precision, args.dp_overlap), args.out)
     if args.json:
         json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
                    "parameter_count": description["parameter_count"], "precision": precision,
@@ -243,13 +247,16 @@ def tensor_parallel_options(args: argparse.Namespace, workload, system) -> list[
         options = parse_int_list(args.tensor_parallel_options, "--tensor-parallel-options")
         for t in options:
             check_tensor_parallel(t, workload, system)
+            check_context_parallel(args.context_parallel, workload, system, t)
         return options
+    check_context_parallel(args.context_parallel, workload, system)
     if system.name == "cpu":
         return [1]
     options = []
     for t in (2 ** i for i in range(system.devices_per_node.bit_length())):
         try:
             check_tensor_parallel(t, workload, system)
+            check_context_parallel(args.context_parallel, workload, system, t)
         except GpipeInputError:
             continue
         options.append(t)
@@ -264,15 +271,16 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
     parts = []
     for t in tensor_options:
         sequence_parallel = default_sequence_parallel(t, sequence) and t > 1
-        split, groups = with_tensor_parallel(workload, system, t, sequence_parallel)
+        split, groups = with_tensor_parallel(workload, system, t, sequence_parallel, args.context_parallel)
         stages = [k for k in stage_options if k <= groups.total_devices]
         if not stages:
             continue
         part = search(split, groups, batch, stages, microbatch_options, checkpoints, space["schedules"],
                       args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
-                      placements)
+                      placements, dp_overlap=args.dp_overlap)
         for option in part.ranked + part.unfit_examples:
-            option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel)
+            option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
+                                       context_parallel=args.context_parallel)
         parts.append(part)
     return _merged(parts, args.top)
 
@@ -294,7 +302,7 @@ def planned_optimizer(args: argparse.Namespace, workload) -> str:
 
 
 def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int, optimizer: str,
-            precision: str) -> Plan:
+            precision: str, dp_overlap: bool = False) -> Plan:
     """The plan file of ``option``; the precision is the plan's own field, not a model option."""
     c = option.candidate
     assert option.result is not None and option.partition is not None
@@ -308,6 +316,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         predicted=option.result.to_dict(), optimizer=optimizer, precision=precision,
         replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
         tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel,
+        context_parallel=c.context_parallel, dp_overlap=dp_overlap,
     )
 
 
@@ -318,7 +327,8 @@ def _option_dict(option: PlanOption) -> dict:
     return {"microbatches": c.microbatches, "checkpoint": c.checkpoint,
             "schedule": c.schedule, "replicas": c.replicas, "virtual_stages": c.virtual_stages, "zero": c.zero,
             "placement": c.placement, "tensor_parallel": c.tensor_parallel,
-            "sequence_parallel": c.sequence_parallel, "partition": option.partition, **{
+            "sequence_parallel": c.sequence_parallel, "context_parallel": c.context_parallel,
+            "partition": option.partition, **{
                 k: v for k, v in option.result.to_dict().items()
                 if k not in ("partition", "schedule", "checkpoint", "replicas", "virtual_stages", "zero", "placement")}}
 
@@ -337,14 +347,17 @@ def format_table(result: SearchResult, description: dict, system: str, batch: in
         r = option.result
         assert r is not None
         tensor = f"{c.tensor_parallel}{'s' if c.sequence_parallel else ''}"
+        if c.context_parallel > 1:
+            tensor += f"x{c.context_parallel}"
         rows.append(f"{rank:>4} {tensor:>3} {c.replicas:>3} {c.stages:>3} {c.virtual_stages:>2} {c.microbatches:>3} "
                     f"{c.checkpoint:<11} {c.schedule:<11} {c.zero:>4} {c.placement:<17} "
                     f"{r.step_time_s * 1e3:>10.3f} {r.bubble_fraction:>7.1%} "
                     f"{r.throughput_samples_per_s:>10.1f} {gib(option.max_peak_memory_bytes):>10}  "
                     f"{','.join(map(str, option.partition or []))}")
-    if any(o.candidate.tensor_parallel > 1 for o in result.ranked):
-        rows.append("T: devices of one node per stage, each layer split over them (s: sequence parallel); D x K x T "
-                    "devices in all; memory is one device's")
+    if any(o.candidate.tensor_parallel > 1 or o.candidate.context_parallel > 1 for o in result.ranked):
+        rows.append("T: devices of one node per stage, each layer split over them (s: sequence parallel; xC: times "
+                    "C context-parallel devices sharing each sequence); D x K x T x C devices in all; memory is one "
+                    "device's")
     return "\n".join(rows)
 
 

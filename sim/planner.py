@@ -57,6 +57,7 @@ class Candidate:
     placement: str = DEFAULT_PLACEMENT
     tensor_parallel: int = 1  # T devices per stage (sim.tensor_parallel); the search of one T leaves it 1
     sequence_parallel: bool = False
+    context_parallel: int = 1  # C more devices per stage sharing each sequence (sim.tensor_parallel)
 
 
 @dataclass

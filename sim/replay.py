@@ -14,7 +14,7 @@ schema, so that other files can be fed to the same command::
 ``model`` is any ``--model`` value and ``options`` its ``--option`` keys. ``null`` means the source
 does not say: the replay then takes the fastest fitting plan the planner finds within the stated
 layout (micro-batches, virtual stages) and says so in ``assumed``. Unknown keys (a note, a
-confidence) are ignored. A run the simulator cannot model yet (context parallelism, an option the
+confidence) are ignored. A run the simulator cannot model yet (context parallelism on eager attention, an option the
 model does not know, more devices than the hardware has) is listed as not modelled, with the
 reason, never dropped. ``error`` is predicted / measured - 1.
 
@@ -101,12 +101,11 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     from sim.engine import simulate
     from sim.microbatch import split_rows
     from sim.planner import Candidate, default_partition, search
-    from sim.tensor_parallel import check_tensor_parallel, with_tensor_parallel
+    from sim.tensor_parallel import check_context_parallel, check_tensor_parallel, with_tensor_parallel
     from sim.workload import check_checkpoint_for
 
-    if (run["context_parallel"] or 1) > 1:
-        raise GpipeInputError("context parallelism is not modelled yet")
-    tensor, stages, replicas = (int(run[key] or 1) for key in ("tensor_parallel", "pipeline_stages", "replicas"))
+    tensor, stages, replicas, context = (int(run[key] or 1) for key in ("tensor_parallel", "pipeline_stages",
+                                                                         "replicas", "context_parallel"))
     system = get_system(run["hardware"], int(run["nodes"] or 1), kernels)
     fitted = system.device.kernels
     out.assumed.append(f"{system.device.name}: kernels timed by kind at fractions fitted on the development set"
@@ -120,8 +119,9 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     checkpoint = check_checkpoint_for(workload, run["checkpoint"])
     sequence = bool(run["sequence_parallel"])
     check_tensor_parallel(tensor, workload, system)
-    system.check_fits(stages, replicas, tensor)
-    workload, groups = with_tensor_parallel(workload, system, tensor, sequence)
+    check_context_parallel(context, workload, system, tensor)
+    system.check_fits(stages, replicas, tensor * context)
+    workload, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
     batch = int(run["global_batch"])
     virtual = run["virtual_stages"]
     if virtual is None and stages > 1:
@@ -158,7 +158,8 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
         candidate, partition, result = best.candidate, best.partition, best.result
         assert result is not None
     out.predicted_step_s = result.step_time_s
-    out.layout = {"tensor_parallel": tensor, "sequence_parallel": sequence, "replicas": replicas,
+    out.layout = {"tensor_parallel": tensor, "sequence_parallel": sequence, "context_parallel": context,
+                  "replicas": replicas,
                   "pipeline_stages": stages, "virtual_stages": candidate.virtual_stages,
                   "microbatches": candidate.microbatches, "zero": candidate.zero, "microbatch_rows": split_rows(batch // replicas,
                                                                                         candidate.microbatches)[0],

@@ -19,7 +19,8 @@ from sim.planner import Candidate, default_partition
 from sim.precision import check_precision
 from sim.schedule import check_checkpoint_policy, check_interleaving, check_schedule_name, check_virtual_stages
 from sim.report import fit_advice, format_summary
-from sim.tensor_parallel import check_tensor_parallel, default_sequence_parallel, with_tensor_parallel
+from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
+                                 with_tensor_parallel)
 from sim.workload import Workload, check_checkpoint_for
 from sim.workload_cli import (calibrated_allreduce, chosen_precision, resolve_workload, with_precision,
                               workload_and_batch)
@@ -59,13 +60,16 @@ def run(args: argparse.Namespace) -> int:
         if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
             workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
         check_tensor_parallel(plan.tensor_parallel, workload, system)
-        system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel)
-        workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel)
+        check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
+        system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel * plan.context_parallel)
+        workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel,
+                                                plan.context_parallel)
         check_checkpoint_for(workload, plan.checkpoint)
         result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
                           plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
                           replicas=plan.replicas, zero=plan.zero, placement=plan.placement,
-                          allreduce_link=calibrated_allreduce(workload, system))
+                          allreduce_link=calibrated_allreduce(workload, system),
+                          dp_overlap=args.dp_overlap or plan.dp_overlap)
     else:
         result, system, workload, precision = simulate_from_flags(args)
     if not result.fits and not args.allow_overflow:
@@ -94,10 +98,12 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     precision = chosen_precision(args, system.device)
     workload, batch = workload_and_batch(args, simulation_options(args), precision)
     check_tensor_parallel(args.tensor_parallel, workload, system)
+    check_context_parallel(args.context_parallel, workload, system, args.tensor_parallel)
     check_checkpoint_for(workload, args.checkpoint)
-    system.check_fits(stages, args.replicas, args.tensor_parallel)
+    system.check_fits(stages, args.replicas, args.tensor_parallel * args.context_parallel)
     workload, system = with_tensor_parallel(workload, system, args.tensor_parallel,
-                                            default_sequence_parallel(args.tensor_parallel, args.sequence_parallel))
+                                            default_sequence_parallel(args.tensor_parallel, args.sequence_parallel),
+                                            args.context_parallel)
     if args.schedule == "interleaved":
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
@@ -112,7 +118,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
     result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule,
                       virtual_stages=virtual, replicas=args.replicas, zero=args.zero, placement=args.placement,
-                      allreduce_link=calibrated_allreduce(workload, system))
+                      allreduce_link=calibrated_allreduce(workload, system), dp_overlap=args.dp_overlap)
     return result, system, workload, precision
 
 def check_zero(zero: int, replicas: int) -> None:
@@ -137,6 +143,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data["hardware"] = {"system": system.name, "nodes": system.nodes}
         data["tensor_parallel"] = getattr(workload, "tensor_parallel", 1)
         data["sequence_parallel"] = getattr(workload, "sequence_parallel", False)
+        data["context_parallel"] = getattr(workload, "context_parallel", 1)
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
@@ -149,6 +156,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
             sequence = "on" if workload.sequence_parallel else "off"  # type: ignore[attr-defined]
             print(f"tensor parallel T={tensor_parallel} (sequence parallel {sequence}): each stage is {tensor_parallel} "
                   "devices of one node; memory and busy time are one device's")
+        context_parallel = getattr(workload, "context_parallel", 1)
+        if context_parallel > 1:
+            print(f"context parallel C={context_parallel}: each sequence split over {context_parallel} devices of the "
+                  f"node ({tensor_parallel * context_parallel} per stage); memory and busy time are one device's")
         for flag, path in (("trace", args.trace), ("timeline", args.html)):
             if path:
                 print(f"{flag} written to {path}")

@@ -12,6 +12,13 @@ node's link that the matmuls wait for (no overlap). Each member all-reduces its 
 gradients with its data-parallel peers, one ring per member at the same time on the node's links
 and network rails, which is the group's all-reduce on the per-device links the engine uses.
 
+Context parallelism (``--context-parallel C``) splits each sequence over C more devices of the
+node, T x C per stage (TP innermost, then CP, then PP, then DP): each holds s/C tokens, its queries
+attend to all keys as ring attention passes key/value blocks round the C devices
+(:func:`sim.models.transformer_layers`), and the C copies of the weights have their gradients summed
+on the node's link after the last backward. C must divide the sequence, T x C a node, and the
+attention must be flash (the ring runs on its kernels); across nodes it is not modelled.
+
 Refused in one line: T that does not divide the heads, the key/value heads and the FFN width (every
 head and hidden unit whole on one device), T larger than a node's devices (the collectives need the node's NVLink), and
 T > 1 for models other than the built-in transformer (no split is modelled for them yet).
@@ -63,6 +70,32 @@ def check_tensor_parallel(tensor_parallel: int, workload: Workload, system: Syst
                                   f"ff={options['ff']}")
 
 
+def check_context_parallel(context_parallel: int, workload: Workload, system: System,
+                           tensor_parallel: int = 1) -> None:
+    """C positive, dividing the sequence, with T x C inside a node, on flash attention; one line each."""
+    require_positive("--context-parallel", context_parallel, "use 1 (no context parallelism) or more")
+    if context_parallel == 1:
+        return
+    from sim.models import AnalyticWorkload
+
+    if not isinstance(workload, AnalyticWorkload) or workload.name != "transformer":
+        raise GpipeInputError(f"--context-parallel {context_parallel}: context parallelism is modelled for the built-in "
+                              f"transformer only, not {getattr(workload, 'name', 'this model')}; use "
+                              "--context-parallel 1")
+    seq = workload.options["seq"]
+    if seq % context_parallel:
+        raise GpipeInputError(f"--context-parallel {context_parallel} does not divide seq={seq}: each device holds an "
+                              f"equal block of every sequence; use a C that divides {seq}")
+    if workload.options.get("attention") != "flash":
+        raise GpipeInputError(f"--context-parallel {context_parallel} runs ring attention on flash kernels; add "
+                              "--option attention=flash")
+    group = tensor_parallel * context_parallel
+    if group > system.devices_per_node or system.devices_per_node % group:
+        raise GpipeInputError(f"--tensor-parallel {tensor_parallel} x --context-parallel {context_parallel} = {group} "
+                              f"devices per stage must divide {system.name}'s {system.devices_per_node} devices per "
+                              "node (both exchange on the node's links); use a smaller T or C")
+
+
 def tensor_parallel_system(system: System, tensor_parallel: int) -> System:
     """The system as the pipeline sees it: each group of T consecutive devices of a node is one."""
     if tensor_parallel == 1:
@@ -71,16 +104,18 @@ def tensor_parallel_system(system: System, tensor_parallel: int) -> System:
 
 
 def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: int,
-                         sequence_parallel: bool = False) -> tuple[Workload, System]:
-    """``workload`` split over T devices of one of ``system``'s nodes (one member's costs, the
-    collectives on the node's link) and the system of groups the pipeline runs on."""
+                         sequence_parallel: bool = False, context_parallel: int = 1) -> tuple[Workload, System]:
+    """``workload`` split over T x C devices of one of ``system``'s nodes (one member's costs, the
+    collectives and the ring exchange on the node's link) and the system of groups the pipeline runs on."""
     check_tensor_parallel(tensor_parallel, workload, system)
-    if tensor_parallel == 1:  # sequence parallelism splits over the tensor-parallel group: nothing to split
+    check_context_parallel(context_parallel, workload, system, tensor_parallel)
+    if tensor_parallel == 1 and context_parallel == 1:  # sequence parallelism splits over the T group: nothing
         return workload, system
     from sim.models import AnalyticWorkload, transformer_layers
 
     assert isinstance(workload, AnalyticWorkload)
-    layers = transformer_layers(workload.options, tensor_parallel, sequence_parallel)
+    sequence_parallel = sequence_parallel and tensor_parallel > 1
+    layers = transformer_layers(workload.options, tensor_parallel, sequence_parallel, context_parallel)
     split = AnalyticWorkload(workload.name, workload.options, layers, tensor_parallel, sequence_parallel,
-                             system.intra_link)
-    return split, tensor_parallel_system(system, tensor_parallel)
+                             system.intra_link, context_parallel)
+    return split, tensor_parallel_system(system, tensor_parallel * context_parallel)
