@@ -130,7 +130,16 @@ class SquaredReLU(nn.Module):
         return torch.square(torch.relu(x))
 
 
-ACTIVATION_MODULES = {"gelu": nn.GELU, "squared_relu": SquaredReLU}
+class SwiGLU(nn.Module):
+    """The gated MLP's activation (Shazeer 2020, as Llama runs it): silu of one half times the other."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = x.chunk(2, dim=-1)
+        return F.silu(gate) * value
+
+
+ACTIVATION_MODULES = {"gelu": nn.GELU, "squared_relu": SquaredReLU, "swiglu": SwiGLU}
+GATED = {"swiglu"}  # activations that take fc1's 2 x ff outputs
 
 
 class Block(nn.Module):
@@ -144,7 +153,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, heads, dropout, kv_heads, attention)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, ff), ACTIVATION_MODULES[activation](), nn.Linear(ff, d_model),
+        width = 2 * ff if activation in GATED else ff
+        self.mlp = nn.Sequential(nn.Linear(d_model, width), ACTIVATION_MODULES[activation](), nn.Linear(ff, d_model),
                                  nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,13 @@ DEFAULT_OPTIONS: dict[str, dict[str, int | float]] = {
     "mlp": {"layers": 8, "width": 256},
     "transformer": {"layers": 4, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 256,
                     "dropout": 0.0, "kv_heads": 0,  # kv_heads 0: one key/value head per head
-                    "activation": "gelu",  # the MLP's: gelu or squared_relu (ReLU squared, as Nemotron-4)
+                    "activation": "gelu",  # the MLP's: gelu, squared_relu (Nemotron-4's) or swiglu (Llama's gated MLP)
                     "attention": "eager"},  # eager, fused (scores materialised) or flash (a kernel keeping none)
     "cnn": {"layers": 4, "channels": 16, "image": 16, "classes": 10},
 }
 
 # The transformer MLP's activations, by option value
-ACTIVATIONS = ("gelu", "squared_relu")
+ACTIVATIONS = ("gelu", "squared_relu", "swiglu")
 # The transformer's attention kernels: eager materialises the (heads, seq, seq) scores as torch's
 # unfused ops do, fused as Megatron-LM's scale-mask-softmax kernel does (planning only: the executor
 # trains eager and flash), flash keeps none

@@ -292,7 +292,12 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
 
     ``activation`` ``squared_relu`` (ReLU then its square, Nemotron-4's MLP) in place of GELU saves
     the same two (s, f) tensors (ReLU's output, which the square saves as its input, and the square's
-    output, fc2's input) and moves the same bytes, so nothing above changes.
+    output, fc2's input) and moves the same bytes, so nothing above changes. ``swiglu`` (the gated
+    MLP of Llama, Mistral and Qwen: fc1 projects to 2f, silu of one half times the other) has fc1 of
+    2df weights and 2f biases, 6sdf FLOPs in the MLP, and saves 4f per token in place of 2f (fc1's
+    output, which silu and the product keep, silu's output and the product, fc2's input); per sf it
+    moves 8 elements (fc1 writes 2, silu reads and writes 1 each, the product reads 2 and writes 1,
+    fc2 reads 1) in place of 4.
 
     Grouped-query attention (``kv_heads`` < ``heads``; 0 means one key/value head per head): QKV
     projects to d + 2e, e = kv_heads * d / heads, so the block has 2d(d - e) fewer QKV weights and
@@ -358,9 +363,11 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
         tp_allreduce_bytes_per_row=s * d * F, tp_allreduces_forward=0.5 if sp else 1.0,
         tp_allreduces_backward=0.5 if sp else 0.0,
     )
-    split_weights = d * (d + 2 * e) + d * d + 2 * d * f  # QKV, proj, fc1, fc2 weights: split over T
+    # a gated MLP (swiglu) projects to 2f, the gate and the value, before fc2 brings f back to d
+    g = 2 if o.get("activation") == "swiglu" else 1
+    split_weights = d * (d + 2 * e) + d * d + (g + 1) * d * f  # QKV, proj, fc1, fc2 weights: split over T
     matmul_weights = split_weights // t  # T divides heads and kv heads, so d and e, and ff (sim.tensor_parallel)
-    block_params = (split_weights + d + 2 * e + f) // t + 6 * d  # QKV and fc1 biases split; LNs, proj/fc2 biases not
+    block_params = (split_weights + d + 2 * e + g * f) // t + 6 * d  # QKV and fc1 biases split; LNs, proj/fc2 biases not
     # Forward traffic per sd: 8 fp32 elements (LN 2+2, residual adds read x and write 2+2) and 16 in
     # the compute dtype (QKV 1+3, q.k^T 2, p.v 1+1, transpose 2, proj 1+1, adds read the branch 1+1,
     # fc1 1, fc2 1), plus 2 casts (LN outputs); per sf 4 (fc1 out, GELU 2, fc2 in); per h*s^2 6 in the
@@ -386,15 +393,15 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
         scores_saved = h * s * s * (FP32_BYTES + (c if p.casts else 0))
     scores_matmul_traffic = 0.0 if flash else 2 * c * h * s * s  # QK^T writes the scores, attention over V reads them
     block_traffic = (s * d * ((8 * F + 2 * x + 2 * c) / split_seq + 4 * c) + s * (7 * d + qkv_written) * c / t
-                     + 4 * s * f * c / t
+                     + 4 * g * s * f * c / t
                      + scores_traffic / t + 4 * STAT_BYTES * s / split_seq
                      + drop * (2 * c + MASK_BYTES) * 2 * s * d / split_seq)
-    block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * s * f * c / t
+    block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * g * s * f * c / t
                    + scores_saved / t
                    + 4 * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq)
     block = LayerSpec(
         "block", params=block_params,
-        flops_per_row=(2.0 * s * (d * (d + 2 * e) + d * d + 2 * d * f) + 4.0 * s * seq * d) / t,
+        flops_per_row=(2.0 * s * (d * (d + 2 * e) + d * d + (g + 1) * d * f) + 4.0 * s * seq * d) / t,
         traffic_bytes_per_row=block_traffic,
         fixed_traffic_bytes=_weights_read(p, block_params - 4 * d, 4 * d),
         saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F / split_seq,
@@ -409,7 +416,8 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
         cp_exchange_bytes_per_row=2.0 * s * e * c / t if cp > 1 else 0.0, cp_steps=cp - 1,
         # whole on each device (QKV's and fc1's inputs, proj's and fc2's outputs), split (QKV's output, q, k,
         # v and the attention's output read and written, proj's input, fc1's output, fc2's input), the scores
-        matmul_traffic_bytes_per_row=c * (4 * s * d + s * (6 * d + 2 * e) / t + 2 * s * f / t) + scores_matmul_traffic / t,
+        matmul_traffic_bytes_per_row=(c * (4 * s * d + s * (6 * d + 2 * e) / t + (g + 1) * s * f / t)
+                                      + scores_matmul_traffic / t),
         matmuls=4 + (1 if flash else 2),
         core_matmul_traffic_bytes_per_row=scores_matmul_traffic / t,
     )

@@ -180,6 +180,8 @@ def test_saved_bytes_match_autograd(name: str, options: dict, precision: str) ->
     ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 4, "kv_heads": 4, "seq": 6, "vocab": 30}),
     ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 4, "seq": 6, "vocab": 30,
                      "activation": "squared_relu"}),
+    ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 8, "kv_heads": 2, "seq": 6, "vocab": 30,
+                     "activation": "swiglu", "dropout": 0.1}),
     ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 4, "seq": 6, "vocab": 30, "attention": "flash"}),
     ("transformer", {"layers": 1, "d_model": 32, "ff": 48, "heads": 8, "kv_heads": 2, "seq": 6, "vocab": 30,
                      "attention": "flash", "dropout": 0.1})])

@@ -237,14 +237,15 @@ def test_selective_recompute_is_refused_where_there_is_no_attention_core():
         RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(8,), checkpoint="selective").validate()
 
 
-def test_squared_relu_matches_unpipelined_and_an_unknown_activation_is_one_line():
+def test_squared_relu_and_swiglu_match_unpipelined_and_an_unknown_activation_is_one_line():
     from executor.models import build_model
     from sim.errors import GpipeInputError
     from sim.models import get_workload
 
-    options = {**OPTIONS["transformer"], "activation": "squared_relu"}
-    check_step(RunConfig(model="transformer", options=options, partition=PARTITIONS[("transformer", 2)], batch_size=10,
-                         microbatches=3, checkpoint="full", schedule="1f1b"))
+    for activation, checkpoint in (("squared_relu", "full"), ("swiglu", "selective")):
+        options = {**OPTIONS["transformer"], "activation": activation}
+        check_step(RunConfig(model="transformer", options=options, partition=PARTITIONS[("transformer", 2)],
+                             batch_size=10, microbatches=3, checkpoint=checkpoint, schedule="1f1b"))
     for build in (lambda o: get_workload("transformer", o), lambda o: build_model("transformer", o)):
         with pytest.raises(GpipeInputError, match="activation='swish'"):
             build({**OPTIONS["transformer"], "activation": "swish"})
