@@ -223,3 +223,67 @@ def example_batch(name: str, options: dict[str, Any], rows: int, seed: int) -> t
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     return ids, targets
+
+
+# ----------------------------------------------------------------------------- planning by shape
+
+# The config's activation -> the built-in transformer's MLP of the same shape
+_SHAPE_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu2": "squared_relu", "gelu": "gelu",
+                      "gelu_new": "gelu", "gelu_fast": "gelu", "gelu_pytorch_tanh": "gelu"}
+
+
+def shape_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The built-in transformer's options for the shape of any decoder-only ``transformers`` config.
+
+    What the simulator plans for ``hf:<type>`` with tensor or context parallelism: the config's
+    layers, widths, heads, key/value heads, FFN width, vocabulary and MLP (gated silu as swiglu,
+    Nemotron's relu2 as squared_relu, GELUs as gelu), ``seq`` tokens, flash attention, no dropout.
+    Any ``model_type`` ``transformers`` knows as a causal language model works, not only the
+    families ``gpipe train`` runs; nothing is downloaded. Left out, and said in the output: the
+    config's norms (RMSNorm, LayerNorm without bias), biases, rotary or ALiBi positions (the built-in
+    transformer has biases, LayerNorms and a learned position table: under 0.1% of a large model's
+    parameters) and tied embeddings. Mixtures of experts and encoder-decoders are refused.
+    """
+    transformers = _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    given = {k: v for k, v in options.items() if k not in OUR_OPTIONS}
+    model_type = name.partition(":")[2]
+    if name.startswith("hf-config:"):
+        data = config_of(name, options).to_dict()
+        model_type = data.get("model_type", model_type)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise GpipeInputError(f"Hugging Face model type {model_type!r} is not a causal language model transformers "
+                              "knows; give a decoder-only type such as llama, nemotron, bloom or qwen2")
+    try:
+        config = (config_of(name, options) if name.startswith("hf-config:")
+                  else transformers.AutoConfig.for_model(model_type, **given))
+    except GpipeInputError:
+        raise
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[-1].strip()
+        raise GpipeInputError(f"{name!r}: the config refuses the options {given} ({reason})") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise GpipeInputError(f"{name!r} is an encoder-decoder; planning by shape takes decoder-only models")
+    experts = next((getattr(config, key) for key in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(config, key, None)), None)
+    if experts:
+        raise GpipeInputError(f"{name!r} is a mixture of {experts} experts; expert parallelism is not modelled")
+    d = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        kv = 1
+    ff = next((int(getattr(config, key)) for key in ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")
+               if getattr(config, key, None)), 4 * d)
+    act = next((getattr(config, key) for key in ("hidden_act", "activation_function", "hidden_activation")
+                if getattr(config, key, None)), "gelu")
+    if act not in _SHAPE_ACTIVATIONS:
+        raise GpipeInputError(f"{name!r}: the MLP's activation {act!r} is not modelled; planning by shape takes "
+                              f"{', '.join(sorted(_SHAPE_ACTIVATIONS))}")
+    mlp = _SHAPE_ACTIVATIONS[act]
+    if model_type.startswith("gemma"):  # Gemma's MLP is gated like Llama's, with GELU for silu: the same shape
+        mlp = "swiglu"
+    return {"layers": int(config.num_hidden_layers), "d_model": d, "ff": ff, "heads": heads,
+            "kv_heads": 0 if int(kv) == heads else int(kv), "seq": int(options.get("seq", OUR_OPTIONS["seq"])),
+            "vocab": int(config.vocab_size), "activation": mlp, "attention": "flash", "dropout": 0.0}

@@ -25,13 +25,25 @@ from sim.stage_costs import StageCost, held_sizes
 Point = tuple[int, ...]  # (stash count, saved count) per chunk, chunk 0 first
 
 
-@lru_cache(maxsize=1 << 16)
 def peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint: str,
                       stage: int, virtual_stages: int = 1) -> tuple[Point, ...]:
     """Pareto-maximal (stash, saved) counts per chunk reached on device ``stage``: with one chunk,
     pairs (a, b); with V chunks, vectors (a_0, b_0, ..., a_{V-1}, b_{V-1}). Under ``full`` each
     vector ends with V more entries, 1 for the chunk whose backward is running (its transient,
-    :func:`sim.stage_costs.held_sizes`), 0 elsewhere."""
+    :func:`sim.stage_costs.held_sizes`), 0 elsewhere.
+
+    GPipe's devices all run the same list, and a 1F1B device's depends only on its warm-up
+    (min(K - k - 1, M) forwards), so those are computed once per list, not once per device."""
+    if schedule == "gpipe":
+        return _peak_coefficients(1, microbatches, schedule, checkpoint, 0, 1)
+    if schedule == "1f1b":
+        return _peak_coefficients(min(stages - stage - 1, microbatches) + 1, microbatches, schedule, checkpoint, 0, 1)
+    return _peak_coefficients(stages, microbatches, schedule, checkpoint, stage, virtual_stages)
+
+
+@lru_cache(maxsize=1 << 16)
+def _peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint: str,
+                       stage: int, virtual_stages: int = 1) -> tuple[Point, ...]:
     actions = stage_actions(stage, stages, microbatches, schedule, checkpoint, virtual_stages)
     counts = [0] * (2 * virtual_stages)
     per_layer = recomputes_per_layer(checkpoint)
@@ -96,6 +108,15 @@ def peak_from_coefficients(cost: StageCost | Sequence[StageCost], points: tuple[
                 total += p[2 * chunks + i] * transient
         best = max(best, total)
     return best
+
+
+@lru_cache(maxsize=1 << 14)
+def chunk_coefficients(points: tuple[Point, ...], chunk: int, checkpoint: str) -> tuple[tuple[int, int, int], ...]:
+    """The (stash, saved, transient) counts of chunk ``chunk`` alone over ``points``, maximal ones
+    only: what :func:`chunk_peak_from_coefficients` maximises over, usually one or two triples."""
+    chunks = len(points[0]) // (3 if recomputes_per_layer(checkpoint) else 2) if points else 1
+    triples = {(p[2 * chunk], p[2 * chunk + 1], p[2 * chunks + chunk] if len(p) > 2 * chunks else 0) for p in points}
+    return tuple(_maximal(triples)) if triples else ((0, 0, 0),)  # type: ignore[arg-type]
 
 
 def chunk_peak_from_coefficients(cost: StageCost, points: tuple[Point, ...], chunk: int, checkpoint: str) -> int:

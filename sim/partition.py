@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import lru_cache
 from typing import Callable, Sequence
 
 from sim.errors import GpipeInputError, require_positive
@@ -108,16 +109,29 @@ def _feasible(prefix: list[float], limit: float, memory_ends: list[list[int]]) -
     return parts
 
 
-def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = None) -> list[int] | None:
-    """Layers per stage minimising the largest stage cost; None if no partition fits memory."""
+@lru_cache(maxsize=256)
+def _segment_costs(costs: tuple[float, ...]) -> list[float]:
+    """Every contiguous segment's cost, sorted: the bottlenecks a partition can have (the planner asks
+    for the same layer costs with many stage counts and memory limits)."""
+    prefix, n = _prefix(costs), len(costs)
+    return sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+
+
+def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = None,
+                      memory_ends: list[list[int]] | None = None) -> list[int] | None:
+    """Layers per stage minimising the largest stage cost; None if no partition fits memory.
+
+    ``memory_ends`` may replace ``fits``: per stage, the furthest end that fits from each first
+    layer (stages sharing one list object share the work on it)."""
     _check(len(costs), stages)
     prefix = _prefix(costs)
     n = len(costs)
-    candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
-    if fits is None:  # one memory-ends list for all stages, and a greedy test finds the bottleneck
+    candidates = _segment_costs(tuple(costs))
+    if fits is None and memory_ends is None:  # one memory-ends list for all stages; a greedy test finds the bottleneck
         memory_ends = [[n] * n] * stages
         return _feasible(prefix, candidates[_lowest_greedy_limit(prefix, candidates, stages)], memory_ends)
-    memory_ends = [_memory_ends(n, k, fits) for k in range(stages)]
+    if memory_ends is None:
+        memory_ends = [_memory_ends(n, k, fits) for k in range(stages)]
     low, high = 0, len(candidates) - 1
     best = _feasible(prefix, candidates[high], memory_ends)
     if best is None:

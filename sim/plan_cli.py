@@ -24,7 +24,7 @@ from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
 from sim.workload import check_checkpoint_for
-from sim.workload_cli import calibrated_allreduce, chosen_precision, workload_and_batch
+from sim.workload_cli import calibrated_allreduce, chosen_precision, planned_from_note, workload_and_batch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     placements = [check_placement(p) for p in args.placements.split(",")]
     system, options, precision = planning_inputs(args)
     space = search_space(args, system, schedules)
-    workload, batch = workload_and_batch(args, options, precision)
+    by_shape = args.context_parallel > 1 or any(
+        t > 1 for t in parse_int_list(args.tensor_parallel_options or "1", "--tensor-parallel-options"))
+    workload, batch = workload_and_batch(args, options, precision, by_shape)
     checkpoints = policies_for(workload, checkpoints, args.checkpoints != ",".join(CHECKPOINT_POLICIES))
     if args.stages_options:
         stage_options = parse_int_list(args.stages_options, "--stages-options")
@@ -148,10 +150,14 @@ def run(args: argparse.Namespace) -> int:
                    "parameter_count": description["parameter_count"], "precision": precision,
                    "candidates": result.candidates, "simulated": result.simulated,
                    "elapsed_s": result.elapsed_s,
-                   "ranked": [_option_dict(o) for o in result.ranked]}, sys.stdout)
+                   "ranked": [_option_dict(o) for o in result.ranked],
+                   "planned_from": getattr(workload, "planned_from", None)}, sys.stdout)
         print()
     else:
         print(format_table(result, description, system.name, batch, precision))
+        note = planned_from_note(workload)
+        if note:
+            print(note)
         if args.out:
             print(f"plan written to {args.out}")
     if args.html:

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError
 from sim.hardware import Link, System
-from sim.memory import chunk_peak_from_coefficients, peak_coefficients, peak_from_coefficients, static_bytes
+from sim.memory import chunk_coefficients, peak_coefficients, peak_from_coefficients, static_bytes
 from sim.microbatch import split_rows
 from sim.partition import min_max_partition, min_variance_partition
 from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
@@ -182,6 +182,7 @@ class Partitions:
     def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max") -> None:
         self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
         self._free: dict[tuple, list[int] | None] = {}
+        self._ends: dict[tuple, list[int]] = {}
 
     def __call__(self, candidate: Candidate) -> list[int] | None:
         c = candidate
@@ -197,6 +198,8 @@ class Partitions:
         capacity = self.system.device.memory_bytes
         if capacity == float("inf"):
             return free
+        if self._static_share(rows[0], c) > capacity:  # some device holds at least its share of the weights
+            return None
         if free is not None and self._fits_holding_everything(free, rows[0], len(rows), c):
             return free
         held = [peak_coefficients(c.stages, len(rows), c.schedule, c.checkpoint, k, c.virtual_stages)
@@ -204,6 +207,33 @@ class Partitions:
         if free is not None and self._devices_fit(free, rows[0], held, c):
             return free
         return self._constrained(rows[0], held, c)
+
+    def _static_share(self, rows: int, c: Candidate) -> float:
+        """The K devices' static bytes (weights, gradients, optimizer state) averaged: the fullest
+        holds at least this much, whatever the partition, so above capacity nothing fits."""
+        layers = self.table.workload.num_layers
+        whole = self.table.stage(rows, 0, layers).static_bytes
+        optimizer = self.table.gradient_and_optimizer_bytes(rows, 0, layers)[1]
+        return static_bytes(whole, optimizer, c.replicas, c.zero) / c.stages
+
+    def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:
+        """For each first layer, the furthest end whose layers fit one chunk holding ``counts`` (a
+        two-pointer sweep: fitting is monotone in the range)."""
+        capacity = self.system.device.memory_bytes
+        layers = self.table.workload.num_layers
+
+        def fits(first: int, end: int) -> bool:
+            stash, saved, transient = held_sizes(self.table.stage(rows, first, end), c.checkpoint)
+            peak = max(a * stash + b * saved + t * transient for a, b, t in counts)
+            return self._chunk_static(rows, first, end, c) + peak <= capacity
+
+        ends, j = [], 0
+        for i in range(layers):
+            j = max(j, i)
+            while j < layers and fits(i, j + 1):
+                j += 1
+            ends.append(j)
+        return ends
 
     def _fits_holding_everything(self, partition: Sequence[int], rows: int, microbatches: int, c: Candidate) -> bool:
         """Whether each device fits even holding every micro-batch's largest of stash and saved
@@ -236,16 +266,24 @@ class Partitions:
         return True
 
     def _constrained(self, rows: int, held, c: Candidate) -> list[int] | None:
-        capacity = self.system.device.memory_bytes
-
-        def fits(part: int, first: int, end: int) -> bool:  # coefficients looked up once, not per call
+        # Each part's furthest fitting end per first layer depends only on its chunk's activation counts
+        # (and the rows, policy and state sharding), which many parts and candidates share: swept once each
+        ends = []
+        for part in range(c.stages * c.virtual_stages):
             device, chunk = part % c.stages, part // c.stages
-            cost = self.table.stage(rows, first, end)
-            return (self._chunk_static(rows, first, end, c)
-                    + chunk_peak_from_coefficients(cost, held[device], chunk, c.checkpoint)) <= capacity
+            key = (rows, c.checkpoint, c.replicas, c.zero, chunk_coefficients(held[device], chunk, c.checkpoint))
+            if key not in self._ends:
+                self._ends[key] = self._memory_ends(rows, key[-1], c)
+            ends.append(self._ends[key])
+
+        def fits(part: int, first: int, end: int) -> bool:
+            return end <= ends[part][first]
 
         weights = _layer_weights(self.table, rows, c.checkpoint)
-        partition = PARTITIONERS[self.partitioner](weights, c.stages * c.virtual_stages, fits)
+        if self.partitioner == "min_max":
+            partition = min_max_partition(weights, c.stages * c.virtual_stages, memory_ends=ends)
+        else:
+            partition = PARTITIONERS[self.partitioner](weights, c.stages * c.virtual_stages, fits)
         if partition is None or (c.virtual_stages > 1 and not self._devices_fit(partition, rows, held, c)):
             return None
         return partition

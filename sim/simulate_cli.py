@@ -23,7 +23,7 @@ from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, 
                                  with_tensor_parallel)
 from sim.workload import Workload, check_checkpoint_for
 from sim.workload_cli import (calibrated_allreduce, chosen_precision, resolve_workload, with_precision,
-                              workload_and_batch)
+                              planned_from_note, workload_and_batch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +96,8 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     stages = len(partition) // virtual if partition is not None else args.stages
     system = get_system(args.hardware, args.nodes)
     precision = chosen_precision(args, system.device)
-    workload, batch = workload_and_batch(args, simulation_options(args), precision)
+    by_shape = args.tensor_parallel > 1 or args.context_parallel > 1  # hf: models split by their shape
+    workload, batch = workload_and_batch(args, simulation_options(args), precision, by_shape)
     check_tensor_parallel(args.tensor_parallel, workload, system)
     check_context_parallel(args.context_parallel, workload, system, args.tensor_parallel)
     check_checkpoint_for(workload, args.checkpoint)
@@ -147,10 +148,14 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
+        data["planned_from"] = getattr(workload, "planned_from", None)
         json.dump(data, sys.stdout)
         print()
     else:
         print(format_summary(result, system, precision))
+        note = planned_from_note(workload)
+        if note:
+            print(note)
         tensor_parallel = getattr(workload, "tensor_parallel", 1)
         if tensor_parallel > 1:
             sequence = "on" if workload.sequence_parallel else "off"  # type: ignore[attr-defined]

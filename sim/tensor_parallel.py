@@ -118,4 +118,5 @@ def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: in
     layers = transformer_layers(workload.options, tensor_parallel, sequence_parallel, context_parallel)
     split = AnalyticWorkload(workload.name, workload.options, layers, tensor_parallel, sequence_parallel,
                              system.intra_link, context_parallel)
+    split.planned_from = workload.planned_from
     return split, tensor_parallel_system(system, tensor_parallel * context_parallel)

@@ -21,6 +21,7 @@ from sim.costs import measured_precision, read_costs
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import Device, Link, System
 from sim.model_defaults import DEFAULT_BATCH
+from sim.models import get_workload
 from sim.precision import choose_precision
 from sim.workload import Workload
 
@@ -38,9 +39,39 @@ def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
     return torch_workload(model, options)
 
 
-def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None) -> Workload:
-    """:func:`sim.resolve.resolve_workload` with torch models measured on the meta device."""
+ANALYSIS_KEYS = ("precision", "optimizer_slots")  # options of the analysis, not of the model's config
+
+
+def is_hf(model: str | None) -> bool:
+    return bool(model) and model.startswith(("hf:", "hf-config:"))  # type: ignore[union-attr]
+
+
+def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None,
+                     by_shape: bool = False) -> Workload:
+    """:func:`sim.resolve.resolve_workload` with torch models measured on the meta device; with
+    ``by_shape``, a Hugging Face model is the built-in transformer of its config's shape
+    (:func:`executor.hf.shape_options`), which tensor and context parallelism can split."""
+    if by_shape and is_hf(model) and costs_path is None:
+        from executor.hf import shape_options
+
+        config = {k: v for k, v in options.items() if k not in ANALYSIS_KEYS}
+        shaped = {**shape_options(model, config), **{k: options[k] for k in ANALYSIS_KEYS if k in options}}
+        workload = get_workload("transformer", shaped)
+        workload.planned_from = model  # type: ignore[union-attr]
+        return workload
     return resolve.resolve_workload(model, options, costs_path, analyse_torch_model)
+
+
+def planned_from_note(workload: Workload) -> str | None:
+    """One line saying a Hugging Face model was planned by its shape, or None."""
+    source = getattr(workload, "planned_from", None)
+    if source is None:
+        return None
+    o = workload.describe()["options"]
+    return (f"{source} planned by its shape as the built-in transformer ({o['layers']} layers, d_model {o['d_model']}, "
+            f"ff {o['ff']} {o['activation']}, {o['heads']} heads, {o['kv_heads'] or o['heads']} key/value heads, "
+            f"vocab {o['vocab']}, flash attention): its norms, biases, positions and any tied embedding are the "
+            "built-in transformer's")
 
 
 def model_name(args: argparse.Namespace) -> str | None:
@@ -67,14 +98,14 @@ def with_precision(model: str | None, options: dict[str, Any], precision: str,
 
 
 def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
-                       precision: str) -> tuple[Workload, int]:
+                       precision: str, by_shape: bool = False) -> tuple[Workload, int]:
     """The workload at ``precision`` and the mini-batch rows the flags name (``--batch``, else the
     costs file's batch, else the model's default)."""
     if args.batch is not None:
         require_positive("batch size", args.batch, "use --batch 1 or more")
     costs = getattr(args, "costs", None)
     model = model_name(args)
-    workload = resolve_workload(model, with_precision(model, options, precision, costs), costs)
+    workload = resolve_workload(model, with_precision(model, options, precision, costs), costs, by_shape)
     batch = args.batch
     if batch is None:
         batch = getattr(workload, "batch_size", None) or DEFAULT_BATCH.get(workload.describe()["name"], 32)

@@ -172,3 +172,50 @@ def test_without_a_file_training_starts_from_what_from_config_gives(family, tie)
     expected = model(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(torch.tensor(pipe.run_step(0, update=False)), expected.detach(), rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("name,options,expected", [
+    ("hf:llama", {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
+                  "num_key_value_heads": 2, "vocab_size": 1000},
+     {"layers": 4, "d_model": 256, "ff": 688, "heads": 8, "kv_heads": 2, "vocab": 1000, "activation": "swiglu"}),
+    ("hf:nemotron", {"num_hidden_layers": 2, "hidden_size": 192, "intermediate_size": 768, "num_attention_heads": 6,
+                     "num_key_value_heads": 2, "vocab_size": 500},
+     {"layers": 2, "d_model": 192, "ff": 768, "heads": 6, "kv_heads": 2, "vocab": 500, "activation": "squared_relu"}),
+    ("hf:bloom", {"n_layer": 3, "hidden_size": 128, "n_head": 4, "vocab_size": 700},
+     {"layers": 3, "d_model": 128, "ff": 512, "heads": 4, "kv_heads": 0, "vocab": 700, "activation": "gelu"}),
+])
+def test_any_decoder_only_type_is_planned_by_its_shape(name, options, expected):
+    """Types the executor does not train (nemotron, bloom) as well: the config's shape, read without a
+    download, as the built-in transformer's options."""
+    from executor.hf import shape_options
+
+    shaped = shape_options(name, {**options, "seq": 128})
+    assert {k: shaped[k] for k in expected} == expected and shaped["seq"] == 128 and shaped["attention"] == "flash"
+
+
+def test_tensor_parallelism_plans_a_hugging_face_model_by_its_shape(capsys):
+    from sim.cli import main
+
+    options = ["--option=num_hidden_layers=4", "--option=hidden_size=256", "--option=intermediate_size=688",
+               "--option=num_attention_heads=8", "--option=num_key_value_heads=2", "--option=vocab_size=1000",
+               "--option=seq=256"]
+    assert main(["simulate", "--model", "hf:llama", *options, "--stages", "2", "--batch", "8", "--microbatches", "4",
+                 "--hardware", "h100-nvlink", "--tensor-parallel", "2", "--precision", "bf16-model", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["planned_from"] == "hf:llama" and simulated["tensor_parallel"] == 2
+    assert simulated["model"]["options"]["activation"] == "swiglu"
+    assert main(["plan", "--model", "hf:llama", *options, "--batch", "8", "--hardware", "h100-nvlink",
+                 "--tensor-parallel-options", "1,2", "--quiet"]) == 0
+    assert "hf:llama planned by its shape as the built-in transformer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,message", [("hf:mixtral", "mixture of 8 experts"),
+                                          ("hf:opt", "activation 'relu' is not modelled"),
+                                          ("hf:t5", "not a causal language model")])
+def test_what_cannot_be_planned_by_shape_is_one_line(name, message):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "sim.cli", "simulate", "--model", name, "--tensor-parallel", "2",
+                           "--hardware", "h100-nvlink"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
