@@ -28,9 +28,10 @@ Point = tuple[int, ...]  # (stash count, saved count) per chunk, chunk 0 first
 def peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint: str,
                       stage: int, virtual_stages: int = 1) -> tuple[Point, ...]:
     """Pareto-maximal (stash, saved) counts per chunk reached on device ``stage``: with one chunk,
-    pairs (a, b); with V chunks, vectors (a_0, b_0, ..., a_{V-1}, b_{V-1}). Under ``full`` each
-    vector ends with V more entries, 1 for the chunk whose backward is running (its transient,
-    :func:`sim.stage_costs.held_sizes`), 0 elsewhere.
+    pairs (a, b); with V chunks, vectors (a_0, b_0, ..., a_{V-1}, b_{V-1}) reached before anything
+    but a forward (a superset of the maximal ones, which every caller's maximum of a non-negative
+    combination cannot tell apart). Under ``full`` each vector ends with V more entries, 1 for the
+    chunk whose backward is running (its transient, :func:`sim.stage_costs.held_sizes`), 0 elsewhere.
 
     GPipe's devices all run the same list, and a 1F1B device's depends only on its warm-up
     (min(K - k - 1, M) forwards), so those are computed once per list, not once per device."""
@@ -49,7 +50,7 @@ def _peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint
     per_layer = recomputes_per_layer(checkpoint)
     idle = (0,) * virtual_stages if per_layer else ()
     points = set()
-    for action in actions:
+    for index, action in enumerate(actions):
         base = 2 * (action.stage // stages)  # chunk of the virtual stage, times two
         if per_layer and action.kind is Kind.BACKWARD:  # the recomputed layer's tensors, on top
             running = [0] * virtual_stages
@@ -65,7 +66,11 @@ def _peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint
             counts[base + 1] += 1
         else:
             counts[base + 1] -= 1
-        points.add(tuple(counts) + idle)
+        following = actions[index + 1] if index + 1 < len(actions) else None
+        if following is None or following.kind is not Kind.FORWARD:  # a forward next only adds: dominated
+            points.add(tuple(counts) + idle)
+    if virtual_stages > 1:  # in 2V or 3V dimensions the maximal set is most of them: not worth filtering
+        return tuple(sorted(points, reverse=True))
     return _maximal(points)
 
 

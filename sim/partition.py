@@ -3,9 +3,9 @@
 Two objectives:
 
 - :func:`min_max_partition` minimises the most expensive stage, the pipeline's bottleneck. It binary
-  searches the bottleneck over the O(L^2) candidate segment costs and checks each candidate by
-  sweeping which layer boundaries each stage can end on, O(K L) per check, so O(L^2 log L + K L log L)
-  in all, with O(K L) calls of the memory check. Exact, including with a different memory limit per stage.
+  searches the bottleneck over the O(L^2) candidate segment costs, upwards from the memory-free one,
+  and checks each candidate by sweeping which layer boundaries each stage can end on, O(K L) per
+  check, so O(L^2 log L + K L log L) in all, with O(K L) calls of the memory check. Exact, including with a different memory limit per stage.
 - :func:`min_variance_partition` is the GPipe paper's heuristic: minimise the variance of the stage
   costs (equivalently, with the total fixed, the sum of their squares), by dynamic programming in
   O(K L^2). It is kept for comparison; it can leave the bottleneck higher than necessary.
@@ -72,37 +72,54 @@ def _furthest_ends(prefix: list[float], limit: float, memory_ends: list[int]) ->
 def _feasible(prefix: list[float], limit: float, memory_ends: list[list[int]]) -> list[int] | None:
     """Layers per stage with no stage above ``limit`` or over memory, or None if impossible.
 
-    Tracks which layer boundaries stage k can end on (reachable from boundary 0), O(K L) in all.
-    A greedy "take as much as you can" is not enough when memory limits differ per stage.
+    Tracks which layer boundaries stage k can end on (reachable from boundary 0), as intervals: each
+    stage's furthest ends never decrease with the first layer, so a run of reachable first layers
+    that can each take a layer reaches one interval of boundaries. O(K) intervals per stage in the
+    worst case, usually one. A greedy "take as much as you can" is not enough when memory limits
+    differ per stage.
     """
     num_layers = len(prefix) - 1
-    stages = len(memory_ends)
-    reachable = [True] + [False] * num_layers  # boundaries reachable after 0 stages
+    within = _furthest_ends(prefix, limit, [num_layers] * num_layers)  # the limit alone, then each memory's
+    furthest: dict[int, tuple[list[int], list[int]]] = {}  # stages sharing one memory-ends list share these
+    reachable = [(0, 0)]  # boundaries reachable after 0 stages, as closed intervals
     history = []
-    furthest: dict[int, list[int]] = {}  # stages sharing one memory-ends list share their furthest ends
-    for k in range(stages):
-        key = id(memory_ends[k])
+    for memory in memory_ends:
+        key = id(memory)
         if key not in furthest:
-            furthest[key] = _furthest_ends(prefix, limit, memory_ends[k])
-        ends = furthest[key]
-        # mark [i + 1, ends[i]] for every reachable start i, with a difference array
-        delta = [0] * (num_layers + 2)
-        for i in range(num_layers):
-            if reachable[i] and ends[i] > i:
-                delta[i + 1] += 1
-                delta[ends[i] + 1] -= 1
-        running, after = 0, [False] * (num_layers + 1)
-        for b in range(num_layers + 1):
-            running += delta[b]
-            after[b] = running > 0
+            ends = list(map(min, within, memory))
+            stuck = [0]  # running count of first layers that cannot take even one layer
+            for first, end in enumerate(ends):
+                stuck.append(stuck[-1] + (end <= first))
+            furthest[key] = (ends, stuck)
+        ends, stuck = furthest[key]
+        after: list[tuple[int, int]] = []
+        for low, high in reachable:
+            high = min(high, num_layers - 1)
+            first = low
+            while first <= high:
+                if ends[first] <= first:
+                    first += 1
+                    continue
+                last = high
+                if stuck[high + 1] - stuck[first]:  # a first layer that takes nothing splits the run
+                    last = first
+                    while last < high and ends[last + 1] > last + 1:
+                        last += 1
+                lo, hi = first + 1, ends[last]
+                if after and lo <= after[-1][1] + 1:
+                    after[-1] = (after[-1][0], max(after[-1][1], hi))
+                else:
+                    after.append((lo, hi))
+                first = last + 1
         history.append((reachable, ends))
         reachable = after
-    if not reachable[num_layers]:
+    if not any(low <= num_layers <= high for low, high in reachable):
         return None
     parts, end = [], num_layers
-    for k in range(stages - 1, -1, -1):
+    for k in range(len(memory_ends) - 1, -1, -1):
         starts, ends = history[k]
-        start = next(i for i in range(end - 1, -1, -1) if starts[i] and ends[i] >= end)
+        start = next(i for low, high in reversed(starts) for i in range(min(high, end - 1), low - 1, -1)
+                     if ends[i] >= end)
         parts.append(end - start)
         end = start
     parts.reverse()
@@ -132,10 +149,25 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
         return _feasible(prefix, candidates[_lowest_greedy_limit(prefix, candidates, stages)], memory_ends)
     if memory_ends is None:
         memory_ends = [_memory_ends(n, k, fits) for k in range(stages)]
-    low, high = 0, len(candidates) - 1
-    best = _feasible(prefix, candidates[high], memory_ends)
-    if best is None:
+    # Memory only raises the bottleneck: search upwards from the memory-free one, galloping (most
+    # layouts fit there or just above), then bisect what is left
+    longest: dict[int, int] = {}  # the most layers each memory-ends list lets one stage take
+    for ends in memory_ends:
+        if id(ends) not in longest:
+            longest[id(ends)] = max(end - first for first, end in enumerate(ends))
+    if sum(longest[id(ends)] for ends in memory_ends) < n:  # the stages cannot hold every layer
         return None
+    low, high = _lowest_greedy_limit(prefix, candidates, stages), len(candidates) - 1
+    best = _feasible(prefix, candidates[high], memory_ends)
+    if best is None:  # not even the loosest limit fits
+        return None
+    probe, step = low, 1
+    while probe < high:
+        found = _feasible(prefix, candidates[probe], memory_ends)
+        if found is not None:
+            best, high = found, probe
+            break
+        low, probe, step = probe + 1, min(high, probe + step), 2 * step
     while low < high:
         middle = (low + high) // 2
         parts = _feasible(prefix, candidates[middle], memory_ends)

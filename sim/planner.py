@@ -34,7 +34,8 @@ from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from sim.plan_bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
 from sim.stage_costs import CostTable, held_sizes, stage_bounds
-from sim.workload import Workload
+from sim.range_memory import RangeMemory
+from sim.workload import Workload, shared_parameters
 
 __all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",
            "default_partition", "default_stage_options", "lower_bound_s", "placements_differ", "search", "simulate_candidate"]
@@ -183,6 +184,7 @@ class Partitions:
         self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
         self._free: dict[tuple, list[int] | None] = {}
         self._ends: dict[tuple, list[int]] = {}
+        self._ranges: dict[tuple, RangeMemory] = {}
 
     def __call__(self, candidate: Candidate) -> list[int] | None:
         c = candidate
@@ -218,9 +220,16 @@ class Partitions:
 
     def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:
         """For each first layer, the furthest end whose layers fit one chunk holding ``counts`` (a
-        two-pointer sweep: fitting is monotone in the range)."""
+        two-pointer sweep: fitting is monotone in the range); all ranges at once where the stages
+        are sums of layers (:mod:`sim.range_memory`)."""
         capacity = self.system.device.memory_bytes
         layers = self.table.workload.num_layers
+        if getattr(self.table.workload, "stage_cost", None) is None:
+            key = (rows, c.checkpoint, c.replicas, c.zero)
+            if key not in self._ranges:
+                self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
+                                                c.checkpoint, c.replicas, c.zero)
+            return self._ranges[key].furthest_ends(counts, capacity)
 
         def fits(first: int, end: int) -> bool:
             stash, saved, transient = held_sizes(self.table.stage(rows, first, end), c.checkpoint)

@@ -67,3 +67,45 @@ def test_variance_heuristic_can_leave_a_worse_bottleneck_than_min_max():
 def test_too_many_stages_is_a_clear_error():
     with pytest.raises(GpipeInputError, match="5 stages for a model of 4 layers"):
         min_max_partition([1, 1, 1, 1], 5)
+
+
+def _reference_partition(costs, stages, ends):
+    """Every split into ``stages`` non-empty parts within the memory ends, the smallest bottleneck
+    (first such split in lexicographic order is not asked for: only the bottleneck is compared)."""
+    import itertools
+
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        if all(bounds[k + 1] <= ends[k][bounds[k]] for k in range(stages)):
+            worst = max(sum(costs[bounds[k]:bounds[k + 1]]) for k in range(stages))
+            best = worst if best is None else min(best, worst)
+    return best
+
+
+def test_memory_limited_partitions_are_the_exhaustive_optimum():
+    """Per-stage memory limits (as the planner's chunks have them): the interval sweep and the search
+    upwards from the memory-free bottleneck find the smallest bottleneck any split within memory has."""
+    import random
+
+    from sim.partition import _memory_ends, min_max_partition
+
+    rng = random.Random(3)
+    for _ in range(400):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        costs = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(n)]
+        lists = []
+        for _ in range(rng.randint(1, 3)):
+            sizes, cap = [rng.randint(0, 3) for _ in range(n)], rng.randint(0, 6)
+            lists.append(_memory_ends(n, 0, lambda k, i, j, sizes=sizes, cap=cap: sum(sizes[i:j]) <= cap))
+        ends = [rng.choice(lists) for _ in range(stages)]
+        found = min_max_partition(costs, stages, memory_ends=ends)
+        expected = _reference_partition(costs, stages, ends)
+        if expected is None:
+            assert found is None
+        else:
+            assert found is not None and len(found) == stages and sum(found) == n
+            bounds = [sum(found[:k]) for k in range(stages + 1)]
+            assert all(bounds[k + 1] <= ends[k][bounds[k]] for k in range(stages))
+            assert max(sum(costs[bounds[k]:bounds[k + 1]]) for k in range(stages)) == pytest.approx(expected)

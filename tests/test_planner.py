@@ -84,3 +84,44 @@ def test_memory_limits_force_more_stages_or_rematerialization():
 def test_duplicate_microbatch_splits_are_searched_once():
     found = candidates([2], range(1, 9), batch_size=4, checkpoints=["never"], schedules=["gpipe"])
     assert [c.microbatches for c in found] == [1, 2, 4]
+
+
+@pytest.mark.parametrize("model,options", [
+    ("transformer", {"layers": 5, "d_model": 64, "ff": 128, "heads": 4, "seq": 32, "vocab": 300, "dropout": 0.1,
+                     "precision": "bf16"}),
+    ("mlp", {"layers": 7, "width": 64}),
+])
+def test_every_ranges_memory_at_once_is_the_range_by_range_sum(model, options):
+    """sim.range_memory's furthest ends equal the sweep over CostTable's stage sums, for every policy,
+    with and without ZeRO-1, at capacities from nothing fitting to everything."""
+    from dataclasses import replace
+
+    from sim.hardware import get_system
+    from sim.models import get_workload
+    from sim.planner import Candidate, Partitions
+    from sim.stage_costs import CostTable, held_sizes
+
+    workload = get_workload(model, options)
+    system = get_system("a100-nvlink")
+    table = CostTable(workload, system.device)
+    policies = ["never", "always", "except_last", "full"] + (["selective"] if model == "transformer" else [])
+    for checkpoint in policies:
+        for replicas, zero in ((1, 0), (4, 1)):
+            for counts in (((1, 1, 0),), ((2, 3, 1), (0, 5, 0))):
+                for capacity in (1e5, 1e6, 3e6, 1e9):
+                    partitions = Partitions(table, replace(system, device=replace(system.device, memory_bytes=capacity)),
+                                            64)
+                    c = Candidate(2, 4, checkpoint, "gpipe", replicas, 1, zero)
+
+                    def fits(first, end):
+                        stash, saved, transient = held_sizes(table.stage(8, first, end), checkpoint)
+                        peak = max(a * stash + b * saved + t * transient for a, b, t in counts)
+                        return partitions._chunk_static(8, first, end, c) + peak <= capacity
+
+                    expected, j = [], 0
+                    for i in range(workload.num_layers):
+                        j = max(j, i)
+                        while j < workload.num_layers and fits(i, j + 1):
+                            j += 1
+                        expected.append(j)
+                    assert partitions._memory_ends(8, counts, c) == expected
