@@ -42,17 +42,21 @@ def default_sequence_parallel(tensor_parallel: int, asked: bool | None) -> bool:
     return tensor_parallel > 1 if asked is None else asked
 
 
+def _require_builtin_transformer(flag: str, degree: int, kind: str, workload: Workload) -> None:
+    """Only the built-in transformer has a split modelled; anything else is refused in one line."""
+    from sim.models import AnalyticWorkload
+
+    if not isinstance(workload, AnalyticWorkload) or workload.name != "transformer":
+        raise GpipeInputError(f"{flag} {degree}: {kind} parallelism is modelled for the built-in transformer only, "
+                              f"not {getattr(workload, 'name', 'this model')}; use {flag} 1")
+
+
 def check_tensor_parallel(tensor_parallel: int, workload: Workload, system: System) -> None:
     """T positive, within a node, dividing the heads and the FFN width; one line each."""
     require_positive("--tensor-parallel", tensor_parallel, "use 1 (no tensor parallelism) or more")
     if tensor_parallel == 1:
         return
-    from sim.models import AnalyticWorkload
-
-    if not isinstance(workload, AnalyticWorkload) or workload.name != "transformer":
-        raise GpipeInputError(f"--tensor-parallel {tensor_parallel}: tensor parallelism is modelled for the built-in "
-                              f"transformer only, not {getattr(workload, 'name', 'this model')}; use "
-                              "--tensor-parallel 1")
+    _require_builtin_transformer("--tensor-parallel", tensor_parallel, "tensor", workload)
     if tensor_parallel > system.devices_per_node:
         raise GpipeInputError(f"--tensor-parallel {tensor_parallel} spans more than a node: {system.name} has "
                               f"{system.devices_per_node} devices per node and tensor-parallel collectives run on "
@@ -76,12 +80,7 @@ def check_context_parallel(context_parallel: int, workload: Workload, system: Sy
     require_positive("--context-parallel", context_parallel, "use 1 (no context parallelism) or more")
     if context_parallel == 1:
         return
-    from sim.models import AnalyticWorkload
-
-    if not isinstance(workload, AnalyticWorkload) or workload.name != "transformer":
-        raise GpipeInputError(f"--context-parallel {context_parallel}: context parallelism is modelled for the built-in "
-                              f"transformer only, not {getattr(workload, 'name', 'this model')}; use "
-                              "--context-parallel 1")
+    _require_builtin_transformer("--context-parallel", context_parallel, "context", workload)
     seq = workload.options["seq"]
     if seq % context_parallel:
         raise GpipeInputError(f"--context-parallel {context_parallel} does not divide seq={seq}: each device holds an "
