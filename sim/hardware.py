@@ -39,6 +39,8 @@ class Device:
 
     ``default_precision`` is the precision people train in on this device (:mod:`sim.precision`),
     the what-if default: ``bf16`` where the device has bf16 matrix units, ``fp32`` elsewhere.
+    ``flash_attention`` marks the GPUs FlashAttention-2 and PyTorch's flash kernel run on (Ampere and
+    later), where the built-in transformer's attention defaults to ``flash``.
     """
 
     name: str
@@ -49,6 +51,7 @@ class Device:
     bandwidth_efficiency: float = DEFAULT_BANDWIDTH_EFFICIENCY
     default_precision: str = "fp32"
     kernels: KernelEfficiency | None = None  # fitted fractions by kind of kernel (sim.kernel_model)
+    flash_attention: bool = False  # trainers run flash attention here: the transformer's default kernel
 
     def achieved_flops(self, dtype: str) -> float:
         dtype = PEAK_DTYPES.get(dtype, dtype)
@@ -129,18 +132,23 @@ V100 = Device("V100-SXM2-32GB", {"fp32": 15.7 * TERA, "fp16": 125 * TERA}, 32 * 
 # NVIDIA A100 SXM: 19.5 TFLOP/s fp32, 156 tf32, 312 bf16/fp16 dense; 40 GB at 1,555 GB/s,
 # 80 GB at 2,039 GB/s (NVIDIA A100 datasheet).
 _A100_FLOPS = {"fp32": 19.5 * TERA, "tf32": 156 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA}
-A100_40GB = Device("A100-SXM-40GB", _A100_FLOPS, 40 * GIB, 1555 * GB, default_precision="bf16")
-A100_80GB = Device("A100-SXM-80GB", _A100_FLOPS, 80 * GIB, 2039 * GB, default_precision="bf16")
+A100_40GB = Device("A100-SXM-40GB", _A100_FLOPS, 40 * GIB, 1555 * GB, default_precision="bf16",
+                    flash_attention=True)
+A100_80GB = Device("A100-SXM-80GB", _A100_FLOPS, 80 * GIB, 2039 * GB, default_precision="bf16",
+                    flash_attention=True)
 # NVIDIA H100 SXM5 80 GB: 67 TFLOP/s fp32, 494.7 tf32, 989.4 bf16/fp16 dense, 1,978.9 fp8 dense;
 # 3.35 TB/s HBM3 (NVIDIA H100 datasheet; sparse figures halved to dense).
 _H100_SXM_FLOPS = {"fp32": 67 * TERA, "tf32": 494.7 * TERA, "bf16": 989.4 * TERA,
                    "fp16": 989.4 * TERA, "fp8": 1978.9 * TERA}
-H100_SXM = Device("H100-SXM-80GB", _H100_SXM_FLOPS, 80 * GIB, 3350 * GB, default_precision="bf16")
+H100_SXM = Device("H100-SXM-80GB", _H100_SXM_FLOPS, 80 * GIB, 3350 * GB, default_precision="bf16",
+                   flash_attention=True)
 # NVIDIA H100 PCIe 80 GB: 51 TFLOP/s fp32, 756 bf16 dense, 2 TB/s HBM2e (NVIDIA H100 datasheet).
 H100_PCIE = Device("H100-PCIe-80GB", {"fp32": 51 * TERA, "tf32": 378 * TERA, "bf16": 756 * TERA,
-                                      "fp16": 756 * TERA}, 80 * GIB, 2000 * GB, default_precision="bf16")
+                                      "fp16": 756 * TERA}, 80 * GIB, 2000 * GB, default_precision="bf16",
+                   flash_attention=True)
 # NVIDIA H200 SXM 141 GB: H100 SXM compute, 4.8 TB/s HBM3e (NVIDIA H200 datasheet).
-H200 = Device("H200-SXM-141GB", _H100_SXM_FLOPS, 141 * GB, 4800 * GB, default_precision="bf16")
+H200 = Device("H200-SXM-141GB", _H100_SXM_FLOPS, 141 * GB, 4800 * GB, default_precision="bf16",
+               flash_attention=True)
 # Google TPU v2, per core (a chip has two): 45 TFLOP/s bf16, 16 GiB HBM and 600 GB/s per chip
 # (Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks", CACM 2020).
 # TPU fp32 peaks are an assumption: the MXUs multiply bf16, fp32 takes several passes (a quarter).

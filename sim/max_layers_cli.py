@@ -18,7 +18,7 @@ from sim.workload import Workload
 from sim.workload_cli import model_name, resolve_workload, with_precision
 
 
-def run(args, system: System, options: dict, precision: str) -> int:
+def run(args, system: System, options: dict, precision: str, attention_note: str | None = None) -> int:
     """``gpipe plan --max-layers``: the table (or JSON) for the model and system the flags name."""
     if args.costs:
         raise GpipeInputError("--max-layers varies the depth, which a measured costs file cannot; "
@@ -47,4 +47,6 @@ def run(args, system: System, options: dict, precision: str) -> int:
         print()
     else:
         print(format_limits(limits, system, batch, model, precision))
+        if attention_note:
+            print(attention_note)
     return 0

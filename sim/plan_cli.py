@@ -24,7 +24,8 @@ from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
 from sim.workload import check_checkpoint_for
-from sim.workload_cli import calibrated_allreduce, chosen_precision, planned_from_note, workload_and_batch
+from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
+                              with_attention_default, workload_and_batch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +93,8 @@ def planning_inputs(args: argparse.Namespace):
     options = simulation_options(args)
     if args.input_shape:
         options["input_shape"] = args.input_shape
-    return system, options, chosen_precision(args, system.device)
+    options, attention_note = with_attention_default(model_name(args), options, system.device, args.costs)
+    return system, options, chosen_precision(args, system.device), attention_note
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
     schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
     placements = [check_placement(p) for p in args.placements.split(",")]
-    system, options, precision = planning_inputs(args)
+    system, options, precision, attention_note = planning_inputs(args)
     space = search_space(args, system, schedules)
     by_shape = args.context_parallel > 1 or any(
         t > 1 for t in parse_int_list(args.tensor_parallel_options or "1", "--tensor-parallel-options"))
@@ -155,9 +157,9 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(format_table(result, description, system.name, batch, precision))
-        note = planned_from_note(workload)
-        if note:
-            print(note)
+        for note in (attention_note, planned_from_note(workload)):
+            if note:
+                print(note)
         if args.out:
             print(f"plan written to {args.out}")
     if args.html:

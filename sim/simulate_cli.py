@@ -22,8 +22,8 @@ from sim.report import fit_advice, format_summary
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
 from sim.workload import Workload, check_checkpoint_for
-from sim.workload_cli import (calibrated_allreduce, chosen_precision, resolve_workload, with_precision,
-                              planned_from_note, workload_and_batch)
+from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
+                              resolve_workload, with_attention_default, with_precision, workload_and_batch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         check_precision(args.precision)
     check_output_path(args.trace, "--trace")
     check_output_path(args.html, "--html")
+    attention_note = None
     if args.plan:
         plan = load_plan(args.plan)
         system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
@@ -71,14 +72,14 @@ def run(args: argparse.Namespace) -> int:
                           allreduce_link=calibrated_allreduce(workload, system),
                           dp_overlap=args.dp_overlap or plan.dp_overlap)
     else:
-        result, system, workload, precision = simulate_from_flags(args)
+        result, system, workload, precision, attention_note = simulate_from_flags(args)
     if not result.fits and not args.allow_overflow:
         raise GpipeInputError(fit_advice(result, system))
-    emit(result, system, workload, precision, args)
+    emit(result, system, workload, precision, args, attention_note)
     return 0
 
 
-def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Workload, str]:
+def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Workload, str, str | None]:
     """Validate every flag before simulating, then run the simulation."""
     require_positive("stages (K)", args.stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
@@ -97,7 +98,9 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     system = get_system(args.hardware, args.nodes)
     precision = chosen_precision(args, system.device)
     by_shape = args.tensor_parallel > 1 or args.context_parallel > 1  # hf: models split by their shape
-    workload, batch = workload_and_batch(args, simulation_options(args), precision, by_shape)
+    options, attention_note = with_attention_default(model_name(args), simulation_options(args), system.device,
+                                                     args.costs)
+    workload, batch = workload_and_batch(args, options, precision, by_shape)
     check_tensor_parallel(args.tensor_parallel, workload, system)
     check_context_parallel(args.context_parallel, workload, system, args.tensor_parallel)
     check_checkpoint_for(workload, args.checkpoint)
@@ -120,7 +123,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule,
                       virtual_stages=virtual, replicas=args.replicas, zero=args.zero, placement=args.placement,
                       allreduce_link=calibrated_allreduce(workload, system), dp_overlap=args.dp_overlap)
-    return result, system, workload, precision
+    return result, system, workload, precision, attention_note
 
 def check_zero(zero: int, replicas: int) -> None:
     if zero not in (0, 1):
@@ -131,7 +134,7 @@ def check_zero(zero: int, replicas: int) -> None:
 
 
 def emit(result: SimResult, system: System, workload: Workload, precision: str,
-         args: argparse.Namespace) -> None:
+         args: argparse.Namespace, attention_note: str | None = None) -> None:
     if args.trace:
         result.timeline.write_chrome_trace(args.trace)
     if args.html:
@@ -153,9 +156,9 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         print()
     else:
         print(format_summary(result, system, precision))
-        note = planned_from_note(workload)
-        if note:
-            print(note)
+        for note in (attention_note, planned_from_note(workload)):
+            if note:
+                print(note)
         tensor_parallel = getattr(workload, "tensor_parallel", 1)
         if tensor_parallel > 1:
             sequence = "on" if workload.sequence_parallel else "off"  # type: ignore[attr-defined]

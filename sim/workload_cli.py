@@ -97,6 +97,18 @@ def with_precision(model: str | None, options: dict[str, Any], precision: str,
     return {**options, "precision": precision}
 
 
+def with_attention_default(model: str | None, options: dict[str, Any], device: Device,
+                           costs: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """``options`` with the built-in transformer's attention kernel defaulted to ``flash`` on GPUs
+    trainers run flash attention on (``Device.flash_attention``), and the line that says so;
+    ``--option attention=eager`` (or ``fused``) asks for another. Elsewhere, and for measured
+    costs, the options unchanged and no line."""
+    if costs or model != "transformer" or "attention" in options or not device.flash_attention:
+        return dict(options), None
+    return ({**options, "attention": "flash"},
+            f"attention: flash, the default on {device.name} (--option attention=eager for the quadratic kernel)")
+
+
 def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
                        precision: str, by_shape: bool = False) -> tuple[Workload, int]:
     """The workload at ``precision`` and the mini-batch rows the flags name (``--batch``, else the

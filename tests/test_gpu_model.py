@@ -146,3 +146,23 @@ def test_a_broken_efficiency_file_is_one_line(tmp_path):
                                                                 "collective": 0.5, "matmul_launch_s": 0}}}))
     with pytest.raises(GpipeInputError, match="matmul=1.7 is not a fraction"):
         read_efficiencies(str(path))
+
+
+def test_attention_defaults_to_flash_on_gpus_that_run_it(capsys):
+    """The built-in transformer's attention is flash on the A100/H100 unless asked otherwise, and
+    the output says so; the TPU, the CPU and an explicit kernel are left as they are."""
+    from sim.cli import main
+
+    def simulated(*flags):
+        assert main(["simulate", "--model", "transformer", "--stages", "2", "--microbatches", "2", "--batch", "4",
+                     *flags, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["model"]["options"].get("attention")
+
+    assert simulated("--hardware", "a100-nvlink") == "flash"
+    assert simulated("--hardware", "h100-nvlink") == "flash"
+    assert simulated("--hardware", "h100-nvlink", "--option", "attention=eager") == "eager"
+    assert simulated("--hardware", "tpu-v3") == "eager"
+    assert simulated("--hardware", "cpu") == "eager"
+    assert main(["simulate", "--model", "transformer", "--stages", "2", "--microbatches", "2", "--batch", "4",
+                 "--hardware", "a100-nvlink"]) == 0
+    assert "attention: flash, the default on A100-SXM-80GB" in capsys.readouterr().out
