@@ -17,7 +17,8 @@ matmul x F / (F + peak x matmul x matmul_launch_s) for F FLOPs. The backward's t
 collectives (the all-reduce of a column-parallel layer's input gradient, or with sequence
 parallelism its reduce-scatter and the all-gather of its input) overlap the weight-gradient matrix
 multiplies, as Megatron-LM issues them asynchronously beside those, so only what outlasts them is
-exposed; the forward's cannot overlap the matrix multiplies that wait for them. Context
+exposed; the forward's cannot overlap the matrix multiplies that wait for them, nor can, with
+sequence parallelism, the backward's all-gathers of the row-parallel layers' output gradients. Context
 parallelism's ring exchange of keys and values runs beside the attention over the blocks already
 received (:func:`ring_exposed_s`). Collectives run at
 the system's links as :func:`sim.hardware.get_system` gives them (at their fitted fraction).
@@ -125,7 +126,9 @@ def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kerne
     memory_s = memory_bytes / (bandwidth * kernels.memory)
     forward_s = projection_s + attention_forward_s + launches + memory_s + overhead_s
     forward_s += spec.tp_allreduces_forward * collective_s
-    exposed_s = max(0.0, spec.tp_allreduces_backward * collective_s - projection_s)  # beside the weight gradients
+    # beside the weight gradients, except those the next input-gradient matmul waits for
+    waited_s = spec.tp_allreduces_backward_waited * collective_s
+    exposed_s = waited_s + max(0.0, spec.tp_allreduces_backward * collective_s - waited_s - projection_s)
     backward_s = (2 * projection_s + attention_backward_s + 2 * launches + 2 * memory_s + 2 * overhead_s
                   + exposed_s)
     forward_ring_s, backward_ring_s = ring_exposed_s(spec.cp_steps, ring_send_s, attention_forward_s,

@@ -107,6 +107,9 @@ class LayerSpec:
     tp_allreduce_bytes_per_row: float = 0.0
     tp_allreduces_forward: float = 0.0
     tp_allreduces_backward: float = 0.0
+    # of the backward's, those on its critical path (the next kernel waits for them), which no weight
+    # gradient can hide (sim.kernel_model)
+    tp_allreduces_backward_waited: float = 0.0
     # the attention core (QK^T, softmax, attention over V): what selective recompute drops and reruns
     core_saved_bytes_per_row: float = 0.0
     core_flops_per_row: float = 0.0
@@ -331,7 +334,9 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     (after proj and fc2) and two backward (the input gradients of QKV and fc1), in the compute
     dtype, with ``sp`` as all-gather/reduce-scatter pairs of the same volume, and in its backward
     one more (the all-gathers of proj's and fc2's output gradients, and of QKV's and fc1's inputs
-    saved split, against the reduce-scatters of their input gradients: three); the embedding one
+    saved split, against the reduce-scatters of their input gradients: three, of which the first
+    pair, one all-reduce's volume, is waited for by proj's and fc2's input-gradient matmuls, while
+    the rest can run beside other matmuls as Megatron-LM issues them); the embedding one
     forward (the partial lookups summed, fp32; a reduce-scatter with ``sp``), none backward (half,
     an all-gather, with ``sp``); the head one backward (its input gradient) and, with ``sp``, half
     forward (the all-gather of its input). The cross entropy's statistics over the vocabulary
@@ -409,6 +414,7 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
         output_bytes_per_row=s * d * F / split_seq,
         fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
         tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=3.0 if sp else 2.0,
+        tp_allreduces_backward_waited=1.0 if sp else 0.0,
         core_saved_bytes_per_row=0.0 if flash else (scores_saved + grouped * 2 * s * (d - e) * c) / t,
         core_flops_per_row=0.0 if flash else 4.0 * s * s * d / t,
         core_traffic_bytes_per_row=0.0 if flash else (scores_traffic + grouped * s * (2 * e + 2 * d) * c) / t,

@@ -51,10 +51,33 @@ def test_a_layer_is_its_kernels_timed_by_kind(attention, tp, sp):
     assert system.intra_link.bandwidth_bytes_per_s == pytest.approx(300e9 * 0.75)  # NVLink 3 at the fitted fraction
     assert cost.forward_s == pytest.approx(projection_s + attention_s + launches + memory_s + 10e-6 + 2 * one)
     backward_attention = (2.5 if flash else 2) * attention_s  # flash recomputes QK^T: half the forward again
-    exposed = max(0.0, (3 if sp else 2) * one - projection_s)
+    waited = one if sp else 0.0  # the all-gathers of proj's and fc2's output gradients: their matmuls wait
+    exposed = waited + max(0.0, (3 if sp else 2) * one - waited - projection_s)
     assert cost.backward_s == pytest.approx(2 * projection_s + backward_attention + 2 * launches + 2 * memory_s
                                             + 20e-6 + exposed)
     assert cost.recompute_s == cost.forward_s
+
+
+def test_sequence_parallel_backward_waits_for_one_all_reduce_volume_and_hides_the_rest():
+    """Korthikanti's 22B layer (TP 8, micro-batch 4): the weight-gradient matmuls outlast every
+    backward collective, so without sequence parallelism none is exposed, and with it exactly the
+    all-gathers the row-parallel layers' input gradients wait for (one all-reduce's volume)."""
+    shape = {"layers": 1, "d_model": 6144, "ff": 24576, "heads": 64, "seq": 2048, "vocab": 51200,
+             "precision": "bf16-model", "attention": "fused"}
+    system = get_system("a100-nvlink", 1, KERNELS)
+    backward = {}
+    for sp in (False, True):
+        workload, groups = with_tensor_parallel(get_workload("transformer", shape), system, 8, sp)
+        spec, cost = workload.layers[1], workload.layer_costs(4, groups.device)[1]
+        one = ring_allreduce_s(spec.tp_allreduce_bytes_per_row * 4, 8, system.intra_link)
+        projection_s = (spec.flops_per_row - spec.attention_flops_per_row) * 4 / (312e12 * 0.7)
+        assert 3 * one < projection_s  # every collective fits beside the weight gradients
+        memory_s = (spec.traffic_bytes_per_row - spec.matmul_traffic_bytes_per_row) * 4 / (2039e9 * 0.8)
+        backward[sp] = cost.backward_s - 2 * memory_s
+        assert spec.tp_allreduces_backward_waited == (1.0 if sp else 0.0)
+        exposed = backward[sp] - (2 * projection_s + 2 * spec.attention_flops_per_row * 4 / (312e12 * 0.7)
+                                  + 12 * 8e-6 + 20e-6)
+        assert exposed == pytest.approx(one if sp else 0.0, abs=1e-9)
 
 
 def test_a_small_matmul_runs_further_from_peak():
