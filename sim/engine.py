@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Sequence
 
 from sim.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
@@ -53,7 +54,7 @@ from sim.microbatch import split_rows
 from sim.placement import DEFAULT_PLACEMENT, check_placement, device_of
 from sim.plan import validate_partition
 from sim.replica_run import ReplicaRun
-from sim.schedule import build_schedule, check_interleaving, check_virtual_stages
+from sim.schedule import Action, build_schedule, check_interleaving, check_virtual_stages
 from sim.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
 from sim.timeline import (DP_ALLREDUCE, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
                           Record, Timeline)
@@ -253,6 +254,14 @@ def _signature(system: System, devices: Sequence[int], rows: Sequence[int]) -> t
     return tuple(rows), pattern
 
 
+@lru_cache(maxsize=64)
+def _schedule(stages: int, microbatches: int, schedule: str, checkpoint: str,
+              virtual_stages: int) -> tuple[tuple[Action, ...], ...]:
+    """:func:`sim.schedule.build_schedule`, kept for the planner's many candidates of one shape."""
+    return tuple(tuple(actions) for actions in build_schedule(stages, microbatches, schedule, checkpoint,
+                                                              virtual_stages))
+
+
 def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], per_replica_rows: list[list[int]],
                   table: CostTable, schedule: str, checkpoint: str, record: bool) -> list[ReplicaRun]:
     """One :class:`ReplicaRun` per replica; replicas with the same signature share one."""
@@ -264,7 +273,7 @@ def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], pe
         key = _signature(system, devices, rows)
         if key not in done:
             stage_costs = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
-            actions = build_schedule(layout.stages, len(rows), schedule, checkpoint, layout.virtual_stages)
+            actions = _schedule(layout.stages, len(rows), schedule, checkpoint, layout.virtual_stages)
             done[key] = ReplicaRun(system, devices, layout.virtual_stages, rows, stage_costs, checkpoint,
                                    record).run(actions)
         runs.append(done[key])

@@ -146,7 +146,7 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
     candidates = _segment_costs(tuple(costs))
     if fits is None and memory_ends is None:  # one memory-ends list for all stages; a greedy test finds the bottleneck
         memory_ends = [[n] * n] * stages
-        return _feasible(prefix, candidates[_lowest_greedy_limit(prefix, candidates, stages)], memory_ends)
+        return _feasible(prefix, candidates[_lowest_limit(tuple(costs), stages)], memory_ends)
     if memory_ends is None:
         memory_ends = [_memory_ends(n, k, fits) for k in range(stages)]
     # Memory only raises the bottleneck: search upwards from the memory-free one, galloping (most
@@ -157,7 +157,7 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
             longest[id(ends)] = max(end - first for first, end in enumerate(ends))
     if sum(longest[id(ends)] for ends in memory_ends) < n:  # the stages cannot hold every layer
         return None
-    low, high = _lowest_greedy_limit(prefix, candidates, stages), len(candidates) - 1
+    low, high = _lowest_limit(tuple(costs), stages), len(candidates) - 1
     best = _feasible(prefix, candidates[high], memory_ends)
     if best is None:  # not even the loosest limit fits
         return None
@@ -176,6 +176,13 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
         else:
             best, high = parts, middle
     return best
+
+
+@lru_cache(maxsize=1024)
+def _lowest_limit(costs: tuple[float, ...], stages: int) -> int:
+    """:func:`_lowest_greedy_limit` of ``costs``, kept: the planner asks it for one list of layer
+    costs with each stage count many times."""
+    return _lowest_greedy_limit(_prefix(costs), _segment_costs(costs), stages)
 
 
 def _lowest_greedy_limit(prefix: list[float], candidates: list[float], stages: int) -> int:

@@ -225,10 +225,10 @@ class Partitions:
         capacity = self.system.device.memory_bytes
         layers = self.table.workload.num_layers
         if getattr(self.table.workload, "stage_cost", None) is None:
-            key = (rows, c.checkpoint, c.replicas, c.zero)
+            key = (rows, c.checkpoint, *_sharding(c))
             if key not in self._ranges:
                 self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
-                                                c.checkpoint, c.replicas, c.zero)
+                                                c.checkpoint, *_sharding(c))
             return self._ranges[key].furthest_ends(counts, capacity)
 
         def fits(first: int, end: int) -> bool:
@@ -280,7 +280,7 @@ class Partitions:
         ends = []
         for part in range(c.stages * c.virtual_stages):
             device, chunk = part % c.stages, part // c.stages
-            key = (rows, c.checkpoint, c.replicas, c.zero, chunk_coefficients(held[device], chunk, c.checkpoint))
+            key = (rows, c.checkpoint, *_sharding(c), chunk_coefficients(held[device], chunk, c.checkpoint))
             if key not in self._ends:
                 self._ends[key] = self._memory_ends(rows, key[-1], c)
             ends.append(self._ends[key])
@@ -296,6 +296,12 @@ class Partitions:
         if partition is None or (c.virtual_stages > 1 and not self._devices_fit(partition, rows, held, c)):
             return None
         return partition
+
+
+def _sharding(c: Candidate) -> tuple[int, int]:
+    """(replicas, zero) as far as a device's memory depends on them: only ZeRO-1 over D > 1 replicas
+    shards the optimizer state, so every other D holds what one replica does."""
+    return (c.replicas, c.zero) if c.zero and c.replicas > 1 else (1, 0)
 
 
 def choose_partition(table: CostTable, system: System, batch_size: int, candidate: Candidate,

@@ -71,6 +71,7 @@ class RangeMemory:
             self.transient = zeros
         self.static = static
         self.layers = n
+        self._upper = np.arange(n + 1)[None, :] >= np.arange(n)[:, None]  # [first, e] with e >= first
 
     def furthest_ends(self, counts: Sequence[tuple[int, int, int]], capacity: float) -> list[int]:
         """For each first layer, the furthest end whose chunk fits ``capacity`` holding the largest of
@@ -78,14 +79,23 @@ class RangeMemory:
         :func:`sim.partition._memory_ends` over the precomputed answers."""
         peak = None
         for a, b, t in counts:
-            held = a * self.stash + b * self.saved + t * self.transient
+            held = b * self.saved
+            if a:
+                held = held + a * self.stash
+            if t:
+                held = held + t * self.transient
             peak = held if peak is None else np.maximum(peak, held)
-        fits = ((self.static + peak) <= capacity).tolist()
+        n = self.layers
+        fits = (self.static + peak) <= capacity  # fits[first, end]
+        # stop[first, e]: a sweep along the row stops at end e (e = n, or [first, e + 1) does not fit)
+        stop = np.ones((n, n + 1), dtype=bool)
+        np.logical_not(fits[:, 1:], out=stop[:, :n])
+        stop &= self._upper  # from e = first on
+        first_stop = stop.argmax(axis=1).tolist()
         ends, j = [], 0
-        for i in range(self.layers):
+        for i in range(n):
             j = max(j, i)
-            row = fits[i]
-            while j < self.layers and row[j + 1]:
-                j += 1
+            # the previous row's end is past this row's first stop only where fitting is not monotone
+            j = first_stop[i] if j <= first_stop[i] else j + int(stop[i, j:].argmax())
             ends.append(j)
         return ends

@@ -13,6 +13,11 @@ every transfer on that node queues for (see :class:`Links`). Which link a hop cr
 replica's global devices (:mod:`sim.placement`): the intra-node link inside a node, else the
 inter-node link.
 
+Where no span is recorded (the planner's many candidates) and no link is shared, the same walk runs
+without the event loop (:meth:`ReplicaRun.walk`): each channel then has one sender, which books it in
+its own program order, so every figure follows from the action lists alone; a test holds the two
+equal to the bit.
+
 This module stops at each device's last backward: what follows (the data-parallel all-reduce, the
 shared-parameter reduction, the optimizer step) is a closed form in :mod:`sim.engine`.
 """
@@ -73,7 +78,6 @@ class ReplicaRun:
 
     def __init__(self, system: System, devices: Sequence[int], virtual_stages: int, rows: list[int],
                  costs: dict[int, list[StageCost]], checkpoint: str, record: bool) -> None:
-        self.env = simpy.Environment()
         self.stages = len(devices)
         self.virtual = virtual_stages * self.stages
         self.rows = rows
@@ -81,10 +85,6 @@ class ReplicaRun:
         self.checkpoint = checkpoint
         self.record = record
         self.links = Links(system, devices)
-        m = len(rows)
-        # activation_in[s][m]: virtual stage s has micro-batch m's input; gradient_in[s][m]: its output grad
-        self.activation_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
-        self.gradient_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
         self.busy_s = [0.0] * self.stages
         self.held_bytes = [0] * self.stages
         self.peak_bytes = [0] * self.stages
@@ -94,10 +94,95 @@ class ReplicaRun:
         self.last_backward_s = [0.0] * self.stages
 
     def run(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
+        """Walk every device's list: as SimPy processes, or, where no spans are recorded and no link
+        is shared, in the closed form of :meth:`walk`, which gives the same figures."""
+        if not self.record and not any(link.shared for link, _key, _free in self.links.hop.values()):
+            return self.walk(per_device_actions)
+        self.env = simpy.Environment()
+        m = len(self.rows)
+        # activation_in[s][m]: virtual stage s has micro-batch m's input; gradient_in[s][m]: its output grad
+        self.activation_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
+        self.gradient_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
         for k in range(self.stages):
             self.env.process(self.device_process(k, per_device_actions[k]))
         self.env.run()
         return self
+
+    def walk(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
+        """The SimPy processes' busy time, peak memory and last backward without the event loop.
+
+        Exact where every link channel has one sender (no shared link): a device's sends then book
+        their channel in its own program order, which is simulated-time order, so each action starts
+        at max(device free, its input's arrival) and each device can be walked as far as its inputs
+        are known, round by round, with no global event queue. Spans are not recorded (``run`` uses
+        SimPy for timelines)."""
+        virtual, last, stages = self.virtual, self.virtual - 1, self.stages
+        m_count = len(self.rows)
+        # arrival_s[forward][s][m]: when virtual stage s has micro-batch m's input (True) or gradient (False)
+        arrival_s = {True: [[None] * m_count for _ in range(virtual)],
+                     False: [[None] * m_count for _ in range(virtual)]}
+        now_s = [0.0] * stages
+        position = [0] * stages
+        lengths = [len(actions) for actions in per_device_actions]
+        remaining = sum(lengths)
+        while remaining:
+            advanced = 0
+            for device in range(stages):
+                actions, i, t = per_device_actions[device], position[device], now_s[device]
+                while i < lengths[device]:
+                    action = actions[i]
+                    m, s, kind = action.microbatch, action.stage, action.kind
+                    if kind is Kind.FORWARD and s > 0:
+                        ready_s = arrival_s[True][s][m]
+                    elif kind is Kind.BACKWARD and s < last:
+                        ready_s = arrival_s[False][s][m]
+                    else:
+                        ready_s = t
+                    if ready_s is None:
+                        break
+                    if ready_s > t:
+                        t = ready_s
+                    cost = self.costs[self.rows[m]][s]
+                    if kind is Kind.FORWARD:
+                        duration = cost.forward_s
+                    elif kind is Kind.RECOMPUTE:
+                        duration = cost.recompute_s
+                    else:
+                        duration = backward_time_s(cost, self.checkpoint)
+                    stash, saved, transient = held_sizes(cost, self.checkpoint)
+                    if kind is Kind.BACKWARD and transient:
+                        self._hold(device, transient)
+                    if duration > 0:
+                        t += duration
+                    self.busy_s[device] += duration
+                    if kind is Kind.FORWARD:
+                        self._hold(device, stash if recomputes(self.checkpoint, m, m_count) else saved)
+                        if s < last:
+                            arrival_s[True][s + 1][m] = self._arrival_s(device, t, cost.output_bytes, True)
+                    elif kind is Kind.RECOMPUTE:
+                        self._hold(device, saved - stash)
+                    else:
+                        self._hold(device, -saved - transient)
+                        if s > 0:
+                            arrival_s[False][s - 1][m] = self._arrival_s(device, t, cost.stash_bytes, False)
+                    i += 1
+                advanced += i - position[device]
+                position[device], now_s[device] = i, t
+            if not advanced:
+                raise RuntimeError("the schedule waits for an input no device sends; it cannot finish")
+            remaining -= advanced
+        self.last_backward_s = now_s
+        return self
+
+    def _arrival_s(self, device: int, now_s: float, nbytes: int, forward: bool) -> float:
+        """When a send from ``device`` at ``now_s`` reaches its target (:meth:`_send`'s timing)."""
+        if self.stages == 1:
+            return now_s
+        link, key, free = self.links.hop[(device, forward)]
+        if free:
+            return now_s
+        arrival_s = self.links.reserve(link, key, now_s, nbytes)[1]
+        return now_s + (arrival_s - now_s)  # as SimPy times the arrival: a timeout of the difference
 
     def _hold(self, device: int, delta: int) -> None:
         self.held_bytes[device] += delta

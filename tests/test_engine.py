@@ -133,3 +133,31 @@ def test_memory_that_does_not_fit_is_reported():
     tiny = System("tiny", IDEAL.device.__class__("tiny", {"fp32": 1e12}, 1024, 1e9), 8, FREE_LINK, FREE_LINK)
     result = simulate(UniformWorkload(4), tiny, [2, 2], batch_size=4, microbatches=4)
     assert not result.fits and not result.stages[0].fits
+
+
+@pytest.mark.parametrize("hardware,nodes", [("a100-nvlink", 2), ("ideal", 1)])
+def test_the_walk_without_spans_equals_the_simpy_processes(hardware, nodes):
+    """record=False walks the action lists in closed form (sim.replica_run.ReplicaRun.walk); it must
+    give SimPy's step, busy times and peaks exactly, links and recompute included."""
+    from sim.models import get_workload
+
+    system = get_system(hardware, nodes)
+    workload = get_workload("transformer", {"layers": 6, "d_model": 64, "ff": 256, "heads": 4, "seq": 32,
+                                            "vocab": 100})
+    cases = 0
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        for checkpoint in ("always", "except_last", "never", "full", "selective"):
+            for stages, microbatches, replicas in ((1, 3, 1), (2, 4, 2), (4, 8, 1), (4, 4, 2)):
+                if schedule == "interleaved" and stages == 1:
+                    continue
+                parts = stages * virtual
+                partition = [8 // parts + (i < 8 % parts) for i in range(parts)]
+                runs = [simulate(workload, system, partition, 16, microbatches, checkpoint, schedule,
+                                 virtual_stages=virtual, replicas=replicas, record=record) for record in (True, False)]
+                spanned, walked = runs
+                assert walked.step_time_s == spanned.step_time_s
+                assert [s.busy_s for s in walked.stages] == [s.busy_s for s in spanned.stages]
+                assert ([s.peak_memory_bytes for s in walked.stages]
+                        == [s.peak_memory_bytes for s in spanned.stages])
+                cases += 1
+    assert cases == 55
