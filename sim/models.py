@@ -46,8 +46,9 @@ s*b*h*(34 + 5*a*s/h) bytes, less their dropout on the attention probabilities (3
 executor's model does not have.
 
 Limits: no kernel fusion beyond the transformer's attention kernels (``attention`` eager, fused or
-flash), the causal mask saves no FLOPs, the loss after the
-last layer is not counted, one fixed launch overhead per layer, transient workspace not counted.
+flash), the causal mask saves no FLOPs, the transformer's loss is counted as traffic (its fp32
+passes over the logits) but not as memory (its fp32 log-probabilities kept for backward; the other
+models' losses not at all), one fixed launch overhead per layer, transient workspace not counted.
 bf16 follows CUDA's autocast op lists; CPU autocast runs softmax in bf16 and saves only its bf16
 output (the block saves 4 bytes per attention score less there), and TPUs (XLA) keep lists of
 their own. Casts of biases and of fp32 inputs are counted as traffic, not as saved memory, except
@@ -85,6 +86,7 @@ MASK_BYTES = 1  # dropout's saved mask is a bool per element
 COMMON_DEFAULTS: dict[str, Any] = {"precision": DEFAULT_PRECISION,
                                    "optimizer_slots": OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]}
 
+LOSS_FP32_PASSES = 4  # the loss's fp32 passes over the logits: cast, row maximum, sum of exponentials, output
 _HAS_OPTIMIZER_S = "optimizer_s" in {f.name for f in dataclasses.fields(LayerCost)}
 
 
@@ -279,7 +281,9 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
       embedding sum, the attention projection and the MLP (not on the attention probabilities);
       each adds a mask of sd bytes.
     - Head: LayerNorm + Linear(d, V): params 2d + dV + V; F = 2s*d*V; saved = F*sd (LN in) +
-      c*sd (Linear's input) + 8s [+ 2dV weight copy in bf16]; output c*sV logits.
+      c*sd (Linear's input) + 8s [+ 2dV weight copy in bf16]; output c*sV logits, which the
+      cross entropy reads and passes over four times in fp32 (cast, row maximum, sum of
+      exponentials, log-probabilities): (c + 16)sV bytes of traffic more.
 
     ``attention`` ``flash`` (a fused kernel, ``scaled_dot_product_attention``, as GPU trainers run
     attention): no (heads, s, s) tensor is written, read or saved; the kernel keeps a fp32
@@ -431,8 +435,11 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     head_params = 2 * d + vocab * d + vocab
     head = LayerSpec(
         "head", params=head_params, flops_per_row=2.0 * s * d * vocab,
-        # LN reads and writes sd in fp32; cast; Linear reads sd, writes sV
-        traffic_bytes_per_row=s * d * ((2 * F + x) / split_seq + c) + c * s * vocab + 2 * STAT_BYTES * s / split_seq,
+        # LN reads and writes sd in fp32; cast; Linear reads sd, writes sV; the loss (cross entropy in fp32, as
+        # autocast and Megatron's vocabulary-parallel one run it) reads the logits and writes them in fp32, reads
+        # those twice (the row maximum, the sum of exponentials) and writes the log-probabilities
+        traffic_bytes_per_row=(s * d * ((2 * F + x) / split_seq + c) + c * s * vocab + 2 * STAT_BYTES * s / split_seq
+                               + (c + LOSS_FP32_PASSES * FP32_BYTES) * s * vocab),
         fixed_traffic_bytes=_weights_read(p, vocab * d + vocab, 2 * d),
         saved_bytes_per_row=s * d * (F + c) / split_seq + 2 * STAT_BYTES * s / split_seq,
         input_bytes_per_row=s * d * F / split_seq, output_bytes_per_row=s * vocab * c,
