@@ -70,9 +70,10 @@ def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -
     """``--precision``: one flag, one meaning on every command (:mod:`sim.precision`); None when not
     given, so each command applies its own default. Checked by :func:`sim.precision.check_precision`
     (one line, exit 2) rather than argparse choices (a usage block)."""
-    parser.add_argument("--precision", default=None, metavar="{fp32,bf16}",
-                        help="fp32, or bf16: autocast compute with fp32 master weights and optimizer "
-                             f"state (default: {default_help})")
+    parser.add_argument("--precision", default=None, metavar="PRECISION",
+                        help="fp32, or bf16: autocast compute with fp32 master weights and optimizer state; "
+                             "for planning also bf16-model (Megatron-LM's bf16 model, fp32 master weights) and fp8 "
+                             f"(Transformer Engine's fp8 matmuls in it) (default: {default_help})")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,

@@ -104,17 +104,21 @@ class KernelTimes:
 
 
 def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kernels: KernelEfficiency,
-                collective_s: float, overhead_s: float, ring_send_s: float = 0.0) -> KernelTimes:
+                collective_s: float, overhead_s: float, ring_send_s: float = 0.0,
+                projection_peak_flops: float | None = None) -> KernelTimes:
     """One pass of ``spec`` (a :class:`sim.models.LayerSpec`) over ``rows`` on a device of
     ``peak_flops`` and peak ``bandwidth``; ``collective_s`` is one tensor-parallel all-reduce of the
     layer's activation (0 without tensor parallelism); ``overhead_s`` the per-pass dispatch;
-    ``ring_send_s`` one send of the device's keys and values to its context-parallel neighbour."""
+    ``ring_send_s`` one send of the device's keys and values to its context-parallel neighbour;
+    ``projection_peak_flops`` the peak of the matmuls other than the attention core (fp8's), if not
+    ``peak_flops``: they run at the same fitted fraction of it, an assumption no published row checks."""
     gemm_rate = peak_flops * kernels.matmul
+    projection_rate = (projection_peak_flops or peak_flops) * kernels.matmul
     attention = spec.attention_flops_per_row * rows
     projections = spec.flops_per_row * rows - attention
     flash = spec.backward_extra_flops_per_row > 0  # only the flash kernel recomputes in its backward
     launches = spec.matmuls * kernels.matmul_launch_s
-    projection_s = projections / gemm_rate
+    projection_s = projections / projection_rate
     if flash:
         attention_rate = peak_flops * kernels.attention
         attention_forward_s = attention / attention_rate

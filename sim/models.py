@@ -68,7 +68,7 @@ from sim.hardware import Device, Link
 from sim.kernel_model import layer_times, ring_exposed_s
 from sim.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
-from sim.precision import DEFAULT_PRECISION, FP32_BYTES, Precision, check_precision, precision_of
+from sim.precision import DEFAULT_PRECISION, FP8_CAST_BYTES, FP32_BYTES, Precision, check_precision, precision_of
 from sim.workload import LayerCost, UniformWorkload, Workload
 
 BUILTIN_MODELS = ("uniform", "mlp", "transformer", "cnn")
@@ -112,6 +112,8 @@ class LayerSpec:
     # of the backward's, those on its critical path (the next kernel waits for them), which no weight
     # gradient can hide (sim.kernel_model)
     tp_allreduces_backward_waited: float = 0.0
+    # fp8 (sim.precision): the layer's matmuls other than the attention core run at the fp8 peak
+    fp8_matmuls: bool = False
     # the attention core (QK^T, softmax, attention over V): what selective recompute drops and reruns
     core_saved_bytes_per_row: float = 0.0
     core_flops_per_row: float = 0.0
@@ -174,25 +176,29 @@ class AnalyticWorkload:
         if self.tp_link is not None and spec.cp_steps:
             ring_send_s = self.tp_link.transfer_s(spec.cp_exchange_bytes_per_row * rows)
         core_s = None
+        precision = precision_of(self.precision)
+        # fp8: the projections at the fp8 peak, the attention core at the precision's own
+        matmul_peak = precision.matmul_peak if spec.fp8_matmuls else precision.peak
         if device.kernels is not None:  # a GPU with fitted fractions: kernels by kind (sim.kernel_model)
-            times = layer_times(spec, rows, device.peak_flops[precision_of(self.precision).peak],
+            times = layer_times(spec, rows, device.peak_flops[precision.peak],
                                 device.memory_bandwidth_bytes_per_s, device.kernels, collective_s, LAYER_OVERHEAD_S,
-                                ring_send_s)
+                                ring_send_s, projection_peak_flops=device.peak_flops[matmul_peak])
             forward_s, backward_s, core_s = times.forward_s, times.backward_s, times.core_recompute_s
             bytes_s = device.memory_bandwidth_bytes_per_s * device.kernels.memory
         else:  # the roofline; the matmuls wait for the collectives: no overlap
-            flops = spec.flops_per_row * rows
+            attention = spec.attention_flops_per_row * rows
+            projections_s = (spec.flops_per_row * rows - attention) / device.achieved_flops(matmul_peak)
+            compute_s = projections_s + attention / flops_s
+            extra_s = spec.backward_extra_flops_per_row * rows / flops_s
             moved = spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes
-            forward_s = max(flops / flops_s, moved / bytes_s) + LAYER_OVERHEAD_S
-            backward_s = (max((2 * flops + spec.backward_extra_flops_per_row * rows) / flops_s, 2 * moved / bytes_s)
-                          + 2 * LAYER_OVERHEAD_S)
+            forward_s = max(compute_s, moved / bytes_s) + LAYER_OVERHEAD_S
+            backward_s = max(2 * compute_s + extra_s, 2 * moved / bytes_s) + 2 * LAYER_OVERHEAD_S
             forward_s += spec.tp_allreduces_forward * collective_s
             backward_s += spec.tp_allreduces_backward * collective_s
             attention_s = spec.attention_flops_per_row * rows / flops_s
             ring_forward_s, ring_backward_s = ring_exposed_s(spec.cp_steps, ring_send_s, attention_s, 2 * attention_s)
             forward_s += ring_forward_s
             backward_s += ring_backward_s
-        precision = precision_of(self.precision)
         param_bytes = spec.params * precision.weight_bytes  # fp32 weights (the master copy) unless a bf16 model
         grad_bytes = spec.params * FP32_BYTES  # fp32 gradients (a bf16 model's main gradients too)
         optimizer_bytes = (self.optimizer_slots + precision.master_copy) * spec.params * FP32_BYTES
@@ -406,6 +412,8 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
                      + 4 * g * s * f * c / t
                      + scores_traffic / t + 4 * STAT_BYTES * s / split_seq
                      + drop * (2 * c + MASK_BYTES) * 2 * s * d / split_seq)
+    if p.fp8_casts:  # the four projections' inputs cast to fp8 (the output gradients' casts: the backward's share)
+        block_traffic += FP8_CAST_BYTES * (2 * s * d + s * d / t + g * s * f / t)
     block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * g * s * f * c / t
                    + scores_saved / t
                    + 4 * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq)
@@ -429,7 +437,7 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
         # v and the attention's output read and written, proj's input, fc1's output, fc2's input), the scores
         matmul_traffic_bytes_per_row=(c * (4 * s * d + s * (6 * d + 2 * e) / t + (g + 1) * s * f / t)
                                       + scores_matmul_traffic / t),
-        matmuls=4 + (1 if flash else 2),
+        matmuls=4 + (1 if flash else 2), fp8_matmuls=p.fp8_casts,
         core_matmul_traffic_bytes_per_row=scores_matmul_traffic / t,
     )
     head_params = 2 * d + vocab * d + vocab
@@ -538,8 +546,8 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     for key, value in merged.items():
         merged[key] = _check_option(name, key, value)
     if name != "transformer" and precision_of(merged.get("precision", DEFAULT_PRECISION)).planning_only:
-        raise GpipeInputError(f"precision {merged['precision']} (a bf16 model with fp32 master weights) is modelled for "
-                              f"the built-in transformer only, not {name}; use bf16 (autocast)")
+        raise GpipeInputError(f"precision {merged['precision']} ({precision_of(merged['precision']).about}) is "
+                              f"modelled for the built-in transformer only, not {name}; use bf16 (autocast)")
     if name == "transformer" and merged["d_model"] % merged["heads"]:
         raise GpipeInputError(
             f"heads={merged['heads']} does not divide d_model={merged['d_model']}; "

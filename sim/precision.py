@@ -15,6 +15,15 @@ included) are bf16, so nothing is cast per step; gradients are accumulated in fp
 parameter) and the optimizer keeps an fp32 master copy of the weights beside its state (4 more).
 For the built-in transformer, in planning only: the executor trains ``fp32`` and ``bf16``.
 
+``fp8`` is Transformer Engine's fp8 training as NeMo runs it on Hopper and Blackwell, a what-if on
+devices with fp8 units: ``bf16-model`` with each transformer layer's four projection matmuls (QKV,
+the attention's output, the MLP's two) at the device's fp8 peak, their inputs cast to fp8 forward
+and their output gradients backward (read 2 bytes, write 1; the scaling factors' amax reduction is
+fused into those casts, as Transformer Engine fuses it); flash attention, the norms, the embedding
+and the head stay bf16. Memory is counted as ``bf16-model``'s (Transformer Engine's fp8 copies of
+the saved inputs and of the weights are not counted apart). Planning only, for the built-in
+transformer.
+
 The what-if default is the precision people train in on a device, the catalog's
 ``Device.default_precision``: bf16 where the device has bf16 units, fp32 elsewhere. A costs file
 records the precision it was measured at, which then is the only one it can predict.
@@ -44,6 +53,8 @@ class Precision:
     weight_bytes: int = FP32_BYTES  # the model's own weights; below fp32 the optimizer keeps an fp32 master copy
     peak_dtype: str = ""  # the device peak it runs at; its own name if empty
     planning_only: bool = False  # the executor does not train it
+    matmul_peak_dtype: str = ""  # the peak of a transformer layer's projection matmuls; ``peak`` if empty
+    about: str = ""  # what it stands for, in the refusals of the parts that do not take it
 
     @property
     def casts(self) -> bool:
@@ -52,6 +63,15 @@ class Precision:
     @property
     def peak(self) -> str:
         return self.peak_dtype or self.name
+
+    @property
+    def matmul_peak(self) -> str:
+        return self.matmul_peak_dtype or self.peak
+
+    @property
+    def fp8_casts(self) -> bool:
+        """Whether a layer's projection matmuls cast their inputs and output gradients to fp8."""
+        return self.matmul_peak == "fp8"
 
     @property
     def master_copy(self) -> int:
@@ -63,8 +83,13 @@ PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", compute_bytes=4, cast_bytes=0, weight_copy_bytes=0),
     "bf16": Precision("bf16", compute_bytes=2, cast_bytes=2 + 4, weight_copy_bytes=2),
     "bf16-model": Precision("bf16-model", compute_bytes=2, cast_bytes=0, weight_copy_bytes=0, activation_bytes=2,
-                            weight_bytes=2, peak_dtype="bf16", planning_only=True),
+                            weight_bytes=2, peak_dtype="bf16", planning_only=True,
+                            about="the model in bf16 with fp32 master weights, as Megatron-LM trains"),
+    "fp8": Precision("fp8", compute_bytes=2, cast_bytes=0, weight_copy_bytes=0, activation_bytes=2, weight_bytes=2,
+                     peak_dtype="bf16", planning_only=True, matmul_peak_dtype="fp8",
+                     about="Transformer Engine's fp8 matmuls in a bf16 model, a what-if"),
 }
+FP8_CAST_BYTES = 3  # a cast to fp8 reads 2 bytes (bf16) and writes 1 per element
 DEFAULT_PRECISION = "fp32"  # where nothing else decides: the executor, an old plan or costs file
 
 
@@ -74,8 +99,8 @@ def check_precision(value: Any, trained: bool = False) -> str:
     choices = [name for name, p in PRECISIONS.items() if not (trained and p.planning_only)]
     if value not in choices:
         if value in PRECISIONS:
-            raise GpipeInputError(f"precision {value} is a planning option (the model in bf16 with fp32 master "
-                                  f"weights, as Megatron-LM trains); the executor trains {', '.join(choices)}")
+            raise GpipeInputError(f"precision {value} is a planning option ({PRECISIONS[value].about}); the executor "
+                                  f"trains {', '.join(choices)}")
         raise GpipeInputError(f"unknown precision {value!r}; choose one of {', '.join(choices)}")
     return value
 
@@ -97,7 +122,11 @@ def choose_precision(given: str | None, device: Any, measured: str | None = None
             raise GpipeInputError(f"--precision {given} contradicts the costs file, which was measured at "
                                   f"{measured}; drop --precision or run gpipe calibrate --precision {given}")
     chosen = given or measured or device.default_precision
-    if measured is None and precision_of(chosen).peak not in device.peak_flops:
+    precision = precision_of(chosen)
+    if measured is None and precision.fp8_casts and "fp8" not in device.peak_flops:
+        raise GpipeInputError(f"device {device.name} has no fp8 units in the catalog (Hopper, Blackwell and "
+                              f"MI300-class GPUs do); use --precision bf16-model there")
+    if measured is None and precision.peak not in device.peak_flops:
         raise GpipeInputError(
             f"device {device.name} has no {chosen} units in the catalog; use --precision "
             f"{device.default_precision}, or measure it with gpipe calibrate --precision {chosen}")

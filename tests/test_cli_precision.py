@@ -34,7 +34,7 @@ def test_unknown_precision_is_one_line_and_exit_2_on_every_command(command, tmp_
     proc = gpipe(*command, "--precision", "fp16")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     trained = command[0] in ("train", "calibrate")  # bf16-model is a planning option
-    choices = "fp32, bf16" if trained else "fp32, bf16, bf16-model"
+    choices = "fp32, bf16" if trained else "fp32, bf16, bf16-model, fp8"
     assert proc.stderr == f"gpipe: error: unknown precision 'fp16'; choose one of {choices}\n"
     assert proc.stdout == ""
 
@@ -66,7 +66,7 @@ def test_bf16_is_faster_and_keeps_fp32_weights_on_an_a100(capsys):
     large = ["--model", "transformer", "--layers", "8", "--d-model", "1024", "--ff", "4096", "--heads", "16",
              "--seq", "512", "--vocab", "32000", "--batch", "32"]
     for precision in ("fp32", "bf16"):
-        assert main(["simulate", *large, "-K", "2", "-M", "4", "--hardware", "a100-nvlink",
+        assert main(["simulate", *large, "-K", "2", "-M", "4", "--partition", "5,5", "--hardware", "a100-nvlink",
                      "--precision", precision, "--json"]) == 0
         results[precision] = json.loads(capsys.readouterr().out)
     # mostly compute-bound: ~12x here (the memory-bound ops, layer norms, softmax, casts, do not speed up)
@@ -181,6 +181,6 @@ def test_train_trains_at_the_plans_precision_unless_told_otherwise(tmp_path):
 def test_a_plan_with_an_unknown_precision_is_one_line(tmp_path):
     out = tmp_path / "plan.json"
     out.write_text(json.dumps({"version": 1, "model": {"name": "mlp", "num_layers": 8}, "partition": [8],
-                               "batch_size": 8, "microbatches": 2, "precision": "fp8"}))
+                               "batch_size": 8, "microbatches": 2, "precision": "fp4"}))
     proc = gpipe("simulate", "--plan", str(out))
-    assert proc.returncode == 2 and "unknown precision 'fp8'" in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and "unknown precision 'fp4'" in proc.stderr and proc.stderr.count("\n") == 1

@@ -116,6 +116,10 @@ def test_a_bf16_model_keeps_bf16_weights_fp32_gradients_and_an_fp32_master_copy(
     (["simulate", "--model", "mlp", "--precision", "bf16-model"], "built-in transformer only"),
     (["train", "--model", "transformer", "--stages", "2", "--precision", "bf16-model"], "planning option"),
     (["train", "--model", "transformer", "--stages", "2", "--option", "attention=fused"], "planning option"),
+    (["simulate", "--model", "transformer", "--hardware", "a100-nvlink", "--precision", "fp8"],
+     "device A100-SXM-80GB has no fp8 units"),
+    (["simulate", "--model", "mlp", "--hardware", "h100-nvlink", "--precision", "fp8"], "built-in transformer only"),
+    (["train", "--model", "transformer", "--stages", "2", "--precision", "fp8"], "precision fp8 is a planning option"),
 ])
 def test_what_only_the_planner_models_is_refused_in_one_line(command, message):
     proc = subprocess.run([sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True, timeout=120)
@@ -189,3 +193,25 @@ def test_attention_defaults_to_flash_on_gpus_that_run_it(capsys):
     assert main(["simulate", "--model", "transformer", "--stages", "2", "--microbatches", "2", "--batch", "4",
                  "--hardware", "a100-nvlink"]) == 0
     assert "attention: flash, the default on A100-SXM-80GB" in capsys.readouterr().out
+
+
+def test_fp8_runs_the_projections_at_the_fp8_peak_and_keeps_bf16_models_memory():
+    """fp8 (Transformer Engine): the four projections at the fp8 peak, their inputs cast (read 2
+    bytes, write 1), flash attention at the bf16 peak; memory as bf16-model's."""
+    shape = {**GPT, "attention": "flash", "dropout": 0.0}
+    system = get_system("h100-nvlink", 1, KERNELS)
+    costs = {}
+    for precision in ("bf16-model", "fp8"):
+        workload, groups = with_tensor_parallel(get_workload("transformer", {**shape, "precision": precision}),
+                                                system, 2, True)
+        costs[precision] = (workload.layers[1], workload.layer_costs(2, groups.device)[1])
+    (plain_spec, plain), (spec, fp8) = costs["bf16-model"], costs["fp8"]
+    s, d, f, t = GPT["seq"], GPT["d_model"], GPT["ff"], 2
+    assert spec.traffic_bytes_per_row - plain_spec.traffic_bytes_per_row == 3 * (2 * s * d + s * d / t + s * f / t)
+    projections = (spec.flops_per_row - spec.attention_flops_per_row) * 2
+    saved_s = projections / (989.4e12 * 0.7) - projections / (1978.9e12 * 0.7)
+    cast_s = 3 * (2 * s * d + s * d / t + s * f / t) * 2 / (3350e9 * 0.8)
+    assert plain.forward_s - fp8.forward_s == pytest.approx(saved_s - cast_s, rel=1e-9)
+    assert (fp8.saved_bytes, fp8.param_bytes, fp8.optimizer_bytes) == \
+        (plain.saved_bytes, plain.param_bytes, plain.optimizer_bytes)
+

@@ -337,7 +337,7 @@ def test_registry_and_describe() -> None:
     assert info["options"] == {**DEFAULT_OPTIONS["transformer"], "layers": 3, "precision": "fp32",
                                "optimizer_slots": 2}
     assert get_workload("cnn", {"channels": "8"}).describe()["options"]["channels"] == 8
-    assert set(PRECISIONS) == {"fp32", "bf16", "bf16-model"}
+    assert set(PRECISIONS) == {"fp32", "bf16", "bf16-model", "fp8"}
 
 
 @pytest.mark.parametrize("name,options,shown", [
