@@ -24,6 +24,7 @@ from executor.launch import check_capacity, check_nodes, run_torchrun, torchrun_
 from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
                              add_precision_argument, model_options)
 from sim.errors import GpipeInputError, require_positive
+from sim.named_models import is_named, named_models
 from sim.partition import even_partition
 from sim.placement import PLACEMENTS
 from sim.plan import load_plan, parse_partition
@@ -151,6 +152,8 @@ def config_from_args(args: argparse.Namespace):
     options = _options(args)
     if options or args.model:
         config.options = {**(config.options if not args.model else {}), **options}
+    if is_named(config.model):  # a named model trains its own architecture, from its packaged config.json
+        config.model = "hf-config:" + named_models()[config.model].config_path
     ref = model_ref(config.model, config.options, config.seed)
     config.options = dict(ref.options)
     for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "placement"):

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from sim.errors import GpipeInputError
+from sim.named_models import transformer_shape
 
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 OUR_OPTIONS = {"seq": 64}  # options that describe the data, not the config
@@ -53,24 +54,30 @@ def _transformers():
     return transformers
 
 
+def _type_and_fields(name: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The model type and config fields ``name`` (``hf:<type>`` or ``hf-config:PATH``) and
+    ``options`` give, the options laid over a config file's fields."""
+    given = {k: v for k, v in options.items() if k not in OUR_OPTIONS}
+    if not name.startswith("hf-config:"):
+        return name.partition(":")[2], given
+    path = name.partition(":")[2]
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as handle:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise GpipeInputError(f"{name!r}: {file!r} is not a readable config.json ({exc})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise GpipeInputError(f"{name!r}: {file!r} has no model_type; give a Hugging Face config.json")
+    model_type = data.pop("model_type")
+    data.update(given)
+    return model_type, data
+
+
 def config_of(name: str, options: dict[str, Any]) -> Any:
     """The ``transformers`` config ``name`` and ``options`` describe."""
     transformers = _transformers()
-    given = {k: v for k, v in options.items() if k not in OUR_OPTIONS}
-    if name.startswith("hf-config:"):
-        path = name.partition(":")[2]
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        try:
-            with open(file) as handle:
-                data = json.load(handle)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise GpipeInputError(f"{name!r}: {file!r} is not a readable config.json ({exc})") from None
-        if not isinstance(data, dict) or "model_type" not in data:
-            raise GpipeInputError(f"{name!r}: {file!r} has no model_type; give a Hugging Face config.json")
-        model_type = data.pop("model_type")
-        data.update(given)
-    else:
-        model_type, data = name.partition(":")[2], given
+    model_type, data = _type_and_fields(name, options)
     if model_type not in FAMILIES:
         raise GpipeInputError(f"Hugging Face model type {model_type!r} is not supported; choose one of "
                               f"{', '.join(FAMILIES)} (decoder-only causal language models)")
@@ -227,11 +234,6 @@ def example_batch(name: str, options: dict[str, Any], rows: int, seed: int) -> t
 
 # ----------------------------------------------------------------------------- planning by shape
 
-# The config's activation -> the built-in transformer's MLP of the same shape
-_SHAPE_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu2": "squared_relu", "gelu": "gelu",
-                      "gelu_new": "gelu", "gelu_fast": "gelu", "gelu_pytorch_tanh": "gelu"}
-
-
 def shape_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """The built-in transformer's options for the shape of any decoder-only ``transformers`` config.
 
@@ -247,43 +249,13 @@ def shape_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     transformers = _transformers()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    given = {k: v for k, v in options.items() if k not in OUR_OPTIONS}
-    model_type = name.partition(":")[2]
-    if name.startswith("hf-config:"):
-        data = config_of(name, options).to_dict()
-        model_type = data.get("model_type", model_type)
+    model_type, data = _type_and_fields(name, options)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise GpipeInputError(f"Hugging Face model type {model_type!r} is not a causal language model transformers "
                               "knows; give a decoder-only type such as llama, nemotron, bloom or qwen2")
     try:
-        config = (config_of(name, options) if name.startswith("hf-config:")
-                  else transformers.AutoConfig.for_model(model_type, **given))
-    except GpipeInputError:
-        raise
+        config = transformers.AutoConfig.for_model(model_type, **data)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[-1].strip()
-        raise GpipeInputError(f"{name!r}: the config refuses the options {given} ({reason})") from None
-    if getattr(config, "is_encoder_decoder", False):
-        raise GpipeInputError(f"{name!r} is an encoder-decoder; planning by shape takes decoder-only models")
-    experts = next((getattr(config, key) for key in ("num_local_experts", "num_experts", "n_routed_experts")
-                    if getattr(config, key, None)), None)
-    if experts:
-        raise GpipeInputError(f"{name!r} is a mixture of {experts} experts; expert parallelism is not modelled")
-    d = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        kv = 1
-    ff = next((int(getattr(config, key)) for key in ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")
-               if getattr(config, key, None)), 4 * d)
-    act = next((getattr(config, key) for key in ("hidden_act", "activation_function", "hidden_activation")
-                if getattr(config, key, None)), "gelu")
-    if act not in _SHAPE_ACTIVATIONS:
-        raise GpipeInputError(f"{name!r}: the MLP's activation {act!r} is not modelled; planning by shape takes "
-                              f"{', '.join(sorted(_SHAPE_ACTIVATIONS))}")
-    mlp = _SHAPE_ACTIVATIONS[act]
-    if model_type.startswith("gemma"):  # Gemma's MLP is gated like Llama's, with GELU for silu: the same shape
-        mlp = "swiglu"
-    return {"layers": int(config.num_hidden_layers), "d_model": d, "ff": ff, "heads": heads,
-            "kv_heads": 0 if int(kv) == heads else int(kv), "seq": int(options.get("seq", OUR_OPTIONS["seq"])),
-            "vocab": int(config.vocab_size), "activation": mlp, "attention": "flash", "dropout": 0.0}
+        raise GpipeInputError(f"{name!r}: the config refuses the options {data} ({reason})") from None
+    return transformer_shape(config.to_dict(), int(options.get("seq", OUR_OPTIONS["seq"])), name)

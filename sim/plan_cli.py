@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
     parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--list-models", action="store_true",
+                        help="list the named models (--model llama3-70b, ...) with their shapes and sources, and exit")
     whatif = parser.add_argument_group("what-if and limits")
     whatif.add_argument("--max-layers", action="store_true",
                         help="instead of planning: the most layers that fit per K, with and without "
@@ -78,6 +80,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     whatif.add_argument("--html", default=None, metavar="FILE",
                         help="write step time, bubble and memory against K and M, and the best "
                              "plan's timeline, as HTML")
+
+
+def format_named_models() -> str:
+    """One line per named model: its shape, parameters and where the figures come from."""
+    from sim.models import get_workload
+    from sim.named_models import named_models, named_options
+
+    lines = [f"{'model':16} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>9} {'ff':>6} {'seq':>6}  source"]
+    for name, model in named_models().items():
+        o = named_options(name, {})
+        billions = get_workload("transformer", o).parameter_count / 1e9
+        heads = f"{o['heads']}/{o['kv_heads'] or o['heads']}"
+        lines.append(f"{name:16} {billions:>7.1f}B {o['layers']:>6} {o['d_model']:>7} {heads:>9} {o['ff']:>6} "
+                     f"{o['seq']:>6}  {model.source}")
+    lines.append("heads: query/key-value heads; params of the built-in transformer of that shape (learned positions "
+                 "and biases included); --option seq=N or a config field (num_hidden_layers=40) changes one")
+    return "\n".join(lines)
 
 
 def planning_inputs(args: argparse.Namespace):
@@ -98,6 +117,9 @@ def planning_inputs(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.list_models:
+        print(format_named_models())
+        return 0
     if args.precision is not None:
         check_precision(args.precision)
     check_output_path(args.out, "--out")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from sim.costs import load_costs_workload
 from sim.errors import GpipeInputError
 from sim.models import BUILTIN_MODELS, get_workload
+from sim.named_models import is_named, named_models, named_options
 from sim.workload import Workload
 
 # (model, options) -> the model measured layer by layer, e.g. on PyTorch's meta device
@@ -29,10 +30,15 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
         raise GpipeInputError("no model; give --model NAME or --costs FILE")
     if model in BUILTIN_MODELS:
         return get_workload(model, options)
+    if is_named(model):  # a well-known model: the built-in transformer of its config's shape
+        workload = get_workload("transformer", named_options(model, options))
+        workload.planned_from = model  # type: ignore[attr-defined]
+        return workload
     if ":" in model:
         if analyse is None:
             raise GpipeInputError(f"model {model!r} is a torch model and needs measuring first; "
                                   "run it through gpipe simulate or gpipe plan")
         return analyse(model, options)
     raise GpipeInputError(
-        f"unknown model {model!r}; choose one of {', '.join(BUILTIN_MODELS)} or give package.module:factory")
+        f"unknown model {model!r}; choose one of {', '.join(BUILTIN_MODELS)}, a named model "
+        f"({', '.join(named_models())}: gpipe plan --list-models) or give package.module:factory")
