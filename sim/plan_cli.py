@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
                              add_context_parallel_arguments, add_precision_argument,
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_optimizer_argument(parser)
     add_hardware_arguments(parser, default="cpu")
+    parser.set_defaults(nodes=None)  # one, or as many as --max-devices needs (nodes_for)
     add_precision_argument(parser, "the costs file's; else the device's: bf16 on A100, H100, H200 and "
                                    "TPUs, fp32 elsewhere")
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
@@ -64,6 +66,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
     parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    cost = parser.add_argument_group("days and dollars")
+    cost.add_argument("--train-tokens", default=None, metavar="N",
+                      help="tokens to train on (15T, 300B, 2e12): each plan's days, device-hours and cost")
+    cost.add_argument("--rank-by", choices=("time", "cost"), default="time",
+                      help="rank plans by step time (default) or by cost: step time x devices x price")
+    cost.add_argument("--price-per-device-hour", type=float, default=None, metavar="USD",
+                      help="price of one device for an hour (default: the catalog's on-demand list price)")
+    cost.add_argument("--max-devices", type=int, default=None, metavar="N",
+                      help="use at most N devices (D x K x T x C); without --nodes, as many nodes as N needs")
+    cost.add_argument("--max-cost", type=float, default=None, metavar="USD",
+                      help="keep plans whose training costs at most this much (needs --train-tokens)")
     parser.add_argument("--list-models", action="store_true",
                         help="list the named models (--model llama3-70b, ...) with their shapes and sources, and exit")
     whatif = parser.add_argument_group("what-if and limits")
@@ -99,16 +112,17 @@ def format_named_models() -> str:
     return "\n".join(lines)
 
 
-def planning_inputs(args: argparse.Namespace):
+def planning_inputs(args: argparse.Namespace, hardware: str | None = None):
     """The system (with any efficiency override), the model options and the precision, shared by
-    both modes."""
+    both modes; ``hardware`` is one of the ``--hardware`` list (default the only one)."""
     from sim.whatif import efficiency_from_costs, with_efficiency
 
     efficiency, bandwidth = args.efficiency, None
     if args.efficiency_from:
         fitted, bandwidth = efficiency_from_costs(args.efficiency_from)
         efficiency = fitted if efficiency is None else efficiency
-    system = with_efficiency(get_system(args.hardware, args.nodes), efficiency, bandwidth)
+    hardware = hardware or args.hardware
+    system = with_efficiency(get_system(hardware, nodes_for(args, hardware)), efficiency, bandwidth)
     options = simulation_options(args)
     if args.input_shape:
         options["input_shape"] = args.input_shape
@@ -124,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
         check_precision(args.precision)
     check_output_path(args.out, "--out")
     check_output_path(args.html, "--html")
+    hardware = hardware_list(args.hardware)
+    costing = costing_of(args, hardware)
     if args.max_layers:
+        if len(hardware) > 1:
+            raise GpipeInputError("--max-layers takes one --hardware; give one system")
         from sim.max_layers_cli import run as run_max_layers
 
         return run_max_layers(args, *planning_inputs(args))
@@ -132,9 +150,97 @@ def run(args: argparse.Namespace) -> int:
     checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
     schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
     placements = [check_placement(p) for p in args.placements.split(",")]
-    system, options, precision, attention_note = planning_inputs(args)
+    inputs = [planning_inputs(args, name) for name in hardware]  # every system's precision checked first
+    progress = None if args.quiet else _Progress()
+    planned = [_plan_on(args, *given, checkpoints, schedules, placements, costing, progress) for given in inputs]
+    if progress:
+        progress.finish()
+    fitting = [p for p in planned if p.result.best is not None]
+    if not fitting:
+        first = planned[0]
+        raise GpipeInputError(_nothing_fits(first.result, first.workload, first.system, first.batch,
+                                            first.stage_options, first.microbatch_options, checkpoints,
+                                            first.schedules))
+    ranked = sorted((o for p in fitting for o in p.result.ranked),
+                    key=lambda o: (o.score, o.max_peak_memory_bytes, o.candidate.stages))[:args.top]
+    if costing.max_cost is not None:
+        within = [o for o in ranked if o.cost.cost is not None and o.cost.cost <= costing.max_cost]
+        if not within:
+            cheapest = min(ranked, key=lambda o: o.cost.cost)
+            raise GpipeInputError(f"no plan costs at most ${costing.max_cost:,.0f}: the cheapest ranked, "
+                                  f"{_layout(cheapest)} on {cheapest.hardware}, costs ${cheapest.cost.cost:,.0f}; "
+                                  "raise --max-cost, or --rank-by cost to rank the cheapest first")
+        ranked = within
+    best = ranked[0]
+    home = next(p for p in planned if p.system.name == best.hardware)
+    description = home.workload.describe()
+    if args.out:
+        save_plan(to_plan(best, description, home.batch, home.system.name, home.system.nodes,
+                          planned_optimizer(args, home.workload), home.precision, args.dp_overlap), args.out)
+    searched = SearchResult(ranked=ranked, candidates=sum(p.result.candidates for p in planned),
+                            simulated=sum(p.result.simulated for p in planned),
+                            not_fitting=sum(p.result.not_fitting for p in planned),
+                            elapsed_s=sum(p.result.elapsed_s for p in planned))
+    if args.json:
+        json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
+                   "parameter_count": description["parameter_count"], "precision": home.precision,
+                   "candidates": searched.candidates, "simulated": searched.simulated,
+                   "elapsed_s": searched.elapsed_s, "rank_by": costing.rank_by,
+                   "ranked": [_option_dict(o) for o in ranked],
+                   "hardware": {p.system.name: {"nodes": p.system.nodes, "efficiency": efficiency_kind(p.system),
+                                                "price_per_device_hour": price_of(p.system, costing),
+                                                "price_source": price_source(p.system, costing)}
+                                for p in planned},
+                   "planned_from": getattr(home.workload, "planned_from", None)}, sys.stdout)
+        print()
+    else:
+        systems = ",".join(p.system.name for p in planned)
+        print(format_table(searched, description, systems, home.batch, home.precision, costing.active))
+        notes = [home.attention_note, planned_from_note(home.workload)]
+        if costing.active:
+            notes += [_hardware_note(p, costing) for p in planned]
+            notes.append(COST_NOTE)
+        for note in notes:
+            if note:
+                print(note)
+        if args.out:
+            print(f"plan written to {args.out}")
+    if args.html:
+        from sim.whatif import write_whatif_html
+
+        write_whatif_html(home.workload, home.system, home.batch, home.stage_options, home.microbatch_options, best,
+                          args.html)
+        if not args.json:
+            print(f"what-if curves written to {args.html}")
+    return 0
+
+
+COST_NOTE = ("tokens/s from the predicted step; MFU: PaLM's model FLOPs (6N + 12 L d s per token) over the devices' "
+             "dense peak at the matmuls' precision; days, device-hours and cost at the on-demand list price, "
+             "nothing for failures, restarts or evaluation")
+
+
+@dataclass
+class _Planned:
+    """One system's search and what its output needs."""
+
+    system: Any
+    workload: Any
+    batch: int
+    precision: str
+    result: SearchResult
+    attention_note: str | None
+    stage_options: list[int]
+    microbatch_options: list[int]
+    schedules: list[str]
+
+
+def _plan_on(args: argparse.Namespace, system, options: dict, precision: str, attention_note: str | None,
+             checkpoints: list[str], schedules: list[str], placements: list[str], costing: "Costing",
+             progress) -> _Planned:
+    """The search on one system, its ranked plans costed (:mod:`sim.training_cost`)."""
     space = search_space(args, system, schedules)
-    by_shape = args.context_parallel > 1 or any(
+    by_shape = costing.train_tokens is not None or args.context_parallel > 1 or any(
         t > 1 for t in parse_int_list(args.tensor_parallel_options or "1", "--tensor-parallel-options"))
     workload, batch = workload_and_batch(args, options, precision, by_shape)
     checkpoints = policies_for(workload, checkpoints, args.checkpoints != ",".join(CHECKPOINT_POLICIES))
@@ -150,8 +256,10 @@ def run(args: argparse.Namespace) -> int:
         stage_options = default_stage_options(system, workload.num_layers)
     microbatch_options = parse_int_list(args.microbatch_options, "--microbatch-options")
     check_space_fits(space, stage_options, microbatch_options, system, workload.num_layers)
-    progress = None if args.quiet else _Progress()
     if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (sim.costs)
+        if costing.active:
+            raise GpipeInputError("--train-tokens, --rank-by cost, --max-devices and several --hardware plan the "
+                                  "analytic models; drop --costs (use --efficiency-from COSTS for its fit)")
         check_context_parallel(args.context_parallel, workload, system)
         result = _search_each_stage_count(workload, system, batch, stage_options, microbatch_options,
                                           checkpoints, space["schedules"], args.partitioner, args.top, progress,
@@ -159,38 +267,125 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = _search_each_tensor_parallel(workload, system, batch, tensor_parallel_options(args, workload, system),
                                               args.sequence_parallel, stage_options, microbatch_options, checkpoints,
-                                              args, progress, space, placements)
-    if progress:
-        progress.finish()
-    if result.best is None:
-        raise GpipeInputError(_nothing_fits(result, workload, system, batch, stage_options, microbatch_options,
-                                            checkpoints, space["schedules"]))
-    description = workload.describe()
-    if args.out:
-        save_plan(to_plan(result.best, description, batch, system.name, system.nodes,
-                          planned_optimizer(args, workload), precision, args.dp_overlap), args.out)
-    if args.json:
-        json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
-                   "parameter_count": description["parameter_count"], "precision": precision,
-                   "candidates": result.candidates, "simulated": result.simulated,
-                   "elapsed_s": result.elapsed_s,
-                   "ranked": [_option_dict(o) for o in result.ranked],
-                   "planned_from": getattr(workload, "planned_from", None)}, sys.stdout)
-        print()
-    else:
-        print(format_table(result, description, system.name, batch, precision))
-        for note in (attention_note, planned_from_note(workload)):
-            if note:
-                print(note)
-        if args.out:
-            print(f"plan written to {args.out}")
-    if args.html:
-        from sim.whatif import write_whatif_html
+                                              args, progress, space, placements, costing)
+    for option in result.ranked:
+        option.hardware = system.name
+        option.cost = plan_cost(option, workload, system, batch, precision, costing) if costing.active else None
+    return _Planned(system, workload, batch, precision, result, attention_note, stage_options, microbatch_options,
+                    space["schedules"])
 
-        write_whatif_html(workload, system, batch, stage_options, microbatch_options, result.best, args.html)
-        if not args.json:
-            print(f"what-if curves written to {args.html}")
-    return 0
+
+@dataclass(frozen=True)
+class Costing:
+    """What the days-and-dollars flags ask for."""
+
+    train_tokens: float | None
+    rank_by: str
+    price_override: float | None
+    max_devices: int | None
+    max_cost: float | None
+    several_systems: bool
+
+    @property
+    def active(self) -> bool:
+        return (self.train_tokens is not None or self.rank_by == "cost" or self.several_systems
+                or self.max_devices is not None)
+
+
+def hardware_list(text: str) -> list[str]:
+    """``--hardware a,b,c``: the systems to search, each checked (one line naming an unknown one)."""
+    names = [name.strip() for name in str(text).split(",") if name.strip()]
+    if not names:
+        raise GpipeInputError("--hardware is empty; give a system such as h100-nvlink, or several separated by commas")
+    for name in names:
+        get_system(name)
+    if len(set(names)) != len(names):
+        raise GpipeInputError(f"--hardware {text!r} names a system twice; give each once")
+    return names
+
+
+def costing_of(args: argparse.Namespace, hardware: list[str]) -> Costing:
+    """The days-and-dollars flags, checked before any work."""
+    from sim.training_cost import parse_token_count
+
+    tokens = parse_token_count(args.train_tokens) if args.train_tokens is not None else None
+    if args.max_devices is not None:
+        require_positive("--max-devices", args.max_devices)
+    if args.price_per_device_hour is not None and not args.price_per_device_hour > 0:
+        raise GpipeInputError(f"--price-per-device-hour {args.price_per_device_hour} is not a positive price; "
+                              "give dollars per device-hour, e.g. 2.5")
+    if args.max_cost is not None:
+        if tokens is None:
+            raise GpipeInputError("--max-cost needs --train-tokens: the cost is that of training on them")
+        if not args.max_cost > 0:
+            raise GpipeInputError(f"--max-cost {args.max_cost} is not a positive amount")
+    costing = Costing(tokens, args.rank_by, args.price_per_device_hour, args.max_devices, args.max_cost,
+                      len(hardware) > 1)
+    if args.rank_by == "cost" or args.max_cost is not None:
+        unpriced = [name for name in hardware if price_of(get_system(name), costing) is None]
+        if unpriced:
+            raise GpipeInputError(f"{unpriced[0]} has no list price in the catalog; give --price-per-device-hour "
+                                  "or drop it from --hardware")
+    return costing
+
+
+def nodes_for(args: argparse.Namespace, hardware: str) -> int:
+    """``--nodes``, else as many nodes of ``hardware`` as ``--max-devices`` needs, else one."""
+    if args.nodes is not None:
+        return args.nodes
+    if getattr(args, "max_devices", None):
+        per_node = get_system(hardware).devices_per_node
+        return max(1, -(-args.max_devices // per_node))
+    return 1
+
+
+def price_of(system, costing: Costing) -> float | None:
+    return costing.price_override if costing.price_override is not None else getattr(system, "price_per_device_hour",
+                                                                                      None)
+
+
+def price_source(system, costing: Costing) -> str:
+    if costing.price_override is not None:
+        return "--price-per-device-hour"
+    return getattr(system, "price_source", "") or "no list price in the catalog"
+
+
+def efficiency_kind(system) -> str:
+    """``fitted`` where published runs fixed the device's kernel fractions (A100, H100), else ``assumed``."""
+    return "fitted" if system.device.kernels is not None else "assumed"
+
+
+def _hardware_note(planned: _Planned, costing: Costing) -> str:
+    system = planned.system
+    price = price_of(system, costing)
+    priced = f"${price:.2f} per device-hour ({price_source(system, costing)})" if price is not None else "no price"
+    kind = efficiency_kind(system)
+    how = ("fitted on published runs" if kind == "fitted"
+           else f"assumed ({system.device.efficiency:.0%} of peak FLOP/s; no published run of it has been fitted)")
+    return f"{system.name} x{system.nodes} node(s): efficiency {how}; {priced}"
+
+
+def plan_cost(option: PlanOption, workload, system, batch: int, precision: str, costing: Costing):
+    """The :class:`sim.training_cost.TrainingCost` of a ranked plan."""
+    from sim.precision import precision_of
+    from sim.training_cost import model_flops_per_token, training_cost
+
+    c = option.candidate
+    described = workload.describe()
+    o = described["options"]
+    if "seq" not in o or "d_model" not in o:
+        raise GpipeInputError(f"days and dollars count tokens: the model {described['name']} has no sequences; plan "
+                              "the transformer, a named model (gpipe plan --list-models) or an hf: model")
+    devices = c.stages * c.replicas * c.tensor_parallel * c.context_parallel
+    peak = system.device.peak_flops[precision_of(precision).matmul_peak]
+    return training_cost(option.step_time_s, batch * o["seq"], devices,
+                         model_flops_per_token(o, described["parameter_count"]), peak, costing.train_tokens,
+                         price_of(system, costing))
+
+
+def _layout(option: PlanOption) -> str:
+    c = option.candidate
+    return f"T={c.tensor_parallel} D={c.replicas} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
 
 
 def search_space(args: argparse.Namespace, system, schedules: list[str]) -> dict:
@@ -295,11 +490,21 @@ def tensor_parallel_options(args: argparse.Namespace, workload, system) -> list[
 
 def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: list[int], sequence: bool | None,
                                  stage_options: list[int], microbatch_options: list[int], checkpoints: list[str],
-                                 args: argparse.Namespace, progress, space: dict, placements: list[str]) -> SearchResult:
+                                 args: argparse.Namespace, progress, space: dict, placements: list[str],
+                                 costing: "Costing | None" = None) -> SearchResult:
     """Search T by T, each on its split workload and its system of T-device groups, then merge the
-    rankings (each exact, so the merged top is exact)."""
+    rankings (each exact, so the merged top is exact). Ranked by cost, each candidate's step is
+    weighed by its devices and their price; ``--max-devices`` bounds D x K x T x C."""
     parts = []
+    price = price_of(system, costing) if costing is not None else None
     for t in tensor_options:
+        devices_per_group = t * args.context_parallel
+        weight = None
+        if costing is not None and costing.rank_by == "cost":
+            weight = (lambda c, g=devices_per_group: c.stages * c.replicas * g * price)
+        max_groups = costing.max_devices // devices_per_group if costing and costing.max_devices else None
+        if max_groups == 0:
+            continue
         sequence_parallel = default_sequence_parallel(t, sequence) and t > 1
         split, groups = with_tensor_parallel(workload, system, t, sequence_parallel, args.context_parallel)
         stages = [k for k in stage_options if k <= groups.total_devices]
@@ -307,7 +512,7 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
             continue
         part = search(split, groups, batch, stages, microbatch_options, checkpoints, space["schedules"],
                       args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
-                      placements, dp_overlap=args.dp_overlap)
+                      placements, dp_overlap=args.dp_overlap, weight=weight, max_groups=max_groups)
         for option in part.ranked + part.unfit_examples:
             option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
                                        context_parallel=args.context_parallel)
@@ -317,7 +522,7 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
 
 def _merged(parts: list[SearchResult], top: int) -> SearchResult:
     ranked = sorted((o for part in parts for o in part.ranked),
-                    key=lambda o: (o.step_time_s, o.max_peak_memory_bytes, o.candidate.stages))[:top]
+                    key=lambda o: (o.score, o.max_peak_memory_bytes, o.candidate.stages))[:top]
     return SearchResult(ranked=ranked, candidates=sum(p.candidates for p in parts),
                         simulated=sum(p.simulated for p in parts), not_fitting=sum(p.not_fitting for p in parts),
                         elapsed_s=sum(p.elapsed_s for p in parts),
@@ -358,12 +563,14 @@ def _option_dict(option: PlanOption) -> dict:
             "schedule": c.schedule, "replicas": c.replicas, "virtual_stages": c.virtual_stages, "zero": c.zero,
             "placement": c.placement, "tensor_parallel": c.tensor_parallel,
             "sequence_parallel": c.sequence_parallel, "context_parallel": c.context_parallel,
-            "partition": option.partition, **{
+            "partition": option.partition, "hardware": getattr(option, "hardware", None),
+            "training": option.cost.to_dict() if getattr(option, "cost", None) is not None else None, **{
                 k: v for k, v in option.result.to_dict().items()
                 if k not in ("partition", "schedule", "checkpoint", "replicas", "virtual_stages", "zero", "placement")}}
 
 
-def format_table(result: SearchResult, description: dict, system: str, batch: int, precision: str) -> str:
+def format_table(result: SearchResult, description: dict, system: str, batch: int, precision: str,
+                 costed: bool = False) -> str:
     head = (f"model {description['name']} ({description['num_layers']} layers, "
             f"{description['parameter_count'] / 1e6:.1f}M parameters), batch {batch}, on {system}, "
             f"precision {describe_precision(precision)}: "
@@ -371,7 +578,8 @@ def format_table(result: SearchResult, description: dict, system: str, batch: in
             f"{result.elapsed_s:.2f} s")
     rows = [head, f"{'rank':>4} {'T':>3} {'D':>3} {'K':>3} {'V':>2} {'M':>3} {'checkpoint':<11} {'schedule':<11} "
                   f"{'zero':>4} {'placement':<17} {'step ms':>10} {'bubble':>7} {'samples/s':>10} {'peak mem':>10}  "
-                  f"partition"]
+                  + (f"{'hardware':<14} {'devices':>7} {'tokens/s':>10} {'MFU':>6} {'days':>8} {'cost $':>12}  "
+                     if costed else "") + "partition"]
     for rank, option in enumerate(result.ranked, 1):
         c = option.candidate
         r = option.result
@@ -383,12 +591,20 @@ def format_table(result: SearchResult, description: dict, system: str, batch: in
                     f"{c.checkpoint:<11} {c.schedule:<11} {c.zero:>4} {c.placement:<17} "
                     f"{r.step_time_s * 1e3:>10.3f} {r.bubble_fraction:>7.1%} "
                     f"{r.throughput_samples_per_s:>10.1f} {gib(option.max_peak_memory_bytes):>10}  "
-                    f"{','.join(map(str, option.partition or []))}")
+                    + (_cost_cells(option) if costed else "") + f"{','.join(map(str, option.partition or []))}")
     if any(o.candidate.tensor_parallel > 1 or o.candidate.context_parallel > 1 for o in result.ranked):
         rows.append("T: devices of one node per stage, each layer split over them (s: sequence parallel; xC: times "
                     "C context-parallel devices sharing each sequence); D x K x T x C devices in all; memory is one "
                     "device's")
     return "\n".join(rows)
+
+
+def _cost_cells(option: PlanOption) -> str:
+    cost = option.cost
+    days = f"{cost.days:>8.1f}" if cost.days is not None else f"{'-':>8}"
+    dollars = f"{cost.cost:>12,.0f}" if cost.cost is not None else f"{'-':>12}"
+    return (f"{option.hardware:<14} {cost.devices:>7} {cost.tokens_per_s:>10,.0f} {cost.mfu:>6.1%} {days} "
+            f"{dollars}  ")
 
 
 def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_options: list[int],

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError
@@ -67,10 +67,18 @@ class PlanOption:
     partition: list[int] | None  # V x K entries; None: no partition fits memory
     lower_bound_s: float
     result: SimResult | None = None
+    weight: float = 1.0  # what a second of its step costs in the ranking (1: rank by time)
+    hardware: str = ""  # the system it was planned on (gpipe plan over several)
+    cost: Any = None  # its days and dollars (sim.training_cost.TrainingCost), where asked for
 
     @property
     def step_time_s(self) -> float:
         return self.result.step_time_s if self.result else float("inf")
+
+    @property
+    def score(self) -> float:
+        """What the search ranks by: the step time, times ``weight`` (devices x price to rank by cost)."""
+        return self.step_time_s * self.weight
 
     @property
     def max_peak_memory_bytes(self) -> int:
@@ -343,7 +351,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            progress: Progress | None = None, replica_options: Sequence[int] = (1,),
            virtual_options: Sequence[int] = (2,), zero_options: Sequence[int] = (0,),
            placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,
-           dp_overlap: bool = False) -> SearchResult:
+           dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
+           max_groups: int | None = None) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -353,6 +362,10 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     ``selective`` is searched only where the workload has an attention core to recompute.
     ``dp_overlap`` (:func:`sim.engine.simulate`) leaves the all-reduce out of the bounds, which stay
     bounds: an overlapped all-reduce adds nothing or more.
+
+    ``weight`` ranks by step time times a per-candidate factor instead (its devices times their
+    price, to rank by cost): the bounds scale with it and stay bounds. ``max_groups`` drops
+    candidates of more than that many D x K stage devices.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
@@ -363,9 +376,13 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
                                 replica_options, virtual_options, zero_options, placements, system,
                                 workload.num_layers)
+    if max_groups is not None:
+        all_candidates = [c for c in all_candidates if c.stages * c.replicas <= max_groups]
+    weigh = weight or (lambda _candidate: 1.0)
     bound_system = None if dp_overlap else system
     balanced = BalancedBounds(table, batch_size, bound_system, allreduce_link)
-    waiting = sorted(((balanced(c), i, c) for i, c in enumerate(all_candidates)), key=lambda entry: entry[:2])
+    waiting = sorted(((balanced(c) * weigh(c), i, c) for i, c in enumerate(all_candidates)),
+                     key=lambda entry: entry[:2])
     partitions = Partitions(table, system, batch_size, partitioner)
     partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
     kept: list[tuple[float, int, PlanOption]] = []  # max-heap of the top fitting, by -step time
@@ -382,7 +399,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
                                                allreduce_link=allreduce_link, dp_overlap=dp_overlap)
             simulated += 1
             if option.result.fits:
-                heapq.heappush(kept, (-option.step_time_s, index, option))
+                heapq.heappush(kept, (-option.score, index, option))
                 if len(kept) > top:
                     heapq.heappop(kept)
             else:
@@ -400,10 +417,11 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
                 unfit.append(PlanOption(candidate, None, float("inf")))
                 continue
             bound = lower_bound_s(table, batch_size, candidate, partition, bound_system, allreduce_link)
-            heapq.heappush(partitioned, (bound, index, PlanOption(candidate, partition, bound)))
+            factor = weigh(candidate)
+            heapq.heappush(partitioned, (bound * factor, index, PlanOption(candidate, partition, bound, weight=factor)))
         else:
             break
-    ranked = sorted((entry[2] for entry in kept), key=lambda o: (o.step_time_s, o.max_peak_memory_bytes,
+    ranked = sorted((entry[2] for entry in kept), key=lambda o: (o.score, o.max_peak_memory_bytes,
                                                                   o.candidate.stages * o.candidate.replicas,
                                                                   o.candidate.stages))
     return SearchResult(ranked=ranked, candidates=len(all_candidates), simulated=simulated,
