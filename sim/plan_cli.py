@@ -172,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
                                   "raise --max-cost, or --rank-by cost to rank the cheapest first")
         ranked = within
     best = ranked[0]
+    fastest, cheapest = _fastest_and_cheapest(args, inputs, ranked, planned, checkpoints, schedules, placements,
+                                              costing)
     home = next(p for p in planned if p.system.name == best.hardware)
     description = home.workload.describe()
     if args.out:
@@ -187,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
                    "candidates": searched.candidates, "simulated": searched.simulated,
                    "elapsed_s": searched.elapsed_s, "rank_by": costing.rank_by,
                    "ranked": [_option_dict(o) for o in ranked],
+                   "fastest": _option_dict(fastest) if fastest else None,
+                   "cheapest": _option_dict(cheapest) if cheapest else None,
                    "hardware": {p.system.name: {"nodes": p.system.nodes, "efficiency": efficiency_kind(p.system),
                                                 "price_per_device_hour": price_of(p.system, costing),
                                                 "price_source": price_source(p.system, costing)}
@@ -198,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(searched, description, systems, home.batch, home.precision, costing.active))
         notes = [home.attention_note, planned_from_note(home.workload)]
         if costing.active:
+            notes += [_summary("fastest", fastest), _summary("cheapest", cheapest)]
             notes += [_hardware_note(p, costing) for p in planned]
             notes.append(COST_NOTE)
         for note in notes:
@@ -213,6 +218,30 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"what-if curves written to {args.html}")
     return 0
+
+
+def _fastest_and_cheapest(args: argparse.Namespace, inputs: list, ranked: list[PlanOption], planned: list,
+                          checkpoints: list[str], schedules: list[str], placements: list[str], costing: "Costing"):
+    """With --train-tokens and every system priced, the fastest and the cheapest plan of all: the
+    ranking gives one, a second search (its best only) under the other objective the other."""
+    if costing.train_tokens is None or any(price_of(p.system, costing) is None for p in planned):
+        return (ranked[0], None) if costing.rank_by == "time" else (None, ranked[0])
+    flipped = replace(costing, rank_by="cost" if costing.rank_by == "time" else "time")
+    one = argparse.Namespace(**{**vars(args), "top": 1})
+    again = [o for given in inputs
+             for o in _plan_on(one, *given, checkpoints, schedules, placements, flipped, None).result.ranked]
+    other = min(again, key=lambda o: o.score) if again else None
+    return (ranked[0], other) if costing.rank_by == "time" else (other, ranked[0])
+
+
+def _summary(label: str, option: PlanOption | None) -> str | None:
+    if option is None or option.cost is None:
+        return None
+    cost = option.cost
+    dollars = f", ${cost.cost:,.0f}" if cost.cost is not None else ""
+    days = f": {cost.days:.1f} days" if cost.days is not None else ""
+    return (f"{label}: {option.hardware}, {_layout(option)} {option.candidate.checkpoint} {option.candidate.schedule}, "
+            f"{cost.devices} devices, MFU {cost.mfu:.1%}{days}{dollars}")
 
 
 COST_NOTE = ("tokens/s from the predicted step; MFU: PaLM's model FLOPs (6N + 12 L d s per token) over the devices' "
