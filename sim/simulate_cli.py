@@ -133,6 +133,14 @@ def check_zero(zero: int, replicas: int) -> None:
                               "--replicas 2 or more; use --zero 0 with one replica")
 
 
+def assumed_efficiency_note(system: System) -> str | None:
+    """One line where an accelerator's efficiency is the catalog's assumption, not a fit."""
+    if system.device.kernels is not None or system.name in ("cpu", "ideal"):
+        return None
+    return (f"efficiency: assumed, {system.device.efficiency:.0%} of {system.device.name}'s peak FLOP/s and "
+            f"{system.device.bandwidth_efficiency:.0%} of its memory bandwidth (no published run of it has been fitted)")
+
+
 def emit(result: SimResult, system: System, workload: Workload, precision: str,
          args: argparse.Namespace, attention_note: str | None = None) -> None:
     if args.trace:
@@ -152,11 +160,12 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
         data["planned_from"] = getattr(workload, "planned_from", None)
+        data["efficiency"] = "fitted" if system.device.kernels is not None else "assumed"
         json.dump(data, sys.stdout)
         print()
     else:
         print(format_summary(result, system, precision))
-        for note in (attention_note, planned_from_note(workload)):
+        for note in (attention_note, planned_from_note(workload), assumed_efficiency_note(system)):
             if note:
                 print(note)
         tensor_parallel = getattr(workload, "tensor_parallel", 1)
