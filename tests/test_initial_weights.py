@@ -98,7 +98,7 @@ def reference_training(factory, config, make_optimizer, steps):
 
 
 OPTIMIZERS = {
-    "sgd": (dict(optimizer="sgd", lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    "sgd": (dict(optimizer="sgd", lr=0.02), lambda p: torch.optim.SGD(p, lr=0.02)),
     "adam": (dict(optimizer="adam", lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
     "adamw": (dict(optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.05),
               lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
