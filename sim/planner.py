@@ -328,8 +328,7 @@ def default_partition(workload: Workload, system: System, batch_size: int, candi
     table = table if table is not None else CostTable(workload, system.device)
     partition = choose_partition(table, system, batch_size, candidate, partitioner)
     if partition is None:
-        unlimited = System("unlimited", replace(system.device, memory_bytes=float("inf")),
-                           system.devices_per_node, system.intra_link, system.inter_link, system.nodes)
+        unlimited = replace(system, name="unlimited", device=replace(system.device, memory_bytes=float("inf")))
         partition = choose_partition(table, unlimited, batch_size, candidate, partitioner)
     assert partition is not None  # without memory limits some partition always exists
     return partition

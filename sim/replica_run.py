@@ -57,13 +57,13 @@ class Links:
                 link = system.link_between(source, target)
                 key = ((system.node_of(min(source, target)), target > source) if link.shared
                        else (source, target))
-                free = link.latency_s == 0.0 and math.isinf(link.bandwidth_bytes_per_s)
+                free = link.latency_s == 0.0 and math.isinf(link.point_to_point_bytes_per_s)
                 self.hop[(k, forward)] = (link, key, free)
 
     def reserve(self, link: Link, key: tuple, now_s: float, nbytes: int) -> tuple[float, float]:
         """Book a transfer of ``nbytes`` on channel ``key`` of ``link``: (start_s, arrival_s)."""
         start_s = max(now_s, self._free_at_s.get(key, 0.0))
-        wire_s = 0.0 if math.isinf(link.bandwidth_bytes_per_s) else nbytes / link.bandwidth_bytes_per_s
+        wire_s = 0.0 if math.isinf(link.point_to_point_bytes_per_s) else nbytes / link.point_to_point_bytes_per_s
         self._free_at_s[key] = start_s + wire_s
         return start_s, start_s + wire_s + link.latency_s
 

@@ -41,7 +41,9 @@ def test_unknown_precision_is_one_line_and_exit_2_on_every_command(command, tmp_
 
 def test_the_what_if_default_is_the_precision_people_train_in_on_that_device():
     expected = {"a100-nvlink": "bf16", "a100-40gb-nvlink": "bf16", "h100-nvlink": "bf16", "h100-pcie": "bf16",
-                "h200-nvlink": "bf16", "tpu-v2": "bf16", "tpu-v3": "bf16", "tpu-v4": "bf16",
+                "h200-nvlink": "bf16", "b200-nvlink": "bf16", "gb200-nvl72": "bf16", "mi300x": "bf16",
+                "mi325x": "bf16", "tpu-v2": "bf16", "tpu-v3": "bf16", "tpu-v4": "bf16", "tpu-v5e": "bf16",
+                "tpu-v5p": "bf16", "tpu-v6e": "bf16",
                 "p100-pcie": "fp32", "v100-nvlink": "fp32", "cpu": "fp32", "ideal": "fp32"}
     assert {name: system.device.default_precision for name, system in SYSTEMS.items()} == expected
     for system in SYSTEMS.values():  # every default has a peak to run at
