@@ -23,7 +23,7 @@ import time
 from sim.timeline import write_json_atomic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "catalog_question.json")
-HARDWARE = "a100-nvlink,h100-nvlink,h200-nvlink,b200-nvlink,gb200-nvl72,mi300x,mi325x"
+HARDWARE = "a100-nvlink,h100-nvlink,h200-nvlink,b200-nvlink,mi300x,mi325x"  # the priced 8-GPU systems
 COMMAND = ["plan", "--model", "llama3-70b", "--train-tokens", "15T", "--max-devices", "1024", "--batch", "1024",
            "--precision", "bf16-model", "--dp-overlap", "--top", "5", "--quiet", "--json"]
 

@@ -32,17 +32,15 @@ from sim.hardware import Link, System
 from sim.placement import DEFAULT_PLACEMENT, device_of
 
 
-def wire_s(nbytes: float, link: Link) -> float:
-    """Seconds ``nbytes`` occupy ``link`` (no latency)."""
-    return 0.0 if math.isinf(link.bandwidth_bytes_per_s) else nbytes / link.bandwidth_bytes_per_s
-
-
 def ring_allreduce_s(nbytes: float, parties: int, link: Link) -> float:
     """Ring all-reduce of ``nbytes`` among ``parties`` over ``link``: 2(p-1)/p of the bytes on the
-    wire per party and 2(p-1) latencies (reduce-scatter then all-gather)."""
+    wire per party at the link's collective bandwidth among p (:meth:`Link.collective_bytes_per_s`)
+    and 2(p-1) latencies (reduce-scatter then all-gather)."""
     if parties < 2:
         return 0.0
-    return 2 * (parties - 1) / parties * wire_s(nbytes, link) + 2 * (parties - 1) * link.latency_s
+    bandwidth = link.collective_bytes_per_s(parties)
+    wire = 0.0 if math.isinf(bandwidth) else nbytes / bandwidth
+    return 2 * (parties - 1) / parties * wire + 2 * (parties - 1) * link.latency_s
 
 
 def group_allreduce_s(nbytes: float, devices: Sequence[int], system: System, link: Link | None = None) -> float:

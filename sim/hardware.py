@@ -72,7 +72,8 @@ class Link:
     ``bandwidth_bytes_per_s`` is what one device drives into the link in one direction, which rings
     and collectives use. In a full mesh without a switch (AMD's Infinity Fabric: seven links per GPU,
     one to each peer) one pair of devices has one link only: ``pair_bandwidth_bytes_per_s`` is
-    then a point-to-point transfer's bandwidth, while a collective spreads its rings over all links.
+    then a point-to-point transfer's bandwidth, while a collective among p devices spreads its rings
+    over the p - 1 links between them.
     """
 
     name: str
@@ -86,6 +87,14 @@ class Link:
     def point_to_point_bytes_per_s(self) -> float:
         """Bandwidth of one transfer between two devices, per direction."""
         return self.bandwidth_bytes_per_s if self.pair_bandwidth_bytes_per_s is None else self.pair_bandwidth_bytes_per_s
+
+    def collective_bytes_per_s(self, parties: int) -> float:
+        """What each of ``parties`` devices drives per direction in a ring collective: the whole link
+        behind a switch; in a full mesh, its links to the other parties - 1 devices (RCCL and NCCL
+        spread their rings over them), at most the whole link."""
+        if self.pair_bandwidth_bytes_per_s is None:
+            return self.bandwidth_bytes_per_s
+        return min(self.bandwidth_bytes_per_s, max(1, parties - 1) * self.pair_bandwidth_bytes_per_s)
 
     def transfer_s(self, nbytes: int) -> float:
         if math.isinf(self.point_to_point_bytes_per_s):

@@ -22,6 +22,7 @@ from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
+from sim.training_cost import SECONDS_PER_DAY
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
 from sim.workload import check_checkpoint_for
@@ -76,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--max-devices", type=int, default=None, metavar="N",
                       help="use at most N devices (D x K x T x C); without --nodes, as many nodes as N needs")
     cost.add_argument("--max-cost", type=float, default=None, metavar="USD",
-                      help="keep plans whose training costs at most this much (needs --train-tokens)")
+                      help="only plans whose training costs at most this much (needs --train-tokens)")
+    cost.add_argument("--max-days", type=float, default=None, metavar="DAYS",
+                      help="only plans that train in at most this many days (needs --train-tokens)")
     parser.add_argument("--list-models", action="store_true",
                         help="list the named models (--model llama3-70b, ...) with their shapes and sources, and exit")
     whatif = parser.add_argument_group("what-if and limits")
@@ -156,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     if progress:
         progress.finish()
     fitting = [p for p in planned if p.result.best is not None]
+    if not fitting and costing.limited and any(p.result.over_limit for p in planned):
+        raise GpipeInputError(_nothing_within_limits(args, inputs, checkpoints, schedules, placements, costing))
     if not fitting:
         first = planned[0]
         raise GpipeInputError(_nothing_fits(first.result, first.workload, first.system, first.batch,
@@ -163,14 +168,6 @@ def run(args: argparse.Namespace) -> int:
                                             first.schedules))
     ranked = sorted((o for p in fitting for o in p.result.ranked),
                     key=lambda o: (o.score, o.max_peak_memory_bytes, o.candidate.stages))[:args.top]
-    if costing.max_cost is not None:
-        within = [o for o in ranked if o.cost.cost is not None and o.cost.cost <= costing.max_cost]
-        if not within:
-            cheapest = min(ranked, key=lambda o: o.cost.cost)
-            raise GpipeInputError(f"no plan costs at most ${costing.max_cost:,.0f}: the cheapest ranked, "
-                                  f"{_layout(cheapest)} on {cheapest.hardware}, costs ${cheapest.cost.cost:,.0f}; "
-                                  "raise --max-cost, or --rank-by cost to rank the cheapest first")
-        ranked = within
     best = ranked[0]
     fastest, cheapest = _fastest_and_cheapest(args, inputs, ranked, planned, checkpoints, schedules, placements,
                                               costing)
@@ -182,12 +179,15 @@ def run(args: argparse.Namespace) -> int:
     searched = SearchResult(ranked=ranked, candidates=sum(p.result.candidates for p in planned),
                             simulated=sum(p.result.simulated for p in planned),
                             not_fitting=sum(p.result.not_fitting for p in planned),
-                            elapsed_s=sum(p.result.elapsed_s for p in planned))
+                            elapsed_s=sum(p.result.elapsed_s for p in planned),
+                            over_limit=sum(p.result.over_limit for p in planned))
     if args.json:
         json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
                    "parameter_count": description["parameter_count"], "precision": home.precision,
                    "candidates": searched.candidates, "simulated": searched.simulated,
                    "elapsed_s": searched.elapsed_s, "rank_by": costing.rank_by,
+                   "limits": {"max_devices": costing.max_devices, "max_cost": costing.max_cost,
+                              "max_days": costing.max_days, "over_limit": searched.over_limit},
                    "ranked": [_option_dict(o) for o in ranked],
                    "fastest": _option_dict(fastest) if fastest else None,
                    "cheapest": _option_dict(cheapest) if cheapest else None,
@@ -232,6 +232,34 @@ def _fastest_and_cheapest(args: argparse.Namespace, inputs: list, ranked: list[P
              for o in _plan_on(one, *given, checkpoints, schedules, placements, flipped, None).result.ranked]
     other = min(again, key=lambda o: o.score) if again else None
     return (ranked[0], other) if costing.rank_by == "time" else (other, ranked[0])
+
+
+def _nothing_within_limits(args: argparse.Namespace, inputs: list, checkpoints: list[str], schedules: list[str],
+                           placements: list[str], costing: "Costing") -> str:
+    """Why no plan is left, with what the limits exclude: the fastest and the cheapest without them."""
+    free = replace(costing, max_cost=None, max_days=None)
+    one = argparse.Namespace(**{**vars(args), "top": 1})
+    asked = " and ".join(text for text in (f"at most {costing.max_days:g} days" if costing.max_days else "",
+                                           f"at most {_dollars(costing.max_cost)}" if costing.max_cost else "") if text)
+    best = {}
+    for rank_by in ("time", "cost") if costing.max_cost else ("time",):
+        found = [o for given in inputs for o in _plan_on(one, *given, checkpoints, schedules, placements,
+                                                         replace(free, rank_by=rank_by), None).result.ranked]
+        if found:
+            best[rank_by] = min(found, key=lambda o: o.score)
+    said = []
+    if "time" in best:
+        said.append(f"the fastest, {_layout(best['time'])} on {best['time'].hardware}, takes "
+                    f"{best['time'].cost.days:.3g} days")
+    if "cost" in best:
+        said.append(f"the cheapest, {_layout(best['cost'])} on {best['cost'].hardware}, costs "
+                    f"{_dollars(best['cost'].cost.cost)}")
+    return (f"no plan trains {costing.train_tokens:.3g} tokens in {asked}: " + "; ".join(said or ["none fits"]) +
+            "; raise the limits, allow more devices (--max-devices) or try other --hardware")
+
+
+def _dollars(amount: float) -> str:
+    return f"${amount:,.0f}" if amount >= 100 else f"${amount:.3g}"
 
 
 def _summary(label: str, option: PlanOption | None) -> str | None:
@@ -314,11 +342,33 @@ class Costing:
     max_devices: int | None
     max_cost: float | None
     several_systems: bool
+    max_days: float | None = None
 
     @property
     def active(self) -> bool:
         return (self.train_tokens is not None or self.rank_by == "cost" or self.several_systems
                 or self.max_devices is not None)
+
+    @property
+    def limited(self) -> bool:
+        """Whether the search drops plans by days or dollars."""
+        return self.max_cost is not None or self.max_days is not None
+
+    def step_limit(self, tokens_per_step: float, devices_per_group: int, price: float | None):
+        """Each candidate's longest step within --max-days and --max-cost (None: no limit): steps to
+        train = tokens / tokens per step; days = steps x step / 86,400; cost = days x 24 x devices x price."""
+        if not self.limited:
+            return None
+        steps = self.train_tokens / tokens_per_step
+        by_days = self.max_days * SECONDS_PER_DAY / steps if self.max_days is not None else float("inf")
+
+        def limit(c) -> float:
+            if self.max_cost is None:
+                return by_days
+            devices = c.stages * c.replicas * devices_per_group
+            return min(by_days, self.max_cost * 3600.0 / (steps * devices * price))
+
+        return limit
 
 
 def hardware_list(text: str) -> list[str]:
@@ -348,8 +398,13 @@ def costing_of(args: argparse.Namespace, hardware: list[str]) -> Costing:
             raise GpipeInputError("--max-cost needs --train-tokens: the cost is that of training on them")
         if not args.max_cost > 0:
             raise GpipeInputError(f"--max-cost {args.max_cost} is not a positive amount")
+    if args.max_days is not None:
+        if tokens is None:
+            raise GpipeInputError("--max-days needs --train-tokens: the days are those of training on them")
+        if not args.max_days > 0:
+            raise GpipeInputError(f"--max-days {args.max_days} is not a positive number of days")
     costing = Costing(tokens, args.rank_by, args.price_per_device_hour, args.max_devices, args.max_cost,
-                      len(hardware) > 1)
+                      len(hardware) > 1, args.max_days)
     if args.rank_by == "cost" or args.max_cost is not None:
         unpriced = [name for name in hardware if price_of(get_system(name), costing) is None]
         if unpriced:
@@ -534,6 +589,8 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
         max_groups = costing.max_devices // devices_per_group if costing and costing.max_devices else None
         if max_groups == 0:
             continue
+        step_limit = (costing.step_limit(batch * workload.options["seq"], devices_per_group, price)
+                      if costing is not None and costing.limited else None)
         sequence_parallel = default_sequence_parallel(t, sequence) and t > 1
         split, groups = with_tensor_parallel(workload, system, t, sequence_parallel, args.context_parallel)
         stages = [k for k in stage_options if k <= groups.total_devices]
@@ -541,7 +598,8 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
             continue
         part = search(split, groups, batch, stages, microbatch_options, checkpoints, space["schedules"],
                       args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
-                      placements, dp_overlap=args.dp_overlap, weight=weight, max_groups=max_groups)
+                      placements, dp_overlap=args.dp_overlap, weight=weight, max_groups=max_groups,
+                      step_limit_s=step_limit)
         for option in part.ranked + part.unfit_examples:
             option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
                                        context_parallel=args.context_parallel)
@@ -555,7 +613,8 @@ def _merged(parts: list[SearchResult], top: int) -> SearchResult:
     return SearchResult(ranked=ranked, candidates=sum(p.candidates for p in parts),
                         simulated=sum(p.simulated for p in parts), not_fitting=sum(p.not_fitting for p in parts),
                         elapsed_s=sum(p.elapsed_s for p in parts),
-                        unfit_examples=[o for p in parts for o in p.unfit_examples][:5])
+                        unfit_examples=[o for p in parts for o in p.unfit_examples][:5],
+                        over_limit=sum(p.over_limit for p in parts))
 
 
 def planned_optimizer(args: argparse.Namespace, workload) -> str:
@@ -605,7 +664,8 @@ def format_table(result: SearchResult, description: dict, system: str, batch: in
             f"{description['parameter_count'] / 1e6:.1f}M parameters), batch {batch}, on {system}, "
             f"precision {describe_precision(precision)}: "
             f"{result.candidates} candidates, {result.simulated} simulated, {result.not_fitting} do not fit, "
-            f"{result.elapsed_s:.2f} s")
+            + (f"{result.over_limit} over the days or cost limit, " if result.over_limit else "")
+            + f"{result.elapsed_s:.2f} s")
     rows = [head, f"{'rank':>4} {'T':>3} {'D':>3} {'K':>3} {'V':>2} {'M':>3} {'checkpoint':<11} {'schedule':<11} "
                   f"{'zero':>4} {'placement':<17} {'step ms':>10} {'bubble':>7} {'samples/s':>10} {'peak mem':>10}  "
                   + (f"{'hardware':<14} {'devices':>7} {'tokens/s':>10} {'MFU':>6} {'days':>8} {'cost $':>12}  "

@@ -94,6 +94,7 @@ class SearchResult:
     elapsed_s: float
     unfit_examples: list[PlanOption] = field(default_factory=list)
     partitioned: int = 0  # candidates whose partition was computed; the rest were bounded out
+    over_limit: int = 0  # candidates whose step (or its lower bound) exceeds ``step_limit_s``
 
     @property
     def best(self) -> PlanOption | None:
@@ -344,6 +345,15 @@ def simulate_candidate(workload: Workload, system: System, partition: Sequence[i
                     placement=c.placement, allreduce_link=allreduce_link, dp_overlap=dp_overlap)
 
 
+def distinct_policies(workload: Workload, checkpoints: Sequence[str]) -> list[str]:
+    """``selective`` only where it is a plan of its own: where the workload has an attention core to
+    recompute, and not beside ``never`` under flash attention, which keeps no attention probabilities
+    to drop (the two would be the same plan twice)."""
+    flash = getattr(workload, "options", {}).get("attention") == "flash"
+    return [c for c in checkpoints
+            if c != "selective" or (getattr(workload, "has_attention_core", False) and not (flash and "never" in checkpoints))]
+
+
 def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],
            microbatch_options: Sequence[int], checkpoints: Sequence[str] = CHECKPOINT_POLICIES,
            schedules: Sequence[str] = SCHEDULES, partitioner: str = "min_max", top: int = 10,
@@ -351,24 +361,27 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            virtual_options: Sequence[int] = (2,), zero_options: Sequence[int] = (0,),
            placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
-           max_groups: int | None = None) -> SearchResult:
+           max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
     partition is needed; partitioned ones wait, ordered by :func:`lower_bound_s`, until their
     simulation is. A candidate is simulated only when no other can have a smaller bound, and the
     search ends when the smallest bound left exceeds the ``top``-th best simulated step.
-    ``selective`` is searched only where the workload has an attention core to recompute.
+    ``selective`` is searched only where it is a plan of its own (:func:`distinct_policies`).
     ``dp_overlap`` (:func:`sim.engine.simulate`) leaves the all-reduce out of the bounds, which stay
     bounds: an overlapped all-reduce adds nothing or more.
 
     ``weight`` ranks by step time times a per-candidate factor instead (its devices times their
     price, to rank by cost): the bounds scale with it and stay bounds. ``max_groups`` drops
-    candidates of more than that many D x K stage devices.
+    candidates of more than that many D x K stage devices. ``step_limit_s`` gives each candidate the
+    longest step it may take (what a limit on days or dollars allows it): a candidate is dropped as
+    soon as a lower bound of its step exceeds it, and after its simulation if the step does, so the
+    ranking stays exact among the plans within the limits.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
-    checkpoints = [c for c in checkpoints if c != "selective" or getattr(workload, "has_attention_core", False)]
+    checkpoints = distinct_policies(workload, checkpoints)
     started = time.perf_counter()
     table = CostTable(workload, system.device)
     unfit: list[PlanOption] = []
@@ -378,10 +391,13 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     if max_groups is not None:
         all_candidates = [c for c in all_candidates if c.stages * c.replicas <= max_groups]
     weigh = weight or (lambda _candidate: 1.0)
+    limit = step_limit_s or (lambda _candidate: float("inf"))
     bound_system = None if dp_overlap else system
     balanced = BalancedBounds(table, batch_size, bound_system, allreduce_link)
-    waiting = sorted(((balanced(c) * weigh(c), i, c) for i, c in enumerate(all_candidates)),
-                     key=lambda entry: entry[:2])
+    bounded = [(balanced(c), i, c) for i, c in enumerate(all_candidates)]
+    within = [(bound, i, c) for bound, i, c in bounded if bound <= limit(c)]
+    over_limit = len(bounded) - len(within)
+    waiting = sorted(((bound * weigh(c), i, c) for bound, i, c in within), key=lambda entry: entry[:2])
     partitions = Partitions(table, system, batch_size, partitioner)
     partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
     kept: list[tuple[float, int, PlanOption]] = []  # max-heap of the top fitting, by -step time
@@ -397,7 +413,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
             option.result = simulate_candidate(workload, system, option.partition, batch_size, option.candidate, table,
                                                allreduce_link=allreduce_link, dp_overlap=dp_overlap)
             simulated += 1
-            if option.result.fits:
+            if option.result.step_time_s > limit(option.candidate):
+                over_limit += 1
+            elif option.result.fits:
                 heapq.heappush(kept, (-option.score, index, option))
                 if len(kept) > top:
                     heapq.heappop(kept)
@@ -416,6 +434,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
                 unfit.append(PlanOption(candidate, None, float("inf")))
                 continue
             bound = lower_bound_s(table, batch_size, candidate, partition, bound_system, allreduce_link)
+            if bound > limit(candidate):
+                over_limit += 1
+                continue
             factor = weigh(candidate)
             heapq.heappush(partitioned, (bound * factor, index, PlanOption(candidate, partition, bound, weight=factor)))
         else:
@@ -425,4 +446,4 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
                                                                   o.candidate.stages))
     return SearchResult(ranked=ranked, candidates=len(all_candidates), simulated=simulated,
                         not_fitting=len(unfit), elapsed_s=time.perf_counter() - started,
-                        unfit_examples=unfit[:5], partitioned=examined)
+                        unfit_examples=unfit[:5], partitioned=examined, over_limit=over_limit)

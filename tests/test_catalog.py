@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 from sim.hardware import DEFAULT_EFFICIENCY, GB, INFINITY_FABRIC, NVLINK5, SYSTEMS, TERA, get_system
+from sim.allreduce import ring_allreduce_s
 from sim.engine import simulate
 from sim.models import get_workload
 from sim.plan_cli import efficiency_kind
@@ -108,3 +109,14 @@ def test_a_pipeline_inside_an_mi300x_node_sends_over_one_pairs_link():
               for name, records in sends.items()}
     assert len(sends["mesh"]) == len(sends["switch"]) == 3 * 8
     assert wire_s["mesh"] == pytest.approx(7 * wire_s["switch"], rel=1e-6)
+
+
+def test_a_collective_in_a_full_mesh_uses_the_links_among_its_members():
+    """Two MI300X share one 64 GB/s link, four use three each, eight use all seven; behind NVLink's
+    switch every group size gets the whole link."""
+    assert [INFINITY_FABRIC.collective_bytes_per_s(p) for p in (2, 4, 8)] == [64 * GB, 3 * 64 * GB, 7 * 64 * GB]
+    assert {NVLINK5.collective_bytes_per_s(p) for p in (2, 4, 8, 72)} == {900 * GB}
+    gigabyte = 1e9
+    two, eight = (ring_allreduce_s(gigabyte, p, INFINITY_FABRIC) for p in (2, 8))
+    assert two == pytest.approx(2 * 1 / 2 * gigabyte / (64 * GB) + 2 * INFINITY_FABRIC.latency_s)
+    assert eight == pytest.approx(2 * 7 / 8 * gigabyte / (448 * GB) + 14 * INFINITY_FABRIC.latency_s)

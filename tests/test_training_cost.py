@@ -87,7 +87,10 @@ def test_plan_over_several_systems_with_a_price(capsys):
 @pytest.mark.parametrize("flags,message", [
     (["--max-cost", "100"], "--max-cost needs --train-tokens"),
     (["--train-tokens", "1B", "--price-per-device-hour", "0.01", "--max-cost", "0.0001"],
-     "no plan costs at most $0: the cheapest ranked"),
+     "no plan trains 1e+09 tokens in at most $0.0001: the fastest, T="),
+    (["--train-tokens", "1B", "--max-days", "1e-9"], "no plan trains 1e+09 tokens in at most 1e-09 days: the fastest"),
+    (["--max-days", "3"], "--max-days needs --train-tokens"),
+    (["--train-tokens", "1B", "--max-days", "-1"], "--max-days -1.0 is not a positive number of days"),
     (["--hardware", "a100-nvlink,warp-drive"], "unknown hardware 'warp-drive'"),
     (["--train-tokens", "many"], "--train-tokens 'many' is not a positive number of tokens"),
     (["--max-devices", "0"], "--max-devices"),
@@ -100,3 +103,52 @@ def test_days_and_dollars_flags_refuse_in_one_line(flags, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_step_limit_keeps_the_ranking_exact_among_the_plans_within_it():
+    """What the bounded search ranks under a per-candidate step limit is what simulating every
+    candidate and dropping those over the limit gives."""
+    workload = get_workload("transformer", GPT)
+    system = get_system("a100-nvlink", 2)
+    kwargs = dict(replica_options=[1, 2, 4], weight=lambda c: c.stages * c.replicas * 3.0)
+    everything = search(workload, system, 32, [1, 2, 4], [1, 2, 4, 8], **kwargs, top=10_000).ranked
+    fastest = min(o.step_time_s for o in everything)
+
+    def limit(c):  # more devices may take less time each: a limit like a budget's
+        return 1.5 * fastest * 8 / (c.stages * c.replicas)
+
+    within = [o for o in everything if o.step_time_s <= limit(o.candidate)]
+    assert 0 < len(within) < len(everything)
+    limited = search(workload, system, 32, [1, 2, 4], [1, 2, 4, 8], **kwargs, top=3, step_limit_s=limit)
+    assert [o.score for o in limited.ranked] == pytest.approx(sorted(o.score for o in within)[:3], rel=1e-12)
+    assert limited.over_limit > 0
+
+
+def _plan_json(capsys, *flags):
+    args = ["plan", "--model", "transformer", *[f"--option={k}={v}" for k, v in GPT.items() if k != "precision"],
+            "--hardware", "a100-nvlink", "--nodes", "2", "--batch", "32", "--train-tokens", "20B", "--quiet",
+            "--json", *flags]
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_cheapest_plan_within_a_number_of_days(capsys):
+    free = _plan_json(capsys, "--rank-by", "cost", "--top", "1")
+    cheapest, fastest = free["cheapest"]["training"], free["fastest"]["training"]
+    assert fastest["days"] < cheapest["days"]
+    days = (fastest["days"] + cheapest["days"]) / 2
+    limited = _plan_json(capsys, "--rank-by", "cost", "--top", "5", "--max-days", str(days))
+    assert limited["limits"]["max_days"] == days and limited["limits"]["over_limit"] > 0
+    assert all(row["training"]["days"] <= days for row in limited["ranked"])
+    assert limited["ranked"][0]["training"]["cost"] >= cheapest["cost"]  # the limit costs something
+    assert limited["fastest"]["training"]["days"] == pytest.approx(fastest["days"])  # the fastest is within it
+
+
+def test_the_fastest_plan_within_a_budget(capsys):
+    free = _plan_json(capsys, "--top", "1")
+    cheapest, fastest = free["cheapest"]["training"], free["fastest"]["training"]
+    assert fastest["cost"] > cheapest["cost"]
+    budget = (fastest["cost"] + cheapest["cost"]) / 2
+    limited = _plan_json(capsys, "--top", "5", "--max-cost", str(budget))
+    assert all(row["training"]["cost"] <= budget for row in limited["ranked"])
+    assert limited["ranked"][0]["training"]["days"] >= fastest["days"]
