@@ -2,11 +2,12 @@
 
 "llama3-70b for 15T tokens, at most 1024 accelerators: which hardware and layout is cheapest, and
 which is fastest?" One ``gpipe plan`` command over several systems (pinned to one core with
-``taskset`` where the machine has it), at each system's on-demand list price from the catalog.
-Writes benchmarks/results/catalog_question.json with the wall time, the fastest and the cheapest
-plans and the top of the ranking.
+``taskset`` where the machine has it), at each system's on-demand list price from the catalog; then
+the same question with a deadline (``--max-days``), whose cheapest answer is one a team can use.
+Writes benchmarks/results/catalog_question.json with each command's wall time, the fastest and the
+cheapest plans and the top of the ranking.
 
-    .venv/bin/python benchmarks/catalog_question.py [--hardware a,b,c]
+    .venv/bin/python benchmarks/catalog_question.py [--hardware a,b,c] [--max-days 180]
 """
 
 from __future__ import annotations
@@ -40,9 +41,19 @@ def row(option: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hardware", default=HARDWARE)
-    hardware = parser.parse_args().hardware
+    parser.add_argument("--max-days", default="180")
+    args = parser.parse_args()
+    answers = [ask([*COMMAND, "--hardware", args.hardware]),
+               ask([*COMMAND, "--hardware", args.hardware, "--max-days", args.max_days])]
+    write_json_atomic(RESULTS, {"questions": answers,
+                                "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                                            "processor": platform.processor() or platform.machine()}})
+    return 0
+
+
+def ask(command: list[str]) -> dict:
+    """One command, timed on one core, and what it answered."""
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    command = [*COMMAND, "--hardware", hardware]
     started = time.perf_counter()
     proc = subprocess.run([*pin, sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True)
     wall_s = time.perf_counter() - started
@@ -53,9 +64,8 @@ def main() -> int:
               "candidates": report["candidates"], "simulated": report["simulated"],
               "fastest": row(report["fastest"]), "cheapest": row(report["cheapest"]),
               "ranked": [row(o) for o in report["ranked"]], "hardware": report["hardware"],
-              "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                          "processor": platform.processor() or platform.machine()}}
-    write_json_atomic(RESULTS, result)
+              "limits": report["limits"]}
+    print(result["command"])
     for label in ("fastest", "cheapest"):
         r = result[label]
         print(f"{label}: {r['hardware']} T={r['T']} D={r['D']} K={r['K']} V={r['V']} M={r['M']} {r['checkpoint']} "
@@ -63,7 +73,7 @@ def main() -> int:
               f"${r['cost_usd']:,.0f}")
     print(f"{report['candidates']} candidates over {len(report['hardware'])} systems, {report['simulated']} simulated, "
           f"{wall_s:.1f} s for the whole command")
-    return 0
+    return result
 
 
 if __name__ == "__main__":
