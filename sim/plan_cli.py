@@ -22,7 +22,7 @@ from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
-from sim.training_cost import SECONDS_PER_DAY
+from sim.training_cost import SECONDS_PER_DAY, format_token_count
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
 from sim.workload import check_checkpoint_for
@@ -254,7 +254,7 @@ def _nothing_within_limits(args: argparse.Namespace, inputs: list, checkpoints: 
     if "cost" in best:
         said.append(f"the cheapest, {_layout(best['cost'])} on {best['cost'].hardware}, costs "
                     f"{_dollars(best['cost'].cost.cost)}")
-    return (f"no plan trains {costing.train_tokens:.3g} tokens in {asked}: " + "; ".join(said or ["none fits"]) +
+    return (f"no plan trains {format_token_count(costing.train_tokens)} tokens in {asked}: " + "; ".join(said or ["none fits"]) +
             "; raise the limits, allow more devices (--max-devices) or try other --hardware")
 
 
@@ -424,14 +424,13 @@ def nodes_for(args: argparse.Namespace, hardware: str) -> int:
 
 
 def price_of(system, costing: Costing) -> float | None:
-    return costing.price_override if costing.price_override is not None else getattr(system, "price_per_device_hour",
-                                                                                      None)
+    return costing.price_override if costing.price_override is not None else system.price_per_device_hour
 
 
 def price_source(system, costing: Costing) -> str:
     if costing.price_override is not None:
         return "--price-per-device-hour"
-    return getattr(system, "price_source", "") or "no list price in the catalog"
+    return system.price_source or "no list price in the catalog"
 
 
 def efficiency_kind(system) -> str:

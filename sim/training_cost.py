@@ -83,3 +83,11 @@ def parse_token_count(text: str) -> float:
         raise GpipeInputError(f"--train-tokens {text!r} is not a positive number of tokens; give e.g. 15T, 300B or "
                               "2e12")
     return tokens
+
+
+def format_token_count(tokens: float) -> str:
+    """The short form people write: 15T, 300B, 1.5M (three significant digits)."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if tokens >= scale:
+            return f"{tokens / scale:.3g}{suffix}"
+    return f"{tokens:.3g}"

@@ -9,7 +9,7 @@ from sim.errors import GpipeInputError
 from sim.hardware import get_system
 from sim.models import get_workload
 from sim.planner import search
-from sim.training_cost import model_flops_per_token, parse_token_count, training_cost
+from sim.training_cost import format_token_count, model_flops_per_token, parse_token_count, training_cost
 
 GPT = {"layers": 8, "d_model": 768, "ff": 3072, "heads": 16, "seq": 512, "vocab": 5000, "precision": "bf16"}
 
@@ -35,9 +35,11 @@ def test_palms_model_flops_per_token():
     assert model_flops_per_token(o, params) == 6 * (params - embedding) + 12 * 8 * 768 * 512
 
 
-@pytest.mark.parametrize("text,tokens", [("15T", 15e12), ("300B", 300e9), ("2e12", 2e12), ("1500000", 1.5e6)])
-def test_token_counts(text, tokens):
+@pytest.mark.parametrize("text,tokens,short", [("15T", 15e12, "15T"), ("300B", 300e9, "300B"), ("2e12", 2e12, "2T"),
+                                               ("1500000", 1.5e6, "1.5M")])
+def test_token_counts(text, tokens, short):
     assert parse_token_count(text) == tokens
+    assert format_token_count(tokens) == short
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-3T", "0"])
@@ -87,8 +89,10 @@ def test_plan_over_several_systems_with_a_price(capsys):
 @pytest.mark.parametrize("flags,message", [
     (["--max-cost", "100"], "--max-cost needs --train-tokens"),
     (["--train-tokens", "1B", "--price-per-device-hour", "0.01", "--max-cost", "0.0001"],
-     "no plan trains 1e+09 tokens in at most $0.0001: the fastest, T="),
-    (["--train-tokens", "1B", "--max-days", "1e-9"], "no plan trains 1e+09 tokens in at most 1e-09 days: the fastest"),
+     "no plan trains 1B tokens in at most $0.0001: the fastest, T="),
+    (["--train-tokens", "1B", "--price-per-device-hour", "0.01", "--max-cost", "0.0001"],
+     "; the cheapest, T=1 D=1 K=1 V=1 M=1 on a100-nvlink, costs $0."),
+    (["--train-tokens", "1B", "--max-days", "1e-9"], "no plan trains 1B tokens in at most 1e-09 days: the fastest"),
     (["--max-days", "3"], "--max-days needs --train-tokens"),
     (["--train-tokens", "1B", "--max-days", "-1"], "--max-days -1.0 is not a positive number of days"),
     (["--hardware", "a100-nvlink,warp-drive"], "unknown hardware 'warp-drive'"),
