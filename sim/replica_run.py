@@ -143,12 +143,7 @@ class ReplicaRun:
                     if ready_s > t:
                         t = ready_s
                     cost = self.costs[self.rows[m]][s]
-                    if kind is Kind.FORWARD:
-                        duration = cost.forward_s
-                    elif kind is Kind.RECOMPUTE:
-                        duration = cost.recompute_s
-                    else:
-                        duration = backward_time_s(cost, self.checkpoint)
+                    duration = self._action_s(cost, kind)
                     stash, saved, transient = held_sizes(cost, self.checkpoint)
                     if kind is Kind.BACKWARD and transient:
                         self._hold(device, transient)
@@ -184,6 +179,14 @@ class ReplicaRun:
         arrival_s = self.links.reserve(link, key, now_s, nbytes)[1]
         return now_s + (arrival_s - now_s)  # as SimPy times the arrival: a timeout of the difference
 
+    def _action_s(self, cost, kind) -> float:
+        """Seconds one action of ``kind`` takes on a stage of ``cost``."""
+        if kind is Kind.FORWARD:
+            return cost.forward_s
+        if kind is Kind.RECOMPUTE:
+            return cost.recompute_s
+        return backward_time_s(cost, self.checkpoint)
+
     def _hold(self, device: int, delta: int) -> None:
         self.held_bytes[device] += delta
         if self.held_bytes[device] > self.peak_bytes[device]:
@@ -210,12 +213,7 @@ class ReplicaRun:
                 yield waiting_on
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
-            if kind is Kind.FORWARD:
-                duration = cost.forward_s
-            elif kind is Kind.RECOMPUTE:
-                duration = cost.recompute_s
-            else:
-                duration = backward_time_s(cost, self.checkpoint)
+            duration = self._action_s(cost, kind)
             stash, saved, transient = held_sizes(cost, self.checkpoint)
             if kind is Kind.BACKWARD and transient:
                 self._hold(device, transient)  # the layer being recomputed, on top of what is held
