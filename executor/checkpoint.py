@@ -26,6 +26,12 @@ the stage's shard and every replica loads it; with ``--zero 1`` the shard holds 
 consolidated from the whole data-parallel group (:mod:`executor.replicas`). A resume with another
 ``--replicas`` or ``--zero`` is refused with one line: a consolidated ZeRO state is not a plain
 optimizer's, and D changes the run's dropout draws, so neither would continue the same run exactly.
+
+With T tensor-parallel ranks per stage (:mod:`executor.tensor_parallel`) a shard still holds the
+whole stage in the model's own layout: its T ranks gather their parts, rank 0 writes. So a run
+saved at one T resumes at any other that divides the heads and FFN width (or at T = 1), with the
+same K: the values are the same, and the continued losses equal the uninterrupted run's to float
+rounding (row-parallel sums add in another order); at the same T they continue exactly.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Any
 
 import torch
 
-from executor import state_file
+from executor import state_file, tensor_parallel
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
 from sim.timeline import write_json_atomic
@@ -49,13 +55,26 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:06d}")
 
 
-def save_shard(root: str, step: int, stage: PipelineStage) -> None:
-    """Write ``stage``'s state after completing ``step`` (0-based) to its shard, atomically."""
+def save_shard(root: str, step: int, stage: PipelineStage, write: bool = True) -> None:
+    """Write ``stage``'s state after completing ``step`` (0-based) to its shard, atomically.
+
+    A tensor-parallel stage's state is gathered from its T ranks first, in the model's own layout
+    (:mod:`executor.tensor_parallel`): every one of them calls this, one (``write``) writes it."""
+    sharded = tensor_parallel.is_sharded(stage.module.parameters())
+    if sharded:
+        module_state = tensor_parallel.full_state_dict(stage.module)
+        optimizer_state = (tensor_parallel.full_optimizer_state(stage.module, stage.optimizer)
+                           if stage.optimizer is not None else None)
+    else:
+        module_state = stage.module.state_dict()
+        optimizer_state = stage.optimizer.state_dict() if stage.optimizer is not None else None
+    if not write:
+        return
     directory = step_dir(root, step)
     os.makedirs(directory, exist_ok=True)
     state: dict[str, Any] = {
-        "module": stage.module.state_dict(),
-        "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
+        "module": module_state,
+        "optimizer": optimizer_state,
         "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
         "cpu_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -104,9 +123,14 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
         raise GpipeInputError(f"checkpoint in {root!r} has {manifest['stages']} stages but the plan has "
                               f"{stage.config.stages}; resume with the same plan or a new --checkpoint-dir")
     state = state_file.load(shard_path(os.path.join(root, manifest["dir"]), stage.config.stage), stage.device)
-    stage.module.load_state_dict(state["module"])
-    if stage.optimizer is not None and state["optimizer"] is not None:
-        stage.optimizer.load_state_dict(state["optimizer"])
+    if tensor_parallel.is_sharded(stage.module.parameters()):  # the shard holds the whole stage: take this rank's part
+        tensor_parallel.load_full_state_dict(stage.module, state["module"])
+        if stage.optimizer is not None and state["optimizer"] is not None:
+            tensor_parallel.load_full_optimizer_state(stage.module, stage.optimizer, state["optimizer"])
+    else:
+        stage.module.load_state_dict(state["module"])
+        if stage.optimizer is not None and state["optimizer"] is not None:
+            stage.optimizer.load_state_dict(state["optimizer"])
     if stage.scheduler is not None and state.get("scheduler") is not None:
         stage.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["cpu_rng"])

@@ -67,6 +67,7 @@ class RunConfig:
     virtual_stages: int = 1  # V chunks per device (interleaved schedule); partition has V*K entries
     zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
     placement: str = DEFAULT_PLACEMENT  # sim.placement: which rank runs which replica's stage
+    tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.tensor_parallel)
 
     @property
     def stages(self) -> int:
@@ -75,8 +76,8 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        """D x K ranks."""
-        return self.replicas * self.stages
+        """D x K x T ranks."""
+        return self.replicas * self.stages * self.tensor_parallel
 
     def validate(self) -> "RunConfig":
         require_positive("steps", self.steps, "use --steps 1 or more")
@@ -101,6 +102,9 @@ class RunConfig:
 
         check_data_parallel(self)
         self.check_virtual_stages()
+        from executor.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(self.tensor_parallel, self.model, self.zero)
         return self
 
     def check_virtual_stages(self) -> None:
@@ -141,17 +145,13 @@ class RunConfig:
                     microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
                     hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer,
                     precision=self.precision, replicas=self.replicas, virtual_stages=self.virtual_stages,
-                    zero=self.zero, placement=self.placement)
+                    zero=self.zero, placement=self.placement, tensor_parallel=self.tensor_parallel)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
         """The plan's run (its optimizer too) with ``overrides``; the options that only told the
         simulator how to analyse the model (its dtype, optimizer state, sample shape) are not the
         model's and are dropped; the precision is the plan's own field."""
-        if plan.tensor_parallel > 1:
-            raise GpipeInputError(f"the plan splits each stage over {plan.tensor_parallel} devices (tensor_parallel), "
-                                  "which gpipe train does not run yet; plan again with --tensor-parallel-options 1 "
-                                  "for a plan it trains")
         if plan.context_parallel > 1:
             raise GpipeInputError(f"the plan splits each sequence over {plan.context_parallel} devices "
                                   "(context_parallel), which gpipe train does not run; plan again without "
@@ -167,6 +167,7 @@ class RunConfig:
                    predicted=dict(plan.predicted),
                    **{"precision": plan.precision, "replicas": plan.replicas,
                       "virtual_stages": plan.virtual_stages, "zero": plan.zero, "placement": plan.placement,
+                      "tensor_parallel": plan.tensor_parallel,
                       **settings})
 
     def to_dict(self) -> dict[str, Any]:

@@ -138,7 +138,8 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
             return mailboxes.endpoint(virtual_stage)
         return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks)
 
-    chunks = [make_stage(config, prepared, s, transport(s), device)
+    tp_mesh = layout.tp_mesh if layout is not None else None
+    chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh)
               for s in range(rank, len(config.partition), devices)]
     chunked = ChunkedDevice(chunks, recorder)
     chunked.reduce_shared = chunk_reducer(chunks, prepared.shared, shared)

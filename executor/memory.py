@@ -20,11 +20,14 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from executor.boundary import tensors
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    if isinstance(tensor, DTensor):  # a tensor-parallel shard: this rank's own storage
+        tensor = tensor.to_local()
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 

@@ -99,15 +99,21 @@ class CausalSelfAttention(nn.Module):
             raise GpipeInputError(f"kv_heads={kv_heads} does not divide heads={heads}; choose a divisor of heads "
                                   "(0: one per head)")
         self.heads, self.kv_heads = heads, kv_heads
-        self.kv_width = kv_heads * (d_model // heads)
+        self.head_dim = d_model // heads
+        self.kv_width = kv_heads * self.head_dim
         self.qkv = nn.Linear(d_model, d_model + 2 * self.kv_width)
         self.proj = nn.Linear(d_model, d_model)
         self.drop = nn.Dropout(dropout)
 
+    def split_heads(self, parts: int) -> None:
+        """Hold 1/``parts`` of the heads and key/value heads: this module's share under tensor
+        parallelism, whose QKV rows are in rank order (:mod:`executor.tensor_parallel`)."""
+        self.heads, self.kv_heads, self.kv_width = self.heads // parts, self.kv_heads // parts, self.kv_width // parts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, seq, d_model = x.shape
-        head_dim = d_model // self.heads
-        q, k, v = self.qkv(x).split([d_model, self.kv_width, self.kv_width], dim=2)
+        rows, seq, _ = x.shape
+        head_dim, q_width = self.head_dim, self.heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_width, self.kv_width, self.kv_width], dim=2)
         # (rows, heads, seq, head_dim)
         q = q.view(rows, seq, self.heads, head_dim).transpose(1, 2)
         k, v = (t.view(rows, seq, self.kv_heads, head_dim).transpose(1, 2) for t in (k, v))
@@ -120,7 +126,7 @@ class CausalSelfAttention(nn.Module):
             out = AttentionCore.apply(q, k, v, groups)
         else:
             out = attention_core(q, k, v, groups)
-        return self.drop(self.proj(out.transpose(1, 2).reshape(rows, seq, d_model)))
+        return self.drop(self.proj(out.transpose(1, 2).reshape(rows, seq, q_width)))
 
 
 class SquaredReLU(nn.Module):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 from sim.errors import GpipeInputError
@@ -123,11 +124,17 @@ def gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
 
 
 def squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared L2 norms of ``grads`` as a float64 scalar on ``device`` (0 when none)."""
+    """Sum of squared L2 norms of ``grads`` as a float64 scalar on ``device`` (0 when none). A
+    sharded gradient (:mod:`executor.tensor_parallel`) counts with its whole norm, on every rank."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).to(torch.float64)
+    norms = torch.stack([_whole(torch.linalg.vector_norm(g)) for g in grads]).to(torch.float64)
     return (norms * norms).sum()
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A norm as a plain tensor: a tensor-parallel gradient's (a DTensor) over all its shards, once."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

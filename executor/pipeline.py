@@ -35,6 +35,7 @@ from executor.shapes import dry_run
 from executor.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
                               reduce_in_process)
 from executor.stage import PipelineStage, StageConfig
+from executor.tensor_parallel import check_model, parallelize_stage
 from executor.transport import DistTransport, LocalMailboxes, Transport, boundary_groups
 from sim.errors import GpipeInputError
 from sim.plan import validate_partition
@@ -42,6 +43,8 @@ from sim.stage_costs import stage_bounds
 from sim.schedule import format_grid
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from executor.replicas import Layout
 
 
@@ -66,6 +69,7 @@ def prepare(config: RunConfig) -> Prepared:
                                      config.data or None)
     loss_fn = loss_function(loss)
     validate_partition(tuple(config.partition), len(model))
+    check_model(model, config.tensor_parallel)
     shared = find_shared(model, tuple(config.partition))
     check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
@@ -90,13 +94,18 @@ def stage_layers(config: RunConfig, prepared: Prepared, stage: int) -> nn.Sequen
 
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
-               device: torch.device = torch.device("cpu"), recorder: Recorder | None = None) -> PipelineStage:
+               device: torch.device = torch.device("cpu"), recorder: Recorder | None = None,
+               tp_mesh: "DeviceMesh | None" = None) -> PipelineStage:
+    """Stage ``stage`` with its first values; with ``tp_mesh`` (its T ranks) its layers sharded over
+    them (:mod:`executor.tensor_parallel`) before its optimizer is made."""
     stages = len(config.partition)  # virtual stages: K, or V*K under the interleaved schedule
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
                                microbatches=config.microbatches, schedule=config.schedule,
                                checkpoint=config.checkpoint, seed=config.seed, precision=config.precision,
                                virtual_stages=config.virtual_stages)
     module = stage_layers(config, prepared, stage)
+    if tp_mesh is not None:
+        parallelize_stage(module.to(device), tp_mesh)
     return PipelineStage(
         stage_config, module, transport, prepared.loss_fn,
         incoming=prepared.boundaries[stage] if stage > 0 else None,
@@ -120,7 +129,8 @@ def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: to
     groups = groups if groups is not None else boundary_groups(config.stages)
     shared_groups = layout.shared_groups if layout is not None else process_groups(prepared.shared)
     transport = DistTransport(rank, groups, device, pipeline_group, ranks)
-    stage = make_stage(config, prepared, rank, transport, device, recorder)
+    stage = make_stage(config, prepared, rank, transport, device, recorder,
+                       layout.tp_mesh if layout is not None else None)
     if any(rank in group.owners for group in prepared.shared):
         stage.reduce_shared = dist_reducer(rank, stage.module, prepared.shared, shared_groups)
     return stage

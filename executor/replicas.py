@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from executor.data import split
 from executor.optim import make_scheduler, optimizer_class_and_kwargs
@@ -71,7 +72,7 @@ from sim.placement import device_of, replica_and_stage
 from sim.schedule import Action, Kind
 from sim.timeline import DP_ALLREDUCE
 
-DP, PP = "dp", "pp"  # the mesh's dimension names: data-parallel, pipeline
+DP, PP, TP = "dp", "pp", "tp"  # the mesh's dimension names: data-parallel, pipeline, tensor-parallel
 BUCKET_BYTES = 25 * 2**20  # largest all-reduce message, as DDP's bucket_cap_mb default
 REPLICA_SEED = 0x5EED  # mixed with the replica into replica d > 0's dropout seed
 
@@ -85,6 +86,7 @@ class ReplicaSettings(Protocol):
     zero: int
     placement: str
     virtual_stages: int
+    tensor_parallel: int
 
     @property
     def stages(self) -> int: ...
@@ -134,6 +136,13 @@ class Layout:
     mesh: DeviceMesh
     boundary_groups: dict[tuple[int, str], dist.ProcessGroup]  # this replica's, as transport.boundary_groups
     shared_groups: list[dist.ProcessGroup | None]  # this replica's owners of each shared parameter (None: one rank)
+    tensor_parallel: int = 1  # T ranks per stage (executor.tensor_parallel)
+    tp_rank: int = 0  # t, this rank's place among them
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The T ranks of this stage (None with T = 1)."""
+        return self.mesh[TP] if self.tensor_parallel > 1 else None
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -169,35 +178,48 @@ def _device_of(group: dist.ProcessGroup) -> torch.device:
 
 
 def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: Sequence[SharedGroup]) -> Layout:
-    """The mesh and every replica's boundary and shared-parameter groups; this rank's layout.
+    """The mesh and every pipeline's boundary and shared-parameter groups; this rank's layout.
 
-    Collective: every rank calls it at the same point (``new_group`` is collective, and every rank
-    creates every replica's groups in the same order).
+    With T tensor-parallel ranks per stage the T ranks of a stage are consecutive (device
+    ``device_of(d, k) x T + t``, as the simulator places them), and tensor-parallel rank t of every
+    stage of a replica forms a pipeline of its own: its sends, receives and tied parameters go to
+    rank t of the other stages. Collective: every rank calls it at the same point (``new_group`` is
+    collective, and every rank creates every pipeline's groups in the same order).
     """
     replicas, stages, placement = config.replicas, config.stages, config.placement
+    parts = getattr(config, "tensor_parallel", 1)
     chunks = stages * config.virtual_stages  # virtual stages: chunk c of device k is c*K + k
-    replica, stage = replica_and_stage(rank, replicas, stages, placement)
-    grid = [[device_of(d, k, replicas, stages, placement) for k in range(stages)] for d in range(replicas)]
-    mesh = DeviceMesh(device_type, torch.tensor(grid, dtype=torch.int), mesh_dim_names=(DP, PP))
+    group_of_ranks, tp_rank = divmod(rank, parts)
+    replica, stage = replica_and_stage(group_of_ranks, replicas, stages, placement)
+    grid = [[[device_of(d, k, replicas, stages, placement) * parts + t for t in range(parts)] for k in range(stages)]
+            for d in range(replicas)]
+    if parts == 1:
+        mesh = DeviceMesh(device_type, torch.tensor(grid, dtype=torch.int)[..., 0], mesh_dim_names=(DP, PP))
+    else:
+        mesh = DeviceMesh(device_type, torch.tensor(grid, dtype=torch.int), mesh_dim_names=(DP, PP, TP))
     boundary: dict[tuple[int, str], dist.ProcessGroup] = {}
     shared_groups: list[dist.ProcessGroup | None] = []
-    for d, ranks in enumerate(grid):
-        # virtual boundary b joins the ranks of virtual stages b and b+1 (with K = 1 both are this
-        # rank, and chunks hand over in process)
-        for b in range(chunks - 1 if stages > 1 else 0):
-            for channel in (ACT, GRAD):
-                group = dist.new_group(sorted({ranks[b % stages], ranks[(b + 1) % stages]}))
-                if d == replica:
-                    boundary[(b, channel)] = group
-        groups = []
-        for g in shared:
-            owners = sorted({ranks[owner % stages] for owner in g.owners})
-            groups.append(dist.new_group(owners) if len(owners) > 1 else None)
-        if d == replica:
-            shared_groups = groups
+    for d in range(replicas):
+        for t in range(parts):
+            ranks = [grid[d][k][t] for k in range(stages)]
+            mine = d == replica and t == tp_rank
+            # virtual boundary b joins the ranks of virtual stages b and b+1 (with K = 1 both are this
+            # rank, and chunks hand over in process)
+            for b in range(chunks - 1 if stages > 1 else 0):
+                for channel in (ACT, GRAD):
+                    group = dist.new_group(sorted({ranks[b % stages], ranks[(b + 1) % stages]}))
+                    if mine:
+                        boundary[(b, channel)] = group
+            groups = []
+            for g in shared:
+                owners = sorted({ranks[owner % stages] for owner in g.owners})
+                groups.append(dist.new_group(owners) if len(owners) > 1 else None)
+            if mine:
+                shared_groups = groups
     rows = replica_rows(config.batch_size, replicas)[replica]
-    return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, tuple(grid[replica]),
-                  mesh, boundary, shared_groups)
+    stage_ranks = tuple(grid[replica][k][tp_rank] for k in range(stages))
+    return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, stage_ranks,
+                  mesh, boundary, shared_groups, parts, tp_rank)
 
 
 class GradientAverage:
@@ -234,7 +256,9 @@ class GradientAverage:
 
     def launch(self) -> None:
         self._close = self.recorder.open_span(DP_ALLREDUCE)
-        for bucket in self.buckets([p.grad for p in self.params if p.grad is not None]):
+        # a tensor-parallel gradient's shard: the same shard on every replica of this stage's rank t
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params if p.grad is not None]
+        for bucket in self.buckets(grads):
             flat = torch.cat([g.reshape(-1) for g in bucket]).mul_(self.weight)
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._pending.append((work, flat, bucket))  # type: ignore[arg-type]

@@ -115,11 +115,11 @@ def _save(config: RunConfig, stage: PipelineStage | ChunkedDevice, step: int, hi
     """Replica 0 of each stage writes its shards, one per (virtual) stage (with ZeRO, its optimizer
     state gathered first)."""
     replicas.consolidate(stage)
-    if layout.replica == 0:
+    if layout.replica == 0:  # a stage's T ranks gather its shards; rank t = 0 writes them
         for shard in shards(stage):
-            checkpoint.save_shard(config.checkpoint_dir, step, shard)
+            checkpoint.save_shard(config.checkpoint_dir, step, shard, write=layout.tp_rank == 0)
     dist.barrier()
-    if stage.is_last and layout.replica == 0:
+    if stage.is_last and layout.replica == 0 and layout.tp_rank == 0:
         checkpoint.write_manifest(config.checkpoint_dir, step, len(config.partition), history.losses,
                                   config.to_dict(), history.grad_norms)
 
@@ -129,7 +129,11 @@ def train(config: RunConfig) -> None:
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     if world != config.world_size:
         plan = f"{config.stages} stages" if config.replicas == 1 else \
-            f"{config.replicas} replicas x {config.stages} stages = {config.world_size} ranks"
+            f"{config.replicas} replicas x {config.stages} stages"
+        if config.tensor_parallel > 1:
+            plan += f" x {config.tensor_parallel} tensor-parallel ranks"
+        if config.world_size != config.stages:
+            plan += f" = {config.world_size} ranks"
         raise GpipeInputError(f"the plan has {plan} but torchrun started {world} processes; start exactly one "
                               f"process per stage (nnodes x nproc-per-node = {config.world_size})")
     device, backend = _setup_device(config, local_rank, local_world)
@@ -151,7 +155,7 @@ def train(config: RunConfig) -> None:
         step_ref = [start]
         stage.after_action = replicas.chain(_fault_hook(rank, step_ref), stage.after_action)
         first_step = start
-        reports = stage.is_last and layout.replica == 0  # prints the losses, keeps the history
+        reports = stage.is_last and layout.replica == 0 and layout.tp_rank == 0  # prints the losses, keeps the history
         for step in range(start, config.steps):
             step_ref[0] = step
             loss = train_step_with_data(config, stage, step, layout)
@@ -197,7 +201,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
         "peak_activation_bytes": stage.counter.peak_bytes,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "history": asdict(history) if history is not None else None,
-        "replica": layout.replica, "stage": layout.stage,
+        "replica": layout.replica, "stage": layout.stage, "tp": layout.tp_rank,
         "optimizer_state_bytes": replicas.optimizer_state_bytes(stage),
     }
     gathered: list[Any] = [None] * config.world_size if dist.get_rank() == 0 else []
@@ -214,6 +218,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
 
 
 def _report(config: RunConfig, gathered: list[Any], first_step: int, device: torch.device) -> dict[str, Any]:
+    gathered = [p for p in gathered if p["tp"] == 0]  # a stage's tensor-parallel rank 0 stands for its T ranks
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
     gathered = sorted(gathered, key=lambda p: (p["replica"], p["stage"]))  # replica 0's stages first
     timeline.meta.update({"model": config.model, "partition": list(config.partition),

@@ -129,3 +129,43 @@ def tied_lm_data(batch_size: int, step: int, seed: int) -> tuple[torch.Tensor, t
     """``--data`` for ``tied_lm``: a pure function of (seed, step)."""
     torch.manual_seed(seed * 1000 + step)
     return tied_lm_batch(batch_size)
+
+
+class SplitMixer(nn.Module):
+    """A residual MLP with its own tensor-parallel plan (executor.tensor_parallel's hook): the first
+    linear column-parallel, the second row-parallel."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.up = nn.Linear(d_model, 2 * d_model)
+        self.down = nn.Linear(2 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.ln(x))))
+
+    def tensor_parallel_plan(self, parts: int) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+class Replicated(nn.Module):
+    """Marks a wrapped layer as replicated over a stage's tensor-parallel ranks."""
+
+    def tensor_parallel_plan(self, parts: int) -> dict:
+        return {}
+
+
+class ReplicatedEmbedding(TokenEmbedding, Replicated):
+    pass
+
+
+class ReplicatedTiedHead(TiedHead, Replicated):
+    pass
+
+
+def tied_split_lm(vocab: int = 32, d_model: int = 16, blocks: int = 2) -> nn.Sequential:
+    """``tied_lm`` whose blocks split over tensor-parallel ranks by their own plan."""
+    embed = ReplicatedEmbedding(vocab, d_model)
+    return nn.Sequential(embed, *[SplitMixer(d_model) for _ in range(blocks)], ReplicatedTiedHead(embed.embedding))

@@ -184,14 +184,3 @@ def test_the_planner_searches_t_and_every_plan_fits_the_devices(capsys, tmp_path
     again = json.loads(out)
     assert again["step_time_s"] == pytest.approx(ranked[0]["step_time_s"], rel=1e-12)
     assert again["tensor_parallel"] == plan.tensor_parallel
-
-
-def test_gpipe_train_refuses_a_tensor_parallel_plan_in_one_line(capsys, tmp_path):
-    plan_path = tmp_path / "plan.json"
-    run_cli(capsys, "plan", "--model", "transformer", "--hardware", "a100-nvlink", "--tensor-parallel-options", "2",
-            "--microbatch-options", "2", "--quiet", "--out", str(plan_path))
-    code, _, err = run_cli(capsys, "train", "--plan", str(plan_path))
-    assert code == 2
-    assert err.strip().splitlines() == [
-        "gpipe: error: the plan splits each stage over 2 devices (tensor_parallel), which gpipe train does not run "
-        "yet; plan again with --tensor-parallel-options 1 for a plan it trains"]

@@ -1,0 +1,223 @@
+"""Tensor parallelism inside a pipeline stage, Megatron-style, on torch's DTensor.
+
+Each stage's T ranks hold one shard of every attention and MLP projection: the QKV projection and
+the MLP's first linear column-parallel (each rank computes its own heads and its own FFN units),
+the attention's output projection and the MLP's second linear row-parallel (a partial sum per rank
+that DTensor all-reduces), as Shoeybi et al. (2019) split them. torch's ``parallelize_module`` with
+``ColwiseParallel`` and ``RowwiseParallel`` shards the weights and runs the collectives; a stage's
+layers still take and return ordinary tensors, the same on its T ranks, so the pipeline's sends,
+receives and schedules do not change: tensor-parallel rank t of stage k talks to rank t of stage
+k + 1.
+
+Fused projections: the built-in transformer's QKV projection is one linear whose rows are
+[q | k | v], and the SwiGLU MLP's first linear's are [gate | value]. A plain row split would give
+rank 0 all of q; so before sharding the rows are put in rank order ([q_0 k_0 v_0 | q_1 k_1 v_1 |
+...]) and the split gives each rank its own heads of each. :func:`full_state_dict` undoes the order,
+so checkpoints hold the model's own layout (and resume under any T that divides the heads).
+
+Replicated on every rank of a stage: the embedding, the head (its logits feed the loss whole:
+vocabulary-parallel cross entropy is not used, so those two layers' memory and FLOPs are not split,
+where the simulator splits them), the layer norms and the row-parallel biases. Their gradients are
+equal on every rank (DTensor sums the column-parallel inputs' gradients), and the gradient norm
+counts them once (:func:`executor.optim.squared_norm`).
+
+A layer of a user's ``nn.Sequential`` takes part by defining ``tensor_parallel_plan(parts)``: it
+returns ``parallelize_module``'s plan for the layer (submodule name -> ``ParallelStyle``), ``{}`` to
+be replicated, and adapts the layer's own view of its shapes (heads per rank, say). A layer with
+parameters and no such method is refused in one line when T > 1.
+
+Limits (refused in one line until they are built): sequence parallelism (a plan's
+``sequence_parallel`` runs without it: the same arithmetic, more activation memory), ZeRO-1,
+Hugging Face models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from executor import hf
+from executor.models import Block, Embedding, Head
+from sim.errors import GpipeInputError
+
+TP = "tp"  # the mesh's tensor-parallel dimension
+ROW_ORDER = "_gpipe_tp_row_order"  # on a column-parallel linear whose fused rows were put in rank order
+HOOK = "tensor_parallel_plan"  # a user layer's own plan: tensor_parallel_plan(parts) -> {name: ParallelStyle}
+
+
+def check_tensor_parallel(parts: int, model_name: str, zero: int) -> None:
+    """What a run with T = ``parts`` needs of its settings, before any work; one line each."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise GpipeInputError(f"--tensor-parallel {parts!r} is not a positive integer; use 1 (none) or more")
+    if parts == 1:
+        return
+    if hf.is_hf(model_name):
+        raise GpipeInputError(f"--tensor-parallel {parts}: the executor splits the built-in transformer and layers "
+                              f"with a {HOOK}() method, not Hugging Face models yet; use --tensor-parallel 1")
+    if zero:
+        raise GpipeInputError(f"--tensor-parallel {parts} with --zero 1 is not supported yet; drop --zero or use "
+                              "--tensor-parallel 1")
+
+
+def check_model(model: nn.Sequential, parts: int) -> None:
+    """Every layer of ``model`` (on the meta device) has a plan for ``parts`` ranks: the built-in
+    transformer's heads, key/value heads and FFN width divide by it; a layer with parameters and no
+    plan is named."""
+    if parts == 1:
+        return
+    for index, layer in enumerate(model):
+        if isinstance(layer, Block):
+            attn, ff = layer.attn, layer.mlp[2].in_features
+            for name, value in (("heads", attn.heads), ("kv_heads", attn.kv_heads), ("ff", ff)):
+                if value % parts:
+                    raise GpipeInputError(f"--tensor-parallel {parts} does not divide {name}={value}: each rank holds "
+                                          f"whole heads, key/value heads and FFN units; use a T that divides "
+                                          f"heads={attn.heads}, kv_heads={attn.kv_heads} and ff={ff}")
+        elif not isinstance(layer, (Embedding, Head)) and not hasattr(layer, HOOK) \
+                and any(True for _ in layer.parameters()):
+            raise GpipeInputError(f"layer {index} ({type(layer).__name__}) has no tensor-parallel plan: give it a "
+                                  f"{HOOK}(parts) method (executor/tensor_parallel.py says how) or use "
+                                  "--tensor-parallel 1")
+
+
+def rank_order(sizes: list[int], parts: int) -> torch.Tensor:
+    """The row order that makes a contiguous split in ``parts`` give each part its share of every
+    segment of a fused projection whose segments have ``sizes`` rows."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.tensor([start + part * (size // parts) + row
+                         for part in range(parts) for start, size in zip(starts, sizes)
+                         for row in range(size // parts)], dtype=torch.long)
+
+
+def _rows_in_rank_order(linear: nn.Linear, sizes: list[int], parts: int) -> None:
+    order = rank_order(sizes, parts)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight[order])
+        if linear.bias is not None:
+            linear.bias.copy_(linear.bias[order])
+    setattr(linear, ROW_ORDER, order)
+
+
+def block_plan(block: Block, parts: int) -> dict[str, Any]:
+    """The built-in block's plan; its fused rows put in rank order and its attention left with
+    1/T of the heads."""
+    attn, fc1, fc2 = block.attn, block.mlp[0], block.mlp[2]
+    _rows_in_rank_order(attn.qkv, [attn.heads * attn.head_dim, attn.kv_width, attn.kv_width], parts)
+    if fc1.out_features == 2 * fc2.in_features:  # gated: [gate | value]
+        _rows_in_rank_order(fc1, [fc2.in_features, fc2.in_features], parts)
+    attn.split_heads(parts)
+    return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+
+
+def layer_plan(layer: nn.Module, parts: int) -> dict[str, Any]:
+    if hasattr(layer, HOOK):
+        return getattr(layer, HOOK)(parts)
+    if isinstance(layer, Block):
+        return block_plan(layer, parts)
+    return {}  # the embedding, the head and layers without parameters: replicated
+
+
+def parallelize_stage(module: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
+    """Shard ``module``'s layers over the ranks of the one-dimensional ``mesh`` (a stage's T ranks),
+    in place; every rank passes the same full values."""
+    parts = mesh.size()
+    if parts == 1:
+        return module
+    for layer in module:
+        plan = layer_plan(layer, parts)
+        if plan:
+            parallelize_module(layer, mesh, plan)
+    return module
+
+
+def _row_orders(module: nn.Module) -> dict[str, torch.Tensor]:
+    """State-dict name -> rank order, for the tensors whose rows were put in rank order."""
+    orders = {}
+    for name, sub in module.named_modules():
+        order = getattr(sub, ROW_ORDER, None)
+        if order is not None:
+            for tensor in ("weight", "bias"):
+                if getattr(sub, tensor, None) is not None:
+                    orders[f"{name}.{tensor}" if name else tensor] = order
+    return orders
+
+
+def _full(value: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    if order is None:
+        return full
+    restored = torch.empty_like(full)
+    restored[order.to(full.device)] = full
+    return restored
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict gathered from its T ranks, in the model's own row order. Collective
+    over the stage's tensor-parallel ranks."""
+    orders = _row_orders(module)
+    return {name: _full(value, orders.get(name)) for name, value in module.state_dict().items()}
+
+
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with each parameter's state gathered and in the model's row order
+    (as :func:`full_state_dict`). Collective over the stage's tensor-parallel ranks."""
+    state = optimizer.state_dict()
+    orders = _param_orders(module, optimizer)
+    state["state"] = {index: {key: _full(value, orders.get(index)) if torch.is_tensor(value) and value.dim() else
+                              (value.full_tensor() if isinstance(value, DTensor) else value)
+                              for key, value in entry.items()}
+                      for index, entry in state["state"].items()}
+    return state
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load what :func:`full_optimizer_state` gave (under any T) into this rank's optimizer."""
+    params = _indexed_params(optimizer)
+    orders = _param_orders(module, optimizer)
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        for key, value in list(entry.items()):
+            if torch.is_tensor(value) and value.dim() and isinstance(param, DTensor):
+                entry[key] = _shard_like(value, param, orders.get(int(index)))
+    optimizer.load_state_dict(state)
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict (the model's own row order) into ``module``'s shards."""
+    orders = _row_orders(module)
+    own = module.state_dict()
+    with torch.no_grad():
+        for name, target in own.items():
+            value = state[name]
+            if isinstance(target, DTensor):
+                target.to_local().copy_(_shard_like(value, target, orders.get(name)).to_local())
+            else:
+                target.copy_(value)
+
+
+def _shard_like(full: torch.Tensor, like: DTensor, order: torch.Tensor | None) -> DTensor:
+    if order is not None:
+        full = full[order.to(full.device)]
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements)
+
+
+def _indexed_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _param_orders(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """Optimizer state index -> rank order, for the parameters whose rows were put in rank order."""
+    by_name = _row_orders(module)
+    ids = {id(p): name for name, p in module.named_parameters()}
+    return {index: by_name[ids[id(p)]] for index, p in enumerate(_indexed_params(optimizer))
+            if ids.get(id(p)) in by_name}
+
+
+def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
+    return any(isinstance(t, DTensor) for t in tensors)
