@@ -104,7 +104,7 @@ class RunConfig:
         self.check_virtual_stages()
         from executor.tensor_parallel import check_tensor_parallel
 
-        check_tensor_parallel(self.tensor_parallel, self.model, self.zero)
+        check_tensor_parallel(self.tensor_parallel, self.zero)
         return self
 
     def check_virtual_stages(self) -> None:

@@ -122,6 +122,11 @@ class _Layer(nn.Module):
     def reset_parameters(self) -> None:
         self._initialiser(self)
 
+    def tensor_parallel_plan(self, parts: int) -> dict[str, Any]:
+        """Replicated over a stage's tensor-parallel ranks (:mod:`executor.tensor_parallel`): the
+        embeddings, the final norm and the head."""
+        return {}
+
 
 class Embedding(_Layer):
     """Token (and, for GPT-2, learned position) embeddings; rotary tables for Llama-style models."""
@@ -153,6 +158,18 @@ class DecoderLayer(_Layer):
         self.layer = layer
         self.config = config
 
+    def tensor_parallel_plan(self, parts: int) -> dict[str, Any]:
+        """Llama-style layers Megatron-style: q, k, v and the MLP's gate and up projections
+        column-parallel (whole heads and FFN units per rank; the attention reshapes to -1 heads, so it
+        runs on its share unchanged), the output and down projections row-parallel; norms replicated."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        check_tensor_parallel(self.family, self.config, parts)
+        column, row = ColwiseParallel(), RowwiseParallel()
+        return {"layer.self_attn.q_proj": column, "layer.self_attn.k_proj": column, "layer.self_attn.v_proj": column,
+                "layer.self_attn.o_proj": row, "layer.mlp.gate_proj": column, "layer.mlp.up_proj": column,
+                "layer.mlp.down_proj": row}
+
     def forward(self, value: dict[str, Any]) -> dict[str, Any]:
         hidden, position_ids = value["hidden_states"], value["position_ids"]
         mask = None  # sdpa without padding: causal attention through is_causal, as the model runs it
@@ -181,6 +198,22 @@ class Head(_Layer):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def check_tensor_parallel(family: str, config: Any, parts: int) -> None:
+    """What splitting a decoder layer over ``parts`` ranks needs; one line each."""
+    if family == "gpt2":
+        raise GpipeInputError(f"--tensor-parallel {parts}: GPT-2's fused attention projection (Conv1D c_attn) has no "
+                              "tensor-parallel plan yet; use --tensor-parallel 1, or a llama, mistral or qwen2 model")
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size}
+    for field, value in sizes.items():
+        if value % parts:
+            raise GpipeInputError(f"--tensor-parallel {parts} does not divide {field}={value}: each rank holds whole "
+                                  f"heads and FFN units; use a T that divides {', '.join(map(str, sizes.values()))}")
+    if getattr(config, "attention_dropout", 0.0):
+        raise GpipeInputError(f"--tensor-parallel {parts} with attention_dropout={config.attention_dropout}: the "
+                              "split heads would draw other masks than one process; set attention_dropout=0")
 
 
 def build(name: str, options: dict[str, Any]) -> nn.Sequential:

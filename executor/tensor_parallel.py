@@ -26,9 +26,12 @@ returns ``parallelize_module``'s plan for the layer (submodule name -> ``Paralle
 be replicated, and adapts the layer's own view of its shapes (heads per rank, say). A layer with
 parameters and no such method is refused in one line when T > 1.
 
+Hugging Face llama, mistral and qwen2 layers split the same way (:class:`executor.hf.DecoderLayer`
+says how); GPT-2's fused ``Conv1D`` attention projection has no plan yet and is refused.
+
 Limits (refused in one line until they are built): sequence parallelism (a plan's
 ``sequence_parallel`` runs without it: the same arithmetic, more activation memory), ZeRO-1,
-Hugging Face models.
+GPT-2.
 """
 
 from __future__ import annotations
@@ -50,15 +53,12 @@ ROW_ORDER = "_gpipe_tp_row_order"  # on a column-parallel linear whose fused row
 HOOK = "tensor_parallel_plan"  # a user layer's own plan: tensor_parallel_plan(parts) -> {name: ParallelStyle}
 
 
-def check_tensor_parallel(parts: int, model_name: str, zero: int) -> None:
+def check_tensor_parallel(parts: int, zero: int) -> None:
     """What a run with T = ``parts`` needs of its settings, before any work; one line each."""
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise GpipeInputError(f"--tensor-parallel {parts!r} is not a positive integer; use 1 (none) or more")
     if parts == 1:
         return
-    if hf.is_hf(model_name):
-        raise GpipeInputError(f"--tensor-parallel {parts}: the executor splits the built-in transformer and layers "
-                              f"with a {HOOK}() method, not Hugging Face models yet; use --tensor-parallel 1")
     if zero:
         raise GpipeInputError(f"--tensor-parallel {parts} with --zero 1 is not supported yet; drop --zero or use "
                               "--tensor-parallel 1")
@@ -78,6 +78,8 @@ def check_model(model: nn.Sequential, parts: int) -> None:
                     raise GpipeInputError(f"--tensor-parallel {parts} does not divide {name}={value}: each rank holds "
                                           f"whole heads, key/value heads and FFN units; use a T that divides "
                                           f"heads={attn.heads}, kv_heads={attn.kv_heads} and ff={ff}")
+        elif isinstance(layer, hf.DecoderLayer):
+            hf.check_tensor_parallel(layer.family, layer.config, parts)
         elif not isinstance(layer, (Embedding, Head)) and not hasattr(layer, HOOK) \
                 and any(True for _ in layer.parameters()):
             raise GpipeInputError(f"layer {index} ({type(layer).__name__}) has no tensor-parallel plan: give it a "

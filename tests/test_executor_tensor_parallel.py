@@ -39,11 +39,14 @@ FLAGS = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--cli
 def optimizer_flags(settings):
     return ["--optimizer", settings["optimizer"], "--lr", str(settings["lr"]), "--weight-decay",
             str(settings["weight_decay"]), "--clip-grad-norm", str(settings["clip_grad_norm"])]
+LLAMA = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 64, "vocab_size": 64, "seq": 16, "tie_word_embeddings": True}
 STEPS = 3
 
 
 def option_flags(options):
-    return [part for key, value in options.items() for part in ("--option", f"{key}={value}")]
+    return [part for key, value in options.items()
+            for part in ("--option", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
 
 
 def gpipe(*args, timeout=300):
@@ -73,12 +76,14 @@ def checkpoint_parameters(root, chunks):
     (2, 1, "interleaved", "selective", "transformer", ADAMW),
     (2, 2, "gpipe", "full", "transformer", SGD),
     (2, 1, "gpipe", "never", "tests.sample_models:tied_split_lm", ADAMW),  # a user's own plan, tied weights
+    (2, 1, "1f1b", "except_last", "hf:llama", ADAMW),  # grouped-query attention, tied embedding and head
 ])
 def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replicas, schedule, checkpoint, model,
                                                         optim):
     builtin = model == "transformer"
-    options = OPTIONS if builtin else {}
-    layers = 6 if builtin else 4
+    options = {"transformer": OPTIONS, "hf:llama": LLAMA}.get(model, {})
+    layers = {"transformer": 6, "hf:llama": 5}.get(model, 4)  # embedding, blocks (and final norm), head
+    builtin = builtin or model == "hf:llama"  # its own data
     chunks = 2 * stages if schedule == "interleaved" else stages
     partition = tuple([layers // chunks + (1 if i < layers % chunks else 0) for i in range(chunks)])
     data = [] if builtin else ["--data", "tests.sample_models:tied_lm_data", "--loss", "cross_entropy"]
@@ -138,11 +143,31 @@ def one_line_error(capsys, *argv):
      "--tensor-parallel 4 does not divide heads=6"),
     (["--model", "tests.sample_models:tied_lm", "--tensor-parallel", "2"],
      "layer 0 (TokenEmbedding) has no tensor-parallel plan: give it a tensor_parallel_plan(parts) method"),
-    (["--model", "hf:llama", "--option", "num_hidden_layers=2", "--tensor-parallel", "2"],
-     "not Hugging Face models yet"),
+    (["--model", "hf:gpt2", "--option", "n_layer=2", "--option", "n_embd=32", "--option", "n_head=4",
+      "--tensor-parallel", "2"], "GPT-2's fused attention projection (Conv1D c_attn) has no tensor-parallel plan"),
+    (["--model", "hf:llama", "--option", "num_hidden_layers=2", "--option", "hidden_size=48",
+      "--option", "num_attention_heads=6", "--option", "num_key_value_heads=3", "--option", "intermediate_size=64",
+      "--tensor-parallel", "2"], "--tensor-parallel 2 does not divide num_key_value_heads=3"),
     (["--model", "transformer", "--replicas", "2", "--zero", "1", "--batch", "8", "--tensor-parallel", "2"],
      "--tensor-parallel 2 with --zero 1 is not supported yet"),
     (["--model", "transformer", "--tensor-parallel", "0"], "tensor_parallel (T) must be a positive integer, got 0"),
 ])
 def test_tensor_parallel_refusals_are_one_line_before_any_worker(capsys, flags, message):
     assert message in one_line_error(capsys, "train", *flags, "--stages", "1", "--steps", "1")
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_plan_is_trained(tmp_path):
+    """What the planner proposes with T = 2 on this machine, gpipe train runs (without the plan's
+    sequence parallelism, which it says)."""
+    plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
+    planned = gpipe("plan", "--model", "transformer", *option_flags(OPTIONS), "--batch", "8", "--hardware", "cpu",
+                    "--tensor-parallel-options", "2", "--quiet", "--out", str(plan_path))
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(plan_path.read_text())
+    assert plan["tensor_parallel"] == 2 and plan["sequence_parallel"] is True
+    trained = gpipe("train", "--plan", str(plan_path), "--steps", "2", "--report", str(report_path))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "the plan's sequence parallelism is not in the executor yet: T=2 runs without it" in trained.stderr
+    report = json.loads(report_path.read_text())
+    assert report["config"]["tensor_parallel"] == 2 and len(report["losses"]) == 2
