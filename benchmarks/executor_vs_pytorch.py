@@ -60,12 +60,25 @@ SCALE_OUT_CONFIGS = [
     {"model": "mlp", "options": {"layers": 8, "width": 1024}, "replicas": 2, "stages": 2, "batch": 64,
      "microbatches": 4, "schedules": ["1f1b"]},
 ]
-CONFIG_SETS = {"pipeline": CONFIGS, "scale_out": SCALE_OUT_CONFIGS, "all": CONFIGS + SCALE_OUT_CONFIGS}
+# tensor parallelism inside each stage (D x K x T processes), against torch's pipelining composed with
+# DTensor tensor parallelism on the same (dp, pp, tp) mesh and the same layer plan
+TENSOR_CONFIGS = [
+    {"model": "transformer", "options": {"layers": 4, "d_model": 128, "ff": 512, "seq": 64},
+     "stages": 2, "tensor_parallel": 2, "batch": 16, "microbatches": 4, "schedules": ["gpipe", "1f1b"]},
+]
+CONFIG_SETS = {"pipeline": CONFIGS, "scale_out": SCALE_OUT_CONFIGS, "tensor": TENSOR_CONFIGS,
+               "all": CONFIGS + SCALE_OUT_CONFIGS + TENSOR_CONFIGS}
 
 
 def _shape(cfg: dict) -> tuple[int, int, int]:
     """(D, K, V) of a configuration."""
     return cfg.get("replicas", 1), cfg["stages"], cfg.get("virtual_stages", 1)
+
+
+def _processes(cfg: dict) -> int:
+    """D x K x T ranks."""
+    replicas, stages, _ = _shape(cfg)
+    return replicas * stages * cfg.get("tensor_parallel", 1)
 
 
 def _torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> None:
@@ -97,6 +110,8 @@ def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int
             argv += ["--replicas", str(replicas)]
         if virtual > 1:
             argv += ["--virtual-stages", str(virtual)]
+        if cfg.get("tensor_parallel", 1) > 1:
+            argv += ["--tensor-parallel", str(cfg["tensor_parallel"])]
         for key, value in cfg["options"].items():
             argv += ["--option", f"{key}={value}"]
         result = subprocess.run(argv, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
@@ -127,15 +142,15 @@ def run_pytorch(cfg: dict, schedule: str, steps: int, warmup: int, threads: int)
         path = os.path.join(tmp, "job.json")
         with open(path, "w") as handle:
             json.dump(job, handle)
-        replicas, stages, _ = _shape(cfg)
-        _torchrun(replicas * stages, [os.path.abspath(__file__), "--pytorch-worker", path], _env(threads))
+        _torchrun(_processes(cfg), [os.path.abspath(__file__), "--pytorch-worker", path], _env(threads))
         with open(job["out"]) as handle:
             return json.load(handle)["step_time_s"]
 
 
 def pytorch_worker(path: str) -> None:
-    """One rank of torch.distributed.pipelining (with DDP over the replicas) on the same model and
-    partition: rank d*K + k runs pipeline rank k of replica d, as ``gpipe train`` places them."""
+    """One rank of torch.distributed.pipelining (with DDP over the replicas, DTensor tensor
+    parallelism inside each stage) on the same model and partition: rank (d*K + k)*T + t runs
+    tensor-parallel rank t of pipeline rank k of replica d, as ``gpipe train`` places them."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -152,8 +167,12 @@ def pytorch_worker(path: str) -> None:
         job = json.load(handle)
     torch.set_num_threads(job["threads"])
     replicas, stages, virtual = _shape(job)
+    parts = job.get("tensor_parallel", 1)
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (replicas, stages), mesh_dim_names=("dp", "pp"))
+    if parts > 1:
+        mesh = init_device_mesh("cpu", (replicas, stages, parts), mesh_dim_names=("dp", "pp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (replicas, stages), mesh_dim_names=("dp", "pp"))
     replica, pipeline_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     model = build_model(job["model"], job["options"], 0)
     partition = even_partition(len(model), stages * virtual)
@@ -162,6 +181,10 @@ def pytorch_worker(path: str) -> None:
     for chunk in range(virtual):
         index = chunk * stages + pipeline_rank
         module = stage_module(model, partition, index)
+        if parts > 1:  # the layer plan gpipe train uses, applied by torch's parallelize_module
+            from executor.tensor_parallel import parallelize_stage
+
+            parallelize_stage(module, mesh["tp"])
         modules.append(module)
         if replicas > 1:
             module = DistributedDataParallel(module, process_group=mesh["dp"].get_group(), static_graph=job["schedule"] == "gpipe")
@@ -243,7 +266,8 @@ def main() -> int:
     rows = []
     for cfg in CONFIG_SETS[args.configs]:
         replicas, stages, virtual = _shape(cfg)
-        threads = max(1, cores // (replicas * stages))
+        parts, processes = cfg.get("tensor_parallel", 1), _processes(cfg)
+        threads = max(1, cores // processes)
         single_s = run_single(cfg, args.steps, args.warmup, cores)
         for schedule in cfg.get("schedules", ("gpipe", "1f1b")):
             reports, pytorch_runs = [], []
@@ -255,19 +279,19 @@ def main() -> int:
             pytorch_s = statistics.median(pytorch_runs)
             step_s = report["step_time_s"]
             row = {"model": cfg["model"], "options": cfg["options"], "D": replicas, "K": stages, "V": virtual,
-                   "M": cfg["microbatches"], "batch": cfg["batch"], "schedule": schedule,
-                   "processes": replicas * stages, "oversubscribed": replicas * stages > cores,
+                   "T": parts, "M": cfg["microbatches"], "batch": cfg["batch"], "schedule": schedule,
+                   "processes": processes, "oversubscribed": processes > cores,
                    "executor_step_s": step_s, "pytorch_step_s": pytorch_s, "single_process_step_s": single_s,
                    "speedup_vs_pytorch": pytorch_s / step_s,
                    "executor_rounds_s": [r["step_time_s"] for r in reports], "pytorch_rounds_s": pytorch_runs}
             bound_text = ""
-            if replicas == virtual == 1:
+            if replicas == virtual == parts == 1:
                 bounds = ideal(report, stages)
                 row.update(bounds, overhead_fraction=(step_s - bounds["bottleneck_bound_s"]) / step_s)
                 bound_text = (f"  ideal {bounds['ideal_balanced_s'] * 1e3:7.2f} ms  bound "
                               f"{bounds['bottleneck_bound_s'] * 1e3:7.2f} ms  overhead {row['overhead_fraction']:.1%}")
             rows.append(row)
-            print(f"{cfg['model']:12s} D={replicas} K={stages} V={virtual} M={cfg['microbatches']} {schedule:11s} "
+            print(f"{cfg['model']:12s} D={replicas} K={stages} V={virtual} T={parts} M={cfg['microbatches']} {schedule:11s} "
                   f"executor {step_s * 1e3:7.2f} ms  pytorch {pytorch_s * 1e3:7.2f} ms  "
                   f"x{row['speedup_vs_pytorch']:.2f}  single {single_s * 1e3:7.2f} ms{bound_text}", flush=True)
     import torch
