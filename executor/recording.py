@@ -22,9 +22,11 @@ from sim.timeline import MemorySample, Record, Timeline
 class Recorder:
     """Collects :class:`Record` spans and :class:`MemorySample` points of one stage."""
 
-    def __init__(self, stage: int, device: torch.device, origin_s: float | None = None, replica: int = 0) -> None:
+    def __init__(self, stage: int, device: torch.device, origin_s: float | None = None, replica: int = 0,
+                 tp: int = 0) -> None:
         self.stage = stage
         self.replica = replica  # which data-parallel copy of the pipeline (executor.replicas)
+        self.tp = tp  # which of the stage's tensor-parallel ranks (executor.tensor_parallel)
         self.cuda = device.type == "cuda"
         self.origin_s = time.perf_counter() if origin_s is None else origin_s
         self.timeline = Timeline(source="measured")
@@ -63,7 +65,7 @@ class Recorder:
         start_s = self.now_s()
         yield
         self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), self.step,
-                                            self.replica, virtual_stage))
+                                            self.replica, virtual_stage, self.tp))
 
     def open_span(self, kind: str, microbatch: int = -1) -> Callable[[], None]:
         """A span that starts now and ends when the returned function is called: for work that runs
@@ -82,14 +84,14 @@ class Recorder:
 
         def close() -> None:
             self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), step,
-                                                self.replica))
+                                                self.replica, None, self.tp))
 
         return close
 
     def memory(self, nbytes: int) -> None:
         """A memory sample; replica 0's only (a sample names its stage, not its replica; every rank's
         peak is in the report's ``ranks``)."""
-        if self.replica:
+        if self.replica or self.tp:
             return
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
@@ -107,7 +109,7 @@ class Recorder:
         for kind, microbatch, start, end, virtual_stage in self._events:
             self.timeline.records.append(Record(
                 self.stage, kind, microbatch, base_s + base_event.elapsed_time(start) / 1e3,
-                base_s + base_event.elapsed_time(end) / 1e3, self.step, self.replica, virtual_stage))
+                base_s + base_event.elapsed_time(end) / 1e3, self.step, self.replica, virtual_stage, self.tp))
         for event, nbytes in self._memory:
             self.timeline.memory.append(
                 MemorySample(self.stage, base_s + base_event.elapsed_time(event) / 1e3, nbytes))

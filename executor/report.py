@@ -59,7 +59,7 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
     busy: dict[tuple[int, int, int], float] = defaultdict(float)  # (replica, stage, step)
     durations: dict[tuple[int, int, str, int], list[float]] = defaultdict(list)  # (stage, virtual, kind, m)
     for r in timeline.records:
-        if r.step not in measured:
+        if r.step not in measured or r.tp:  # a stage's figures are its tensor-parallel rank 0's
             continue
         if r.kind in ("F", "R", "B", OPTIMIZER):
             busy[(r.replica, r.stage, r.step)] += r.duration_s

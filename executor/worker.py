@@ -144,7 +144,7 @@ def train(config: RunConfig) -> None:
         nodes.check_same_settings(views)
         writers = nodes.output_writers(views)
         layout = replicas.build_layout(config, rank, device.type, prepared.shared)
-        recorder = Recorder(layout.stage, device, replica=layout.replica)
+        recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank)
         make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage
         stage = make(config, prepared, rank, device, recorder, layout=layout)
         replicas.attach(stage, layout)
@@ -218,8 +218,8 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
 
 
 def _report(config: RunConfig, gathered: list[Any], first_step: int, device: torch.device) -> dict[str, Any]:
-    gathered = [p for p in gathered if p["tp"] == 0]  # a stage's tensor-parallel rank 0 stands for its T ranks
-    timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
+    timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)  # a row per rank
+    gathered = [p for p in gathered if p["tp"] == 0]  # a stage's figures: its tensor-parallel rank 0's
     gathered = sorted(gathered, key=lambda p: (p["replica"], p["stage"]))  # replica 0's stages first
     timeline.meta.update({"model": config.model, "partition": list(config.partition),
                           "microbatches": config.microbatches, "schedule": config.schedule,

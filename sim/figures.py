@@ -32,7 +32,7 @@ KIND_ORDER = ["F", "R", "B", "allreduce_shared", "allreduce_dp", "optimizer", "o
 
 def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: str,
                          show_legend: bool) -> None:
-    replicas = timeline.replicas
+    replicas, parts = timeline.replicas, timeline.tensor_parallel
     for kind in KIND_ORDER:
         records = [r for r in timeline.records if r.kind == kind]
         if not records:
@@ -42,7 +42,7 @@ def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: st
             orientation="h",
             base=[r.start_s * 1e3 for r in records],
             x=[max(r.duration_s, 0.0) * 1e3 for r in records],
-            y=[f"{label}{row_name(r.replica, r.stage, replicas)}" for r in records],
+            y=[f"{label}{row_name(r.replica, r.stage, replicas, r.tp, parts)}" for r in records],
             width=0.35 if comm else 0.8,
             offset=0.05 if comm else -0.4,
             marker_color=KIND_COLOURS[kind],

@@ -58,6 +58,7 @@ class Record(NamedTuple):
     step: int = 0
     replica: int = 0  # which of D data-parallel copies of the pipeline (0 with one)
     virtual_stage: int | None = None
+    tp: int = 0  # which of the stage's T tensor-parallel ranks (0 with one; the simulator's device is the group)
 
     @property
     def duration_s(self) -> float:
@@ -95,9 +96,10 @@ class Timeline:
         return [r for r in self.records if r.kind in ("F", "R", "B")]
 
     def busy_s(self, stage: int) -> float:
-        """Seconds ``stage`` spent computing (forward, recompute, backward, optimizer)."""
+        """Seconds ``stage`` spent computing (forward, recompute, backward, optimizer); a
+        tensor-parallel stage's rank 0 stands for it."""
         return sum(r.duration_s for r in self.records
-                   if r.stage == stage and r.kind in ("F", "R", "B", OPTIMIZER))
+                   if r.stage == stage and not r.tp and r.kind in ("F", "R", "B", OPTIMIZER))
 
     def peak_memory_bytes(self, stage: int) -> int:
         return max((s.bytes for s in self.memory if s.stage == stage), default=0)
@@ -124,18 +126,25 @@ class Timeline:
         """D, data-parallel copies of the pipeline the timeline holds (1 for one pipeline)."""
         return max((r.replica for r in self.records), default=0) + 1
 
+    @property
+    def tensor_parallel(self) -> int:
+        """T, tensor-parallel ranks per stage the timeline has rows for (1 without)."""
+        return max((r.tp for r in self.records), default=0) + 1
+
     def to_chrome_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON: one thread per stage (per replica and stage with several
-        replicas: thread d*K + k); opens in Perfetto and chrome://tracing."""
+        replicas: thread d*K + k; times T plus t per tensor-parallel rank); opens in Perfetto and
+        chrome://tracing."""
         pid = 0
         events: list[dict[str, Any]] = [
             {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"gpipe ({self.source})"}}
         ]
-        stages, replicas = self.stages, self.replicas
+        stages, replicas, parts = self.stages, self.replicas, self.tensor_parallel
         for replica in range(replicas):
             for stage in range(stages):
-                events.append({"ph": "M", "pid": pid, "tid": replica * stages + stage, "name": "thread_name",
-                               "args": {"name": row_name(replica, stage, replicas)}})
+                for tp in range(parts):
+                    events.append({"ph": "M", "pid": pid, "tid": (replica * stages + stage) * parts + tp,
+                                   "name": "thread_name", "args": {"name": row_name(replica, stage, replicas, tp, parts)}})
         for r in self.records:
             label = KIND_NAMES.get(r.kind, r.kind)
             name = f"{label} {r.microbatch}" if r.microbatch >= 0 else label
@@ -144,11 +153,12 @@ class Timeline:
                 name += f" (virtual stage {r.virtual_stage})"
                 args["virtual_stage"] = r.virtual_stage
             events.append({
-                "ph": "X", "pid": pid, "tid": r.replica * stages + r.stage, "name": name, "cat": r.kind,
+                "ph": "X", "pid": pid, "tid": (r.replica * stages + r.stage) * parts + r.tp, "name": name, "cat": r.kind,
                 "ts": r.start_s * 1e6, "dur": max(r.duration_s, 0.0) * 1e6, "args": args,
             })
         for s in self.memory:
-            events.append({"ph": "C", "pid": pid, "tid": s.stage, "name": f"memory {row_name(0, s.stage, replicas)}",
+            events.append({"ph": "C", "pid": pid, "tid": s.stage * parts,
+                           "name": f"memory {row_name(0, s.stage, replicas, 0, parts)}",
                            "ts": s.time_s * 1e6, "args": {"bytes": s.bytes}})
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"meta": self.meta}}
 
@@ -156,9 +166,11 @@ class Timeline:
         write_json_atomic(path, self.to_chrome_trace())
 
 
-def row_name(replica: int, stage: int, replicas: int) -> str:
-    """A stage row's label: ``stage k``, or ``replica d stage k`` when there are several replicas."""
-    return f"replica {replica} stage {stage}" if replicas > 1 else f"stage {stage}"
+def row_name(replica: int, stage: int, replicas: int, tp: int = 0, parts: int = 1) -> str:
+    """A stage row's label: ``stage k``, or ``replica d stage k`` when there are several replicas,
+    with `` tp t`` when the stage has several tensor-parallel ranks."""
+    name = f"replica {replica} stage {stage}" if replicas > 1 else f"stage {stage}"
+    return f"{name} tp {tp}" if parts > 1 else name
 
 
 def _fields(record: Record) -> dict[str, Any]:
@@ -169,6 +181,8 @@ def _fields(record: Record) -> dict[str, Any]:
         del data["replica"]
     if data["virtual_stage"] is None:
         del data["virtual_stage"]
+    if not data["tp"]:
+        del data["tp"]
     return data
 
 
@@ -179,7 +193,7 @@ def merge(timelines: Iterable[Timeline], source: str = "measured") -> Timeline:
         merged.records.extend(t.records)
         merged.memory.extend(t.memory)
         merged.meta.update(t.meta)
-    merged.records.sort(key=lambda r: (r.start_s, r.replica, r.stage))
+    merged.records.sort(key=lambda r: (r.start_s, r.replica, r.stage, r.tp))
     merged.memory.sort(key=lambda s: (s.time_s, s.stage))
     return merged
 

@@ -87,12 +87,12 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
     chunks = 2 * stages if schedule == "interleaved" else stages
     partition = tuple([layers // chunks + (1 if i < layers % chunks else 0) for i in range(chunks)])
     data = [] if builtin else ["--data", "tests.sample_models:tied_lm_data", "--loss", "cross_entropy"]
-    root, report_path = tmp_path / "ck", tmp_path / "r.json"
+    root, report_path, trace_path = tmp_path / "ck", tmp_path / "r.json", tmp_path / "t.json"
     result = gpipe("train", "--model", model, *option_flags(options), *data, *optimizer_flags(optim), "--partition",
                    ",".join(map(str, partition)), "--stages", str(stages), "--replicas", str(replicas),
                    "--tensor-parallel", "2", "--schedule", schedule, "--checkpoint", checkpoint, "--batch", "8",
                    "--microbatches", "4", "--steps", str(STEPS), "--save-every", str(STEPS), "--checkpoint-dir",
-                   str(root), "--report", str(report_path))
+                   str(root), "--report", str(report_path), "--trace", str(trace_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("gpipe: step 0 loss") == 1  # one rank of 2 x K x D prints
     report = json.loads(report_path.read_text())
@@ -109,6 +109,13 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
     for name, value in expected.items():
         torch.testing.assert_close(parameters[name], value, rtol=1e-5, atol=atol, msg=name)
     assert report["config"]["tensor_parallel"] == 2
+    # a timeline row per rank: every (replica, stage, tensor-parallel rank) ran forwards and backwards
+    rows = {(r.get("replica", 0), r["stage"], r.get("tp", 0)) for r in report["timeline"]["records"] if r["kind"] == "F"}
+    assert rows == {(d, k, t) for d in range(replicas) for k in range(stages) for t in range(2)}
+    names = {e["args"]["name"] for e in json.loads(trace_path.read_text())["traceEvents"]
+             if e.get("name") == "thread_name"}
+    assert f"stage {stages - 1} tp 1" in " ".join(names)
+    assert len(report["stages"]) == stages  # a stage's figures: its rank 0's
 
 
 @pytest.mark.slow
