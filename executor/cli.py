@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tensor.add_argument("--tensor-parallel", type=int, metavar="T",
                         help="T ranks per stage, each layer's attention heads and MLP split over them "
                              "Megatron-style on DTensor (default: the plan's, else 1)")
+    tensor.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="with T > 1, the built-in transformer's norms and residual stream split along the "
+                             "sequence over the T ranks (default: the plan's, else off)")
     how = parser.add_argument_group("how to train")
     how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
     add_optimizer_argument(how, recorded="the plan's")
@@ -148,9 +151,6 @@ def config_from_args(args: argparse.Namespace):
     if args.plan:
         plan = load_plan(args.plan)
         config = RunConfig.from_plan(plan, **extra)  # drops the analysis options
-        if plan.sequence_parallel and plan.tensor_parallel > 1:
-            print(f"gpipe: the plan's sequence parallelism is not in the executor yet: T={plan.tensor_parallel} runs "
-                  "without it (the same arithmetic; more activation memory than the plan predicts)", file=sys.stderr)
     else:
         if not args.model:
             raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")
@@ -165,9 +165,11 @@ def config_from_args(args: argparse.Namespace):
     ref = model_ref(config.model, config.options, config.seed)
     config.options = dict(ref.options)
     for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "placement",
-                 "tensor_parallel"):
+                 "tensor_parallel", "sequence_parallel"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
+    if config.tensor_parallel == 1 and args.sequence_parallel is None:
+        config.sequence_parallel = False  # a plan's, dropped with its tensor parallelism
     if args.virtual_stages is None and config.schedule == "interleaved" and config.virtual_stages == 1:
         config.virtual_stages = 2  # as gpipe simulate defaults it (sim.cli_options.virtual_stages_of)
     check_virtual_stages(config.schedule, config.virtual_stages)

@@ -68,6 +68,7 @@ class RunConfig:
     zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
     placement: str = DEFAULT_PLACEMENT  # sim.placement: which rank runs which replica's stage
     tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.tensor_parallel)
+    sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
 
     @property
     def stages(self) -> int:
@@ -104,7 +105,7 @@ class RunConfig:
         self.check_virtual_stages()
         from executor.tensor_parallel import check_tensor_parallel
 
-        check_tensor_parallel(self.tensor_parallel, self.zero)
+        check_tensor_parallel(self.tensor_parallel, self.zero, self.sequence_parallel)
         return self
 
     def check_virtual_stages(self) -> None:
@@ -145,7 +146,8 @@ class RunConfig:
                     microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
                     hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer,
                     precision=self.precision, replicas=self.replicas, virtual_stages=self.virtual_stages,
-                    zero=self.zero, placement=self.placement, tensor_parallel=self.tensor_parallel)
+                    zero=self.zero, placement=self.placement, tensor_parallel=self.tensor_parallel,
+                    sequence_parallel=self.sequence_parallel)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
@@ -168,6 +170,7 @@ class RunConfig:
                    **{"precision": plan.precision, "replicas": plan.replicas,
                       "virtual_stages": plan.virtual_stages, "zero": plan.zero, "placement": plan.placement,
                       "tensor_parallel": plan.tensor_parallel,
+                      "sequence_parallel": plan.sequence_parallel and plan.tensor_parallel > 1,
                       **settings})
 
     def to_dict(self) -> dict[str, Any]:

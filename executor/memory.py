@@ -20,14 +20,15 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from executor.boundary import tensors
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    if isinstance(tensor, DTensor):  # a tensor-parallel shard: this rank's own storage
-        tensor = tensor.to_local()
+    while is_traceable_wrapper_subclass(tensor):  # a DTensor shard, a collective's pending result: its own tensor
+        names, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, names[0])
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 

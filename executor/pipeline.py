@@ -69,7 +69,7 @@ def prepare(config: RunConfig) -> Prepared:
                                      config.data or None)
     loss_fn = loss_function(loss)
     validate_partition(tuple(config.partition), len(model))
-    check_model(model, config.tensor_parallel)
+    check_model(model, config.tensor_parallel, config.sequence_parallel)
     shared = find_shared(model, tuple(config.partition))
     check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
@@ -105,7 +105,7 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
                                virtual_stages=config.virtual_stages)
     module = stage_layers(config, prepared, stage)
     if tp_mesh is not None:
-        parallelize_stage(module.to(device), tp_mesh)
+        parallelize_stage(module.to(device), tp_mesh, config.sequence_parallel)
     return PipelineStage(
         stage_config, module, transport, prepared.loss_fn,
         incoming=prepared.boundaries[stage] if stage > 0 else None,

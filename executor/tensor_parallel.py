@@ -29,9 +29,14 @@ parameters and no such method is refused in one line when T > 1.
 Hugging Face llama, mistral and qwen2 layers split the same way (:class:`executor.hf.DecoderLayer`
 says how); GPT-2's fused ``Conv1D`` attention projection has no plan yet and is refused.
 
-Limits (refused in one line until they are built): sequence parallelism (a plan's
-``sequence_parallel`` runs without it: the same arithmetic, more activation memory), ZeRO-1,
-GPT-2.
+Sequence parallelism (``--sequence-parallel``, the built-in transformer, as Korthikanti et al.
+2022): inside a stage's run of blocks the residual stream and the norms hold 1/T of the tokens per
+rank (all-gathered before each column-parallel projection, reduce-scattered after each row-parallel
+one); the run takes its input whole and gives its output whole, so stage boundaries carry the
+whole activation (Megatron's scatter-gather of the send is not done).
+
+Limits (refused in one line until they are built): ZeRO-1, GPT-2, sequence parallelism for other
+models or with dropout.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from executor import hf
 from executor.models import Block, Embedding, Head
@@ -53,10 +59,13 @@ ROW_ORDER = "_gpipe_tp_row_order"  # on a column-parallel linear whose fused row
 HOOK = "tensor_parallel_plan"  # a user layer's own plan: tensor_parallel_plan(parts) -> {name: ParallelStyle}
 
 
-def check_tensor_parallel(parts: int, zero: int) -> None:
+def check_tensor_parallel(parts: int, zero: int, sequence_parallel: bool = False) -> None:
     """What a run with T = ``parts`` needs of its settings, before any work; one line each."""
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise GpipeInputError(f"--tensor-parallel {parts!r} is not a positive integer; use 1 (none) or more")
+    if sequence_parallel and parts == 1:
+        raise GpipeInputError("--sequence-parallel splits the sequence over a stage's tensor-parallel ranks; add "
+                              "--tensor-parallel 2 or more, or drop --sequence-parallel")
     if parts == 1:
         return
     if zero:
@@ -64,12 +73,25 @@ def check_tensor_parallel(parts: int, zero: int) -> None:
                               "--tensor-parallel 1")
 
 
-def check_model(model: nn.Sequential, parts: int) -> None:
+def check_model(model: nn.Sequential, parts: int, sequence_parallel: bool = False) -> None:
     """Every layer of ``model`` (on the meta device) has a plan for ``parts`` ranks: the built-in
     transformer's heads, key/value heads and FFN width divide by it; a layer with parameters and no
-    plan is named."""
+    plan is named. Sequence parallelism: the built-in transformer only, its sequence dividing by T,
+    without dropout (a rank's share of the tokens would draw other masks than one process)."""
     if parts == 1:
         return
+    if sequence_parallel:
+        embedding = next((layer for layer in model if isinstance(layer, Embedding)), None)
+        if embedding is None or any(not isinstance(layer, (Embedding, Block, Head)) for layer in model):
+            raise GpipeInputError("--sequence-parallel splits the built-in transformer's blocks; drop it for other "
+                                  "models (tensor parallelism alone runs them)")
+        seq = embedding.position.num_embeddings
+        if seq % parts:
+            raise GpipeInputError(f"--sequence-parallel with --tensor-parallel {parts} does not divide seq={seq}; "
+                                  f"use a T that divides {seq}")
+        if embedding.drop.p:
+            raise GpipeInputError(f"--sequence-parallel with dropout={embedding.drop.p}: each rank's share of the "
+                                  "tokens would draw other masks than one process; set dropout=0")
     for index, layer in enumerate(model):
         if isinstance(layer, Block):
             attn, ff = layer.attn, layer.mlp[2].in_features
@@ -105,36 +127,54 @@ def _rows_in_rank_order(linear: nn.Linear, sizes: list[int], parts: int) -> None
     setattr(linear, ROW_ORDER, order)
 
 
-def block_plan(block: Block, parts: int) -> dict[str, Any]:
+def block_plan(block: Block, parts: int, sequence_parallel: bool = False) -> dict[str, Any]:
     """The built-in block's plan; its fused rows put in rank order and its attention left with
-    1/T of the heads."""
+    1/T of the heads. With ``sequence_parallel`` the residual stream between the projections is
+    split along the sequence (Korthikanti et al. 2022): the norms run on each rank's share of the
+    tokens, the column-parallel inputs are all-gathered and the row-parallel outputs
+    reduce-scattered (DTensor's ``SequenceParallel`` and the styles' layouts)."""
     attn, fc1, fc2 = block.attn, block.mlp[0], block.mlp[2]
     _rows_in_rank_order(attn.qkv, [attn.heads * attn.head_dim, attn.kv_width, attn.kv_width], parts)
     if fc1.out_features == 2 * fc2.in_features:  # gated: [gate | value]
         _rows_in_rank_order(fc1, [fc2.in_features, fc2.in_features], parts)
     attn.split_heads(parts)
-    return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    if not sequence_parallel:
+        return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    tokens = Shard(1)
+    return {"ln1": SequenceParallel(), "attn.qkv": ColwiseParallel(input_layouts=tokens),
+            "attn.proj": RowwiseParallel(output_layouts=tokens), "ln2": SequenceParallel(),
+            "mlp.0": ColwiseParallel(input_layouts=tokens), "mlp.2": RowwiseParallel(output_layouts=tokens)}
 
 
-def layer_plan(layer: nn.Module, parts: int) -> dict[str, Any]:
+def layer_plan(layer: nn.Module, parts: int, sequence_parallel: bool = False) -> dict[str, Any]:
     if hasattr(layer, HOOK):
         return getattr(layer, HOOK)(parts)
     if isinstance(layer, Block):
-        return block_plan(layer, parts)
+        return block_plan(layer, parts, sequence_parallel)
     return {}  # the embedding, the head and layers without parameters: replicated
 
 
-def parallelize_stage(module: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
+def parallelize_stage(module: nn.Sequential, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Sequential:
     """Shard ``module``'s layers over the ranks of the one-dimensional ``mesh`` (a stage's T ranks),
-    in place; every rank passes the same full values."""
+    in place; every rank passes the same full values. With ``sequence_parallel`` the stage's run of
+    blocks takes its input whole (every rank keeps its share of the tokens) and gives its output
+    whole (an all-gather), so what crosses a stage boundary is the same as without it."""
     parts = mesh.size()
     if parts == 1:
         return module
     for layer in module:
-        plan = layer_plan(layer, parts)
+        plan = layer_plan(layer, parts, sequence_parallel)
         if plan:
             parallelize_module(layer, mesh, plan)
+    blocks = [layer for layer in module if isinstance(layer, Block)]
+    if sequence_parallel and blocks:
+        whole, tokens = Replicate(), Shard(1)
+        parallelize_module(blocks[0], mesh, PrepareModuleInput(input_layouts=(whole,), desired_input_layouts=(tokens,),
+                                                               use_local_output=True))
+        parallelize_module(blocks[-1], mesh, PrepareModuleOutput(output_layouts=(tokens,),
+                                                                 desired_output_layouts=(whole,),
+                                                                 use_local_output=True))
     return module
 
 

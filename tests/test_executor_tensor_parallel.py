@@ -70,16 +70,17 @@ def checkpoint_parameters(root, chunks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages,replicas,schedule,checkpoint,model,optim", [
-    (1, 1, "gpipe", "except_last", "transformer", SGD),
-    (2, 1, "1f1b", "always", "transformer", ADAMW),
-    (2, 1, "interleaved", "selective", "transformer", ADAMW),
-    (2, 2, "gpipe", "full", "transformer", SGD),
-    (2, 1, "gpipe", "never", "tests.sample_models:tied_split_lm", ADAMW),  # a user's own plan, tied weights
-    (2, 1, "1f1b", "except_last", "hf:llama", ADAMW),  # grouped-query attention, tied embedding and head
+@pytest.mark.parametrize("stages,replicas,schedule,checkpoint,model,optim,sequence", [
+    (1, 1, "gpipe", "except_last", "transformer", SGD, False),
+    (2, 1, "1f1b", "always", "transformer", ADAMW, False),
+    (2, 1, "interleaved", "selective", "transformer", ADAMW, True),
+    (2, 2, "gpipe", "full", "transformer", SGD, True),
+    (1, 1, "1f1b", "never", "transformer", SGD, True),
+    (2, 1, "gpipe", "never", "tests.sample_models:tied_split_lm", ADAMW, False),  # a user's own plan, tied weights
+    (2, 1, "1f1b", "except_last", "hf:llama", ADAMW, False),  # grouped-query attention, tied embedding and head
 ])
 def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replicas, schedule, checkpoint, model,
-                                                        optim):
+                                                        optim, sequence):
     builtin = model == "transformer"
     options = {"transformer": OPTIONS, "hf:llama": LLAMA}.get(model, {})
     layers = {"transformer": 6, "hf:llama": 5}.get(model, 4)  # embedding, blocks (and final norm), head
@@ -92,7 +93,8 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
                    ",".join(map(str, partition)), "--stages", str(stages), "--replicas", str(replicas),
                    "--tensor-parallel", "2", "--schedule", schedule, "--checkpoint", checkpoint, "--batch", "8",
                    "--microbatches", "4", "--steps", str(STEPS), "--save-every", str(STEPS), "--checkpoint-dir",
-                   str(root), "--report", str(report_path), "--trace", str(trace_path))
+                   str(root), "--report", str(report_path), "--trace", str(trace_path),
+                   *(["--sequence-parallel"] if sequence else []))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("gpipe: step 0 loss") == 1  # one rank of 2 x K x D prints
     report = json.loads(report_path.read_text())
@@ -108,7 +110,7 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
     atol = 1e-6 if optim is SGD else 1e-4  # see the module docstring
     for name, value in expected.items():
         torch.testing.assert_close(parameters[name], value, rtol=1e-5, atol=atol, msg=name)
-    assert report["config"]["tensor_parallel"] == 2
+    assert report["config"]["tensor_parallel"] == 2 and report["config"]["sequence_parallel"] is sequence
     # a timeline row per rank: every (replica, stage, tensor-parallel rank) ran forwards and backwards
     rows = {(r.get("replica", 0), r["stage"], r.get("tp", 0)) for r in report["timeline"]["records"] if r["kind"] == "F"}
     assert rows == {(d, k, t) for d in range(replicas) for k in range(stages) for t in range(2)}
@@ -158,6 +160,13 @@ def one_line_error(capsys, *argv):
     (["--model", "transformer", "--replicas", "2", "--zero", "1", "--batch", "8", "--tensor-parallel", "2"],
      "--tensor-parallel 2 with --zero 1 is not supported yet"),
     (["--model", "transformer", "--tensor-parallel", "0"], "tensor_parallel (T) must be a positive integer, got 0"),
+    (["--model", "transformer", "--sequence-parallel"], "--sequence-parallel splits the sequence over a stage's"),
+    (["--model", "transformer", "--option", "seq=9", "--tensor-parallel", "2", "--sequence-parallel"],
+     "does not divide seq=9"),
+    (["--model", "transformer", "--option", "dropout=0.1", "--tensor-parallel", "2", "--sequence-parallel"],
+     "--sequence-parallel with dropout=0.1"),
+    (["--model", "tests.sample_models:tied_split_lm", "--data", "tests.sample_models:tied_lm_data", "--loss",
+      "cross_entropy", "--tensor-parallel", "2", "--sequence-parallel"], "--sequence-parallel splits the built-in"),
 ])
 def test_tensor_parallel_refusals_are_one_line_before_any_worker(capsys, flags, message):
     assert message in one_line_error(capsys, "train", *flags, "--stages", "1", "--steps", "1")
@@ -165,8 +174,7 @@ def test_tensor_parallel_refusals_are_one_line_before_any_worker(capsys, flags, 
 
 @pytest.mark.slow
 def test_a_tensor_parallel_plan_is_trained(tmp_path):
-    """What the planner proposes with T = 2 on this machine, gpipe train runs (without the plan's
-    sequence parallelism, which it says)."""
+    """What the planner proposes with T = 2 on this machine (sequence parallelism on), gpipe train runs."""
     plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
     planned = gpipe("plan", "--model", "transformer", *option_flags(OPTIONS), "--batch", "8", "--hardware", "cpu",
                     "--tensor-parallel-options", "2", "--quiet", "--out", str(plan_path))
@@ -175,6 +183,6 @@ def test_a_tensor_parallel_plan_is_trained(tmp_path):
     assert plan["tensor_parallel"] == 2 and plan["sequence_parallel"] is True
     trained = gpipe("train", "--plan", str(plan_path), "--steps", "2", "--report", str(report_path))
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "the plan's sequence parallelism is not in the executor yet: T=2 runs without it" in trained.stderr
     report = json.loads(report_path.read_text())
-    assert report["config"]["tensor_parallel"] == 2 and len(report["losses"]) == 2
+    assert report["config"]["tensor_parallel"] == 2 and report["config"]["sequence_parallel"] is True
+    assert len(report["losses"]) == 2
