@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     config = config_from_args(args)
-    check_nodes(args, config.world_size)
+    check_nodes(args, config.world_size, config.tensor_parallel)
     check_capacity(config.world_size, args.nnodes, config.device, os.cpu_count() or 1,
                    torch.cuda.device_count() if config.device == "cuda" else 0)
     for flag, path in (("--report", config.report), ("--trace", config.trace)):

@@ -54,13 +54,17 @@ def endpoint(text: str | None) -> tuple[str, int]:
     return host, int(port)
 
 
-def check_nodes(args: argparse.Namespace, stages: int) -> None:
+def check_nodes(args: argparse.Namespace, stages: int, tensor_parallel: int = 1) -> None:
     """The node flags, checked before anything starts (one line each); ``stages`` is the run's ranks
-    (D replicas x K stages)."""
+    (D replicas x K stages x T tensor-parallel ranks), and a stage's T ranks must share a node (their
+    collectives run after every layer)."""
     require_positive("--nnodes", args.nnodes)
     if stages % args.nnodes:
         raise GpipeInputError(f"{stages} ranks (replicas x stages) do not split over --nnodes {args.nnodes}; "
                               "use a node count that divides them")
+    if (stages // args.nnodes) % tensor_parallel:
+        raise GpipeInputError(f"{stages // args.nnodes} ranks per node do not hold whole groups of --tensor-parallel "
+                              f"{tensor_parallel}: a stage's tensor-parallel ranks must share a node; use fewer nodes")
     if args.nnodes > 1:
         if not 0 <= args.node_rank < args.nnodes:
             raise GpipeInputError(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}; "

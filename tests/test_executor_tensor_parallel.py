@@ -161,6 +161,8 @@ def one_line_error(capsys, *argv):
      "--tensor-parallel 2 with --zero 1 is not supported yet"),
     (["--model", "transformer", "--tensor-parallel", "0"], "tensor_parallel (T) must be a positive integer, got 0"),
     (["--model", "transformer", "--sequence-parallel"], "--sequence-parallel splits the sequence over a stage's"),
+    (["--model", "transformer", "--stages", "3", "--tensor-parallel", "2", "--nnodes", "2"],
+     "3 ranks per node do not hold whole groups of --tensor-parallel 2"),
     (["--model", "transformer", "--option", "seq=9", "--tensor-parallel", "2", "--sequence-parallel"],
      "does not divide seq=9"),
     (["--model", "transformer", "--option", "dropout=0.1", "--tensor-parallel", "2", "--sequence-parallel"],
@@ -169,7 +171,8 @@ def one_line_error(capsys, *argv):
       "cross_entropy", "--tensor-parallel", "2", "--sequence-parallel"], "--sequence-parallel splits the built-in"),
 ])
 def test_tensor_parallel_refusals_are_one_line_before_any_worker(capsys, flags, message):
-    assert message in one_line_error(capsys, "train", *flags, "--stages", "1", "--steps", "1")
+    stages = [] if "--stages" in flags else ["--stages", "1"]
+    assert message in one_line_error(capsys, "train", *flags, *stages, "--steps", "1")
 
 
 @pytest.mark.slow
