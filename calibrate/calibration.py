@@ -300,6 +300,8 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     """
     import torch
 
+    from executor.device import device_api
+
     from calibrate.collective import available_parties, calibrate_allreduce, party_counts
     from calibrate.link import ping_pong
     from calibrate.machine import machine_stamp
@@ -319,7 +321,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     options = dict(ref.options)
     cores = os.cpu_count() or 1
     if max_stages is None:
-        max_stages = torch.cuda.device_count() if device == "cuda" else min(2, cores)
+        max_stages = device_api(device).ranks_per_host() if device != "cpu" else min(2, cores)
     max_stages = max(1, min(max_stages, ref.num_layers))
     stage_counts = sorted({1, max_stages})
     threads_of = {k: (1 if device == "cuda" else max(1, cores // k)) for k in stage_counts}
@@ -350,7 +352,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         say("ping-pong between two ranks")
         points = ping_pong(device)
         link = fit_link([p["bytes"] for p in points], [p["one_way_s"] for p in points])
-        data["link"] = {"name": "gloo" if device == "cpu" else "nccl", **link.to_dict(), "measured": points}
+        data["link"] = {"name": device_api(device).backend, **link.to_dict(), "measured": points}
     parties = party_counts(available_parties(device))
     if parties:
         say(f"all-reduce among {', '.join(map(str, parties))} ranks (data-parallel gradient averaging)")

@@ -107,11 +107,9 @@ def run(args: argparse.Namespace) -> int:
     require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.max_stages is not None:
         require_positive("--max-stages", args.max_stages, "use --max-stages 1 or more")
-    if args.device == "cuda":
-        import torch
+    from executor.device import device_api
 
-        if not torch.cuda.is_available():
-            raise GpipeInputError("--device cuda but this machine has no CUDA GPU; use --device cpu")
+    device_api(args.device).check_available()
     progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
     data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
                             args.quick, args.force, progress, args.rounds, optimizer, precision)

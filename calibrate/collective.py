@@ -35,11 +35,10 @@ def party_counts(available: int) -> list[int]:
 
 def available_parties(device_type: str) -> int:
     """Ranks the machine gives one core (CPU, at most :data:`MAX_CPU_PARTIES`) or one GPU (CUDA) each."""
-    if device_type == "cuda":
-        import torch
+    from executor.device import device_api
 
-        return torch.cuda.device_count()
-    return min(os.cpu_count() or 1, MAX_CPU_PARTIES)
+    api = device_api(device_type)
+    return api.ranks_per_host() if api.type != "cpu" else min(api.ranks_per_host(), MAX_CPU_PARTIES)
 
 
 def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) -> None:
@@ -82,7 +81,9 @@ def calibrate_allreduce(device_type: str = "cpu", quick: bool = False,
     seconds = [[float(p["seconds"]) for p in row] for row in measured]
     fit = fit_ring_allreduce([n for n in counts for _ in sizes_bytes], sizes_bytes * len(counts),
                              [t for row in seconds for t in row])
-    return {"backend": "nccl" if device_type == "cuda" else "gloo", "parties": list(counts),
+    from executor.device import device_api
+
+    return {"backend": device_api(device_type).backend, "parties": list(counts),
             "sizes_bytes": sizes_bytes, "measured_s": seconds, **fit.to_dict()}
 
 

@@ -32,9 +32,9 @@ def machine_stamp(device: str = "cpu") -> dict[str, Any]:
     """Platform, CPU model, cores, Python and torch versions, the accelerator, and the date."""
     import torch
 
-    accelerator = ""
-    if device == "cuda" and torch.cuda.is_available():
-        accelerator = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
+    from executor.device import device_api
+
+    accelerator = device_api(device).name()
     return {
         "platform": platform.platform(),
         "cpu_model": cpu_model(),

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from executor.boundary import map_tensors, tensors
+from executor.device import device_api
 from executor.precision import autocast
 
 KINDS = ("F", "R", "B")
@@ -111,8 +112,7 @@ class _SavedSet:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    device_api(device).synchronize(device)
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:

@@ -29,30 +29,30 @@ def join_measurement(device_type: str):
     import torch
     import torch.distributed as dist
 
+    from executor.device import device_api
+
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    api = device_api(device_type)
+    device = api.select(rank)
+    dist.init_process_group(api.backend, timeout=timedelta(seconds=120))
     return device
 
 
 def median_call_s(call: Callable[[], None], device: Any, repeats: int) -> float:
     """Median seconds of ``repeats`` calls of ``call`` after :data:`WARMUP_CALLS` warm-up ones."""
-    import torch
     import torch.distributed as dist
 
+    from executor.device import device_api
+
+    api = device_api(device)
     times = []
     for i in range(repeats + WARMUP_CALLS):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        api.synchronize(device)
         start = time.perf_counter()
         call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        api.synchronize(device)
         if i >= WARMUP_CALLS:
             times.append(time.perf_counter() - start)
     return statistics.median(times)

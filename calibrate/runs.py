@@ -106,6 +106,7 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     import torch
     import torch.distributed as dist
 
+    from executor.device import device_api
     from executor.pipeline import prepare, train_step_with_data
 
     prepared = prepare(config)
@@ -128,8 +129,7 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     pace_after = probe.measure(PROBE_BUDGET_S)
     payload = {"timeline": stage.recorder.timeline.to_dict(),
                "peak_activation_bytes": stage.counter.peak_bytes,
-               "peak_allocated_bytes": (torch.cuda.max_memory_allocated(device)
-                                        if device.type == "cuda" else None),
+               "peak_allocated_bytes": device_api(device).peak_allocated_bytes(device),
                "losses": losses if stage.is_last else None,
                "speed_probe_s": [pace_before, pace_after]}
     gathered: list[Any] = [None] * config.world_size if rank == 0 else []
@@ -177,7 +177,8 @@ def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
     ordered = by_replica_and_stage(config, gathered)
-    allocated = [p["peak_allocated_bytes"] for p in ordered] if device.type == "cuda" else None
+    allocated = [p["peak_allocated_bytes"] for p in ordered]
+    allocated = allocated if any(a is not None for a in allocated) else None
     losses = ordered[config.stages - 1]["losses"]  # replica 0's last stage: the global mean with D > 1
     report = build_report(timeline, losses, config.to_dict(), plan, [p["peak_activation_bytes"] for p in ordered],
                           allocated, 0)
@@ -193,6 +194,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from executor.config import RunConfig
+    from executor.device import device_api
     from calibrate.speed import SpeedProbe
     from executor.transport import boundary_groups
     from sim.timeline import write_json_atomic
@@ -202,14 +204,11 @@ def main(argv: list[str]) -> int:
         configs = [RunConfig.from_dict(c) for c in json.load(handle)]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = configs[0].device == "cuda"
-    if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    api = device_api(configs[0].device)
+    device = api.select(local_rank)
+    if api.type == "cpu":  # the cores shared among the ranks
         torch.set_num_threads(configs[0].threads or max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=configs[0].timeout_s))
+    dist.init_process_group(api.backend, timeout=timedelta(seconds=configs[0].timeout_s))
     try:
         groups = boundary_groups(world) if configs[0].replicas == 1 else {}
         probes: dict[str, SpeedProbe] = {}

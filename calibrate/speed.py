@@ -95,8 +95,9 @@ class SpeedProbe:
         self.module.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
+        from executor.device import device_api
+
+        device_api(self.device).synchronize(self.device)
 
     def measure(self, budget_s: float = 0.05, min_runs: int = 3, max_runs: int = 400) -> float:
         """Median seconds of one pass, timed for about ``budget_s`` (at least ``min_runs`` passes)."""

@@ -79,11 +79,9 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
 
 def machine_processes(device: str) -> int:
     """Processes this machine runs side by side without oversubscribing: cores, or GPUs on CUDA."""
-    if device == "cuda":
-        import torch
+    from executor.device import device_api
 
-        return torch.cuda.device_count()
-    return os.cpu_count() or 1
+    return device_api(device).ranks_per_host()
 
 
 @dataclass

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from executor import state_file, tensor_parallel
+from executor.device import device_api
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
 from sim.timeline import write_json_atomic
@@ -77,7 +78,7 @@ def save_shard(root: str, step: int, stage: PipelineStage, write: bool = True) -
         "optimizer": optimizer_state,
         "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
         "cpu_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda_rng": device_api(stage.device).all_rng_states(),  # the accelerator's generators (None on CPU)
     }
     state_file.save(shard_path(directory, stage.config.stage), state)
 
@@ -134,8 +135,7 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
     if stage.scheduler is not None and state.get("scheduler") is not None:
         stage.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["cpu_rng"])
-    if state.get("cuda_rng") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    device_api(stage.device).set_all_rng_states(state.get("cuda_rng"))
 
 
 # Settings whose state lives in a shard: a resumed run must use the checkpoint's.

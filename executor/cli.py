@@ -255,14 +255,13 @@ def _default_batch(model: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from executor.device import device_api
     from executor.pipeline import prepare
-
-    import torch
 
     config = config_from_args(args)
     check_nodes(args, config.world_size, config.tensor_parallel)
     check_capacity(config.world_size, args.nnodes, config.device, os.cpu_count() or 1,
-                   torch.cuda.device_count() if config.device == "cuda" else 0)
+                   device_api(config.device).ranks_per_host())
     for flag, path in (("--report", config.report), ("--trace", config.trace)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise GpipeInputError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not "

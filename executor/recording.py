@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from executor.device import device_api
 from sim.timeline import MemorySample, Record, Timeline
 
 
@@ -27,7 +28,8 @@ class Recorder:
         self.stage = stage
         self.replica = replica  # which data-parallel copy of the pipeline (executor.replicas)
         self.tp = tp  # which of the stage's tensor-parallel ranks (executor.tensor_parallel)
-        self.cuda = device.type == "cuda"
+        self.api = device_api(device)
+        self.on_events = self.api.events  # spans timed by the device's events (CUDA), else the host's clock
         self.origin_s = time.perf_counter() if origin_s is None else origin_s
         self.timeline = Timeline(source="measured")
         self.step = 0
@@ -45,18 +47,18 @@ class Recorder:
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.on_events:
+            self.api.synchronize()
             self._step_host_s = self.now_s()
-            self._step_event = torch.cuda.Event(enable_timing=True)
+            self._step_event = self.api.event()
             self._step_event.record()
 
     @contextlib.contextmanager
     def span(self, kind: str, microbatch: int = -1, virtual_stage: int | None = None) -> Iterator[None]:
         """Time the block as ``kind`` of ``microbatch``; ``virtual_stage``: the chunk it ran on, under
         the interleaved schedule (:mod:`executor.chunks`)."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self.on_events:
+            start, end = self.api.event(), self.api.event()
             start.record()
             yield
             end.record()
@@ -70,12 +72,12 @@ class Recorder:
     def open_span(self, kind: str, microbatch: int = -1) -> Callable[[], None]:
         """A span that starts now and ends when the returned function is called: for work that runs
         in the background between two calls (an asynchronous all-reduce from launch to its wait)."""
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
+        if self.on_events:
+            start = self.api.event()
             start.record()
 
             def close_cuda() -> None:
-                end = torch.cuda.Event(enable_timing=True)
+                end = self.api.event()
                 end.record()
                 self._events.append((kind, microbatch, start, end, None))
 
@@ -93,8 +95,8 @@ class Recorder:
         peak is in the report's ``ranks``)."""
         if self.replica or self.tp:
             return
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+        if self.on_events:
+            event = self.api.event()
             event.record()
             self._memory.append((event, nbytes))
             return
@@ -102,9 +104,9 @@ class Recorder:
 
     def flush(self) -> None:
         """End of step: turn CUDA events into records (one synchronize); no-op on CPU."""
-        if not self.cuda or self._step_event is None:
+        if not self.on_events or self._step_event is None:
             return
-        torch.cuda.synchronize()
+        self.api.synchronize()
         base_event, base_s = self._step_event, self._step_host_s
         for kind, microbatch, start, end, virtual_stage in self._events:
             self.timeline.records.append(Record(

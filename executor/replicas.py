@@ -60,6 +60,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from executor.data import split
+from executor.device import backend_device
 from executor.optim import make_scheduler, optimizer_class_and_kwargs
 from executor.recording import Recorder
 from executor.seeds import mix_seed
@@ -167,14 +168,9 @@ class Layout:
         """The global batch's mean loss from every replica's (on the last stages; collective there)."""
         if self.replicas == 1:
             return loss
-        total = torch.tensor(loss * self.weight, dtype=torch.float64, device=_device_of(self.dp_group))
+        total = torch.tensor(loss * self.weight, dtype=torch.float64, device=backend_device(dist.get_backend(self.dp_group)))
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
         return float(total)
-
-
-def _device_of(group: dist.ProcessGroup) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
 
 
 def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: Sequence[SharedGroup]) -> Layout:

@@ -41,6 +41,7 @@ from torch import nn
 from executor.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.boundary import Boundary, map_tensors, tensors
 from executor.data import mix_seed, split, split_rows
+from executor.device import device_api
 from executor.memory import ActivationCounter
 from executor.optim import (OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_,
                             squared_norm)
@@ -134,6 +135,7 @@ class PipelineStage(StepPhases):
         self.incoming = incoming
         self.outgoing = outgoing
         self.device = device
+        self.device_api = device_api(device)
         self.optim = optim
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optim, self.params) if self.params else None
@@ -273,10 +275,7 @@ class PipelineStage(StepPhases):
         Not ``torch.manual_seed``, which visits every backend's generators and costs about 100 us
         per call here, against about 2 us for the CPU generator alone; it runs before every forward.
         """
-        seed = mix_seed(self.config.seed, self.step, self.config.stage, m)
-        torch.default_generator.manual_seed(seed)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)  # the current device, which is this stage's
+        self.device_api.seed(mix_seed(self.config.seed, self.step, self.config.stage, m))
 
     def _input(self, m: int, received: list[torch.Tensor], grad: bool) -> tuple[Any, list[torch.Tensor]]:
         """Micro-batch ``m``'s input value, and (with ``grad``) its tensors a gradient is sent back for."""
@@ -305,12 +304,10 @@ class PipelineStage(StepPhases):
             return self.module(x)
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return self.device_api.rng_state(self.device)
 
     def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], self.device)
+        self.device_api.set_rng_state(state, self.device)
 
     def _forward(self, m: int) -> None:
         received = [] if self.is_first else self._receive(ACT, m)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from executor import checkpoint, failures, nodes, replicas
 from executor.config import RunConfig
+from executor.device import device_api
 from executor.models import model_ref
 from executor.chunks import ChunkedDevice, shards
 from executor.interleaved import make_dist_chunks
@@ -75,14 +76,10 @@ def _fault_hook(rank: int, step_ref: list[int]):
 
 
 def _setup_device(config: RunConfig, local_rank: int, local_world: int) -> tuple[torch.device, str]:
-    if config.device == "cuda":
-        if not torch.cuda.is_available():
-            raise GpipeInputError("--device cuda but this machine has no CUDA GPU; use --device cpu")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device()), "nccl"
-    threads = config.threads or max(1, (os.cpu_count() or 1) // local_world)
-    torch.set_num_threads(threads)
-    return torch.device("cpu"), "gloo"
+    api = device_api(config.device)
+    if api.type == "cpu":  # the node's cores shared among its ranks
+        torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // local_world))
+    return api.select(local_rank), api.backend
 
 
 def _init_process_group(backend: str, rank: int, world: int, timeout: timedelta) -> None:
@@ -199,7 +196,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
     payload: dict[str, Any] = {
         "timeline": stage.recorder.timeline.to_dict(),
         "peak_activation_bytes": stage.counter.peak_bytes,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_allocated_bytes": device_api(device).peak_allocated_bytes(device),
         "history": asdict(history) if history is not None else None,
         "replica": layout.replica, "stage": layout.stage, "tp": layout.tp_rank,
         "optimizer_state_bytes": replicas.optimizer_state_bytes(stage),
@@ -225,7 +222,8 @@ def _report(config: RunConfig, gathered: list[Any], first_step: int, device: tor
                           "microbatches": config.microbatches, "schedule": config.schedule,
                           "checkpoint": config.checkpoint, "device": device.type})
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
-    allocated = [p["peak_allocated_bytes"] for p in gathered] if device.type == "cuda" else None
+    allocated = [p["peak_allocated_bytes"] for p in gathered]
+    allocated = allocated if any(a is not None for a in allocated) else None
     last = next(p["history"] for p in gathered if p["history"] is not None)
     return build_report(timeline, last["losses"], config.to_dict(), plan,
                         [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
