@@ -303,6 +303,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     from executor.device import device_api
 
     from calibrate.collective import available_parties, calibrate_allreduce, party_counts
+    from calibrate.tp_collectives import calibrate_tensor_parallel
     from calibrate.link import ping_pong
     from calibrate.machine import machine_stamp
     from calibrate.profile import Repeats, profile_model
@@ -357,6 +358,8 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     if parties:
         say(f"all-reduce among {', '.join(map(str, parties))} ranks (data-parallel gradient averaging)")
         data["allreduce"] = calibrate_allreduce(device, quick, parties)
+        say("reduce-scatter, all-gather and all-reduce among 2 ranks (tensor-parallel collectives)")
+        data["tensor_parallel"] = calibrate_tensor_parallel(device, quick, 2)
     design = calibration_design(ref.num_layers, batch_size, max_stages)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]

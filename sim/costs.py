@@ -292,6 +292,27 @@ def write_costs(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     write_json_atomic(path, {"kind": COSTS_KIND, "version": COSTS_VERSION, **data})
 
 
+def tensor_parallel_link(data: dict[str, Any], sequence_parallel: bool) -> Link | None:
+    """The tensor-parallel collectives the costs file measured (``calibrate.tp_collectives``) as a
+    ring :class:`Link`: the all-reduce's, or with ``sequence_parallel`` the reduce-scatter plus
+    all-gather pair's; None when it has none. Limits: measured idle among T ranks on one host."""
+    entry = data.get("tensor_parallel")
+    if not entry:
+        return None
+    kind = "sequence_parallel" if sequence_parallel else "all_reduce"
+    try:
+        fit = entry[kind]
+        latency_s, bandwidth = float(fit["latency_s"]), float(fit["bandwidth_bytes_per_s"])
+    except (KeyError, TypeError, ValueError):
+        raise GpipeInputError(f"the costs file's tensor_parallel entry has no usable {kind} fit; re-run gpipe "
+                              "calibrate --force to measure it again") from None
+    if not (math.isfinite(latency_s) and latency_s >= 0 and bandwidth > 0):
+        raise GpipeInputError(f"the costs file's tensor_parallel {kind} fit (latency {latency_s!r} s, bandwidth "
+                              f"{bandwidth!r} B/s) is not a link; re-run gpipe calibrate --force")
+    what = "reduce-scatter + all-gather" if sequence_parallel else "all-reduce"
+    return Link(f"calibrated {what} ({entry.get('backend', '?')})", bandwidth, latency_s)
+
+
 def allreduce_link(data: dict[str, Any]) -> Link | None:
     """The all-reduce the costs file measured as a :class:`Link` for the ring model, or None when
     it has none (a one-core machine, or a file from before it was measured).

@@ -591,7 +591,8 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
         step_limit = (costing.step_limit(batch * workload.options["seq"], devices_per_group, price)
                       if costing is not None and costing.limited else None)
         sequence_parallel = default_sequence_parallel(t, sequence) and t > 1
-        split, groups = with_tensor_parallel(workload, system, t, sequence_parallel, args.context_parallel)
+        split, groups = with_tensor_parallel(workload, system, t, sequence_parallel, args.context_parallel,
+                                             calibrated_tensor_parallel_link(args, system, sequence_parallel))
         stages = [k for k in stage_options if k <= groups.total_devices]
         if not stages:
             continue
@@ -604,6 +605,18 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
                                        context_parallel=args.context_parallel)
         parts.append(part)
     return _merged(parts, args.top)
+
+
+def calibrated_tensor_parallel_link(args: argparse.Namespace, system, sequence_parallel: bool):
+    """The tensor-parallel collectives ``--efficiency-from COSTS`` measured, where the plan runs on
+    the system they were measured on; else None (the catalog's node link)."""
+    path = getattr(args, "efficiency_from", None)
+    if not path:
+        return None
+    from sim.costs import read_costs, tensor_parallel_link
+
+    data = read_costs(path)
+    return tensor_parallel_link(data, sequence_parallel) if system.name == data.get("system", "cpu") else None
 
 
 def _merged(parts: list[SearchResult], top: int) -> SearchResult:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import System
+from sim.hardware import Link, System
 from sim.workload import Workload
 
 
@@ -103,9 +103,11 @@ def tensor_parallel_system(system: System, tensor_parallel: int) -> System:
 
 
 def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: int,
-                         sequence_parallel: bool = False, context_parallel: int = 1) -> tuple[Workload, System]:
+                         sequence_parallel: bool = False, context_parallel: int = 1,
+                         tp_link: Link | None = None) -> tuple[Workload, System]:
     """``workload`` split over T x C devices of one of ``system``'s nodes (one member's costs, the
-    collectives and the ring exchange on the node's link) and the system of groups the pipeline runs on."""
+    collectives and the ring exchange on the node's link, or on ``tp_link``: collectives a costs file
+    measured) and the system of groups the pipeline runs on."""
     check_tensor_parallel(tensor_parallel, workload, system)
     check_context_parallel(context_parallel, workload, system, tensor_parallel)
     if tensor_parallel == 1 and context_parallel == 1:  # sequence parallelism splits over the T group: nothing
@@ -116,6 +118,6 @@ def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: in
     sequence_parallel = sequence_parallel and tensor_parallel > 1
     layers = transformer_layers(workload.options, tensor_parallel, sequence_parallel, context_parallel)
     split = AnalyticWorkload(workload.name, workload.options, layers, tensor_parallel, sequence_parallel,
-                             system.intra_link, context_parallel)
+                             tp_link or system.intra_link, context_parallel)
     split.planned_from = workload.planned_from
     return split, tensor_parallel_system(system, tensor_parallel * context_parallel)

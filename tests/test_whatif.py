@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from sim.costs import write_costs
@@ -41,3 +43,35 @@ def test_a_candidate_that_does_not_fit_is_still_simulated_with_a_balanced_split(
                                             "heads": 32, "seq": 1024, "vocab": 32000})
     result = simulate_candidate(workload, get_system("tpu-v3"), 32, Candidate(2, 4, "never", "gpipe"))
     assert not result.fits and sum(result.partition) == workload.num_layers
+
+
+def _tensor_parallel_plan(capsys, costs, *flags):
+    from sim.cli import main
+
+    assert main(["plan", "--model", "transformer", "--layers", "4", "--d-model", "64", "--ff", "256", "--heads", "4",
+                 "--seq", "32", "--vocab", "256", "--batch", "8", "--hardware", "cpu", "--efficiency-from", str(costs),
+                 "--tensor-parallel-options", "2", "--stages-options", "1", "--microbatch-options", "1", "--top", "1",
+                 "--quiet", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)["ranked"][0]
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_measured_tensor_parallel_collectives_price_a_split_layer_on_this_system(tmp_path, capsys, sequence):
+    """A plan on the system a costs file measured pays its tensor-parallel collectives on the measured
+    link of their kind (all-reduces, or reduce-scatter + all-gather pairs with sequence parallelism):
+    a second of latency per ring step on that link shows in the step, on the other one it does not."""
+    def costs(all_reduce_latency_s, pair_latency_s):
+        path = tmp_path / f"costs-{all_reduce_latency_s}-{pair_latency_s}.json"
+        write_costs({"system": "cpu", "efficiency": {"efficiency": 0.5, "bandwidth_efficiency": 0.5},
+                     "tensor_parallel": {"backend": "gloo", "parties": 2,
+                                         "all_reduce": {"latency_s": all_reduce_latency_s, "bandwidth_bytes_per_s": 1e9},
+                                         "sequence_parallel": {"latency_s": pair_latency_s,
+                                                               "bandwidth_bytes_per_s": 1e9}}}, path)
+        return path
+
+    flag = "--sequence-parallel" if sequence else "--no-sequence-parallel"
+    base, all_reduce_slow, pair_slow = (_tensor_parallel_plan(capsys, costs(*latencies), flag)["step_time_s"]
+                                        for latencies in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)))
+    used, unused = (pair_slow, all_reduce_slow) if sequence else (all_reduce_slow, pair_slow)
+    assert used - base >= 4 * 4 * 2 * 1.0  # 4 blocks of at least 4 collectives, each a 2-party ring of 2 steps
+    assert unused == pytest.approx(base, rel=1e-9)
