@@ -358,8 +358,9 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     if parties:
         say(f"all-reduce among {', '.join(map(str, parties))} ranks (data-parallel gradient averaging)")
         data["allreduce"] = calibrate_allreduce(device, quick, parties)
-        say("reduce-scatter, all-gather and all-reduce among 2 ranks (tensor-parallel collectives)")
-        data["tensor_parallel"] = calibrate_tensor_parallel(device, quick, 2)
+        if not quick:  # a quick calibration leaves them out (the catalog's node link prices them)
+            say("reduce-scatter, all-gather and all-reduce among 2 ranks (tensor-parallel collectives)")
+            data["tensor_parallel"] = calibrate_tensor_parallel(device, quick, 2)
     design = calibration_design(ref.num_layers, batch_size, max_stages)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]

@@ -11,8 +11,8 @@ ignores) then moves by rounding-driven steps (measured: 3.8e-5 on a key bias, 1.
 weight, after three steps at lr 0.01; losses and norms still agree to 1e-6). Grouped-query attention and the gated MLP,
 whose fused rows are put in rank order, are in every built-in case. bf16: a row-parallel matmul
 rounds each rank's partial sum to bf16 before DTensor adds them, where one process rounds the whole
-sum once, so losses are held to rtol 1e-3 (measured 3.4e-5 after three AdamW steps). A run saved
-at T = 2 resumes at T = 1 and continues the uninterrupted run's losses.
+sum once, so losses are held to rtol 1e-3 against one process in bf16 (measured 1.3e-4 after three
+AdamW steps). A run saved at T = 2 resumes at T = 1 and continues the uninterrupted run's losses.
 """
 
 import json
@@ -71,13 +71,12 @@ def checkpoint_parameters(root, chunks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages,replicas,schedule,checkpoint,model,optim,sequence", [
-    (1, 1, "gpipe", "except_last", "transformer", SGD, False),
-    (2, 1, "1f1b", "always", "transformer", ADAMW, False),
+    (2, 1, "1f1b", "always", "transformer", SGD, False),
     (2, 1, "interleaved", "selective", "transformer", ADAMW, True),
     (2, 2, "gpipe", "full", "transformer", SGD, True),
     (1, 1, "1f1b", "never", "transformer", SGD, True),
     (2, 1, "gpipe", "never", "tests.sample_models:tied_split_lm", ADAMW, False),  # a user's own plan, tied weights
-    (2, 1, "1f1b", "except_last", "hf:llama", ADAMW, False),  # grouped-query attention, tied embedding and head
+    (1, 1, "1f1b", "except_last", "hf:llama", ADAMW, False),  # grouped-query attention, tied embedding and head
 ])
 def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replicas, schedule, checkpoint, model,
                                                         optim, sequence):
@@ -124,11 +123,11 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
 def test_bf16_under_tensor_parallelism_and_a_resume_at_another_degree(tmp_path):
     common = ["--model", "transformer", *option_flags(OPTIONS), *FLAGS, "--stages", "2", "--batch", "8",
               "--microbatches", "4"]
-    bf16 = [json.loads(p.read_text())["losses"] for p in (tmp_path / "a.json", tmp_path / "b.json")
-            if gpipe("train", *common, "--precision", "bf16", "--steps", "3", "--tensor-parallel",
-                      "2" if p.name == "a.json" else "1", "--report", str(p)).returncode == 0]
-    assert len(bf16) == 2
-    assert bf16[0] == pytest.approx(bf16[1], rel=1e-3)
+    split = gpipe("train", *common, "--precision", "bf16", "--steps", "3", "--tensor-parallel", "2", "--report",
+                  str(tmp_path / "bf16.json"))
+    assert split.returncode == 0, split.stderr[-3000:]
+    whole, _, _ = one_process("transformer", OPTIONS, (3, 3), 8, 4, precision="bf16")
+    assert json.loads((tmp_path / "bf16.json").read_text())["losses"] == pytest.approx(whole, rel=1e-3)
     root = tmp_path / "ck"
     first = gpipe("train", *common, "--tensor-parallel", "2", "--steps", "2", "--save-every", "2",
                   "--checkpoint-dir", str(root))
