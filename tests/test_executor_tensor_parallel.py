@@ -188,3 +188,24 @@ def test_a_tensor_parallel_plan_is_trained(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["config"]["tensor_parallel"] == 2 and report["config"]["sequence_parallel"] is True
     assert len(report["losses"]) == 2
+
+
+@pytest.mark.slow
+def test_two_nodes_each_hold_a_stages_tensor_parallel_ranks(tmp_path):
+    """K = 2 stages of T = 2 ranks on two nodes (one stage per node, its T ranks together): what one
+    process trains."""
+    from test_executor_nodes import free_port
+
+    port = free_port()
+    flags = ["--model", "transformer", *option_flags(OPTIONS), *optimizer_flags(SGD), "--stages", "2",
+             "--tensor-parallel", "2", "--batch", "8", "--microbatches", "4", "--steps", str(STEPS), "--nnodes", "2",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "90"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "sim.cli", "train", *flags, "--node-rank", str(rank),
+                               *(["--report", str(tmp_path / "r.json")] if rank == 0 else [])],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (1, 0)]
+    outputs = [node.communicate(timeout=180) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
+    report = json.loads((tmp_path / "r.json").read_text())
+    losses, norms, _ = one_process("transformer", OPTIONS, (3, 3), 8, 4, optim=SGD)
+    assert report["losses"] == pytest.approx(losses, rel=1e-5) and report["grad_norms"] == pytest.approx(norms, rel=1e-5)
