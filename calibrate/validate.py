@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
@@ -95,6 +95,29 @@ class Comparison:
     round_speeds: list[float]  # each round's speed factor against the calibration's reference pace
     replicas: int = 1  # D data-parallel copies of the pipeline
     oversubscribed: bool = False  # D x K processes exceeded the machine's cores (GPUs)
+    # components (replica 0): busy seconds per stage, the bubble, the end-of-step span
+    predicted_busy_s: list[float] = field(default_factory=list)
+    measured_busy_s: list[float] = field(default_factory=list)
+    predicted_end_span_s: float = 0.0
+    measured_end_span_s: float = 0.0
+
+    @property
+    def busy_errors(self) -> list[float]:
+        """Per stage, predicted busy time against measured (forward, recompute, backward, optimizer)."""
+        return [(p - m) / m if m else 0.0 for p, m in zip(self.predicted_busy_s, self.measured_busy_s)]
+
+    @property
+    def predicted_bubble(self) -> float:
+        return bubble(self.predicted_busy_s, self.predicted_step_s)
+
+    @property
+    def measured_bubble(self) -> float:
+        return bubble(self.measured_busy_s, self.measured_step_s)
+
+    @property
+    def bubble_error_points(self) -> float:
+        """Predicted minus measured bubble, in percentage points."""
+        return (self.predicted_bubble - self.measured_bubble) * 100
 
     @property
     def step_error(self) -> float:
@@ -140,7 +163,36 @@ class Comparison:
                 "oversubscribed": self.oversubscribed,
                 "predicted_peak_activation_bytes": self.predicted_peak_bytes,
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
-                "memory_errors": self.memory_errors}
+                "memory_errors": self.memory_errors,
+                "predicted_busy_s": self.predicted_busy_s, "measured_busy_s": self.measured_busy_s,
+                "busy_errors": self.busy_errors, "predicted_bubble": self.predicted_bubble,
+                "measured_bubble": self.measured_bubble, "bubble_error_points": self.bubble_error_points,
+                "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s}
+
+
+def bubble(busy_s: Sequence[float], step_s: float) -> float:
+    """The idle share of the stages' step: 1 - mean busy / step, one definition for both sides."""
+    return 1.0 - statistics.fmean(busy_s) / step_s if busy_s and step_s > 0 else 0.0
+
+
+def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
+    """From the last forward, recompute or backward of ``step`` on any stage to the end of its last
+    span (the optimizer, all-reduces, sends finishing, a fitted overhead): the end-of-step phase."""
+    ends = [(r.kind, r.end_s) for r in records if r.step == step]
+    compute = [end for kind, end in ends if kind in ("F", "R", "B")]
+    return max(end for _, end in ends) - max(compute) if compute else 0.0
+
+
+def measured_components(reports: Sequence[dict[str, Any]]) -> tuple[list[float], float]:
+    """Median over rounds of each stage's busy seconds, and of the median end-of-step span."""
+    from sim.timeline import Timeline
+
+    busy = [statistics.median(r["stages"][k]["busy_s"] for r in reports) for k in range(len(reports[0]["stages"]))]
+    spans = []
+    for report in reports:
+        records = [r for r in Timeline.from_dict(report["timeline"]).records if not r.replica and not r.tp]
+        spans.append(statistics.median(end_of_step_span_s(records, step) for step in report["measured_steps"]))
+    return busy, statistics.median(spans)
 
 
 def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]],
@@ -153,12 +205,16 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     measured = statistics.median(r["step_time_s"] for r in reports)
     # the pace probed with as many processes sharing the machine as this run has (D x K)
     reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
+    busy, span = measured_components(reports)
+    predicted_busy = [s.busy_s for s in sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)]
     return Comparison(spec.label(), result.step_time_s, measured,
                       replica_zero_peak_bytes(result),
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
                       [r["step_time_s"] for r in reports],
                       [speed_factor(run_probes(r), reference) for r in reports], spec.replicas,
-                      processes_available is not None and spec.processes > processes_available)
+                      processes_available is not None and spec.processes > processes_available,
+                      predicted_busy, busy,
+                      end_of_step_span_s([r for r in result.timeline.records if not r.replica], 0), span)
 
 
 def replica_zero_peak_bytes(result: Any) -> list[int]:
@@ -174,7 +230,12 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
     steps = [abs(c.step_error) for c in comparisons]
     at_reference = [abs(c.step_error_at_reference) for c in comparisons]
     memory = [abs(e) for c in comparisons for e in c.memory_errors]
+    busy = [abs(e) for c in comparisons for e in c.busy_errors]
+    bubbles = [abs(c.bubble_error_points) for c in comparisons]
     return {"runs": len(comparisons), "oversubscribed_runs": len(all_comparisons) - len(comparisons),
+            "median_busy_error": statistics.median(busy) if busy else 0.0, "worst_busy_error": max(busy, default=0.0),
+            "median_bubble_error_points": statistics.median(bubbles) if bubbles else 0.0,
+            "worst_bubble_error_points": max(bubbles, default=0.0),
             "median_step_error": statistics.median(steps) if steps else 0.0,
             "worst_step_error": max(steps, default=0.0),
             "median_step_error_at_reference": statistics.median(at_reference) if at_reference else 0.0,
@@ -212,6 +273,10 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
             "summary": summarize(comparisons), "runs": [c.to_dict() for c in comparisons]}
 
 
+def _worst_signed(errors: Sequence[float]) -> float:
+    return max(errors, key=abs, default=0.0)
+
+
 def _mib(values: Sequence[int]) -> str:
     return "/".join(f"{v / 2**20:.2f}" for v in values)
 
@@ -226,7 +291,8 @@ def format_table(result: dict[str, Any]) -> str:
     after D and stay out of the summary lines.
     """
     header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
-              f"{'spread':>7}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}")
+              f"{'spread':>7}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  {'busy err':>8} "
+              f"{'bubble p/m':>11} {'end p/m ms':>13}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
         worst_mem = max((abs(e) for e in run["memory_errors"]), default=0.0)
@@ -237,7 +303,10 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{run.get('step_error_at_reference', run['step_error']) * 100:>+7.1f}% "
                      f"{run.get('round_spread', 0.0) * 100:>6.1f}%  "
                      f"{_mib(run['predicted_peak_activation_bytes']):>13} "
-                     f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%")
+                     f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%  "
+                     f"{_worst_signed(run.get('busy_errors', [])) * 100:>+7.1f}% "
+                     f"{run.get('predicted_bubble', 0.0) * 100:>5.1f}/{run.get('measured_bubble', 0.0) * 100:<5.1f} "
+                     f"{run.get('predicted_end_span_s', 0.0) * 1e3:>6.2f}/{run.get('measured_end_span_s', 0.0) * 1e3:<6.2f}")
     s = result["summary"]
     lines.append("-" * len(header))
     lines.append(f"step time error: median {s['median_step_error'] * 100:.1f}%, worst "
@@ -248,6 +317,11 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{s.get('median_round_spread', 0.0) * 100:.1f}% (median interquartile range)")
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
+    lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "
+                 f"{s.get('worst_busy_error', 0.0) * 100:.1f}%; bubble error median "
+                 f"{s.get('median_bubble_error_points', 0.0):.1f} points, worst "
+                 f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "
+                 "backward to the step's end, predicted/measured)")
     if s.get("oversubscribed_runs"):
         lines.append(f"{OVERSUBSCRIBED_MARK} oversubscribed: more processes (D x K) than this machine has "
                      f"cores (GPUs); measured for correctness, {s['oversubscribed_runs']} run(s) left out of "

@@ -96,6 +96,10 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
         assert len(run["round_speeds"]) == printed["rounds"] and all(v > 0 for v in run["round_speeds"])
         assert run["measured_at_reference_s"] > 0
         assert len(run["predicted_peak_activation_bytes"]) == len(run["measured_peak_activation_bytes"])
+        # components: busy per stage, the bubble and the end-of-step span on both sides
+        assert len(run["predicted_busy_s"]) == len(run["measured_busy_s"]) == len(run["busy_errors"]) >= 1
+        assert all(v > 0 for v in run["predicted_busy_s"] + run["measured_busy_s"])
+        assert 0 <= run["measured_bubble"] < 1 and run["predicted_end_span_s"] >= 0 and run["measured_end_span_s"] > 0
 
 
 def test_validate_refuses_a_missing_costs_file(tmp_path, capsys):
@@ -132,3 +136,16 @@ def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
     assert replica_zero_peak_bytes(SimpleNamespace(stages=placed)) == [10, 20]
     one = [SimpleNamespace(stage=k, peak_activation_bytes=5 * k) for k in range(3)]  # no replica field
     assert replica_zero_peak_bytes(SimpleNamespace(stages=one)) == [0, 5, 10]
+
+
+def test_components_bubble_and_end_of_step_span_from_literal_spans():
+    from sim.timeline import Record
+
+    from calibrate.validate import bubble, end_of_step_span_s
+
+    assert bubble([0.6, 0.8], 1.0) == pytest.approx(0.3)  # 1 - mean busy / step
+    records = [Record(0, "F", 0, 0.0, 1.0, step=3), Record(1, "B", 0, 2.0, 4.0, step=3),
+               Record(1, "optimizer", -1, 4.0, 4.5, step=3), Record(0, "allreduce_dp", -1, 4.2, 5.0, step=3),
+               Record(0, "F", 0, 10.0, 11.0, step=4)]
+    assert end_of_step_span_s(records, 3) == pytest.approx(1.0)  # last backward ends at 4, the step at 5
+    assert end_of_step_span_s(records, 4) == 0.0
