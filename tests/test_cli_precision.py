@@ -93,8 +93,10 @@ def test_plan_header_json_and_plan_file_carry_the_precision(tmp_path, capsys):
     again = json.loads(capsys.readouterr().out)
     assert again["precision"] == "bf16"
     assert again["step_time_s"] == pytest.approx(plan.predicted["step_time_s"])
-    assert main(["plan", *TRANSFORMER, "--hardware", "h100-nvlink", "--max-layers", "--stages-options", "2",
-                 "--microbatch-options", "4", "--json"]) == 0
+    # a model of a GPU's size: the depth search stays short (a 256-wide one fits tens of thousands of layers)
+    assert main(["plan", "--model", "transformer", "--layers", "4", "--d-model", "4096", "--ff", "16384", "--heads",
+                 "32", "--seq", "2048", "--vocab", "32000", "--batch", "8", "--hardware", "h100-nvlink", "--max-layers",
+                 "--stages-options", "2", "--microbatch-options", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["precision"] == "bf16"
 
 
