@@ -211,9 +211,8 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
     (as :func:`full_state_dict`). Collective over the stage's tensor-parallel ranks."""
     state = optimizer.state_dict()
     orders = _param_orders(module, optimizer)
-    state["state"] = {index: {key: _full(value, orders.get(index)) if torch.is_tensor(value) and value.dim() else
-                              (value.full_tensor() if isinstance(value, DTensor) else value)
-                              for key, value in entry.items()}
+    state["state"] = {index: {key: _full(value, orders.get(index) if value.dim() else None)
+                              if torch.is_tensor(value) else value for key, value in entry.items()}
                       for index, entry in state["state"].items()}
     return state
 

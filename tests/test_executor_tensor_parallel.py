@@ -12,7 +12,7 @@ weight, after three steps at lr 0.01; losses and norms still agree to 1e-6). Gro
 whose fused rows are put in rank order, are in every built-in case. bf16: a row-parallel matmul
 rounds each rank's partial sum to bf16 before DTensor adds them, where one process rounds the whole
 sum once, so losses are held to rtol 1e-3 against one process in bf16 (measured 1.3e-4 after three
-AdamW steps). A run saved at T = 2 resumes at T = 1 and continues the uninterrupted run's losses.
+AdamW steps). A run saved at T = 1 resumes at T = 2 and continues the uninterrupted run's losses.
 """
 
 import json
@@ -126,11 +126,14 @@ def test_bf16_under_tensor_parallelism_and_a_resume_at_another_degree(tmp_path):
     assert split.returncode == 0, split.stderr[-3000:]
     whole, _, _ = one_process("transformer", OPTIONS, (6,), 8, 4, precision="bf16")
     assert json.loads((tmp_path / "bf16.json").read_text())["losses"] == pytest.approx(whole, rel=1e-3)
-    root = tmp_path / "ck"  # saved at T = 2 after two steps, resumed at T = 1 for two more
-    first = gpipe("train", *common, "--stages", "1", "--tensor-parallel", "2", "--steps", "2", "--save-every", "2",
+    # saved at T = 1 after two steps, resumed at T = 2 for two more: the whole stage's values and AdamW
+    # state (fused rows put in rank order) split over the ranks; gathering at T = 2 is what every
+    # transparency case's checkpoint above holds to one process
+    root = tmp_path / "ck"
+    first = gpipe("train", *common, "--stages", "1", "--tensor-parallel", "1", "--steps", "2", "--save-every", "2",
                   "--checkpoint-dir", str(root))
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = gpipe("train", *common, "--stages", "1", "--tensor-parallel", "1", "--steps", "4", "--checkpoint-dir",
+    resumed = gpipe("train", *common, "--stages", "1", "--tensor-parallel", "2", "--steps", "4", "--checkpoint-dir",
                     str(root), "--resume", "--report", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses, _, _ = one_process("transformer", OPTIONS, (6,), 8, 4, steps=4)
