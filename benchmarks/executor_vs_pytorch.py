@@ -18,10 +18,12 @@ this machine:
     identical weights;
   * single: the whole model trained in one process with all cores, one batch per step;
   * ideal: the executor's own per-micro-batch compute cost (F + B durations from its report) spread
-    over K devices with the K*M/(M+K-1) speed-up of a balanced pipeline; ``bottleneck`` uses the
-    slowest stage instead, (M+K-1) x its per-micro-batch cost, plus the optimizer step. ``overhead``
-    is the part of the executor's step outside that bound (communication, waits, Python). These
-    bounds are given for one pipeline with one chunk per device (D = V = 1) only.
+    over K devices with the K*M/(M+K-1) speed-up of a balanced pipeline; ``bound``: per step, the
+    schedule's critical path with that step's measured compute durations and free hand-offs, plus
+    the optimizer step (:mod:`benchmarks.critical_path`). ``overhead`` is the median over steps of
+    the part of each step outside its bound (sends, receives, Python, the chores between steps),
+    with where the measured critical path spent it. Given for one pipeline (D = T = 1; V chunks per
+    device allowed).
 
 Usage: ``python benchmarks/executor_vs_pytorch.py [--configs pipeline|scale_out|all] [--steps 20]
 [--out benchmarks/results/...json]``. On a machine with fewer cores than D x K processes the run is
@@ -42,6 +44,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks import critical_path  # noqa: E402
 
 CONFIGS = [
     {"model": "mlp", "options": {"layers": 8, "width": 1024}, "stages": 2, "batch": 64, "microbatches": 4},
@@ -122,17 +126,23 @@ def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int
 
 
 def ideal(report: dict, stages: int) -> dict:
-    """Compute-only bounds from the executor's own per-action durations."""
+    """Compute-only figures from the executor's own per-action durations: the balanced pipeline's
+    step (all compute spread evenly, K*M/(M+K-1) speed-up), and per step the schedule's critical path
+    with the step's measured compute and free hand-offs, with where the measured step's critical
+    path spent the rest (:mod:`benchmarks.critical_path`)."""
     per_stage = [0.0] * stages
     microbatches = 0
     for action in report["actions"]:
         per_stage[action["stage"]] += action["duration_s"]
         microbatches = max(microbatches, action["microbatch"] + 1)
-    optimizer = max(0.0, max(s["busy_s"] for s in report["stages"]) - max(per_stage))
     total = sum(per_stage)
     balanced_s = total / (stages * microbatches / (microbatches + stages - 1))
-    bottleneck_s = (microbatches + stages - 1) * max(per_stage) / microbatches + optimizer
-    return {"compute_s": total, "ideal_balanced_s": balanced_s, "bottleneck_bound_s": bottleneck_s}
+    analysis = critical_path.analyse(report, report["config"].get("warmup_steps", 1))
+    median = analysis["median"]
+    return {"compute_s": total, "ideal_balanced_s": balanced_s, "bottleneck_bound_s": median["compute_bound_s"],
+            "overhead_fraction": median["overhead"],
+            "critical_path_s": {key: median[key] for key in ("compute", "handoff", "between_actions",
+                                                             "between_steps", "optimizer_and_end")}}
 
 
 def run_pytorch(cfg: dict, schedule: str, steps: int, warmup: int, threads: int) -> float:
@@ -285,11 +295,13 @@ def main() -> int:
                    "speedup_vs_pytorch": pytorch_s / step_s,
                    "executor_rounds_s": [r["step_time_s"] for r in reports], "pytorch_rounds_s": pytorch_runs}
             bound_text = ""
-            if replicas == virtual == parts == 1:
+            if replicas == parts == 1:
                 bounds = ideal(report, stages)
-                row.update(bounds, overhead_fraction=(step_s - bounds["bottleneck_bound_s"]) / step_s)
+                row.update(bounds)
+                path = " ".join(f"{key} {value * 1e3:.2f}" for key, value in bounds["critical_path_s"].items())
                 bound_text = (f"  ideal {bounds['ideal_balanced_s'] * 1e3:7.2f} ms  bound "
-                              f"{bounds['bottleneck_bound_s'] * 1e3:7.2f} ms  overhead {row['overhead_fraction']:.1%}")
+                              f"{bounds['bottleneck_bound_s'] * 1e3:7.2f} ms  overhead {row['overhead_fraction']:.1%}"
+                              f"  (critical path ms: {path})")
             rows.append(row)
             print(f"{cfg['model']:12s} D={replicas} K={stages} V={virtual} T={parts} M={cfg['microbatches']} {schedule:11s} "
                   f"executor {step_s * 1e3:7.2f} ms  pytorch {pytorch_s * 1e3:7.2f} ms  "

@@ -246,6 +246,7 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
 
     from executor.batchnorm import DeferredBatchNorm, recomputing
 
+    device_api(device).prepare_process()  # the allocator setting the executor's ranks run with
     model = DeferredBatchNorm.convert(model).to(device)
     model.train()
     excluded = {_storage(t)[0] for t in list(model.parameters()) + list(model.buffers())}

@@ -35,6 +35,7 @@ def join_measurement(device_type: str):
     torch.set_num_threads(1)
     api = device_api(device_type)
     device = api.select(rank)
+    api.prepare_process()
     dist.init_process_group(api.backend, timeout=timedelta(seconds=120))
     return device
 

@@ -107,7 +107,7 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     import torch.distributed as dist
 
     from executor.device import device_api
-    from executor.pipeline import prepare, train_step_with_data
+    from executor.pipeline import prepare, step_batches, train_step_with_data
 
     prepared = prepare(config)
     dist.barrier()
@@ -116,11 +116,10 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
     stage, layout = _make_stage(config, prepared, rank, device, groups)
     del prepared
     losses = []
+    batches = step_batches(config, stage, layout)  # the next step's data drawn while waiting, as gpipe train does
     for step in range(config.steps):
-        if layout is None:
-            loss = train_step_with_data(config, stage, step)
-        else:
-            loss = train_step_with_data(config, stage, step, layout)
+        loss = train_step_with_data(config, stage, step, layout, batches)
+        if layout is not None:
             if stage.is_last:
                 loss = layout.global_loss(loss)  # the global batch's mean; collective over the last stages
         if stage.is_last:
@@ -206,6 +205,7 @@ def main(argv: list[str]) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     api = device_api(configs[0].device)
     device = api.select(local_rank)
+    api.prepare_process()
     if api.type == "cpu":  # the cores shared among the ranks
         torch.set_num_threads(configs[0].threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(api.backend, timeout=timedelta(seconds=configs[0].timeout_s))

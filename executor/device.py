@@ -6,7 +6,7 @@ AST check): the collective backend, which device a rank computes on, waiting for
 timing events, peak allocated memory and its reset, the accelerator's random generators, and how
 many ranks a host runs one device each.
 
-CPU: gloo; the host's clock times spans (no events); no allocator peak is tracked (the executor's
+CPU: gloo; the host's allocator keeps freed memory for reuse; the host's clock times spans (no events); no allocator peak is tracked (the executor's
 activation counter measures what it holds); the default generator is the only one. CUDA: NCCL, one
 GPU per rank (``local_rank`` modulo the GPUs), CUDA events on the stream, the caching allocator's
 peaks, the current GPU's generator besides the CPU's. :class:`CudaDevice` takes the ``torch.cuda``
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from executor.host_allocator import keep_freed_memory
 from sim.errors import GpipeInputError
 
 
@@ -40,6 +41,12 @@ class CpuDevice:
 
     def select(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
+
+    def prepare_process(self) -> bool:
+        """Process-wide settings a rank computes with, set once before its first tensor: the host
+        allocator keeps freed blocks for the next step (:mod:`executor.host_allocator`). Profiling
+        processes set the same, so that calibrated costs are those of the executor's processes."""
+        return keep_freed_memory()
 
     def current(self) -> torch.device:
         return torch.device("cpu")

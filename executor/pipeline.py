@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from executor.chunks import ChunkedDevice, chunks_of_device
+from executor.chunks import ChunkedDevice, chunks_of_device, shards
 from executor.config import RunConfig
 from executor.data import batch_for_step
 from executor.boundary import Boundary, map_tensors
+from executor.prefetch import StepBatches
 from executor.initial_weights import WeightSource, check_source, weight_source
 from executor.models import build_meta_model, check_loss, checkpoint_names, default_loss, loss_function
 from executor.recording import Recorder
@@ -137,19 +138,26 @@ def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: to
 
 
 def train_step_with_data(config: RunConfig, stage: PipelineStage | ChunkedDevice, step: int,
-                         layout: "Layout | None" = None) -> float | None:
-    """One mini-batch on ``stage``: draw step ``step``'s data where the stage needs it, then train.
+                         layout: "Layout | None" = None, batches: StepBatches | None = None) -> float | None:
+    """One mini-batch on ``stage``: take step ``step``'s data where the stage needs it, then train.
 
     The first stage keeps the inputs, the last the targets; the loss comes back on the last stage.
     With ``layout``, the stage's replica keeps its rows of the global batch (its loss: their mean).
+    ``batches`` (from :func:`step_batches`) holds the next step's data when the stage drew it while
+    waiting; without it the step draws its own.
     """
-    inputs = targets = None
-    if stage.is_first or stage.is_last:
-        inputs, targets = batch_for_step(config.model, config.options, config.batch_size, config.seed, step,
-                                         config.data or None)
-        if layout is not None:
-            inputs, targets = layout.share(inputs), layout.share(targets)
+    batches = batches or step_batches(config, stage, layout)
+    inputs, targets = batches.take(step)
     return stage.train_step(step, inputs, targets)
+
+
+def step_batches(config: RunConfig, stage: PipelineStage | ChunkedDevice,
+                 layout: "Layout | None" = None) -> StepBatches:
+    """The stage's source of step data; its stages draw the next step's while they wait on a receive."""
+    batches = StepBatches(config, stage.is_first or stage.is_last, layout.share if layout is not None else None)
+    for shard in shards(stage):
+        shard.while_waiting = batches.prefetch
+    return batches
 
 
 class LocalPipeline:

@@ -46,7 +46,7 @@ from executor.device import device_api
 from executor.models import model_ref
 from executor.chunks import ChunkedDevice, shards
 from executor.interleaved import make_dist_chunks
-from executor.pipeline import make_dist_stage, prepare, train_step_with_data
+from executor.pipeline import make_dist_stage, prepare, step_batches, train_step_with_data
 from executor.recording import Recorder
 from executor.report import build_report
 from executor.stage import PipelineStage
@@ -77,6 +77,7 @@ def _fault_hook(rank: int, step_ref: list[int]):
 
 def _setup_device(config: RunConfig, local_rank: int, local_world: int) -> tuple[torch.device, str]:
     api = device_api(config.device)
+    api.prepare_process()
     if api.type == "cpu":  # the node's cores shared among its ranks
         torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // local_world))
     return api.select(local_rank), api.backend
@@ -152,10 +153,11 @@ def train(config: RunConfig) -> None:
         step_ref = [start]
         stage.after_action = replicas.chain(_fault_hook(rank, step_ref), stage.after_action)
         first_step = start
+        batches = step_batches(config, stage, layout)
         reports = stage.is_last and layout.replica == 0 and layout.tp_rank == 0  # prints the losses, keeps the history
         for step in range(start, config.steps):
             step_ref[0] = step
-            loss = train_step_with_data(config, stage, step, layout)
+            loss = train_step_with_data(config, stage, step, layout, batches)
             if stage.is_last:
                 loss = layout.global_loss(loss)  # type: ignore[arg-type]
             if reports:

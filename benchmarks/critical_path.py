@@ -1,0 +1,134 @@
+"""A measured step against its own compute: the schedule's critical path, walked two ways.
+
+``compute_bound_s``: the step the executor would take if everything but its measured compute were
+free. The step's own F, R and B durations (from the run's report) are placed on the schedule's
+dependency graph (:func:`sim.schedule.build_schedule`: each device runs its list in order; a forward
+needs the previous virtual stage's forward of that micro-batch, a backward the next virtual stage's
+backward), every device starting at 0, with hand-offs taking no time; the bound is the latest
+device's end plus its measured optimizer step. Contention between stages is in it (the durations
+are measured while the other stages ran), so the bound is what this machine's compute allows, and
+the gap to the measured step is the executor's own: sends, receives, Python between actions, the
+chores between steps.
+
+``breakdown``: where that gap sits on the measured step's critical path. Walking back from the
+last device's optimizer, each action's predecessor is whichever of its dependencies ended last;
+the time between them is ``handoff`` (the predecessor ran on another device: its send, the
+message's way, the receive) or ``between_actions`` (the same device: the predecessor's send call,
+bookkeeping); the time from the previous step's end to the path's first action is
+``between_steps`` (end-of-step phases, drawing data, posting receives). Limits: one pipeline (D = 1,
+T = 1, several chunks per device allowed); the step's "end" is the last span any device recorded,
+as the executor's report counts steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from sim.schedule import Action, Kind, build_schedule
+
+COMPUTE = {"F", "R", "B"}
+
+
+def _dependency(action: Action, virtual_stages: int) -> Action | None:
+    """The action on another (virtual) stage that ``action`` waits for, if any."""
+    if action.kind == Kind.FORWARD and action.stage > 0:
+        return Action(action.stage - 1, Kind.FORWARD, action.microbatch)
+    if action.kind == Kind.BACKWARD and action.stage < virtual_stages - 1:
+        return Action(action.stage + 1, Kind.BACKWARD, action.microbatch)
+    return None
+
+
+def _step_spans(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Per step: each action's (start, end) by Action, each device's optimizer seconds, the step's end."""
+    steps: dict[int, dict[str, Any]] = defaultdict(lambda: {"actions": {}, "optimizer": defaultdict(float), "end": 0.0})
+    for r in report["timeline"]["records"]:
+        if r.get("replica", 0) or r.get("tp", 0):
+            continue
+        step = steps[r["step"]]
+        step["end"] = max(step["end"], r["end_s"])
+        if r["kind"] in COMPUTE:
+            stage = r.get("virtual_stage", r["stage"])
+            stage = r["stage"] if stage is None else stage
+            step["actions"][Action(stage, Kind(r["kind"]), r["microbatch"])] = (r["start_s"], r["end_s"], r["stage"])
+        elif r["kind"] == "optimizer":
+            step["optimizer"][r["stage"]] += r["end_s"] - r["start_s"]
+    return steps
+
+
+def _lists(report: dict[str, Any]) -> tuple[list[list[Action]], int]:
+    meta, config = report["timeline"]["meta"], report["config"]
+    virtual = config.get("virtual_stages", 1)
+    devices = len(meta["partition"]) // virtual
+    lists = build_schedule(devices, meta["microbatches"], meta["schedule"], meta["checkpoint"], virtual)
+    return lists, devices * virtual
+
+
+def compute_bound_s(actions: dict[Action, tuple[float, float, int]], optimizer: dict[int, float],
+                    lists: list[list[Action]], virtual_stages: int) -> float:
+    """The step with its measured compute durations on the schedule's graph and free hand-offs."""
+    end: dict[Action, float] = {}
+    position = [0] * len(lists)
+    clock = [0.0] * len(lists)
+    while any(p < len(items) for p, items in zip(position, lists)):
+        progressed = False
+        for device, items in enumerate(lists):
+            while position[device] < len(items):
+                action = items[position[device]]
+                dep = _dependency(action, virtual_stages)
+                if dep is not None and dep not in end:
+                    break
+                start = max(clock[device], end[dep] if dep is not None else 0.0)
+                first, last, _ = actions[action]
+                end[action] = clock[device] = start + (last - first)
+                position[device] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule's graph has a cycle")
+    return max(clock[d] + optimizer.get(d, 0.0) for d in range(len(lists)))
+
+
+def breakdown(actions: dict[Action, tuple[float, float, int]], lists: list[list[Action]], virtual_stages: int,
+              step_end: float, previous_end: float) -> dict[str, float]:
+    """Seconds of the measured step's critical path by kind: compute, optimizer, hand-offs, gaps."""
+    device_before = {}
+    for items in lists:
+        for before, action in zip(items, items[1:]):
+            device_before[action] = before
+    last_of = {d: items[-1] for d, items in enumerate(lists)}
+    device = max(last_of, key=lambda d: actions[last_of[d]][1])  # the device whose actions end last
+    parts = {"compute": 0.0, "handoff": 0.0, "between_actions": 0.0, "between_steps": 0.0,
+             "optimizer_and_end": step_end - actions[last_of[device]][1]}
+    current = last_of[device]
+    while True:
+        start, stop, _ = actions[current]
+        parts["compute"] += stop - start
+        candidates = [(a, "between_actions") for a in [device_before.get(current)] if a is not None]
+        dep = _dependency(current, virtual_stages)
+        if dep is not None:
+            candidates.append((dep, "handoff"))
+        if not candidates:
+            parts["between_steps"] += start - previous_end
+            return parts
+        before, kind = max(candidates, key=lambda c: actions[c[0]][1])
+        parts[kind] += start - actions[before][1]
+        current = before
+
+
+def analyse(report: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Per measured step: the compute bound and the critical path's parts; their medians."""
+    lists, virtual_stages = _lists(report)
+    steps = _step_spans(report)
+    ordered = sorted(steps)
+    rows = []
+    for previous, step in zip(ordered, ordered[1:]):
+        if step < warmup:
+            continue
+        spans = steps[step]
+        period = spans["end"] - steps[previous]["end"]
+        bound = compute_bound_s(spans["actions"], spans["optimizer"], lists, virtual_stages)
+        parts = breakdown(spans["actions"], lists, virtual_stages, spans["end"], steps[previous]["end"])
+        rows.append({"step_s": period, "compute_bound_s": bound, "overhead": (period - bound) / period, **parts})
+    median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    return {"median": median, "steps": rows}

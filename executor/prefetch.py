@@ -1,0 +1,54 @@
+"""Each step's mini-batch for one rank, the next step's drawn while this step waits on a receive.
+
+Why: the first stage draws its batch between two steps, and there it is on the pipeline's critical
+path: every other stage waits for the first stage's first forward. Drawing 64 rows of the 1024-wide
+MLP's synthetic data takes about 0.4 ms on this project's 2-core VM, 1% of a 40 ms step. Every stage
+of a pipeline waits on a receive at least once a step (its share of the bubble); drawing the next
+batch then costs nothing. The last stage, which needs the targets, draws during its first wait too.
+
+A data function (``--data``) is called for step s+1 while step s runs: it must be a pure function of
+``(batch_size, step, seed)``, as resuming already requires. A stage that never waits (one stage,
+or a step that finds every message arrived) draws at the step's start as before. One batch ahead is
+held: the inputs and targets of one extra mini-batch in memory on the first and last stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from executor.config import RunConfig
+from executor.data import batch_for_step
+
+
+class StepBatches:
+    """``take(step)`` gives a step's ``(inputs, targets)`` (None, None on a stage that needs neither);
+    :meth:`prefetch` draws the step after the one last taken, if there is one and it is not drawn yet."""
+
+    def __init__(self, config: RunConfig, needs_data: bool, share: Callable[[Any], Any] | None = None) -> None:
+        self.config = config
+        self.needs_data = needs_data  # the first stage keeps the inputs, the last the targets
+        self.share = share  # this replica's rows of a global batch (executor.replicas); None: all of it
+        self.step = -1  # the step last taken
+        self._ahead: tuple[int, Any, Any] | None = None
+
+    def _draw(self, step: int) -> tuple[Any, Any]:
+        c = self.config
+        inputs, targets = batch_for_step(c.model, c.options, c.batch_size, c.seed, step, c.data or None)
+        if self.share is not None:
+            inputs, targets = self.share(inputs), self.share(targets)
+        return inputs, targets
+
+    def take(self, step: int) -> tuple[Any, Any]:
+        self.step = step
+        if not self.needs_data:
+            return None, None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            return ahead[1], ahead[2]
+        return self._draw(step)
+
+    def prefetch(self) -> None:
+        following = self.step + 1
+        if not self.needs_data or following >= self.config.steps or self._ahead is not None:
+            return
+        self._ahead = (following, *self._draw(following))

@@ -1,0 +1,119 @@
+"""What a stage does off the pipeline's critical path: receives posted at its first wait, the next
+step's data drawn while it waits, and a host allocator that keeps freed blocks for the next step."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from executor.config import RunConfig
+from executor.data import batch_for_step
+from executor.pipeline import LocalPipeline
+from executor.prefetch import StepBatches
+from executor.transport import ACT
+
+CONFIG = dict(model="mlp", options={"layers": 4, "width": 16}, partition=[2, 2], batch_size=8, microbatches=4,
+              schedule="gpipe", checkpoint="never", steps=3)
+
+
+class LateTransport:
+    """A stage's in-process transport whose every message arrives late: ``ready`` is False the first
+    time it is asked about a message. Logs what the stage posts and receives."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log, self.asked = inner, log, set()
+
+    def expect(self, channel, microbatch, shapes):
+        self.log.append(("post", channel, microbatch))
+
+    def ready(self, channel, microbatch):
+        first = (channel, microbatch) not in self.asked
+        self.asked.add((channel, microbatch))
+        return not first and self.inner.ready(channel, microbatch)
+
+    def recv(self, channel, microbatch):
+        self.log.append(("recv", channel, microbatch))
+        return self.inner.recv(channel, microbatch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_receives_are_posted_in_order_the_first_at_the_start_the_rest_at_the_first_wait():
+    pipe = LocalPipeline(RunConfig(**CONFIG))
+    first, last = pipe.stages
+    inputs, targets = pipe.batch(0)
+    first.begin_step(0, inputs, targets)
+    for action in first.actions[:4]:  # its forwards fill the last stage's mailboxes
+        first.run(action)
+    log = []
+    last.transport = LateTransport(last.transport, log)
+    last.while_waiting = lambda: log.append(("idle",))
+    last.begin_step(0, inputs, targets)
+    assert log == [("post", ACT, 0)]  # the first receive only: the stage waits for it next
+    last.run(last.actions[0])
+    assert log[1:] == [("post", ACT, 1), ("post", ACT, 2), ("post", ACT, 3), ("idle",), ("recv", ACT, 0)]
+    for action in last.actions[1:]:
+        last.run(action)
+    assert [entry for entry in log if entry[0] == "post"] == [("post", ACT, m) for m in range(4)]
+    assert [entry for entry in log if entry[0] == "recv"] == [("recv", ACT, m) for m in range(4)]
+
+
+def test_a_stage_whose_first_action_receives_nothing_posts_nothing_at_the_start():
+    pipe = LocalPipeline(RunConfig(**CONFIG))
+    log = []
+    first = pipe.stages[0]
+    first.transport = LateTransport(first.transport, log)
+    first.begin_step(0, *pipe.batch(0))
+    assert log == []
+
+
+def test_prefetched_batches_are_the_steps_own_and_the_run_is_unchanged():
+    config = RunConfig(**CONFIG)
+    batches = StepBatches(config, needs_data=True)
+    for step in range(config.steps):
+        inputs, targets = batches.take(step)
+        expected = batch_for_step(config.model, config.options, config.batch_size, config.seed, step)
+        assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+        batches.prefetch()
+        batches.prefetch()  # idempotent: one batch ahead
+        if step + 1 < config.steps:
+            assert batches._ahead is not None and batches._ahead[0] == step + 1
+    assert batches._ahead is None  # nothing past the last step
+    assert StepBatches(config, needs_data=False).take(0) == (None, None)
+
+
+def test_a_stale_prefetched_batch_is_dropped():
+    config = RunConfig(**CONFIG)
+    batches = StepBatches(config, needs_data=True)
+    batches.take(0)
+    batches.prefetch()  # step 1 drawn, but step 2 asked for next
+    inputs, _ = batches.take(2)
+    assert torch.equal(inputs, batch_for_step(config.model, config.options, 8, config.seed, 2)[0])
+    batches.prefetch()
+    assert batches._ahead is None  # step 3 is past the run
+
+
+def test_the_host_allocator_keeps_freed_blocks_so_a_step_faults_no_pages_in():
+    script = textwrap.dedent("""
+        import resource, torch
+        from executor.host_allocator import keep_freed_memory
+        def faults(steps):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(steps):
+                grads = [torch.ones(1024, 1024) for _ in range(4)]  # 4 MiB each, freed at the loop's end
+                del grads
+            return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+        faults(2)
+        print(faults(10), keep_freed_memory(), (faults(2), faults(10))[1])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.split()
+    default_faults, took, kept_faults = float(out[0]), out[1] == "True", float(out[2])
+    if not took:
+        pytest.skip("this C library has no mallopt settings (not glibc)")
+    assert default_faults > 100  # blocks mapped (or the heap trimmed) and faulted in anew each time
+    assert kept_faults < 10
