@@ -12,9 +12,9 @@ chores between steps.
 
 ``breakdown``: where that gap sits on the measured step's critical path. Walking back from the
 last device's optimizer, each action's predecessor is whichever of its dependencies ended last;
-the time between them is ``handoff`` (the predecessor ran on another device: its send, the
-message's way, the receive) or ``between_actions`` (the same device: the predecessor's send call,
-bookkeeping); the time from the previous step's end to the path's first action is
+the time between them is ``send`` (the predecessor's call that hands its output to the transport),
+then ``handoff`` (the predecessor ran on another device: the message's way and the receive) or
+``between_actions`` (the same device: bookkeeping, posting receives); the time from the previous step's end to the path's first action is
 ``between_steps`` (end-of-step phases, drawing data, posting receives). Limits: one pipeline (D = 1,
 T = 1, several chunks per device allowed); the step's "end" is the last span any device recorded,
 as the executor's report counts steps.
@@ -29,6 +29,7 @@ from typing import Any
 from sim.schedule import Action, Kind, build_schedule
 
 COMPUTE = {"F", "R", "B"}
+SENDS = {"send_act": Kind.FORWARD, "send_grad": Kind.BACKWARD}  # the span after the action that sends
 
 
 def _dependency(action: Action, virtual_stages: int) -> Action | None:
@@ -42,15 +43,18 @@ def _dependency(action: Action, virtual_stages: int) -> Action | None:
 
 def _step_spans(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Per step: each action's (start, end) by Action, each device's optimizer seconds, the step's end."""
-    steps: dict[int, dict[str, Any]] = defaultdict(lambda: {"actions": {}, "optimizer": defaultdict(float), "end": 0.0})
+    steps: dict[int, dict[str, Any]] = defaultdict(lambda: {"actions": {}, "optimizer": defaultdict(float), "end": 0.0,
+                                                           "sends": {}})
     for r in report["timeline"]["records"]:
         if r.get("replica", 0) or r.get("tp", 0):
             continue
         step = steps[r["step"]]
         step["end"] = max(step["end"], r["end_s"])
+        stage = r.get("virtual_stage", r["stage"])
+        stage = r["stage"] if stage is None else stage
+        if r["kind"] in SENDS and r["microbatch"] >= 0:
+            step["sends"][Action(stage, SENDS[r["kind"]], r["microbatch"])] = r["end_s"] - r["start_s"]
         if r["kind"] in COMPUTE:
-            stage = r.get("virtual_stage", r["stage"])
-            stage = r["stage"] if stage is None else stage
             step["actions"][Action(stage, Kind(r["kind"]), r["microbatch"])] = (r["start_s"], r["end_s"], r["stage"])
         elif r["kind"] == "optimizer":
             step["optimizer"][r["stage"]] += r["end_s"] - r["start_s"]
@@ -90,15 +94,18 @@ def compute_bound_s(actions: dict[Action, tuple[float, float, int]], optimizer: 
 
 
 def breakdown(actions: dict[Action, tuple[float, float, int]], lists: list[list[Action]], virtual_stages: int,
-              step_end: float, previous_end: float) -> dict[str, float]:
-    """Seconds of the measured step's critical path by kind: compute, optimizer, hand-offs, gaps."""
+              step_end: float, previous_end: float, sends: dict[Action, float] | None = None) -> dict[str, float]:
+    """Seconds of the measured step's critical path by kind: compute, optimizer, hand-offs, gaps.
+    With ``sends`` (each action's send span), the part of a gap that its predecessor spent sending
+    is counted as ``send`` instead."""
+    sends = sends or {}
     device_before = {}
     for items in lists:
         for before, action in zip(items, items[1:]):
             device_before[action] = before
     last_of = {d: items[-1] for d, items in enumerate(lists)}
     device = max(last_of, key=lambda d: actions[last_of[d]][1])  # the device whose actions end last
-    parts = {"compute": 0.0, "handoff": 0.0, "between_actions": 0.0, "between_steps": 0.0,
+    parts = {"compute": 0.0, "send": 0.0, "handoff": 0.0, "between_actions": 0.0, "between_steps": 0.0,
              "optimizer_and_end": step_end - actions[last_of[device]][1]}
     current = last_of[device]
     while True:
@@ -112,7 +119,10 @@ def breakdown(actions: dict[Action, tuple[float, float, int]], lists: list[list[
             parts["between_steps"] += start - previous_end
             return parts
         before, kind = max(candidates, key=lambda c: actions[c[0]][1])
-        parts[kind] += start - actions[before][1]
+        gap = start - actions[before][1]
+        sending = min(max(gap, 0.0), sends.get(before, 0.0))
+        parts["send"] += sending
+        parts[kind] += gap - sending
         current = before
 
 
@@ -128,7 +138,8 @@ def analyse(report: dict[str, Any], warmup: int) -> dict[str, Any]:
         spans = steps[step]
         period = spans["end"] - steps[previous]["end"]
         bound = compute_bound_s(spans["actions"], spans["optimizer"], lists, virtual_stages)
-        parts = breakdown(spans["actions"], lists, virtual_stages, spans["end"], steps[previous]["end"])
+        parts = breakdown(spans["actions"], lists, virtual_stages, spans["end"], steps[previous]["end"],
+                          spans["sends"])
         rows.append({"step_s": period, "compute_bound_s": bound, "overhead": (period - bound) / period, **parts})
     median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     return {"median": median, "steps": rows}

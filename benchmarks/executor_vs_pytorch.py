@@ -141,7 +141,7 @@ def ideal(report: dict, stages: int) -> dict:
     median = analysis["median"]
     return {"compute_s": total, "ideal_balanced_s": balanced_s, "bottleneck_bound_s": median["compute_bound_s"],
             "overhead_fraction": median["overhead"],
-            "critical_path_s": {key: median[key] for key in ("compute", "handoff", "between_actions",
+            "critical_path_s": {key: median[key] for key in ("compute", "send", "handoff", "between_actions",
                                                              "between_steps", "optimizer_and_end")}}
 
 

@@ -108,12 +108,14 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
 
     from executor.device import device_api
     from executor.pipeline import prepare, step_batches, train_step_with_data
+    from executor.recording import shared_origin_s
 
     prepared = prepare(config)
     dist.barrier()
     pace_before = probe.measure(PROBE_BUDGET_S)  # every rank at once, as the run will load the machine
     dist.barrier()
     stage, layout = _make_stage(config, prepared, rank, device, groups)
+    stage.recorder.restart(shared_origin_s())  # one time axis for the ranks, as gpipe train's
     del prepared
     losses = []
     batches = step_batches(config, stage, layout)  # the next step's data drawn while waiting, as gpipe train does

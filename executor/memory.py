@@ -26,7 +26,7 @@ from executor.boundary import tensors
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    while is_traceable_wrapper_subclass(tensor):  # a DTensor shard, a collective's pending result: its own tensor
+    while type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):  # a DTensor shard, a collective's pending result: its own tensor
         names, _ = tensor.__tensor_flatten__()
         tensor = getattr(tensor, names[0])
     storage = tensor.untyped_storage()

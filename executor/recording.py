@@ -11,13 +11,34 @@ barrier's skew (on one machine perf_counter is the same monotonic clock in every
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from executor.device import device_api
 from sim.timeline import MemorySample, Record, Timeline
+
+
+def host_id() -> str:
+    """What names this host's monotonic clock: the kernel's boot id where there is one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return handle.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def shared_origin_s() -> float:
+    """A time origin for this rank's :class:`Recorder`: after a barrier, the ``perf_counter`` reading
+    of the lowest rank on this rank's host. Collective over the default group."""
+    dist.barrier()
+    mine = (host_id(), time.perf_counter())
+    readings: list = [None] * dist.get_world_size()
+    dist.all_gather_object(readings, mine)
+    return next(reading for host, reading in readings if host == mine[0])
 
 
 class Recorder:
@@ -38,9 +59,9 @@ class Recorder:
         self._step_event: Any = None
         self._step_host_s = 0.0
 
-    def restart(self) -> None:
-        """Put the time origin here (right after a barrier every rank passes)."""
-        self.origin_s = time.perf_counter()
+    def restart(self, origin_s: float | None = None) -> None:
+        """Put the time origin at ``origin_s`` (a ``perf_counter`` reading; default: now)."""
+        self.origin_s = time.perf_counter() if origin_s is None else origin_s
 
     def now_s(self) -> float:
         return time.perf_counter() - self.origin_s

@@ -47,7 +47,7 @@ from executor.models import model_ref
 from executor.chunks import ChunkedDevice, shards
 from executor.interleaved import make_dist_chunks
 from executor.pipeline import make_dist_stage, prepare, step_batches, train_step_with_data
-from executor.recording import Recorder
+from executor.recording import Recorder, shared_origin_s
 from executor.report import build_report
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
@@ -146,8 +146,7 @@ def train(config: RunConfig) -> None:
         make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage
         stage = make(config, prepared, rank, device, recorder, layout=layout)
         replicas.attach(stage, layout)
-        dist.barrier()
-        recorder.restart()  # time origin right after the barrier on every rank
+        recorder.restart(shared_origin_s())  # one time axis for the ranks of a host
         del prepared
         history, start = _resume(config, stage)
         step_ref = [start]
