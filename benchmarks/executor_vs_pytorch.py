@@ -145,10 +145,11 @@ def ideal(report: dict, stages: int) -> dict:
                                                              "between_steps", "optimizer_and_end")}}
 
 
-def run_pytorch(cfg: dict, schedule: str, steps: int, warmup: int, threads: int) -> float:
+def run_pytorch(cfg: dict, schedule: str, steps: int, warmup: int, threads: int,
+                keep_freed_memory: bool = False) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         job = dict(cfg, schedule=schedule, steps=steps, warmup=warmup, threads=threads,
-                   out=os.path.join(tmp, "pt.json"))
+                   out=os.path.join(tmp, "pt.json"), keep_freed_memory=keep_freed_memory)
         path = os.path.join(tmp, "job.json")
         with open(path, "w") as handle:
             json.dump(job, handle)
@@ -176,6 +177,10 @@ def pytorch_worker(path: str) -> None:
     with open(path) as handle:
         job = json.load(handle)
     torch.set_num_threads(job["threads"])
+    if job.get("keep_freed_memory"):  # the host allocator setting gpipe's ranks run with
+        from executor.host_allocator import keep_freed_memory
+
+        keep_freed_memory()
     replicas, stages, virtual = _shape(job)
     parts = job.get("tensor_parallel", 1)
     dist.init_process_group("gloo")
@@ -270,7 +275,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternate executor and PyTorch runs this many times; medians are reported")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "executor_vs_pytorch.json"))
+    parser.add_argument("--pytorch-keep-freed-memory", action="store_true",
+                        help="run PyTorch's workers with the host allocator setting gpipe's ranks use "
+                             "(executor.host_allocator), to see how much of the difference it explains")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "executor_vs_pytorch_all.json"))
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     rows = []
@@ -283,7 +291,8 @@ def main() -> int:
             reports, pytorch_runs = [], []
             for _ in range(args.rounds):  # alternating, so both see the same drifts of a shared machine
                 reports.append(run_executor(cfg, schedule, args.steps, args.warmup, threads))
-                pytorch_runs.append(run_pytorch(cfg, schedule, args.steps, args.warmup, threads))
+                pytorch_runs.append(run_pytorch(cfg, schedule, args.steps, args.warmup, threads,
+                                                args.pytorch_keep_freed_memory))
             reports.sort(key=lambda r: r["step_time_s"])
             report = reports[len(reports) // 2]
             pytorch_s = statistics.median(pytorch_runs)
@@ -311,7 +320,8 @@ def main() -> int:
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": cores,
                           "torch": torch.__version__, "python": platform.python_version()},
               "command": "python benchmarks/executor_vs_pytorch.py " + " ".join(sys.argv[1:]),
-              "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "rows": rows}
+              "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+              "pytorch_keep_freed_memory": args.pytorch_keep_freed_memory, "rows": rows}
     from sim.timeline import write_json_atomic
 
     write_json_atomic(args.out, result)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.speed import run_probes, speed_factor
 from sim.partition import even_partition
+from sim.schedule import COMPUTE_KINDS
 
 # (stages, microbatches, partition kind, checkpoint, schedule)
 HELD_OUT = [
@@ -49,6 +50,7 @@ HELD_OUT = [
     (2, 16, "skewed", "never", "1f1b"),
     (1, 4, "balanced", "full", "gpipe"),  # per-layer recompute: no calibration run has it
     (2, 4, "skewed", "full", "1f1b"),
+    (2, 8, "balanced", "never", "zb-h1"),  # the split backward: no calibration run has it
 ]
 # (replicas, stages, microbatches, partition kind, checkpoint, schedule): data-parallel runs
 HELD_OUT_REPLICAS = [
@@ -179,7 +181,7 @@ def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
     """From the last forward, recompute or backward of ``step`` on any stage to the end of its last
     span (the optimizer, all-reduces, sends finishing, a fitted overhead): the end-of-step phase."""
     ends = [(r.kind, r.end_s) for r in records if r.step == step]
-    compute = [end for kind, end in ends if kind in ("F", "R", "B")]
+    compute = [end for kind, end in ends if kind in COMPUTE_KINDS]
     return max(end for _, end in ends) - max(compute) if compute else 0.0
 
 

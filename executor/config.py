@@ -17,7 +17,7 @@ from sim.placement import DEFAULT_PLACEMENT
 from sim.plan import ModelRef, Plan
 from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.microbatch import split_rows
-from sim.schedule import check_interleaving, check_virtual_stages
+from sim.schedule import check_interleaving, check_split_backward, check_virtual_stages
 from sim.timeline import write_json_atomic
 
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
@@ -113,6 +113,7 @@ class RunConfig:
         per layer, and M as executed (``torch.chunk`` may make fewer micro-batches than asked) a
         multiple of K."""
         check_virtual_stages(self.schedule, self.virtual_stages)
+        check_split_backward(self.schedule, self.checkpoint)
         if self.schedule != "interleaved" or not self.partition:
             return
         if len(self.partition) % self.virtual_stages:

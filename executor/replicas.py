@@ -273,8 +273,10 @@ class GradientAverage:
 
 
 def last_backward_index(actions: Sequence[Action]) -> int:
-    """Position of the last backward action in a device's list (-1 when it has none)."""
-    return max((i for i, a in enumerate(actions) if a.kind == Kind.BACKWARD), default=-1)
+    """Position of the last action in a device's list that adds to the weights' gradients, a
+    backward or (split-backward schedules) an I or W (-1 when it has none)."""
+    gradients = (Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT)
+    return max((i for i, a in enumerate(actions) if a.kind in gradients), default=-1)
 
 
 def chain(*hooks: Callable[[int, Action], None] | None) -> Callable[[int, Action], None] | None:

@@ -28,6 +28,7 @@ from collections import defaultdict
 from typing import Any
 
 from executor.data import split_rows
+from sim.schedule import COMPUTE_KINDS
 from sim.timeline import OPTIMIZER, Timeline
 
 
@@ -61,9 +62,9 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
     for r in timeline.records:
         if r.step not in measured or r.tp:  # a stage's figures are its tensor-parallel rank 0's
             continue
-        if r.kind in ("F", "R", "B", OPTIMIZER):
+        if r.kind in COMPUTE_KINDS or r.kind == OPTIMIZER:
             busy[(r.replica, r.stage, r.step)] += r.duration_s
-        if r.kind in ("F", "R", "B") and r.replica == 0:
+        if r.kind in COMPUTE_KINDS and r.replica == 0:
             virtual = r.stage if r.virtual_stage is None else r.virtual_stage
             durations[(r.stage, virtual, r.kind, r.microbatch)].append(r.duration_s)
     replicas = config.get("replicas", 1)

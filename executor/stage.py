@@ -49,7 +49,9 @@ from executor.precision import autocast, check_boundary
 from executor.recording import Recorder
 from executor.selective import recompute_attention_core
 from executor.transport import ACT, GRAD, Transport
-from sim.schedule import Action, Kind, build_schedule, recomputes, recomputes_attention_core, recomputes_per_layer
+from executor.split_backward import PendingWeights, input_gradients, weight_gradients
+from sim.schedule import (Action, Kind, build_schedule, receives_gradient, recomputes, recomputes_attention_core,
+                          recomputes_per_layer)
 from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
 
 
@@ -183,6 +185,7 @@ class PipelineStage(StepPhases):
         # --checkpoint full: (received, every layer's input, the RNG state before each layer) per micro-batch
         self.layer_inputs: dict[int, tuple[list[torch.Tensor], list[Any], list[Any]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.pending_weights: dict[int, PendingWeights | None] = {}  # split backward: what each W needs, from its I
         self._unposted: list[tuple[str, int, Any]] = []  # receives announced but not posted yet, last needed first
         self._unposted_keys: set[tuple[str, int]] = set()
 
@@ -240,7 +243,7 @@ class PipelineStage(StepPhases):
         """The tensor ``action`` must receive before it can run, as (channel, micro-batch)."""
         if action.kind == Kind.FORWARD and not self.is_first:
             return ACT, action.microbatch
-        if action.kind == Kind.BACKWARD and not self.is_last and self.outgoing.has_grad:  # type: ignore[union-attr]
+        if receives_gradient(action.kind) and not self.is_last and self.outgoing.has_grad:  # type: ignore[union-attr]
             return GRAD, action.microbatch
         return None
 
@@ -290,6 +293,10 @@ class PipelineStage(StepPhases):
             self._forward(action.microbatch)
         elif action.kind == Kind.RECOMPUTE:
             self._recompute(action.microbatch)
+        elif action.kind == Kind.INPUT:
+            self._backward_input(action.microbatch)
+        elif action.kind == Kind.WEIGHT:
+            self._backward_weight(action.microbatch)
         else:
             self._backward(action.microbatch)
         self.recorder.memory(self.counter.sample())
@@ -329,7 +336,7 @@ class PipelineStage(StepPhases):
         if not self.is_last:
             return y
         loss = self.loss_fn(y.float(), self.targets[m]) * (self.rows[m] / self.config.batch_size)
-        self.losses[m] = loss
+        self.losses[m] = loss.detach()  # not the graph: a split backward keeps it only until its W
         return loss
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
@@ -448,7 +455,36 @@ class PipelineStage(StepPhases):
                 if roots_with_grad:
                     torch.autograd.backward(roots_with_grad, root_grads)
             self.counter.release(m)
+        self._send_input_gradients(m, needs_grad, [x.grad for x in needs_grad])
+
+    def _send_input_gradients(self, m: int, needs_grad: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        """Send the previous stage the gradients of the inputs it sent (zeros for an unused one)."""
         if not self.is_first and self.incoming is not None and self.incoming.has_grad:
-            dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in needs_grad]
+            dx = [g if g is not None else torch.zeros_like(x) for x, g in zip(needs_grad, grads)]
             with self.recorder.span(SEND_GRADIENT, m):
                 self.transport.send(GRAD, m, dx)
+
+    def _backward_input(self, m: int) -> None:
+        """I: the gradients of the stage's inputs alone, sent back at once; what the weight gradients
+        need is kept for this micro-batch's W (:mod:`executor.split_backward`), its tensors with it."""
+        grads = self._receive(GRAD, m) if self.needs(Action(self.config.stage, Kind.INPUT, m)) else []
+        with self.recorder.span(Kind.INPUT.value, m):
+            needs_grad, out = self.graph.pop(m)
+            roots, root_grads = self._roots(out, grads)
+            kept = [i for i, root in enumerate(roots) if root.requires_grad]
+            roots = [roots[i] for i in kept]
+            if root_grads is not None:
+                root_grads = [root_grads[i] for i in kept]
+            dx: list[torch.Tensor | None] = [None] * len(needs_grad)
+            self.pending_weights[m] = None
+            if roots:
+                dx, self.pending_weights[m] = input_gradients(roots, root_grads, needs_grad, self.params)
+        self._send_input_gradients(m, needs_grad, dx)
+
+    def _backward_weight(self, m: int) -> None:
+        """W: micro-batch ``m``'s weight gradients, added to ``.grad``; its tensors are freed."""
+        with self.recorder.span(Kind.WEIGHT.value, m):
+            pending = self.pending_weights.pop(m)
+            if pending is not None:
+                weight_gradients(pending)
+            self.counter.release(m)

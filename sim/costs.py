@@ -43,7 +43,7 @@ from typing import Any, Sequence
 from sim.errors import GpipeInputError
 from sim.hardware import LOCAL_CPU, Device, Link, System
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES
-from sim.stage_costs import StageCost, per_layer_bytes
+from sim.stage_costs import StageCost, layer_weight_grad_s, per_layer_bytes
 from sim.timeline import read_json
 from sim.workload import LayerCost, SharedParameter
 
@@ -231,6 +231,8 @@ class MeasuredWorkload:
         inp = self._mem("input_bytes", first, rows)
         out = self._mem("output_bytes", end - 1, rows)
         params = sum(int(self.memory[i]["param_bytes"]) for i in layers)
+        weight_grad = sum(layer_weight_grad_s(self.profiled_s("B", i, rows), int(self.memory[i]["param_bytes"]))
+                          for i in layers)
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         return StageCost(
@@ -241,7 +243,8 @@ class MeasuredWorkload:
             stash_bytes=inp, output_bytes=out,
             static_bytes=params * (2 + self.optimizer_slots),
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
-            layer_inputs_bytes=held, layer_transient_bytes=transient)
+            layer_inputs_bytes=held, layer_transient_bytes=transient,
+            weight_grad_s=fit.actions["B"].slope * weight_grad)
 
     # ------------------------------------------------------------------ what-if on catalog devices
 

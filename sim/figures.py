@@ -18,6 +18,8 @@ KIND_COLOURS = {
     "F": "#4C78A8",  # forward: blue
     "R": "#F58518",  # recompute: orange
     "B": "#54A24B",  # backward: green
+    "I": "#88D27A",  # input gradient: light green
+    "W": "#2E7D32",  # weight gradients: dark green
     "send_act": "#B279A2",
     "send_grad": "#9D755D",
     "recv_wait": "#D3D3D3",
@@ -26,7 +28,7 @@ KIND_COLOURS = {
     "allreduce_shared": "#72B7B2",
     "allreduce_dp": "#EECA3B",
 }
-KIND_ORDER = ["F", "R", "B", "allreduce_shared", "allreduce_dp", "optimizer", "overhead", "send_act", "send_grad",
+KIND_ORDER = ["F", "R", "B", "I", "W", "allreduce_shared", "allreduce_dp", "optimizer", "overhead", "send_act", "send_grad",
               "recv_wait"]
 
 

@@ -67,7 +67,7 @@ def _peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint
         elif action.kind is Kind.RECOMPUTE:
             counts[base] -= 1
             counts[base + 1] += 1
-        else:
+        elif action.kind is not Kind.INPUT:  # B, or W after its I: the micro-batch is freed
             counts[base + 1] -= 1
         following = actions[index + 1] if index + 1 < len(actions) else None
         if following is None or following.kind is not Kind.FORWARD:  # a forward next only adds: dominated

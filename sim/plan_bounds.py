@@ -12,7 +12,8 @@ step, since every data-parallel all-reduce waits for all replicas) and device k:
   chunk 0 whatever the schedule;
 - then either its own tail (data-parallel all-reduce, optimizer, fitted overhead) or that last
   backward's gradient flowing back through virtual stages k-1..0 (``drain``, one backward each)
-  followed by device 0's tail: whichever is longer.
+  followed by device 0's tail: whichever is longer. Split-backward schedules (``zb-h1``) take its own
+  tail alone: a device's last actions are W's, which nothing after them waits for.
 
 Communication between stages and the shared-parameter reduction are left out, so it only gets
 smaller. The all-reduce is the engine's own closed form, which depends on bytes and links alone.
@@ -33,7 +34,7 @@ from typing import Sequence
 from sim.allreduce import data_parallel_group, group_allreduce_s
 from sim.hardware import Link, System
 from sim.microbatch import split_rows
-from sim.schedule import recomputes
+from sim.schedule import SPLIT_BACKWARD_SCHEDULES, recomputes
 from sim.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 
 
@@ -81,10 +82,12 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate, partition: Seque
         tails.append(allreduce[k] + sum(first[s].optimizer_s for s in chunks)
                      + max(first[s].step_overhead_s for s in chunks))
     best = fill = drain = 0.0
+    split = c.schedule in SPLIT_BACKWARD_SCHEDULES  # device k's last W may run beside the others' drain
     for k in range(K):
-        best = max(best, fill + computes[k] + max(tails[k], drain + tails[0]))
+        best = max(best, fill + computes[k] + (tails[k] if split else max(tails[k], drain + tails[0])))
         fill += first[k].forward_s
-        drain += min(by_rows[r][k].backward_s for r in by_rows)
+        if not split:
+            drain += min(by_rows[r][k].backward_s for r in by_rows)
     return best
 
 
@@ -153,8 +156,8 @@ class BalancedBounds:
         geometric series: T = C / (1 - (1 - 1/M)^K). It is C for M = 1 and tends to C M / K.
         """
         c = candidate
-        if c.virtual_stages > 1:
-            return 0.0
+        if c.virtual_stages > 1 or c.schedule in SPLIT_BACKWARD_SCHEDULES:
+            return 0.0  # the chain's backwards overlap other work (the interleaved chunks, the W's)
         rows = tuple(replica_rows(self.batch_size, c.replicas, c.microbatches))
         m = len(rows)
         return self._chain_s(rows) / (1 - (1 - 1 / m) ** c.stages)

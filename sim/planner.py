@@ -32,7 +32,7 @@ from sim.microbatch import split_rows
 from sim.partition import min_max_partition, min_variance_partition
 from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from sim.plan_bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
+from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, recomputes_per_layer
 from sim.stage_costs import CostTable, held_sizes, stage_bounds
 from sim.range_memory import RangeMemory
 from sim.workload import Workload, shared_parameters
@@ -160,6 +160,8 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                     if checkpoint == "except_last" and counts == {1}:
                         continue  # identical to never with one micro-batch
                     for schedule, v in _schedule_options(schedules, virtual_options, k, counts, num_layers):
+                        if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
+                            continue  # refused: a per-layer recompute's backward is not split
                         for zero in zeros:
                             for placement in where:
                                 out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement))
@@ -177,6 +179,8 @@ def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], 
             out.append((schedule, 1))
         elif schedule == "interleaved" and stages > 1 and all(c % stages == 0 for c in counts):
             out.extend((schedule, v) for v in virtual_options if num_layers is None or v * stages <= num_layers)
+        elif schedule in SPLIT_BACKWARD_SCHEDULES and stages > 1:
+            out.append((schedule, 1))  # on one stage the same work as 1f1b's, in the same order
     return out
 
 

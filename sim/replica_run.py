@@ -30,8 +30,8 @@ from typing import Sequence
 import simpy
 
 from sim.hardware import Link, System
-from sim.schedule import Action, Kind, recomputes
-from sim.stage_costs import StageCost, backward_time_s, held_sizes
+from sim.schedule import Action, Kind, receives_gradient, recomputes
+from sim.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
 from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 
 
@@ -134,7 +134,7 @@ class ReplicaRun:
                     m, s, kind = action.microbatch, action.stage, action.kind
                     if kind is Kind.FORWARD and s > 0:
                         ready_s = arrival_s[True][s][m]
-                    elif kind is Kind.BACKWARD and s < last:
+                    elif receives_gradient(kind) and s < last:
                         ready_s = arrival_s[False][s][m]
                     else:
                         ready_s = t
@@ -143,7 +143,7 @@ class ReplicaRun:
                     if ready_s > t:
                         t = ready_s
                     cost = self.costs[self.rows[m]][s]
-                    duration = self._action_s(cost, kind)
+                    duration = self._action_s(cost, kind, s)
                     stash, saved, transient = held_sizes(cost, self.checkpoint)
                     if kind is Kind.BACKWARD and transient:
                         self._hold(device, transient)
@@ -157,8 +157,9 @@ class ReplicaRun:
                     elif kind is Kind.RECOMPUTE:
                         self._hold(device, saved - stash)
                     else:
-                        self._hold(device, -saved - transient)
-                        if s > 0:
+                        if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
+                            self._hold(device, -saved - transient)
+                        if kind is not Kind.WEIGHT and s > 0:
                             arrival_s[False][s - 1][m] = self._arrival_s(device, t, cost.stash_bytes, False)
                     i += 1
                 advanced += i - position[device]
@@ -179,12 +180,16 @@ class ReplicaRun:
         arrival_s = self.links.reserve(link, key, now_s, nbytes)[1]
         return now_s + (arrival_s - now_s)  # as SimPy times the arrival: a timeout of the difference
 
-    def _action_s(self, cost, kind) -> float:
+    def _action_s(self, cost, kind, virtual_stage: int) -> float:
         """Seconds one action of ``kind`` takes on a stage of ``cost``."""
         if kind is Kind.FORWARD:
             return cost.forward_s
         if kind is Kind.RECOMPUTE:
             return cost.recompute_s
+        if kind is Kind.INPUT:
+            return input_grad_time_s(cost, self.checkpoint, virtual_stage == 0)
+        if kind is Kind.WEIGHT:
+            return weight_grad_time_s(cost, self.checkpoint, virtual_stage == 0)
         return backward_time_s(cost, self.checkpoint)
 
     def _hold(self, device: int, delta: int) -> None:
@@ -206,14 +211,14 @@ class ReplicaRun:
             waiting_on = None
             if kind is Kind.FORWARD and s > 0:
                 waiting_on = self.activation_in[s][m]
-            elif kind is Kind.BACKWARD and s < last:
+            elif receives_gradient(kind) and s < last:
                 waiting_on = self.gradient_in[s][m]
             if waiting_on is not None and not waiting_on.processed:
                 wait_start = env.now
                 yield waiting_on
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
-            duration = self._action_s(cost, kind)
+            duration = self._action_s(cost, kind, s)
             stash, saved, transient = held_sizes(cost, self.checkpoint)
             if kind is Kind.BACKWARD and transient:
                 self._hold(device, transient)  # the layer being recomputed, on top of what is held
@@ -231,8 +236,9 @@ class ReplicaRun:
             elif kind is Kind.RECOMPUTE:
                 self._hold(device, saved - stash)
             else:
-                self._hold(device, -saved - transient)
-                if s > 0:
+                if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
+                    self._hold(device, -saved - transient)
+                if kind is not Kind.WEIGHT and s > 0:
                     self._send(device, s - 1, m, cost.stash_bytes, forward=False)
         self.last_backward_s[device] = env.now
 

@@ -26,6 +26,21 @@ alternates one forward with one backward. It needs M to be a multiple of K (a gr
 micro-batches keeps every device busy until the first of them comes back for the next chunk) and
 V*K layers at least. On uniform costs and free links its bubble is (K-1)/(V*M+K-1): the idle time
 of 1F1B divided by V, paid for with more activations in flight and V times the hand-offs.
+
+``zb-h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) splits each backward in two:
+I, the gradient of the stage's input, which the previous stage waits for, and W, the gradients of
+its weights, which nothing waits for. Stage k runs 1F1B's order with I where 1F1B runs B, and
+holds back the W of its first k micro-batches, running the W of its oldest pending micro-batch
+after each later I and the rest at the end, where 1F1B's stages idle in the drain. K=3, M=4::
+
+    stage 0: F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3
+    stage 1: F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
+    stage 2: F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3
+
+Every stage then holds at most K micro-batches from forward to W (1F1B's first stage holds K; its
+last holds 1), and on uniform costs the bubble is (K-1)(F+I-W) instead of 1F1B's (K-1)(F+I+W).
+On the first stage, whose input needs no gradient, I has nothing to compute and W is the whole
+backward. ``--checkpoint full`` recomputes each layer inside its backward and is not split.
 """
 
 from __future__ import annotations
@@ -36,7 +51,8 @@ from dataclasses import dataclass
 
 from sim.errors import GpipeInputError, require_positive
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # their backwards are an I (input gradient) and a W (weight gradients)
 # always / except_last: GPipe's re-materialization of a whole stage (an R action before its backward);
 # full: every layer's input kept and each layer recomputed inside the backward, just before its own
 # backward (Megatron-LM's full recompute, torch's per-block activation checkpointing): no R action;
@@ -51,6 +67,16 @@ class Kind(str, enum.Enum):
     FORWARD = "F"
     RECOMPUTE = "R"
     BACKWARD = "B"
+    INPUT = "I"  # the backward's input gradient alone (split-backward schedules)
+    WEIGHT = "W"  # the backward's weight gradients, after the micro-batch's I
+
+
+COMPUTE_KINDS = tuple(kind.value for kind in Kind)  # span kinds that are a stage's own compute
+
+
+def receives_gradient(kind: Kind) -> bool:
+    """Whether an action of ``kind`` needs the next stage's gradient (and sends one back)."""
+    return kind is Kind.BACKWARD or kind is Kind.INPUT
 
 
 @dataclass(frozen=True, order=True)
@@ -70,9 +96,9 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> "Action":
         """Inverse of ``str``: ``"1F3"`` is stage 1, forward, micro-batch 3."""
-        match = re.fullmatch(r"(\d+)([FRB])(\d+)", text.strip())
+        match = re.fullmatch(r"(\d+)([FRBIW])(\d+)", text.strip())
         if match is None:
-            raise GpipeInputError(f"bad action {text!r}; expected e.g. '1F3' (stage, F/R/B, micro-batch)")
+            raise GpipeInputError(f"bad action {text!r}; expected e.g. '1F3' (stage, F/R/B/I/W, micro-batch)")
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
 
 
@@ -137,6 +163,38 @@ def _stage_1f1b(stage: int, stages: int, microbatches: int, checkpoint: str) -> 
     for m in range(next_backward, microbatches):
         actions += _backward_with_recompute(stage, m, microbatches, checkpoint)
     return actions
+
+
+def _stage_zb_h1(stage: int, stages: int, microbatches: int, checkpoint: str) -> list[Action]:
+    """1F1B's list with I for B; the W of the oldest pending micro-batch after every I but the
+    first ``stage``, the rest at the end (see the module docstring)."""
+    warmup = min(stages - stage - 1, microbatches)
+    actions = [Action(stage, Kind.FORWARD, m) for m in range(warmup)]
+    pending: list[int] = []
+
+    def input_then_weight(m: int) -> None:
+        if recomputes(checkpoint, m, microbatches):
+            actions.append(Action(stage, Kind.RECOMPUTE, m))
+        actions.append(Action(stage, Kind.INPUT, m))
+        pending.append(m)
+        if m >= stage:  # the (m+1)-th I: the first ``stage`` of them keep their W for later
+            actions.append(Action(stage, Kind.WEIGHT, pending.pop(0)))
+
+    for m in range(warmup, microbatches):
+        actions.append(Action(stage, Kind.FORWARD, m))
+        input_then_weight(m - warmup)
+    for m in range(microbatches - warmup, microbatches):
+        input_then_weight(m)
+    actions += [Action(stage, Kind.WEIGHT, m) for m in pending]
+    return actions
+
+
+def check_split_backward(schedule: str, checkpoint: str) -> None:
+    """A split-backward schedule with a checkpoint policy whose backward cannot be split, refused."""
+    if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
+        raise GpipeInputError(f"--schedule {schedule} splits each backward into input and weight gradients, which "
+                              "--checkpoint full (each layer recomputed inside its backward) does not; use "
+                              "--checkpoint never, selective, except_last or always")
 
 
 def _interleaved_microbatch(index: int, stages: int, virtual_stages: int, forward: bool) -> tuple[int, int]:
@@ -204,6 +262,7 @@ def build_schedule(stages: int, microbatches: int, schedule: str = "gpipe",
     check_schedule_name(schedule)
     check_checkpoint_policy(checkpoint)
     check_virtual_stages(schedule, virtual_stages)
+    check_split_backward(schedule, checkpoint)
     if schedule == "interleaved":
         check_interleaving(stages, microbatches, virtual_stages)
     return [stage_actions(k, stages, microbatches, schedule, checkpoint, virtual_stages) for k in range(stages)]
@@ -216,6 +275,8 @@ def stage_actions(stage: int, stages: int, microbatches: int, schedule: str = "g
         return _stage_gpipe(stage, microbatches, checkpoint)
     if schedule == "interleaved":
         return _device_interleaved(stage, stages, microbatches, virtual_stages, checkpoint)
+    if schedule == "zb-h1":
+        return _stage_zb_h1(stage, stages, microbatches, checkpoint)
     return _stage_1f1b(stage, stages, microbatches, checkpoint)
 
 

@@ -17,7 +17,8 @@ from sim.placement import check_placement
 from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
 from sim.precision import check_precision
-from sim.schedule import check_checkpoint_policy, check_interleaving, check_schedule_name, check_virtual_stages
+from sim.schedule import (build_schedule, check_checkpoint_policy, check_interleaving, check_schedule_name,
+                          check_virtual_stages, format_grid)
 from sim.report import fit_advice, format_summary
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto)")
     parser.add_argument("--html", default=None, metavar="FILE", help="write a plotly timeline")
+    parser.add_argument("--print-schedule", action="store_true",
+                        help="print each device's action list (F forward, R recompute, B backward, I input "
+                             "gradient, W weight gradients; stage, kind, micro-batch) before the result")
     parser.add_argument("--allow-overflow", action="store_true",
                         help="report a plan that does not fit memory instead of failing")
 
@@ -164,6 +168,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         json.dump(data, sys.stdout)
         print()
     else:
+        if args.print_schedule:
+            devices = len([stage for stage in result.stages if stage.replica == 0])
+            print(format_grid(build_schedule(devices, args.microbatches, args.schedule, args.checkpoint,
+                                             result.virtual_stages)))
         print(format_summary(result, system, precision))
         for note in (attention_note, planned_from_note(workload), assumed_efficiency_note(system)):
             if note:

@@ -43,6 +43,31 @@ class StageCost:
     # --checkpoint selective: the attention cores' saved bytes, not held, and their recompute time
     core_saved_bytes: int = 0
     core_recompute_s: float = 0.0
+    # split-backward schedules: the part of backward_s that is the weight gradients (W)
+    weight_grad_s: float = 0.0
+
+
+WEIGHT_GRAD_SHARE = 0.5  # of the backward of a layer with weights
+
+
+def layer_weight_grad_s(backward_s: float, param_bytes: int) -> float:
+    """The weight-gradient part (W) of a layer's backward, by the analytic rule: a layer with weights
+    spends half its backward on them (a matmul's weight gradient costs as many FLOPs as its input
+    gradient), a layer without weights none. Limits: a layer that also runs weightless work (an
+    attention core inside a transformer block) has that work counted half in W too, so W is
+    overestimated there; I and W are not profiled apart yet."""
+    return WEIGHT_GRAD_SHARE * backward_s if param_bytes else 0.0
+
+
+def input_grad_time_s(cost: StageCost, checkpoint: str, first: bool) -> float:
+    """An I action's time: the backward less its weight gradients; nothing on the first (virtual)
+    stage, whose input needs no gradient."""
+    return 0.0 if first else max(0.0, backward_time_s(cost, checkpoint) - cost.weight_grad_s)
+
+
+def weight_grad_time_s(cost: StageCost, checkpoint: str, first: bool) -> float:
+    """A W action's time: the weight gradients; the whole backward on the first (virtual) stage."""
+    return backward_time_s(cost, checkpoint) if first else cost.weight_grad_s
 
 
 def stage_bounds(partition: Sequence[int]) -> list[tuple[int, int]]:
@@ -117,6 +142,7 @@ def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
         optimizer_s=sum(c.optimizer_s for c in layers),
         layer_inputs_bytes=inputs, layer_transient_bytes=transient,
         core_saved_bytes=sum(c.core_saved_bytes for c in layers), core_recompute_s=sum(c.core_recompute_s for c in layers),
+        weight_grad_s=sum(layer_weight_grad_s(c.backward_s, c.param_bytes) for c in layers),
     )
 
 
@@ -142,7 +168,7 @@ class CostTable:
         self.device = device
         self._layers: dict[int, tuple[LayerCost, ...]] = {}
         self._stages: dict[tuple[int, int, int], StageCost] = {}
-        self._prefix: dict[int, list[tuple[float, float, float, int, int, float, int, float]]] = {}
+        self._prefix: dict[int, list[tuple[float, float, float, int, int, float, int, float, float]]] = {}
         self._exact = getattr(workload, "stage_cost", None)
         self._shared = shared_parameters(workload)
         self._state_bytes: dict[tuple[int, int], tuple[int, int]] = {}
@@ -152,16 +178,17 @@ class CostTable:
             self._layers[rows] = tuple(self.workload.layer_costs(rows, self.device))
         return self._layers[rows]
 
-    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float, int, float]]:
+    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float, int, float, float]]:
         """Running sums of (forward, backward, recompute, saved, static, optimizer, core saved, core
-        recompute) over layers."""
+        recompute, weight gradients) over layers."""
         if rows not in self._prefix:
-            sums = [(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0.0)]
+            sums = [(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0.0, 0.0)]
             for c in self.layers(rows):
-                f, b, r, saved, static, opt, core, core_s = sums[-1]
+                f, b, r, saved, static, opt, core, core_s, weight = sums[-1]
                 sums.append((f + c.forward_s, b + c.backward_s, r + c.recompute_s, saved + c.saved_bytes,
                              static + c.param_bytes + c.grad_bytes + c.optimizer_bytes, opt + c.optimizer_s,
-                             core + c.core_saved_bytes, core_s + c.core_recompute_s))
+                             core + c.core_saved_bytes, core_s + c.core_recompute_s,
+                             weight + layer_weight_grad_s(c.backward_s, c.param_bytes)))
             self._prefix[rows] = sums
         return self._prefix[rows]
 
@@ -182,7 +209,8 @@ class CostTable:
                 cost = StageCost(high[0] - low[0], high[1] - low[1], high[2] - low[2], saved,
                                  layers[first].input_bytes, layers[end - 1].output_bytes, high[4] - low[4],
                                  high[5] - low[5], layer_inputs_bytes=inputs, layer_transient_bytes=transient,
-                                 core_saved_bytes=high[6] - low[6], core_recompute_s=high[7] - low[7])
+                                 core_saved_bytes=high[6] - low[6], core_recompute_s=high[7] - low[7],
+                                 weight_grad_s=high[8] - low[8])
             if self._shared:
                 cost = replace(cost, static_bytes=cost.static_bytes - duplicate_static_bytes(self._shared, first, end))
             self._stages[key] = cost

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple
 
 from sim.errors import GpipeInputError
+from sim.schedule import COMPUTE_KINDS
 
-# Kinds of span beyond the compute kinds F/R/B of sim.schedule.Kind.
+# Kinds of span beyond the compute kinds F/R/B/I/W of sim.schedule.Kind (COMPUTE_KINDS).
 SEND_ACTIVATION = "send_act"
 SEND_GRADIENT = "send_grad"
 RECV_WAIT = "recv_wait"  # time a stage sat waiting for a neighbour's tensor
@@ -29,6 +30,8 @@ KIND_NAMES = {
     "F": "forward",
     "R": "recompute",
     "B": "backward",
+    "I": "input gradient",
+    "W": "weight gradients",
     SEND_ACTIVATION: "send activation",
     SEND_GRADIENT: "send gradient",
     RECV_WAIT: "wait for neighbour",
@@ -93,13 +96,13 @@ class Timeline:
         return max((r.end_s for r in self.records), default=0.0)
 
     def compute_records(self) -> list[Record]:
-        return [r for r in self.records if r.kind in ("F", "R", "B")]
+        return [r for r in self.records if r.kind in COMPUTE_KINDS]
 
     def busy_s(self, stage: int) -> float:
-        """Seconds ``stage`` spent computing (forward, recompute, backward, optimizer); a
-        tensor-parallel stage's rank 0 stands for it."""
+        """Seconds ``stage`` spent computing (forward, recompute, backward or its I and W, optimizer);
+        a tensor-parallel stage's rank 0 stands for it."""
         return sum(r.duration_s for r in self.records
-                   if r.stage == stage and not r.tp and r.kind in ("F", "R", "B", OPTIMIZER))
+                   if r.stage == stage and not r.tp and (r.kind in COMPUTE_KINDS or r.kind == OPTIMIZER))
 
     def peak_memory_bytes(self, stage: int) -> int:
         return max((s.bytes for s in self.memory if s.stage == stage), default=0)

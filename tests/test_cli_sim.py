@@ -182,3 +182,18 @@ def test_the_planner_searches_selective_recompute_where_there_is_an_attention_co
     refused = run("plan", "--model", "mlp", "--hardware", "a100-nvlink", "--checkpoints", "selective", "--quiet")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "--checkpoint selective recomputes the attention core" in refused.stderr
+
+
+def test_simulate_prints_the_zb_h1_lists_and_its_smaller_bubble(capsys):
+    common = ["simulate", "--model", "uniform", "--layers", "4", "--stages", "4", "--microbatches", "8",
+              "--checkpoint", "never", "--hardware", "ideal"]
+    assert main([*common, "--schedule", "zb-h1", "--print-schedule", "--json"]) == 0
+    zb = json.loads(capsys.readouterr().out)  # --json: the result alone
+    assert main([*common, "--schedule", "1f1b", "--json"]) == 0
+    one_f_one_b = json.loads(capsys.readouterr().out)
+    # uniform layers: F 1 ms, B 2 ms, W half of it; bubble (K-1)(F+I-W) against (K-1)(F+B)
+    assert zb["step_time_s"] == pytest.approx(8 * 3e-3 + 3 * 1e-3)
+    assert one_f_one_b["step_time_s"] == pytest.approx(8 * 3e-3 + 3 * 3e-3)
+    assert main([*common, "--schedule", "zb-h1", "--print-schedule"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].startswith("stage 3: 3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0")

@@ -86,22 +86,23 @@ def assert_trains_as_one_process(report, parameters, batch, settings):
         torch.testing.assert_close(parameters[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("replicas,stages,batch,settings,placement,virtual", [
-    (1, 1, 10, SGD, "stages_adjacent", 1),
-    (1, 2, 11, ADAMW, "stages_adjacent", 1),
-    (2, 1, 10, SGD, "stages_adjacent", 1),
-    (2, 2, 11, ADAMW, "replicas_adjacent", 1),
-    (2, 1, 11, SGD, "stages_adjacent", 2),  # the interleaved schedule: chunks hand over in process
-    (2, 2, 12, ADAMW, "stages_adjacent", 2),  # the interleaved schedule across processes, per replica
+@pytest.mark.parametrize("replicas,stages,batch,settings,placement,schedule,virtual", [
+    (1, 1, 10, SGD, "stages_adjacent", "gpipe", 1),
+    (1, 2, 11, ADAMW, "stages_adjacent", "gpipe", 1),
+    (2, 1, 10, SGD, "stages_adjacent", "gpipe", 1),
+    (2, 2, 11, ADAMW, "replicas_adjacent", "gpipe", 1),
+    (2, 1, 11, SGD, "stages_adjacent", "interleaved", 2),  # chunks hand over in process
+    (2, 2, 12, ADAMW, "stages_adjacent", "interleaved", 2),  # chunks across processes, per replica
+    (2, 2, 12, ADAMW, "stages_adjacent", "zb-h1", 1),  # averaged after each rank's last weight gradients
 ])
 def test_replicas_of_the_pipeline_train_as_one_process(tmp_path, replicas, stages, batch, settings, placement,
-                                                       virtual):
+                                                       schedule, virtual):
     report_path, trace_path, root = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "ck"
-    interleaved = ["--schedule", "interleaved", "--virtual-stages", str(virtual)] if virtual > 1 else []
+    schedule_flags = ["--schedule", schedule] + (["--virtual-stages", str(virtual)] if virtual > 1 else [])
     result = gpipe("train", *MLP, *flags(settings), "--batch", str(batch), "--stages", str(stages),
                    "--replicas", str(replicas), "--placement", placement, "--steps", str(STEPS),
                    "--save-every", str(STEPS), "--checkpoint-dir", str(root), "--report", str(report_path),
-                   "--trace", str(trace_path), *interleaved)
+                   "--trace", str(trace_path), *schedule_flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("gpipe: step 0 loss") == 1  # one rank prints, the global loss
     report = json.loads(report_path.read_text())
@@ -119,7 +120,7 @@ def test_replicas_of_the_pipeline_train_as_one_process(tmp_path, replicas, stage
     assert sorted((r.get("replica", 0), r["stage"], r["step"]) for r in reduces) == sorted(
         (d, k, s) for d in range(replicas) for k in range(stages) for s in range(STEPS))
     for r in reduces:
-        last_backward = max(b["end_s"] for b in records if b["kind"] == "B" and b["step"] == r["step"]
+        last_backward = max(b["end_s"] for b in records if b["kind"] in ("B", "I", "W") and b["step"] == r["step"]
                             and b["stage"] == r["stage"] and b.get("replica", 0) == r.get("replica", 0))
         assert r["start_s"] >= last_backward
     assert [(e["replica"], e["stage"]) for e in report["ranks"]] == sorted(ranks)

@@ -31,7 +31,7 @@ def local_losses(steps, **overrides):
     return [pipe.run_step(s) for s in range(steps)]
 
 
-@pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "except_last"), ("1f1b", "always")])
+@pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "except_last"), ("1f1b", "always"), ("zb-h1", "never")])
 def test_two_processes_match_the_in_process_pipeline(tmp_path, schedule, checkpoint):
     report = tmp_path / "report.json"
     result, _ = gpipe("train", *MLP, "--stages", "2", "--steps", "3", "--schedule", schedule,
@@ -43,7 +43,9 @@ def test_two_processes_match_the_in_process_pipeline(tmp_path, schedule, checkpo
     assert data["step_time_s"] > 0 and len(data["stages"]) == 2
     assert all(s["peak_activation_bytes"] > 0 and s["busy_s"] > 0 for s in data["stages"])
     kinds = {r["kind"] for r in data["timeline"]["records"]}
-    assert {"F", "B", "recv_wait", "send_act", "send_grad", "optimizer"} <= kinds
+    backward = {"I", "W"} if schedule == "zb-h1" else {"B"}  # split: input gradient, then weight gradients
+    assert {"F", "recv_wait", "send_act", "send_grad", "optimizer"} | backward <= kinds
+    assert not ({"B", "I", "W"} - backward) & kinds
     assert data["plan"]["partition"] == [4, 4]
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])

@@ -57,6 +57,7 @@ def test_action_string_round_trip():
     action = Action(1, Kind.FORWARD, 3)
     assert str(action) == "1F3"
     assert Action.parse("12R7") == Action(12, Kind.RECOMPUTE, 7)
+    assert Action.parse("3I0") == Action(3, Kind.INPUT, 0) and str(Action(2, Kind.WEIGHT, 5)) == "2W5"
     with pytest.raises(GpipeInputError, match="bad action"):
         Action.parse("1X3")
 
@@ -91,9 +92,11 @@ def test_interleaved_literal_two_devices_two_chunks():
     ]
 
 
-def _list_schedule(per_device, virtual_stages_total, forward_s=1.0, backward_s=2.0):
+def _list_schedule(per_device, virtual_stages_total, forward_s=1.0, backward_s=2.0, input_s=1.0, weight_s=1.0):
     """Run the lists with each action waiting only for its input (sends free and asynchronous):
     (step time, busy time per device). Fails on a deadlock."""
+    durations = {Kind.FORWARD: forward_s, Kind.RECOMPUTE: forward_s, Kind.BACKWARD: backward_s,
+                 Kind.INPUT: input_s, Kind.WEIGHT: weight_s}
     done, free_s, position = {}, [0.0] * len(per_device), [0] * len(per_device)
     busy_s = [0.0] * len(per_device)
     progress = True
@@ -105,11 +108,11 @@ def _list_schedule(per_device, virtual_stages_total, forward_s=1.0, backward_s=2
                 needs = None
                 if action.kind is Kind.FORWARD and action.stage > 0:
                     needs = (action.stage - 1, Kind.FORWARD, action.microbatch)
-                elif action.kind is Kind.BACKWARD and action.stage < virtual_stages_total - 1:
-                    needs = (action.stage + 1, Kind.BACKWARD, action.microbatch)
+                elif action.kind in (Kind.BACKWARD, Kind.INPUT) and action.stage < virtual_stages_total - 1:
+                    needs = (action.stage + 1, action.kind, action.microbatch)
                 if needs is not None and needs not in done:
                     break
-                duration = backward_s if action.kind is Kind.BACKWARD else forward_s
+                duration = durations[action.kind]
                 start = max(free_s[device], done[needs] if needs else 0.0)
                 free_s[device] = start + duration
                 busy_s[device] += duration
@@ -158,3 +161,46 @@ def test_interleaved_refusals_are_one_line(stages, microbatches, virtual, schedu
 def test_more_chunks_than_layers_is_refused():
     with pytest.raises(GpipeInputError, match="6 chunks but the model has 5 layers"):
         check_interleaving(3, 3, 2, num_layers=5)
+
+
+def test_zb_h1_literal_three_stages():
+    grid = format_grid(build_schedule(3, 4, "zb-h1", "never"))
+    assert grid.splitlines() == [
+        "stage 0: 0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
+        "stage 1: 1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3",
+        "stage 2: 2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3"]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "selective"])
+@pytest.mark.parametrize("stages,microbatches", [(1, 3), (2, 5), (4, 4), (4, 8), (5, 2)])
+def test_zb_h1_runs_each_microbatch_once_in_order_holding_at_most_k_in_flight(checkpoint, stages, microbatches):
+    per_device = build_schedule(stages, microbatches, "zb-h1", checkpoint)
+    for k, actions in enumerate(per_device):
+        for m in range(microbatches):
+            kinds = [a.kind for a in actions if a.microbatch == m]
+            again = [Kind.RECOMPUTE] if recomputes(checkpoint, m, microbatches) else []
+            assert kinds == [Kind.FORWARD] + again + [Kind.INPUT, Kind.WEIGHT]
+        in_flight = peak = 0  # forward done, weight gradients not yet
+        for action in actions:
+            in_flight += {Kind.FORWARD: 1, Kind.WEIGHT: -1}.get(action.kind, 0)
+            peak = max(peak, in_flight)
+        assert peak == min(stages, microbatches)  # 1F1B's first stage holds as many
+    _list_schedule(per_device, stages)  # no deadlock
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+@pytest.mark.parametrize("microbatches_per_stage", [1, 2, 3])
+def test_zb_h1_bubble_is_the_paper_formula_on_uniform_costs(stages, microbatches_per_stage):
+    microbatches = stages * microbatches_per_stage
+    step_s, _ = _list_schedule(build_schedule(stages, microbatches, "zb-h1", "never"), stages,
+                               forward_s=1.0, input_s=1.0, weight_s=1.0)
+    assert step_s == microbatches * 3.0 + (stages - 1) * (1.0 + 1.0 - 1.0)  # (K-1)(F+I-W) of idle time
+    one_f_one_b, _ = _list_schedule(build_schedule(stages, microbatches, "1f1b", "never"), stages,
+                                    forward_s=1.0, backward_s=2.0)
+    assert one_f_one_b == microbatches * 3.0 + (stages - 1) * 3.0  # (K-1)(F+B)
+
+
+def test_zb_h1_refuses_per_layer_recompute_in_one_line():
+    with pytest.raises(GpipeInputError, match="--checkpoint full") as caught:
+        build_schedule(2, 4, "zb-h1", "full")
+    assert "\n" not in str(caught.value)

@@ -31,6 +31,9 @@ PARTITIONS = {
 OPTIONS = {"mlp": {"width": 32}, "transformer": {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}}
 GRID = list(itertools.product(("mlp", "transformer"), (1, 2, 4), (1, 3, 4, 8),
                               ("always", "except_last", "never", "full"), ("gpipe", "1f1b")))
+# the split backward (I, then W later): every policy it takes (full's per-layer recompute is refused)
+GRID += list(itertools.product(("mlp", "transformer"), (2, 4), (3, 8), ("always", "except_last", "never"),
+                               ("zb-h1",)))
 
 
 def reference(config: RunConfig, inputs, targets, loss_fn):
@@ -211,7 +214,7 @@ def test_kv_heads_that_do_not_divide_heads_are_one_line_in_both_halves():
             build({**OPTIONS["transformer"], "heads": 4, "kv_heads": 3})
 
 
-SELECTIVE_GRID = list(itertools.product((1, 2, 4), (1, 3, 8), ("gpipe", "1f1b")))
+SELECTIVE_GRID = list(itertools.product((1, 2, 4), (1, 3, 8), ("gpipe", "1f1b"))) + [(2, 3, "zb-h1"), (4, 8, "zb-h1")]
 
 
 @pytest.mark.parametrize("stages,microbatches,schedule", SELECTIVE_GRID)
