@@ -63,7 +63,9 @@ class ActivationCounter:
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             self._add(microbatch, tensor)
-            return tensor
+            # Detached (same storage and version counter): a saved output kept with its grad_fn would be
+            # a reference cycle through its own node, which a graph kept for a later W never breaks.
+            return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield

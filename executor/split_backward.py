@@ -40,6 +40,7 @@ class PendingWeights:
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     # no input needs a gradient (the first stage): I does nothing, W is the whole backward from these
     whole: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
+    edges: "WeightEdges | None" = None  # the weights' accumulators
 
 
 def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -78,17 +79,30 @@ def _node(tensor: torch.Tensor) -> Node | None:
     return get_gradient_edge(tensor).node if tensor.requires_grad else None
 
 
+class WeightEdges:
+    """A stage's weights with their gradient accumulators, found once. Holding an accumulator keeps it
+    the node every micro-batch's graph ends in, so it is not looked up (a view made) per call."""
+
+    def __init__(self, weights: Sequence[torch.Tensor]) -> None:
+        self.weights = [w for w in weights if w.requires_grad]
+        self.edges = {id(w): get_gradient_edge(w) for w in self.weights}
+
+    def edge(self, weight: torch.Tensor) -> GradientEdge:
+        return self.edges[id(weight)]
+
+
 def plan_weights(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-                 weights: Sequence[torch.Tensor]) -> PendingWeights:
+                 weights: Sequence[torch.Tensor] | WeightEdges) -> PendingWeights:
     """Find where each weight's branch meets the path from ``roots`` to ``inputs``; group the weights
     that meet it at a common node."""
     root_nodes = [n for n in (_node(r) for r in roots) if n is not None]
     parents = _parents(root_nodes)
     input_nodes = [n for n in (_node(x) for x in inputs) if n is not None]
     on_input_path, _ = _upstream(input_nodes, parents)
+    known = weights if isinstance(weights, WeightEdges) else WeightEdges(weights)
     groups: list[tuple[list[torch.Tensor], set[Node]]] = []
-    for weight in weights:
-        node = _node(weight)
+    for weight in known.weights:
+        node = known.edge(weight).node
         if node is None or node not in parents:
             continue  # not used by this micro-batch's graph
         _, meets = _upstream([node], parents, on_input_path)
@@ -97,11 +111,11 @@ def plan_weights(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
         merged = [g for g in groups if g[1] & meets]
         groups = [g for g in groups if not g[1] & meets]
         groups.append(([w for g in merged for w in g[0]] + [weight], set().union(meets, *(g[1] for g in merged))))
-    return PendingWeights([(ws, sorted(nodes, key=id)) for ws, nodes in groups])
+    return PendingWeights([(ws, sorted(nodes, key=id)) for ws, nodes in groups], edges=known)
 
 
 def input_gradients(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor] | None,
-                    inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+                    inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor] | WeightEdges
                     ) -> tuple[list[torch.Tensor | None], PendingWeights]:
     """I: the gradients of ``inputs`` (None where unused), and what W will need.
 
@@ -158,7 +172,7 @@ def weight_gradients(pending: PendingWeights) -> None:
         handles = [node.register_prehook(lambda _grads, kept=pending.kept[node]: kept) for node in starts]
         try:
             # the graph is kept until the micro-batch lets go of it (a node below two groups' starts)
-            found = torch.autograd.grad(edges, [get_gradient_edge(w) for w in weights], grads, retain_graph=True,
+            found = torch.autograd.grad(edges, [pending.edges.edge(w) for w in weights], grads, retain_graph=True,
                                         allow_unused=True)
         finally:
             for handle in handles:
@@ -167,6 +181,7 @@ def weight_gradients(pending: PendingWeights) -> None:
             _accumulate(weight, grad)
     pending.kept.clear()
     pending.groups.clear()
+    pending.edges = None
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor | None) -> None:

@@ -49,7 +49,7 @@ from executor.precision import autocast, check_boundary
 from executor.recording import Recorder
 from executor.selective import recompute_attention_core
 from executor.transport import ACT, GRAD, Transport
-from executor.split_backward import PendingWeights, input_gradients, weight_gradients
+from executor.split_backward import PendingWeights, WeightEdges, input_gradients, weight_gradients
 from sim.schedule import (Action, Kind, build_schedule, receives_gradient, recomputes, recomputes_attention_core,
                           recomputes_per_layer)
 from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
@@ -154,6 +154,7 @@ class PipelineStage(StepPhases):
                                                   config.virtual_stages)[config.stage % devices]
                         if a.stage == config.stage]
         self.after_action: Callable[[int, Action], None] | None = None  # fault-injection hook
+        self.weight_edges: WeightEdges | None = None  # the split backward's weight accumulators, found once
         # Work for idle time, run before waiting on a receive that has not arrived (executor.prefetch)
         self.while_waiting: Callable[[], None] | None = None
         # Sums the gradients of parameters other stages hold too (executor.sharing); the in-process
@@ -478,7 +479,9 @@ class PipelineStage(StepPhases):
             dx: list[torch.Tensor | None] = [None] * len(needs_grad)
             self.pending_weights[m] = None
             if roots:
-                dx, self.pending_weights[m] = input_gradients(roots, root_grads, needs_grad, self.params)
+                if self.weight_edges is None:
+                    self.weight_edges = WeightEdges(self.params)
+                dx, self.pending_weights[m] = input_gradients(roots, root_grads, needs_grad, self.weight_edges)
         self._send_input_gradients(m, needs_grad, dx)
 
     def _backward_weight(self, m: int) -> None:
