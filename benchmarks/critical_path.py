@@ -26,7 +26,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from sim.schedule import Action, Kind, build_schedule
+from sim.schedule import Action, Kind, build_schedule, walk_in_rounds
 
 COMPUTE = {"F", "R", "B"}
 SENDS = {"send_act": Kind.FORWARD, "send_grad": Kind.BACKWARD}  # the span after the action that sends
@@ -73,23 +73,19 @@ def compute_bound_s(actions: dict[Action, tuple[float, float, int]], optimizer: 
                     lists: list[list[Action]], virtual_stages: int) -> float:
     """The step with its measured compute durations on the schedule's graph and free hand-offs."""
     end: dict[Action, float] = {}
-    position = [0] * len(lists)
     clock = [0.0] * len(lists)
-    while any(p < len(items) for p, items in zip(position, lists)):
-        progressed = False
-        for device, items in enumerate(lists):
-            while position[device] < len(items):
-                action = items[position[device]]
-                dep = _dependency(action, virtual_stages)
-                if dep is not None and dep not in end:
-                    break
-                start = max(clock[device], end[dep] if dep is not None else 0.0)
-                first, last, _ = actions[action]
-                end[action] = clock[device] = start + (last - first)
-                position[device] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the schedule's graph has a cycle")
+
+    def run(device: int, action: Action) -> bool:
+        dep = _dependency(action, virtual_stages)
+        if dep is not None and dep not in end:
+            return False
+        start = max(clock[device], end[dep] if dep is not None else 0.0)
+        first, last, _ = actions[action]
+        end[action] = clock[device] = start + (last - first)
+        return True
+
+    if walk_in_rounds(lists, run) != [len(items) for items in lists]:
+        raise RuntimeError("the schedule's graph has a cycle")
     return max(clock[d] + optimizer.get(d, 0.0) for d in range(len(lists)))
 
 

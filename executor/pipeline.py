@@ -41,7 +41,7 @@ from executor.transport import DistTransport, LocalMailboxes, Transport, boundar
 from sim.errors import GpipeInputError
 from sim.plan import validate_partition
 from sim.stage_costs import stage_bounds
-from sim.schedule import format_grid
+from sim.schedule import Action, format_grid, walk_in_rounds
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -195,23 +195,20 @@ class LocalPipeline:
         for stage in self.stages:
             stage.begin_step(step, inputs, targets)
         walks = [d.actions for d in self.devices]  # each device's list; actions name (virtual) stages
-        position = [0] * len(walks)
-        while any(p < len(actions) for p, actions in zip(position, walks)):
-            progressed = False
-            for k, actions in enumerate(walks):
-                while position[k] < len(actions):
-                    action = actions[position[k]]
-                    stage = self.stages[action.stage]
-                    need = stage.needs(action)
-                    if need is not None and not stage.transport.ready(*need):
-                        break
-                    stage.run(action)
-                    position[k] += 1
-                    progressed = True
-            if not progressed:
-                stuck = walks[0]
-                raise RuntimeError("pipeline deadlock:\n" + format_grid(
-                    walks, highlight=stuck[min(position[0], len(stuck) - 1)]))
+
+        def run(device: int, action: Action) -> bool:
+            stage = self.stages[action.stage]
+            need = stage.needs(action)
+            if need is not None and not stage.transport.ready(*need):
+                return False
+            stage.run(action)
+            return True
+
+        position = walk_in_rounds(walks, run)
+        if position != [len(actions) for actions in walks]:
+            stuck = walks[0]
+            raise RuntimeError("pipeline deadlock:\n" + format_grid(
+                walks, highlight=stuck[min(position[0], len(stuck) - 1)]))
         for stage in self.stages:
             stage.finish_sends()
         reduce_in_process([stage.module for stage in self.stages], self.prepared.shared)

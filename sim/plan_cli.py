@@ -21,7 +21,7 @@ from sim.planner import PlanOption, SearchResult, default_replica_options, defau
 from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_checkpoint_policy, check_schedule_name
+from sim.schedule import CHECKPOINT_POLICIES, PLANNED_SCHEDULES, check_checkpoint_policy, check_schedule_name
 from sim.training_cost import SECONDS_PER_DAY, format_token_count
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch-options", default="1-64", metavar="LIST",
                         help="M values to try, e.g. 1-64 or 1,4,32 (default 1-64)")
     parser.add_argument("--checkpoints", default=",".join(CHECKPOINT_POLICIES), help="policies to try")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="schedules to try")
+    parser.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES),
+                        help="schedules to try (default: all but zb-h1, whose splitting cost is not calibrated; "
+                             "name it to search it)")
     space = parser.add_argument_group("replicas and interleaving (D x K devices at most the system's)")
     space.add_argument("--replicas-options", "--replicas", dest="replicas_options", default=None, metavar="LIST",
                        help="D values to try, data-parallel copies of the pipeline; --batch is the global batch "

@@ -32,7 +32,7 @@ from sim.microbatch import split_rows
 from sim.partition import min_max_partition, min_variance_partition
 from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from sim.plan_bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, SPLIT_BACKWARD_SCHEDULES, recomputes_per_layer
+from sim.schedule import CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, recomputes_per_layer
 from sim.stage_costs import CostTable, held_sizes, stage_bounds
 from sim.range_memory import RangeMemory
 from sim.workload import Workload, shared_parameters
@@ -128,7 +128,7 @@ def placements_differ(system: System | None, replicas: int, stages: int) -> bool
 
 
 def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], batch_size: int,
-               checkpoints: Sequence[str] = CHECKPOINT_POLICIES, schedules: Sequence[str] = SCHEDULES,
+               checkpoints: Sequence[str] = CHECKPOINT_POLICIES, schedules: Sequence[str] = PLANNED_SCHEDULES,
                replica_options: Iterable[int] = (1,), virtual_options: Iterable[int] = (2,),
                zero_options: Iterable[int] = (0,), placements: Sequence[str] = PLACEMENTS,
                system: System | None = None, num_layers: int | None = None) -> list[Candidate]:
@@ -360,7 +360,7 @@ def distinct_policies(workload: Workload, checkpoints: Sequence[str]) -> list[st
 
 def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],
            microbatch_options: Sequence[int], checkpoints: Sequence[str] = CHECKPOINT_POLICIES,
-           schedules: Sequence[str] = SCHEDULES, partitioner: str = "min_max", top: int = 10,
+           schedules: Sequence[str] = PLANNED_SCHEDULES, partitioner: str = "min_max", top: int = 10,
            progress: Progress | None = None, replica_options: Sequence[int] = (1,),
            virtual_options: Sequence[int] = (2,), zero_options: Sequence[int] = (0,),
            placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,

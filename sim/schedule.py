@@ -48,11 +48,16 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from sim.errors import GpipeInputError, require_positive
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # their backwards are an I (input gradient) and a W (weight gradients)
+# What gpipe plan searches unless --schedules names others: not the split-backward ones yet, whose
+# cost of splitting the backward in the executor (an autograd call per group of weights) no
+# calibration measures, so a predicted gain may be a measured loss (benchmarks/README.md)
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in SPLIT_BACKWARD_SCHEDULES)
 # always / except_last: GPipe's re-materialization of a whole stage (an R action before its backward);
 # full: every layer's input kept and each layer recomputed inside the backward, just before its own
 # backward (Megatron-LM's full recompute, torch's per-block activation checkpointing): no R action;
@@ -283,6 +288,21 @@ def stage_actions(stage: int, stages: int, microbatches: int, schedule: str = "g
 def device_of_virtual_stage(virtual_stage: int, stages: int) -> int:
     """The device that runs virtual stage ``virtual_stage`` (chunk ``virtual_stage // K``)."""
     return virtual_stage % stages
+
+
+def walk_in_rounds(per_device: Sequence[Sequence[Action]], run: Callable[[int, Action], bool]) -> list[int]:
+    """Walk every device's list in order, round after round, each as far as ``run(device, action)``
+    lets it (False: that action's input is not there yet, so the device waits); stop when a round
+    runs nothing. Returns how far each device got: short of a list's end means the lists deadlock."""
+    position = [0] * len(per_device)
+    progressed = True
+    while progressed:
+        progressed = False
+        for device, actions in enumerate(per_device):
+            while position[device] < len(actions) and run(device, actions[position[device]]):
+                position[device] += 1
+                progressed = True
+    return position
 
 
 def format_grid(per_stage: list[list[Action]], highlight: Action | None = None) -> str:

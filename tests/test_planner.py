@@ -125,3 +125,17 @@ def test_every_ranges_memory_at_once_is_the_range_by_range_sum(model, options):
                             j += 1
                         expected.append(j)
                     assert partitions._memory_ends(8, counts, c) == expected
+
+
+def test_zb_h1_is_searched_when_named_with_sound_bounds():
+    from sim.schedule import PLANNED_SCHEDULES, SCHEDULES
+
+    assert "zb-h1" in SCHEDULES and "zb-h1" not in PLANNED_SCHEDULES  # named, not searched by default
+    workload = get_workload("transformer", {"layers": 6, "d_model": 256, "ff": 1024, "seq": 128, "vocab": 1000})
+    system = get_system("h100-pcie")
+    space = dict(schedules=SCHEDULES, checkpoints=("never", "full", "always"))
+    result = search(workload, system, 16, [1, 2, 4], [1, 2, 4, 8, 16], top=5, **space)
+    expected = exhaustive(workload, system, 16, [1, 2, 4], [1, 2, 4, 8, 16], **space)  # bounds checked there
+    assert [o.step_time_s for o in result.ranked] == pytest.approx(expected[:5], rel=1e-12)
+    assert any(o.candidate.schedule == "zb-h1" for o in result.ranked)
+    assert not any(o.candidate.schedule == "zb-h1" and o.candidate.checkpoint == "full" for o in result.ranked)
