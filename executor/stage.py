@@ -11,6 +11,11 @@ Timing diagram of what one stage does for micro-batch m under re-materialization
     R(m):  y = layers(x_m) with grad, same RNG seed as F(m)     (needs no gradient: runs before it)
     B(m):  recv dy -> backward(y, dy) -> send dx_m -> free x_m and the saved tensors
 
+Split-backward schedules (``zb-h1``) run B as two actions (:mod:`executor.split_backward`)::
+
+    I(m):  recv dy -> the input gradient alone, the graph kept -> send dx_m
+    W(m):  the weight gradients from what I kept -> free x_m and the saved tensors
+
 Without re-materialization, F(m) runs with grad and keeps its graph until B(m). The last stage
 computes the loss of micro-batch m, scaled by rows_m / batch rows, so the sum over micro-batches is
 the mini-batch mean whatever M is. Dropout masks are drawn from a seed that is a pure function of
