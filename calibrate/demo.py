@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from typing import Any
 
@@ -153,10 +154,23 @@ def _rel(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured * 100:+.1f}%" if measured else "n/a"
 
 
+def end_of_step_spans_s(predicted: Any, report: dict[str, Any]) -> tuple[float, float]:
+    """(predicted, measured) time from the step's last compute action to its end: the predicted
+    step's, and the median over the measured steps of replica 0's first tensor-parallel ranks."""
+    from calibrate.validate import end_of_step_span_s
+    from sim.timeline import Timeline
+
+    records = [r for r in Timeline.from_dict(report["timeline"]).records if not r.replica and not r.tp]
+    steps = report["measured_steps"] or sorted({r.step for r in records})
+    return (end_of_step_span_s(predicted.records, 0),
+            statistics.median(end_of_step_span_s(records, step) for step in steps))
+
+
 def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any]) -> None:
     """The HTML report: timelines on one axis, bubble and memory side by side, the error table."""
     from calibrate.report_html import error_table, one_step, summary_figure, write_report
     from sim.figures import compare_figure
+    from sim.timeline import STEP_OVERHEAD
 
     measured_step = one_step(report)
     timelines = compare_figure([predicted.timeline, measured_step], ["predicted", "measured"],
@@ -175,6 +189,12 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
         rows.append((f"stage {k} peak activation", f"{p / 2**20:.3f} MiB", f"{m / 2**20:.3f} MiB", _rel(p, m)))
     for k, (s, m) in enumerate(zip(predicted.stages, measured_busy)):
         rows.append((f"stage {k} busy per step", f"{s.busy_s * 1e3:.2f} ms", f"{m * 1e3:.2f} ms", _rel(s.busy_s, m)))
+    predicted_end, measured_end = end_of_step_spans_s(predicted.timeline, report)
+    rows.append(("end-of-step span (last compute to step end)", f"{predicted_end * 1e3:.2f} ms",
+                 f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))
+    overhead = sum(r.duration_s for r in predicted.timeline.records if r.kind == STEP_OVERHEAD and r.stage == 0)
+    rows.append(("of it, the fitted per-step overhead (no measured span stands for it)",
+                 f"{overhead * 1e3:.2f} ms", "-", "-"))
     pace = report.get("machine_pace")
     if pace:
         at_reference = report["step_time_s"] / pace

@@ -19,7 +19,8 @@ def test_demo_writes_one_report_and_says_where(tmp_path):
     page = (out / "report.html").read_text()
     for text in ("predicted timeline", "measured timeline", "Busy and bubble per stage",
                  "Peak activation memory per stage", "Prediction error", "step time", "stage 1 peak activation",
-                 "step time at the calibration&#x27;s machine speed"):
+                 "step time at the calibration&#x27;s machine speed", "end-of-step span (last compute to step end)",
+                 "the fitted per-step overhead"):
         assert text in page, text
     assert (out / "costs.json").exists() and (out / "plan.json").exists()
     again = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--out-dir", str(out), "--steps", "2"],
