@@ -192,8 +192,8 @@ class PipelineStage(StepPhases):
         self.layer_inputs: dict[int, tuple[list[torch.Tensor], list[Any], list[Any]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.pending_weights: dict[int, PendingWeights | None] = {}  # split backward: what each W needs, from its I
-        self._unposted: list[tuple[str, int, Any]] = []  # receives announced but not posted yet, last needed first
-        self._unposted_keys: set[tuple[str, int]] = set()
+        # receives announced but not posted yet, (channel, micro-batch) -> shapes, in the order they are needed
+        self._unposted: dict[tuple[str, int], Any] = {}
 
     # ------------------------------------------------------------------ step boundaries
 
@@ -213,7 +213,7 @@ class PipelineStage(StepPhases):
             self.targets = [to_device(c) for c in split(targets, m_count)]
         # Receives in the order this stage consumes them; posted lazily (_post_through): the first at
         # once, the rest at the stage's first wait or when an action needs one, whichever comes first.
-        self._unposted = []
+        self._unposted = {}
         for action in self.actions:
             need = self.needs(action)
             if need is not None:
@@ -222,11 +222,9 @@ class PipelineStage(StepPhases):
                     shapes = self.incoming.shapes(self.rows[m])  # type: ignore[union-attr]
                 else:
                     shapes = self.outgoing.grad_shapes(self.rows[m])  # type: ignore[union-attr]
-                self._unposted.append((channel, m, shapes))
-        self._unposted.reverse()  # popped from the end, first needed first
-        self._unposted_keys = {(channel, m) for channel, m, _ in self._unposted}
+                self._unposted[need] = shapes
         if self.actions and self.needs(self.actions[0]) is not None:
-            self._post_through(self.needs(self.actions[0]))  # type: ignore[arg-type]
+            self._post_through(self.needs(self.actions[0]))
 
     def _post_through(self, key: tuple[str, int] | None) -> None:
         """Post the announced receives in consumption order up to and including ``key`` (None: all).
@@ -236,13 +234,12 @@ class PipelineStage(StepPhases):
         pipeline's critical path; at its first wait the time is free. Order is kept, so each
         direction's messages are posted in the order they are sent (what NCCL needs).
         """
-        if key is not None and key not in self._unposted_keys:
+        if key is not None and key not in self._unposted:
             return  # posted already
         while self._unposted:
-            channel, m, shapes = self._unposted.pop()
-            self._unposted_keys.discard((channel, m))
-            self.transport.expect(channel, m, shapes)
-            if (channel, m) == key:
+            first = next(iter(self._unposted))
+            self.transport.expect(*first, self._unposted.pop(first))
+            if first == key:
                 return
 
     def needs(self, action: Action) -> tuple[str, int] | None:
@@ -476,11 +473,8 @@ class PipelineStage(StepPhases):
         grads = self._receive(GRAD, m) if self.needs(Action(self.config.stage, Kind.INPUT, m)) else []
         with self.recorder.span(Kind.INPUT.value, m):
             needs_grad, out = self.graph.pop(m)
-            roots, root_grads = self._roots(out, grads)
-            kept = [i for i, root in enumerate(roots) if root.requires_grad]
-            roots = [roots[i] for i in kept]
-            if root_grads is not None:
-                root_grads = [root_grads[i] for i in kept]
+            roots, root_grads = self._roots(out, grads)  # sent tensors: those that carry a gradient
+            roots = [r for r in roots if r.requires_grad]  # the loss, unless nothing it depends on trains
             dx: list[torch.Tensor | None] = [None] * len(needs_grad)
             self.pending_weights[m] = None
             if roots:

@@ -227,12 +227,13 @@ class MeasuredWorkload:
         layers = range(first, end)
         forward = sum(self._forward_kind_s(i, rows) for i in layers)
         recompute = sum(self.profiled_s("R", i, rows) for i in layers)
-        backward = sum(self.profiled_s("B", i, rows) for i in layers)
+        backwards = [self.profiled_s("B", i, rows) for i in layers]
+        layer_params = [int(self.memory[i]["param_bytes"]) for i in layers]
+        backward = sum(backwards)
         inp = self._mem("input_bytes", first, rows)
         out = self._mem("output_bytes", end - 1, rows)
-        params = sum(int(self.memory[i]["param_bytes"]) for i in layers)
-        weight_grad = sum(layer_weight_grad_s(self.profiled_s("B", i, rows), int(self.memory[i]["param_bytes"]))
-                          for i in layers)
+        params = sum(layer_params)
+        weight_grad = sum(layer_weight_grad_s(b, p) for b, p in zip(backwards, layer_params))
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         return StageCost(
