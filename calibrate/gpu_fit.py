@@ -10,12 +10,13 @@ predicted over measured (a relative error, symmetric in over- and under-predicti
 that keep each a physical fraction. A fraction no row of a device constrains is tied, and the file
 says to what:
 
-- the A100 rows (Korthikanti et al. 2022, Narayanan et al. 2021) fit its matmul, memory-bound and
-  collective fractions and the per-matmul launch time; they run no flash attention, so its
-  attention fraction is tied to its matmul fraction;
+- the A100 rows (Korthikanti et al. 2022, Narayanan et al. 2021) fit its matmul, memory-bound,
+  collective and optimizer fractions and the per-matmul launch time (the per-layer times constrain
+  the first four terms, the step times what lies outside the layers, chiefly the optimizer step);
+  they run no flash attention, so its attention fraction is tied to its matmul fraction;
 - the one H100 row (Nemotron-4 15B) fits the H100's matmul fraction alone, which a single step time
-  determines exactly; its flash attention is tied to that fraction and its memory-bound, collective
-  and launch terms to the A100's fit. Its development error is therefore zero by construction; only
+  determines exactly; its flash attention is tied to that fraction and its memory-bound, collective,
+  optimizer and launch terms to the A100's fit. Its development error is therefore zero by construction; only
   the validation set says how well the H100 is modelled.
 
 Limits: three configurations of two devices; the fractions absorb whatever the kernel model leaves
@@ -40,8 +41,9 @@ from sim.tensor_parallel import with_tensor_parallel
 from sim.timeline import read_json
 
 # Starting point and bounds of each fitted term (fractions of peak; seconds per matmul kernel)
-START = {"matmul": 0.7, "memory": 0.7, "collective": 0.7, "matmul_launch_s": 10e-6}
-BOUNDS = {"matmul": (0.05, 1.0), "memory": (0.05, 1.0), "collective": (0.05, 1.0), "matmul_launch_s": (0.0, 100e-6)}
+START = {"matmul": 0.7, "memory": 0.7, "collective": 0.7, "optimizer": 0.7, "matmul_launch_s": 10e-6}
+BOUNDS = {"matmul": (0.05, 1.0), "memory": (0.05, 1.0), "collective": (0.05, 1.0), "optimizer": (0.05, 1.0),
+          "matmul_launch_s": (0.0, 100e-6)}
 LAYER_KEYS = ("id", "hardware", "model", "options", "tensor_parallel", "sequence_parallel", "microbatch_size",
               "precision", "checkpoint", "forward_ms", "backward_ms")
 
@@ -135,7 +137,8 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
         raise GpipeInputError(f"no fitting rule for {', '.join(sorted(unknown))}: the development set's hardware is "
                               "a100-nvlink and h100-nvlink")
     start = KernelEfficiency(attention=START["matmul"], **START)
-    a100 = fit_device(by_hardware["a100-nvlink"], ("matmul", "memory", "collective", "matmul_launch_s"), start)
+    a100 = fit_device(by_hardware["a100-nvlink"], ("matmul", "memory", "collective", "optimizer", "matmul_launch_s"),
+                      start)
     a100 = replace(a100, source=f"fitted on {_ids(by_hardware['a100-nvlink'])} of {path}",
                    tied=("attention = matmul (no flash attention among the A100 rows)",))
     fitted = {"a100-nvlink": a100}
@@ -143,7 +146,7 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
         h100 = fit_device(by_hardware["h100-nvlink"], ("matmul",), replace(a100, matmul=START["matmul"]))
         fitted["h100-nvlink"] = replace(
             h100, source=f"fitted on {_ids(by_hardware['h100-nvlink'])} of {path}",
-            tied=("attention = matmul", "memory, collective and matmul_launch_s = the A100's fit (one H100 row "
+            tied=("attention = matmul", "memory, collective, optimizer and matmul_launch_s = the A100's fit (one H100 row "
                   "determines one fraction)"))
     rows = [{"id": t.id, "hardware": t.hardware, "measured_s": t.measured_s,
              "predicted_s": t.predict(fitted[t.hardware]),

@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     write_atomic(args.out, write)
     for name, kernels in result["devices"].items():
         print(f"{name}: matmul {kernels['matmul']:.3f}, attention {kernels['attention']:.3f}, memory "
-              f"{kernels['memory']:.3f}, collective {kernels['collective']:.3f}, launch "
-              f"{kernels['matmul_launch_s'] * 1e6:.1f} us per matmul")
+              f"{kernels['memory']:.3f}, collective {kernels['collective']:.3f}, optimizer "
+              f"{kernels['optimizer']:.3f}, launch {kernels['matmul_launch_s'] * 1e6:.1f} us per matmul")
     print(f"{'development row':<40} {'measured':>10} {'predicted':>10} {'error':>8}")
     for row in result["development_rows"]:
         print(f"{row['id']:<40} {row['measured_s']:>10.4f} {row['predicted_s']:>10.4f} {row['error']:>+8.1%}")

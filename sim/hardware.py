@@ -64,6 +64,12 @@ class Device:
     def achieved_bandwidth(self) -> float:
         return self.memory_bandwidth_bytes_per_s * self.bandwidth_efficiency
 
+    def optimizer_bandwidth(self) -> float:
+        """Bytes/s of the optimizer step's kernels: their own fitted fraction on a GPU with fitted
+        kernels (sim.kernel_model), the streaming-kernel fraction elsewhere."""
+        fraction = self.kernels.optimizer if self.kernels is not None else self.bandwidth_efficiency
+        return self.memory_bandwidth_bytes_per_s * fraction
+
 
 @dataclass(frozen=True)
 class Link:

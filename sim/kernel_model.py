@@ -8,6 +8,7 @@ them, each kind at its own achieved fraction of the device's peak (:class:`Kerne
     attention_s   = the attention core's FLOPs / (peak x attention)   (flash; eager and fused
                     attention run it as two batched matrix multiplies, timed as matmul_s)
     memory_s      = (bytes moved - bytes the matrix multiplies move) / (bandwidth x memory)
+    optimizer_s   = bytes the optimizer step moves / (bandwidth x optimizer)   (once a step)
     forward_s     = matmul_s + attention_s + memory_s + forward tensor-parallel collectives
     backward_s    = 2 matmul_s + 2 memory_s + attention backward + exposed backward collectives
 
@@ -45,7 +46,7 @@ from typing import Any
 from sim.errors import GpipeInputError
 
 EFFICIENCY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_efficiency.json")
-FRACTIONS = ("matmul", "attention", "memory", "collective")
+FRACTIONS = ("matmul", "attention", "memory", "collective", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,11 @@ class KernelEfficiency:
 
     matmul: float  # large matrix multiplies: fraction of peak FLOP/s
     attention: float  # the flash attention kernel: fraction of peak FLOP/s
-    memory: float  # memory-bound kernels (norms, elementwise, softmax, optimizer): fraction of peak bandwidth
+    memory: float  # memory-bound kernels (norms, elementwise, softmax): fraction of peak bandwidth
     collective: float  # NCCL collectives and sends: fraction of each link's bandwidth
+    # the optimizer step's multi-tensor kernels (update, global norm, zeroing, master copy): fraction
+    # of peak bandwidth; they stream hundreds of tensors a step, not one large one as a layer's ops do
+    optimizer: float
     matmul_launch_s: float  # fixed seconds per matrix-multiply kernel
     source: str = ""
     tied: tuple[str, ...] = field(default_factory=tuple)  # fractions no development row constrains

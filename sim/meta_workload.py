@@ -109,14 +109,16 @@ class MetaWorkload:
     def layer_costs(self, rows: int, device: Device) -> list[LayerCost]:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
             raise GpipeInputError(f"micro-batch rows must be a positive integer, got {rows!r}")
-        key = (rows, device.name, device.efficiency, device.bandwidth_efficiency,
+        key = (rows, device.name, device.efficiency, device.bandwidth_efficiency, device.optimizer_bandwidth(),
                device.peak_flops.get(self.precision, 0.0))
         if key not in self._cache:
             flops_s, bytes_s = device.achieved_flops(self.precision), device.achieved_bandwidth()
-            self._cache[key] = [self._cost(p, p.at(rows), flops_s, bytes_s) for p in self.profiles]
+            self._cache[key] = [self._cost(p, p.at(rows), flops_s, bytes_s, device.optimizer_bandwidth())
+                                for p in self.profiles]
         return list(self._cache[key])
 
-    def _cost(self, profile: LayerProfile, m: LayerMeasure, flops_s: float, bytes_s: float) -> LayerCost:
+    def _cost(self, profile: LayerProfile, m: LayerMeasure, flops_s: float, bytes_s: float,
+              optimizer_bytes_s: float) -> LayerCost:
         forward_s = max(m.forward_flops / flops_s, m.forward_bytes / bytes_s) + LAYER_OVERHEAD_S
         backward_s = max(m.backward_flops / flops_s, m.backward_bytes / bytes_s) + 2 * LAYER_OVERHEAD_S
         param_bytes = profile.parameters * FP32_BYTES  # fp32 master weights in either precision
@@ -127,7 +129,7 @@ class MetaWorkload:
             optimizer_bytes=self.optimizer_slots * param_bytes,
             saves_input=m.input_saved_bytes > 0 or m.input_bytes == 0,
             # elementwise update: read weight, grad and slots, write weight and slots (as sim.models)
-            optimizer_s=(3 + 2 * self.optimizer_slots) * param_bytes / bytes_s,
+            optimizer_s=(3 + 2 * self.optimizer_slots) * param_bytes / optimizer_bytes_s,
         )
 
     def describe(self) -> dict:

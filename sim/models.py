@@ -208,7 +208,8 @@ class AnalyticWorkload:
             # also zeroes its fp32 main gradients, reads them for the global norm and copies the master
             # weights to the bf16 ones (read 4, write 2) every step
             megatron = precision.master_copy * (2 * FP32_BYTES + FP32_BYTES + precision.weight_bytes)
-            extra["optimizer_s"] = ((3 + 2 * self.optimizer_slots) * FP32_BYTES + megatron) * spec.params / bytes_s
+            extra["optimizer_s"] = (((3 + 2 * self.optimizer_slots) * FP32_BYTES + megatron) * spec.params
+                                    / device.optimizer_bandwidth())
             if self.context_parallel > 1 and self.tp_link is not None:
                 # the C devices of a sequence hold the same weights: their gradients are summed on the
                 # node's link after the last backward, before the data-parallel reduction

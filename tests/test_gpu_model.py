@@ -20,7 +20,8 @@ from sim.tensor_parallel import with_tensor_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEV = os.path.join(ROOT, "benchmarks", "published_runs", "dev.json")
-KERNELS = KernelEfficiency(matmul=0.7, attention=0.6, memory=0.8, collective=0.75, matmul_launch_s=8e-6)
+KERNELS = KernelEfficiency(matmul=0.7, attention=0.6, memory=0.8, collective=0.75, optimizer=0.5,
+                           matmul_launch_s=8e-6)
 # Korthikanti et al. 2022's 22B layer, with a small sequence so the test is quick to read
 GPT = {"layers": 2, "d_model": 768, "ff": 3072, "heads": 16, "seq": 512, "vocab": 5000}
 
@@ -160,7 +161,7 @@ def test_the_committed_fractions_are_the_fit_of_the_development_set_alone(tmp_pa
     refit, committed = read_efficiencies(str(out)), read_efficiencies(EFFICIENCY_FILE)
     assert set(refit) == set(committed) == {"A100-SXM-80GB", "H100-SXM-80GB"}
     for name in committed:
-        for key in ("matmul", "attention", "memory", "collective", "matmul_launch_s"):
+        for key in ("matmul", "attention", "memory", "collective", "optimizer", "matmul_launch_s"):
             assert getattr(refit[name], key) == pytest.approx(getattr(committed[name], key), rel=1e-6, abs=1e-9)
     rows = json.loads(out.read_text())["development_rows"]
     assert {r["id"].split(":")[0] for r in rows} == {r["id"] for r in json.loads(copy.read_text())["runs"]} | {
@@ -170,7 +171,8 @@ def test_the_committed_fractions_are_the_fit_of_the_development_set_alone(tmp_pa
 def test_a_broken_efficiency_file_is_one_line(tmp_path):
     path = tmp_path / "e.json"
     path.write_text(json.dumps({"devices": {"A100-SXM-80GB": {"matmul": 1.7, "attention": 0.5, "memory": 0.5,
-                                                                "collective": 0.5, "matmul_launch_s": 0}}}))
+                                                                "collective": 0.5, "optimizer": 0.5,
+                                                                "matmul_launch_s": 0}}}))
     with pytest.raises(GpipeInputError, match="matmul=1.7 is not a fraction"):
         read_efficiencies(str(path))
 
