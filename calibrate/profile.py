@@ -4,7 +4,11 @@ Times, per layer and micro-batch size (rows), for the three passes the executor 
   * ``F``: forward under ``no_grad`` (a re-materialized micro-batch's first forward);
   * ``R``: forward with grad, counting saved tensors through ``saved_tensors_hooks`` as the
     executor's :class:`executor.memory.ActivationCounter` does (a recompute, or a ``never`` forward);
-  * ``B``: backward of that forward from a random output gradient.
+  * ``B``: backward of that forward from a random output gradient;
+  * ``C``: for a layer with an attention core :mod:`executor.selective` can drop (``--checkpoint
+    selective``), what its backward takes beyond ``B`` when the core was dropped in the forward and
+    is rerun inside the backward: the median over runs of the two backwards' difference, each run
+    timing both back to back (0 for every other layer).
 The model's last layer is timed together with the loss, since the last stage computes it. At
 ``precision`` bf16 every layer runs under autocast and the loss in fp32, as in the executor
 (:mod:`executor.precision`), and each layer is fed the input it gets there (bf16 after a matmul). Each
@@ -17,7 +21,8 @@ processes cores/K threads.
 
 Bytes, per layer and row count, exactly as the executor counts them (distinct storages, weights and
 buffers excluded): what the layer saves for backward apart from its input and output storages
-(``own_bytes``), whether it saves its input and its output, and the sizes of both. These are enough
+(``own_bytes``), whether it saves its input and its output, the sizes of both, and what it saves
+less with its attention core dropped (``core_bytes``). These are enough
 to compute the exact union a stage of consecutive layers holds (:func:`sim.costs.stage_saved_bytes`).
 
 Every (layer, rows) is timed in several rounds, each round bracketed by the speed probe of
@@ -42,8 +47,9 @@ from torch import nn
 from executor.boundary import map_tensors, tensors
 from executor.device import device_api
 from executor.precision import autocast
+from executor.selective import recompute_attention_core
 
-KINDS = ("F", "R", "B")
+KINDS = ("F", "R", "B", "C")
 
 
 @dataclass
@@ -57,6 +63,9 @@ class LayerMemory:
     output_bytes: list[int]
     saves_input: bool
     saves_output: bool
+    # saved bytes the layer's attention core holds, dropped under --checkpoint selective, per row count
+    # (empty in a profile from before selective was measured)
+    core_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -141,6 +150,7 @@ class LayerRunner:
     def __init__(self, layer: nn.Module, excluded: set[int], loss: Callable | None,
                  target: torch.Tensor | None, device: torch.device, precision: str = "fp32") -> None:
         self.layer = layer
+        self.has_core = False  # an attention core --checkpoint selective drops (set from the memory table)
         self.excluded = excluded
         self.loss = loss
         self.target = target
@@ -158,10 +168,12 @@ class LayerRunner:
         with torch.no_grad():
             self._out(x)
 
-    def forward_grad(self, x: Any) -> tuple[Any, Any, _SavedSet]:
+    def forward_grad(self, x: Any, drop_core: bool = False) -> tuple[Any, Any, _SavedSet]:
+        """A forward with grad, counting what it saves; ``drop_core``: as ``--checkpoint selective``
+        runs it, the attention core keeping only its inputs."""
         leaf = map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, x)
         saved = _SavedSet(self.excluded)
-        with torch.enable_grad(), saved.hooks():
+        with torch.enable_grad(), saved.hooks(), recompute_attention_core(drop_core):
             out = self._out(leaf)
         return leaf, out, saved
 
@@ -187,15 +199,24 @@ def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str,
             grad = [torch.randn_like(t) for t in tensors(out) if t.requires_grad]
         b_s, _ = _timed(lambda: runner.backward(out, grad), device)
         del leaf, out
+        c_s = 0.0
+        if runner.has_core:
+            leaf, out, _ = runner.forward_grad(x, drop_core=True)
+            selective_s, _ = _timed(lambda: runner.backward(out, grad), device)
+            del leaf, out
+            c_s = selective_s - b_s
+            spent += selective_s
         runs += 1
         if runs <= repeats.warmup:
             continue
-        for kind, value in zip(KINDS, (f_s, r_s, b_s)):
+        for kind, value in zip(KINDS, (f_s, r_s, b_s, c_s)):
             samples[kind].append(value)
         spent += f_s + r_s + b_s
         if runs - repeats.warmup >= repeats.min_runs and spent >= repeats.budget_s:
             break
-    return {kind: statistics.median(values) for kind, values in samples.items()}, runs - repeats.warmup
+    medians = {kind: statistics.median(values) for kind, values in samples.items()}
+    medians["C"] = max(0.0, medians["C"])  # a core too small to time against the noise costs nothing
+    return medians, runs - repeats.warmup
 
 
 def layer_inputs(model: nn.Sequential, inputs: Any, precision: str = "fp32") -> list[Any]:
@@ -211,14 +232,15 @@ def layer_inputs(model: nn.Sequential, inputs: Any, precision: str = "fp32") -> 
     return xs
 
 
-def measure_memory(runner: LayerRunner, x: Any) -> tuple[int, int, int, bool, bool]:
-    """(own, input, output bytes, saves input, saves output) of one grad forward on ``x``.
+def measure_memory(runner: LayerRunner, x: Any, drop_core: bool = False) -> tuple[int, int, int, bool, bool]:
+    """(own, input, output bytes, saves input, saves output) of one grad forward on ``x``
+    (``drop_core``: with the attention core dropped, as ``--checkpoint selective`` runs it).
 
     With several tensors in or out, input and output bytes count their distinct storages, and the
     input (output) counts as saved when any of its tensors is; that overstates a stage's saved bytes
     when a layer saves only some of the tensors it passes on.
     """
-    _, out, saved = runner.forward_grad(x)
+    _, out, saved = runner.forward_grad(x, drop_core)
     if runner.loss is not None:
         with autocast(runner.precision, runner.device.type):
             y = runner.layer(map_tensors(torch.Tensor.detach, x))
@@ -352,13 +374,20 @@ def _memory_table(model: nn.Sequential, runners: dict[int, list[LayerRunner]],
                   data: dict[int, Any], rows: list[int]) -> list[LayerMemory]:
     table = []
     for i, layer in enumerate(model):
-        own, ins, outs, saves_in, saves_out = [], [], [], False, False
+        own, ins, outs, core, saves_in, saves_out = [], [], [], [], False, False
         for r in rows:
             o, a, b, si, so = measure_memory(runners[r][i], data[r][0][i])
+            dropped = measure_memory(runners[r][i], data[r][0][i], drop_core=True)
+            if dropped[1:] != (a, b, si, so):
+                raise RuntimeError(f"layer {i} ({type(layer).__name__}) saves its input or output differently "
+                                   "with its attention core dropped; the profile cannot describe it")
             own.append(o)
             ins.append(a)
             outs.append(b)
+            core.append(o - dropped[0])
             saves_in, saves_out = saves_in or si, saves_out or so
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
-        table.append(LayerMemory(type(layer).__name__, params, own, ins, outs, saves_in, saves_out))
+        table.append(LayerMemory(type(layer).__name__, params, own, ins, outs, saves_in, saves_out, core))
+        for r in rows:
+            runners[r][i].has_core = any(core)
     return table

@@ -51,6 +51,7 @@ HELD_OUT = [
     (1, 4, "balanced", "full", "gpipe"),  # per-layer recompute: no calibration run has it
     (2, 4, "skewed", "full", "1f1b"),
     (2, 8, "balanced", "never", "zb-h1"),  # the split backward: no calibration run has it
+    (2, 6, "balanced", "selective", "gpipe"),  # the attention core rerun in the backward (models with one)
 ]
 # (replicas, stages, microbatches, partition kind, checkpoint, schedule): data-parallel runs
 HELD_OUT_REPLICAS = [
@@ -60,8 +61,10 @@ HELD_OUT_REPLICAS = [
 
 
 def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
-                      limit: int | None = None, max_replicas: int = 2) -> list[RunSpec]:
-    """The held-out runs for a model of ``num_layers`` layers, none of them in the calibration design.
+                      limit: int | None = None, max_replicas: int = 2,
+                      attention_core: bool = False) -> list[RunSpec]:
+    """The held-out runs for a model of ``num_layers`` layers, none of them in the calibration design;
+    ``--checkpoint selective`` among them only for a model with an ``attention_core`` to drop.
 
     Data-parallel runs come last and need every replica to get at least one row per micro-batch
     (batch >= D x M); they are kept even where D x K oversubscribes the machine (see the module).
@@ -71,6 +74,8 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
     specs = []
     for replicas, stages, m, kind, checkpoint, schedule in wanted:
         if stages > min(max_stages, num_layers) or batch_size < replicas * m:
+            continue
+        if checkpoint == "selective" and not attention_core:
             continue
         split = even_partition if kind == "balanced" else skewed
         spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size, replicas)
@@ -256,12 +261,13 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     tens of percent over seconds, one measurement of a run says more about the moment than the run.
     """
     from calibrate.runs import run_configs
-    from sim.costs import allreduce_link, measured_precision
+    from sim.costs import MeasuredWorkload, allreduce_link, measured_precision
 
     allreduce_link(data)  # a malformed entry is refused before any run starts
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
-    specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit)
+    specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit,
+                              attention_core=MeasuredWorkload(data).has_attention_core)
     device = data.get("machine", {}).get("device", "cpu")
     configs = [run_config(model["name"], model["options"], s, steps, device, data.get("optimizer", "sgd"),
                           measured_precision(data))

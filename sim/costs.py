@@ -129,6 +129,10 @@ class MeasuredWorkload:
             for p in data.get("shared_parameters", []))
         self.precision = measured_precision(data)
         self.batch_size = int(data["batch_size"]) if data.get("batch_size") else None  # the calibrated batch
+        # --checkpoint selective: the profile measured what each layer's attention core saves and what
+        # rerunning it inside the backward takes (calibrate.profile's core_bytes and C)
+        self.has_attention_core = (all("C" in kinds for kinds in self.times.values())
+                                   and any(any(m.get("core_bytes", ())) for m in self.memory))
 
     # ------------------------------------------------------------------ binding to a plan
 
@@ -172,9 +176,17 @@ class MeasuredWorkload:
     def _mem(self, key: str, layer: int, rows: int) -> int:
         return max(0, round(interpolate(self.rows, self.memory[layer][key], rows)))
 
+    def _core(self, layer: int, rows: int) -> tuple[int, float]:
+        """The attention core's saved bytes and its recompute inside the backward (profile time, not
+        yet scaled by the in-pipeline backward factor); (0, 0) for a layer without one."""
+        if not self.has_attention_core or not any(self.memory[layer]["core_bytes"]):
+            return 0, 0.0
+        seconds = max(0.0, interpolate(self.rows, self.times[self._threads()]["C"][layer], rows))
+        return self._mem("core_bytes", layer, rows), seconds
+
     def _forward_kind_s(self, layer: int, rows: int) -> float:
         no_grad, with_grad = self.profiled_s("F", layer, rows), self.profiled_s("R", layer, rows)
-        if self.checkpoint == "never":
+        if self.checkpoint in ("never", "selective"):  # selective's forward keeps all but the core
             return with_grad
         if self.checkpoint == "except_last":
             m = self.microbatches or 1
@@ -191,6 +203,7 @@ class MeasuredWorkload:
             own = self._mem("own_bytes", i, rows)
             inp, out = self._mem("input_bytes", i, rows), self._mem("output_bytes", i, rows)
             saved = own + inp + (out if self.memory[i]["saves_output"] else 0)
+            core_bytes, core_s = self._core(i, rows)
             costs.append(LayerCost(
                 name=self.memory[i]["name"],
                 forward_s=fit.actions["F"].slope * self._forward_kind_s(i, rows),
@@ -198,7 +211,8 @@ class MeasuredWorkload:
                 recompute_s=fit.actions["R"].slope * self.profiled_s("R", i, rows),
                 saved_bytes=saved, output_bytes=out, input_bytes=inp, param_bytes=params,
                 grad_bytes=params, optimizer_bytes=self.optimizer_slots * params,
-                optimizer_s=fit.optimizer.slope * params, saves_input=bool(self.memory[i]["saves_input"])))
+                optimizer_s=fit.optimizer.slope * params, saves_input=bool(self.memory[i]["saves_input"]),
+                core_saved_bytes=core_bytes, core_recompute_s=fit.actions["B"].slope * core_s))
         return costs
 
     # ------------------------------------------------------------------ exact stage sums
@@ -236,6 +250,7 @@ class MeasuredWorkload:
         weight_grad = sum(layer_weight_grad_s(b, p) for b, p in zip(backwards, layer_params))
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
+        cores = [self._core(i, rows) for i in layers]
         return StageCost(
             forward_s=fit.actions["F"](forward) + (fit.send(out) if end < self.num_layers else 0.0),
             backward_s=fit.actions["B"](backward) + (fit.send(inp) if first > 0 else 0.0),
@@ -245,7 +260,8 @@ class MeasuredWorkload:
             static_bytes=params * (2 + self.optimizer_slots),
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
             layer_inputs_bytes=held, layer_transient_bytes=transient,
-            weight_grad_s=fit.actions["B"].slope * weight_grad)
+            weight_grad_s=fit.actions["B"].slope * weight_grad,
+            core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=fit.actions["B"].slope * sum(s for _, s in cores))
 
     # ------------------------------------------------------------------ what-if on catalog devices
 

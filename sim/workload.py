@@ -60,12 +60,13 @@ class SharedParameter:
 
 
 def check_checkpoint_for(workload: "Workload", checkpoint: str) -> str:
-    """``selective`` recomputes an attention core, which only the built-in transformer's analytic
-    model knows of (``has_attention_core``); refused in one line elsewhere."""
+    """``selective`` recomputes an attention core, which the built-in transformer's analytic model
+    and a costs file that profiled one know of (``has_attention_core``); refused in one line elsewhere."""
     if checkpoint == "selective" and not getattr(workload, "has_attention_core", False):
         name = getattr(workload, "name", "this model")
-        raise GpipeInputError(f"--checkpoint selective recomputes the attention core, modelled for the built-in "
-                              f"transformer's analytic costs only, not {name} (nor a costs file); use full")
+        raise GpipeInputError(f"--checkpoint selective recomputes the attention core, which {name} has none of "
+                              "(the built-in transformer has one; a costs file must profile it: gpipe calibrate "
+                              "--force); use full")
     return checkpoint
 
 

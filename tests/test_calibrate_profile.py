@@ -49,10 +49,13 @@ def _costs(profile, precision: str = "fp32") -> dict:
 
 def test_every_layer_pass_and_row_count_is_timed(profile):
     times = profile.times_s[1]
-    assert set(times) == {"F", "R", "B"}
+    assert set(times) == {"F", "R", "B", "C"}
     for kind in "FRB":
         assert len(times[kind]) == 4
         assert all(len(row) == 4 and all(t > 0 for t in row) for row in times[kind])
+    # the attention core's rerun inside the backward: timed for the two blocks, nothing elsewhere
+    assert [any(row) for row in times["C"]] == [False, True, True, False]
+    assert all(t >= 0 for row in times["C"] for t in row)
     assert profile.repetitions[1] == 4 * 4 * 2 * FAST.rounds
     assert profile.speed_reference_s[1] > 0
 
@@ -75,6 +78,11 @@ def test_saved_bytes_grow_with_rows_and_weights_are_excluded(profile):
     block = profile.memory[1]
     assert block.saves_input  # LayerNorm saves the block's input
     assert block.own_bytes[3] > block.own_bytes[0] > 0
+    # the core's probabilities (softmax's output, which attention over V saves too: (rows, heads,
+    # seq, seq) floats) and its (seq, seq) boolean mask, gone under selective
+    assert [bool(m.core_bytes[0]) for m in profile.memory] == [False, True, True, False]
+    per_row = OPTIONS["heads"] * OPTIONS["seq"] ** 2 * 4
+    assert block.core_bytes == [OPTIONS["seq"] ** 2 + per_row * r for r in (1, 2, 4, 8)]
     assert block.param_bytes == sum(p.numel() * 4 for p in build_model(MODEL, OPTIONS)[1].parameters())
 
 
@@ -94,7 +102,7 @@ def test_bf16_profile_saves_casts_and_weight_copies(profile, profile_bf16):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full", "selective"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_predicted_peak_activation_matches_the_executor(profile, profile_bf16, checkpoint, schedule, precision):
     partition, microbatches = (1, 2, 1), 3

@@ -20,6 +20,8 @@ def test_held_out_design_never_repeats_a_calibration_run():
         assert held_out and not set(held_out) & set(calibration_design(layers, 32))
         assert {s.stages for s in held_out} == {1, 2}
         assert {s.checkpoint for s in held_out} == {"always", "except_last", "never", "full"}
+        with_core = validation_design(layers, 32, attention_core=True)
+        assert {s.checkpoint for s in with_core} - {s.checkpoint for s in held_out} == {"selective"}
         assert {s.schedule for s in held_out} == {"gpipe", "1f1b", "zb-h1"}
         assert any(32 % s.microbatches for s in held_out)  # M that does not divide the batch
         assert len({s.partition for s in held_out if s.stages == 2}) == 2  # balanced and skewed
