@@ -87,6 +87,37 @@ def test_stage_cost_adds_fitted_constants(costs_file):
     assert cost.stash_bytes == 8 and last.stash_bytes == 32
 
 
+def test_selective_prices_the_attention_core_the_profile_measured():
+    """--checkpoint selective from a costs file: the forward as never's, each backward longer by the
+    profiled core rerun (at the fitted backward slope), each micro-batch holding the core's bytes less;
+    a file whose profile did not measure a core refuses it in one line."""
+    from sim.costs import MeasuredWorkload
+    from sim.workload import check_checkpoint_for
+
+    data = synthetic_costs()
+    with pytest.raises(GpipeInputError, match="gpipe calibrate --force"):
+        check_checkpoint_for(MeasuredWorkload(data), "selective")
+    for i, memory in enumerate(data["profile"]["memory"]):
+        memory["core_bytes"] = [3 * r if i == 1 else 0 for r in ROWS]
+    core = [[0.0] * len(ROWS), _times(5e-4, 5e-5), [0.0] * len(ROWS)]
+    for kinds in data["profile"]["times_s"].values():
+        kinds["C"] = core
+
+    def bound(checkpoint):
+        return MeasuredWorkload(data).bind(get_system("cpu"), 1, checkpoint, 2)
+
+    (selective, system), (never, _) = bound("selective"), bound("never")
+    assert check_checkpoint_for(selective, "selective") == "selective"
+    cost, plain = selective.stage_cost(2, 0, 3, LOCAL_CPU), never.stage_cost(2, 0, 3, LOCAL_CPU)
+    assert cost.forward_s == plain.forward_s and cost.backward_s == plain.backward_s
+    assert cost.core_recompute_s == pytest.approx(1.5 * (5e-5 + 5e-4 * 2))
+    assert cost.core_saved_bytes == 6
+    one = simulate(selective, system, (3,), 4, 2, "selective")
+    other = simulate(never, system, (3,), 4, 2, "never")
+    assert one.step_time_s == pytest.approx(other.step_time_s + 2 * cost.core_recompute_s)
+    assert one.stages[0].peak_activation_bytes == other.stages[0].peak_activation_bytes - 2 * 6
+
+
 def test_bind_puts_the_fitted_link_in_the_cpu_system_only(costs_file):
     w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
     _, cpu = w.bind(get_system("cpu"), 2)
