@@ -161,10 +161,22 @@ class DecoderLayer(_Layer):
     def tensor_parallel_plan(self, parts: int) -> dict[str, Any]:
         """Llama-style layers Megatron-style: q, k, v and the MLP's gate and up projections
         column-parallel (whole heads and FFN units per rank; the attention reshapes to -1 heads, so it
-        runs on its share unchanged), the output and down projections row-parallel; norms replicated."""
+        runs on its share unchanged), the output and down projections row-parallel; norms replicated.
+        GPT-2 the same way through its Conv1D projections: c_attn's columns [q | k | v] put in rank
+        order and split, the attention told it holds 1/T of the heads, c_fc split by columns, both
+        c_proj by rows."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         check_tensor_parallel(self.family, self.config, parts)
+        if self.family == "gpt2":
+            from executor.tensor_parallel import Conv1DColwise, Conv1DRowwise, features_in_rank_order
+
+            attn = self.layer.attn
+            features_in_rank_order(attn.c_attn, [attn.embed_dim] * 3, parts, weight_dim=1)
+            attn.split_size, attn.num_heads = attn.embed_dim // parts, attn.num_heads // parts
+            column, row = Conv1DColwise(), Conv1DRowwise()
+            return {"layer.attn.c_attn": column, "layer.attn.c_proj": row, "layer.mlp.c_fc": column,
+                    "layer.mlp.c_proj": row}
         column, row = ColwiseParallel(), RowwiseParallel()
         return {"layer.self_attn.q_proj": column, "layer.self_attn.k_proj": column, "layer.self_attn.v_proj": column,
                 "layer.self_attn.o_proj": row, "layer.mlp.gate_proj": column, "layer.mlp.up_proj": column,
@@ -203,17 +215,19 @@ class Head(_Layer):
 def check_tensor_parallel(family: str, config: Any, parts: int) -> None:
     """What splitting a decoder layer over ``parts`` ranks needs; one line each."""
     if family == "gpt2":
-        raise GpipeInputError(f"--tensor-parallel {parts}: GPT-2's fused attention projection (Conv1D c_attn) has no "
-                              "tensor-parallel plan yet; use --tensor-parallel 1, or a llama, mistral or qwen2 model")
-    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size}
+        sizes = {"n_head": config.n_head, "n_inner": config.n_inner or 4 * config.n_embd}
+        dropout = ("attn_pdrop", config.attn_pdrop)
+    else:
+        sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+                 "intermediate_size": config.intermediate_size}
+        dropout = ("attention_dropout", getattr(config, "attention_dropout", 0.0))
     for field, value in sizes.items():
         if value % parts:
             raise GpipeInputError(f"--tensor-parallel {parts} does not divide {field}={value}: each rank holds whole "
                                   f"heads and FFN units; use a T that divides {', '.join(map(str, sizes.values()))}")
-    if getattr(config, "attention_dropout", 0.0):
-        raise GpipeInputError(f"--tensor-parallel {parts} with attention_dropout={config.attention_dropout}: the "
-                              "split heads would draw other masks than one process; set attention_dropout=0")
+    if dropout[1]:
+        raise GpipeInputError(f"--tensor-parallel {parts} with {dropout[0]}={dropout[1]}: the split heads would draw "
+                              f"other masks than one process; set {dropout[0]}=0")
 
 
 def build(name: str, options: dict[str, Any]) -> nn.Sequential:

@@ -27,7 +27,10 @@ be replicated, and adapts the layer's own view of its shapes (heads per rank, sa
 parameters and no such method is refused in one line when T > 1.
 
 Hugging Face llama, mistral and qwen2 layers split the same way (:class:`executor.hf.DecoderLayer`
-says how); GPT-2's fused ``Conv1D`` attention projection has no plan yet and is refused.
+says how), and GPT-2's: its projections are transformers' ``Conv1D`` (weight stored (in, out), used as
+x @ W + b), which torch's styles do not know, so :class:`Conv1DColwise` and :class:`Conv1DRowwise`
+split a Conv1D's weight along its columns or rows with torch's own input and output handling; the
+fused attention projection's columns [q | k | v] are put in rank order as the built-in QKV's rows are.
 
 Sequence parallelism (``--sequence-parallel``, the built-in transformer, as Korthikanti et al.
 2022): inside a stage's run of blocks the residual stream and the norms hold 1/T of the tokens per
@@ -35,18 +38,19 @@ rank (all-gathered before each column-parallel projection, reduce-scattered afte
 one); the run takes its input whole and gives its output whole, so stage boundaries carry the
 whole activation (Megatron's scatter-gather of the send is not done).
 
-Limits (refused in one line until they are built): ZeRO-1, GPT-2, sequence parallelism for other
-models or with dropout.
+Limits (refused in one line until they are built): ZeRO-1, sequence parallelism for other models or
+with dropout.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
@@ -56,6 +60,7 @@ from sim.errors import GpipeInputError
 
 TP = "tp"  # the mesh's tensor-parallel dimension
 ROW_ORDER = "_gpipe_tp_row_order"  # on a column-parallel linear whose fused rows were put in rank order
+ORDER_DIMS = "_gpipe_tp_order_dims"  # tensor name -> the dimension ROW_ORDER indexes (default 0: rows)
 HOOK = "tensor_parallel_plan"  # a user layer's own plan: tensor_parallel_plan(parts) -> {name: ParallelStyle}
 
 
@@ -118,13 +123,55 @@ def rank_order(sizes: list[int], parts: int) -> torch.Tensor:
                          for row in range(size // parts)], dtype=torch.long)
 
 
-def _rows_in_rank_order(linear: nn.Linear, sizes: list[int], parts: int) -> None:
+def features_in_rank_order(linear: nn.Module, sizes: list[int], parts: int, weight_dim: int = 0) -> None:
+    """Put the output features of a fused projection in rank order: a linear's weight rows, or with
+    ``weight_dim`` 1 a Conv1D's weight columns (and the bias's entries either way)."""
     order = rank_order(sizes, parts)
     with torch.no_grad():
-        linear.weight.copy_(linear.weight[order])
+        linear.weight.copy_(linear.weight.index_select(weight_dim, order))
         if linear.bias is not None:
             linear.bias.copy_(linear.bias[order])
     setattr(linear, ROW_ORDER, order)
+    setattr(linear, ORDER_DIMS, {"weight": weight_dim, "bias": 0})
+
+
+def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Any], src_data_rank: Any) -> None:
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if param is not None:
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
+                requires_grad=param.requires_grad))
+
+
+class Conv1DColwise(ColwiseParallel):
+    """``ColwiseParallel`` for a transformers ``Conv1D`` (x @ W + b, W stored (in, out)): its output
+    features are W's columns, so W is split along dim 1 and the bias along dim 0; inputs and outputs
+    as torch's style handles them for a linear."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+            if sub is module:
+                _distribute_parameters(sub, mesh, {"weight": Shard(1), "bias": Shard(0)},
+                                       getattr(self, "src_data_rank", 0))
+        return distribute_module(module, device_mesh, partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """``RowwiseParallel`` for a transformers ``Conv1D``: W split along its rows (dim 0, the input
+    features), the bias replicated and added once to the all-reduced sum."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+            if sub is module:
+                _distribute_parameters(sub, mesh, {"weight": Shard(0), "bias": Replicate()},
+                                       getattr(self, "src_data_rank", 0))
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(module, device_mesh, partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
 def block_plan(block: Block, parts: int, sequence_parallel: bool = False) -> dict[str, Any]:
@@ -134,9 +181,9 @@ def block_plan(block: Block, parts: int, sequence_parallel: bool = False) -> dic
     tokens, the column-parallel inputs are all-gathered and the row-parallel outputs
     reduce-scattered (DTensor's ``SequenceParallel`` and the styles' layouts)."""
     attn, fc1, fc2 = block.attn, block.mlp[0], block.mlp[2]
-    _rows_in_rank_order(attn.qkv, [attn.heads * attn.head_dim, attn.kv_width, attn.kv_width], parts)
+    features_in_rank_order(attn.qkv, [attn.heads * attn.head_dim, attn.kv_width, attn.kv_width], parts)
     if fc1.out_features == 2 * fc2.in_features:  # gated: [gate | value]
-        _rows_in_rank_order(fc1, [fc2.in_features, fc2.in_features], parts)
+        features_in_rank_order(fc1, [fc2.in_features, fc2.in_features], parts)
     attn.split_heads(parts)
     if not sequence_parallel:
         return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
@@ -178,25 +225,28 @@ def parallelize_stage(module: nn.Sequential, mesh: DeviceMesh, sequence_parallel
     return module
 
 
-def _row_orders(module: nn.Module) -> dict[str, torch.Tensor]:
-    """State-dict name -> rank order, for the tensors whose rows were put in rank order."""
+Order = tuple[torch.Tensor, int]  # a rank order and the dimension it indexes
+
+
+def _row_orders(module: nn.Module) -> dict[str, Order]:
+    """State-dict name -> rank order and its dimension, for the tensors put in rank order."""
     orders = {}
     for name, sub in module.named_modules():
         order = getattr(sub, ROW_ORDER, None)
         if order is not None:
+            dims = getattr(sub, ORDER_DIMS, {})
             for tensor in ("weight", "bias"):
                 if getattr(sub, tensor, None) is not None:
-                    orders[f"{name}.{tensor}" if name else tensor] = order
+                    orders[f"{name}.{tensor}" if name else tensor] = (order, dims.get(tensor, 0))
     return orders
 
 
-def _full(value: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+def _full(value: torch.Tensor, order: Order | None) -> torch.Tensor:
     full = value.full_tensor() if isinstance(value, DTensor) else value
     if order is None:
         return full
-    restored = torch.empty_like(full)
-    restored[order.to(full.device)] = full
-    return restored
+    index, dim = order
+    return torch.empty_like(full).index_copy_(dim, index.to(full.device), full)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -242,9 +292,10 @@ def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> N
                 target.copy_(value)
 
 
-def _shard_like(full: torch.Tensor, like: DTensor, order: torch.Tensor | None) -> DTensor:
+def _shard_like(full: torch.Tensor, like: DTensor, order: Order | None) -> DTensor:
     if order is not None:
-        full = full[order.to(full.device)]
+        index, dim = order
+        full = full.index_select(dim, index.to(full.device))
     return distribute_tensor(full.to(like.device), like.device_mesh, like.placements)
 
 
@@ -252,7 +303,7 @@ def _indexed_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _param_orders(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+def _param_orders(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, Order]:
     """Optimizer state index -> rank order, for the parameters whose rows were put in rank order."""
     by_name = _row_orders(module)
     ids = {id(p): name for name, p in module.named_parameters()}

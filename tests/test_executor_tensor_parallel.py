@@ -42,6 +42,7 @@ def optimizer_flags(settings):
             str(settings["weight_decay"]), "--clip-grad-norm", str(settings["clip_grad_norm"])]
 LLAMA = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 64, "vocab_size": 64, "seq": 16, "tie_word_embeddings": True}
+GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions": 64, "seq": 16, "attn_pdrop": 0.0}
 STEPS = 3
 
 
@@ -76,13 +77,14 @@ def checkpoint_parameters(root, chunks):
     (2, 2, "gpipe", "full", "transformer", SGD, True),
     (2, 1, "gpipe", "never", "tests.sample_models:tied_split_lm", ADAMW, False),  # a user's own plan, tied weights
     (1, 1, "1f1b", "except_last", "hf:llama", ADAMW, False),  # grouped-query attention, tied embedding and head
+    (2, 1, "1f1b", "always", "hf:gpt2", SGD, False),  # Conv1D projections, fused c_attn columns, dropout
 ])
 def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replicas, schedule, checkpoint, model,
                                                         optim, sequence):
     builtin = model == "transformer"
-    options = {"transformer": OPTIONS, "hf:llama": LLAMA}.get(model, {})
-    layers = {"transformer": 6, "hf:llama": 5}.get(model, 4)  # embedding, blocks (and final norm), head
-    builtin = builtin or model == "hf:llama"  # its own data
+    options = {"transformer": OPTIONS, "hf:llama": LLAMA, "hf:gpt2": GPT2}.get(model, {})
+    layers = {"transformer": 6, "hf:llama": 5, "hf:gpt2": 5}.get(model, 4)  # embedding, blocks (final norm), head
+    builtin = builtin or model.startswith("hf:")  # its own data
     chunks = 2 * stages if schedule == "interleaved" else stages
     partition = tuple([layers // chunks + (1 if i < layers % chunks else 0) for i in range(chunks)])
     data = [] if builtin else ["--data", "tests.sample_models:tied_lm_data", "--loss", "cross_entropy"]
@@ -153,7 +155,10 @@ def one_line_error(capsys, *argv):
     (["--model", "tests.sample_models:tied_lm", "--tensor-parallel", "2"],
      "layer 0 (TokenEmbedding) has no tensor-parallel plan: give it a tensor_parallel_plan(parts) method"),
     (["--model", "hf:gpt2", "--option", "n_layer=2", "--option", "n_embd=32", "--option", "n_head=4",
-      "--tensor-parallel", "2"], "GPT-2's fused attention projection (Conv1D c_attn) has no tensor-parallel plan"),
+      "--tensor-parallel", "2"], "--tensor-parallel 2 with attn_pdrop=0.1: the split heads would draw other masks"),
+    (["--model", "hf:gpt2", "--option", "n_layer=2", "--option", "n_embd=32", "--option", "n_head=4",
+      "--option", "n_inner=50", "--option", "attn_pdrop=0", "--tensor-parallel", "4"],
+     "--tensor-parallel 4 does not divide n_inner=50"),
     (["--model", "hf:llama", "--option", "num_hidden_layers=2", "--option", "hidden_size=48",
       "--option", "num_attention_heads=6", "--option", "num_key_value_heads=3", "--option", "intermediate_size=64",
       "--tensor-parallel", "2"], "--tensor-parallel 2 does not divide num_key_value_heads=3"),
