@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from executor.device import device_api
+from sim.schedule import COMPUTE_KINDS
 from sim.timeline import MemorySample, Record, Timeline
 
 
@@ -45,8 +46,10 @@ class Recorder:
     """Collects :class:`Record` spans and :class:`MemorySample` points of one stage."""
 
     def __init__(self, stage: int, device: torch.device, origin_s: float | None = None, replica: int = 0,
-                 tp: int = 0) -> None:
+                 tp: int = 0, collectives: bool = False) -> None:
         self.stage = stage
+        # a traced tensor-parallel run: each compute span records its collectives (executor.tp_trace)
+        self.collectives = collectives
         self.replica = replica  # which data-parallel copy of the pipeline (executor.replicas)
         self.tp = tp  # which of the stage's tensor-parallel ranks (executor.tensor_parallel)
         self.api = device_api(device)
@@ -78,6 +81,17 @@ class Recorder:
     def span(self, kind: str, microbatch: int = -1, virtual_stage: int | None = None) -> Iterator[None]:
         """Time the block as ``kind`` of ``microbatch``; ``virtual_stage``: the chunk it ran on, under
         the interleaved schedule (:mod:`executor.chunks`)."""
+        if self.collectives and kind in COMPUTE_KINDS:
+            from executor.tp_trace import CollectiveSpans
+
+            with self._span(kind, microbatch, virtual_stage), CollectiveSpans(self, microbatch):
+                yield
+            return
+        with self._span(kind, microbatch, virtual_stage):
+            yield
+
+    @contextlib.contextmanager
+    def _span(self, kind: str, microbatch: int, virtual_stage: int | None) -> Iterator[None]:
         if self.on_events:
             start, end = self.api.event(), self.api.event()
             start.record()

@@ -142,7 +142,8 @@ def train(config: RunConfig) -> None:
         nodes.check_same_settings(views)
         writers = nodes.output_writers(views)
         layout = replicas.build_layout(config, rank, device.type, prepared.shared)
-        recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank)
+        recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank,
+                            collectives=bool(config.trace) and config.tensor_parallel > 1)
         make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage
         stage = make(config, prepared, rank, device, recorder, layout=layout)
         replicas.attach(stage, layout)

@@ -27,9 +27,14 @@ KIND_COLOURS = {
     "overhead": "#BAB0AC",
     "allreduce_shared": "#72B7B2",
     "allreduce_dp": "#EECA3B",
+    "tp_all_reduce": "#FF9DA6",
+    "tp_reduce_scatter": "#D67195",
+    "tp_all_gather": "#F2B8C6",
 }
+COMM_KINDS = ("send_act", "send_grad", "recv_wait", "allreduce_shared", "allreduce_dp", "tp_all_reduce",
+              "tp_reduce_scatter", "tp_all_gather")
 KIND_ORDER = ["F", "R", "B", "I", "W", "allreduce_shared", "allreduce_dp", "optimizer", "overhead", "send_act", "send_grad",
-              "recv_wait"]
+              "recv_wait", "tp_all_reduce", "tp_reduce_scatter", "tp_all_gather"]
 
 
 def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: str,
@@ -39,7 +44,7 @@ def _add_timeline_traces(fig: go.Figure, timeline: Timeline, row: int, label: st
         records = [r for r in timeline.records if r.kind == kind]
         if not records:
             continue
-        comm = kind in ("send_act", "send_grad", "recv_wait", "allreduce_shared", "allreduce_dp")
+        comm = kind in COMM_KINDS  # a thin bar, drawn over the compute bar a tensor-parallel collective is in
         fig.add_trace(go.Bar(
             orientation="h",
             base=[r.start_s * 1e3 for r in records],

@@ -117,6 +117,17 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
     names = {e["args"]["name"] for e in json.loads(trace_path.read_text())["traceEvents"]
              if e.get("name") == "thread_name"}
     assert f"stage {stages - 1} tp 1" in " ".join(names)
+    # the traced run's tensor-parallel collectives: spans of their own, each inside a compute span of its row
+    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    collectives = [e for e in events if e["cat"].startswith("tp_")]
+    expected_kinds = {"tp_all_gather", "tp_reduce_scatter"} if sequence else {"tp_all_reduce"}
+    assert expected_kinds <= {e["cat"] for e in collectives}
+    collective_rows = {e["tid"] for e in collectives}
+    assert {0, 1} <= collective_rows <= {e["tid"] for e in events if e["cat"] == "F"}  # stage 0's ranks hold blocks
+    compute = [e for e in events if e["cat"] in ("F", "R", "B")]
+    for e in collectives:
+        assert any(c["tid"] == e["tid"] and c["ts"] <= e["ts"] and e["ts"] + e["dur"] <= c["ts"] + c["dur"] + 1e-3
+                   for c in compute), e
     assert len(report["stages"]) == stages  # a stage's figures: its rank 0's
 
 
