@@ -169,7 +169,7 @@ class DecoderLayer(_Layer):
 
         check_tensor_parallel(self.family, self.config, parts)
         if self.family == "gpt2":
-            from executor.tensor_parallel import Conv1DColwise, Conv1DRowwise, features_in_rank_order
+            from executor.tp_styles import Conv1DColwise, Conv1DRowwise, features_in_rank_order
 
             attn = self.layer.attn
             features_in_rank_order(attn.c_attn, [attn.embed_dim] * 3, parts, weight_dim=1)

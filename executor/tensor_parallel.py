@@ -44,23 +44,21 @@ with dropout.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
 from executor import hf
 from executor.models import Block, Embedding, Head
+from executor.tp_styles import ORDER_DIMS, ROW_ORDER, features_in_rank_order
 from sim.errors import GpipeInputError
 
 TP = "tp"  # the mesh's tensor-parallel dimension
-ROW_ORDER = "_gpipe_tp_row_order"  # on a column-parallel linear whose fused rows were put in rank order
-ORDER_DIMS = "_gpipe_tp_order_dims"  # tensor name -> the dimension ROW_ORDER indexes (default 0: rows)
 HOOK = "tensor_parallel_plan"  # a user layer's own plan: tensor_parallel_plan(parts) -> {name: ParallelStyle}
 
 
@@ -112,66 +110,6 @@ def check_model(model: nn.Sequential, parts: int, sequence_parallel: bool = Fals
             raise GpipeInputError(f"layer {index} ({type(layer).__name__}) has no tensor-parallel plan: give it a "
                                   f"{HOOK}(parts) method (executor/tensor_parallel.py says how) or use "
                                   "--tensor-parallel 1")
-
-
-def rank_order(sizes: list[int], parts: int) -> torch.Tensor:
-    """The row order that makes a contiguous split in ``parts`` give each part its share of every
-    segment of a fused projection whose segments have ``sizes`` rows."""
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return torch.tensor([start + part * (size // parts) + row
-                         for part in range(parts) for start, size in zip(starts, sizes)
-                         for row in range(size // parts)], dtype=torch.long)
-
-
-def features_in_rank_order(linear: nn.Module, sizes: list[int], parts: int, weight_dim: int = 0) -> None:
-    """Put the output features of a fused projection in rank order: a linear's weight rows, or with
-    ``weight_dim`` 1 a Conv1D's weight columns (and the bias's entries either way)."""
-    order = rank_order(sizes, parts)
-    with torch.no_grad():
-        linear.weight.copy_(linear.weight.index_select(weight_dim, order))
-        if linear.bias is not None:
-            linear.bias.copy_(linear.bias[order])
-    setattr(linear, ROW_ORDER, order)
-    setattr(linear, ORDER_DIMS, {"weight": weight_dim, "bias": 0})
-
-
-def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Any], src_data_rank: Any) -> None:
-    for name, placement in placements.items():
-        param = getattr(module, name, None)
-        if param is not None:
-            module.register_parameter(name, nn.Parameter(
-                distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
-                requires_grad=param.requires_grad))
-
-
-class Conv1DColwise(ColwiseParallel):
-    """``ColwiseParallel`` for a transformers ``Conv1D`` (x @ W + b, W stored (in, out)): its output
-    features are W's columns, so W is split along dim 1 and the bias along dim 0; inputs and outputs
-    as torch's style handles them for a linear."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
-            if sub is module:
-                _distribute_parameters(sub, mesh, {"weight": Shard(1), "bias": Shard(0)},
-                                       getattr(self, "src_data_rank", 0))
-        return distribute_module(module, device_mesh, partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
-
-
-class Conv1DRowwise(RowwiseParallel):
-    """``RowwiseParallel`` for a transformers ``Conv1D``: W split along its rows (dim 0, the input
-    features), the bias replicated and added once to the all-reduced sum."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
-            if sub is module:
-                _distribute_parameters(sub, mesh, {"weight": Shard(0), "bias": Replicate()},
-                                       getattr(self, "src_data_rank", 0))
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(module, device_mesh, partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
 def block_plan(block: Block, parts: int, sequence_parallel: bool = False) -> dict[str, Any]:
