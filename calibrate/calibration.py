@@ -38,10 +38,11 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One executor run: (D, K, M, partition, checkpoint, schedule) at a global batch size.
+    """One executor run: (D, K, T, M, partition, checkpoint, schedule) at a global batch size.
 
     ``replicas`` D copies of the pipeline train on ``torch.chunk`` of the batch each and average
-    their gradients (D x K processes in all); the calibration design keeps D = 1.
+    their gradients; each stage runs on ``tensor_parallel`` T ranks (D x K x T processes in all);
+    the calibration design keeps D = T = 1.
     """
 
     partition: tuple[int, ...]
@@ -50,6 +51,7 @@ class RunSpec:
     schedule: str
     batch_size: int
     replicas: int = 1
+    tensor_parallel: int = 1
 
     @property
     def stages(self) -> int:
@@ -57,13 +59,14 @@ class RunSpec:
 
     @property
     def processes(self) -> int:
-        """D x K: one process per (replica, stage)."""
-        return self.replicas * self.stages
+        """D x K x T: one process per (replica, stage, tensor-parallel rank)."""
+        return self.replicas * self.stages * self.tensor_parallel
 
     def label(self) -> str:
         parts = ",".join(map(str, self.partition))
         replicas = f"D={self.replicas} " if self.replicas > 1 else ""
-        return f"{replicas}K={self.stages} M={self.microbatches} [{parts}] {self.checkpoint} {self.schedule}"
+        split = f" T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{replicas}K={self.stages}{split} M={self.microbatches} [{parts}] {self.checkpoint} {self.schedule}"
 
 
 def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
@@ -94,7 +97,8 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
                      batch_size=spec.batch_size, microbatches=spec.microbatches,
                      schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
                      warmup_steps=1, device=device, timeout_s=120.0, optimizer=optimizer,
-                     precision=precision, replicas=spec.replicas).validate()
+                     precision=precision, replicas=spec.replicas,
+                     tensor_parallel=spec.tensor_parallel).validate()
 
 
 # ----------------------------------------------------------------------------- observations
@@ -198,7 +202,8 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     The pipeline fits are those of the stage count K (each fitted with K processes sharing the
     machine); with D > 1 the D x K processes share it more than any fit saw, which this does not
     correct. The data-parallel all-reduce is priced on the measured all-reduce link where the costs
-    file has one (:func:`sim.costs.allreduce_link`). A run with more processes than the system has
+    file has one (:func:`sim.costs.allreduce_link`). With T > 1 each stage is priced from the costs
+    file's profile of the layers split over T ranks (:mod:`calibrate.tp_profile`). A run with more processes than the system has
     devices (D x K = 4 on two cores) is predicted as if each process had a device of its own on this
     one node: what the simulator models, not the cores taking turns (validation marks such runs).
     """
@@ -206,11 +211,13 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
 
     from sim.engine import simulate
     from sim.hardware import get_system
+    from sim.tensor_parallel import with_tensor_parallel
 
     system = get_system(system_name)
     if spec.processes > system.total_devices:
         system = replace(system, devices_per_node=spec.processes, nodes=1)
-    workload, system = MeasuredWorkload(data).bind(system, spec.stages, spec.checkpoint, spec.microbatches)
+    workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.tensor_parallel)
+    workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches)
     # one replica has nothing to average, so no all-reduce to price
     replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
                 if spec.replicas > 1 else {})
@@ -277,6 +284,28 @@ def fit_efficiency(model: str, options: dict[str, Any], profile: dict[str, Any],
 # ----------------------------------------------------------------------------- the whole thing
 
 
+def split_profile_parts(model: str, options: dict[str, Any], device: str, quick: bool,
+                        asked: int | None) -> int:
+    """T to profile the layers split over (1: none). Asked for: checked against the model's plan
+    (one line if it has none). By default 2 in a full calibration where the host has room for two
+    ranks and the model a tensor-parallel plan."""
+    from executor.device import device_api
+    from executor.models import build_meta_model
+    from executor.tensor_parallel import check_model
+    from sim.errors import GpipeInputError
+
+    parts = asked if asked is not None else (1 if quick or device_api(device).ranks_per_host() < 2 else 2)
+    if parts == 1:
+        return 1
+    try:
+        check_model(build_meta_model(model, options), parts)
+    except GpipeInputError:
+        if asked is not None:
+            raise
+        return 1
+    return parts
+
+
 def profile_rows(batch_size: int) -> list[int]:
     """Row counts to profile: powers of two below the batch, and the batch; others interpolate."""
     rows = {batch_size}
@@ -290,13 +319,15 @@ def profile_rows(batch_size: int) -> list[int]:
 def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str = "cpu",
               max_stages: int | None = None, steps: int = 5, quick: bool = False,
               progress: Progress = print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
-              precision: str = "fp32") -> dict[str, Any]:
+              precision: str = "fp32", tensor_parallel: int | None = None) -> dict[str, Any]:
     """Measure and fit everything for ``model``; the costs file's content (see :mod:`sim.costs`).
 
     The design runs are measured ``rounds`` times, interleaved, and every measurement enters the
     fits, so a moment when the machine ran slow weighs less. They train with ``optimizer``, which
     the costs file records with its state per parameter. Layers are profiled and the design runs
     trained at ``precision`` (:mod:`executor.precision`), which the costs file records too.
+    ``tensor_parallel`` T > 1 also profiles the layers split over T ranks (:mod:`calibrate.tp_profile`);
+    None does so with T = 2 in a full calibration where two ranks fit and the model has a plan.
     """
     import torch
 
@@ -361,6 +392,14 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         if not quick:  # a quick calibration leaves them out (the catalog's node link prices them)
             say("reduce-scatter, all-gather and all-reduce among 2 ranks (tensor-parallel collectives)")
             data["tensor_parallel"] = calibrate_tensor_parallel(device, quick, 2)
+    parts = split_profile_parts(model, options, device, quick, tensor_parallel)
+    if parts > 1:
+        from calibrate.tp_profile import profile_tensor_parallel, thread_counts
+
+        split_threads = thread_counts(parts, stage_counts, cores if device == "cpu" else parts)
+        say(f"profiling the layers split over {parts} tensor-parallel ranks at threads {split_threads}")
+        data["tensor_parallel_profile"] = {str(parts): profile_tensor_parallel(
+            model, options, batch_size, rows, split_threads, parts, device, quick, precision)}
     design = calibration_design(ref.num_layers, batch_size, max_stages)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="measure the design runs this many times, interleaved; all enter the fits (default 2)")
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions, one round (noisier)")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="T",
+                        help="also profile every layer split over T tensor-parallel ranks, for plans with "
+                             "--tensor-parallel T (default: 2 in a full calibration where the machine has two "
+                             "cores and the model a tensor-parallel plan, none with --quick; 1: none)")
     parser.add_argument("--force", action="store_true", help="measure again even if --out is up to date")
     parser.add_argument("--json", action="store_true", help="print the fitted numbers as JSON")
 
@@ -79,19 +83,23 @@ def cached(path: str, model: str, options: dict[str, Any], batch: int, device: s
 def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int, device: str = "cpu",
                      max_stages: int | None = None, steps: int = 5, quick: bool = False, force: bool = False,
                      progress=print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
-                     precision: str = DEFAULT_PRECISION) -> dict[str, Any]:
-    """Reuse the costs at ``path`` when valid (see :func:`cached`), else calibrate and write them."""
+                     precision: str = DEFAULT_PRECISION, tensor_parallel: int | None = None) -> dict[str, Any]:
+    """Reuse the costs at ``path`` when valid (see :func:`cached`) and holding the tensor-parallel
+    profile asked for, else calibrate and write them."""
     from calibrate.calibration import calibrate
     from sim.costs import read_costs, write_costs
 
     if not force:
         data = cached(path, model, options, batch, device, optimizer, precision)
+        if data is not None and tensor_parallel not in (None, 1) \
+                and str(tensor_parallel) not in data.get("tensor_parallel_profile", {}):
+            data = None
         if data is not None:
             progress(f"reusing {path} (same machine, versions, model, optimizer and precision; --force to "
                      "measure again)")
             return data
     data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds, optimizer,
-                     precision)
+                     precision, tensor_parallel)
     write_costs(data, path)
     return read_costs(path)
 
@@ -107,12 +115,15 @@ def run(args: argparse.Namespace) -> int:
     require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.max_stages is not None:
         require_positive("--max-stages", args.max_stages, "use --max-stages 1 or more")
+    if args.tensor_parallel is not None:
+        require_positive("--tensor-parallel", args.tensor_parallel, "use 1 (no split profile) or more")
     from executor.device import device_api
 
     device_api(args.device).check_available()
     progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
     data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
-                            args.quick, args.force, progress, args.rounds, optimizer, precision)
+                            args.quick, args.force, progress, args.rounds, optimizer, precision,
+                            args.tensor_parallel)
     if args.json:
         from sim.costs import costs_summary
 

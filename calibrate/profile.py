@@ -46,6 +46,7 @@ from torch import nn
 
 from executor.boundary import map_tensors, tensors
 from executor.device import device_api
+from executor.memory import local_tensor, storage_key
 from executor.precision import autocast
 from executor.selective import recompute_attention_core
 
@@ -97,11 +98,6 @@ class Profile:
                    speed_reference_s={int(t): v for t, v in data.get("speed_reference_s", {}).items()})
 
 
-def _storage(tensor: torch.Tensor) -> tuple[int, int]:
-    storage = tensor.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
 class _SavedSet:
     """Distinct storages saved for backward inside :meth:`hooks`, weights excluded."""
 
@@ -111,7 +107,7 @@ class _SavedSet:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type != "meta":
-            ptr, nbytes = _storage(tensor)
+            ptr, nbytes = storage_key(tensor)
             if ptr and ptr not in self.excluded:
                 self.saved[ptr] = nbytes
         return tensor
@@ -246,8 +242,8 @@ def measure_memory(runner: LayerRunner, x: Any, drop_core: bool = False) -> tupl
             y = runner.layer(map_tensors(torch.Tensor.detach, x))
     else:
         y = out
-    ins = dict(_storage(t) for t in tensors(x))
-    outs = dict(_storage(t) for t in tensors(y))
+    ins = dict(storage_key(t) for t in tensors(x))
+    outs = dict(storage_key(t) for t in tensors(y))
     own = sum(n for ptr, n in saved.saved.items() if ptr not in ins and ptr not in outs)
     return (own, sum(ins.values()), sum(outs.values()), any(p in saved.saved for p in ins),
             any(p in saved.saved for p in outs))
@@ -271,7 +267,7 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
     device_api(device).prepare_process()  # the allocator setting the executor's ranks run with
     model = DeferredBatchNorm.convert(model).to(device)
     model.train()
-    excluded = {_storage(t)[0] for t in list(model.parameters()) + list(model.buffers())}
+    excluded = {storage_key(t)[0] for t in list(model.parameters()) + list(model.buffers())}
     last = len(model) - 1
     probe = probe if probe is not None else SpeedProbe.block(device)
     profile = Profile(rows=sorted(set(rows)))
@@ -386,7 +382,7 @@ def _memory_table(model: nn.Sequential, runners: dict[int, list[LayerRunner]],
             outs.append(b)
             core.append(o - dropped[0])
             saves_in, saves_out = saves_in or si, saves_out or so
-        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        params = sum(local_tensor(p).numel() * p.element_size() for p in layer.parameters())  # this rank's shard
         table.append(LayerMemory(type(layer).__name__, params, own, ins, outs, saves_in, saves_out, core))
         for r in rows:
             runners[r][i].has_core = any(core)

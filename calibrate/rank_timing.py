@@ -59,8 +59,8 @@ def median_call_s(call: Callable[[], None], device: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def write_points(points: list[dict[str, float]], out_path: str) -> None:
-    """Rank 0 writes the points."""
+def write_points(points: Any, out_path: str) -> None:
+    """Rank 0 writes the points (any JSON value)."""
     if int(os.environ["RANK"]) == 0:
         with open(out_path, "w") as handle:
             json.dump(points, handle)
@@ -70,19 +70,25 @@ def run_ranks(module: str, ranks: int, device_type: str, sizes: tuple[int, ...],
               what: str) -> list[dict[str, float]]:
     """Start ``ranks`` processes of ``python -m module DEVICE SIZES REPEATS OUT`` under torchrun and
     return the points rank 0 wrote; a failure raises RuntimeError naming ``what`` and the last lines."""
+    return list(launch_ranks(module, ranks, [device_type, ",".join(map(str, sizes)), str(repeats)], what))
+
+
+def launch_ranks(module: str, ranks: int, args: list[str], what: str, timeout_s: float = 300.0) -> Any:
+    """Start ``ranks`` processes of ``python -m module *args OUT`` under torchrun, one thread each,
+    and return the JSON rank 0 wrote to OUT; a failure raises RuntimeError naming ``what`` and the
+    last lines of its output."""
     from calibrate.runs import _env
 
     with tempfile.TemporaryDirectory(prefix="gpipe-measure-") as directory:
         out_path = os.path.join(directory, "points.json")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                   "--monitor-interval", "0.2", "-m", module, device_type, ",".join(map(str, sizes)),
-                   str(repeats), out_path]
-        done = subprocess.run(command, env=_env(1), capture_output=True, text=True, timeout=300, check=False)
+                   "--monitor-interval", "0.2", "-m", module, *args, out_path]
+        done = subprocess.run(command, env=_env(1), capture_output=True, text=True, timeout=timeout_s, check=False)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"{what} failed: " + " | ".join(tail))
         with open(out_path) as handle:
-            return list(json.load(handle))
+            return json.load(handle)
 
 
 def rank_main(measure: Callable[[str, list[int], int, str], None]) -> None:

@@ -1,8 +1,8 @@
 """Traced executor runs for calibration and validation: many configurations per torchrun launch.
 
 Starting torchrun and importing torch costs seconds per launch, more than a small run itself, so the
-configurations that share a replica count D and a stage count K run one after another inside the
-same D x K worker processes (``python -m torch.distributed.run --nproc-per-node D*K -m
+configurations that share a replica count D, a stage count K and a tensor-parallel degree T run one after another inside the
+same D x K x T worker processes (``python -m torch.distributed.run --nproc-per-node D*K*T -m
 calibrate.runs CONFIGS OUTDIR``). Each configuration runs exactly as ``gpipe train`` runs it: the
 executor's own :func:`prepare`, :func:`make_dist_stage` (each rank's replica and stage as laid out by
 :mod:`sim.placement`, its layers read from ``factory()``'s values written once by the launching
@@ -10,7 +10,8 @@ process, as ``gpipe train`` writes them), :class:`Recorder` and :func:`build_rep
 process; its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With
 D > 1 the replicas are made as ``gpipe train`` makes them (:mod:`executor.replicas`), the losses
 are the global batch's mean, the report's per-stage figures are replica 0's (whose rows
-``torch.chunk`` makes the largest) and step times span every rank. Differences from a fresh ``gpipe
+``torch.chunk`` makes the largest) and step times span every rank. With T tensor-parallel ranks per
+stage (D x K x T processes, cores/(D x K x T) threads each) a stage's figures are its rank 0's. Differences from a fresh ``gpipe
 train`` launch: the process, its allocator and the gloo groups are reused from the previous
 configuration, and every rank times the speed probe of
 :mod:`calibrate.speed` just before and just after the run (all ranks at once, outside the timed
@@ -43,13 +44,14 @@ def _env(threads: int | None = None) -> dict[str, str]:
 def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run every :class:`executor.config.RunConfig`; the reports come back in the same order."""
-    by_shape: dict[tuple[int, int], list[int]] = {}  # (D, K) -> configurations, one launch each
+    by_shape: dict[tuple[int, int, int], list[int]] = {}  # (D, K, T) -> configurations, one launch each
     for index, config in enumerate(configs):
-        by_shape.setdefault((config.replicas, config.stages), []).append(index)
+        by_shape.setdefault((config.replicas, config.stages, config.tensor_parallel), []).append(index)
     reports: list[dict[str, Any]] = [{} for _ in configs]
-    for (replicas, stages), indices in sorted(by_shape.items(), key=lambda item: (item[0][1], item[0][0])):
-        world = replicas * stages
-        shape = f"D={replicas} K={stages}" if replicas > 1 else f"K={stages}"
+    for (replicas, stages, parts), indices in sorted(by_shape.items(),
+                                                     key=lambda item: (item[0][2], item[0][1], item[0][0])):
+        world = replicas * stages * parts
+        shape = (f"D={replicas} " if replicas > 1 else "") + f"K={stages}" + (f" T={parts}" if parts > 1 else "")
         if progress is not None:
             progress(f"running {len(indices)} executor configuration(s) with {shape}")
         with tempfile.TemporaryDirectory(prefix="gpipe-runs-") as directory:
@@ -143,29 +145,32 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
 def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict) -> tuple[Any, Any]:
     """This rank's stage as ``gpipe train`` makes it, and its replica layout (None for one replica).
 
-    One replica reuses the launch's boundary groups (rank == stage); with D replicas the executor
-    builds the mesh and every replica's groups (:mod:`executor.replicas`), collectively.
+    One replica of whole stages reuses the launch's boundary groups (rank == stage); with D replicas
+    or T tensor-parallel ranks per stage the executor builds the mesh and every pipeline's groups
+    (:mod:`executor.replicas`), collectively.
     """
     from executor.pipeline import make_dist_stage
     from executor.recording import Recorder
 
-    if config.replicas == 1:
+    if config.replicas == 1 and config.tensor_parallel == 1:
         return make_dist_stage(config, prepared, rank, device, Recorder(rank, device), groups), None
     from executor import replicas
 
     layout = replicas.build_layout(config, rank, device.type, prepared.shared)
-    recorder = Recorder(layout.stage, device, replica=layout.replica)
+    recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank)
     stage = make_dist_stage(config, prepared, rank, device, recorder, layout=layout)
     replicas.attach(stage, layout)
     return stage, layout
 
 
 def by_replica_and_stage(config: Any, gathered: Sequence[Any]) -> list[Any]:
-    """Every rank's payload in (replica, stage) order, the order :func:`build_report` reads peak
-    bytes in (rank order when D = 1); ranks sit where :mod:`sim.placement` puts them."""
+    """Every stage's payload in (replica, stage) order, the order :func:`build_report` reads peak
+    bytes in (rank order when D = 1); ranks sit where :mod:`sim.placement` puts them, a stage's
+    tensor-parallel rank 0 standing for the stage (its T ranks hold equal shares)."""
     from sim.placement import device_of
 
-    return [gathered[device_of(d, k, config.replicas, config.stages, config.placement)]
+    parts = config.tensor_parallel
+    return [gathered[device_of(d, k, config.replicas, config.stages, config.placement) * parts]
             for d in range(config.replicas) for k in range(config.stages)]
 
 
@@ -212,12 +217,14 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(configs[0].threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(api.backend, timeout=timedelta(seconds=configs[0].timeout_s))
     try:
-        groups = boundary_groups(world) if configs[0].replicas == 1 else {}
+        groups = boundary_groups(world) if configs[0].replicas == 1 and configs[0].tensor_parallel == 1 else {}
         probes: dict[str, SpeedProbe] = {}
         for position, config in enumerate(configs):
-            if config.world_size != world or config.replicas != configs[0].replicas:
+            if config.world_size != world or (config.replicas, config.tensor_parallel) != \
+                    (configs[0].replicas, configs[0].tensor_parallel):
                 raise ValueError(f"configuration {position} has {config.replicas} replica(s) of {config.stages} "
-                                 f"stage(s), the launch {configs[0].replicas} replica(s) in a world of {world}")
+                                 f"stage(s) of {config.tensor_parallel} rank(s), the launch {configs[0].replicas} "
+                                 f"replica(s) of {configs[0].tensor_parallel} rank(s) per stage in a world of {world}")
             key = json.dumps([config.model, config.options, config.batch_size, config.loss], sort_keys=True)
             if key not in probes:
                 probes[key] = SpeedProbe.model(config.model, config.options, config.batch_size,

@@ -3,11 +3,13 @@
 The held-out design covers: K in {1, 2} (and up to the stage count the
 machine has room for), M from 1 to 16 including values that do not divide the batch, balanced and
 skewed partitions, every checkpoint policy and both schedules, and D = 2 data-parallel replicas
-with K = 1 and K = 2 (their gradients averaged by the all-reduce calibration measured). Any
+with K = 1 and K = 2 (their gradients averaged by the all-reduce calibration measured), and, where
+the costs file profiled the layers split over T ranks, runs whose stages are split over T ranks
+(tensor parallelism; a stage's measured figures are its rank 0's). Any
 configuration that is also in the calibration design is dropped, so no prediction is of a run the
 fit learned from.
 
-A run with more processes (D x K) than the machine has cores (CPU) or GPUs is still measured and
+A run with more processes (D x K x T) than the machine has cores (CPU) or GPUs is still measured and
 its error shown, marked ``oversubscribed``: it checks that the run works, but processes taking
 turns on a core are not what the simulator models, so its error stays out of the summary.
 
@@ -58,27 +60,36 @@ HELD_OUT_REPLICAS = [
     (2, 1, 3, "balanced", "except_last", "gpipe"),
     (2, 2, 4, "balanced", "never", "1f1b"),
 ]
+# (tensor-parallel ranks, stages, microbatches, partition kind, checkpoint, schedule): each stage
+# split over T ranks, priced from the costs file's profile of the split layers (calibrate.tp_profile)
+HELD_OUT_TENSOR_PARALLEL = [
+    (2, 1, 4, "balanced", "never", "gpipe"),
+    (2, 1, 8, "balanced", "always", "gpipe"),
+]
 
 
 def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
                       limit: int | None = None, max_replicas: int = 2,
-                      attention_core: bool = False) -> list[RunSpec]:
+                      attention_core: bool = False, tensor_parallel: Sequence[int] = ()) -> list[RunSpec]:
     """The held-out runs for a model of ``num_layers`` layers, none of them in the calibration design;
-    ``--checkpoint selective`` among them only for a model with an ``attention_core`` to drop.
+    ``--checkpoint selective`` among them only for a model with an ``attention_core`` to drop, runs
+    with T ranks per stage only for the T in ``tensor_parallel`` (those the costs file profiled).
 
-    Data-parallel runs come last and need every replica to get at least one row per micro-batch
-    (batch >= D x M); they are kept even where D x K oversubscribes the machine (see the module).
+    Data-parallel runs come next to last and need every replica to get at least one row per
+    micro-batch (batch >= D x M); they are kept even where D x K oversubscribes the machine (see the
+    module). Tensor-parallel runs come last.
     """
     seen = set(calibration_design(num_layers, batch_size, max_stages))
-    wanted = [(1, *run) for run in HELD_OUT] + [run for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
+    wanted = ([(1, 1, *run) for run in HELD_OUT] + [(1, *run) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
+              + [(t, 1, *run[1:]) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]] if t in tensor_parallel])
     specs = []
-    for replicas, stages, m, kind, checkpoint, schedule in wanted:
+    for parts, replicas, stages, m, kind, checkpoint, schedule in wanted:
         if stages > min(max_stages, num_layers) or batch_size < replicas * m:
             continue
         if checkpoint == "selective" and not attention_core:
             continue
         split = even_partition if kind == "balanced" else skewed
-        spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size, replicas)
+        spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size, replicas, parts)
         if spec not in seen and spec not in specs:
             specs.append(spec)
     return specs[:limit] if limit else specs
@@ -266,8 +277,10 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     allreduce_link(data)  # a malformed entry is refused before any run starts
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
+    workload = MeasuredWorkload(data)
     specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit,
-                              attention_core=MeasuredWorkload(data).has_attention_core)
+                              attention_core=workload.has_attention_core,
+                              tensor_parallel=workload.tensor_parallel_options[1:])
     device = data.get("machine", {}).get("device", "cpu")
     configs = [run_config(model["name"], model["options"], s, steps, device, data.get("optimizer", "sgd"),
                           measured_precision(data))

@@ -25,11 +25,18 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from executor.boundary import tensors
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    while type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):  # a DTensor shard, a collective's pending result: its own tensor
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``tensor``'s data in this process: a DTensor's shard, a pending
+    collective's result, or ``tensor`` itself."""
+    while type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         tensor = getattr(tensor, names[0])
-    storage = tensor.untyped_storage()
+    return tensor
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of the storage that holds ``tensor``'s data in this process."""
+    storage = local_tensor(tensor).untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 
 
@@ -37,7 +44,7 @@ class ActivationCounter:
     """Tracks saved and stashed storages per micro-batch; ``peak_bytes`` is the largest union seen."""
 
     def __init__(self, excluded: list[torch.Tensor]) -> None:
-        self._excluded = {_storage_key(t)[0] for t in excluded}
+        self._excluded = {storage_key(t)[0] for t in excluded}
         # micro-batch (or (micro-batch, tag): a layer's input or recompute under --checkpoint full)
         # -> {storage ptr: nbytes}
         self._live: dict[Any, dict[int, int]] = {}
@@ -47,7 +54,7 @@ class ActivationCounter:
     def _add(self, microbatch: int, tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
             return
-        ptr, nbytes = _storage_key(tensor)
+        ptr, nbytes = storage_key(tensor)
         if ptr and ptr not in self._excluded:
             self._live.setdefault(microbatch, {})[ptr] = nbytes
 

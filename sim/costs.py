@@ -104,14 +104,17 @@ class MeasuredWorkload:
     """A model's measured costs on this machine, bound to a stage count K (default: the largest)."""
 
     def __init__(self, data: dict[str, Any], stages: int | None = None, checkpoint: str = "except_last",
-                 microbatches: int | None = None) -> None:
+                 microbatches: int | None = None, tensor_parallel: int = 1) -> None:
         self.data = data
         model = data["model"]
-        self.name = f"{model['name']} (measured)"
+        self.tensor_parallel = tensor_parallel
+        self.sequence_parallel = False  # the split layers were profiled without it
+        self.name = f"{model['name']} (measured{f', T={tensor_parallel}' if tensor_parallel > 1 else ''})"
         self.model_name = model["name"]
         self.options = dict(model["options"])
         self.num_layers = int(model["num_layers"])
-        profile = data["profile"]
+        # T > 1: one rank of a stage split over T ranks, as calibrate.tp_profile measured it
+        profile = data["profile"] if tensor_parallel == 1 else data["tensor_parallel_profile"][str(tensor_parallel)]
         self.rows = [int(r) for r in profile["rows"]]
         self.times = {int(t): kinds for t, kinds in profile["times_s"].items()}
         self.memory = profile["memory"]
@@ -139,7 +142,7 @@ class MeasuredWorkload:
     def bind(self, system: System, stages: int, checkpoint: str = "except_last",
              microbatches: int | None = None) -> tuple["MeasuredWorkload", System]:
         """This workload for K=``stages``, and ``system`` with the fitted link if it is the one measured."""
-        bound = MeasuredWorkload(self.data, stages, checkpoint, microbatches)
+        bound = MeasuredWorkload(self.data, stages, checkpoint, microbatches, self.tensor_parallel)
         link = self.data.get("link")
         if link and system.name == self.data.get("system", "cpu"):
             fitted = Link(f"fitted {link.get('name', 'link')}", float(link["bandwidth_bytes_per_s"]),
@@ -154,7 +157,23 @@ class MeasuredWorkload:
         return allreduce_link(self.data)
 
     @property
+    def tensor_parallel_options(self) -> list[int]:
+        """The T the costs file has a profile for (1 always)."""
+        return [1, *sorted(int(t) for t in self.data.get("tensor_parallel_profile", {}))]
+
+    def split(self, tensor_parallel: int) -> "MeasuredWorkload":
+        """This workload with each stage split over ``tensor_parallel`` ranks (its measured profile)."""
+        if tensor_parallel not in self.tensor_parallel_options:
+            raise GpipeInputError(f"--tensor-parallel {tensor_parallel}: the costs file has no profile of the layers "
+                                  f"split over {tensor_parallel} ranks (it has T in {self.tensor_parallel_options}); "
+                                  f"run gpipe calibrate --tensor-parallel {tensor_parallel} --force")
+        return MeasuredWorkload(self.data, self.stages, self.checkpoint, self.microbatches, tensor_parallel)
+
+    @property
     def fit(self) -> PipelineFit:
+        """The pipeline fits of this stage count K (the nearest fitted). With T > 1 too: the split
+        profile was measured with its T ranks sharing the machine, so what K processes cost each
+        other beyond one is in it already; the fit adds what running inside the pipeline adds."""
         if not self.fits:
             return IDENTITY
         nearest = min(self.fits, key=lambda k: (abs(k - self.stages), -k))
@@ -163,7 +182,8 @@ class MeasuredWorkload:
     def _threads(self) -> int:
         """The profiled thread count of a K-process run: cores/K on CPU (one table on CUDA)."""
         cores = int(self.data.get("machine", {}).get("cpu_cores", max(self.times)))
-        wanted = self.fit.threads if self.fits else max(1, cores // max(1, self.stages))
+        processes = max(1, self.stages) * self.tensor_parallel
+        wanted = self.fit.threads if self.fits and self.tensor_parallel == 1 else max(1, cores // processes)
         return min(self.times, key=lambda t: (abs(t - wanted), t))
 
     # ------------------------------------------------------------------ per layer
@@ -285,7 +305,7 @@ class MeasuredWorkload:
 
     def describe(self) -> dict:
         return {"name": self.model_name, "options": dict(self.options), "num_layers": self.num_layers,
-                "parameter_count": (sum(int(m["param_bytes"]) for m in self.memory)
+                "parameter_count": (sum(int(m["param_bytes"]) for m in self.data["profile"]["memory"])
                                     - sum((len(p.layers) - 1) * p.param_bytes for p in self.shared_parameters))
                                    // FP32_BYTES,
                 "costs": {"machine": self.data.get("machine", {}), "stages": self.stages}}

@@ -320,9 +320,9 @@ def _plan_on(args: argparse.Namespace, system, options: dict, precision: str, at
             raise GpipeInputError("--train-tokens, --rank-by cost, --max-devices and several --hardware plan the "
                                   "analytic models; drop --costs (use --efficiency-from COSTS for its fit)")
         check_context_parallel(args.context_parallel, workload, system)
-        result = _search_each_stage_count(workload, system, batch, stage_options, microbatch_options,
-                                          checkpoints, space["schedules"], args.partitioner, args.top, progress,
-                                          space, placements)
+        result = _search_measured(workload, system, batch, tensor_parallel_options(args, workload, system),
+                                  args.sequence_parallel, stage_options, microbatch_options, checkpoints,
+                                  args, progress, space, placements)
     else:
         result = _search_each_tensor_parallel(workload, system, batch, tensor_parallel_options(args, workload, system),
                                               args.sequence_parallel, stage_options, microbatch_options, checkpoints,
@@ -540,6 +540,25 @@ def _search_each_stage_count(workload, system, batch: int, stage_options: list[i
     return _merged(parts, top)
 
 
+def _search_measured(workload, system, batch: int, tensor_options: list[int], sequence: bool | None,
+                     stage_options: list[int], microbatch_options: list[int], checkpoints: list[str],
+                     args: argparse.Namespace, progress, space: dict, placements: list[str]) -> SearchResult:
+    """Measured costs: T by T (each from the costs file's profile of the layers split over T ranks),
+    K by K inside, the rankings merged."""
+    parts = []
+    for t in tensor_options:
+        split, groups = with_tensor_parallel(workload, system, t, default_sequence_parallel(t, sequence, workload))
+        stages = [k for k in stage_options if k <= groups.total_devices]
+        if not stages:
+            continue
+        part = _search_each_stage_count(split, groups, batch, stages, microbatch_options, checkpoints,
+                                        space["schedules"], args.partitioner, args.top, progress, space, placements)
+        for option in part.ranked + part.unfit_examples:
+            option.candidate = replace(option.candidate, tensor_parallel=t)
+        parts.append(part)
+    return _merged(parts, args.top)
+
+
 def policies_for(workload, checkpoints: list[str], asked: bool) -> list[str]:
     """The policies to search; ``selective`` asked for explicitly where the model has no attention
     core to recompute is refused in one line (by default :func:`sim.planner.search` leaves it out)."""
@@ -560,7 +579,7 @@ def tensor_parallel_options(args: argparse.Namespace, workload, system) -> list[
             check_context_parallel(args.context_parallel, workload, system, t)
         return options
     check_context_parallel(args.context_parallel, workload, system)
-    if system.name == "cpu":
+    if system.name == "cpu" or hasattr(workload, "bind"):  # measured costs: T = 1 unless asked
         return [1]
     options = []
     for t in (2 ** i for i in range(system.devices_per_node.bit_length())):

@@ -110,7 +110,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     check_checkpoint_for(workload, args.checkpoint)
     system.check_fits(stages, args.replicas, args.tensor_parallel * args.context_parallel)
     workload, system = with_tensor_parallel(workload, system, args.tensor_parallel,
-                                            default_sequence_parallel(args.tensor_parallel, args.sequence_parallel),
+                                            default_sequence_parallel(args.tensor_parallel, args.sequence_parallel, workload),
                                             args.context_parallel)
     if args.schedule == "interleaved":
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)

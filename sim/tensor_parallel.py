@@ -19,6 +19,11 @@ attend to all keys as ring attention passes key/value blocks round the C devices
 on the node's link after the last backward. C must divide the sequence, T x C a node, and the
 attention must be flash (the ring runs on its kernels); across nodes it is not modelled.
 
+Measured costs (``--costs FILE``) split a stage as the file's profile of the layers split over T
+ranks says (:mod:`calibrate.tp_profile`): each layer's time there includes its collectives and the
+per-operation cost of DTensor, so nothing is added for them; T with no such profile, sequence
+parallelism (not profiled) and other hardware than the measured one are refused in one line.
+
 Refused in one line: T that does not divide the heads, the key/value heads and the FFN width (every
 head and hidden unit whole on one device), T larger than a node's devices (the collectives need the node's NVLink), and
 T > 1 for models other than the built-in transformer (no split is modelled for them yet).
@@ -31,15 +36,23 @@ the vocabulary slices are not counted; the collectives are timed on an idle link
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from sim.errors import GpipeInputError, require_positive
 from sim.hardware import Link, System
 from sim.workload import Workload
 
 
-def default_sequence_parallel(tensor_parallel: int, asked: bool | None) -> bool:
-    """Sequence parallelism wherever T > 1 unless told otherwise."""
-    return tensor_parallel > 1 if asked is None else asked
+def default_sequence_parallel(tensor_parallel: int, asked: bool | None, workload: Workload | None = None) -> bool:
+    """Sequence parallelism wherever T > 1 unless told otherwise; never by default for measured
+    costs, whose split layers were profiled without it (as ``gpipe train`` runs by default)."""
+    if asked is not None:
+        return asked
+    return tensor_parallel > 1 and not _measured(workload)
+
+
+def _measured(workload: Workload | None) -> bool:
+    return hasattr(workload, "tensor_parallel_options")  # sim.costs.MeasuredWorkload
 
 
 def _require_builtin_transformer(flag: str, degree: int, kind: str, workload: Workload) -> None:
@@ -55,6 +68,9 @@ def check_tensor_parallel(tensor_parallel: int, workload: Workload, system: Syst
     """T positive, within a node, dividing the heads and the FFN width; one line each."""
     require_positive("--tensor-parallel", tensor_parallel, "use 1 (no tensor parallelism) or more")
     if tensor_parallel == 1:
+        return
+    if _measured(workload):
+        _check_measured(tensor_parallel, workload, system)
         return
     _require_builtin_transformer("--tensor-parallel", tensor_parallel, "tensor", workload)
     if tensor_parallel > system.devices_per_node:
@@ -72,6 +88,18 @@ def check_tensor_parallel(tensor_parallel: int, workload: Workload, system: Syst
                                   f"each device holds whole heads, key/value heads and FFN units; use a T that "
                                   f"divides heads={options['heads']}, kv_heads={options['kv_heads']} and "
                                   f"ff={options['ff']}")
+
+
+def _check_measured(tensor_parallel: int, workload: Any, system: System) -> None:
+    """Measured costs split a stage as their profile of it over T ranks says, on the machine that
+    measured it; one line otherwise."""
+    if system.device.name != workload.device_name:
+        raise GpipeInputError(f"--tensor-parallel {tensor_parallel} with --costs: the split layers were profiled on "
+                              f"{workload.device_name}, not {system.device.name}; add --hardware "
+                              f"{workload.data.get('system', 'cpu')}, or plan other hardware with --efficiency-from "
+                              "COSTS, which splits the analytic model")
+    if tensor_parallel not in workload.tensor_parallel_options:
+        workload.split(tensor_parallel)  # refuses in one line, naming the T the file has
 
 
 def check_context_parallel(context_parallel: int, workload: Workload, system: System,
@@ -112,6 +140,11 @@ def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: in
     check_context_parallel(context_parallel, workload, system, tensor_parallel)
     if tensor_parallel == 1 and context_parallel == 1:  # sequence parallelism splits over the T group: nothing
         return workload, system
+    if _measured(workload):
+        if sequence_parallel:
+            raise GpipeInputError(f"--sequence-parallel with --costs: the costs file profiled the layers split over "
+                                  f"{tensor_parallel} ranks without it; drop --sequence-parallel")
+        return workload.split(tensor_parallel), tensor_parallel_system(system, tensor_parallel)
     from sim.models import AnalyticWorkload, transformer_layers
 
     assert isinstance(workload, AnalyticWorkload)

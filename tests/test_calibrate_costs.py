@@ -118,6 +118,60 @@ def test_selective_prices_the_attention_core_the_profile_measured():
     assert one.stages[0].peak_activation_bytes == other.stages[0].peak_activation_bytes - 2 * 6
 
 
+def _with_split_profile(data: dict) -> dict:
+    """``data`` with a profile of its layers split over two ranks: half the parameter bytes, three
+    times the time (what DTensor's dispatch and the waits cost a small layer), own bytes less 2/row."""
+    split = json.loads(json.dumps(data["profile"]))
+    for memory in split["memory"]:
+        memory["param_bytes"] //= 2
+        memory["own_bytes"] = [max(0, b - 2 * r) for b, r in zip(memory["own_bytes"], ROWS)]
+    split["times_s"] = {"1": {kind: [[3 * v for v in row] for row in table]
+                              for kind, table in data["profile"]["times_s"]["1"].items()}}
+    return {**data, "tensor_parallel_profile": {"2": split}}
+
+
+def test_a_stage_split_over_t_ranks_is_priced_from_the_split_profile():
+    """--tensor-parallel T with measured costs: the file's profile of the layers split over T ranks
+    (times, this rank's bytes and parameters), K's pipeline fits, the cores shared by K x T processes;
+    the pipeline sees each stage's T ranks as one device."""
+    from sim.costs import MeasuredWorkload
+    from sim.tensor_parallel import with_tensor_parallel
+
+    data = _with_split_profile(synthetic_costs())
+    workload = MeasuredWorkload(data)
+    assert workload.tensor_parallel_options == [1, 2]
+    split, groups = with_tensor_parallel(workload, get_system("cpu"), 2)
+    assert groups.devices_per_node == get_system("cpu").devices_per_node // 2
+    split, system = split.bind(groups, 1, "never", 2)
+    assert split.tensor_parallel == 2 and split.fit.threads == 2  # K = 1's fit, the T=2 profile's one thread
+    whole, _ = workload.bind(get_system("cpu"), 1, "never", 2)
+    cost, plain = split.stage_cost(2, 0, 3, LOCAL_CPU), whole.stage_cost(2, 0, 3, LOCAL_CPU)
+    forward = sum(1e-4 + 1e-3 * (i + 1) * 2 for i in range(3))
+    assert plain.forward_s == pytest.approx(1.5 * forward + 1e-4)
+    assert cost.forward_s == pytest.approx(1.5 * 3 * forward + 1e-4)
+    assert cost.static_bytes == plain.static_bytes // 2
+    assert cost.saved_bytes == plain.saved_bytes - 2 * 2 * 2  # layers a and c own 2 bytes per row less
+    result = simulate(split, system, (3,), 4, 2, "never")
+    assert result.stages[0].peak_activation_bytes == 2 * cost.saved_bytes
+    assert split.describe()["parameter_count"] == whole.describe()["parameter_count"]
+
+
+def test_a_split_the_costs_file_did_not_profile_is_one_line():
+    from sim.costs import MeasuredWorkload
+    from sim.tensor_parallel import default_sequence_parallel, with_tensor_parallel
+
+    plain = MeasuredWorkload(synthetic_costs())
+    with pytest.raises(GpipeInputError, match=r"no profile of the layers split over 2 ranks .*--tensor-parallel 2"):
+        with_tensor_parallel(plain, get_system("cpu"), 2)
+    split = MeasuredWorkload(_with_split_profile(synthetic_costs()))
+    assert default_sequence_parallel(2, None, split) is False  # profiled without it, as gpipe train runs
+    assert default_sequence_parallel(2, None) is True
+    with pytest.raises(GpipeInputError, match="drop --sequence-parallel"):
+        with_tensor_parallel(split, get_system("cpu"), 2, sequence_parallel=True)
+    with pytest.raises(GpipeInputError, match="--efficiency-from"):
+        with_tensor_parallel(split, get_system("a100-nvlink"), 2)
+
+
 def test_bind_puts_the_fitted_link_in_the_cpu_system_only(costs_file):
     w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
     _, cpu = w.bind(get_system("cpu"), 2)

@@ -49,6 +49,18 @@ def test_a_run_spec_passes_its_replicas_to_the_run_config():
     assert run_config("mlp", {"layers": 4, "width": 8}, RunSpec((4,), 2, "never", "gpipe", 8), 3).replicas == 1
 
 
+def test_held_out_design_splits_stages_over_the_tensor_parallel_ranks_the_costs_file_profiled():
+    assert all(s.tensor_parallel == 1 for s in validation_design(6, 32))
+    held_out = validation_design(6, 32, tensor_parallel=[2])
+    split = [s for s in held_out if s.tensor_parallel > 1]
+    assert held_out[-len(split):] == split and len(split) == 2  # last, so --limit keeps the others first
+    assert {(s.stages, s.checkpoint) for s in split} == {(1, "never"), (1, "always")}
+    assert all(s.processes == 2 and s.label().startswith("K=1 T=2 ") for s in split)
+    config = run_config("transformer", {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32},
+                        split[0], steps=3)
+    assert config.tensor_parallel == 2 and config.world_size == 2 and not config.sequence_parallel
+
+
 def _comparison(run: str, predicted: float, measured: float, replicas: int = 1, oversubscribed: bool = False):
     return Comparison(run, predicted, measured, [100], [100], [measured], [1.0], replicas, oversubscribed)
 
