@@ -29,9 +29,17 @@ optimizer's, and D changes the run's dropout draws, so neither would continue th
 
 With T tensor-parallel ranks per stage (:mod:`executor.tensor_parallel`) a shard still holds the
 whole stage in the model's own layout: its T ranks gather their parts, rank 0 writes. So a run
-saved at one T resumes at any other that divides the heads and FFN width (or at T = 1), with the
-same K: the values are the same, and the continued losses equal the uninterrupted run's to float
-rounding (row-parallel sums add in another order); at the same T they continue exactly.
+saved at one T resumes at any other that divides the heads and FFN width (or at T = 1).
+
+A run also resumes under another partition: another K, another number of virtual stages, another
+split of the layers. Shards key every tensor by the model's own names (a stage's layers keep their
+index in the whole model) and list, for each optimizer index, the names of its parameter, so a new
+stage takes each layer's tensors from the shard that held the layer and each parameter's optimizer
+state by name (:func:`repartitioned_state`); a parameter tied across stages has the same state on
+every stage that holds it. What is guaranteed: at the same layout (partition, T) the continued
+losses equal the uninterrupted run's exactly; under another partition or T the values and the
+optimizer state are the same, and the losses equal the uninterrupted run's to float rounding
+(gradient sums of tied parameters and of row-parallel shards add in another order).
 """
 
 from __future__ import annotations
@@ -76,6 +84,9 @@ def save_shard(root: str, step: int, stage: PipelineStage, write: bool = True) -
     state: dict[str, Any] = {
         "module": module_state,
         "optimizer": optimizer_state,
+        # each optimizer index's parameter by its names in the model (several when tied in the stage),
+        # so another partition's stages can find their parameters' state (:func:`load_shard`)
+        "param_names": param_names(stage.module, stage.optimizer) if stage.optimizer is not None else [],
         "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
         "cpu_rng": torch.get_rng_state(),
         "cuda_rng": device_api(stage.device).all_rng_states(),  # the accelerator's generators (None on CPU)
@@ -118,12 +129,27 @@ def read_manifest(root: str) -> dict[str, Any] | None:
         return json.load(handle)
 
 
+def param_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """For each parameter of ``optimizer`` in its state's index order, its names in ``module`` (the
+    model's own names: a stage's layers are keyed by their index in the whole model)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [names.get(id(p), []) for group in optimizer.param_groups for p in group["params"]]
+
+
 def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> None:
-    """Restore ``stage`` from the checkpoint the manifest names."""
-    if manifest["stages"] != stage.config.stages:
-        raise GpipeInputError(f"checkpoint in {root!r} has {manifest['stages']} stages but the plan has "
-                              f"{stage.config.stages}; resume with the same plan or a new --checkpoint-dir")
-    state = state_file.load(shard_path(os.path.join(root, manifest["dir"]), stage.config.stage), stage.device)
+    """Restore ``stage`` from the checkpoint the manifest names: its own shard when the checkpoint's
+    stage of the same index holds the same layers, else assembled from the shards that hold them
+    (:func:`repartitioned_state`)."""
+    directory = os.path.join(root, manifest["dir"])
+    state = None
+    if manifest["stages"] == stage.config.stages:
+        state = state_file.load(shard_path(directory, stage.config.stage), stage.device)
+        if set(state["module"]) != set(stage.module.state_dict()):
+            state = None
+    if state is None:
+        state = repartitioned_state(directory, manifest, stage)
     if tensor_parallel.is_sharded(stage.module.parameters()):  # the shard holds the whole stage: take this rank's part
         tensor_parallel.load_full_state_dict(stage.module, state["module"])
         if stage.optimizer is not None and state["optimizer"] is not None:
@@ -138,6 +164,49 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
     device_api(stage.device).set_all_rng_states(state.get("cuda_rng"))
 
 
+def repartitioned_state(directory: str, manifest: dict[str, Any], stage: PipelineStage) -> dict[str, Any]:
+    """``stage``'s state taken from a checkpoint of another partition (another K, V or split of the
+    layers): each tensor of its layers from the shard that held that layer, each parameter's
+    optimizer state by the parameter's names, the schedule's position from the first shard read.
+    Refused in one line for a checkpoint whose shards do not name their parameters."""
+    from sim.stage_costs import stage_bounds
+
+    wanted = list(stage.module.state_dict())
+    layers = {int(key.split(".", 1)[0]) for key in wanted}
+    saved = manifest.get("config", {}).get("partition")
+    if not saved or len(saved) != manifest["stages"]:
+        raise GpipeInputError(f"checkpoint in {directory!r} does not record its partition; resume with its own plan "
+                              "or use a new --checkpoint-dir")
+    sources = [state_file.load(shard_path(directory, j), stage.device)
+               for j, (first, end) in enumerate(stage_bounds(saved)) if any(first <= i < end for i in layers)]
+    module: dict[str, torch.Tensor] = {}
+    for key in wanted:
+        found = next((source["module"][key] for source in sources if key in source["module"]), None)
+        if found is None:
+            raise GpipeInputError(f"checkpoint in {directory!r} has no {key!r} for stage {stage.config.stage}; it "
+                                  "was saved for another model: use a new --checkpoint-dir")
+        module[key] = found
+    state: dict[str, Any] = {"module": module, "optimizer": None, "scheduler": sources[0].get("scheduler"),
+                             "cpu_rng": sources[0]["cpu_rng"], "cuda_rng": sources[0].get("cuda_rng")}
+    if stage.optimizer is not None and sources[0].get("optimizer") is not None:
+        by_name: dict[str, Any] = {}
+        for source in sources:
+            if "param_names" not in source:
+                raise GpipeInputError(f"checkpoint in {directory!r} was saved with {manifest['stages']} stages by a "
+                                      "gpipe that did not name the optimizer's parameters; resume with its own plan")
+            for index, names in enumerate(source["param_names"]):
+                for name in names:
+                    by_name.setdefault(name, source["optimizer"]["state"].get(index))
+        entries = {}
+        for index, names in enumerate(param_names(stage.module, stage.optimizer)):
+            entry = next((by_name[name] for name in names if by_name.get(name) is not None), None)
+            if entry is not None:
+                entries[index] = entry
+        groups = [dict(group, params=list(range(len(stage.params)))) for group in sources[0]["optimizer"]["param_groups"]]
+        state["optimizer"] = {"state": entries, "param_groups": groups}
+    return state
+
+
 # Settings whose state lives in a shard: a resumed run must use the checkpoint's.
 OPTIMIZER_SETTINGS = {"optimizer": "--optimizer", "lr": "--lr", "weight_decay": "--weight-decay",
                       "lr_schedule": "--lr-schedule", "lr_warmup_steps": "--lr-warmup"}
@@ -147,7 +216,8 @@ REPLICA_SETTINGS = {"replicas": "--replicas", "zero": "--zero"}
 
 def check_resumable(manifest: dict[str, Any], config: dict[str, Any]) -> None:
     """Raise GpipeInputError naming the first optimizer, schedule or replica setting that differs from
-    the checkpoint's (and ``--steps``, over which a cosine schedule decays)."""
+    the checkpoint's (and ``--steps``, over which a cosine schedule decays), or another partition
+    under ``--zero 1``."""
     saved = manifest.get("config", {})
     names = {**OPTIMIZER_SETTINGS, **REPLICA_SETTINGS}
     if config.get("lr_schedule") == "cosine":
@@ -156,3 +226,7 @@ def check_resumable(manifest: dict[str, Any], config: dict[str, Any]) -> None:
         if key in saved and saved[key] != config.get(key):
             raise GpipeInputError(f"the checkpoint was trained with {flag} {saved[key]} but this run asks for "
                                   f"{config.get(key)}; resume with {flag} {saved[key]} or use a new --checkpoint-dir")
+    if saved.get("zero") and "partition" in saved and list(saved["partition"]) != list(config.get("partition") or []):
+        raise GpipeInputError(f"the checkpoint was saved with --zero 1 on partition {list(saved['partition'])}, not "
+                              f"{list(config.get('partition') or [])}; a consolidated ZeRO state resumes only on its own "
+                              "partition: resume with it or use a new --checkpoint-dir")
