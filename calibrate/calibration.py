@@ -77,8 +77,11 @@ def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
     return (first,) + even_partition(num_layers - first, stages - 1)
 
 
-def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2) -> list[RunSpec]:
-    """The runs the fit learns from (small: every run costs a few seconds on 2 cores)."""
+def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
+                       tensor_parallel: Sequence[int] = ()) -> list[RunSpec]:
+    """The runs the fit learns from (small: every run costs a few seconds on 2 cores); for each T in
+    ``tensor_parallel`` (the splits the profile measured) two one-stage runs split over T ranks,
+    whose actions fit the split stages' in-pipeline factor (:func:`fit_tensor_parallel`)."""
     specs = [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size),
              RunSpec(even_partition(num_layers, 1), 8, "always", "gpipe", batch_size)]
     if max_stages >= 2 and num_layers >= 2:
@@ -86,6 +89,9 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2) ->
                   RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
                   RunSpec(even_partition(num_layers, 2), 2, "never", "1f1b", batch_size),
                   RunSpec(even_partition(num_layers, 2), 16, "always", "gpipe", batch_size)]
+    for parts in tensor_parallel:
+        specs += [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size, 1, parts),
+                  RunSpec(even_partition(num_layers, 1), 4, "except_last", "gpipe", batch_size, 1, parts)]
     return specs
 
 
@@ -243,15 +249,53 @@ def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: S
     return summary
 
 
-def run_speed_reference(model: str, specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The reference pace per K: the median speed probe over the design runs with K processes.
+def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
+                        speeds: Sequence[float]) -> dict[str, Any]:
+    """Per T, the in-pipeline factor on the split profile's times, fitted on the design's split
+    runs as K's slopes are on whole stages: for each kind (F, R, B) the least-squares ratio through
+    the origin of the measured durations (at the reference speed, tensor-parallel rank 0's, less
+    K's per-action overhead) to the profiled ones, a kind the design runs did not show taking the
+    ratio over all of them (``tensor_parallel_fit`` in the costs file; :class:`sim.costs.MeasuredWorkload`
+    uses it in place of K's slopes). Limits: one factor per kind whatever the rows; fitted on
+    one-stage runs."""
+    pairs: dict[int, dict[str, tuple[list[float], list[float]]]] = {}
+    for spec, report, speed in zip(specs, reports, speeds):
+        if spec.tensor_parallel == 1:
+            continue
+        workload = MeasuredWorkload(data, spec.stages, spec.checkpoint, spec.microbatches, spec.tensor_parallel)
+        bounds = stage_bounds(spec.partition)
+        m_count = spec.microbatches
+        for action in report["actions"]:
+            first, end = bounds[action["stage"]]
+            kind, profile_kind = action["kind"], action["kind"]
+            if kind not in "FRB":
+                continue
+            if kind == "F" and not recomputes(spec.checkpoint, action["microbatch"], m_count):
+                profile_kind = "R"  # a forward that keeps its graph runs as a recompute does
+            profiled = sum(workload.profiled_s(profile_kind, i, action["rows"]) for i in range(first, end))
+            xs, ys = pairs.setdefault(spec.tensor_parallel, {}).setdefault(kind, ([], []))
+            xs.append(profiled)
+            ys.append(action["duration_s"] / speed - workload.fit.actions[kind].intercept)
+    fits = {}
+    for parts, kinds in pairs.items():
+        def ratio(xs: Sequence[float], ys: Sequence[float]) -> float:
+            return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
 
-    Per K because K processes probing at once contend as the run will, and the pipeline fits of
-    that K are what the reference speed anchors.
+        pooled = ratio([x for xs, _ in kinds.values() for x in xs], [y for _, ys in kinds.values() for y in ys])
+        fits[str(parts)] = {kind: ratio(*kinds[kind]) if kind in kinds else pooled for kind in "FRB"}
+    return fits
+
+
+def run_speed_reference(model: str, specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The reference pace per number of processes: the median speed probe over the design runs with
+    that many (K x T; validation looks a run up by its D x K x T).
+
+    Per count because that many processes probing at once contend as the run will, and the fits of
+    runs with that many processes are what the reference speed anchors.
     """
     by_k: dict[int, list[float]] = {}
     for spec, report in zip(specs, reports):
-        by_k.setdefault(spec.stages, []).extend(run_probes(report))
+        by_k.setdefault(spec.processes, []).extend(run_probes(report))
     return {"probe": model_probe_description(model, specs[0].batch_size) if specs else "",
             "reference_s": {str(k): reference_s(p) for k, p in sorted(by_k.items()) if p}}
 
@@ -400,18 +444,22 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         say(f"profiling the layers split over {parts} tensor-parallel ranks at threads {split_threads}")
         data["tensor_parallel_profile"] = {str(parts): profile_tensor_parallel(
             model, options, batch_size, rows, split_threads, parts, device, quick, precision)}
-    design = calibration_design(ref.num_layers, batch_size, max_stages)
+    design = calibration_design(ref.num_layers, batch_size, max_stages, [parts] if parts > 1 else [])
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]
     reports = run_configs(configs, progress=say)
     data["speed"] = run_speed_reference(model, specs, reports)
-    speeds = [speed_factor(run_probes(r), data["speed"]["reference_s"].get(str(s.stages)))
+    speeds = [speed_factor(run_probes(r), data["speed"]["reference_s"].get(str(s.processes)))
               for s, r in zip(specs, reports)]
+    whole = [i for i, s in enumerate(specs) if s.tensor_parallel == 1]
     obs = Observations()
-    for spec, report, speed in zip(specs, reports, speeds):
-        collect(MeasuredWorkload(data, spec.stages), spec, report, obs, speed)
+    for i in whole:
+        collect(MeasuredWorkload(data, specs[i].stages), specs[i], reports[i], obs, speeds[i])
     data["pipeline"], residuals = fit_pipeline(obs, threads_of)
-    residuals["step"] = fit_step_overhead(data, specs, reports, speeds=speeds)
+    residuals["step"] = fit_step_overhead(data, [specs[i] for i in whole], [reports[i] for i in whole],
+                                          speeds=[speeds[i] for i in whole])
+    if parts > 1:
+        data["tensor_parallel_fit"] = fit_tensor_parallel(data, specs, reports, speeds)
     data["fit_residuals"] = residuals
     data["design"] = [{"run": s.label(),
                        "measured_step_s": statistics.median(r["step_time_s"] / v for r, v in

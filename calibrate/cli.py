@@ -148,6 +148,9 @@ def summary_text(data: dict[str, Any]) -> str:
                          for kind, a in fit["actions"].items())
         lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; step overhead "
                      f"{fit['step_overhead_s'] * 1e3:.2f} ms")
+    for parts, factors in sorted(data.get("tensor_parallel_fit", {}).items()):
+        lines.append(f"T={parts} (layers profiled split over {parts} ranks): in-pipeline factor "
+                     + ", ".join(f"{kind} x{value:.3f}" for kind, value in factors.items()))
     eff = data.get("efficiency")
     if eff:
         lines.append(f"efficiency vs {eff['relative_to']}: {eff['efficiency']:.3f} of peak FLOP/s, "

@@ -115,6 +115,9 @@ class MeasuredWorkload:
         self.num_layers = int(model["num_layers"])
         # T > 1: one rank of a stage split over T ranks, as calibrate.tp_profile measured it
         profile = data["profile"] if tensor_parallel == 1 else data["tensor_parallel_profile"][str(tensor_parallel)]
+        # the split stage's in-pipeline factor per kind, fitted on calibration's split runs (1: none)
+        self.split_factor = {kind: float(v) for kind, v in
+                             data.get("tensor_parallel_fit", {}).get(str(tensor_parallel), {}).items()}
         self.rows = [int(r) for r in profile["rows"]]
         self.times = {int(t): kinds for t, kinds in profile["times_s"].items()}
         self.memory = profile["memory"]
@@ -171,13 +174,18 @@ class MeasuredWorkload:
 
     @property
     def fit(self) -> PipelineFit:
-        """The pipeline fits of this stage count K (the nearest fitted). With T > 1 too: the split
-        profile was measured with its T ranks sharing the machine, so what K processes cost each
-        other beyond one is in it already; the fit adds what running inside the pipeline adds."""
+        """The pipeline fits of this stage count K (the nearest fitted). A stage split over T ranks
+        keeps K's per-action overheads, sends, optimizer and step overhead, and scales its split
+        profile by the factors fitted on calibration's split runs (``tensor_parallel_fit``) where
+        the file has them, in place of K's slopes."""
         if not self.fits:
             return IDENTITY
-        nearest = min(self.fits, key=lambda k: (abs(k - self.stages), -k))
-        return self.fits[nearest]
+        nearest = self.fits[min(self.fits, key=lambda k: (abs(k - self.stages), -k))]
+        if not self.split_factor:
+            return nearest
+        # a split stage: the profile's times scale by the factor fitted on split runs, not K's slope
+        return replace(nearest, actions={kind: Affine(self.split_factor.get(kind, line.slope), line.intercept)
+                                         for kind, line in nearest.actions.items()})
 
     def _threads(self) -> int:
         """The profiled thread count of a K-process run: cores/K on CPU (one table on CUDA)."""

@@ -154,6 +154,12 @@ def test_a_stage_split_over_t_ranks_is_priced_from_the_split_profile():
     result = simulate(split, system, (3,), 4, 2, "never")
     assert result.stages[0].peak_activation_bytes == 2 * cost.saved_bytes
     assert split.describe()["parameter_count"] == whole.describe()["parameter_count"]
+    # the in-pipeline factors calibration fitted on split runs take the place of K's slopes
+    data["tensor_parallel_fit"] = {"2": {"F": 0.8, "R": 0.9, "B": 1.1}}
+    fitted, _ = MeasuredWorkload(data).split(2).bind(groups, 1, "never", 2)
+    assert fitted.fit.actions["F"].slope == 0.8 and fitted.fit.actions["B"].intercept == 1e-4
+    assert fitted.stage_cost(2, 0, 3, LOCAL_CPU).forward_s == pytest.approx(0.8 * 3 * forward + 1e-4)
+    assert MeasuredWorkload(data).fit.actions["F"].slope == 1.5  # whole stages keep K's
 
 
 def test_a_split_the_costs_file_did_not_profile_is_one_line():

@@ -163,3 +163,29 @@ def test_components_bubble_and_end_of_step_span_from_literal_spans():
                Record(0, "F", 0, 10.0, 11.0, step=4)]
     assert end_of_step_span_s(records, 3) == pytest.approx(1.0)  # last backward ends at 4, the step at 5
     assert end_of_step_span_s(records, 4) == 0.0
+
+
+def test_split_runs_fit_the_split_stages_in_pipeline_factor():
+    """Per kind, the ratio of a split run's measured actions (less K's per-action overhead, at the
+    reference speed) to the split profile's times; the whole-stage runs leave it alone."""
+    from calibrate.calibration import fit_tensor_parallel
+    from test_calibrate_costs import _with_split_profile, synthetic_costs
+
+    data = _with_split_profile(synthetic_costs())
+    spec = RunSpec((3,), 2, "except_last", "gpipe", 4, 1, 2)
+    profile = data["tensor_parallel_profile"]["2"]["times_s"]["1"]
+
+    def profiled(kind, rows):  # the three layers' times at ``rows`` (affine in the rows measured)
+        return sum(table[0] + (table[1] - table[0]) * (rows - 1) for table in profile[kind])
+
+    factors = {"F": 1.2, "R": 0.9, "B": 1.5}
+    # micro-batch 0 forwards without its graph (F), micro-batch 1, the last, keeps it (R's time)
+    actions = [{"stage": 0, "kind": kind, "microbatch": m, "rows": 2,
+                "duration_s": 2.0 * (factors[kind] * profiled(kind if (kind, m) != ("F", 1) else "R", 2) + 1e-4)}
+               for kind, m in [("F", 0), ("F", 1), ("R", 0), ("B", 0), ("B", 1)]]
+    whole = RunSpec((3,), 2, "never", "gpipe", 4)
+    fitted = fit_tensor_parallel(data, [whole, spec], [{"actions": []}, {"actions": actions}], [1.0, 2.0])
+    assert fitted.keys() == {"2"}
+    assert fitted["2"]["R"] == pytest.approx(0.9) and fitted["2"]["B"] == pytest.approx(1.5)
+    # F: micro-batch 0 at 1.2 x F's time, micro-batch 1 at 1.2 x R's (the same table here)
+    assert fitted["2"]["F"] == pytest.approx(1.2)
