@@ -12,7 +12,7 @@ weight, after three steps at lr 0.01; losses and norms still agree to 1e-6). Gro
 whose fused rows are put in rank order, are in every built-in case. bf16: a row-parallel matmul
 rounds each rank's partial sum to bf16 before DTensor adds them, where one process rounds the whole
 sum once, so losses are held to rtol 1e-3 against one process in bf16 (measured 1.3e-4 after three
-AdamW steps). A run saved at T = 1 resumes at T = 2 and continues the uninterrupted run's losses.
+AdamW steps). A T = 2 run killed mid-step resumes at K = 2, T = 1 and continues the uninterrupted run's losses.
 """
 
 import json
@@ -51,9 +51,9 @@ def option_flags(options):
             for part in ("--option", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
 
 
-def gpipe(*args, timeout=300):
+def gpipe(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def one_process(model, options, partition, batch, microbatches, steps=STEPS, optim=ADAMW, **settings):
@@ -132,23 +132,26 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
 
 
 @pytest.mark.slow
-def test_bf16_under_tensor_parallelism_and_a_resume_at_another_degree(tmp_path):
+def test_bf16_under_tensor_parallelism_and_a_killed_run_resumed_on_another_layout(tmp_path):
     common = ["--model", "transformer", *option_flags(OPTIONS), *FLAGS, "--batch", "8", "--microbatches", "4"]
     split = gpipe("train", *common, "--stages", "1", "--precision", "bf16", "--steps", "3", "--tensor-parallel", "2",
                   "--report", str(tmp_path / "bf16.json"))
     assert split.returncode == 0, split.stderr[-3000:]
     whole, _, _ = one_process("transformer", OPTIONS, (6,), 8, 4, precision="bf16")
     assert json.loads((tmp_path / "bf16.json").read_text())["losses"] == pytest.approx(whole, rel=1e-3)
-    # saved at T = 1 after two steps, resumed at T = 2 for two more: the whole stage's values and AdamW
-    # state (fused rows put in rank order) split over the ranks; gathering at T = 2 is what every
-    # transparency case's checkpoint above holds to one process
+    # a K = 1 x T = 2 run saved after two steps and killed in its fourth (rank 1), resumed at K = 2 x T = 1:
+    # every rank ended; the whole stage's values and AdamW state gathered from the shards (fused rows
+    # back in the model's order) and taken by the two new stages by name
     root = tmp_path / "ck"
-    first = gpipe("train", *common, "--stages", "1", "--tensor-parallel", "1", "--steps", "2", "--save-every", "2",
-                  "--checkpoint-dir", str(root))
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = gpipe("train", *common, "--stages", "1", "--tensor-parallel", "2", "--steps", "4", "--checkpoint-dir",
-                    str(root), "--resume", "--report", str(tmp_path / "resumed.json"))
+    first = gpipe("train", *common, "--stages", "1", "--tensor-parallel", "2", "--steps", "4", "--save-every", "2",
+                  "--checkpoint-dir", str(root), env={"GPIPE_FAULT_RANK": "1", "GPIPE_FAULT_STEP": "3"})
+    assert first.returncode != 0
+    assert first.stderr.strip().splitlines()[-1] == "gpipe: error: training failed: rank 1: killed by signal 9 (SIGKILL)"
+    assert json.loads((root / "manifest.json").read_text())["step"] == 1
+    resumed = gpipe("train", *common, "--stages", "2", "--partition", "3,3", "--tensor-parallel", "1", "--steps", "4",
+                    "--checkpoint-dir", str(root), "--resume", "--report", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
     losses, _, _ = one_process("transformer", OPTIONS, (6,), 8, 4, steps=4)
     assert json.loads((tmp_path / "resumed.json").read_text())["losses"] == pytest.approx(losses, rel=1e-5)
 
