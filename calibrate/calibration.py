@@ -205,9 +205,8 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
 def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> Any:
     """Simulate one run spec with the costs in ``data``; the :class:`sim.engine.SimResult`.
 
-    The pipeline fits are those of the stage count K (each fitted with K processes sharing the
-    machine); with D > 1 the D x K processes share it more than any fit saw, which this does not
-    correct. The data-parallel all-reduce is priced on the measured all-reduce link where the costs
+    The pipeline fits and the profile's thread count are those of as many processes as the run
+    has (D x K, :attr:`sim.costs.MeasuredWorkload.fit`). The data-parallel all-reduce is priced on the measured all-reduce link where the costs
     file has one (:func:`sim.costs.allreduce_link`). With T > 1 each stage is priced from the costs
     file's profile of the layers split over T ranks (:mod:`calibrate.tp_profile`). A run with more processes than the system has
     devices (D x K = 4 on two cores) is predicted as if each process had a device of its own on this
@@ -223,7 +222,7 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     if spec.processes > system.total_devices:
         system = replace(system, devices_per_node=spec.processes, nodes=1)
     workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.tensor_parallel)
-    workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches)
+    workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches, spec.replicas)
     # one replica has nothing to average, so no all-reduce to price
     replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
                 if spec.replicas > 1 else {})

@@ -104,10 +104,11 @@ class MeasuredWorkload:
     """A model's measured costs on this machine, bound to a stage count K (default: the largest)."""
 
     def __init__(self, data: dict[str, Any], stages: int | None = None, checkpoint: str = "except_last",
-                 microbatches: int | None = None, tensor_parallel: int = 1) -> None:
+                 microbatches: int | None = None, tensor_parallel: int = 1, replicas: int = 1) -> None:
         self.data = data
         model = data["model"]
         self.tensor_parallel = tensor_parallel
+        self.replicas = replicas  # D copies of the pipeline sharing the machine: D x K x T processes
         self.sequence_parallel = False  # the split layers were profiled without it
         self.name = f"{model['name']} (measured{f', T={tensor_parallel}' if tensor_parallel > 1 else ''})"
         self.model_name = model["name"]
@@ -143,9 +144,10 @@ class MeasuredWorkload:
     # ------------------------------------------------------------------ binding to a plan
 
     def bind(self, system: System, stages: int, checkpoint: str = "except_last",
-             microbatches: int | None = None) -> tuple["MeasuredWorkload", System]:
-        """This workload for K=``stages``, and ``system`` with the fitted link if it is the one measured."""
-        bound = MeasuredWorkload(self.data, stages, checkpoint, microbatches, self.tensor_parallel)
+             microbatches: int | None = None, replicas: int = 1) -> tuple["MeasuredWorkload", System]:
+        """This workload for K=``stages`` in D=``replicas`` pipelines, and ``system`` with the
+        fitted link if it is the one measured."""
+        bound = MeasuredWorkload(self.data, stages, checkpoint, microbatches, self.tensor_parallel, replicas)
         link = self.data.get("link")
         if link and system.name == self.data.get("system", "cpu"):
             fitted = Link(f"fitted {link.get('name', 'link')}", float(link["bandwidth_bytes_per_s"]),
@@ -170,17 +172,22 @@ class MeasuredWorkload:
             raise GpipeInputError(f"--tensor-parallel {tensor_parallel}: the costs file has no profile of the layers "
                                   f"split over {tensor_parallel} ranks (it has T in {self.tensor_parallel_options}); "
                                   f"run gpipe calibrate --tensor-parallel {tensor_parallel} --force")
-        return MeasuredWorkload(self.data, self.stages, self.checkpoint, self.microbatches, tensor_parallel)
+        return MeasuredWorkload(self.data, self.stages, self.checkpoint, self.microbatches, tensor_parallel,
+                                self.replicas)
 
     @property
     def fit(self) -> PipelineFit:
-        """The pipeline fits of this stage count K (the nearest fitted). A stage split over T ranks
-        keeps K's per-action overheads, sends, optimizer and step overhead, and scales its split
-        profile by the factors fitted on calibration's split runs (``tensor_parallel_fit``) where
-        the file has them, in place of K's slopes."""
+        """The pipeline fits of as many processes of one thread count as this run's D x K (the
+        nearest fitted K): the fits carry what processes sharing the machine cost each other, and D
+        replicas of a K-stage pipeline run D x K processes of cores / (D x K) threads each. A stage
+        split over T ranks keeps those per-action overheads, sends, optimizer and step overhead,
+        and scales its split profile (measured with its T ranks sharing the machine already) by
+        the factors fitted on calibration's split runs (``tensor_parallel_fit``) where the file has
+        them, in place of the slopes."""
         if not self.fits:
             return IDENTITY
-        nearest = self.fits[min(self.fits, key=lambda k: (abs(k - self.stages), -k))]
+        processes = self.stages * self.replicas
+        nearest = self.fits[min(self.fits, key=lambda k: (abs(k - processes), -k))]
         if not self.split_factor:
             return nearest
         # a split stage: the profile's times scale by the factor fitted on split runs, not K's slope
@@ -188,11 +195,11 @@ class MeasuredWorkload:
                                          for kind, line in nearest.actions.items()})
 
     def _threads(self) -> int:
-        """The profiled thread count of a K-process run: cores/K on CPU (one table on CUDA)."""
+        """The profiled thread count of a D x K x T-process run: cores / processes on CPU, as the
+        executor gives each (one table on CUDA)."""
         cores = int(self.data.get("machine", {}).get("cpu_cores", max(self.times)))
-        processes = max(1, self.stages) * self.tensor_parallel
-        wanted = self.fit.threads if self.fits and self.tensor_parallel == 1 else max(1, cores // processes)
-        return min(self.times, key=lambda t: (abs(t - wanted), t))
+        processes = max(1, self.stages) * self.tensor_parallel * self.replicas
+        return min(self.times, key=lambda t: (abs(t - max(1, cores // processes)), t))
 
     # ------------------------------------------------------------------ per layer
 

@@ -530,13 +530,15 @@ def check_space_fits(space: dict, stage_options: list[int], microbatch_options: 
 def _search_each_stage_count(workload, system, batch: int, stage_options: list[int], microbatch_options: list[int],
                              checkpoints: list[str], schedules: list[str], partitioner: str, top: int,
                              progress, space: dict, placements: list[str]) -> SearchResult:
-    """Search K by K with the measured workload bound to each K, then merge the rankings."""
+    """Search K by K and D by D with the measured workload bound to each (its fits and threads are
+    those of D x K processes), then merge the rankings."""
     parts = []
     for k in stage_options:
-        bound, bound_system = workload.bind(system, k)
-        parts.append(search(bound, bound_system, batch, [k], microbatch_options, checkpoints, schedules,
-                            partitioner, top, progress, space["replicas"], space["virtual"], space["zero"],
-                            placements, calibrated_allreduce(bound, bound_system)))
+        for d in space["replicas"]:
+            bound, bound_system = workload.bind(system, k, replicas=d)
+            parts.append(search(bound, bound_system, batch, [k], microbatch_options, checkpoints, schedules,
+                                partitioner, top, progress, [d], space["virtual"], space["zero"],
+                                placements, calibrated_allreduce(bound, bound_system)))
     return _merged(parts, top)
 
 

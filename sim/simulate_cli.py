@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                                     with_precision(plan.model.name, options, precision, args.costs),
                                     args.costs)
         if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
-            workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches)
+            workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches, plan.replicas)
         check_tensor_parallel(plan.tensor_parallel, workload, system)
         check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
         system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel * plan.context_parallel)
@@ -115,7 +115,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     if args.schedule == "interleaved":
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
-        workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches)
+        workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches, args.replicas)
     if partition is None:
         if stages * virtual > workload.num_layers:
             raise GpipeInputError(

@@ -178,6 +178,22 @@ def test_a_split_the_costs_file_did_not_profile_is_one_line():
         with_tensor_parallel(split, get_system("a100-nvlink"), 2)
 
 
+def test_replicas_are_priced_with_the_threads_and_fits_of_d_x_k_processes():
+    """D = 2 replicas of one stage on two cores: two processes of one thread each, as the executor
+    runs them, so the one-thread profile and the fits of two processes (K = 2's), not K = 1's."""
+    from sim.costs import MeasuredWorkload
+
+    data = json.loads(json.dumps(synthetic_costs()))  # the two fits share their tables in the literal
+    data["profile"]["times_s"]["1"] = {kind: [[2 * v for v in row] for row in table]
+                                       for kind, table in data["profile"]["times_s"]["2"].items()}
+    data["pipeline"]["2"]["actions"]["F"] = {"slope": 2.0, "intercept": 1e-4}
+    forward = sum(1e-4 + 1e-3 * (i + 1) * 2 for i in range(3))
+    one, _ = MeasuredWorkload(data).bind(get_system("cpu"), 1, "never", 2)
+    two, _ = MeasuredWorkload(data).bind(get_system("cpu"), 1, "never", 2, replicas=2)
+    assert one.stage_cost(2, 0, 3, LOCAL_CPU).forward_s == pytest.approx(1.5 * forward + 1e-4)
+    assert two.stage_cost(2, 0, 3, LOCAL_CPU).forward_s == pytest.approx(2.0 * 2 * forward + 1e-4)
+
+
 def test_bind_puts_the_fitted_link_in_the_cpu_system_only(costs_file):
     w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
     _, cpu = w.bind(get_system("cpu"), 2)
