@@ -97,7 +97,7 @@ def _env(threads: int) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
 
 
-def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int) -> dict:
+def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int, transport: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report_path = os.path.join(tmp, "report.json")
         from executor.cli import even_partition
@@ -109,7 +109,7 @@ def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int
         argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--partition", partition,
                 "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
                 "--checkpoint", "never", "--optimizer", "sgd", "--steps", str(steps), "--warmup-steps", str(warmup),
-                "--threads", str(threads), "--report", report_path]
+                "--threads", str(threads), "--transport", transport, "--report", report_path]
         if replicas > 1:
             argv += ["--replicas", str(replicas)]
         if virtual > 1:
@@ -278,6 +278,8 @@ def main() -> int:
     parser.add_argument("--pytorch-keep-freed-memory", action="store_true",
                         help="run PyTorch's workers with the host allocator setting gpipe's ranks use "
                              "(executor.host_allocator), to see how much of the difference it explains")
+    parser.add_argument("--transport", choices=("auto", "dist"), default="auto",
+                        help="gpipe train's --transport (auto: shared memory between the ranks of this host)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "executor_vs_pytorch_all.json"))
     args = parser.parse_args()
     cores = os.cpu_count() or 1
@@ -290,7 +292,7 @@ def main() -> int:
         for schedule in cfg.get("schedules", ("gpipe", "1f1b")):
             reports, pytorch_runs = [], []
             for _ in range(args.rounds):  # alternating, so both see the same drifts of a shared machine
-                reports.append(run_executor(cfg, schedule, args.steps, args.warmup, threads))
+                reports.append(run_executor(cfg, schedule, args.steps, args.warmup, threads, args.transport))
                 pytorch_runs.append(run_pytorch(cfg, schedule, args.steps, args.warmup, threads,
                                                 args.pytorch_keep_freed_memory))
             reports.sort(key=lambda r: r["step_time_s"])

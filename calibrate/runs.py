@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,8 @@ def _env(threads: int | None = None) -> dict[str, str]:
 def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run every :class:`executor.config.RunConfig`; the reports come back in the same order."""
+    from executor.shm_transport import SHM_DIR_ENV, shared_directory
+
     by_shape: dict[tuple[int, int, int], list[int]] = {}  # (D, K, T) -> configurations, one launch each
     for index, config in enumerate(configs):
         by_shape.setdefault((config.replicas, config.stages, config.tensor_parallel), []).append(index)
@@ -63,8 +66,12 @@ def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
                        "--nproc-per-node", str(world), "--monitor-interval", "0.2",
                        "-m", "calibrate.runs", path, directory]
             threads = max(1, (os.cpu_count() or 1) // world)
-            done = subprocess.run(command, env=_env(threads), capture_output=True, text=True,
-                                  timeout=timeout_s)
+            shared = shared_directory()  # the ranks' message files, as gpipe train makes them
+            try:
+                done = subprocess.run(command, env={**_env(threads), SHM_DIR_ENV: shared}, capture_output=True,
+                                      text=True, timeout=timeout_s)
+            finally:
+                shutil.rmtree(shared, ignore_errors=True)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
                 raise RuntimeError(f"executor runs with {shape} failed: " + " | ".join(tail))

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
     how.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
+    how.add_argument("--transport", choices=("auto", "dist"), default="auto",
+                     help="stage-to-stage messages: auto (shared memory between CPU ranks of one host, "
+                          "torch.distributed otherwise; default) or dist (torch.distributed everywhere)")
     how.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck receive fails")
     how.add_argument("--warmup-steps", type=int, default=1, help="steps left out of step_time_s")
     out = parser.add_argument_group("outputs and checkpoints")
@@ -137,7 +140,7 @@ def config_from_args(args: argparse.Namespace):
                  lr_schedule=args.lr_schedule, lr_warmup_steps=args.lr_warmup,
                  data=args.data or "", report=args.report or "", trace=args.trace or "",
                  save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
-                 device=args.device, threads=args.threads, timeout_s=args.timeout,
+                 device=args.device, threads=args.threads, timeout_s=args.timeout, transport=args.transport,
                  warmup_steps=args.warmup_steps, init_from=os.path.abspath(args.init_from) if args.init_from else "")
     if args.optimizer is not None:  # else the plan's, or RunConfig's default
         extra["optimizer"] = args.optimizer
@@ -270,7 +273,10 @@ def run(args: argparse.Namespace) -> int:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
     prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
+    from executor.shm_transport import shared_directory
+
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
+    shared = shared_directory()  # the ranks' message files (executor.shm_transport), removed at the end
     try:
         if config.init == "factory" and not config.init_from:
             from executor.initial_weights import save_factory_weights
@@ -282,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         config.save(config_path)
         error_dir = os.path.join(workdir, "errors")
         os.makedirs(error_dir)
-        env = dict(os.environ, GPIPE_ERROR_DIR=error_dir)
+        env = dict(os.environ, GPIPE_ERROR_DIR=error_dir, GPIPE_SHM_DIR=shared)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
         command = torchrun_command(config_path, config.world_size, args)
         per_node = config.world_size // args.nnodes
@@ -294,3 +300,4 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)

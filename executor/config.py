@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 DEVICES = ("cpu", "cuda")
 
 
+TRANSPORTS = ("auto", "dist")
+
+
 @dataclass
 class RunConfig:
     model: str
@@ -69,6 +72,7 @@ class RunConfig:
     placement: str = DEFAULT_PLACEMENT  # sim.placement: which rank runs which replica's stage
     tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
+    transport: str = "auto"  # stage messages: auto (shared memory between CPU ranks of one host), or dist (gloo/NCCL)
 
     @property
     def stages(self) -> int:
@@ -90,6 +94,8 @@ class RunConfig:
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise GpipeInputError("--save-every and --resume need --checkpoint-dir DIR")
         check_precision(self.precision, trained=True)
+        if self.transport not in TRANSPORTS:
+            raise GpipeInputError(f"unknown --transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         from executor.initial_weights import check_init
 
         check_init(self.init)

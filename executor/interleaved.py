@@ -32,6 +32,7 @@ from executor.pipeline import Prepared, make_stage
 from executor.recording import Recorder
 from executor.sharing import SharedGroup
 from executor.stage import PipelineStage
+from executor.shm_transport import HostLinks, host_links
 from executor.transport import ACT, GRAD, DistTransport, LocalMailboxes, Transport
 
 if TYPE_CHECKING:
@@ -59,11 +60,11 @@ class ChunkTransport(DistTransport):
 
     def __init__(self, virtual_stage: int, devices: int, groups: dict[tuple[int, str], dist.ProcessGroup],
                  device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
-                 ranks: Sequence[int] | None = None) -> None:
-        super().__init__(virtual_stage, groups, device, pipeline_group, ranks)
+                 ranks: Sequence[int] | None = None, links: "HostLinks | None" = None) -> None:
+        super().__init__(virtual_stage, groups, device, pipeline_group, ranks, links)
         self.devices = devices
 
-    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup]:
+    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
         # act flows s -> s+1 over virtual boundary s; grad flows s+1 -> s over virtual boundary s.
         if channel == ACT:
             peer = self.stage - 1 if incoming else self.stage + 1
@@ -71,7 +72,8 @@ class ChunkTransport(DistTransport):
             peer = self.stage + 1 if incoming else self.stage - 1
         position = peer % self.devices
         rank = self.ranks[position] if self.ranks is not None else position
-        return rank, self.groups[(min(peer, self.stage), channel)]
+        boundary = min(peer, self.stage)
+        return rank, self.groups[(boundary, channel)], boundary
 
 
 def shared_process_groups(groups: Sequence[SharedGroup], devices: int) -> list[dist.ProcessGroup | None]:
@@ -132,11 +134,12 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
         groups = virtual_boundary_groups(devices, config.virtual_stages) if devices > 1 else {}
         shared = shared_process_groups(prepared.shared, devices)
     mailboxes = LocalMailboxes() if devices == 1 else None
+    links = host_links(device, config.transport, config.timeout_s)
 
     def transport(virtual_stage: int) -> Transport:
         if mailboxes is not None:
             return mailboxes.endpoint(virtual_stage)
-        return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks)
+        return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks, links)
 
     tp_mesh = layout.tp_mesh if layout is not None else None
     chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh)

@@ -37,6 +37,7 @@ from executor.sharing import (SharedGroup, dist_reducer, duplicates_on, find_sha
                               reduce_in_process)
 from executor.stage import PipelineStage, StageConfig
 from executor.tensor_parallel import check_model, parallelize_stage
+from executor.shm_transport import host_links
 from executor.transport import DistTransport, LocalMailboxes, Transport, boundary_groups
 from sim.errors import GpipeInputError
 from sim.plan import validate_partition
@@ -129,7 +130,8 @@ def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: to
         rank, groups, ranks, pipeline_group = layout.stage, layout.boundary_groups, layout.stage_ranks, layout.pp_group
     groups = groups if groups is not None else boundary_groups(config.stages)
     shared_groups = layout.shared_groups if layout is not None else process_groups(prepared.shared)
-    transport = DistTransport(rank, groups, device, pipeline_group, ranks)
+    links = host_links(device, config.transport, config.timeout_s)
+    transport = DistTransport(rank, groups, device, pipeline_group, ranks, links)
     stage = make_stage(config, prepared, rank, transport, device, recorder,
                        layout.tp_mesh if layout is not None else None)
     if any(rank in group.owners for group in prepared.shared):

@@ -19,14 +19,19 @@ squared gradient norms that global clipping needs).
   Each tensor of a message has its own tag (micro-batch x tensors + index), so the tensors of one
   message never match another's receive.
   The sum over stages is one ``all_reduce`` over the pipeline's ranks (every rank of the run).
+  Peers on the same host exchange CPU messages through shared memory instead
+  (:mod:`executor.shm_transport`), behind the same methods.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from executor.shm_transport import HostLinks
 
 ACT = "act"
 GRAD = "grad"
@@ -115,8 +120,10 @@ class DistTransport:
 
     def __init__(self, stage: int, groups: dict[tuple[int, str], dist.ProcessGroup],
                  device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
-                 ranks: Sequence[int] | None = None) -> None:
+                 ranks: Sequence[int] | None = None, links: "HostLinks | None" = None) -> None:
         self.stage = stage
+        self.links = links  # shared-memory links to the ranks of this host (executor.shm_transport)
+        self._local: dict[tuple[str, int], tuple[int, int, list[torch.Tensor]]] = {}  # announced, by shared memory
         # global rank of each stage of this pipeline (one of several replicas, executor.replicas); None: rank == stage
         self.ranks = tuple(ranks) if ranks is not None else None
         self.groups = groups
@@ -125,17 +132,25 @@ class DistTransport:
         self._pending: dict[tuple[str, int], list[tuple[dist.Work, torch.Tensor]]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup]:
+    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
+        """The peer's global rank, the boundary's process group and the boundary's index."""
         # act flows k -> k+1 over boundary k; grad flows k+1 -> k over boundary k.
         if channel == ACT:
             peer = self.stage - 1 if incoming else self.stage + 1
         else:
             peer = self.stage + 1 if incoming else self.stage - 1
-        group = self.groups[(min(peer, self.stage), channel)]
-        return (self.ranks[peer] if self.ranks is not None else peer), group
+        boundary = min(peer, self.stage)
+        return (self.ranks[peer] if self.ranks is not None else peer), self.groups[(boundary, channel)], boundary
+
+    def _shared(self, peer: int) -> bool:
+        return self.links is not None and self.links.covers(peer)
 
     def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
-        peer, group = self._peer_and_group(channel, incoming=True)
+        peer, group, boundary = self._peer_and_group(channel, incoming=True)
+        if self._shared(peer):
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+            self._local[(channel, microbatch)] = (peer, boundary, buffers)
+            return
         posted = []
         for index, (shape, dtype) in enumerate(shapes):
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
@@ -144,10 +159,17 @@ class DistTransport:
         self._pending[(channel, microbatch)] = posted
 
     def ready(self, channel: str, microbatch: int) -> bool:
+        local = self._local.get((channel, microbatch))
+        if local is not None:
+            peer, boundary, _ = local
+            return self.links.ready(peer, boundary, channel, microbatch)  # type: ignore[union-attr]
         return all(work.is_completed() for work, _ in self._pending[(channel, microbatch)])
 
     def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
         key = (channel, microbatch)
+        if key in self._local:
+            peer, boundary, buffers = self._local.pop(key)
+            return self.links.recv(peer, boundary, channel, microbatch, buffers)  # type: ignore[union-attr]
         if key not in self._pending:
             raise RuntimeError(f"stage {self.stage} did not expect {channel} of micro-batch {microbatch}")
         buffers = []
@@ -157,7 +179,10 @@ class DistTransport:
         return buffers
 
     def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
-        peer, group = self._peer_and_group(channel, incoming=False)
+        peer, group, boundary = self._peer_and_group(channel, incoming=False)
+        if self._shared(peer):
+            self.links.send(peer, boundary, channel, microbatch, tensors)  # type: ignore[union-attr]
+            return
         for index, tensor in enumerate(tensors):
             tensor = tensor.detach().contiguous()
             tag = microbatch * len(tensors) + index
@@ -167,9 +192,9 @@ class DistTransport:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-        if self._pending:
+        if self._pending or self._local:
             raise RuntimeError(f"stage {self.stage} ended a step with unreceived tensors "
-                               f"{sorted(self._pending)}")
+                               f"{sorted([*self._pending, *self._local])}")
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         total = value.clone()

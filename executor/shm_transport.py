@@ -1,0 +1,206 @@
+"""Boundary messages between ranks of one host through shared memory instead of gloo's TCP.
+
+Why: on CPU a gloo ``isend`` costs the sender 90-100 us of its own time per message (two ``writev``
+calls on a TCP socket, then gloo's threads), which was most of what the executor spent above its
+compute bound (``benchmarks/README.md``). Ranks on one host can hand a message over with one copy
+into shared pages and a datagram of a few bytes.
+
+How:
+
+* Each message key (sender rank, receiver rank, boundary, channel, micro-batch, payload bytes) has
+  a file in the run's shared directory (``GPIPE_SHM_DIR``: ``gpipe train`` and calibration make it
+  under ``/dev/shm`` and remove it when the run ends, whatever happened), created and reserved
+  (``posix_fallocate``: a full directory is an error at creation, never a SIGBUS later) by the
+  sender at its first send and mapped by both ranks: a header holding the generation each of two
+  payload slots was last consumed at, then the two slots. The key's n-th send uses slot n % 2, so a
+  sender one step ahead of its receiver never overwrites what it has not copied; two steps ahead
+  it waits.
+* The receiver is woken by a datagram on its own Unix socket (Linux's abstract namespace: nothing
+  on disk) naming the key and the generation; :meth:`HostLinks.recv` copies the slot into the
+  buffers the stage announced (:meth:`executor.transport.Transport.expect`) and marks it consumed.
+* Which peers: the ranks that gathered the same (host name, shared directory) at setup
+  (:func:`host_links`, collective), for CPU tensors; other hosts, CUDA and workers started without
+  the directory use ``torch.distributed`` as before. ``--transport dist`` forces that everywhere.
+
+Limits: Linux only (abstract sockets); a receiver waits at most the run's timeout for a message and
+then raises; a rank that dies is noticed by torchrun's agent, which ends the others.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR_ENV = "GPIPE_SHM_DIR"
+HEADER_BYTES = 64  # the two slots' consumed generations (int64), padded to a cache line
+CHANNELS = {"act": 0, "grad": 1}
+DOORBELL = struct.Struct("<iiiiqq")  # sender, boundary, channel, micro-batch, generation, payload bytes
+SENDER_WAIT_S = 50e-6  # a sender two steps ahead of its receiver polls this often
+
+
+def shared_directory() -> str:
+    """A fresh directory for a run's message files: under ``/dev/shm`` (memory) where there is one."""
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="gpipe-shm-", dir=base)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+class _MessageFile:
+    """One key's mapped file: the consumed generations of its two slots, and the slots."""
+
+    def __init__(self, path: str, payload_bytes: int, create: bool) -> None:
+        size = HEADER_BYTES + 2 * payload_bytes
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.unlink(path)
+                    raise RuntimeError(f"shared memory for a {payload_bytes}-byte message in {os.path.dirname(path)} "
+                                       f"could not be reserved ({exc.strerror}); free space there or run with "
+                                       "--transport dist") from None
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        whole = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.consumed = whole[:16].view(torch.int64)
+        self.slots = (whole[HEADER_BYTES:HEADER_BYTES + payload_bytes],
+                      whole[HEADER_BYTES + payload_bytes:HEADER_BYTES + 2 * payload_bytes])
+
+
+class HostLinks:
+    """This process's end of the shared-memory links to the ranks of its host."""
+
+    def __init__(self, directory: str, rank: int, local_ranks: Sequence[int], timeout_s: float) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.local = frozenset(local_ranks) - {rank}
+        self.timeout_s = timeout_s
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind(self._address(rank))
+        self.files: dict[str, _MessageFile] = {}
+        self.sent: dict[tuple, int] = {}  # key -> generations sent
+        self.taken: dict[tuple, int] = {}  # key -> generations received
+        self.arrived: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(generation, payload bytes)] not yet taken
+
+    def _address(self, rank: int) -> str:
+        return f"\0gpipe-{os.path.basename(self.directory)}-{rank}"
+
+    def covers(self, peer: int) -> bool:
+        return peer in self.local
+
+    def _file(self, sender: int, receiver: int, boundary: int, channel: str, microbatch: int,
+              payload_bytes: int, create: bool) -> _MessageFile:
+        """The key's file, mapped at its first use (``create``: by its sender, which makes it)."""
+        name = f"{sender}-{receiver}-{boundary}-{channel}-{microbatch}-{payload_bytes}"
+        found = self.files.get(name)
+        if found is None:
+            found = self.files[name] = _MessageFile(os.path.join(self.directory, name), payload_bytes, create)
+        return found
+
+    def send(self, receiver: int, boundary: int, channel: str, microbatch: int,
+             tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` into the key's next slot and ring the receiver; returns when copied."""
+        parts = [_as_bytes(t) for t in tensors]
+        payload = sum(p.numel() for p in parts)
+        key = (self.rank, boundary, CHANNELS[channel], microbatch)
+        generation = self.sent.get(key, 0) + 1
+        self.sent[key] = generation
+        message = self._file(self.rank, receiver, boundary, channel, microbatch, payload, create=True)
+        slot = generation % 2
+        deadline = time.monotonic() + self.timeout_s
+        while generation > 2 and int(message.consumed[slot]) < generation - 2:  # its last use not yet copied
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank}: rank {receiver} did not take {channel} of micro-batch "
+                                   f"{microbatch} within {self.timeout_s:.0f} s")
+            time.sleep(SENDER_WAIT_S)
+        offset = 0
+        for part in parts:
+            message.slots[slot][offset:offset + part.numel()].copy_(part)
+            offset += part.numel()
+        self.socket.sendto(DOORBELL.pack(self.rank, boundary, CHANNELS[channel], microbatch, generation, payload),
+                           self._address(receiver))
+
+    def _take_doorbells(self, block_s: float | None) -> None:
+        """Record the datagrams waiting (with ``block_s``, waiting that long for the first)."""
+        self.socket.settimeout(block_s)
+        try:
+            while True:
+                data = self.socket.recv(DOORBELL.size)
+                sender, boundary, channel, microbatch, generation, payload = DOORBELL.unpack(data)
+                self.arrived.setdefault((sender, boundary, channel, microbatch), []).append((generation, payload))
+                self.socket.settimeout(0.0)
+        except (BlockingIOError, socket.timeout):
+            pass
+
+    def _next(self, key: tuple) -> tuple[int, int] | None:
+        expected = self.taken.get(key, 0) + 1
+        return next((entry for entry in self.arrived.get(key, ()) if entry[0] == expected), None)
+
+    def ready(self, sender: int, boundary: int, channel: str, microbatch: int) -> bool:
+        self._take_doorbells(0.0)
+        return self._next((sender, boundary, CHANNELS[channel], microbatch)) is not None
+
+    def recv(self, sender: int, boundary: int, channel: str, microbatch: int,
+             buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Wait for the key's next message and copy it into ``buffers``."""
+        key = (sender, boundary, CHANNELS[channel], microbatch)
+        deadline = time.monotonic() + self.timeout_s
+        entry = self._next(key)
+        while entry is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"rank {self.rank}: no {channel} of micro-batch {microbatch} from rank {sender} "
+                                   f"within {self.timeout_s:.0f} s")
+            self._take_doorbells(left)
+            entry = self._next(key)
+        generation, payload = entry
+        self.arrived[key].remove(entry)
+        message = self._file(sender, self.rank, boundary, channel, microbatch, payload, create=False)
+        slot = generation % 2
+        offset = 0
+        for buffer in buffers:
+            part = _as_bytes(buffer)
+            if part.numel() + offset > payload:
+                raise RuntimeError(f"rank {self.rank}: {channel} of micro-batch {microbatch} from rank {sender} has "
+                                   f"{payload} bytes, fewer than announced")
+            buffer.view(-1).view(torch.uint8).copy_(message.slots[slot][offset:offset + part.numel()])
+            offset += part.numel()
+        message.consumed[slot] = generation
+        self.taken[key] = generation
+        return list(buffers)
+
+
+_LINKS: HostLinks | None | bool = None  # None: not set up yet; False: none in this process
+
+
+def host_links(device: torch.device, transport: str, timeout_s: float) -> HostLinks | None:
+    """This process's links to the ranks of its host, made at the first call. Collective: every
+    rank makes its first call at the same point (the executor's stage construction does)."""
+    global _LINKS
+    if transport != "auto":
+        return None
+    if _LINKS is None:
+        directory = os.environ.get(SHM_DIR_ENV)
+        usable = device.type == "cpu" and directory and os.path.isdir(directory)
+        key = (socket.gethostname(), directory) if usable else None
+        keys: list = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, key)
+        rank = dist.get_rank()
+        local = [r for r, k in enumerate(keys) if key is not None and k == key]
+        _LINKS = HostLinks(str(directory), rank, local, timeout_s) if len(local) > 1 else False
+        dist.barrier()  # every socket bound before any message is sent
+    return _LINKS or None
