@@ -31,7 +31,6 @@ from __future__ import annotations
 import mmap
 import os
 import socket
-import struct
 import time
 from typing import Sequence
 
@@ -39,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR_ENV = "GPIPE_SHM_DIR"
-HEADER_BYTES = 64  # the two slots' consumed generations (int64), padded to a cache line
-CHANNELS = {"act": 0, "grad": 1}
-DOORBELL = struct.Struct("<iiiiqq")  # sender, boundary, channel, micro-batch, generation, payload bytes
+HEADER_BYTES = 64  # per slot, the generation last consumed and the one last written (int64), padded
 SENDER_WAIT_S = 50e-6  # a sender two steps ahead of its receiver polls this often
+SPIN_S = 0.05  # a receiver polls this long (yielding its core between polls) before it sleeps on its socket
+SLEEP_CHECK_S = 1e-3  # a sleeping receiver looks at its slot at least this often (a doorbell may be lost)
 
 
 def shared_directory() -> str:
@@ -58,68 +57,84 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _MessageFile:
-    """One key's mapped file: the consumed generations of its two slots, and the slots."""
+    """One key's mapped file: per slot the generation last consumed and last written, then the slots."""
 
     def __init__(self, path: str, payload_bytes: int, create: bool) -> None:
         size = HEADER_BYTES + 2 * payload_bytes
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        # the sender makes the file whole under another name, then renames it: a receiver looking for
+        # it finds nothing or all of it
+        fd = os.open(path + ".new" if create else path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
-                    os.unlink(path)
+                    os.unlink(path + ".new")
                     raise RuntimeError(f"shared memory for a {payload_bytes}-byte message in {os.path.dirname(path)} "
                                        f"could not be reserved ({exc.strerror}); free space there or run with "
                                        "--transport dist") from None
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        if create:
+            os.rename(path + ".new", path)
         whole = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.consumed = whole[:16].view(torch.int64)
+        header = whole[:32].view(torch.int64)
+        self.consumed, self.written = header[:2], header[2:]
         self.slots = (whole[HEADER_BYTES:HEADER_BYTES + payload_bytes],
                       whole[HEADER_BYTES + payload_bytes:HEADER_BYTES + 2 * payload_bytes])
 
 
 class HostLinks:
-    """This process's end of the shared-memory links to the ranks of its host."""
+    """This process's end of the shared-memory links to the ranks of its host.
+
+    A waiting receiver polls its slot's written generation, yielding its core between polls, for up
+    to :data:`SPIN_S` (when the host has a core per rank; else not at all), then sleeps on its socket:
+    waking a sleeping process costs its sender about 100 us here (Linux runs the woken process on the
+    waker's core), which is what a gloo send paid on every message a waiting stage received."""
 
     def __init__(self, directory: str, rank: int, local_ranks: Sequence[int], timeout_s: float) -> None:
         self.directory = directory
         self.rank = rank
         self.local = frozenset(local_ranks) - {rank}
         self.timeout_s = timeout_s
+        self.spin_s = SPIN_S if len(local_ranks) <= (os.cpu_count() or 1) else 0.0
         self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.socket.bind(self._address(rank))
         self.files: dict[str, _MessageFile] = {}
         self.sent: dict[tuple, int] = {}  # key -> generations sent
         self.taken: dict[tuple, int] = {}  # key -> generations received
-        self.arrived: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(generation, payload bytes)] not yet taken
 
     def _address(self, rank: int) -> str:
-        return f"\0gpipe-{os.path.basename(self.directory)}-{rank}"
+        run, attempt = os.path.split(self.directory)
+        return f"\0gpipe-{os.path.basename(run)}-{attempt}-{rank}"
 
     def covers(self, peer: int) -> bool:
         return peer in self.local
 
     def _file(self, sender: int, receiver: int, boundary: int, channel: str, microbatch: int,
-              payload_bytes: int, create: bool) -> _MessageFile:
-        """The key's file, mapped at its first use (``create``: by its sender, which makes it)."""
+              payload_bytes: int, create: bool) -> _MessageFile | None:
+        """The key's file, mapped at its first use: made by its sender (``create``); None when the
+        receiver looks before the sender has made it."""
         name = f"{sender}-{receiver}-{boundary}-{channel}-{microbatch}-{payload_bytes}"
         found = self.files.get(name)
         if found is None:
-            found = self.files[name] = _MessageFile(os.path.join(self.directory, name), payload_bytes, create)
+            try:
+                found = self.files[name] = _MessageFile(os.path.join(self.directory, name), payload_bytes, create)
+            except FileNotFoundError:
+                return None
         return found
 
     def send(self, receiver: int, boundary: int, channel: str, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None:
-        """Copy ``tensors`` into the key's next slot and ring the receiver; returns when copied."""
+        """Copy ``tensors`` into the key's next slot and mark it written; returns when copied."""
         parts = [_as_bytes(t) for t in tensors]
         payload = sum(p.numel() for p in parts)
-        key = (self.rank, boundary, CHANNELS[channel], microbatch)
+        key = (receiver, boundary, channel, microbatch)
         generation = self.sent.get(key, 0) + 1
         self.sent[key] = generation
         message = self._file(self.rank, receiver, boundary, channel, microbatch, payload, create=True)
+        assert message is not None
         slot = generation % 2
         deadline = time.monotonic() + self.timeout_s
         while generation > 2 and int(message.consumed[slot]) < generation - 2:  # its last use not yet copied
@@ -131,56 +146,60 @@ class HostLinks:
         for part in parts:
             message.slots[slot][offset:offset + part.numel()].copy_(part)
             offset += part.numel()
-        self.socket.sendto(DOORBELL.pack(self.rank, boundary, CHANNELS[channel], microbatch, generation, payload),
-                           self._address(receiver))
+        message.written[slot] = generation
+        try:  # wakes the receiver if it sleeps; queued (cheap) if it does not
+            self.socket.sendto(b"\1", socket.MSG_DONTWAIT, self._address(receiver))
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            pass  # a full queue: the receiver looks at its slot every SLEEP_CHECK_S anyway
 
-    def _take_doorbells(self, block_s: float | None) -> None:
-        """Record the datagrams waiting (with ``block_s``, waiting that long for the first)."""
-        self.socket.settimeout(block_s)
+    def _arrived(self, sender: int, boundary: int, channel: str, microbatch: int,
+                 buffers: Sequence[torch.Tensor]) -> tuple[_MessageFile, int] | None:
+        """The key's file and slot when its next generation is written, else None."""
+        payload = sum(_as_bytes(b).numel() for b in buffers)
+        message = self._file(sender, self.rank, boundary, channel, microbatch, payload, create=False)
+        generation = self.taken.get((sender, boundary, channel, microbatch), 0) + 1
+        if message is None or int(message.written[generation % 2]) != generation:
+            return None
+        return message, generation
+
+    def ready(self, sender: int, boundary: int, channel: str, microbatch: int,
+              buffers: Sequence[torch.Tensor]) -> bool:
+        return self._arrived(sender, boundary, channel, microbatch, buffers) is not None
+
+    def _sleep(self, left_s: float) -> None:
+        """Sleep on the socket until a doorbell, at most ``left_s`` and :data:`SLEEP_CHECK_S`."""
+        self.socket.settimeout(min(left_s, SLEEP_CHECK_S))
         try:
-            while True:
-                data = self.socket.recv(DOORBELL.size)
-                sender, boundary, channel, microbatch, generation, payload = DOORBELL.unpack(data)
-                self.arrived.setdefault((sender, boundary, channel, microbatch), []).append((generation, payload))
-                self.socket.settimeout(0.0)
+            self.socket.recv(64)
+            self.socket.settimeout(0.0)
+            while True:  # the doorbells queued while this rank was busy
+                self.socket.recv(64)
         except (BlockingIOError, socket.timeout):
             pass
-
-    def _next(self, key: tuple) -> tuple[int, int] | None:
-        expected = self.taken.get(key, 0) + 1
-        return next((entry for entry in self.arrived.get(key, ()) if entry[0] == expected), None)
-
-    def ready(self, sender: int, boundary: int, channel: str, microbatch: int) -> bool:
-        self._take_doorbells(0.0)
-        return self._next((sender, boundary, CHANNELS[channel], microbatch)) is not None
 
     def recv(self, sender: int, boundary: int, channel: str, microbatch: int,
              buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Wait for the key's next message and copy it into ``buffers``."""
-        key = (sender, boundary, CHANNELS[channel], microbatch)
-        deadline = time.monotonic() + self.timeout_s
-        entry = self._next(key)
-        while entry is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
+        start = time.monotonic()
+        found = self._arrived(sender, boundary, channel, microbatch, buffers)
+        while found is None:
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
                 raise RuntimeError(f"rank {self.rank}: no {channel} of micro-batch {microbatch} from rank {sender} "
                                    f"within {self.timeout_s:.0f} s")
-            self._take_doorbells(left)
-            entry = self._next(key)
-        generation, payload = entry
-        self.arrived[key].remove(entry)
-        message = self._file(sender, self.rank, boundary, channel, microbatch, payload, create=False)
-        slot = generation % 2
-        offset = 0
+            if waited < self.spin_s:
+                time.sleep(0)  # yield the core, then look again
+            else:
+                self._sleep(self.timeout_s - waited)
+            found = self._arrived(sender, boundary, channel, microbatch, buffers)
+        message, generation = found
+        slot, offset = generation % 2, 0
         for buffer in buffers:
-            part = _as_bytes(buffer)
-            if part.numel() + offset > payload:
-                raise RuntimeError(f"rank {self.rank}: {channel} of micro-batch {microbatch} from rank {sender} has "
-                                   f"{payload} bytes, fewer than announced")
-            buffer.view(-1).view(torch.uint8).copy_(message.slots[slot][offset:offset + part.numel()])
+            part = buffer.view(-1).view(torch.uint8)
+            part.copy_(message.slots[slot][offset:offset + part.numel()])
             offset += part.numel()
         message.consumed[slot] = generation
-        self.taken[key] = generation
+        self.taken[(sender, boundary, channel, microbatch)] = generation
         return list(buffers)
 
 
@@ -196,6 +215,9 @@ def host_links(device: torch.device, transport: str, timeout_s: float) -> HostLi
     if _LINKS is None:
         directory = os.environ.get(SHM_DIR_ENV)
         usable = device.type == "cpu" and directory and os.path.isdir(directory)
+        if usable:  # a torchrun restart's ranks start afresh, apart from the files of the attempt before
+            directory = os.path.join(str(directory), f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+            os.makedirs(directory, exist_ok=True)
         key = (socket.gethostname(), directory) if usable else None
         keys: list = [None] * dist.get_world_size()
         dist.all_gather_object(keys, key)

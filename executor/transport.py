@@ -161,8 +161,8 @@ class DistTransport:
     def ready(self, channel: str, microbatch: int) -> bool:
         local = self._local.get((channel, microbatch))
         if local is not None:
-            peer, boundary, _ = local
-            return self.links.ready(peer, boundary, channel, microbatch)  # type: ignore[union-attr]
+            peer, boundary, buffers = local
+            return self.links.ready(peer, boundary, channel, microbatch, buffers)  # type: ignore[union-attr]
         return all(work.is_completed() for work, _ in self._pending[(channel, microbatch)])
 
     def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:

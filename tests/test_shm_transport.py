@@ -1,0 +1,95 @@
+"""Shared-memory links between ranks of one host: messages arrive whole, in any order, double-buffered
+per step, and nothing is overwritten before it is copied; a run trains the same either way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from executor.shm_transport import HostLinks, shared_directory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def pair():
+    directory = shared_directory()
+    links = HostLinks(directory, 0, [0, 1], timeout_s=0.5), HostLinks(directory, 1, [0, 1], timeout_s=0.5)
+    yield links
+    for link in links:
+        link.socket.close()
+    import shutil
+
+    shutil.rmtree(directory)
+
+
+def test_a_message_of_several_tensors_and_dtypes_arrives_whole(pair):
+    sender, receiver = pair
+    assert sender.covers(1) and not sender.covers(0) and not sender.covers(2)
+    message = [torch.randn(3, 4), torch.randn(2, 5).to(torch.bfloat16), torch.arange(7), torch.tensor([True, False])]
+    buffers = [torch.empty_like(t) for t in message]
+    assert not receiver.ready(0, 0, "act", 3, buffers)
+    sender.send(1, 0, "act", 3, message)
+    assert receiver.ready(0, 0, "act", 3, buffers)
+    got = receiver.recv(0, 0, "act", 3, buffers)
+    assert all(torch.equal(a, b) for a, b in zip(got, message))
+
+
+def test_messages_are_taken_by_key_in_any_order_and_each_step_gets_its_own_slot(pair):
+    sender, receiver = pair
+    steps = [[torch.full((4,), float(10 * step + m)) for m in range(2)] for step in range(2)]
+    for step in range(2):  # two steps sent before any is taken: the two slots of each key
+        for m in (1, 0):
+            sender.send(1, 0, "grad", m, [steps[step][m]])
+    for step in range(2):
+        for m in (0, 1):
+            (got,) = receiver.recv(0, 0, "grad", m, [torch.empty(4)])
+            assert torch.equal(got, steps[step][m])
+
+
+def test_a_sender_two_steps_ahead_waits_for_the_slot_and_says_so_when_it_never_frees(pair):
+    sender, receiver = pair
+    for value in (1.0, 2.0):
+        sender.send(1, 1, "act", 0, [torch.full((2,), value)])
+    with pytest.raises(RuntimeError, match="rank 1 did not take act of micro-batch 0 within"):
+        sender.send(1, 1, "act", 0, [torch.full((2,), 3.0)])  # its slot still holds the first, not copied
+    (first,) = receiver.recv(0, 1, "act", 0, [torch.empty(2)])
+    assert torch.equal(first, torch.full((2,), 1.0))
+
+
+def test_a_receive_that_never_comes_fails_after_the_timeout(pair):
+    _, receiver = pair
+    with pytest.raises(RuntimeError, match="no act of micro-batch 5 from rank 0 within"):
+        receiver.recv(0, 0, "act", 5, [torch.empty(2)])
+
+
+def test_a_message_of_another_size_than_announced_is_not_taken_for_it(pair):
+    sender, receiver = pair
+    sender.send(1, 0, "act", 0, [torch.zeros(2)])
+    assert not receiver.ready(0, 0, "act", 0, [torch.empty(4)])
+    with pytest.raises(RuntimeError, match="no act of micro-batch 0 from rank 0 within"):
+        receiver.recv(0, 0, "act", 0, [torch.empty(4)])
+
+
+def test_training_is_the_same_through_shared_memory_and_gloo(tmp_path):
+    """Two stages on this host: the default (shared memory) and --transport dist train bitwise the
+    same, and the run's shared directory is gone afterwards."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    losses = {}
+    for transport in ("auto", "dist"):
+        report = tmp_path / f"{transport}.json"
+        done = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", "transformer", "--layers", "2",
+                               "--d-model", "16", "--ff", "32", "--heads", "2", "--seq", "8", "--vocab", "32",
+                               "--stages", "2", "--schedule", "1f1b", "--batch", "8", "--microbatches", "4",
+                               "--steps", "3", "--transport", transport, "--report", str(report)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[transport] = json.loads(report.read_text())["losses"]
+    assert losses["auto"] == losses["dist"]
+    if os.path.isdir("/dev/shm"):
+        assert not {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("gpipe-shm-")}
