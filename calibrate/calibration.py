@@ -427,7 +427,8 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         say("ping-pong between two ranks")
         points = ping_pong(device)
         link = fit_link([p["bytes"] for p in points], [p["one_way_s"] for p in points])
-        data["link"] = {"name": device_api(device).backend, **link.to_dict(), "measured": points}
+        data["link"] = {"name": points[0].get("transport", device_api(device).backend), **link.to_dict(),
+                        "measured": points}
     parties = party_counts(available_parties(device))
     if parties:
         say(f"all-reduce among {', '.join(map(str, parties))} ranks (data-parallel gradient averaging)")

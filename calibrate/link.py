@@ -1,8 +1,9 @@
-"""Ping-pong between two ranks on the executor's own backend: one-way time per message size.
+"""Ping-pong between two ranks over the executor's own path: one-way time per message size.
 
 Two processes are started on this host by torchrun (as the executor's workers are), joined by
 ``torch.distributed`` over loopback with gloo for CPU tensors or NCCL for CUDA tensors (one GPU per
-rank, as the executor places stages). Rank 0 sends a tensor, rank 1 sends it back; half the median
+rank, as the executor places stages); CPU messages go through shared memory as the executor's do
+between ranks of one host (:mod:`executor.shm_transport`). Rank 0 sends a tensor, rank 1 sends it back; half the median
 round trip is the one-way time. :func:`calibrate.fit.fit_link` turns the points into a latency and a
 bandwidth. Limits: it measures the link idle, between two processes doing nothing else; the cost a
 send adds inside a busy pipeline is fitted from executor runs instead.
@@ -22,22 +23,34 @@ def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) ->
     import torch
     import torch.distributed as dist
 
+    from executor.shm_transport import host_links
+
     rank = int(os.environ["RANK"])
     device = join_measurement(device_type)
     try:
+        links = host_links(device, "auto", 120.0)  # the executor's own path between ranks of one host
+        transport = "shared memory" if links is not None else dist.get_backend()
         results = []
         for size in sizes:
             buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
 
             def round_trip() -> None:
-                if rank == 0:
+                if links is not None:
+                    if rank == 0:
+                        links.send(1, 0, "act", 0, [buffer])
+                        links.recv(1, 0, "grad", 0, [buffer])
+                    else:
+                        links.recv(0, 0, "act", 0, [buffer])
+                        links.send(0, 0, "grad", 0, [buffer])
+                elif rank == 0:
                     dist.send(buffer, dst=1)
                     dist.recv(buffer, src=1)
                 else:
                     dist.recv(buffer, src=0)
                     dist.send(buffer, dst=0)
 
-            results.append({"bytes": buffer.numel() * 4, "one_way_s": median_call_s(round_trip, device, repeats) / 2})
+            results.append({"bytes": buffer.numel() * 4, "transport": transport,
+                            "one_way_s": median_call_s(round_trip, device, repeats) / 2})
         write_points(results, out_path)
     finally:
         dist.destroy_process_group()

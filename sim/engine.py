@@ -220,7 +220,7 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
              microbatches: int, checkpoint: str = "except_last", schedule: str = "gpipe",
              costs: CostTable | None = None, record: bool = True, virtual_stages: int = 1, replicas: int = 1,
              zero: int = 0, placement: str = DEFAULT_PLACEMENT, allreduce_link: Link | None = None,
-             dp_overlap: bool = False) -> SimResult:
+             dp_overlap: bool = False, actions: Sequence[Sequence[Action]] | None = None) -> SimResult:
     """Simulate one step of ``workload`` split by ``partition`` (V x K entries) on ``system``.
 
     ``batch_size`` is the global mini-batch, which the ``replicas`` split like torch.chunk.
@@ -229,6 +229,8 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
     ``allreduce_link``, when given, times the data-parallel all-reduce as a ring on that link.
     ``dp_overlap`` runs it bucket by bucket inside each device's last backward, as Megatron-LM's
     trainers do (:func:`sim.allreduce.exposed_allreduce_s`), instead of after it as the executor does.
+    ``actions``, when given, are each device's list to walk in place of ``schedule``'s (a schedule
+    read from a file, :mod:`sim.torch_schedule`; ``schedule`` then only names its shape).
     """
     partition, layout = check_layout(workload, system, partition, schedule, virtual_stages, replicas, zero, placement)
     per_replica_rows = replica_microbatch_rows(batch_size, replicas, microbatches)
@@ -241,7 +243,8 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
                     f"choose --batch and --microbatches that split evenly")
             check_interleaving(layout.stages, len(rows), virtual_stages, workload.num_layers)
     table = costs if costs is not None else CostTable(workload, system.device)
-    runs = _run_replicas(system, layout, partition, per_replica_rows, table, schedule, checkpoint, record)
+    given = tuple(tuple(device) for device in actions) if actions is not None else None
+    runs = _run_replicas(system, layout, partition, per_replica_rows, table, schedule, checkpoint, record, given)
     step = _Step(workload, system, layout, partition, table, per_replica_rows, runs, zero, allreduce_link, record,
                  checkpoint if dp_overlap else None)
     return step.result(batch_size, schedule, checkpoint, zero)
@@ -263,7 +266,8 @@ def _schedule(stages: int, microbatches: int, schedule: str, checkpoint: str,
 
 
 def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], per_replica_rows: list[list[int]],
-                  table: CostTable, schedule: str, checkpoint: str, record: bool) -> list[ReplicaRun]:
+                  table: CostTable, schedule: str, checkpoint: str, record: bool,
+                  given: tuple[tuple[Action, ...], ...] | None = None) -> list[ReplicaRun]:
     """One :class:`ReplicaRun` per replica; replicas with the same signature share one."""
     bounds = stage_bounds(partition)
     done: dict[tuple, ReplicaRun] = {}
@@ -273,7 +277,8 @@ def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], pe
         key = _signature(system, devices, rows)
         if key not in done:
             stage_costs = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
-            actions = _schedule(layout.stages, len(rows), schedule, checkpoint, layout.virtual_stages)
+            actions = given if given is not None else _schedule(layout.stages, len(rows), schedule, checkpoint,
+                                                                 layout.virtual_stages)
             done[key] = ReplicaRun(system, devices, layout.virtual_stages, rows, stage_costs, checkpoint,
                                    record).run(actions)
         runs.append(done[key])

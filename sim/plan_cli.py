@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"))
     parser.add_argument("--top", type=int, default=10, help="rows in the ranked table (default 10)")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the best plan to this file")
+    parser.add_argument("--schedule-csv-out", default=None, metavar="FILE",
+                        help="also write the best plan's schedule in torch.distributed.pipelining's CSV form "
+                             "(one row of actions per rank, as its _load_csv reads)")
     parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     cost = parser.add_argument_group("days and dollars")
@@ -142,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if args.precision is not None:
         check_precision(args.precision)
     check_output_path(args.out, "--out")
+    check_output_path(args.schedule_csv_out, "--schedule-csv-out")
     check_output_path(args.html, "--html")
     hardware = hardware_list(args.hardware)
     costing = costing_of(args, hardware)
@@ -178,6 +182,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         save_plan(to_plan(best, description, home.batch, home.system.name, home.system.nodes,
                           planned_optimizer(args, home.workload), home.precision, args.dp_overlap), args.out)
+    if args.schedule_csv_out:
+        from sim.schedule import build_schedule
+        from sim.torch_schedule import write_schedule_csv
+
+        c = best.candidate
+        write_schedule_csv(build_schedule(c.stages, c.microbatches, c.schedule, c.checkpoint, c.virtual_stages),
+                           args.schedule_csv_out)
     searched = SearchResult(ranked=ranked, candidates=sum(p.result.candidates for p in planned),
                             simulated=sum(p.result.simulated for p in planned),
                             not_fitting=sum(p.result.not_fitting for p in planned),
@@ -212,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
                 print(note)
         if args.out:
             print(f"plan written to {args.out}")
+        if args.schedule_csv_out:
+            print(f"schedule written to {args.schedule_csv_out} (torch.distributed.pipelining's CSV)")
     if args.html:
         from sim.whatif import write_whatif_html
 

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-schedule", action="store_true",
                         help="print each device's action list (F forward, R recompute, B backward, I input "
                              "gradient, W weight gradients; stage, kind, micro-batch) before the result")
+    parser.add_argument("--schedule-csv", default=None, metavar="FILE",
+                        help="simulate the schedule in FILE, torch.distributed.pipelining's CSV (one row of "
+                             "actions per rank, as its _dump_csv writes and _load_csv reads): K, V and M are the "
+                             "file's")
     parser.add_argument("--allow-overflow", action="store_true",
                         help="report a plan that does not fit memory instead of failing")
 
@@ -85,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
 
 def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Workload, str, str | None]:
     """Validate every flag before simulating, then run the simulation."""
+    given = None
+    if args.schedule_csv:
+        from sim.torch_schedule import read_schedule_csv, schedule_shape
+
+        check_checkpoint_policy(args.checkpoint)
+        given, args.microbatches, args.virtual_stages = read_schedule_csv(args.schedule_csv, args.checkpoint)
+        args.stages, args.schedule = len(given), schedule_shape(given, args.virtual_stages)
     require_positive("stages (K)", args.stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
     require_positive("replicas (D)", args.replicas, "use --replicas 1 or more")
@@ -126,7 +137,8 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
     result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule,
                       virtual_stages=virtual, replicas=args.replicas, zero=args.zero, placement=args.placement,
-                      allreduce_link=calibrated_allreduce(workload, system), dp_overlap=args.dp_overlap)
+                      allreduce_link=calibrated_allreduce(workload, system), dp_overlap=args.dp_overlap,
+                      actions=given)
     return result, system, workload, precision, attention_note
 
 def check_zero(zero: int, replicas: int) -> None:
@@ -168,10 +180,18 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         json.dump(data, sys.stdout)
         print()
     else:
+        if args.schedule_csv:
+            print(f"schedule     from {args.schedule_csv}: K={args.stages}, "
+                  f"V={result.virtual_stages}, M={args.microbatches}")
         if args.print_schedule:
             devices = len([stage for stage in result.stages if stage.replica == 0])
-            print(format_grid(build_schedule(devices, args.microbatches, args.schedule, args.checkpoint,
-                                             result.virtual_stages)))
+            if args.schedule_csv:
+                from sim.torch_schedule import read_schedule_csv
+
+                print(format_grid(read_schedule_csv(args.schedule_csv, args.checkpoint)[0]))
+            else:
+                print(format_grid(build_schedule(devices, args.microbatches, args.schedule, args.checkpoint,
+                                                 result.virtual_stages)))
         print(format_summary(result, system, precision))
         for note in (attention_note, planned_from_note(workload), assumed_efficiency_note(system)):
             if note:

@@ -1,0 +1,113 @@
+"""torch.distributed.pipelining's schedule CSV: our lists round-trip through it, a plan's CSV predicts
+the plan's step, the CSVs torch itself writes are simulated, and a file this cannot run is one line."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sim.cli import main
+from sim.engine import simulate
+from sim.errors import GpipeInputError
+from sim.hardware import get_system
+from sim.models import get_workload
+from sim.partition import even_partition
+from sim.plan import load_plan
+from sim.schedule import build_schedule
+from sim.torch_schedule import read_schedule_csv, write_schedule_csv
+
+
+def torch_csv(path, schedule_class, stages: int, virtual: int, microbatches: int) -> str:
+    """The CSV torch's own ``schedule_class`` dumps for rank 0's view of K x V loop-placed stages
+    (its compute-only order is the same for every rank; no process group is needed to build it)."""
+    local = [SimpleNamespace(num_stages=stages * virtual, group_size=stages, group_rank=0, stage_index=s,
+                             submod=torch.nn.Identity()) for s in range(0, stages * virtual, stages)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        schedule = schedule_class(local, microbatches, loss_fn=lambda output, target: output)
+    schedule._dump_csv(str(path), format="compute_only")
+    return str(path)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_our_lists_round_trip_through_torchs_csv(tmp_path, schedule, virtual, checkpoint, stages):
+    microbatches = 2 * stages
+    ours = build_schedule(stages, microbatches, schedule, checkpoint, virtual)
+    path = str(tmp_path / "schedule.csv")
+    write_schedule_csv(ours, path)
+    assert "R" not in open(path).read()  # torch has no recompute action: it is put back on reading
+    lists, m, v = read_schedule_csv(path, checkpoint)
+    assert (lists, m, v) == (ours, microbatches, virtual)
+
+
+def test_a_plans_csv_predicts_the_plans_step(tmp_path, capsys):
+    plan_path, csv_path = tmp_path / "plan.json", tmp_path / "plan.csv"
+    flags = ["--model", "uniform", "--layers", "16", "--batch", "16", "--hardware", "v100-nvlink"]
+    assert main(["plan", *flags, "--stages-options", "4", "--schedules", "interleaved", "--checkpoints",
+                 "except_last", "--out", str(plan_path), "--schedule-csv-out", str(csv_path)]) == 0
+    assert "schedule written to" in capsys.readouterr().out
+    plan = load_plan(str(plan_path))
+    assert plan.schedule == "interleaved" and plan.virtual_stages >= 2
+    lists, m, v = read_schedule_csv(str(csv_path), plan.checkpoint)
+    result = simulate(get_workload("uniform", {"layers": 16}), get_system("v100-nvlink"), plan.partition, 16, m,
+                      plan.checkpoint, "interleaved", virtual_stages=v, actions=lists)
+    assert result.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-12)
+    assert main(["simulate", *flags, "--partition", ",".join(map(str, plan.partition)), "--checkpoint",
+                 plan.checkpoint, "--schedule-csv", str(csv_path), "--json"]) == 0
+
+
+@pytest.mark.parametrize("stages,virtual,microbatches", [(2, 2, 4), (4, 2, 8), (2, 3, 6)])
+def test_the_csvs_torch_writes_are_simulated(tmp_path, stages, virtual, microbatches):
+    """Torch's interleaved 1F1B predicts what ours does (the same order); its interleaved zero-bubble
+    schedule, with I and W, a smaller bubble."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+
+    workload, system = get_workload("uniform", {"layers": 8 * virtual}), get_system("ideal")
+    partition = even_partition(8 * virtual, stages * virtual)
+
+    def predicted(actions=None):
+        return simulate(workload, system, partition, 16, microbatches, "never", "interleaved",
+                        virtual_stages=virtual, actions=actions)
+
+    ours = predicted()
+    one_f_one_b = predicted(read_schedule_csv(torch_csv(tmp_path / "a.csv", ScheduleInterleaved1F1B, stages, virtual,
+                                                        microbatches))[0])
+    zero_bubble = predicted(read_schedule_csv(torch_csv(tmp_path / "b.csv", ScheduleInterleavedZeroBubble, stages,
+                                                        virtual, microbatches))[0])
+    assert one_f_one_b.step_time_s == pytest.approx(ours.step_time_s, rel=1e-12)
+    assert zero_bubble.bubble_fraction < ours.bubble_fraction
+
+
+def _write(path, rows):
+    path.write_text("\n".join(",".join(row) for row in rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([["0F0", "0X0"]], "cell '0X0' is not an action torch writes"),
+    ([["0F0"], ["1F0", "1B0"]], "stage 0, micro-batch 0 has actions ['F']"),
+    ([["0F0", "0B0"], ["1B0", "1F0"]], "the schedule deadlocks: every rank waits for an input no rank produces "
+                                       "(rank 0 at 0B0, rank 1 at 1B0)"),
+    ([["0F0", "3F0", "3B0", "0B0"], ["1F0", "2F0", "2B0", "1B0"]], "stage 3 runs on rank 0, not rank 1"),
+    ([], "holds no actions"),
+])
+def test_a_csv_this_cannot_run_is_one_line(tmp_path, capsys, rows, message):
+    path = _write(tmp_path / "bad.csv", rows)
+    with pytest.raises(GpipeInputError, match=None) as info:
+        read_schedule_csv(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert main(["simulate", "--model", "uniform", "--layers", "8", "--schedule-csv", path]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torchs_zbv_csv_is_refused_as_v_shaped(tmp_path):
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    path = torch_csv(tmp_path / "zbv.csv", ScheduleZBVZeroBubble, 2, 2, 4)
+    with pytest.raises(GpipeInputError, match="not V-shaped ones"):
+        read_schedule_csv(path)
