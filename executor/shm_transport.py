@@ -147,7 +147,7 @@ class HostLinks:
         """Copy ``tensors`` into the key's next slot and mark it written; returns when copied."""
         parts = [_as_bytes(t) for t in tensors]
         payload = sum(p.numel() for p in parts)
-        key = (receiver, boundary, channel, microbatch)
+        key = (receiver, boundary, channel, microbatch, payload)  # one file, one count of generations
         generation = self.sent.get(key, 0) + 1
         self.sent[key] = generation
         message = self._file(self.rank, receiver, boundary, channel, microbatch, payload, create=True)
@@ -178,7 +178,7 @@ class HostLinks:
         """The key's file and slot when its next generation is written, else None."""
         payload = sum(_as_bytes(b).numel() for b in buffers)
         message = self._file(sender, self.rank, boundary, channel, microbatch, payload, create=False)
-        generation = self.taken.get((sender, boundary, channel, microbatch), 0) + 1
+        generation = self.taken.get((sender, boundary, channel, microbatch, payload), 0) + 1
         if message is None or int(message.written[generation % 2]) != generation:
             return None
         return message, generation
@@ -226,7 +226,7 @@ class HostLinks:
             part.copy_(message.slots[slot][offset:offset + part.numel()])
             offset += part.numel()
         message.consumed[slot] = generation
-        self.taken[(sender, boundary, channel, microbatch)] = generation
+        self.taken[(sender, boundary, channel, microbatch, offset)] = generation
         return list(buffers)
 
 

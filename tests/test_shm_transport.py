@@ -52,6 +52,15 @@ def test_messages_are_taken_by_key_in_any_order_and_each_step_gets_its_own_slot(
             assert torch.equal(got, steps[step][m])
 
 
+def test_a_key_whose_size_changes_starts_a_file_of_its_own(pair):
+    """The ping-pong calibration sends one key at several sizes: each size counts its own steps."""
+    sender, receiver = pair
+    for size in (2, 8, 2, 8, 8, 8):
+        sender.send(1, 0, "act", 0, [torch.full((size,), float(size))])
+        (got,) = receiver.recv(0, 0, "act", 0, [torch.empty(size)])
+        assert torch.equal(got, torch.full((size,), float(size)))
+
+
 def test_a_sender_two_steps_ahead_waits_for_the_slot_and_says_so_when_it_never_frees(pair):
     sender, receiver = pair
     for value in (1.0, 2.0):
