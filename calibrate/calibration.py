@@ -136,16 +136,10 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     """
     k_count = spec.stages
     bounds = stage_bounds(spec.partition)
-    rows_list = [a["rows"] for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"]
-    m_count = len(rows_list)
+    m_count = len([a for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"])
     for action in report["actions"]:
-        first, end = bounds[action["stage"]]
-        kind, rows, m = action["kind"], action["rows"], action["microbatch"]
-        profile_kind = kind
-        if kind == "F" and not recomputes(spec.checkpoint, m, m_count):
-            profile_kind = "R"  # a forward that keeps its graph runs as a recompute does
-        x = sum(workload.profiled_s(profile_kind, i, rows) for i in range(first, end))
-        Observations._add(obs.actions, (k_count, kind), x, action["duration_s"] / speed)
+        x = profiled_action_s(workload, spec.checkpoint, action, bounds, m_count)
+        Observations._add(obs.actions, (k_count, action["kind"]), x, action["duration_s"] / speed)
     measured = set(report["measured_steps"])
     optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds
     for record in report["timeline"]["records"]:
@@ -166,6 +160,17 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
             first, end = bounds[stage]
             params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
             Observations._add(obs.optimizer, k_count, params, duration)
+
+
+def profiled_action_s(workload: MeasuredWorkload, checkpoint: str, action: dict[str, Any],
+                      bounds: Sequence[tuple[int, int]], microbatches: int) -> float:
+    """What the layer profile says one of a report's actions takes: its stage's layers' times of its
+    kind at its rows (a forward that keeps its graph as a recompute, which is what it runs)."""
+    first, end = bounds[action["stage"]]
+    kind = action["kind"]
+    if kind == "F" and not recomputes(checkpoint, action["microbatch"], microbatches):
+        kind = "R"
+    return sum(workload.profiled_s(kind, i, action["rows"]) for i in range(first, end))
 
 
 def _rows_of(spec: RunSpec, microbatch: int) -> int:
@@ -206,11 +211,12 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     """Simulate one run spec with the costs in ``data``; the :class:`sim.engine.SimResult`.
 
     The pipeline fits and the profile's thread count are those of as many processes as the run
-    has (D x K, :attr:`sim.costs.MeasuredWorkload.fit`). The data-parallel all-reduce is priced on the measured all-reduce link where the costs
-    file has one (:func:`sim.costs.allreduce_link`). With T > 1 each stage is priced from the costs
-    file's profile of the layers split over T ranks (:mod:`calibrate.tp_profile`). A run with more processes than the system has
-    devices (D x K = 4 on two cores) is predicted as if each process had a device of its own on this
-    one node: what the simulator models, not the cores taking turns (validation marks such runs).
+    has (D x K, :attr:`sim.costs.MeasuredWorkload.fit`). The data-parallel all-reduce is priced on
+    the measured all-reduce link where the costs file has one (:func:`sim.costs.allreduce_link`).
+    With T > 1 each stage is priced from the costs file's profile of the layers split over T ranks
+    (:mod:`calibrate.tp_profile`). A run with more processes than the system has devices (D x K = 4
+    on two cores) is predicted as if each process had a device of its own on this one node: what
+    the simulator models, not the cores taking turns (validation marks such runs).
     """
     from dataclasses import replace
 
@@ -257,29 +263,24 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
     ratio over all of them (``tensor_parallel_fit`` in the costs file; :class:`sim.costs.MeasuredWorkload`
     uses it in place of K's slopes). Limits: one factor per kind whatever the rows; fitted on
     one-stage runs."""
+    def ratio(xs: Sequence[float], ys: Sequence[float]) -> float:
+        return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+
     pairs: dict[int, dict[str, tuple[list[float], list[float]]]] = {}
     for spec, report, speed in zip(specs, reports, speeds):
         if spec.tensor_parallel == 1:
             continue
         workload = MeasuredWorkload(data, spec.stages, spec.checkpoint, spec.microbatches, spec.tensor_parallel)
         bounds = stage_bounds(spec.partition)
-        m_count = spec.microbatches
         for action in report["actions"]:
-            first, end = bounds[action["stage"]]
-            kind, profile_kind = action["kind"], action["kind"]
+            kind = action["kind"]
             if kind not in "FRB":
                 continue
-            if kind == "F" and not recomputes(spec.checkpoint, action["microbatch"], m_count):
-                profile_kind = "R"  # a forward that keeps its graph runs as a recompute does
-            profiled = sum(workload.profiled_s(profile_kind, i, action["rows"]) for i in range(first, end))
             xs, ys = pairs.setdefault(spec.tensor_parallel, {}).setdefault(kind, ([], []))
-            xs.append(profiled)
+            xs.append(profiled_action_s(workload, spec.checkpoint, action, bounds, spec.microbatches))
             ys.append(action["duration_s"] / speed - workload.fit.actions[kind].intercept)
     fits = {}
     for parts, kinds in pairs.items():
-        def ratio(xs: Sequence[float], ys: Sequence[float]) -> float:
-            return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-
         pooled = ratio([x for xs, _ in kinds.values() for x in xs], [y for _, ys in kinds.values() for y in ys])
         fits[str(parts)] = {kind: ratio(*kinds[kind]) if kind in kinds else pooled for kind in "FRB"}
     return fits
