@@ -333,9 +333,9 @@ def _plan_on(args: argparse.Namespace, system, options: dict, precision: str, at
             raise GpipeInputError("--train-tokens, --rank-by cost, --max-devices and several --hardware plan the "
                                   "analytic models; drop --costs (use --efficiency-from COSTS for its fit)")
         check_context_parallel(args.context_parallel, workload, system)
-        result = _search_measured(workload, system, batch, tensor_parallel_options(args, workload, system),
-                                  args.sequence_parallel, stage_options, microbatch_options, checkpoints,
-                                  args, progress, space, placements)
+        result = _search_each_tensor_parallel(workload, system, batch, tensor_parallel_options(args, workload, system),
+                                              args.sequence_parallel, stage_options, microbatch_options, checkpoints,
+                                              args, progress, space, placements)
     else:
         result = _search_each_tensor_parallel(workload, system, batch, tensor_parallel_options(args, workload, system),
                                               args.sequence_parallel, stage_options, microbatch_options, checkpoints,
@@ -555,25 +555,6 @@ def _search_each_stage_count(workload, system, batch: int, stage_options: list[i
     return _merged(parts, top)
 
 
-def _search_measured(workload, system, batch: int, tensor_options: list[int], sequence: bool | None,
-                     stage_options: list[int], microbatch_options: list[int], checkpoints: list[str],
-                     args: argparse.Namespace, progress, space: dict, placements: list[str]) -> SearchResult:
-    """Measured costs: T by T (each from the costs file's profile of the layers split over T ranks),
-    K by K inside, the rankings merged."""
-    parts = []
-    for t in tensor_options:
-        split, groups = with_tensor_parallel(workload, system, t, default_sequence_parallel(t, sequence, workload))
-        stages = [k for k in stage_options if k <= groups.total_devices]
-        if not stages:
-            continue
-        part = _search_each_stage_count(split, groups, batch, stages, microbatch_options, checkpoints,
-                                        space["schedules"], args.partitioner, args.top, progress, space, placements)
-        for option in part.ranked + part.unfit_examples:
-            option.candidate = replace(option.candidate, tensor_parallel=t)
-        parts.append(part)
-    return _merged(parts, args.top)
-
-
 def policies_for(workload, checkpoints: list[str], asked: bool) -> list[str]:
     """The policies to search; ``selective`` asked for explicitly where the model has no attention
     core to recompute is refused in one line (by default :func:`sim.planner.search` leaves it out)."""
@@ -613,7 +594,8 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
                                  costing: "Costing | None" = None) -> SearchResult:
     """Search T by T, each on its split workload and its system of T-device groups, then merge the
     rankings (each exact, so the merged top is exact). Ranked by cost, each candidate's step is
-    weighed by its devices and their price; ``--max-devices`` bounds D x K x T x C."""
+    weighed by its devices and their price; ``--max-devices`` bounds D x K x T x C. Measured costs
+    (a workload with ``bind``) are searched K by K and D by D inside each T."""
     parts = []
     price = price_of(system, costing) if costing is not None else None
     for t in tensor_options:
@@ -626,16 +608,21 @@ def _search_each_tensor_parallel(workload, system, batch: int, tensor_options: l
             continue
         step_limit = (costing.step_limit(batch * workload.options["seq"], devices_per_group, price)
                       if costing is not None and costing.limited else None)
-        sequence_parallel = default_sequence_parallel(t, sequence) and t > 1
+        sequence_parallel = default_sequence_parallel(t, sequence, workload) and t > 1
         split, groups = with_tensor_parallel(workload, system, t, sequence_parallel, args.context_parallel,
                                              calibrated_tensor_parallel_link(args, system, sequence_parallel))
         stages = [k for k in stage_options if k <= groups.total_devices]
         if not stages:
             continue
-        part = search(split, groups, batch, stages, microbatch_options, checkpoints, space["schedules"],
-                      args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
-                      placements, dp_overlap=args.dp_overlap, weight=weight, max_groups=max_groups,
-                      step_limit_s=step_limit)
+        if hasattr(split, "bind"):
+            part = _search_each_stage_count(split, groups, batch, stages, microbatch_options, checkpoints,
+                                            space["schedules"], args.partitioner, args.top, progress, space,
+                                            placements)
+        else:
+            part = search(split, groups, batch, stages, microbatch_options, checkpoints, space["schedules"],
+                          args.partitioner, args.top, progress, space["replicas"], space["virtual"], space["zero"],
+                          placements, dp_overlap=args.dp_overlap, weight=weight, max_groups=max_groups,
+                          step_limit_s=step_limit)
         for option in part.ranked + part.unfit_examples:
             option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
                                        context_parallel=args.context_parallel)
