@@ -77,8 +77,6 @@ def launch_ranks(module: str, ranks: int, args: list[str], what: str, timeout_s:
     """Start ``ranks`` processes of ``python -m module *args OUT`` under torchrun, one thread each,
     and return the JSON rank 0 wrote to OUT; a failure raises RuntimeError naming ``what`` and the
     last lines of its output."""
-    import shutil
-
     from calibrate.runs import _env
     from executor.shm_transport import SHM_DIR_ENV, shared_directory
 
@@ -86,12 +84,9 @@ def launch_ranks(module: str, ranks: int, args: list[str], what: str, timeout_s:
         out_path = os.path.join(directory, "points.json")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                    "--monitor-interval", "0.2", "-m", module, *args, out_path]
-        shared = shared_directory()  # the message files of ranks that talk as the executor's do
-        try:
+        with shared_directory() as shared:  # the message files of ranks that talk as the executor's do
             done = subprocess.run(command, env={**_env(1), SHM_DIR_ENV: shared}, capture_output=True, text=True,
                                   timeout=timeout_s, check=False)
-        finally:
-            shutil.rmtree(shared, ignore_errors=True)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"{what} failed: " + " | ".join(tail))

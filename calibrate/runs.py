@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,12 +65,9 @@ def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
                        "--nproc-per-node", str(world), "--monitor-interval", "0.2",
                        "-m", "calibrate.runs", path, directory]
             threads = max(1, (os.cpu_count() or 1) // world)
-            shared = shared_directory()  # the ranks' message files, as gpipe train makes them
-            try:
+            with shared_directory() as shared:  # the ranks' message files, as gpipe train makes them
                 done = subprocess.run(command, env={**_env(threads), SHM_DIR_ENV: shared}, capture_output=True,
                                       text=True, timeout=timeout_s)
-            finally:
-                shutil.rmtree(shared, ignore_errors=True)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
                 raise RuntimeError(f"executor runs with {shape} failed: " + " | ".join(tail))

@@ -273,31 +273,30 @@ def run(args: argparse.Namespace) -> int:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
     prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
-    from executor.shm_transport import shared_directory
+    from executor.shm_transport import SHM_DIR_ENV, shared_directory
 
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
-    shared = shared_directory()  # the ranks' message files (executor.shm_transport), removed at the end
-    try:
-        if config.init == "factory" and not config.init_from:
-            from executor.initial_weights import save_factory_weights
+    with shared_directory() as shared:  # the ranks' message files (executor.shm_transport)
+        try:
+            if config.init == "factory" and not config.init_from:
+                from executor.initial_weights import save_factory_weights
 
-            config.factory_weights = save_factory_weights(config.model, config.options, config.seed, prepared.model,
-                                                          os.path.join(workdir, "factory-weights"))
-        del prepared
-        config_path = os.path.join(workdir, "config.json")
-        config.save(config_path)
-        error_dir = os.path.join(workdir, "errors")
-        os.makedirs(error_dir)
-        env = dict(os.environ, GPIPE_ERROR_DIR=error_dir, GPIPE_SHM_DIR=shared)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
-        command = torchrun_command(config_path, config.world_size, args)
-        per_node = config.world_size // args.nnodes
-        env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
-        code, message = run_torchrun(command, env, error_dir, args)
-        if code != 0:
-            print(message, file=sys.stderr)
-            return code if code > 0 else 1
-        return 0
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(shared, ignore_errors=True)
+                config.factory_weights = save_factory_weights(config.model, config.options, config.seed,
+                                                              prepared.model, os.path.join(workdir, "factory-weights"))
+            del prepared
+            config_path = os.path.join(workdir, "config.json")
+            config.save(config_path)
+            error_dir = os.path.join(workdir, "errors")
+            os.makedirs(error_dir)
+            env = dict(os.environ, GPIPE_ERROR_DIR=error_dir, **{SHM_DIR_ENV: shared})
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
+            command = torchrun_command(config_path, config.world_size, args)
+            per_node = config.world_size // args.nnodes
+            env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
+            code, message = run_torchrun(command, env, error_dir, args)
+            if code != 0:
+                print(message, file=sys.stderr)
+                return code if code > 0 else 1
+            return 0
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -30,11 +30,12 @@ then raises; a rank that dies is noticed by torchrun's agent, which ends the oth
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,12 +47,19 @@ SPIN_S = 0.05  # a receiver polls this long (yielding its core between polls) be
 SLEEP_CHECK_S = 1e-3  # a sleeping receiver looks at its slot at least this often (a doorbell may be lost)
 
 
-def shared_directory() -> str:
-    """A fresh directory for a run's message files: under ``/dev/shm`` (memory) where there is one."""
+@contextlib.contextmanager
+def shared_directory() -> Iterator[str]:
+    """A fresh directory for a run's message files, under ``/dev/shm`` (memory) where there is one,
+    removed when the block ends; launchers pass it to their ranks as :data:`SHM_DIR_ENV`."""
+    import shutil
     import tempfile
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="gpipe-shm-", dir=base)
+    directory = tempfile.mkdtemp(prefix="gpipe-shm-", dir=base)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def pair():
-    directory = shared_directory()
-    links = HostLinks(directory, 0, [0, 1], timeout_s=0.5), HostLinks(directory, 1, [0, 1], timeout_s=0.5)
-    yield links
-    for link in links:
-        link.socket.close()
-    import shutil
-
-    shutil.rmtree(directory)
+    with shared_directory() as directory:
+        links = HostLinks(directory, 0, [0, 1], timeout_s=0.5), HostLinks(directory, 1, [0, 1], timeout_s=0.5)
+        yield links
+        for link in links:
+            link.socket.close()
 
 
 def test_a_message_of_several_tensors_and_dtypes_arrives_whole(pair):
