@@ -52,7 +52,7 @@ def default_sequence_parallel(tensor_parallel: int, asked: bool | None, workload
 
 
 def _measured(workload: Workload | None) -> bool:
-    return hasattr(workload, "tensor_parallel_options")  # sim.costs.MeasuredWorkload
+    return hasattr(workload, "bind")  # sim.costs.MeasuredWorkload, as the command-line modules tell it
 
 
 def _require_builtin_transformer(flag: str, degree: int, kind: str, workload: Workload) -> None:
