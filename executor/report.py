@@ -28,7 +28,7 @@ from collections import defaultdict
 from typing import Any
 
 from executor.data import split_rows
-from sim.schedule import COMPUTE_KINDS
+from sim.schedule import COMPUTE_KINDS, virtual_stages_of_device
 from sim.timeline import OPTIMIZER, Timeline
 
 
@@ -71,8 +71,13 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
     virtual_stages = config.get("virtual_stages", 1)
     interleaved = virtual_stages > 1
     rows = split_rows(split_rows(config["batch_size"], replicas)[0], config["microbatches"])
-    devices = len(config["partition"]) // virtual_stages  # K; device k holds partition[k::K]
+    devices = len(config["partition"]) // virtual_stages  # K
     stage_count = len(peak_activation_bytes) // replicas
+
+    def chunk_layers(k: int) -> list[int]:
+        """Layers of device k's chunks, chunk 0 first (loop or V placement, sim.schedule)."""
+        return [config["partition"][s] for s in virtual_stages_of_device(k, devices, virtual_stages,
+                                                                          config.get("schedule", "gpipe"))]
 
     def busy_s(replica: int, stage: int) -> float:
         return statistics.median([busy[(replica, stage, s)] for s in measured]) if measured else 0.0
@@ -81,12 +86,12 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
     for k in range(stage_count):
         entry: dict[str, Any] = {
             "stage": k,
-            "layers": sum(config["partition"][k::devices]),
+            "layers": sum(chunk_layers(k)),
             "peak_activation_bytes": peak_activation_bytes[k],
             "busy_s": busy_s(0, k),
         }
         if interleaved:
-            entry["chunk_layers"] = list(config["partition"][k::devices])
+            entry["chunk_layers"] = chunk_layers(k)
         if peak_allocated_bytes is not None:
             entry["peak_allocated_bytes"] = peak_allocated_bytes[k]
         stages.append(entry)

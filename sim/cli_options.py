@@ -9,7 +9,7 @@ from sim.errors import GpipeInputError, require_positive
 from sim.hardware import SYSTEMS
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES
+from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, default_virtual_stages
 
 # flag -> (option name in the model's options, type, help)
 MODEL_FLAGS = {
@@ -124,10 +124,10 @@ def add_sequence_parallel_argument(group: Any) -> None:
 
 
 def virtual_stages_of(args: argparse.Namespace) -> int:
-    """``--virtual-stages``, defaulting to 2 under the interleaved schedule and 1 elsewhere."""
+    """``--virtual-stages``, defaulting to 2 under the multi-chunk schedules and 1 elsewhere."""
     if args.virtual_stages is not None:
         return args.virtual_stages
-    return 2 if args.schedule == "interleaved" else 1
+    return default_virtual_stages(args.schedule)
 
 
 def add_hardware_arguments(parser: argparse.ArgumentParser, default: str = "ideal") -> None:

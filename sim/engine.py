@@ -54,7 +54,8 @@ from sim.microbatch import split_rows
 from sim.placement import DEFAULT_PLACEMENT, check_placement, device_of
 from sim.plan import validate_partition
 from sim.replica_run import ReplicaRun
-from sim.schedule import Action, build_schedule, check_interleaving, check_virtual_stages
+from sim.schedule import (Action, build_schedule, check_interleaving, check_virtual_stages, device_of_virtual_stage,
+                          virtual_stages_of_device)
 from sim.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
 from sim.timeline import (DP_ALLREDUCE, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
                           Record, Timeline)
@@ -146,16 +147,18 @@ class SharedReduction:
 
 
 def shared_reductions(workload: Workload, partition: Sequence[int], system: System, virtual_stages: int = 1,
-                      devices: Sequence[int] | None = None) -> list[SharedReduction]:
+                      devices: Sequence[int] | None = None, schedule: str = "interleaved") -> list[SharedReduction]:
     """One reduction per shared parameter whose layers sit on more than one device, in layer order.
 
-    ``devices[k]`` is the global device of pipeline position k (default: device k)."""
+    ``devices[k]`` is the global device of pipeline position k (default: device k); ``schedule``
+    places the chunks (:func:`sim.schedule.device_of_virtual_stage`)."""
     stages = len(partition) // virtual_stages
     devices = list(range(stages)) if devices is None else devices
     stage_of = stage_of_layers(partition)
     reductions = []
     for parameter in shared_parameters(workload):
-        owners = tuple(sorted({stage_of[layer] % stages for layer in parameter.layers}))
+        owners = tuple(sorted({device_of_virtual_stage(stage_of[layer], stages, schedule)
+                               for layer in parameter.layers}))
         if len(owners) < 2:
             continue
         reductions.append(SharedReduction(owners, parameter.param_bytes,
@@ -176,13 +179,18 @@ class Layout:
     stages: int
     virtual_stages: int
     placement: str
+    schedule: str = "gpipe"  # places the chunks: in a loop, or in a V (sim.schedule.device_of_virtual_stage)
 
     def devices(self, replica: int) -> list[int]:
         return [device_of(replica, k, self.replicas, self.stages, self.placement) for k in range(self.stages)]
 
     def chunks(self, stage: int) -> list[int]:
         """The virtual stages device position ``stage`` runs, chunk 0 first."""
-        return [c * self.stages + stage for c in range(self.virtual_stages)]
+        return virtual_stages_of_device(stage, self.stages, self.virtual_stages, self.schedule)
+
+    def positions(self) -> list[int]:
+        """The device position of each virtual stage."""
+        return [device_of_virtual_stage(s, self.stages, self.schedule) for s in range(self.stages * self.virtual_stages)]
 
 
 def check_layout(workload: Workload, system: System, partition: Sequence[int], schedule: str, virtual_stages: int,
@@ -203,7 +211,7 @@ def check_layout(workload: Workload, system: System, partition: Sequence[int], s
     check_placement(placement)
     stages = len(partition) // virtual_stages
     system.check_fits(stages, replicas)
-    return partition, Layout(replicas, stages, virtual_stages, placement)
+    return partition, Layout(replicas, stages, virtual_stages, placement, schedule)
 
 
 def replica_microbatch_rows(batch_size: int, replicas: int, microbatches: int) -> list[list[int]]:
@@ -280,7 +288,7 @@ def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], pe
             actions = given if given is not None else _schedule(layout.stages, len(rows), schedule, checkpoint,
                                                                  layout.virtual_stages)
             done[key] = ReplicaRun(system, devices, layout.virtual_stages, rows, stage_costs, checkpoint,
-                                   record).run(actions)
+                                   record, layout.positions()).run(actions)
         runs.append(done[key])
     return runs
 
@@ -316,7 +324,8 @@ class _Step:
                 layers = sum(partition[s] for s in layout.chunks(k))
                 allreduce_s = exposed_allreduce_s(allreduce_s, backward_time_s(last, overlap_checkpoint), layers)
             self.allreduce_s.append(allreduce_s)
-        self.reductions = shared_reductions(workload, partition, system, layout.virtual_stages)
+        self.reductions = shared_reductions(workload, partition, system, layout.virtual_stages,
+                                            schedule=layout.schedule)
         self.end_s, self.busy_s = self._tail()
 
     def _tail(self) -> tuple[list[list[float]], list[list[float]]]:

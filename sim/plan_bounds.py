@@ -34,7 +34,7 @@ from typing import Sequence
 from sim.allreduce import data_parallel_group, group_allreduce_s
 from sim.hardware import Link, System
 from sim.microbatch import split_rows
-from sim.schedule import SPLIT_BACKWARD_SCHEDULES, recomputes
+from sim.schedule import SPLIT_BACKWARD_SCHEDULES, recomputes, virtual_stages_of_device
 from sim.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 
 
@@ -44,14 +44,17 @@ def replica_rows(batch_size: int, replicas: int, microbatches: int) -> list[int]
 
 
 def stage_allreduce_s(table: CostTable, rows: int, partition: Sequence[int], stages: int, replicas: int,
-                      placement: str, system: System, allreduce_link: Link | None) -> list[float]:
+                      placement: str, system: System, allreduce_link: Link | None,
+                      schedule: str = "gpipe") -> list[float]:
     """Each device's data-parallel all-reduce, as :mod:`sim.engine` times it."""
     if replicas == 1:
         return [0.0] * stages
     bounds = stage_bounds(partition)
+    virtual = len(bounds) // stages
     out = []
     for k in range(stages):
-        nbytes = sum(table.gradient_and_optimizer_bytes(rows, *bounds[s])[0] for s in range(k, len(bounds), stages))
+        nbytes = sum(table.gradient_and_optimizer_bytes(rows, *bounds[s])[0]
+                     for s in virtual_stages_of_device(k, stages, virtual, schedule))
         out.append(group_allreduce_s(nbytes, data_parallel_group(k, replicas, stages, placement), system,
                                      allreduce_link))
     return out
@@ -67,11 +70,11 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate, partition: Seque
     bounds = stage_bounds(partition)
     by_rows: dict[int, list[StageCost]] = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
     first = by_rows[rows[0]]
-    allreduce = (stage_allreduce_s(table, rows[0], partition, K, c.replicas, c.placement, system, allreduce_link)
-                 if system is not None else [0.0] * K)
+    allreduce = (stage_allreduce_s(table, rows[0], partition, K, c.replicas, c.placement, system, allreduce_link,
+                                   c.schedule) if system is not None else [0.0] * K)
     tails, computes = [], []
     for k in range(K):
-        chunks = range(k, len(bounds), K)
+        chunks = virtual_stages_of_device(k, K, c.virtual_stages, c.schedule)
         compute = 0.0
         for m, r in enumerate(rows):
             again = recomputes(c.checkpoint, m, len(rows))

@@ -32,7 +32,8 @@ from sim.microbatch import split_rows
 from sim.partition import min_max_partition, min_variance_partition
 from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from sim.plan_bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
-from sim.schedule import CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, recomputes_per_layer
+from sim.schedule import (CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES,
+                          device_of_virtual_stage, recomputes_per_layer, virtual_stages_of_device)
 from sim.stage_costs import CostTable, held_sizes, stage_bounds
 from sim.range_memory import RangeMemory
 from sim.workload import Workload, shared_parameters
@@ -179,6 +180,10 @@ def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], 
             out.append((schedule, 1))
         elif schedule == "interleaved" and stages > 1 and all(c % stages == 0 for c in counts):
             out.extend((schedule, v) for v in virtual_options if num_layers is None or v * stages <= num_layers)
+        elif schedule in V_SHAPED_SCHEDULES:
+            if (num_layers is None or 2 * stages <= num_layers) and (
+                    schedule != "dualpipev" or min(counts) >= 2 * stages):
+                out.append((schedule, 2))  # two chunks per device, in a V
         elif schedule in SPLIT_BACKWARD_SCHEDULES and stages > 1:
             out.append((schedule, 1))  # on one stage the same work as 1f1b's, in the same order
     return out
@@ -264,7 +269,7 @@ class Partitions:
         capacity = self.system.device.memory_bytes
         for k in range(c.stages):
             total = 0
-            for a, b in (bounds[s] for s in range(k, len(bounds), c.stages)):
+            for a, b in (bounds[s] for s in virtual_stages_of_device(k, c.stages, c.virtual_stages, c.schedule)):
                 stash, saved, transient = held_sizes(self.table.stage(rows, a, b), c.checkpoint)
                 total += self._chunk_static(rows, a, b, c) + microbatches * max(stash, saved) + transient
             if total > capacity:
@@ -280,7 +285,7 @@ class Partitions:
         bounds = stage_bounds(partition)
         capacity = self.system.device.memory_bytes
         for k in range(c.stages):
-            chunks = [bounds[s] for s in range(k, len(bounds), c.stages)]
+            chunks = [bounds[s] for s in virtual_stages_of_device(k, c.stages, c.virtual_stages, c.schedule)]
             total = sum(self._chunk_static(rows, a, b, c) for a, b in chunks)
             total += peak_from_coefficients([self.table.stage(rows, a, b) for a, b in chunks], held[k], c.checkpoint)
             if total > capacity:
@@ -292,7 +297,7 @@ class Partitions:
         # (and the rows, policy and state sharding), which many parts and candidates share: swept once each
         ends = []
         for part in range(c.stages * c.virtual_stages):
-            device, chunk = part % c.stages, part // c.stages
+            device, chunk = device_of_virtual_stage(part, c.stages, c.schedule), part // c.stages
             key = (rows, c.checkpoint, *_sharding(c), chunk_coefficients(held[device], chunk, c.checkpoint))
             if key not in self._ends:
                 self._ends[key] = self._memory_ends(rows, key[-1], c)

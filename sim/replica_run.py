@@ -5,7 +5,9 @@ of virtual stage s waits for s-1's activation, a backward for s+1's gradient; a 
 nothing but the device, so it can run before the gradient arrives (the GPipe paper's observation).
 Without interleaving, virtual stage and device are the same; with it, virtual stage s runs on device
 s % K, so a micro-batch goes round the K devices V times and the hop from device K-1 back to device
-0 between chunks is a transfer like any other.
+0 between chunks is a transfer like any other. The V-shaped schedules (zbv, dualpipev) place chunk 1
+back up the devices (:func:`sim.schedule.device_of_virtual_stage`): the hand-off between the chunks
+stays on device K-1, in memory, and every other hop joins neighbouring devices.
 
 Finished activations and gradients travel over first-come-first-served link channels: a dedicated
 one per device pair and direction, or, for PCIe through the host, one per node and direction that
@@ -46,19 +48,21 @@ class Links:
     Replicas are simulated apart, so two replicas' transfers never queue on a shared channel.
     """
 
-    def __init__(self, system: System, devices: Sequence[int]) -> None:
-        stages = len(devices)
+    def __init__(self, system: System, devices: Sequence[int], positions: Sequence[int]) -> None:
         self._free_at_s: dict[tuple, float] = {}
-        # hop[(k, forward)]: (link, channel key, free) for device k's send to its next or previous device
-        self.hop: dict[tuple[int, bool], tuple[Link, tuple, bool]] = {}
-        for k in range(stages):
-            for forward in (True, False):
-                source, target = devices[k], devices[(k + (1 if forward else -1)) % stages]
+        # hop[(k, j)]: (link, channel key, free) for a send from pipeline position k to position j, for
+        # each pair that consecutive virtual stages (``positions[s]``, ``positions[s+1]``) join, both ways
+        self.hop: dict[tuple[int, int], tuple[Link, tuple, bool]] = {}
+        for here, there in zip(positions, positions[1:]):
+            if here == there:
+                continue  # chunks of one device hand over in memory
+            for k, j in ((here, there), (there, here)):
+                source, target = devices[k], devices[j]
                 link = system.link_between(source, target)
                 key = ((system.node_of(min(source, target)), target > source) if link.shared
                        else (source, target))
                 free = link.latency_s == 0.0 and math.isinf(link.point_to_point_bytes_per_s)
-                self.hop[(k, forward)] = (link, key, free)
+                self.hop[(k, j)] = (link, key, free)
 
     def reserve(self, link: Link, key: tuple, now_s: float, nbytes: int) -> tuple[float, float]:
         """Book a transfer of ``nbytes`` on channel ``key`` of ``link``: (start_s, arrival_s)."""
@@ -77,14 +81,17 @@ class ReplicaRun:
     """
 
     def __init__(self, system: System, devices: Sequence[int], virtual_stages: int, rows: list[int],
-                 costs: dict[int, list[StageCost]], checkpoint: str, record: bool) -> None:
+                 costs: dict[int, list[StageCost]], checkpoint: str, record: bool,
+                 positions: Sequence[int] | None = None) -> None:
         self.stages = len(devices)
         self.virtual = virtual_stages * self.stages
+        # the pipeline position of each virtual stage (sim.schedule.device_of_virtual_stage); loop placement by default
+        self.position = list(positions) if positions is not None else [s % self.stages for s in range(self.virtual)]
         self.rows = rows
         self.costs = costs
         self.checkpoint = checkpoint
         self.record = record
-        self.links = Links(system, devices)
+        self.links = Links(system, devices, self.position)
         self.busy_s = [0.0] * self.stages
         self.held_bytes = [0] * self.stages
         self.peak_bytes = [0] * self.stages
@@ -153,14 +160,14 @@ class ReplicaRun:
                     if kind is Kind.FORWARD:
                         self._hold(device, stash if recomputes(self.checkpoint, m, m_count) else saved)
                         if s < last:
-                            arrival_s[True][s + 1][m] = self._arrival_s(device, t, cost.output_bytes, True)
+                            arrival_s[True][s + 1][m] = self._arrival_s(device, s + 1, t, cost.output_bytes)
                     elif kind is Kind.RECOMPUTE:
                         self._hold(device, saved - stash)
                     else:
                         if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
                             self._hold(device, -saved - transient)
                         if kind is not Kind.WEIGHT and s > 0:
-                            arrival_s[False][s - 1][m] = self._arrival_s(device, t, cost.stash_bytes, False)
+                            arrival_s[False][s - 1][m] = self._arrival_s(device, s - 1, t, cost.stash_bytes)
                     i += 1
                 advanced += i - position[device]
                 position[device], now_s[device] = i, t
@@ -170,11 +177,12 @@ class ReplicaRun:
         self.last_backward_s = now_s
         return self
 
-    def _arrival_s(self, device: int, now_s: float, nbytes: int, forward: bool) -> float:
-        """When a send from ``device`` at ``now_s`` reaches its target (:meth:`_send`'s timing)."""
-        if self.stages == 1:
+    def _arrival_s(self, device: int, target: int, now_s: float, nbytes: int) -> float:
+        """When a send from ``device`` at ``now_s`` reaches virtual stage ``target`` (:meth:`_send`'s timing)."""
+        position = self.position[target]
+        if position == device:  # chunks of one device hand over in memory
             return now_s
-        link, key, free = self.links.hop[(device, forward)]
+        link, key, free = self.links.hop[(device, position)]
         if free:
             return now_s
         arrival_s = self.links.reserve(link, key, now_s, nbytes)[1]
@@ -245,10 +253,11 @@ class ReplicaRun:
     def _send(self, device: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:
         """Hand virtual stage ``target`` its input (or gradient) of ``microbatch``."""
         arrived = (self.activation_in if forward else self.gradient_in)[target][microbatch]
-        if self.stages == 1:  # chunks on one device hand over in memory
+        position = self.position[target]
+        if position == device:  # chunks on one device hand over in memory
             arrived.succeed()
             return
-        link, key, free = self.links.hop[(device, forward)]
+        link, key, free = self.links.hop[(device, position)]
         if free:
             arrived.succeed()
             return

@@ -52,8 +52,12 @@ from typing import Callable, Sequence
 
 from sim.errors import GpipeInputError, require_positive
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)  # their backwards are an I (input gradient) and a W (weight gradients)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+# their backwards are an I (input gradient) and a W (weight gradients), dualpipev's in part
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zbv", "dualpipev")
+# two chunks per device in a V: device d runs virtual stages d and 2K-1-d (see device_of_virtual_stage)
+V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
+MULTI_CHUNK_SCHEDULES = ("interleaved", *V_SHAPED_SCHEDULES)  # more than one chunk of layers per device
 # What gpipe plan searches unless --schedules names others: not the split-backward ones yet, whose
 # cost of splitting the backward in the executor (an autograd call per group of weights) no
 # calibration measures, so a predicted gain may be a measured loss (benchmarks/README.md)
@@ -194,6 +198,133 @@ def _stage_zb_h1(stage: int, stages: int, microbatches: int, checkpoint: str) ->
     return actions
 
 
+class _ChunkLists:
+    """One device's list built chunk by chunk: each call adds the next micro-batch of a (virtual
+    stage, kind), skipping micro-batches past M (the V schedules' counts are written for at least
+    2K-1 micro-batches and cut back, so the order of the ones kept does not change), with the
+    recompute a checkpoint policy asks for before each micro-batch's first backward action."""
+
+    def __init__(self, microbatches: int, checkpoint: str) -> None:
+        self.microbatches = microbatches
+        self.checkpoint = checkpoint
+        self.actions: list[Action] = []
+        self.count: dict[tuple[int, Kind], int] = {}
+        self.pending_weights: list[tuple[int, int]] = []  # (stage, micro-batch) of each I whose W is to come
+
+    def next_microbatch(self, stage: int, kind: Kind) -> int:
+        return self.count.get((stage, kind), 0)
+
+    def add(self, stage: int, kind: Kind) -> None:
+        counted = Kind.INPUT if kind is Kind.BACKWARD else kind  # a full backward counts as the micro-batch's I
+        m = self.count.get((stage, counted), 0)
+        self.count[(stage, counted)] = m + 1
+        if kind is Kind.INPUT:
+            self.pending_weights.append((stage, m))
+        if m >= self.microbatches:
+            return
+        if kind in (Kind.BACKWARD, Kind.INPUT) and recomputes(self.checkpoint, m, self.microbatches):
+            self.actions.append(Action(stage, Kind.RECOMPUTE, m))
+        self.actions.append(Action(stage, kind, m))
+
+    def add_weight(self, stage: int) -> None:
+        """The W of ``stage``'s oldest micro-batch whose I has run and W has not."""
+        m = next(m for s, m in self.pending_weights if s == stage)
+        self.pending_weights.remove((stage, m))
+        if m < self.microbatches:
+            self.actions.append(Action(stage, Kind.WEIGHT, m))
+
+    def add_oldest_weight(self) -> None:
+        """The W of the oldest I on the device, whichever chunk ran it (none pending: nothing)."""
+        if self.pending_weights:
+            self.add_weight(self.pending_weights[0][0])
+
+
+def _device_zbv(device: int, stages: int, microbatches: int, checkpoint: str) -> list[Action]:
+    """ZB-V on device d (Qi et al. 2024, section 6): chunk ``down`` = d, chunk ``up`` = 2K-1-d. The
+    warm-up fills the V (2(K-d)-1 forwards down, then d pairs up-down, then K-d of F, I, W up); the
+    steady state runs F, I, W down then F, I, W up; the drain runs d pairs of I down, I up, then K-d
+    of I, W down, and the W held back, up's before down's. Counts are written for max(M, 2K-1)
+    micro-batches and cut back to M (:class:`_ChunkLists`)."""
+    down, up = device, 2 * stages - 1 - device
+    padded = max(microbatches, 2 * stages - 1)
+    lists = _ChunkLists(microbatches, checkpoint)
+    for _ in range(2 * (stages - device) - 1):
+        lists.add(down, Kind.FORWARD)
+    for _ in range(device):
+        lists.add(up, Kind.FORWARD)
+        lists.add(down, Kind.FORWARD)
+    for _ in range(stages - device):
+        lists.add(up, Kind.FORWARD)
+        lists.add(up, Kind.INPUT)
+        lists.add_weight(up)
+    while (lists.next_microbatch(down, Kind.FORWARD) < padded
+           or lists.next_microbatch(up, Kind.FORWARD) < lists.next_microbatch(down, Kind.FORWARD)):
+        if lists.next_microbatch(down, Kind.FORWARD) < padded:
+            lists.add(down, Kind.FORWARD)
+        lists.add(down, Kind.INPUT)
+        lists.add_weight(down)
+        lists.add(up, Kind.FORWARD)
+        lists.add(up, Kind.INPUT)
+        lists.add_weight(up)
+    for _ in range(device):
+        lists.add(down, Kind.INPUT)
+        lists.add(up, Kind.INPUT)
+    for _ in range(stages - device):
+        lists.add(down, Kind.INPUT)
+        lists.add_weight(down)
+    for stage in (up, down):
+        while any(s == stage for s, _m in lists.pending_weights):
+            lists.add_weight(stage)
+    return lists.actions
+
+
+def _device_dualpipev(device: int, stages: int, microbatches: int, checkpoint: str) -> list[Action]:
+    """DualPipeV on device d (DeepSeek-V3's DualPipe folded into a V, as torch's ScheduleDualPipeV
+    runs it): chunk ``down`` = d, chunk ``up`` = 2K-1-d. Warm-up: 2(K-d-1) forwards down, d+1 pairs
+    down-up, K-d-1 of I up, the oldest W, F up. Steady: F down, B up, F up, B down, where DeepSeek
+    overlaps each forward with the other chunk's backward; here they run one after the other (eager
+    PyTorch has no overlap of compute with compute), so the pairing only orders them. Drain: K-d-1 of
+    B up, F up, B down; d+1 backward pairs up-down, split into I from the middle one on; K-d-1 of
+    the oldest W then I down; the W still held. Needs M >= 2K (:func:`check_v_schedule`)."""
+    down, up = device, 2 * stages - 1 - device
+    lists = _ChunkLists(microbatches, checkpoint)
+    for _ in range(2 * (stages - device - 1)):
+        lists.add(down, Kind.FORWARD)
+    for _ in range(device + 1):
+        lists.add(down, Kind.FORWARD)
+        lists.add(up, Kind.FORWARD)
+    for _ in range(stages - device - 1):
+        lists.add(up, Kind.INPUT)
+        lists.add_oldest_weight()
+        lists.add(up, Kind.FORWARD)
+    for _ in range(microbatches - 2 * stages + device + 1):
+        lists.add(down, Kind.FORWARD)
+        lists.add(up, Kind.BACKWARD)
+        lists.add(up, Kind.FORWARD)
+        lists.add(down, Kind.BACKWARD)
+    for _ in range(stages - device - 1):
+        lists.add(up, Kind.BACKWARD)
+        lists.add(up, Kind.FORWARD)
+        lists.add(down, Kind.BACKWARD)
+    middle = (device + 1) // 2  # from here on the backwards are split, up's one pair later on even devices
+    for i in range(device + 1):
+        lists.add(up, Kind.INPUT if i > middle or (i == middle and device % 2) else Kind.BACKWARD)
+        lists.add(down, Kind.INPUT if i >= middle else Kind.BACKWARD)
+    for _ in range(stages - device - 1):
+        lists.add_oldest_weight()
+        lists.add(down, Kind.INPUT)
+    while lists.pending_weights:
+        lists.add_oldest_weight()
+    return lists.actions
+
+
+def check_v_schedule(schedule: str, stages: int, microbatches: int) -> None:
+    """DualPipeV's steady state needs at least 2K micro-batches (its warm-up alone starts 2K-1)."""
+    if schedule == "dualpipev" and microbatches < 2 * stages:
+        raise GpipeInputError(f"--schedule dualpipev needs at least 2K = {2 * stages} micro-batches with K={stages} "
+                              f"stages, got M={microbatches}; use --microbatches {2 * stages} or more")
+
+
 def check_split_backward(schedule: str, checkpoint: str) -> None:
     """A split-backward schedule with a checkpoint policy whose backward cannot be split, refused."""
     if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
@@ -248,12 +379,22 @@ def check_interleaving(stages: int, microbatches: int, virtual_stages: int, num_
 
 
 def check_virtual_stages(schedule: str, virtual_stages: int) -> None:
-    """--virtual-stages belongs to the interleaved schedule alone."""
+    """--virtual-stages belongs to the multi-chunk schedules: 2 or more interleaved, exactly 2 in a V."""
+    if schedule in V_SHAPED_SCHEDULES:
+        if virtual_stages != 2:
+            raise GpipeInputError(f"--schedule {schedule} runs two chunks per device in a V; use --virtual-stages 2, "
+                                  f"not {virtual_stages}")
+        return
     if schedule != "interleaved" and virtual_stages != 1:
-        raise GpipeInputError(f"--virtual-stages {virtual_stages} needs --schedule interleaved "
+        raise GpipeInputError(f"--virtual-stages {virtual_stages} needs --schedule interleaved, zbv or dualpipev "
                               f"(the {schedule} schedule runs one chunk per device)")
     if schedule == "interleaved" and virtual_stages < 2:
         raise GpipeInputError(f"--schedule interleaved needs --virtual-stages 2 or more, got {virtual_stages}")
+
+
+def default_virtual_stages(schedule: str) -> int:
+    """V when none is given: 2 for the multi-chunk schedules, 1 otherwise."""
+    return 2 if schedule in MULTI_CHUNK_SCHEDULES else 1
 
 
 def build_schedule(stages: int, microbatches: int, schedule: str = "gpipe",
@@ -270,6 +411,7 @@ def build_schedule(stages: int, microbatches: int, schedule: str = "gpipe",
     check_split_backward(schedule, checkpoint)
     if schedule == "interleaved":
         check_interleaving(stages, microbatches, virtual_stages)
+    check_v_schedule(schedule, stages, microbatches)
     return [stage_actions(k, stages, microbatches, schedule, checkpoint, virtual_stages) for k in range(stages)]
 
 
@@ -282,12 +424,30 @@ def stage_actions(stage: int, stages: int, microbatches: int, schedule: str = "g
         return _device_interleaved(stage, stages, microbatches, virtual_stages, checkpoint)
     if schedule == "zb-h1":
         return _stage_zb_h1(stage, stages, microbatches, checkpoint)
+    if schedule == "zbv":
+        return _device_zbv(stage, stages, microbatches, checkpoint)
+    if schedule == "dualpipev":
+        return _device_dualpipev(stage, stages, microbatches, checkpoint)
     return _stage_1f1b(stage, stages, microbatches, checkpoint)
 
 
-def device_of_virtual_stage(virtual_stage: int, stages: int) -> int:
-    """The device that runs virtual stage ``virtual_stage`` (chunk ``virtual_stage // K``)."""
-    return virtual_stage % stages
+def device_of_virtual_stage(virtual_stage: int, stages: int, schedule: str = "interleaved") -> int:
+    """The device (pipeline position) that runs virtual stage ``virtual_stage``, chunk ``s // K``.
+
+    Loop placement (interleaved, and one chunk per device): s mod K, so every chunk goes down the
+    devices and the hop from device K-1 to device 0 joins two chunks. V placement (zbv, dualpipev):
+    chunk 0 goes down (device s) and chunk 1 comes back up (device 2K-1-s), so the hand-off between
+    the chunks stays on device K-1 and device 0 holds both the first and the last stage."""
+    chunk, within = divmod(virtual_stage, stages)
+    if schedule in V_SHAPED_SCHEDULES and chunk % 2:
+        return stages - 1 - within
+    return within
+
+
+def virtual_stages_of_device(device: int, stages: int, virtual_stages: int, schedule: str = "interleaved") -> list[int]:
+    """The virtual stages device ``device`` runs, chunk 0 first (inverse of :func:`device_of_virtual_stage`)."""
+    return [c * stages + (stages - 1 - device if schedule in V_SHAPED_SCHEDULES and c % 2 else device)
+            for c in range(virtual_stages)]
 
 
 def walk_in_rounds(per_device: Sequence[Sequence[Action]], run: Callable[[int, Action], bool]) -> list[int]:

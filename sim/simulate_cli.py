@@ -18,7 +18,7 @@ from sim.plan import load_plan, parse_partition
 from sim.planner import Candidate, default_partition
 from sim.precision import check_precision
 from sim.schedule import (build_schedule, check_checkpoint_policy, check_interleaving, check_schedule_name,
-                          check_virtual_stages, format_grid)
+                          check_v_schedule, check_virtual_stages, format_grid)
 from sim.report import fit_advice, format_summary
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
@@ -125,6 +125,8 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                                             args.context_parallel)
     if args.schedule == "interleaved":
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
+    if given is None:
+        check_v_schedule(args.schedule, stages, args.microbatches)
     if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
         workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches, args.replicas)
     if partition is None:

@@ -17,9 +17,9 @@ lists in the compute-only form (``gpipe plan --schedule-csv-out``), which torch 
 ``compute_comms`` form itself; recompute actions are not written (torch has none: its stage
 checkpoints inside the module).
 
-Limits: stage s must run on rank s mod K (the "loop" placement of torch's interleaved schedules);
-the V-shaped placement of ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` is refused in one
-line, since the simulator's devices hand a stage's output to the next device only.
+Placements: stage s on rank s mod K (the "loop" of torch's interleaved schedules), or, with two
+stages per rank, the V of ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (stages r and 2K-1-r
+on rank r, :func:`sim.schedule.device_of_virtual_stage`); any other placement is refused in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import re
 from typing import Sequence
 
 from sim.errors import GpipeInputError
-from sim.schedule import Action, Kind, recomputes
+from sim.schedule import Action, Kind, device_of_virtual_stage, recomputes
 
 _CELL = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
 _COMPUTE = {"F": Kind.FORWARD, "B": Kind.BACKWARD, "I": Kind.INPUT, "W": Kind.WEIGHT}
@@ -72,12 +72,14 @@ def read_schedule_csv(path: str, checkpoint: str = "never") -> tuple[list[list[A
     per_rank = [[a for cell in row for a in _cell_actions(cell, path, rank)] for rank, row in enumerate(rows)]
     devices = len(per_rank)
     stages = 1 + max((a.stage for actions in per_rank for a in actions), default=-1)
+    placement = "zbv" if stages == 2 * devices and any(a.stage == stages - 1 for a in per_rank[0]) else "interleaved"
     for rank, actions in enumerate(per_rank):
         for action in actions:
-            if action.stage % devices != rank:
-                raise GpipeInputError(f"{path}: stage {action.stage} runs on rank {rank}, not rank "
-                                      f"{action.stage % devices}: only the loop placement (stage s on rank s mod K) "
-                                      "is modelled, not V-shaped ones (ZBV, DualPipeV)")
+            expected = device_of_virtual_stage(action.stage, devices, placement)
+            if expected != rank:
+                raise GpipeInputError(f"{path}: stage {action.stage} runs on rank {rank}, not rank {expected}: "
+                                      "only the loop placement (stage s on rank s mod K) and, with two stages per "
+                                      "rank, the V (stages r and 2K-1-r on rank r) are modelled")
     if stages % devices:
         raise GpipeInputError(f"{path}: {stages} stages on {devices} ranks; give V x K stages, V per rank")
     microbatches = 1 + max(a.microbatch for actions in per_rank for a in actions)
@@ -139,11 +141,15 @@ def _with_recompute(actions: Sequence[Action], checkpoint: str, microbatches: in
 
 
 def schedule_shape(per_device: Sequence[Sequence[Action]], virtual_stages: int) -> str:
-    """The named schedule whose checks and labels fit these lists: interleaved for V > 1, zb-h1 where
-    the backward is split, else 1f1b."""
+    """The named schedule whose placement, checks and labels fit these lists: for two chunks in a V
+    (device 0 runs the last stage), zbv where every backward is split, else dualpipev; interleaved for
+    other V > 1; zb-h1 where the backward is split, else 1f1b."""
+    kinds = {a.kind for actions in per_device for a in actions}
+    split = bool(kinds & {Kind.INPUT, Kind.WEIGHT})
+    if virtual_stages == 2 and any(a.stage == 2 * len(per_device) - 1 for a in per_device[0]):
+        return "dualpipev" if Kind.BACKWARD in kinds else "zbv"
     if virtual_stages > 1:
         return "interleaved"
-    split = any(a.kind in (Kind.INPUT, Kind.WEIGHT) for actions in per_device for a in actions)
     return "zb-h1" if split else "1f1b"
 
 

@@ -1,11 +1,14 @@
 import pytest
 
 from sim.errors import GpipeInputError
-from sim.schedule import Action, Kind, build_schedule, check_interleaving, format_grid, recomputes
+from sim.schedule import (Action, Kind, build_schedule, check_interleaving, default_virtual_stages,
+                          device_of_virtual_stage, format_grid,
+                          recomputes, virtual_stages_of_device)
 
 
 def grid(stages, microbatches, schedule, checkpoint):
-    return [" ".join(map(str, actions)) for actions in build_schedule(stages, microbatches, schedule, checkpoint)]
+    return [" ".join(map(str, actions)) for actions in build_schedule(stages, microbatches, schedule, checkpoint,
+                                                                      default_virtual_stages(schedule))]
 
 
 def test_gpipe_fill_and_drain_literal():
@@ -109,8 +112,10 @@ def _list_schedule(per_device, virtual_stages_total, forward_s=1.0, backward_s=2
                 if action.kind is Kind.FORWARD and action.stage > 0:
                     needs = (action.stage - 1, Kind.FORWARD, action.microbatch)
                 elif action.kind in (Kind.BACKWARD, Kind.INPUT) and action.stage < virtual_stages_total - 1:
-                    needs = (action.stage + 1, action.kind, action.microbatch)
-                if needs is not None and needs not in done:
+                    # the next stage's gradient, from its B or its I (dualpipev mixes the two)
+                    needs = next(((action.stage + 1, kind, action.microbatch) for kind in (Kind.BACKWARD, Kind.INPUT)
+                                  if (action.stage + 1, kind, action.microbatch) in done), "not yet")
+                if needs == "not yet" or (needs is not None and needs not in done):
                     break
                 duration = durations[action.kind]
                 start = max(free_s[device], done[needs] if needs else 0.0)
@@ -204,3 +209,90 @@ def test_zb_h1_refuses_per_layer_recompute_in_one_line():
     with pytest.raises(GpipeInputError, match="--checkpoint full") as caught:
         build_schedule(2, 4, "zb-h1", "full")
     assert "\n" not in str(caught.value)
+
+
+def test_zbv_literal_two_devices():
+    """ZB-V (Qi et al. 2024, section 6): device d runs virtual stages d and 2K-1-d; the same order as
+    torch's ScheduleZBVZeroBubble (tests/test_torch_schedule.py checks that for K = 1..4)."""
+    assert grid(2, 4, "zbv", "never") == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3"]
+
+
+def test_dualpipev_literal_two_devices():
+    """DualPipeV: full backwards (B) in the steady state, each paired with the other chunk's forward,
+    split into I and W in the drain."""
+    assert grid(2, 4, "dualpipev", "never") == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3"]
+
+
+def test_v_placement_puts_the_second_chunk_back_up_the_devices():
+    assert [device_of_virtual_stage(s, 3, "zbv") for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [device_of_virtual_stage(s, 3, "interleaved") for s in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert virtual_stages_of_device(0, 3, 2, "dualpipev") == [0, 5]
+    assert virtual_stages_of_device(2, 3, 2, "interleaved") == [2, 5]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "selective"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 1, 5])
+def test_v_schedules_run_each_chunk_once_on_its_device_without_deadlock(schedule, checkpoint, stages, extra):
+    """Every (virtual stage, micro-batch) once: F, the recompute its policy asks for, then B or I and
+    W; on the device the V places it; and the lists finish when each action waits only for its input.
+    ZB-V also with fewer micro-batches than its 2K-1 warm-up (its counts are cut back)."""
+    microbatches = (2 * stages if schedule == "dualpipev" else max(1, stages - 1)) + extra
+    per_device = build_schedule(stages, microbatches, schedule, checkpoint, 2)
+    for device, actions in enumerate(per_device):
+        assert {device_of_virtual_stage(a.stage, stages, schedule) for a in actions} == {device}
+        for s in virtual_stages_of_device(device, stages, 2, schedule):
+            for m in range(microbatches):
+                kinds = [a.kind for a in actions if (a.stage, a.microbatch) == (s, m)]
+                again = [Kind.RECOMPUTE] if recomputes(checkpoint, m, microbatches) else []
+                assert kinds in ([Kind.FORWARD, *again, Kind.BACKWARD],
+                                 [Kind.FORWARD, *again, Kind.INPUT, Kind.WEIGHT]), (device, s, m, kinds)
+    _list_schedule(per_device, 2 * stages)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+@pytest.mark.parametrize("microbatches_per_device", [2, 3, 5])
+def test_v_schedules_idle_k_minus_one_chunk_forwards_on_uniform_costs(schedule, stages, microbatches_per_device):
+    """With F = I = W per chunk (B = I + W), each device computes 6M and the step is 6M + (K-1)F:
+    the only idle time is the first forward's way down the V, against zb-h1's (K-1)(F+I-W) in
+    stage-sized actions (twice these chunks') and 1F1B's (K-1)(F+B)."""
+    microbatches = stages * microbatches_per_device
+    step_s, busy_s = _list_schedule(build_schedule(stages, microbatches, schedule, "never", 2), 2 * stages,
+                                    forward_s=1.0, backward_s=2.0, input_s=1.0, weight_s=1.0)
+    assert busy_s == [6.0 * microbatches] * stages
+    assert step_s == 6.0 * microbatches + (stages - 1) * 1.0
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 8), (3, 6), (4, 8), (4, 12)])
+def test_zbv_holds_what_1f1b_holds(stages, microbatches):
+    """ZB-V's selling point: at most 2K chunk-sized micro-batches in flight per device (forward done,
+    W not yet), what 1F1B's first stage holds in stage-sized ones (K)."""
+    for actions in build_schedule(stages, microbatches, "zbv", "never", 2):
+        in_flight = peak = 0
+        for action in actions:
+            in_flight += {Kind.FORWARD: 1, Kind.WEIGHT: -1}.get(action.kind, 0)
+            peak = max(peak, in_flight)
+        assert peak <= 2 * stages
+
+
+@pytest.mark.parametrize("schedule, stages, microbatches, virtual, message", [
+    ("zbv", 2, 4, 1, "--schedule zbv runs two chunks per device in a V; use --virtual-stages 2, not 1"),
+    ("dualpipev", 2, 4, 3, "use --virtual-stages 2, not 3"),
+    ("dualpipev", 3, 5, 2, "--schedule dualpipev needs at least 2K = 6 micro-batches with K=3 stages, got M=5"),
+])
+def test_v_schedule_refusals_are_one_line(schedule, stages, microbatches, virtual, message):
+    with pytest.raises(GpipeInputError, match=None) as error:
+        build_schedule(stages, microbatches, schedule, "never", virtual)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_refuse_per_layer_recompute(schedule):
+    with pytest.raises(GpipeInputError, match="--checkpoint full"):
+        build_schedule(2, 4, schedule, "full", 2)

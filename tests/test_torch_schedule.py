@@ -17,14 +17,15 @@ from sim.models import get_workload
 from sim.partition import even_partition
 from sim.plan import load_plan
 from sim.schedule import build_schedule
-from sim.torch_schedule import read_schedule_csv, write_schedule_csv
+from sim.torch_schedule import read_schedule_csv, schedule_shape, write_schedule_csv
 
 
-def torch_csv(path, schedule_class, stages: int, virtual: int, microbatches: int) -> str:
-    """The CSV torch's own ``schedule_class`` dumps for rank 0's view of K x V loop-placed stages
-    (its compute-only order is the same for every rank; no process group is needed to build it)."""
+def torch_csv(path, schedule_class, stages: int, virtual: int, microbatches: int, v_shaped: bool = False) -> str:
+    """The CSV torch's own ``schedule_class`` dumps for rank 0's view of K x V stages, loop-placed or
+    in a V (its compute-only order is the same for every rank; no process group is needed to build it)."""
+    indices = (0, 2 * stages - 1) if v_shaped else range(0, stages * virtual, stages)
     local = [SimpleNamespace(num_stages=stages * virtual, group_size=stages, group_rank=0, stage_index=s,
-                             submod=torch.nn.Identity()) for s in range(0, stages * virtual, stages)]
+                             submod=torch.nn.Identity()) for s in indices]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         schedule = schedule_class(local, microbatches, loss_fn=lambda output, target: output)
@@ -93,7 +94,9 @@ def _write(path, rows):
     ([["0F0"], ["1F0", "1B0"]], "stage 0, micro-batch 0 has actions ['F']"),
     ([["0F0", "0B0"], ["1B0", "1F0"]], "the schedule deadlocks: every rank waits for an input no rank produces "
                                        "(rank 0 at 0B0, rank 1 at 1B0)"),
-    ([["0F0", "3F0", "3B0", "0B0"], ["1F0", "2F0", "2B0", "1B0"]], "stage 3 runs on rank 0, not rank 1"),
+    ([["0F0", "1F0", "1B0", "0B0"], ["2F0", "3F0", "3B0", "2B0"]], "stage 1 runs on rank 0, not rank 1"),
+    ([["0F0", "3F0", "3B0", "0B0"], ["1F0", "2F0", "2B0", "1B0"], ["4F0", "5F0", "5B0", "4B0"]],
+     "stage 2 runs on rank 1, not rank 2"),
     ([], "holds no actions"),
 ])
 def test_a_csv_this_cannot_run_is_one_line(tmp_path, capsys, rows, message):
@@ -105,9 +108,38 @@ def test_a_csv_this_cannot_run_is_one_line(tmp_path, capsys, rows, message):
     assert message in capsys.readouterr().err
 
 
-def test_torchs_zbv_csv_is_refused_as_v_shaped(tmp_path):
-    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_torchs_v_shaped_csvs_are_our_v_schedules(tmp_path, name, stages):
+    """torch's ScheduleZBVZeroBubble and ScheduleDualPipeV dump the lists our zbv and dualpipev build
+    (DualPipeV's overlapped pairs as their forward then backward), so they predict the same step."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
-    path = torch_csv(tmp_path / "zbv.csv", ScheduleZBVZeroBubble, 2, 2, 4)
-    with pytest.raises(GpipeInputError, match="not V-shaped ones"):
-        read_schedule_csv(path)
+    schedule_class = ScheduleZBVZeroBubble if name == "zbv" else ScheduleDualPipeV
+    for microbatches in sorted({2 * stages, 2 * stages + 3, 4 * stages}):
+        path = torch_csv(tmp_path / f"{name}{microbatches}.csv", schedule_class, stages, 2, microbatches, True)
+        lists, m, v = read_schedule_csv(path, "except_last")
+        assert (lists, m, v) == (build_schedule(stages, microbatches, name, "except_last", 2), microbatches, 2)
+        assert schedule_shape(lists, v) == name
+    workload, system = get_workload("uniform", {"layers": 16}), get_system("v100-nvlink")
+    partition, microbatches = even_partition(16, 2 * stages), 4 * stages
+    path = torch_csv(tmp_path / "sim.csv", schedule_class, stages, 2, microbatches, True)
+    ours = simulate(workload, system, partition, 2 * microbatches, microbatches, "never", name, virtual_stages=2)
+    theirs = simulate(workload, system, partition, 2 * microbatches, microbatches, "never", name, virtual_stages=2,
+                      actions=read_schedule_csv(path, "never")[0])
+    assert theirs.bubble_fraction == pytest.approx(ours.bubble_fraction, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_v_schedules_round_trip_and_simulate_from_the_command_line(tmp_path, capsys, name):
+    ours = build_schedule(3, 6, name, "always", 2)
+    path = str(tmp_path / "v.csv")
+    write_schedule_csv(ours, path)
+    assert read_schedule_csv(path, "always") == (ours, 6, 2)
+    assert main(["simulate", "--model", "uniform", "--layers", "12", "--checkpoint", "always",
+                 "--schedule-csv", path, "--json"]) == 0
+    import json
+    from_csv = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "--model", "uniform", "--layers", "12", "--checkpoint", "always", "--stages", "3",
+                 "--microbatches", "6", "--schedule", name, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(from_csv["step_time_s"], rel=1e-12)
