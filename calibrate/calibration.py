@@ -38,11 +38,12 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One executor run: (D, K, T, M, partition, checkpoint, schedule) at a global batch size.
+    """One executor run: (D, K, T, V, M, partition, checkpoint, schedule) at a global batch size.
 
     ``replicas`` D copies of the pipeline train on ``torch.chunk`` of the batch each and average
     their gradients; each stage runs on ``tensor_parallel`` T ranks (D x K x T processes in all);
-    the calibration design keeps D = T = 1.
+    under a multi-chunk schedule each process runs ``virtual_stages`` V chunks (the partition lists
+    V x K); the calibration design keeps D = T = V = 1.
     """
 
     partition: tuple[int, ...]
@@ -52,10 +53,11 @@ class RunSpec:
     batch_size: int
     replicas: int = 1
     tensor_parallel: int = 1
+    virtual_stages: int = 1
 
     @property
     def stages(self) -> int:
-        return len(self.partition)
+        return len(self.partition) // self.virtual_stages
 
     @property
     def processes(self) -> int:
@@ -66,7 +68,9 @@ class RunSpec:
         parts = ",".join(map(str, self.partition))
         replicas = f"D={self.replicas} " if self.replicas > 1 else ""
         split = f" T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
-        return f"{replicas}K={self.stages}{split} M={self.microbatches} [{parts}] {self.checkpoint} {self.schedule}"
+        chunks = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"{replicas}K={self.stages}{split}{chunks} M={self.microbatches} [{parts}] {self.checkpoint} "
+                f"{self.schedule}")
 
 
 def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
@@ -104,7 +108,7 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
                      schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
                      warmup_steps=1, device=device, timeout_s=120.0, optimizer=optimizer,
                      precision=precision, replicas=spec.replicas,
-                     tensor_parallel=spec.tensor_parallel).validate()
+                     tensor_parallel=spec.tensor_parallel, virtual_stages=spec.virtual_stages).validate()
 
 
 # ----------------------------------------------------------------------------- observations
@@ -233,7 +237,7 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
                 if spec.replicas > 1 else {})
     return simulate(workload, system, spec.partition, spec.batch_size, spec.microbatches, spec.checkpoint,
-                    spec.schedule, **replicas)
+                    spec.schedule, virtual_stages=spec.virtual_stages, **replicas)
 
 
 def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],

@@ -49,8 +49,12 @@ from executor.device import device_api
 from executor.memory import local_tensor, storage_key
 from executor.precision import autocast
 from executor.selective import recompute_attention_core
+from executor.split_backward import PendingWeights, WeightEdges, input_gradients, weight_gradients
 
-KINDS = ("F", "R", "B", "C")
+# F: forward without grad; R: forward with grad (a recompute); B: the whole backward; C: what dropping
+# the attention core adds to the backward (selective); I and W: the backward split as the zero-bubble
+# schedules run it (executor.split_backward), the input gradient then the weight gradients
+KINDS = ("F", "R", "B", "C", "I", "W")
 
 
 @dataclass
@@ -152,6 +156,7 @@ class LayerRunner:
         self.target = target
         self.device = device
         self.precision = precision
+        self.weights = WeightEdges(list(layer.parameters()))  # the split backward's, found once as a stage does
 
     def _out(self, x: Any) -> Any:
         with autocast(self.precision, self.device.type):
@@ -180,9 +185,18 @@ class LayerRunner:
         if roots:
             torch.autograd.backward(roots, None if self.loss is not None else grad)
 
+    def input_gradient(self, leaf: Any, out: Any, grad: list[torch.Tensor] | None) -> PendingWeights | None:
+        """I: the gradient of the layer's input alone, as a stage that is not the first computes it
+        (the layer's floating-point input needs one); what W needs after (None: nothing to do)."""
+        roots = [t for t in tensors(out) if t.requires_grad]
+        if not roots:
+            return None
+        inputs = [t for t in tensors(leaf) if t.requires_grad]
+        return input_gradients(roots, None if self.loss is not None else grad, inputs, self.weights)[1]
+
 
 def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str, float], int]:
-    """Median F, R and B seconds of one layer on input ``x``, and how many runs were timed."""
+    """Median seconds of each of :data:`KINDS` for one layer on input ``x``, and how many runs were timed."""
     device = runner.device
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
     grad = None
@@ -195,6 +209,10 @@ def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str,
             grad = [torch.randn_like(t) for t in tensors(out) if t.requires_grad]
         b_s, _ = _timed(lambda: runner.backward(out, grad), device)
         del leaf, out
+        leaf, out, _ = runner.forward_grad(x)
+        i_s, pending = _timed(lambda: runner.input_gradient(leaf, out, grad), device)
+        w_s, _ = _timed(lambda: weight_gradients(pending) if pending is not None else None, device)
+        del leaf, out, pending
         c_s = 0.0
         if runner.has_core:
             leaf, out, _ = runner.forward_grad(x, drop_core=True)
@@ -205,9 +223,9 @@ def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str,
         runs += 1
         if runs <= repeats.warmup:
             continue
-        for kind, value in zip(KINDS, (f_s, r_s, b_s, c_s)):
+        for kind, value in zip(KINDS, (f_s, r_s, b_s, c_s, i_s, w_s)):
             samples[kind].append(value)
-        spent += f_s + r_s + b_s
+        spent += f_s + 2 * r_s + b_s + i_s + w_s
         if runs - repeats.warmup >= repeats.min_runs and spent >= repeats.budget_s:
             break
     medians = {kind: statistics.median(values) for kind, values in samples.items()}

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.speed import run_probes, speed_factor
 from sim.partition import even_partition
-from sim.schedule import COMPUTE_KINDS
+from sim.schedule import COMPUTE_KINDS, default_virtual_stages
 
 # (stages, microbatches, partition kind, checkpoint, schedule)
 HELD_OUT = [
@@ -53,6 +53,7 @@ HELD_OUT = [
     (1, 4, "balanced", "full", "gpipe"),  # per-layer recompute: no calibration run has it
     (2, 4, "skewed", "full", "1f1b"),
     (2, 8, "balanced", "never", "zb-h1"),  # the split backward: no calibration run has it
+    (2, 8, "balanced", "never", "zbv"),  # two chunks per process in a V, the backward split
     (2, 6, "balanced", "selective", "gpipe"),  # the attention core rerun in the backward (models with one)
 ]
 # (replicas, stages, microbatches, partition kind, checkpoint, schedule): data-parallel runs
@@ -89,7 +90,11 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
         if checkpoint == "selective" and not attention_core:
             continue
         split = even_partition if kind == "balanced" else skewed
-        spec = RunSpec(split(num_layers, stages), m, checkpoint, schedule, batch_size, replicas, parts)
+        virtual = default_virtual_stages(schedule)
+        if stages * virtual > num_layers:
+            continue
+        spec = RunSpec(split(num_layers, stages * virtual), m, checkpoint, schedule, batch_size, replicas, parts,
+                       virtual)
         if spec not in seen and spec not in specs:
             specs.append(spec)
     return specs[:limit] if limit else specs

@@ -1,8 +1,9 @@
-"""One device of the interleaved schedule: V chunks of layers walking the device's one action list.
+"""One device of a multi-chunk schedule: V chunks of layers walking the device's one action list.
 
 Under ``--schedule interleaved --virtual-stages V`` device d of K holds the V non-adjacent chunks
 d, d+K, ..., d+(V-1)K of a V*K-entry partition (virtual stage s = c*K + d is chunk c of device d,
-:mod:`sim.schedule`). Each chunk is an ordinary :class:`~executor.stage.PipelineStage` of virtual
+:mod:`sim.schedule`); under ``zbv`` and ``dualpipev`` it holds chunks d and 2K-1-d, a V whose turn
+(virtual stages K-1 and K) stays on device K-1. Each chunk is an ordinary :class:`~executor.stage.PipelineStage` of virtual
 stage s among V*K: its own layers, optimizer, boundary tensors and transport, and its share of the
 device's actions. :class:`ChunkedDevice` walks the device's list in order and gives each action to
 the chunk ``action.stage // K``; the end of a step runs each phase over the chunks, the device's
@@ -35,7 +36,7 @@ import torch
 from executor.memory import ActivationCounter
 from executor.recording import Recorder
 from executor.stage import PipelineStage, StepPhases
-from sim.schedule import Action, build_schedule
+from sim.schedule import Action, build_schedule, virtual_stages_of_device
 from sim.timeline import RECV_WAIT
 
 
@@ -97,9 +98,10 @@ class ChunkCounter:
         return self.device.current_bytes
 
 
-def chunks_of_device(stages: list[Any], device: int, devices: int) -> list[Any]:
-    """Device ``device``'s chunks among all virtual stages ``stages``: d, d+K, d+2K, ..."""
-    return stages[device::devices]
+def chunks_of_device(stages: list[Any], device: int, devices: int, schedule: str = "interleaved") -> list[Any]:
+    """Device ``device``'s chunks among all virtual stages ``stages``, chunk 0 first: d, d+K, d+2K, ...
+    in a loop, d and 2K-1-d in a V."""
+    return [stages[s] for s in virtual_stages_of_device(device, devices, len(stages) // devices, schedule)]
 
 
 class ChunkedDevice(StepPhases):
@@ -116,7 +118,7 @@ class ChunkedDevice(StepPhases):
         self.virtual_stages = len(chunks)  # V
         self.devices = first.stages // self.virtual_stages  # K
         self.index = first.stage  # d: chunk 0 is virtual stage d
-        expected = [self.index + c * self.devices for c in range(self.virtual_stages)]
+        expected = virtual_stages_of_device(self.index, self.devices, self.virtual_stages, first.schedule)
         if [chunk.config.stage for chunk in chunks] != expected:
             raise ValueError(f"device {self.index} needs chunks of virtual stages {expected}, "
                              f"got {[chunk.config.stage for chunk in chunks]}")

@@ -29,7 +29,8 @@ from sim.partition import even_partition
 from sim.placement import PLACEMENTS
 from sim.plan import load_plan, parse_partition
 from sim.precision import check_precision
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_interleaving, check_virtual_stages
+from sim.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, SCHEDULES, check_interleaving,
+                          check_virtual_stages, default_virtual_stages)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, help="re-materialization policy")
     what.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
     what.add_argument("--virtual-stages", type=int,
-                      help="V: chunks of layers per process, with --schedule interleaved (2 or more); "
-                           "--partition then lists V x K chunks in model order")
+                      help="V: chunks of layers per process, with --schedule interleaved (2 or more) or zbv "
+                           "and dualpipev (2); --partition then lists V x K chunks in model order")
     what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
     what.add_argument("--data", help="package.module:function(batch_size, step=, seed=) -> (inputs, targets)")
     what.add_argument("--seed", type=int, default=0)
@@ -173,14 +174,14 @@ def config_from_args(args: argparse.Namespace):
             setattr(config, name, getattr(args, name))
     if config.tensor_parallel == 1 and args.sequence_parallel is None:
         config.sequence_parallel = False  # a plan's, dropped with its tensor parallelism
-    if args.virtual_stages is None and config.schedule == "interleaved" and config.virtual_stages == 1:
-        config.virtual_stages = 2  # as gpipe simulate defaults it (sim.cli_options.virtual_stages_of)
+    if args.virtual_stages is None and config.virtual_stages == 1:
+        config.virtual_stages = default_virtual_stages(config.schedule)  # as gpipe simulate defaults it
     check_virtual_stages(config.schedule, config.virtual_stages)
-    chunks = config.virtual_stages  # layer groups per process: V under the interleaved schedule
+    chunks = config.virtual_stages  # layer groups per process: V under the multi-chunk schedules
     if args.partition:
         config.partition = parse_partition(args.partition)
     elif args.stages or not config.partition:
-        if config.schedule == "interleaved":  # M is checked once the batch is known (RunConfig.validate)
+        if config.schedule in MULTI_CHUNK_SCHEDULES:  # M is checked once the batch is known (RunConfig.validate)
             check_interleaving(args.stages or 1, args.stages or 1, chunks, ref.num_layers)
         config.partition = default_partition(config, ref.num_layers, args)
     if args.stages and len(config.partition) != args.stages * chunks:

@@ -17,7 +17,8 @@ from sim.placement import DEFAULT_PLACEMENT
 from sim.plan import ModelRef, Plan
 from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.microbatch import split_rows
-from sim.schedule import check_interleaving, check_split_backward, check_virtual_stages
+from sim.schedule import (MULTI_CHUNK_SCHEDULES, check_interleaving, check_split_backward, check_v_schedule,
+                          check_virtual_stages)
 from sim.timeline import write_json_atomic
 
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
@@ -115,17 +116,21 @@ class RunConfig:
         return self
 
     def check_virtual_stages(self) -> None:
-        """The interleaved schedule's needs, in one line each: V only with it, V*K chunks at most one
-        per layer, and M as executed (``torch.chunk`` may make fewer micro-batches than asked) a
-        multiple of K."""
+        """The multi-chunk schedules' needs, in one line each: V only with them (2 in a V), V*K chunks
+        at most one per layer, and M as executed (``torch.chunk`` may make fewer micro-batches than
+        asked) a multiple of K under the interleaved schedule, at least 2K under dualpipev."""
         check_virtual_stages(self.schedule, self.virtual_stages)
         check_split_backward(self.schedule, self.checkpoint)
-        if self.schedule != "interleaved" or not self.partition:
+        if self.schedule not in MULTI_CHUNK_SCHEDULES or not self.partition:
             return
         if len(self.partition) % self.virtual_stages:
             raise GpipeInputError(f"partition has {len(self.partition)} entries, not a multiple of "
                                   f"--virtual-stages {self.virtual_stages}; give V x K entries")
         stages = self.stages
+        if self.schedule != "interleaved":
+            for executed in self.executed_microbatches:
+                check_v_schedule(self.schedule, stages, executed)
+            return
         for rows, executed in zip(split_rows(self.batch_size, self.replicas), self.executed_microbatches):
             if executed != self.microbatches and executed % stages and self.microbatches % stages == 0:
                 size = -(-rows // self.microbatches)

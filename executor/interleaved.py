@@ -1,17 +1,18 @@
-"""The interleaved schedule over ``torch.distributed``: one process per device, V chunks in each.
+"""Multi-chunk schedules over ``torch.distributed``: one process per device, V chunks in each.
 
-Rank d builds its chunks, virtual stages d, d+K, ..., d+(V-1)K (:mod:`executor.chunks`), and joins
-them with the chunks of the other ranks:
+Rank d builds its chunks, virtual stages d, d+K, ..., d+(V-1)K under the interleaved schedule and
+d, 2K-1-d under the V-shaped ones (:mod:`executor.chunks`, :func:`sim.schedule.device_of_virtual_stage`),
+and joins them with the chunks of the other ranks:
 
-* activations of virtual stage s go to the rank of s+1 and gradients to the rank of s-1 (rank =
-  virtual stage % K; from rank K-1 the activations wrap to rank 0 between chunks). Every virtual
-  boundary b (s = b to b+1) gets two process groups of its two ranks, one per direction, as the
-  boundaries of one chunk per device do (:func:`executor.transport.boundary_groups`): on every
-  communicator messages flow one way, in the order both ends' lists put them, and a message's
-  tensors are tagged (micro-batch x tensors + index), so (group, tag) is unique per (virtual
-  boundary, micro-batch, tensor).
-* with K = 1 every chunk is on the one rank, and hand-offs go through in-process mailboxes, never
-  through a process group.
+* activations of virtual stage s go to the rank of s+1 and gradients to the rank of s-1 (in a loop,
+  from rank K-1 the activations wrap to rank 0 between chunks; in a V they turn on rank K-1). Every
+  virtual boundary b (s = b to b+1) between two ranks gets two process groups of its two ranks, one
+  per direction, as the boundaries of one chunk per device do
+  (:func:`executor.transport.boundary_groups`): on every communicator messages flow one way, in the
+  order both ends' lists put them, and a message's tensors are tagged (micro-batch x tensors +
+  index), so (group, tag) is unique per (virtual boundary, micro-batch, tensor).
+* a boundary whose two virtual stages are on one rank (every boundary with K = 1; the turn of a V)
+  hands over through in-process mailboxes, never through a process group.
 * a parameter several chunks share (a tied embedding and head) is summed over the rank's own
   copies first, then over the ranks that hold a copy (one group per shared parameter, reduced in
   the order of its first layer on every rank, as :mod:`executor.sharing` does).
@@ -33,20 +34,24 @@ from executor.recording import Recorder
 from executor.sharing import SharedGroup
 from executor.stage import PipelineStage
 from executor.shm_transport import HostLinks, host_links
-from executor.transport import ACT, GRAD, DistTransport, LocalMailboxes, Transport
+from executor.transport import ACT, GRAD, DistTransport, LocalMailboxes, LocalTransport, Transport
+from sim.schedule import device_of_virtual_stage, virtual_stages_of_device
 
 if TYPE_CHECKING:
     from executor.replicas import Layout
 
 
-def virtual_boundary_groups(devices: int, virtual_stages: int) -> dict[tuple[int, str], dist.ProcessGroup]:
-    """Two groups per virtual boundary b (virtual stages b and b+1, on ranks b % K and (b+1) % K).
+def virtual_boundary_groups(devices: int, virtual_stages: int,
+                            schedule: str = "interleaved") -> dict[tuple[int, str], dist.ProcessGroup]:
+    """Two groups per virtual boundary b between two ranks (those of virtual stages b and b+1).
 
     Every rank must call this, in the same order, since ``new_group`` is collective. Needs K > 1.
     """
     groups = {}
     for b in range(devices * virtual_stages - 1):
-        ranks = sorted({b % devices, (b + 1) % devices})
+        ranks = sorted({device_of_virtual_stage(b, devices, schedule), device_of_virtual_stage(b + 1, devices, schedule)})
+        if len(ranks) == 1:
+            continue  # the turn of a V: in process
         for channel in (ACT, GRAD):
             groups[(b, channel)] = dist.new_group(ranks)
     return groups
@@ -56,34 +61,66 @@ class ChunkTransport(DistTransport):
     """Point-to-point for one chunk: ``stage`` is its virtual stage, its peers the ranks of the
     neighbouring virtual stages, over the groups of :func:`virtual_boundary_groups` (or of
     :func:`executor.replicas.build_layout` for one of several replicas, ``ranks`` then giving the
-    global rank of each device of the replica)."""
+    global rank of each device of the replica). A neighbour on this rank (the turn of a V) is
+    reached through ``local``, the rank's in-process mailboxes."""
 
     def __init__(self, virtual_stage: int, devices: int, groups: dict[tuple[int, str], dist.ProcessGroup],
                  device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
-                 ranks: Sequence[int] | None = None, links: "HostLinks | None" = None) -> None:
+                 ranks: Sequence[int] | None = None, links: "HostLinks | None" = None,
+                 schedule: str = "interleaved", local: LocalTransport | None = None) -> None:
         super().__init__(virtual_stage, groups, device, pipeline_group, ranks, links)
         self.devices = devices
+        self.schedule = schedule
+        self.local = local
 
-    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
+    def _peer_stage(self, channel: str, incoming: bool) -> int:
         # act flows s -> s+1 over virtual boundary s; grad flows s+1 -> s over virtual boundary s.
         if channel == ACT:
-            peer = self.stage - 1 if incoming else self.stage + 1
-        else:
-            peer = self.stage + 1 if incoming else self.stage - 1
-        position = peer % self.devices
+            return self.stage - 1 if incoming else self.stage + 1
+        return self.stage + 1 if incoming else self.stage - 1
+
+    def _in_process(self, channel: str, incoming: bool) -> bool:
+        peer = self._peer_stage(channel, incoming)
+        return (device_of_virtual_stage(peer, self.devices, self.schedule)
+                == device_of_virtual_stage(self.stage, self.devices, self.schedule))
+
+    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
+        peer = self._peer_stage(channel, incoming)
+        position = device_of_virtual_stage(peer, self.devices, self.schedule)
         rank = self.ranks[position] if self.ranks is not None else position
         boundary = min(peer, self.stage)
         return rank, self.groups[(boundary, channel)], boundary
 
+    def expect(self, channel: str, microbatch: int, shapes) -> None:
+        if not self._in_process(channel, incoming=True):
+            super().expect(channel, microbatch, shapes)
 
-def shared_process_groups(groups: Sequence[SharedGroup], devices: int) -> list[dist.ProcessGroup | None]:
+    def ready(self, channel: str, microbatch: int) -> bool:
+        if self._in_process(channel, incoming=True):
+            return self.local.ready(channel, microbatch)  # type: ignore[union-attr]
+        return super().ready(channel, microbatch)
+
+    def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
+        if self._in_process(channel, incoming=True):
+            return self.local.recv(channel, microbatch)  # type: ignore[union-attr]
+        return super().recv(channel, microbatch)
+
+    def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
+        if self._in_process(channel, incoming=False):
+            self.local.send(channel, microbatch, tensors)  # type: ignore[union-attr]
+        else:
+            super().send(channel, microbatch, tensors)
+
+
+def shared_process_groups(groups: Sequence[SharedGroup], devices: int,
+                          schedule: str = "interleaved") -> list[dist.ProcessGroup | None]:
     """One group of the ranks holding a copy, per shared parameter (None: one rank holds them all).
 
     Every rank must call this, in the same order, since ``new_group`` is collective.
     """
     result: list[dist.ProcessGroup | None] = []
     for group in groups:
-        ranks = sorted({owner % devices for owner in group.owners})
+        ranks = sorted({device_of_virtual_stage(owner, devices, schedule) for owner in group.owners})
         result.append(dist.new_group(ranks) if len(ranks) > 1 else None)
     return result
 
@@ -131,19 +168,20 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
         rank, groups, ranks, pipeline_group = layout.stage, layout.boundary_groups, layout.stage_ranks, layout.pp_group
         shared = layout.shared_groups
     else:
-        groups = virtual_boundary_groups(devices, config.virtual_stages) if devices > 1 else {}
-        shared = shared_process_groups(prepared.shared, devices)
-    mailboxes = LocalMailboxes() if devices == 1 else None
+        groups = virtual_boundary_groups(devices, config.virtual_stages, config.schedule) if devices > 1 else {}
+        shared = shared_process_groups(prepared.shared, devices, config.schedule)
+    mailboxes = LocalMailboxes()  # hand-offs between this rank's own chunks
     links = host_links(device, config.transport, config.timeout_s)
 
     def transport(virtual_stage: int) -> Transport:
-        if mailboxes is not None:
+        if devices == 1:
             return mailboxes.endpoint(virtual_stage)
-        return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks, links)
+        return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks, links,
+                              config.schedule, mailboxes.endpoint(virtual_stage))
 
     tp_mesh = layout.tp_mesh if layout is not None else None
     chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh)
-              for s in range(rank, len(config.partition), devices)]
+              for s in virtual_stages_of_device(rank, devices, config.virtual_stages, config.schedule)]
     chunked = ChunkedDevice(chunks, recorder)
     chunked.reduce_shared = chunk_reducer(chunks, prepared.shared, shared)
     return chunked

@@ -177,7 +177,7 @@ class LocalPipeline:
         self.prepared.source = None  # a factory() model built here is not needed once the stages hold copies
         self.devices: list[PipelineStage] | list[ChunkedDevice] = self.stages
         if config.virtual_stages > 1:
-            self.devices = [ChunkedDevice(chunks_of_device(self.stages, d, config.stages))
+            self.devices = [ChunkedDevice(chunks_of_device(self.stages, d, config.stages, config.schedule))
                             for d in range(config.stages)]
         self.grad_norms: list[float] = []  # global gradient norm (before clipping) of each clipping step
 

@@ -70,7 +70,7 @@ from executor.transport import ACT, GRAD
 from sim.errors import GpipeInputError
 from sim.microbatch import split_rows
 from sim.placement import device_of, replica_and_stage
-from sim.schedule import Action, Kind
+from sim.schedule import Action, Kind, device_of_virtual_stage
 from sim.timeline import DP_ALLREDUCE
 
 DP, PP, TP = "dp", "pp", "tp"  # the mesh's dimension names: data-parallel, pipeline, tensor-parallel
@@ -184,7 +184,8 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     """
     replicas, stages, placement = config.replicas, config.stages, config.placement
     parts = getattr(config, "tensor_parallel", 1)
-    chunks = stages * config.virtual_stages  # virtual stages: chunk c of device k is c*K + k
+    chunks = stages * config.virtual_stages  # virtual stages, placed by sim.schedule.device_of_virtual_stage
+    position = [device_of_virtual_stage(s, stages, config.schedule) for s in range(chunks)]
     group_of_ranks, tp_rank = divmod(rank, parts)
     replica, stage = replica_and_stage(group_of_ranks, replicas, stages, placement)
     grid = [[[device_of(d, k, replicas, stages, placement) * parts + t for t in range(parts)] for k in range(stages)]
@@ -199,16 +200,18 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
         for t in range(parts):
             ranks = [grid[d][k][t] for k in range(stages)]
             mine = d == replica and t == tp_rank
-            # virtual boundary b joins the ranks of virtual stages b and b+1 (with K = 1 both are this
-            # rank, and chunks hand over in process)
-            for b in range(chunks - 1 if stages > 1 else 0):
+            # virtual boundary b joins the ranks of virtual stages b and b+1 (where both are one rank,
+            # with K = 1 or at the turn of a V, chunks hand over in process)
+            for b in range(chunks - 1):
+                if position[b] == position[b + 1]:
+                    continue
                 for channel in (ACT, GRAD):
-                    group = dist.new_group(sorted({ranks[b % stages], ranks[(b + 1) % stages]}))
+                    group = dist.new_group(sorted({ranks[position[b]], ranks[position[b + 1]]}))
                     if mine:
                         boundary[(b, channel)] = group
             groups = []
             for g in shared:
-                owners = sorted({ranks[owner % stages] for owner in g.owners})
+                owners = sorted({ranks[position[owner]] for owner in g.owners})
                 groups.append(dist.new_group(owners) if len(owners) > 1 else None)
             if mine:
                 shared_groups = groups

@@ -55,8 +55,8 @@ from executor.recording import Recorder
 from executor.selective import recompute_attention_core
 from executor.transport import ACT, GRAD, Transport
 from executor.split_backward import PendingWeights, WeightEdges, input_gradients, weight_gradients
-from sim.schedule import (Action, Kind, build_schedule, receives_gradient, recomputes, recomputes_attention_core,
-                          recomputes_per_layer)
+from sim.schedule import (Action, Kind, build_schedule, device_of_virtual_stage, receives_gradient, recomputes,
+                          recomputes_attention_core, recomputes_per_layer)
 from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
 
 
@@ -153,10 +153,11 @@ class PipelineStage(StepPhases):
         self.counter = ActivationCounter(list(self.module.parameters()) + list(self.module.buffers()))
         self.rows = split_rows(config.batch_size, config.microbatches)
         # This (virtual) stage's share of its device's list: all of it unless the device holds several
-        # chunks (executor.chunks); virtual stage s runs on device s % K.
+        # chunks (executor.chunks), placed in a loop or a V (sim.schedule.device_of_virtual_stage).
         devices = config.stages // config.virtual_stages
+        device = device_of_virtual_stage(config.stage, devices, config.schedule)
         self.actions = [a for a in build_schedule(devices, len(self.rows), config.schedule, config.checkpoint,
-                                                  config.virtual_stages)[config.stage % devices]
+                                                  config.virtual_stages)[device]
                         if a.stage == config.stage]
         self.after_action: Callable[[int, Action], None] | None = None  # fault-injection hook
         self.weight_edges: WeightEdges | None = None  # the split backward's weight accumulators, found once

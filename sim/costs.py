@@ -204,9 +204,20 @@ class MeasuredWorkload:
     # ------------------------------------------------------------------ per layer
 
     def profiled_s(self, kind: str, layer: int, rows: int) -> float:
-        """The isolated layer's median time for ``kind`` (F, R or B), interpolated in rows."""
+        """The isolated layer's median time for ``kind`` (calibrate.profile.KINDS), interpolated in rows."""
         values = self.times[self._threads()][kind][layer]
         return _positive(interpolate(self.rows, values, rows), 1e-9)
+
+    def _split_backward_s(self, layers: range, rows: int, backwards: list[float],
+                          layer_params: list[int]) -> tuple[float, float]:
+        """(W, what I + W take beyond B) of the layers' profiled backwards, before the in-pipeline
+        factor: from the profiled I and W where the profile has them (as the executor splits each
+        layer's backward), else the analytic half of a layer with weights and no overhead."""
+        if "W" not in self.times[self._threads()]:  # a profile from before I and W were timed apart
+            return sum(layer_weight_grad_s(b, p) for b, p in zip(backwards, layer_params)), 0.0
+        weight = sum(self.profiled_s("W", i, rows) for i in layers)
+        split = sum(self.profiled_s("I", i, rows) for i in layers) + weight
+        return weight, max(0.0, split - sum(backwards))
 
     def _mem(self, key: str, layer: int, rows: int) -> int:
         return max(0, round(interpolate(self.rows, self.memory[layer][key], rows)))
@@ -282,7 +293,7 @@ class MeasuredWorkload:
         inp = self._mem("input_bytes", first, rows)
         out = self._mem("output_bytes", end - 1, rows)
         params = sum(layer_params)
-        weight_grad = sum(layer_weight_grad_s(b, p) for b, p in zip(backwards, layer_params))
+        weight_grad, split_overhead = self._split_backward_s(layers, rows, backwards, layer_params)
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
@@ -296,6 +307,7 @@ class MeasuredWorkload:
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
             layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=fit.actions["B"].slope * weight_grad,
+            split_overhead_s=fit.actions["B"].slope * split_overhead,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=fit.actions["B"].slope * sum(s for _, s in cores))
 
     # ------------------------------------------------------------------ what-if on catalog devices

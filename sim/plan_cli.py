@@ -21,7 +21,8 @@ from sim.planner import PlanOption, SearchResult, default_replica_options, defau
 from sim.microbatch import split_rows
 from sim.precision import check_precision
 from sim.report import describe_precision, gib
-from sim.schedule import CHECKPOINT_POLICIES, PLANNED_SCHEDULES, check_checkpoint_policy, check_schedule_name
+from sim.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, PLANNED_SCHEDULES, SCHEDULES,
+                          V_SHAPED_SCHEDULES, check_checkpoint_policy, check_schedule_name)
 from sim.training_cost import SECONDS_PER_DAY, format_token_count
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
@@ -43,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch-options", default="1-64", metavar="LIST",
                         help="M values to try, e.g. 1-64 or 1,4,32 (default 1-64)")
     parser.add_argument("--checkpoints", default=",".join(CHECKPOINT_POLICIES), help="policies to try")
-    parser.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES),
-                        help="schedules to try (default: all but zb-h1, whose splitting cost is not calibrated; "
-                             "name it to search it)")
+    parser.add_argument("--schedules", default=None,
+                        help=f"schedules to try (default with --costs: all of {', '.join(SCHEDULES)}; otherwise "
+                             f"{', '.join(PLANNED_SCHEDULES)}: the split-backward ones only where calibration "
+                             "measured what splitting costs; name them to search them)")
     space = parser.add_argument_group("replicas and interleaving (D x K devices at most the system's)")
     space.add_argument("--replicas-options", "--replicas", dest="replicas_options", default=None, metavar="LIST",
                        help="D values to try, data-parallel copies of the pipeline; --batch is the global batch "
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         return run_max_layers(args, *planning_inputs(args))
     require_positive("--top", args.top)
     checkpoints = [check_checkpoint_policy(c) for c in args.checkpoints.split(",")]
-    schedules = [check_schedule_name(s) for s in args.schedules.split(",")]
+    schedules = [check_schedule_name(s) for s in default_schedules(args).split(",")]
     placements = [check_placement(p) for p in args.placements.split(",")]
     inputs = [planning_inputs(args, name) for name in hardware]  # every system's precision checked first
     progress = None if args.quiet else _Progress()
@@ -486,6 +488,15 @@ def _layout(option: PlanOption) -> str:
     return f"T={c.tensor_parallel} D={c.replicas} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
 
 
+def default_schedules(args: argparse.Namespace) -> str:
+    """``--schedules``, or the default: every schedule where measured costs (``--costs``) price the
+    split backward's I, W and its own cost from the profile, else all but the split-backward ones,
+    whose cost the analytic models do not know (they split a layer's backward in halves for free)."""
+    if args.schedules:
+        return args.schedules
+    return ",".join(SCHEDULES if getattr(args, "costs", None) else PLANNED_SCHEDULES)
+
+
 def search_space(args: argparse.Namespace, system, schedules: list[str]) -> dict:
     """D, V and ZeRO values to search, and the schedules they leave; refused in one line where they
     cannot combine (V without the interleaved schedule, ZeRO-1 with one replica)."""
@@ -494,12 +505,14 @@ def search_space(args: argparse.Namespace, system, schedules: list[str]) -> dict
     virtual = parse_int_list(args.virtual_options, "--virtual-stages") if args.virtual_options else [1, 2, 4]
     zero = parse_zero_list(args.zero_options)
     interleaving = [v for v in virtual if v >= 2]
-    if args.virtual_options and interleaving and "interleaved" not in schedules:
+    if args.virtual_options and interleaving and not set(schedules) & set(MULTI_CHUNK_SCHEDULES):
         raise GpipeInputError(f"--virtual-stages {interleaving[0]} needs the interleaved schedule; add it to "
                               f"--schedules (e.g. --schedules {','.join(schedules)},interleaved)")
     if args.virtual_options and not interleaving and schedules == ["interleaved"]:
         raise GpipeInputError("--schedules interleaved needs --virtual-stages 2 or more")
-    kept = [s for s in schedules if (s == "interleaved" and interleaving) or (s != "interleaved" and 1 in virtual)]
+    # V-shaped schedules run two chunks per device whatever --virtual-stages lists for the interleaved one
+    kept = [s for s in schedules if (s == "interleaved" and interleaving) or s in V_SHAPED_SCHEDULES
+            or (s != "interleaved" and 1 in virtual)]
     if not kept:
         raise GpipeInputError(f"--virtual-stages {args.virtual_options} leaves none of --schedules "
                               f"{','.join(schedules)}: V=1 runs gpipe and 1f1b, V >= 2 the interleaved schedule")

@@ -181,9 +181,10 @@ def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], 
         elif schedule == "interleaved" and stages > 1 and all(c % stages == 0 for c in counts):
             out.extend((schedule, v) for v in virtual_options if num_layers is None or v * stages <= num_layers)
         elif schedule in V_SHAPED_SCHEDULES:
-            if (num_layers is None or 2 * stages <= num_layers) and (
+            # two chunks per device, in a V; on one device no better than 1f1b, with the split's cost
+            if stages > 1 and (num_layers is None or 2 * stages <= num_layers) and (
                     schedule != "dualpipev" or min(counts) >= 2 * stages):
-                out.append((schedule, 2))  # two chunks per device, in a V
+                out.append((schedule, 2))
         elif schedule in SPLIT_BACKWARD_SCHEDULES and stages > 1:
             out.append((schedule, 1))  # on one stage the same work as 1f1b's, in the same order
     return out

@@ -43,8 +43,11 @@ class StageCost:
     # --checkpoint selective: the attention cores' saved bytes, not held, and their recompute time
     core_saved_bytes: int = 0
     core_recompute_s: float = 0.0
-    # split-backward schedules: the part of backward_s that is the weight gradients (W)
+    # split-backward schedules: the part of backward_s that is the weight gradients (W), and what
+    # splitting adds to I + W beyond the whole backward (a second autograd call, the kept graph; measured
+    # by calibration, 0 in the analytic models)
     weight_grad_s: float = 0.0
+    split_overhead_s: float = 0.0
 
 
 WEIGHT_GRAD_SHARE = 0.5  # of the backward of a layer with weights
@@ -60,9 +63,11 @@ def layer_weight_grad_s(backward_s: float, param_bytes: int) -> float:
 
 
 def input_grad_time_s(cost: StageCost, checkpoint: str, first: bool) -> float:
-    """An I action's time: the backward less its weight gradients; nothing on the first (virtual)
-    stage, whose input needs no gradient."""
-    return 0.0 if first else max(0.0, backward_time_s(cost, checkpoint) - cost.weight_grad_s)
+    """An I action's time: the backward less its weight gradients, plus what the split costs;
+    nothing on the first (virtual) stage, whose input needs no gradient."""
+    if first:
+        return 0.0
+    return max(0.0, backward_time_s(cost, checkpoint) - cost.weight_grad_s) + cost.split_overhead_s
 
 
 def weight_grad_time_s(cost: StageCost, checkpoint: str, first: bool) -> float:

@@ -49,8 +49,8 @@ def _costs(profile, precision: str = "fp32") -> dict:
 
 def test_every_layer_pass_and_row_count_is_timed(profile):
     times = profile.times_s[1]
-    assert set(times) == {"F", "R", "B", "C"}
-    for kind in "FRB":
+    assert set(times) == {"F", "R", "B", "C", "I", "W"}
+    for kind in "FRBIW":
         assert len(times[kind]) == 4
         assert all(len(row) == 4 and all(t > 0 for t in row) for row in times[kind])
     # the attention core's rerun inside the backward: timed for the two blocks, nothing elsewhere
@@ -58,6 +58,25 @@ def test_every_layer_pass_and_row_count_is_timed(profile):
     assert all(t >= 0 for row in times["C"] for t in row)
     assert profile.repetitions[1] == 4 * 4 * 2 * FAST.rounds
     assert profile.speed_reference_s[1] > 0
+
+
+def test_the_split_backward_is_timed_as_the_executor_splits_it(profile):
+    """I and W of each layer as a stage that is not the first runs them: the blocks' input gradient
+    and weight gradients both take time; the embedding's integer input needs no gradient, so its I
+    does nothing and its W is the whole backward. A measured stage prices W from the profile and the
+    split's cost from I + W beyond B."""
+    times = profile.times_s[1]
+    for block in (1, 2):
+        assert all(t > 0 for t in times["I"][block]) and all(t > 0 for t in times["W"][block])
+    assert all(i < 0.5 * w for i, w in zip(times["I"][0], times["W"][0]))
+    workload = MeasuredWorkload(_costs(profile))
+    cost = workload.stage_cost(8, 1, 3, get_system("cpu").device)
+    slope = workload.fit.actions["B"].slope
+    weight = sum(workload.profiled_s("W", i, 8) for i in (1, 2))
+    assert cost.weight_grad_s == pytest.approx(slope * weight)
+    split = sum(workload.profiled_s(kind, i, 8) for kind in "IW" for i in (1, 2))
+    assert cost.split_overhead_s == pytest.approx(slope * max(0.0, split - sum(workload.profiled_s("B", i, 8)
+                                                                                for i in (1, 2))))
 
 
 def test_identical_blocks_share_one_time_and_other_layers_keep_theirs(profile):

@@ -22,9 +22,13 @@ def test_held_out_design_never_repeats_a_calibration_run():
         assert {s.checkpoint for s in held_out} == {"always", "except_last", "never", "full"}
         with_core = validation_design(layers, 32, attention_core=True)
         assert {s.checkpoint for s in with_core} - {s.checkpoint for s in held_out} == {"selective"}
-        assert {s.schedule for s in held_out} == {"gpipe", "1f1b", "zb-h1"}
+        # ZB-V where the model has a layer for each of its 2 x 2 chunks
+        assert {s.schedule for s in held_out} == {"gpipe", "1f1b", "zb-h1"} | ({"zbv"} if layers >= 4 else set())
+        assert all(s.virtual_stages == 2 and len(s.partition) == 4 and s.stages == 2 and "V=2" in s.label()
+                   for s in held_out if s.schedule == "zbv")
         assert any(32 % s.microbatches for s in held_out)  # M that does not divide the batch
-        assert len({s.partition for s in held_out if s.stages == 2}) == 2  # balanced and skewed
+        # balanced and skewed over two processes
+        assert len({s.partition for s in held_out if s.stages == 2 and s.virtual_stages == 1}) == 2
 
 
 def test_held_out_design_adds_two_replicas_with_one_and_two_stages():

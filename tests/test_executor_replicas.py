@@ -94,6 +94,7 @@ def assert_trains_as_one_process(report, parameters, batch, settings):
     (2, 2, 11, ADAMW, "replicas_adjacent", "zb-h1", 1),
     (2, 1, 11, SGD, "stages_adjacent", "interleaved", 2),  # chunks hand over in process
     (2, 2, 12, ADAMW, "stages_adjacent", "interleaved", 2),  # chunks across processes, per replica
+    (2, 2, 11, SGD, "replicas_adjacent", "zbv", 2),  # a V per replica, its turn in process
 ])
 def test_replicas_of_the_pipeline_train_as_one_process(tmp_path, replicas, stages, batch, settings, placement,
                                                        schedule, virtual):
