@@ -28,17 +28,31 @@ from typing import Any
 
 from sim.schedule import Action, Kind, build_schedule, walk_in_rounds
 
-COMPUTE = {"F", "R", "B"}
+COMPUTE = {"F", "R", "B", "I", "W"}
 SENDS = {"send_act": Kind.FORWARD, "send_grad": Kind.BACKWARD}  # the span after the action that sends
 
 
 def _dependency(action: Action, virtual_stages: int) -> Action | None:
-    """The action on another (virtual) stage that ``action`` waits for, if any."""
+    """The action on another (virtual) stage that ``action`` waits for, if any: a forward the previous
+    stage's forward; a backward, or its input gradient (I), the next stage's gradient, which that stage's
+    B or I sends (named here as B; :func:`_sender` finds which). W waits for its own I, on its device."""
     if action.kind == Kind.FORWARD and action.stage > 0:
         return Action(action.stage - 1, Kind.FORWARD, action.microbatch)
-    if action.kind == Kind.BACKWARD and action.stage < virtual_stages - 1:
+    if action.kind in (Kind.BACKWARD, Kind.INPUT) and action.stage < virtual_stages - 1:
         return Action(action.stage + 1, Kind.BACKWARD, action.microbatch)
     return None
+
+
+def _sender(dependency: Action | None, known: Any) -> Action | None:
+    """The action in ``known`` that sends ``dependency``'s tensor: itself, or the I of a split backward."""
+    if dependency is None or dependency in known or dependency.kind is not Kind.BACKWARD:
+        return dependency
+    return Action(dependency.stage, Kind.INPUT, dependency.microbatch)
+
+
+def _as_sender(action: Action) -> Action:
+    """The key of ``action``'s send span: an I's gradient is filed as its backward's."""
+    return Action(action.stage, Kind.BACKWARD, action.microbatch) if action.kind is Kind.INPUT else action
 
 
 def _step_spans(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -76,7 +90,7 @@ def compute_bound_s(actions: dict[Action, tuple[float, float, int]], optimizer: 
     clock = [0.0] * len(lists)
 
     def run(device: int, action: Action) -> bool:
-        dep = _dependency(action, virtual_stages)
+        dep = _sender(_dependency(action, virtual_stages), actions)
         if dep is not None and dep not in end:
             return False
         start = max(clock[device], end[dep] if dep is not None else 0.0)
@@ -108,7 +122,7 @@ def breakdown(actions: dict[Action, tuple[float, float, int]], lists: list[list[
         start, stop, _ = actions[current]
         parts["compute"] += stop - start
         candidates = [(a, "between_actions") for a in [device_before.get(current)] if a is not None]
-        dep = _dependency(current, virtual_stages)
+        dep = _sender(_dependency(current, virtual_stages), actions)
         if dep is not None:
             candidates.append((dep, "handoff"))
         if not candidates:
@@ -116,7 +130,7 @@ def breakdown(actions: dict[Action, tuple[float, float, int]], lists: list[list[
             return parts
         before, kind = max(candidates, key=lambda c: actions[c[0]][1])
         gap = start - actions[before][1]
-        sending = min(max(gap, 0.0), sends.get(before, 0.0))
+        sending = min(max(gap, 0.0), sends.get(_as_sender(before), 0.0))
         parts["send"] += sending
         parts[kind] += gap - sending
         current = before

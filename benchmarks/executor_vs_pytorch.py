@@ -16,6 +16,8 @@ this machine:
     and under Schedule1F1B ``static_graph=True`` leaves the last stage's replicas unsynchronised, so
     the static graph is used with GPipe alone; every run ends by checking that the replicas hold
     identical weights;
+  * zero bubble: ``zbv`` and ``dualpipev`` against ScheduleZBVZeroBubble and ScheduleDualPipeV, both
+    with the V placement (chunks d and 2K-1-d on rank d) and the backward split into I and W;
   * single: the whole model trained in one process with all cores, one batch per step;
   * ideal: the executor's own per-micro-batch compute cost (F + B durations from its report) spread
     over K devices with the K*M/(M+K-1) speed-up of a balanced pipeline; ``bound``: per step, the
@@ -25,7 +27,7 @@ this machine:
     with where the measured critical path spent it. Given for one pipeline (D = T = 1; V chunks per
     device allowed).
 
-Usage: ``python benchmarks/executor_vs_pytorch.py [--configs pipeline|scale_out|all] [--steps 20]
+Usage: ``python benchmarks/executor_vs_pytorch.py [--configs pipeline|scale_out|tensor|zero_bubble|all] [--steps 20]
 [--out benchmarks/results/...json]``. On a machine with fewer cores than D x K processes the run is
 oversubscribed, and the ratio says how the two cope with that, not how they scale.
 """
@@ -70,8 +72,17 @@ TENSOR_CONFIGS = [
     {"model": "transformer", "options": {"layers": 4, "d_model": 128, "ff": 512, "seq": 64},
      "stages": 2, "tensor_parallel": 2, "batch": 16, "microbatches": 4, "schedules": ["gpipe", "1f1b"]},
 ]
+# two chunks per process in a V, the backward split into I and W: against torch's ScheduleZBVZeroBubble
+# and ScheduleDualPipeV on the same V placement (chunks d and 2K-1-d on rank d)
+ZERO_BUBBLE_CONFIGS = [
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "stages": 2, "virtual_stages": 2, "batch": 64,
+     "microbatches": 8, "schedules": ["zbv", "dualpipev"]},
+    {"model": "transformer", "options": {"layers": 4, "d_model": 128, "ff": 512, "seq": 64},
+     "stages": 2, "virtual_stages": 2, "batch": 16, "microbatches": 8, "schedules": ["zbv", "dualpipev"]},
+]
 CONFIG_SETS = {"pipeline": CONFIGS, "scale_out": SCALE_OUT_CONFIGS, "tensor": TENSOR_CONFIGS,
-               "all": CONFIGS + SCALE_OUT_CONFIGS + TENSOR_CONFIGS}
+               "zero_bubble": ZERO_BUBBLE_CONFIGS,
+               "all": CONFIGS + SCALE_OUT_CONFIGS + TENSOR_CONFIGS + ZERO_BUBBLE_CONFIGS}
 
 
 def _shape(cfg: dict) -> tuple[int, int, int]:
@@ -165,14 +176,15 @@ def pytorch_worker(path: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
     from torch.nn.parallel import DistributedDataParallel
 
     from executor.cli import even_partition
     from executor.data import batch_for_step
     from executor.models import build_model, default_loss, loss_function
     from executor.shapes import stage_module
+    from sim.schedule import virtual_stages_of_device
 
     with open(path) as handle:
         job = json.load(handle)
@@ -193,8 +205,8 @@ def pytorch_worker(path: str) -> None:
     partition = even_partition(len(model), stages * virtual)
     loss_fn = loss_function(default_loss(job["model"]))
     pipeline_stages, modules = [], []
-    for chunk in range(virtual):
-        index = chunk * stages + pipeline_rank
+    indices = virtual_stages_of_device(pipeline_rank, stages, virtual, job["schedule"])  # a loop, or a V
+    for index in indices:
         module = stage_module(model, partition, index)
         if parts > 1:  # the layer plan gpipe train uses, applied by torch's parallelize_module
             from executor.tensor_parallel import parallelize_stage
@@ -205,13 +217,14 @@ def pytorch_worker(path: str) -> None:
             module = DistributedDataParallel(module, process_group=mesh["dp"].get_group(), static_graph=job["schedule"] == "gpipe")
         pipeline_stages.append(PipelineStage(module, index, stages * virtual, torch.device("cpu"),
                                              group=mesh["pp"].get_group()))
-    if job["schedule"] == "interleaved":
-        schedule = ScheduleInterleaved1F1B(pipeline_stages, job["microbatches"], loss_fn=loss_fn)
+    multi = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+    if job["schedule"] in multi:
+        schedule = multi[job["schedule"]](pipeline_stages, job["microbatches"], loss_fn=loss_fn)
     else:
         cls = ScheduleGPipe if job["schedule"] == "gpipe" else Schedule1F1B
         schedule = cls(pipeline_stages[0], job["microbatches"], loss_fn=loss_fn)
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.01)
-    first, last = pipeline_rank == 0, pipeline_rank == stages - 1
+    first, last = 0 in indices, stages * virtual - 1 in indices
     times = []
     for step in range(job["steps"]):
         inputs, targets = batch_for_step(job["model"], job["options"], job["batch"], 0, step)

@@ -238,3 +238,19 @@ def replay_figure(results: Sequence, title: str = "Published runs: predicted aga
     note = f" (not modelled: {', '.join(skipped)})" if skipped else ""
     fig.update_layout(title=title + note, height=550, width=650)
     return fig
+
+
+def schedules_bubble_figure(points: Sequence, stages: int,
+                            title: str = "Bubble against micro-batches, every schedule") -> go.Figure:
+    """One line per schedule through its ``(microbatches, bubble_fraction)`` points
+    (:func:`sim.schedule_bubbles.schedule_bubbles`)."""
+    fig = go.Figure()
+    for schedule in dict.fromkeys(p.schedule for p in points):
+        mine = [p for p in points if p.schedule == schedule]
+        fig.add_trace(go.Scatter(x=[p.microbatches for p in mine], y=[p.bubble_fraction for p in mine],
+                                 mode="lines+markers", name=schedule,
+                                 hovertemplate=f"{schedule}, M=%{{x}}<br>bubble %{{y:.1%}}<extra></extra>"))
+    fig.update_layout(title=f"{title} (K={stages}, simulated: identical layers, free links)", height=450,
+                      xaxis_title="micro-batches M", yaxis_title="bubble (share of the step a device idles)",
+                      yaxis_tickformat=".0%", hovermode="closest")
+    return fig

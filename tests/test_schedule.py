@@ -296,3 +296,22 @@ def test_v_schedule_refusals_are_one_line(schedule, stages, microbatches, virtua
 def test_v_schedules_refuse_per_layer_recompute(schedule):
     with pytest.raises(GpipeInputError, match="--checkpoint full"):
         build_schedule(2, 4, schedule, "full", 2)
+
+
+def test_the_bubble_figure_orders_the_schedules_as_their_formulas():
+    """The README's and the notebook's figure: 1F1B at (K-1)/(M+K-1), ZB-H1 below it, ZB-V and
+    DualPipeV below ZB-H1 (only the first forward's way down the V: (K-1) chunk forwards of 1 ms
+    against a device's 6M ms of work), dualpipev only from M = 2K."""
+    from sim.figures import schedules_bubble_figure
+    from sim.schedule_bubbles import schedule_bubbles
+
+    points = {(p.schedule, p.microbatches): p for p in schedule_bubbles(4, (4, 8, 16))}
+    for m in (4, 8, 16):
+        assert points[("1f1b", m)].bubble_fraction == pytest.approx(3 / (m + 3))
+        assert points[("zbv", m)].bubble_fraction < points[("zb-h1", m)].bubble_fraction < points[("1f1b", m)].bubble_fraction
+    for m in (8, 16):
+        assert points[("zbv", m)].step_time_s == pytest.approx((6 * m + 3) * 1e-3)
+        assert points[("dualpipev", m)].bubble_fraction == pytest.approx(points[("zbv", m)].bubble_fraction)
+    assert ("dualpipev", 4) not in points
+    figure = schedules_bubble_figure(list(points.values()), 4)
+    assert [trace.name for trace in figure.data] == ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
