@@ -61,13 +61,16 @@ def test_each_device_holds_the_two_arms_of_the_v(schedule):
     assert [device.is_last for device in pipe.devices] == [True, False, False, False]
 
 
-@pytest.mark.parametrize("schedule", V_SCHEDULES)
-@pytest.mark.parametrize("stages,partition", [(1, (2, 2)), (2, (1, 1, 1, 1))])
-def test_tied_weights_on_the_arms_of_the_v_match_unpipelined(schedule, stages, partition):
-    """The embedding (virtual stage 0) and the head (2K-1) share a weight, both on device 0."""
+@pytest.mark.parametrize("schedule,stages,partition", [
+    *[(s, k, p) for s in V_SCHEDULES for k, p in [(1, (2, 2)), (2, (1, 1, 1, 1))]],
+    ("zb-h1", 2, (2, 2)),  # one chunk per device: the embedding on device 0, the head on device 1
+])
+def test_tied_weights_match_unpipelined_under_the_split_backward(schedule, stages, partition):
+    """The embedding (virtual stage 0) and the head (the last) share a weight: in a V both on device 0,
+    under zb-h1 on the first and the last device, each copy's gradient summed after its W."""
     config = RunConfig(model=TIED, data="tests.sample_models:tied_lm_data", loss="cross_entropy",
                        partition=partition, batch_size=11, microbatches=2 * stages + 1, checkpoint="except_last",
-                       schedule=schedule, virtual_stages=2)
+                       schedule=schedule, virtual_stages=len(partition) // stages)
     pipe = LocalPipeline(config)
     inputs, targets = pipe.batch(0)
     loss = pipe.run_step(0, update=False)
