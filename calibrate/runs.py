@@ -148,20 +148,22 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
 def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict) -> tuple[Any, Any]:
     """This rank's stage as ``gpipe train`` makes it, and its replica layout (None for one replica).
 
-    One replica of whole stages reuses the launch's boundary groups (rank == stage); with D replicas
-    or T tensor-parallel ranks per stage the executor builds the mesh and every pipeline's groups
-    (:mod:`executor.replicas`), collectively.
+    One replica of whole stages reuses the launch's boundary groups (rank == stage); with D replicas,
+    T tensor-parallel ranks per stage or V chunks per rank the executor builds the mesh and every
+    pipeline's groups (:mod:`executor.replicas`), collectively.
     """
+    from executor.interleaved import make_dist_chunks
     from executor.pipeline import make_dist_stage
     from executor.recording import Recorder
 
-    if config.replicas == 1 and config.tensor_parallel == 1:
+    if config.replicas == 1 and config.tensor_parallel == 1 and config.virtual_stages == 1:
         return make_dist_stage(config, prepared, rank, device, Recorder(rank, device), groups), None
     from executor import replicas
 
     layout = replicas.build_layout(config, rank, device.type, prepared.shared)
     recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank)
-    stage = make_dist_stage(config, prepared, rank, device, recorder, layout=layout)
+    make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage  # several chunks per rank, as gpipe train
+    stage = make(config, prepared, rank, device, recorder, layout=layout)
     replicas.attach(stage, layout)
     return stage, layout
 
@@ -181,6 +183,7 @@ def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]
     """Rank 0's report of one configuration from every rank's payload (see the module for D > 1)."""
     from executor.models import model_ref
     from executor.report import build_report
+    from sim.schedule import device_of_virtual_stage
     from sim.timeline import Timeline, merge
 
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)
@@ -188,7 +191,8 @@ def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]
     ordered = by_replica_and_stage(config, gathered)
     allocated = [p["peak_allocated_bytes"] for p in ordered]
     allocated = allocated if any(a is not None for a in allocated) else None
-    losses = ordered[config.stages - 1]["losses"]  # replica 0's last stage: the global mean with D > 1
+    # replica 0's device of the last (virtual) stage: the global mean with D > 1
+    losses = ordered[device_of_virtual_stage(len(config.partition) - 1, config.stages, config.schedule)]["losses"]
     report = build_report(timeline, losses, config.to_dict(), plan, [p["peak_activation_bytes"] for p in ordered],
                           allocated, 0)
     report["speed_probe_s"] = [p["speed_probe_s"] for p in gathered]  # per rank: [before, after]

@@ -40,7 +40,9 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
 
 
 @pytest.mark.slow
-def test_validation_measures_and_predicts_two_replicas(tmp_path):
+def test_validation_measures_and_predicts_two_replicas_and_a_v(tmp_path):
+    """The held-out D = 2 runs and the ZB-V run (two chunks per rank, the backward split, priced from
+    the profile's I and W) measured and predicted, peak activation memory exact."""
     from calibrate.calibration import run_config
     from calibrate.runs import run_configs
     from calibrate.validate import (
@@ -57,8 +59,10 @@ def test_validation_measures_and_predicts_two_replicas(tmp_path):
     assert main(["calibrate", *TINY, "--out", costs, "--quick", "--steps", "3"]) == 0
     with open(costs) as handle:
         data = json.load(handle)
-    specs = [s for s in validation_design(data["model"]["num_layers"], data["batch_size"]) if s.replicas > 1]
-    assert [(s.replicas, s.stages) for s in specs] == [(2, 1), (2, 2)]
+    held_out = validation_design(data["model"]["num_layers"], data["batch_size"])
+    specs = [s for s in held_out if s.replicas > 1] + [s for s in held_out if s.schedule == "zbv"]
+    assert [(s.replicas, s.stages, s.virtual_stages) for s in specs] == [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
+    assert all(data["profile"]["times_s"][t]["W"] for t in data["profile"]["times_s"])  # I and W profiled
     model = data["model"]
     reports = run_configs([run_config(model["name"], model["options"], s, 3) for s in specs])
     comparisons = [compare(data, s, [r], machine_processes("cpu")) for s, r in zip(specs, reports)]
@@ -70,6 +74,7 @@ def test_validation_measures_and_predicts_two_replicas(tmp_path):
     assert comparisons[1].oversubscribed == (4 > machine_processes("cpu"))
     table = format_table({"runs": [c.to_dict() for c in comparisons], "summary": summarize(comparisons)})
     assert all(line.lstrip().startswith("2") for line in table.splitlines()[2:4])
+    assert "V=2" in table.splitlines()[4]
 
 
 def test_simulate_and_plan_price_replicas_on_the_costs_files_allreduce(tmp_path, capsys):
