@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 from sim.costs import MeasuredWorkload
 from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
+from calibrate.step_components import measured_end_span_s, predicted_end_span_s
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
 from sim.schedule import recomputes
@@ -244,17 +245,27 @@ def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: S
                       system_name: str = "cpu", speeds: Sequence[float] | None = None) -> dict[str, Any]:
     """Fit each K's step overhead on whole-step times (in place in ``data``); its residuals.
 
-    Step times are divided by each run's ``speeds`` entry (1.0 when not given), as in :func:`collect`.
+    The overhead stands for time at the end of a step the model does not otherwise price, so it is
+    bounded by what the runs measured there: the median over the K's runs of the measured
+    end-of-step span less the predicted one without overhead (:mod:`calibrate.step_components`).
+    What the bound leaves of a misfit shows as the prediction's error, not as end-of-step time
+    that was never measured. Step times and spans are divided by each run's ``speeds`` entry (1.0
+    when not given), as in :func:`collect`.
     """
     summary = {}
     speeds = list(speeds) if speeds is not None else [1.0] * len(reports)
     for k in sorted({s.stages for s in specs}):
-        pairs = [(r["step_time_s"] / v, predict(data, s, system_name).step_time_s)
-                 for s, r, v in zip(specs, reports, speeds) if s.stages == k]
-        constant, residuals = fit_constant([m for m, _ in pairs], [p for _, p in pairs])
+        data["pipeline"][str(k)]["step_overhead_s"] = 0.0
+        runs = [(s, r, v, predict(data, s, system_name)) for s, r, v in zip(specs, reports, speeds) if s.stages == k]
+        pairs = [(r["step_time_s"] / v, result.step_time_s) for _s, r, v, result in runs]
+        unconstrained, _ = fit_constant([m for m, _ in pairs], [p for _, p in pairs])
+        bound = statistics.median(max(0.0, measured_end_span_s(r) / v - predicted_end_span_s(result))
+                                  for _s, r, v, result in runs)
+        constant = max(0.0, min(unconstrained, bound))
+        residuals = [(p + constant - m) / m for m, p in pairs]
         data["pipeline"][str(k)]["step_overhead_s"] = constant
-        summary[str(k)] = {"step_overhead_s": constant, "points": len(pairs),
-                           "worst_relative": max((abs(v) for v in residuals), default=0.0)}
+        summary[str(k)] = {"step_overhead_s": constant, "unconstrained_s": unconstrained, "end_span_bound_s": bound,
+                           "points": len(pairs), "worst_relative": max((abs(v) for v in residuals), default=0.0)}
     return summary
 
 

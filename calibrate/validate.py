@@ -33,8 +33,9 @@ from typing import Any, Callable, Sequence
 
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.speed import run_probes, speed_factor
+from calibrate.step_components import end_of_step_span_s, measured_components, predicted_end_span_s  # noqa: F401
 from sim.partition import even_partition
-from sim.schedule import COMPUTE_KINDS, default_virtual_stages
+from sim.schedule import default_virtual_stages
 
 # (stages, microbatches, partition kind, checkpoint, schedule)
 HELD_OUT = [
@@ -198,26 +199,6 @@ def bubble(busy_s: Sequence[float], step_s: float) -> float:
     return 1.0 - statistics.fmean(busy_s) / step_s if busy_s and step_s > 0 else 0.0
 
 
-def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
-    """From the last forward, recompute or backward of ``step`` on any stage to the end of its last
-    span (the optimizer, all-reduces, sends finishing, a fitted overhead): the end-of-step phase."""
-    ends = [(r.kind, r.end_s) for r in records if r.step == step]
-    compute = [end for kind, end in ends if kind in COMPUTE_KINDS]
-    return max(end for _, end in ends) - max(compute) if compute else 0.0
-
-
-def measured_components(reports: Sequence[dict[str, Any]]) -> tuple[list[float], float]:
-    """Median over rounds of each stage's busy seconds, and of the median end-of-step span."""
-    from sim.timeline import Timeline
-
-    busy = [statistics.median(r["stages"][k]["busy_s"] for r in reports) for k in range(len(reports[0]["stages"]))]
-    spans = []
-    for report in reports:
-        records = [r for r in Timeline.from_dict(report["timeline"]).records if not r.replica and not r.tp]
-        spans.append(statistics.median(end_of_step_span_s(records, step) for step in report["measured_steps"]))
-    return busy, statistics.median(spans)
-
-
 def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]],
             processes_available: int | None = None) -> Comparison:
     """Prediction against the median step time over ``reports`` (one per round) of one run.
@@ -236,8 +217,7 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       [r["step_time_s"] for r in reports],
                       [speed_factor(run_probes(r), reference) for r in reports], spec.replicas,
                       processes_available is not None and spec.processes > processes_available,
-                      predicted_busy, busy,
-                      end_of_step_span_s([r for r in result.timeline.records if not r.replica], 0), span)
+                      predicted_busy, busy, predicted_end_span_s(result), span)
 
 
 def replica_zero_peak_bytes(result: Any) -> list[int]:

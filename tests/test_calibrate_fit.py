@@ -102,3 +102,30 @@ def test_bad_input_is_refused():
         fit_affine([1.0, 2.0], [1.0])
     with pytest.raises(ValueError):
         fit_affine([1.0, 2.0], [1.0, -1.0])
+
+
+def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypatch):
+    """A whole-step misfit of 20 ms is not all end-of-step time when the runs measured 3 ms there
+    beyond what the model predicts: the overhead stops at that bound and the rest stays visible as
+    the prediction's error. A bound above the misfit leaves the plain fit."""
+    from types import SimpleNamespace
+
+    import calibrate.calibration as calibration
+
+    predicted = {1: 0.080, 2: 0.100}  # by M: predicted steps without overhead
+    monkeypatch.setattr(calibration, "predict",
+                        lambda data, spec, system_name="cpu": SimpleNamespace(step_time_s=predicted[spec.microbatches]))
+    monkeypatch.setattr(calibration, "predicted_end_span_s", lambda result: 0.002)
+    specs = [calibration.RunSpec((3, 3), m, "never", "gpipe", 8) for m in (1, 2)]
+    reports = [{"step_time_s": predicted[s.microbatches] + 0.020, "end_span_s": 0.005} for s in specs]
+    monkeypatch.setattr(calibration, "measured_end_span_s", lambda report: report["end_span_s"])
+    data = {"pipeline": {"2": {}}}
+    summary = calibration.fit_step_overhead(data, specs, reports)
+    assert summary["2"]["unconstrained_s"] == pytest.approx(0.020, rel=1e-6)
+    assert summary["2"]["end_span_bound_s"] == pytest.approx(0.003)
+    assert data["pipeline"]["2"]["step_overhead_s"] == pytest.approx(0.003)
+    assert summary["2"]["worst_relative"] == pytest.approx(0.017 / 0.1, rel=1e-6)  # what the bound leaves
+    for report in reports:
+        report["end_span_s"] = 0.050
+    calibration.fit_step_overhead(data, specs, reports)
+    assert data["pipeline"]["2"]["step_overhead_s"] == pytest.approx(0.020, rel=1e-6)

@@ -159,7 +159,8 @@ def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
 def test_components_bubble_and_end_of_step_span_from_literal_spans():
     from sim.timeline import Record
 
-    from calibrate.validate import bubble, end_of_step_span_s
+    from calibrate.step_components import end_of_step_span_s
+    from calibrate.validate import bubble
 
     assert bubble([0.6, 0.8], 1.0) == pytest.approx(0.3)  # 1 - mean busy / step
     records = [Record(0, "F", 0, 0.0, 1.0, step=3), Record(1, "B", 0, 2.0, 4.0, step=3),
