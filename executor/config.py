@@ -49,7 +49,7 @@ class RunConfig:
     clip_grad_norm: float | None = None  # max L2 norm over all stages' gradients; None: no clipping
     lr_schedule: str = "constant"  # constant | cosine (to 0 over ``steps``)
     lr_warmup_steps: int = 0  # linear warm-up steps before the schedule
-    data: str = ""  # package.module:function, "" = built-in synthetic data
+    data: str = ""  # "" synthetic; "text" or "text:PATH" byte-level text; package.module:function
     init: str = "factory"  # first values: factory (factory()'s, after manual_seed(seed)) or meta (seeded per layer)
     init_from: str = ""  # state dict, safetensors file or model folder to start from (overrides init)
     factory_weights: str = ""  # set by gpipe train: the folder it wrote factory()'s values to on this node
