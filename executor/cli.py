@@ -29,6 +29,7 @@ from sim.partition import even_partition
 from sim.placement import PLACEMENTS
 from sim.plan import load_plan, parse_partition
 from sim.precision import check_precision
+from sim.progress import bars_shown
 from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, check_interleaving, check_virtual_stages
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +155,8 @@ def config_from_args(args: argparse.Namespace):
                  data=_data_source(args.data), report=args.report or "", trace=args.trace or "",
                  save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
                  device=args.device, threads=args.threads, timeout_s=args.timeout, transport=args.transport,
-                 warmup_steps=args.warmup_steps, init_from=os.path.abspath(args.init_from) if args.init_from else "")
+                 warmup_steps=args.warmup_steps, progress=bars_shown(), quiet=bool(getattr(args, "quiet", False)),
+                 init_from=os.path.abspath(args.init_from) if args.init_from else "")
     if args.optimizer is not None:  # else the plan's, or RunConfig's default
         extra["optimizer"] = args.optimizer
     if args.precision is not None:

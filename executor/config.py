@@ -73,6 +73,8 @@ class RunConfig:
     tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
     transport: str = "auto"  # stage messages: auto (shared memory between CPU ranks of one host), or dist (gloo/NCCL)
+    progress: bool = False  # set by gpipe train: the reporting rank draws a bar over the steps (a terminal watches)
+    quiet: bool = False  # no per-step loss lines; the final line only
 
     @property
     def stages(self) -> int:
