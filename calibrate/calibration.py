@@ -32,6 +32,7 @@ from calibrate.step_components import measured_end_span_s, predicted_end_span_s
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
 from sim.schedule import recomputes
+from sim.progress import phase
 from sim.stage_costs import stage_bounds
 
 Progress = Callable[[str], None]
@@ -439,19 +440,25 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         "shared_parameters": [{"name": f"{layers[0]}.{name}", "layers": list(layers), "param_bytes": numel * 4}
                               for name, layers, numel in shared_tensors(net)],
     }
+    parties = party_counts(available_parties(device))
+    links = phase("measuring links", total=(max_stages >= 2) + (len(parties) > 0) * (1 if quick else 2),
+                  unit="link")
     if max_stages >= 2:
         say("ping-pong between two ranks")
         points = ping_pong(device)
         link = fit_link([p["bytes"] for p in points], [p["one_way_s"] for p in points])
         data["link"] = {"name": points[0].get("transport", device_api(device).backend), **link.to_dict(),
                         "measured": points}
-    parties = party_counts(available_parties(device))
+        links.update(1)
     if parties:
         say(f"all-reduce among {', '.join(map(str, parties))} ranks (data-parallel gradient averaging)")
         data["allreduce"] = calibrate_allreduce(device, quick, parties)
+        links.update(1)
         if not quick:  # a quick calibration leaves them out (the catalog's node link prices them)
             say("reduce-scatter, all-gather and all-reduce among 2 ranks (tensor-parallel collectives)")
             data["tensor_parallel"] = calibrate_tensor_parallel(device, quick, 2)
+            links.update(1)
+    links.close()
     parts = split_profile_parts(model, options, device, quick, tensor_parallel)
     if parts > 1:
         from calibrate.tp_profile import profile_tensor_parallel, thread_counts

@@ -17,6 +17,7 @@ from typing import Any
 
 from sim.cli_options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
                              check_output_path, model_options)
+from sim.progress import note
 from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
 from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer
@@ -83,9 +84,11 @@ def cached(path: str, model: str, options: dict[str, Any], batch: int, device: s
 def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int, device: str = "cpu",
                      max_stages: int | None = None, steps: int = 5, quick: bool = False, force: bool = False,
                      progress=print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
-                     precision: str = DEFAULT_PRECISION, tensor_parallel: int | None = None) -> dict[str, Any]:
+                     precision: str = DEFAULT_PRECISION, tensor_parallel: int | None = None,
+                     announce=None) -> dict[str, Any]:
     """Reuse the costs at ``path`` when valid (see :func:`cached`) and holding the tensor-parallel
-    profile asked for, else calibrate and write them."""
+    profile asked for, else calibrate and write them. ``progress`` takes calibration's progress
+    lines, ``announce`` (default ``progress``) the line saying the file was reused."""
     from calibrate.calibration import calibrate
     from sim.costs import read_costs, write_costs
 
@@ -95,7 +98,7 @@ def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int,
                 and str(tensor_parallel) not in data.get("tensor_parallel_profile", {}):
             data = None
         if data is not None:
-            progress(f"reusing {path} (same machine, versions, model, optimizer and precision; --force to "
+            (announce or progress)(f"reusing {path} (same machine, versions, model, optimizer and precision; --force to "
                      "measure again)")
             return data
     data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds, optimizer,
@@ -120,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
     from executor.device import device_api
 
     device_api(args.device).check_available()
-    progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
+    announce = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
     data = calibrate_cached(args.out, args.model, options, batch, args.device, args.max_stages, args.steps,
-                            args.quick, args.force, progress, args.rounds, optimizer, precision,
-                            args.tensor_parallel)
+                            args.quick, args.force, note, args.rounds, optimizer, precision,
+                            args.tensor_parallel, announce=None if getattr(args, "quiet", False) else announce)
     if args.json:
         from sim.costs import costs_summary
 

@@ -4,9 +4,12 @@ With no arguments, on a fresh machine: profile and fit the default model (cached
 the first run), search K, M, checkpoint policy, schedule and partition for the fastest plan of each
 K that fits this machine using the measured costs, simulate the best plan with the most stages the
 machine has room for (a pipeline, even where one process on all cores would be faster), train it
-with the executor (``gpipe train``, one process per stage), and write ``out/report.html`` with the predicted and measured
-step on one time axis, the bubble and memory per stage, and the errors. The last line printed says
-where the report is.
+with the executor (``gpipe train``, one process per stage) on the shipped Shakespeare, byte by byte
+(``--data text``: the loss falls from ln(256), where synthetic tokens keep it), and write
+``out/report.html`` with the predicted and measured step on one time axis, the loss curve, the
+bubble and memory per stage, and the errors. The last line printed says where the report is.
+Calibration times synthetic data (the same shapes cost the same), so ``--data synthetic`` changes
+only what the model learns.
 
 The default model is a small transformer (6 pipeline layers: embedding, 4 blocks, head) sized so
 one block's micro-batch takes milliseconds on one core: large enough that sends and per-action
@@ -17,6 +20,7 @@ enough that calibration, planning and training fit in a few minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -25,13 +29,24 @@ from typing import Any
 DEMO_MODEL = "transformer"
 DEMO_OPTIONS: dict[str, Any] = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 DEMO_BATCH = 32
+# Enough AdamW steps at the default learning rate (0.01) for the byte-level loss to fall from ln(256)
+# = 5.55 to about 2.6 on the shipped text; each step costs tens of milliseconds here.
+DEMO_STEPS = 30
 MICROBATCH_OPTIONS = (1, 2, 4, 8, 16)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="out", help="where the costs cache, plan and report go (default out)")
-    parser.add_argument("--steps", type=int, default=6, help="training steps of the chosen plan (default 6)")
+    parser.add_argument("--steps", type=int, default=DEMO_STEPS,
+                        help=f"training steps of the chosen plan (default {DEMO_STEPS})")
+    parser.add_argument("--data", choices=("text", "synthetic"), default="text",
+                        help="what the chosen plan trains on: text (default; the shipped Shakespeare, one token "
+                             "per byte, so the loss falls) or synthetic (random tokens, as calibration times)")
     parser.add_argument("--force", action="store_true", help="calibrate again even if the cache is valid")
+    parser.add_argument("--picture", metavar="FILE.png",
+                        help="also write the report's timelines and loss curve as one PNG (needs kaleido)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print only the losses and where the report is, no progress")
 
 
 def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tuple[Any, Any, Any]]:
@@ -65,19 +80,31 @@ def run(args: argparse.Namespace) -> int:
     from executor.models import model_ref
     from sim.planner import simulate_candidate
     from sim.plan import Plan, save_plan
+    from sim import progress
     from sim.errors import require_positive
 
     require_positive("steps", args.steps, "use --steps 2 or more")
+    if args.picture:
+        from calibrate.report_picture import kaleido_major_version
+        from sim.cli_options import check_output_path
+
+        check_output_path(args.picture, "--picture")
+        kaleido_major_version()  # refused now, not after the demo's minute of work
     started = time.perf_counter()
     os.makedirs(args.out_dir, exist_ok=True)
 
     def say(message: str) -> None:
-        print(f"[demo {time.perf_counter() - started:6.1f}s] {message}", flush=True)
+        if not args.quiet:
+            progress.say(f"[demo {time.perf_counter() - started:6.1f}s] {message}")
+
+    def note(message: str) -> None:  # calibration's progress lines: shown only beside its bars
+        if progress.bars_shown():
+            say("    " + message)
 
     say(f"1/5 calibrating {DEMO_MODEL} {DEMO_OPTIONS} batch {DEMO_BATCH} on this machine")
     costs_path = os.path.join(args.out_dir, "costs.json")
     data = calibrate_cached(costs_path, DEMO_MODEL, DEMO_OPTIONS, DEMO_BATCH, quick=True, force=args.force,
-                            progress=lambda m: say("    " + m))
+                            progress=note, announce=lambda m: say("    " + m))
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     say(f"2/5 planning over K=1..{max_stages}, M in {list(MICROBATCH_OPTIONS)}, every policy and schedule")
     per_k = plan_best(data, DEMO_BATCH, max_stages)
@@ -102,21 +129,35 @@ def run(args: argparse.Namespace) -> int:
                 predicted={"step_time_s": predicted.step_time_s, "bubble_fraction": predicted.bubble_fraction})
     plan_path = os.path.join(args.out_dir, "plan.json")
     save_plan(plan, plan_path)
-    say(f"4/5 training the plan with the executor for {args.steps} steps (gpipe train)")
+    what = "the shipped Shakespeare, byte by byte" if args.data == "text" else "synthetic random tokens"
+    say(f"4/5 training the plan with the executor for {args.steps} steps on {what} (gpipe train)")
     pace = MachinePace(data)
-    report = train_report(plan_path, args.steps, os.path.join(args.out_dir, "train_report.json"))
+    report = train_report(plan_path, args.steps, os.path.join(args.out_dir, "train_report.json"),
+                          data="" if args.data == "synthetic" else args.data)
     report["machine_pace"] = pace.finish()
-    say(f"    measured step {report['step_time_s'] * 1e3:.1f} ms (median after warm-up), "
-        f"losses {', '.join(f'{v:.3f}' for v in report['losses'])}")
+    report["data"] = args.data
+    say(f"    measured step {report['step_time_s'] * 1e3:.1f} ms (median after warm-up)")
+    progress.say(f"losses over {len(report['losses'])} steps (ln 256 = {math.log(256):.2f} is a uniform guess): "
+                 f"{loss_summary(report['losses'])}")
     if report["machine_pace"] is not None:
         say(f"    speed probe around training: {report['machine_pace']:.2f}x its time while calibrating "
             f"(above 1: the machine ran slower)")
     say("5/5 writing the report")
     path = os.path.join(args.out_dir, "report.html")
-    write_demo_report(path, data, plan, predicted, report)
+    write_demo_report(path, data, plan, predicted, report, args.picture)
     say(f"done in {time.perf_counter() - started:.0f} s")
     print(f"report written to {os.path.abspath(path)}")
     return 0
+
+
+def loss_summary(losses: list[float], shown: int = 7) -> str:
+    """About ``shown`` losses evenly spaced from the first step to the last, step by step."""
+    if not losses:
+        return "none"
+    every = max(1, math.ceil((len(losses) - 1) / max(1, shown - 1)))
+    steps = sorted({*range(0, len(losses), every), len(losses) - 1})
+    return ", ".join(f"{losses[s]:.2f} (step {s})" if s in (0, len(losses) - 1) else f"{losses[s]:.2f}"
+                     for s in steps)
 
 
 class MachinePace:
@@ -166,9 +207,11 @@ def end_of_step_spans_s(predicted: Any, report: dict[str, Any]) -> tuple[float, 
             statistics.median(end_of_step_span_s(records, step) for step in steps))
 
 
-def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any]) -> None:
-    """The HTML report: timelines on one axis, bubble and memory side by side, the error table."""
-    from calibrate.report_html import error_table, one_step, summary_figure, write_report
+def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any],
+                      picture: str | None = None) -> None:
+    """The HTML report: timelines on one axis, the loss curve, bubble and memory side by side, the
+    error table; with ``picture``, the timelines and the loss curve as one PNG there too."""
+    from calibrate.report_html import error_table, loss_figure, one_step, summary_figure, write_report
     from sim.figures import compare_figure
     from sim.timeline import STEP_OVERHEAD
 
@@ -211,4 +254,16 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
              "Machine speed: the model's forward and backward on fixed rows, timed just before and after training "
              "and divided by the same probe's median while calibrating (above 1: the machine ran slower); the "
              "step at the calibration's speed is the measured step divided by it."]
-    write_report(path, "gpipe demo: predicted vs measured", intro, timelines, summary, error_table(rows), notes)
+    data_label = ("the shipped Shakespeare, one token per byte" if report.get("data", "text") == "text"
+                  else "synthetic random tokens: the loss cannot fall")
+    loss = loss_figure(report["losses"], data_label, plan.model.options.get("vocab"))
+    notes.insert(0, f"Training data: {data_label}; the loss is the global batch's mean at each step.")
+    write_report(path, "gpipe demo: predicted vs measured", intro, timelines, summary, error_table(rows), notes,
+                 loss=loss)
+    if picture:
+        from calibrate.report_picture import picture_figure, write_png
+
+        steps = compare_figure([predicted.timeline, measured_step], ["predicted", "measured"], memory=False)
+        title = (f"gpipe demo: {plan.model.name} K={plan.stages} M={plan.microbatches} {plan.schedule}, predicted "
+                 f"{predicted.step_time_s * 1e3:.1f} ms, measured {report['step_time_s'] * 1e3:.1f} ms per step")
+        write_png(picture_figure(steps, loss, title), picture)

@@ -50,6 +50,7 @@ from executor.memory import local_tensor, storage_key
 from executor.precision import autocast
 from executor.selective import recompute_attention_core
 from executor.split_backward import PendingWeights, WeightEdges, input_gradients, weight_gradients
+from sim.progress import phase
 
 # F: forward without grad; R: forward with grad (a recompute); B: the whole backward; C: what dropping
 # the attention core adds to the backward (selective); I and W: the backward split as the zero-bubble
@@ -297,22 +298,22 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
     runners = {r: [LayerRunner(layer, excluded, loss if i == last else None,
                                data[r][1] if i == last else None, device, precision)
                    for i, layer in enumerate(model)] for r in profile.rows}
-    with recomputing():  # deferred batch norm must not accumulate while profiling
+    thread_counts = threads if device.type == "cpu" else threads[:1]
+    with recomputing(), phase("profiling layers", total=len(thread_counts) * repeats.rounds * len(model),
+                              unit="layer") as bar:  # deferred batch norm must not accumulate while profiling
         profile.memory = _memory_table(model, runners, data, profile.rows)
-        for t in threads:
+        for t in thread_counts:
             if device.type == "cpu":
                 torch.set_num_threads(t)
             times, profile.repetitions[t], profile.speed_reference_s[t] = _time_rounds(
-                model, runners, data, profile.rows, repeats, progress, t, probe)
+                model, runners, data, profile.rows, repeats, progress, t, probe, bar)
             profile.times_s[t] = pool_identical(times, layer_signatures(model, data, profile.rows))
-            if device.type != "cpu":
-                break
     return profile
 
 
 def _time_rounds(model: nn.Sequential, runners: dict[int, list[LayerRunner]], data: dict[int, Any],
                  rows: list[int], repeats: Repeats, progress: Callable[[str], None] | None,
-                 threads: int, probe: Any) -> tuple[dict, int, float]:
+                 threads: int, probe: Any, bar: Any = None) -> tuple[dict, int, float]:
     """Every (layer, rows) timed in ``repeats.rounds`` rounds, each bracketed by speed probes.
 
     Each round's medians are divided by that round's speed factor (:mod:`calibrate.speed`) and the
@@ -336,6 +337,8 @@ def _time_rounds(model: nn.Sequential, runners: dict[int, list[LayerRunner]], da
                     per_rows[kind].append(medians[kind])
             for kind in KINDS:
                 table[kind].append(per_rows[kind])
+            if bar is not None:
+                bar.update(1)
         paces.append([before, probe.measure(repeats.probe_budget_s)])
         rounds.append(table)
         if progress is not None:

@@ -1,4 +1,4 @@
-"""The demo's one-page HTML report: timelines, bubble and memory side by side, the error table.
+"""The demo's one-page HTML report: timelines, the loss curve, bubble and memory, the error table.
 
 Built from plotly figures (:mod:`sim.figures` for the timelines, so they look as everywhere else)
 and a plain HTML table; plotly.js is embedded once, so the file opens offline.
@@ -7,6 +7,7 @@ and a plain HTML table; plotly.js is embedded once, so the file opens offline.
 from __future__ import annotations
 
 import html
+import math
 from typing import Any, Sequence
 
 import plotly.graph_objects as go
@@ -60,6 +61,19 @@ def summary_figure(predicted_busy_s: Sequence[float], predicted_step_s: float, m
     return fig
 
 
+def loss_figure(losses: Sequence[float], data_label: str, vocab: int | None = None) -> go.Figure:
+    """The training loss at every step, with ln(vocab) dotted: where a model guessing uniformly sits,
+    so a curve that falls below it shows the model learning (random tokens keep it there)."""
+    fig = go.Figure(go.Scatter(x=list(range(len(losses))), y=list(losses), mode="lines+markers",
+                               name="loss", line={"color": "#4C78A8"}))
+    if vocab:
+        fig.add_hline(y=math.log(vocab), line_dash="dot", line_color="#888",
+                      annotation_text=f"ln {vocab}: a uniform guess", annotation_position="top right")
+    fig.update_layout(title=f"Training loss per step ({data_label})", height=320,
+                      xaxis_title="step", yaxis_title="cross entropy (nats)", margin={"t": 50, "b": 40})
+    return fig
+
+
 def error_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
     """(quantity, predicted, measured, error) rows as an HTML table."""
     head = "<tr><th>quantity</th><th>predicted</th><th>measured</th><th>error</th></tr>"
@@ -68,11 +82,12 @@ def error_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
 
 
 def write_report(path: str, title: str, intro: str, timelines: go.Figure, summary: go.Figure,
-                 table_html: str, notes: Sequence[str]) -> None:
-    """Assemble the page: heading, timelines, bubble beside memory, error table, notes."""
+                 table_html: str, notes: Sequence[str], loss: go.Figure | None = None) -> None:
+    """Assemble the page: heading, timelines, the loss curve, bubble beside memory, error table, notes."""
     config = {"responsive": True}
     parts = [timelines.to_html(full_html=False, include_plotlyjs=True, config=config),
-             summary.to_html(full_html=False, include_plotlyjs=False, config=config)]
+             summary.to_html(full_html=False, include_plotlyjs=False, config=config),
+             loss.to_html(full_html=False, include_plotlyjs=False, config=config) if loss is not None else ""]
     note_items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -86,6 +101,7 @@ td:first-child, th:first-child {{ text-align: left; }}
 <p>{html.escape(intro)}</p>
 <h2>Predicted and measured step, same time axis</h2>
 {parts[0]}
+{parts[2]}
 {parts[1]}
 <h2>Prediction error</h2>
 {table_html}

@@ -29,6 +29,8 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
+from sim.progress import phase
+
 PROBE_BUDGET_S = 0.1  # speed probe before and after each configuration (calibrate.speed)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,37 +46,45 @@ def _env(threads: int | None = None) -> dict[str, str]:
 def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run every :class:`executor.config.RunConfig`; the reports come back in the same order."""
-    from executor.shm_transport import SHM_DIR_ENV, shared_directory
-
     by_shape: dict[tuple[int, int, int], list[int]] = {}  # (D, K, T) -> configurations, one launch each
     for index, config in enumerate(configs):
         by_shape.setdefault((config.replicas, config.stages, config.tensor_parallel), []).append(index)
     reports: list[dict[str, Any]] = [{} for _ in configs]
-    for (replicas, stages, parts), indices in sorted(by_shape.items(),
-                                                     key=lambda item: (item[0][2], item[0][1], item[0][0])):
-        world = replicas * stages * parts
-        shape = (f"D={replicas} " if replicas > 1 else "") + f"K={stages}" + (f" T={parts}" if parts > 1 else "")
-        if progress is not None:
-            progress(f"running {len(indices)} executor configuration(s) with {shape}")
-        with tempfile.TemporaryDirectory(prefix="gpipe-runs-") as directory:
-            path = os.path.join(directory, "configs.json")
-            with open(path, "w") as handle:
-                json.dump([_with_factory_weights(configs[i], os.path.join(directory, f"weights-{i}")).to_dict()
-                           for i in indices], handle)
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", str(world), "--monitor-interval", "0.2",
-                       "-m", "calibrate.runs", path, directory]
-            threads = max(1, (os.cpu_count() or 1) // world)
-            with shared_directory() as shared:  # the ranks' message files, as gpipe train makes them
-                done = subprocess.run(command, env={**_env(threads), SHM_DIR_ENV: shared}, capture_output=True,
-                                      text=True, timeout=timeout_s)
-            if done.returncode != 0:
-                tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-                raise RuntimeError(f"executor runs with {shape} failed: " + " | ".join(tail))
-            for position, index in enumerate(indices):
-                with open(os.path.join(directory, f"report-{position}.json")) as handle:
-                    reports[index] = json.load(handle)
+    with phase("executor runs", total=len(configs), unit="run") as bar:
+        for (replicas, stages, parts), indices in sorted(by_shape.items(),
+                                                         key=lambda item: (item[0][2], item[0][1], item[0][0])):
+            _run_launch(configs, indices, replicas, stages, parts, reports, timeout_s, progress)
+            bar.update(len(indices))
     return reports
+
+
+def _run_launch(configs: Sequence[Any], indices: list[int], replicas: int, stages: int, parts: int,
+                reports: list[dict[str, Any]], timeout_s: float, progress: Callable[[str], None] | None) -> None:
+    """One torchrun launch of D x K x T workers running ``configs[indices]`` in turn; fills ``reports``."""
+    from executor.shm_transport import SHM_DIR_ENV, shared_directory
+
+    world = replicas * stages * parts
+    shape = (f"D={replicas} " if replicas > 1 else "") + f"K={stages}" + (f" T={parts}" if parts > 1 else "")
+    if progress is not None:
+        progress(f"running {len(indices)} executor configuration(s) with {shape}")
+    with tempfile.TemporaryDirectory(prefix="gpipe-runs-") as directory:
+        path = os.path.join(directory, "configs.json")
+        with open(path, "w") as handle:
+            json.dump([_with_factory_weights(configs[i], os.path.join(directory, f"weights-{i}")).to_dict()
+                       for i in indices], handle)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(world), "--monitor-interval", "0.2",
+                   "-m", "calibrate.runs", path, directory]
+        threads = max(1, (os.cpu_count() or 1) // world)
+        with shared_directory() as shared:  # the ranks' message files, as gpipe train makes them
+            done = subprocess.run(command, env={**_env(threads), SHM_DIR_ENV: shared}, capture_output=True,
+                                  text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"executor runs with {shape} failed: " + " | ".join(tail))
+        for position, index in enumerate(indices):
+            with open(os.path.join(directory, f"report-{position}.json")) as handle:
+                reports[index] = json.load(handle)
 
 
 def _with_factory_weights(config: Any, directory: str) -> Any:
@@ -92,13 +102,25 @@ def _with_factory_weights(config: Any, directory: str) -> Any:
                                                                 directory))
 
 
-def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int = 1) -> dict[str, Any]:
-    """Train a plan file with ``gpipe train`` (torchrun, one process per stage); its report."""
+def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int = 1,
+                 data: str = "") -> dict[str, Any]:
+    """Train a plan file with ``gpipe train`` (torchrun, one process per stage) on ``data`` (its
+    ``--data``; "" synthetic); its report. Its steps advance a progress bar as they are printed."""
     command = [sys.executable, "-m", "sim.cli", "train", "--plan", plan_path, "--steps", str(steps),
                "--warmup-steps", str(warmup_steps), "--report", report_path]
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    if data:
+        command += ["--data", data]
+    lines: list[str] = []
+    with phase("training", total=steps, unit="step") as bar, \
+            subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) as process:
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("gpipe: step "):
+                bar.update(1)
+                bar.set_postfix_str("loss " + line.split()[4])
+    if process.returncode != 0:
+        tail = "".join(lines).strip().splitlines()[-3:]
         raise RuntimeError("gpipe train failed: " + " | ".join(tail))
     with open(report_path) as handle:
         return json.load(handle)

@@ -35,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     if not same_machine(data.get("machine", {}), machine_stamp(device)):
         raise GpipeInputError(f"costs file {args.costs!r} was measured on another machine or library version; "
                               "run gpipe calibrate here first")
-    progress = (lambda message: print(message, file=sys.stderr, flush=True)) if args.json else print
-    result = validate(data, args.steps, args.limit, progress, args.rounds)
+    from sim.progress import note
+
+    result = validate(data, args.steps, args.limit, note, args.rounds)
     if args.out:
         from sim.timeline import write_json_atomic
 

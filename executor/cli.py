@@ -29,6 +29,7 @@ from sim.partition import even_partition
 from sim.placement import PLACEMENTS
 from sim.plan import load_plan, parse_partition
 from sim.precision import check_precision
+from sim.progress import bars_shown
 from sim.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, SCHEDULES, check_interleaving,
                           check_virtual_stages, default_virtual_stages)
 
@@ -49,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="V: chunks of layers per process, with --schedule interleaved (2 or more) or zbv "
                            "and dualpipev (2); --partition then lists V x K chunks in model order")
     what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
-    what.add_argument("--data", help="package.module:function(batch_size, step=, seed=) -> (inputs, targets)")
+    what.add_argument("--data", metavar="SOURCE",
+                      help="what to train on: synthetic random data (default; what calibration times), text (the "
+                           "shipped Shakespeare, one token per byte: a language model's loss falls), text:PATH "
+                           "(any file, byte by byte), or package.module:function(batch_size, step=, seed=) -> "
+                           "(inputs, targets)")
     what.add_argument("--seed", type=int, default=0)
     what.add_argument("--init", choices=("factory", "meta"),
                       help="first weights: factory (default: exactly what the model's factory gives after "
@@ -129,6 +134,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _data_source(data: str | None) -> str:
+    """``--data`` as the workers read it: "" for synthetic, a ``text:PATH`` made absolute."""
+    if not data or data == "synthetic":
+        return ""
+    if data.startswith("text:"):
+        return "text:" + os.path.abspath(data[len("text:"):])
+    return data
+
+
 def config_from_args(args: argparse.Namespace):
     """A validated :class:`RunConfig` from a plan file and/or flags (flags override the plan)."""
     from executor.config import RunConfig
@@ -139,10 +153,11 @@ def config_from_args(args: argparse.Namespace):
     extra = dict(steps=args.steps, seed=args.seed, loss=args.loss or "", lr=args.lr,
                  weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm,
                  lr_schedule=args.lr_schedule, lr_warmup_steps=args.lr_warmup,
-                 data=args.data or "", report=args.report or "", trace=args.trace or "",
+                 data=_data_source(args.data), report=args.report or "", trace=args.trace or "",
                  save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
                  device=args.device, threads=args.threads, timeout_s=args.timeout, transport=args.transport,
-                 warmup_steps=args.warmup_steps, init_from=os.path.abspath(args.init_from) if args.init_from else "")
+                 warmup_steps=args.warmup_steps, progress=bars_shown(), quiet=bool(getattr(args, "quiet", False)),
+                 init_from=os.path.abspath(args.init_from) if args.init_from else "")
     if args.optimizer is not None:  # else the plan's, or RunConfig's default
         extra["optimizer"] = args.optimizer
     if args.precision is not None:

@@ -50,7 +50,7 @@ class RunConfig:
     clip_grad_norm: float | None = None  # max L2 norm over all stages' gradients; None: no clipping
     lr_schedule: str = "constant"  # constant | cosine (to 0 over ``steps``)
     lr_warmup_steps: int = 0  # linear warm-up steps before the schedule
-    data: str = ""  # package.module:function, "" = built-in synthetic data
+    data: str = ""  # "" synthetic; "text" or "text:PATH" byte-level text; package.module:function
     init: str = "factory"  # first values: factory (factory()'s, after manual_seed(seed)) or meta (seeded per layer)
     init_from: str = ""  # state dict, safetensors file or model folder to start from (overrides init)
     factory_weights: str = ""  # set by gpipe train: the folder it wrote factory()'s values to on this node
@@ -74,6 +74,8 @@ class RunConfig:
     tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
     transport: str = "auto"  # stage messages: auto (shared memory between CPU ranks of one host), or dist (gloo/NCCL)
+    progress: bool = False  # set by gpipe train: the reporting rank draws a bar over the steps (a terminal watches)
+    quiet: bool = False  # no per-step loss lines; the final line only
 
     @property
     def stages(self) -> int:

@@ -2,9 +2,11 @@
 
 Because step ``s`` always yields the same batch, a resumed run sees exactly the data an
 uninterrupted run sees, and every rank can draw the batch itself (stage 0 keeps the inputs, the
-last stage the targets) without sending data around. Built-in models draw synthetic data; a user's
-``--data package.module:function`` is called as ``function(batch_size, step=step, seed=seed)`` and
-must return ``(inputs, targets)`` that depend only on its arguments.
+last stage the targets) without sending data around. Built-in models draw synthetic data (random
+values: the timing is real, the loss cannot fall); ``--data text`` feeds a language model the
+shipped Shakespeare byte by byte (:mod:`executor.text_data`); a user's ``--data
+package.module:function`` is called as ``function(batch_size, step=step, seed=seed)`` and must
+return ``(inputs, targets)`` that depend only on its arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from executor.boundary import tensors
 from executor.models import example_batch, load_object
 from executor.seeds import mix_seed
+from executor.text_data import is_text_data, text_batch
 from sim.errors import GpipeInputError
 from sim.microbatch import split_rows  # noqa: F401  (re-exported: one split rule for both halves)
 
@@ -28,7 +31,9 @@ def batch_for_step(model: str, options: dict[str, Any], batch_size: int, seed: i
     Inputs and targets are tensors, or tuples, lists or dicts of tensors whose first dimension is
     the rows (token ids with their attention mask, say).
     """
-    if data:
+    if is_text_data(data):
+        inputs, targets = text_batch(data, model, options, batch_size, seed, step)  # type: ignore[arg-type]
+    elif data:
         fn = load_object(data, "data function")
         inputs, targets = fn(batch_size, step=step, seed=seed)
     else:

@@ -25,7 +25,7 @@ from sim.errors import GpipeInputError
 from sim.timeline import Timeline, write_json_atomic
 
 # settings that are each node's own: output paths, thread count, where the weights file is mounted
-PER_NODE = ("report", "trace", "threads", "init_from", "factory_weights")
+PER_NODE = ("report", "trace", "threads", "init_from", "factory_weights", "progress", "quiet")
 
 
 @dataclass

@@ -51,6 +51,7 @@ from executor.recording import Recorder, shared_origin_s
 from executor.report import build_report
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
+from sim.progress import phase, say
 from sim.schedule import Action
 from sim.timeline import Timeline, merge
 
@@ -155,6 +156,7 @@ def train(config: RunConfig) -> None:
         first_step = start
         batches = step_batches(config, stage, layout)
         reports = stage.is_last and layout.replica == 0 and layout.tp_rank == 0  # prints the losses, keeps the history
+        bar = phase("training", total=config.steps, initial=start, unit="step", shown=config.progress and reports)
         for step in range(start, config.steps):
             step_ref[0] = step
             loss = train_step_with_data(config, stage, step, layout, batches)
@@ -166,9 +168,13 @@ def train(config: RunConfig) -> None:
                 if stage.grad_norm is not None:  # taken only when clipping
                     history.grad_norms.append(float(stage.grad_norm))
                     norm = f" grad norm {stage.grad_norm:.4g}"
-                print(f"gpipe: step {step} loss {loss:.6f}{norm} lr {stage.lr:.4g}", flush=True)
+                if not config.quiet:
+                    say(f"gpipe: step {step} loss {loss:.6f}{norm} lr {stage.lr:.4g}", bar_shown=config.progress)
+                bar.update(1)
+                bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
             if config.save_every and (step + 1) % config.save_every == 0:
                 _save(config, stage, step, history, layout)
+        bar.close()
         _finish(config, stage, history if reports else None, first_step, device, writers, layout)
     finally:
         dist.destroy_process_group()

@@ -28,8 +28,51 @@ SUBCOMMANDS = {
 }
 
 
+# One command per capability, shown by ``gpipe`` without arguments: what a newcomer would try first.
+TOUR = """\
+gpipe plans, simulates, trains and calibrates GPipe pipeline-parallel training.
+
+A tour, one command each (all run on a CPU; add --help to any of them):
+  gpipe demo                                      calibrate this machine, plan, simulate, train on Shakespeare, report
+  gpipe simulate --model transformer --layers 8 --stages 4 --microbatches 8 --hardware a100-nvlink
+                                                  predict one plan's timeline, bubble and memory
+  gpipe plan --model llama3-8b --hardware h100-nvlink --nodes 2 --batch 256
+                                                  search every layout for the fastest plan that fits
+  gpipe train --model transformer --vocab 256 --stages 2 --data text --steps 20
+                                                  train a pipeline for real (torchrun, one process per stage)
+  gpipe calibrate --out costs.json && gpipe validate --costs costs.json
+                                                  measure this machine, fit the simulator, check it on held-out runs
+  gpipe paper                                     the GPipe paper's Table 2, replayed in simulation
+  gpipe replay benchmarks/published_runs/validation.json
+                                                  published GPU runs against the simulator's predictions
+"""
+
+
+def version() -> str:
+    """The installed distribution's version; pyproject.toml's in a checkout that is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gpipe")
+    except metadata.PackageNotFoundError:
+        return _pyproject_version()
+
+
+def _pyproject_version() -> str:
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        with open(path) as handle:
+            found = re.search(r'^version\s*=\s*"([^"]+)"', handle.read(), re.MULTILINE)
+    except OSError:
+        found = None
+    return found.group(1) if found else "unknown"
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline planning, simulation and training")
+    parser.add_argument("--version", action="version", version=f"gpipe {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -43,16 +86,26 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                     continue
                 raise
             module.add_arguments(sub_parser)
+            if "--quiet" not in sub_parser._option_string_actions:
+                sub_parser.add_argument("--quiet", action="store_true",
+                                        help="no progress bars or progress lines; only the result")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
+    if not argv:  # a newcomer's first try: what it does, then how to ask
+        print(TOUR)
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    from sim import progress
+
+    progress.configure(quiet=getattr(args, "quiet", False), json_output=getattr(args, "json", False))
     try:
         module = importlib.import_module(args.module)
     except ModuleNotFoundError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +19,7 @@ from sim.placement import PLACEMENTS, check_placement
 from sim.planner import PlanOption, SearchResult, default_replica_options, default_stage_options, search
 from sim.microbatch import split_rows
 from sim.precision import check_precision
+from sim.progress import bars_shown, phase
 from sim.report import describe_precision, gib
 from sim.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, PLANNED_SCHEDULES, SCHEDULES,
                           V_SHAPED_SCHEDULES, check_checkpoint_policy, check_schedule_name)
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the best plan's schedule in torch.distributed.pipelining's CSV form "
                              "(one row of actions per rank, as its _load_csv reads)")
     parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr; only the result")
     cost = parser.add_argument_group("days and dollars")
     cost.add_argument("--train-tokens", default=None, metavar="N",
                       help="tokens to train on (15T, 300B, 2e12): each plan's days, device-hours and cost")
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     schedules = [check_schedule_name(s) for s in default_schedules(args).split(",")]
     placements = [check_placement(p) for p in args.placements.split(",")]
     inputs = [planning_inputs(args, name) for name in hardware]  # every system's precision checked first
-    progress = None if args.quiet else _Progress()
+    progress = _SearchBar() if bars_shown() else None
     planned = [_plan_on(args, *given, checkpoints, schedules, placements, costing, progress) for given in inputs]
     if progress:
         progress.finish()
@@ -768,23 +768,27 @@ def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_opti
             + fit_advice(leanest, system))
 
 
-class _Progress:
-    """Progress on stderr for searches that take more than a moment."""
+class _SearchBar:
+    """One bar for the whole search: candidates examined (in order of promise) out of those in the
+    space, and the fastest step so far. Each system's or replica count's search adds its candidates to
+    the total as it starts; the search stops early once no candidate left can enter the ranking, so
+    the bar closes at the count reached, below its total."""
 
     def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.last = 0.0
-        self.shown = False
+        self.bar = phase("searching plans", unit="plan")
+        self.offset = self.total = self.done = 0
+        self.best_s = float("inf")
 
     def __call__(self, done: int, total: int, best: PlanOption | None) -> None:
-        now = time.perf_counter()
-        if now - self.started < 1.0 or now - self.last < 0.5:
-            return
-        self.last, self.shown = now, True
-        best_text = f", best {best.step_time_s * 1e3:.3f} ms" if best else ""
-        print(f"\rsimulating candidates in order of promise: {done}/{total}{best_text}",
-              end="", file=sys.stderr, flush=True)
+        if done < self.done or total != self.total:  # a new search began
+            self.offset += self.done
+            self.bar.total = (self.bar.total or 0) + total
+            self.total = total
+        self.done = done
+        self.bar.update(self.offset + done - self.bar.n)
+        if best is not None and best.step_time_s < self.best_s:
+            self.best_s = best.step_time_s
+            self.bar.set_postfix_str(f"fastest so far {self.best_s * 1e3:.3f} ms", refresh=False)
 
     def finish(self) -> None:
-        if self.shown:
-            print(file=sys.stderr)
+        self.bar.close()

@@ -7,6 +7,7 @@ import json
 import sys
 
 from sim.cli_options import check_output_path
+from sim.progress import phase
 from sim.replay import Replayed, load_runs, replay, summary
 from sim.workload_cli import resolve_workload
 
@@ -20,7 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.html, "--html")
     runs = load_runs(args.file)
-    results = [replay(r, lambda model, options: resolve_workload(model, options)) for r in runs]
+    with phase("replaying runs", total=len(runs), unit="run") as bar:
+        results = []
+        for published in runs:
+            results.append(replay(published, lambda model, options: resolve_workload(model, options)))
+            bar.update(1)
     report = summary(results)
     if args.json:
         json.dump(report, sys.stdout)

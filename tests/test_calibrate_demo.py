@@ -1,5 +1,7 @@
 """The main job end to end: gpipe demo calibrates, plans, simulates, trains and writes one report."""
 
+import json
+import math
 import subprocess
 import sys
 
@@ -9,23 +11,31 @@ import pytest
 @pytest.mark.slow
 def test_demo_writes_one_report_and_says_where(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--out-dir", str(out), "--steps", "3"],
+    proc = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--out-dir", str(out), "--steps", "8"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last == f"report written to {out / 'report.html'}"
     assert "1/5 calibrating" in proc.stdout and "chosen: K=" in proc.stdout
+    assert "round 1/" not in proc.stdout + proc.stderr  # calibration's progress: bars at a terminal only
+    losses = json.loads((out / "train_report.json").read_text())["losses"]
+    assert len(losses) == 8 and losses[-1] < math.log(256) - 1.0, losses  # the text is learnt
+    assert "losses over 8 steps" in proc.stdout
     assert "x its time while calibrating" in proc.stdout
     page = (out / "report.html").read_text()
     for text in ("predicted timeline", "measured timeline", "Busy and bubble per stage",
                  "Peak activation memory per stage", "Prediction error", "step time", "stage 1 peak activation",
                  "step time at the calibration&#x27;s machine speed", "end-of-step span (last compute to step end)",
-                 "the fitted per-step overhead"):
+                 "the fitted per-step overhead", "Training loss per step (the shipped Shakespeare"):
         assert text in page, text
     assert (out / "costs.json").exists() and (out / "plan.json").exists()
-    again = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--out-dir", str(out), "--steps", "2"],
-                           capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "reusing" in again.stdout  # calibration is cached
+    costs_written = (out / "costs.json").stat().st_mtime
+    again = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--out-dir", str(out), "--steps", "2",
+                            "--data", "synthetic", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and (out / "costs.json").stat().st_mtime == costs_written  # calibration is cached
+    said = again.stdout.strip().splitlines()
+    assert len(said) == 2 and said[0].startswith("losses over 2 steps") and said[1].startswith("report written")
+    assert "synthetic random tokens" in (out / "report.html").read_text()
 
 
 def test_demo_rejects_a_bad_step_count():

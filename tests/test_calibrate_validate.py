@@ -99,7 +99,6 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
     assert ("allreduce" in data) == (data["machine"]["cpu_cores"] >= 2)  # a data-parallel group fits
     if "allreduce" in data:
         assert data["allreduce"]["parties"][0] == 2 and data["allreduce"]["bandwidth_bytes_per_s"] > 0
-        assert "all-reduce among 2 ranks" in first
     assert all(v > 0 for v in data["speed"]["reference_s"].values())
     assert main(["calibrate", *TINY, "--out", costs, "--quick"]) == 0
     assert "reusing" in capsys.readouterr().out
