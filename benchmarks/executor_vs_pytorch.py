@@ -77,8 +77,11 @@ TENSOR_CONFIGS = [
 ZERO_BUBBLE_CONFIGS = [
     {"model": "mlp", "options": {"layers": 8, "width": 1024}, "stages": 2, "virtual_stages": 2, "batch": 64,
      "microbatches": 8, "schedules": ["zbv", "dualpipev"]},
+    # embedding + block, block, block, block + head: each rank two blocks (an even split would give rank 0
+    # one block and both light layers, rank 1 three blocks)
     {"model": "transformer", "options": {"layers": 4, "d_model": 128, "ff": 512, "seq": 64},
-     "stages": 2, "virtual_stages": 2, "batch": 16, "microbatches": 8, "schedules": ["zbv", "dualpipev"]},
+     "stages": 2, "virtual_stages": 2, "batch": 16, "microbatches": 8, "partition": [2, 1, 1, 2],
+     "schedules": ["zbv", "dualpipev"]},
 ]
 CONFIG_SETS = {"pipeline": CONFIGS, "scale_out": SCALE_OUT_CONFIGS, "tensor": TENSOR_CONFIGS,
                "zero_bubble": ZERO_BUBBLE_CONFIGS,
@@ -88,6 +91,12 @@ CONFIG_SETS = {"pipeline": CONFIGS, "scale_out": SCALE_OUT_CONFIGS, "tensor": TE
 def _shape(cfg: dict) -> tuple[int, int, int]:
     """(D, K, V) of a configuration."""
     return cfg.get("replicas", 1), cfg["stages"], cfg.get("virtual_stages", 1)
+
+
+def _partition(cfg: dict, layers: int, even_partition) -> tuple[int, ...]:
+    """The configuration's layers per (virtual) stage: its own, else an even split."""
+    _, stages, virtual = _shape(cfg)
+    return tuple(cfg["partition"]) if "partition" in cfg else even_partition(layers, stages * virtual)
 
 
 def _processes(cfg: dict) -> int:
@@ -116,7 +125,7 @@ def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int
 
         replicas, stages, virtual = _shape(cfg)
         layers = model_ref(cfg["model"], cfg["options"]).num_layers
-        partition = ",".join(map(str, even_partition(layers, stages * virtual)))  # as the PyTorch side splits
+        partition = ",".join(map(str, _partition(cfg, layers, even_partition)))  # as the PyTorch side splits
         argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--partition", partition,
                 "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
                 "--checkpoint", "never", "--optimizer", "sgd", "--steps", str(steps), "--warmup-steps", str(warmup),
@@ -202,7 +211,7 @@ def pytorch_worker(path: str) -> None:
         mesh = init_device_mesh("cpu", (replicas, stages), mesh_dim_names=("dp", "pp"))
     replica, pipeline_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     model = build_model(job["model"], job["options"], 0)
-    partition = even_partition(len(model), stages * virtual)
+    partition = _partition(job, len(model), even_partition)
     loss_fn = loss_function(default_loss(job["model"]))
     pipeline_stages, modules = [], []
     indices = virtual_stages_of_device(pipeline_rank, stages, virtual, job["schedule"])  # a loop, or a V
