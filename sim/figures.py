@@ -245,10 +245,14 @@ def schedules_bubble_figure(points: Sequence, stages: int,
     """One line per schedule through its ``(microbatches, bubble_fraction)`` points
     (:func:`sim.schedule_bubbles.schedule_bubbles`)."""
     fig = go.Figure()
-    for schedule in dict.fromkeys(p.schedule for p in points):
+    symbols = ("circle", "diamond", "square", "triangle-up", "x", "star")
+    for index, schedule in enumerate(dict.fromkeys(p.schedule for p in points)):
         mine = [p for p in points if p.schedule == schedule]
+        # every other line dashed, each its own marker: schedules with equal bubbles (gpipe and 1f1b,
+        # zbv and dualpipev in eager PyTorch) stay visible on top of each other
         fig.add_trace(go.Scatter(x=[p.microbatches for p in mine], y=[p.bubble_fraction for p in mine],
-                                 mode="lines+markers", name=schedule,
+                                 mode="lines+markers", name=schedule, line_dash="dash" if index % 2 else "solid",
+                                 marker_symbol=symbols[index % len(symbols)], marker_size=9,
                                  hovertemplate=f"{schedule}, M=%{{x}}<br>bubble %{{y:.1%}}<extra></extra>"))
     fig.update_layout(title=f"{title} (K={stages}, simulated: identical layers, free links)", height=450,
                       xaxis_title="micro-batches M", yaxis_title="bubble (share of the step a device idles)",

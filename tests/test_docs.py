@@ -76,6 +76,10 @@ COVERED: dict[str, str] = {
         "tests/test_interleaved.py::test_two_processes_two_chunks_each_match_in_process_and_resume_exactly",
     "gpipe train --model mlp --batch 16 --microbatches 8 --stages 2 --schedule zb-h1 --checkpoint never --steps 20":
         "tests/test_executor_worker.py::test_two_processes_match_the_in_process_pipeline",
+    "gpipe train --model mlp --batch 15 --microbatches 8 --stages 2 --schedule zbv --steps 20":
+        "tests/test_v_schedules.py::test_two_processes_in_a_v_match_in_process",
+    ".venv/bin/python benchmarks/schedule_bubbles.py":
+        "tests/test_schedule.py::test_the_bubble_figure_orders_the_schedules_as_their_formulas",
     "gpipe train --model mlp --option width=16 --stages 2 --replicas 2 --batch 11 --microbatches 2 --steps 5":
         "tests/test_executor_replicas.py::test_replicas_of_the_pipeline_train_as_one_process",
     "gpipe train --model mlp --stages 1 --replicas 2 --zero 1 --batch 10 --save-every 2 --checkpoint-dir ck":

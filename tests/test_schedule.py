@@ -298,10 +298,14 @@ def test_v_schedules_refuse_per_layer_recompute(schedule):
         build_schedule(2, 4, schedule, "full", 2)
 
 
-def test_the_bubble_figure_orders_the_schedules_as_their_formulas():
-    """The README's and the notebook's figure: 1F1B at (K-1)/(M+K-1), ZB-H1 below it, ZB-V and
+def test_the_bubble_figure_orders_the_schedules_as_their_formulas(tmp_path, capsys):
+    """The docs' and the notebook's figure: 1F1B at (K-1)/(M+K-1), ZB-H1 below it, ZB-V and
     DualPipeV below ZB-H1 (only the first forward's way down the V: (K-1) chunk forwards of 1 ms
-    against a device's 6M ms of work), dualpipev only from M = 2K."""
+    against a device's 6M ms of work), dualpipev only from M = 2K; and the script that writes its
+    table (benchmarks/schedule_bubbles.py, as docs/training.md runs it)."""
+    import json
+
+    from benchmarks.schedule_bubbles import main as write_table
     from sim.figures import schedules_bubble_figure
     from sim.schedule_bubbles import schedule_bubbles
 
@@ -315,3 +319,8 @@ def test_the_bubble_figure_orders_the_schedules_as_their_formulas():
     assert ("dualpipev", 4) not in points
     figure = schedules_bubble_figure(list(points.values()), 4)
     assert [trace.name for trace in figure.data] == ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
+    assert write_table(["--out", str(tmp_path / "bubbles.json")]) == 0
+    written = {(p["schedule"], p["microbatches"]): p["bubble_fraction"]
+               for p in json.loads((tmp_path / "bubbles.json").read_text())["points"]}
+    assert written[("zbv", 8)] == pytest.approx(points[("zbv", 8)].bubble_fraction)
+    assert "zbv         M=4:  20.0%" in capsys.readouterr().out
