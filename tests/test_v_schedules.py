@@ -130,3 +130,43 @@ def test_two_processes_in_a_v_match_in_process(tmp_path, schedule):
     assert {(r["stage"], r["virtual_stage"]) for r in records if r["kind"] == "F"} == {(0, 0), (1, 1), (1, 2), (0, 3)}
     kinds = {r["kind"] for r in records}
     assert {"I", "W"} <= kinds and ("B" in kinds) == (schedule == "dualpipev")
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (3, 6), (4, 8), (4, 13)])
+def test_the_simulated_peak_is_the_count_of_microbatches_in_flight(schedule, stages, microbatches):
+    """On identical layers (one per chunk, checkpoint never) each device's predicted peak activation
+    memory is one layer's activations times the most chunk micro-batches it holds between a forward
+    and the end of its backward (B, or W)."""
+    from sim.engine import simulate
+    from sim.hardware import get_system
+    from sim.schedule import Kind, build_schedule
+    from sim.workload import UniformWorkload
+
+    workload = UniformWorkload(2 * stages)
+    result = simulate(workload, get_system("ideal"), [1] * (2 * stages), microbatches, microbatches, "never",
+                      schedule, virtual_stages=2)
+    saved = workload.layer_costs(1, get_system("ideal").device)[0].saved_bytes
+    for device, actions in enumerate(build_schedule(stages, microbatches, schedule, "never", 2)):
+        held = peak = 0
+        for action in actions:
+            held += {Kind.FORWARD: 1, Kind.WEIGHT: -1, Kind.BACKWARD: -1}.get(action.kind, 0)
+            peak = max(peak, held)
+        stage = next(s for s in result.stages if s.stage == device)
+        assert stage.peak_activation_bytes == peak * saved, (device, peak)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--model", "mlp", "--stages", "2", "--schedule", "zbv", "--virtual-stages", "3"],
+     "gpipe: error: --schedule zbv runs two chunks per device in a V; use --virtual-stages 2, not 3"),
+    (["train", "--model", "mlp", "--stages", "2", "--schedule", "dualpipev", "--batch", "8", "--microbatches", "3"],
+     "gpipe: error: --schedule dualpipev needs at least 2K = 4 micro-batches with K=2 stages, got M=3; "
+     "use --microbatches 4 or more"),
+    (["simulate", "--model", "uniform", "--layers", "8", "--stages", "2", "--schedule", "zbv", "--checkpoint", "full"],
+     "gpipe: error: --schedule zbv splits each backward into input and weight gradients, which --checkpoint full"),
+])
+def test_bad_v_schedules_are_one_line_and_exit_2(argv, message):
+    result = gpipe(*argv)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines
