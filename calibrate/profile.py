@@ -115,7 +115,9 @@ class _SavedSet:
             ptr, nbytes = storage_key(tensor)
             if ptr and ptr not in self.excluded:
                 self.saved[ptr] = nbytes
-        return tensor
+        # detached (same storage and version counter), as the executor's counter packs: a saved output
+        # kept with its own grad_fn is a reference cycle the graph kept from I to W never breaks
+        return tensor.detach()
 
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)

@@ -20,8 +20,9 @@ def test_predict_passes_replicas_and_the_measured_allreduce_link_to_the_simulato
     data = synthetic_costs()
     predict(data, RunSpec((3,), 2, "never", "gpipe", 8, replicas=2))
     predict(data, RunSpec((3,), 2, "never", "gpipe", 8))
-    assert calls[0] == {"replicas": 2, "allreduce_link": Link("fitted gloo all-reduce", 5e8, 2e-5)}
-    assert calls[1] == {}  # one replica: nothing to average
+    assert calls[0] == {"replicas": 2, "allreduce_link": Link("fitted gloo all-reduce", 5e8, 2e-5),
+                        "virtual_stages": 1}
+    assert calls[1] == {"virtual_stages": 1}  # one replica: nothing to average
 
 
 def _ring_s(nbytes: int, parties: int, latency_s: float, bandwidth: float) -> float:
