@@ -145,6 +145,11 @@ class Repeats:
     budget_s: float = 0.05  # stop adding runs once this much time was spent timing
     rounds: int = 3  # passes over every (layer, rows), bracketed by speed probes; medians kept
     probe_budget_s: float = 0.05
+    split: bool = True  # also time the backward split into I and W (a quick calibration leaves it out)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return KINDS if self.split else tuple(k for k in KINDS if k not in ("I", "W"))
 
 
 class LayerRunner:
@@ -201,7 +206,7 @@ class LayerRunner:
 def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str, float], int]:
     """Median seconds of each of :data:`KINDS` for one layer on input ``x``, and how many runs were timed."""
     device = runner.device
-    samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    samples: dict[str, list[float]] = {kind: [] for kind in repeats.kinds}
     grad = None
     spent = 0.0
     runs = 0
@@ -212,10 +217,13 @@ def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str,
             grad = [torch.randn_like(t) for t in tensors(out) if t.requires_grad]
         b_s, _ = _timed(lambda: runner.backward(out, grad), device)
         del leaf, out
-        leaf, out, _ = runner.forward_grad(x)
-        i_s, pending = _timed(lambda: runner.input_gradient(leaf, out, grad), device)
-        w_s, _ = _timed(lambda: weight_gradients(pending) if pending is not None else None, device)
-        del leaf, out, pending
+        i_s = w_s = 0.0
+        if repeats.split:
+            leaf, out, _ = runner.forward_grad(x)
+            i_s, pending = _timed(lambda: runner.input_gradient(leaf, out, grad), device)
+            w_s, _ = _timed(lambda: weight_gradients(pending) if pending is not None else None, device)
+            del leaf, out, pending
+            spent += r_s + i_s + w_s
         c_s = 0.0
         if runner.has_core:
             leaf, out, _ = runner.forward_grad(x, drop_core=True)
@@ -227,8 +235,9 @@ def time_layer(runner: LayerRunner, x: Any, repeats: Repeats) -> tuple[dict[str,
         if runs <= repeats.warmup:
             continue
         for kind, value in zip(KINDS, (f_s, r_s, b_s, c_s, i_s, w_s)):
-            samples[kind].append(value)
-        spent += f_s + 2 * r_s + b_s + i_s + w_s
+            if kind in samples:
+                samples[kind].append(value)
+        spent += f_s + r_s + b_s
         if runs - repeats.warmup >= repeats.min_runs and spent >= repeats.budget_s:
             break
     medians = {kind: statistics.median(values) for kind, values in samples.items()}
@@ -329,15 +338,15 @@ def _time_rounds(model: nn.Sequential, runners: dict[int, list[LayerRunner]], da
     total = 0
     for number in range(repeats.rounds):
         before = probe.measure(repeats.probe_budget_s)
-        table: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+        table: dict[str, list[list[float]]] = {kind: [] for kind in repeats.kinds}
         for i in range(len(model)):
-            per_rows: dict[str, list[float]] = {kind: [] for kind in KINDS}
+            per_rows: dict[str, list[float]] = {kind: [] for kind in repeats.kinds}
             for r in rows:
                 medians, runs = time_layer(runners[r][i], data[r][0][i], repeats)
                 total += runs
-                for kind in KINDS:
+                for kind in repeats.kinds:
                     per_rows[kind].append(medians[kind])
-            for kind in KINDS:
+            for kind in repeats.kinds:
                 table[kind].append(per_rows[kind])
             if bar is not None:
                 bar.update(1)
@@ -348,7 +357,7 @@ def _time_rounds(model: nn.Sequential, runners: dict[int, list[LayerRunner]], da
     reference = statistics.median(p for pair in paces for p in pair)
     factors = [speed_factor(pair, reference) for pair in paces]
     merged = {kind: [[statistics.median(table[kind][i][j] / f for table, f in zip(rounds, factors))
-                      for j in range(len(rows))] for i in range(len(model))] for kind in KINDS}
+                      for j in range(len(rows))] for i in range(len(model))] for kind in repeats.kinds}
     return merged, total, reference
 
 

@@ -491,10 +491,21 @@ def _layout(option: PlanOption) -> str:
 def default_schedules(args: argparse.Namespace) -> str:
     """``--schedules``, or the default: every schedule where measured costs (``--costs``) price the
     split backward's I, W and its own cost from the profile, else all but the split-backward ones,
-    whose cost the analytic models do not know (they split a layer's backward in halves for free)."""
+    whose cost the analytic models (and a quick calibration, which leaves I and W out) do not know:
+    they split a layer's backward in halves for free."""
     if args.schedules:
         return args.schedules
-    return ",".join(SCHEDULES if getattr(args, "costs", None) else PLANNED_SCHEDULES)
+    return ",".join(SCHEDULES if splits_measured(getattr(args, "costs", None)) else PLANNED_SCHEDULES)
+
+
+def splits_measured(costs_path: str | None) -> bool:
+    """Whether the costs file at ``costs_path`` profiled each layer's I and W (False without one)."""
+    if not costs_path:
+        return False
+    from sim.costs import read_costs
+
+    times = read_costs(costs_path).get("profile", {}).get("times_s", {})
+    return bool(times) and all("W" in kinds for kinds in times.values())
 
 
 def search_space(args: argparse.Namespace, system, schedules: list[str]) -> dict:

@@ -323,3 +323,26 @@ def test_calibration_summary_publishes_the_allreduce_fit_and_its_points():
     assert "all-reduce (gloo, ring model): latency 20.0 us, bandwidth 0.50 GB/s" in text
     assert "all-reduce among 2 ranks: 4 KiB 0.044 ms, 64 KiB 0.171 ms" in text
     assert "all-reduce" not in summary_text(_design([0.0]))
+
+
+def test_plan_searches_the_split_backward_schedules_by_default_only_where_the_profile_timed_them(tmp_path):
+    """With costs whose profile timed I and W apart the split's cost is measured, so gpipe plan's
+    default search includes zb-h1, zbv and dualpipev; a profile without them (a quick calibration,
+    an older file) and the analytic models leave them to --schedules."""
+    from types import SimpleNamespace
+
+    from sim.costs import write_costs
+    from sim.plan_cli import default_schedules
+    from sim.schedule import PLANNED_SCHEDULES, SCHEDULES
+
+    plain, split = synthetic_costs(), synthetic_costs()
+    for kinds in split["profile"]["times_s"].values():
+        kinds["I"], kinds["W"] = kinds["B"], kinds["B"]
+    paths = {}
+    for name, data in (("plain", plain), ("split", split)):
+        paths[name] = str(tmp_path / f"{name}.json")
+        write_costs(data, paths[name])
+    assert default_schedules(SimpleNamespace(schedules=None, costs=paths["split"])).split(",") == list(SCHEDULES)
+    assert default_schedules(SimpleNamespace(schedules=None, costs=paths["plain"])).split(",") == list(PLANNED_SCHEDULES)
+    assert default_schedules(SimpleNamespace(schedules=None, costs=None)).split(",") == list(PLANNED_SCHEDULES)
+    assert default_schedules(SimpleNamespace(schedules="zbv", costs=None)) == "zbv"

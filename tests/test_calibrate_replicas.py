@@ -42,8 +42,8 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
 
 @pytest.mark.slow
 def test_validation_measures_and_predicts_two_replicas_and_a_v(tmp_path):
-    """The held-out D = 2 runs and the ZB-V run (two chunks per rank, the backward split, priced from
-    the profile's I and W) measured and predicted, peak activation memory exact."""
+    """The held-out D = 2 runs and the ZB-V run (two chunks per rank, the backward split) measured and
+    predicted, peak activation memory exact."""
     from calibrate.calibration import run_config
     from calibrate.runs import run_configs
     from calibrate.validate import (
@@ -63,7 +63,8 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tmp_path):
     held_out = validation_design(data["model"]["num_layers"], data["batch_size"])
     specs = [s for s in held_out if s.replicas > 1] + [s for s in held_out if s.schedule == "zbv"]
     assert [(s.replicas, s.stages, s.virtual_stages) for s in specs] == [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
-    assert all(data["profile"]["times_s"][t]["W"] for t in data["profile"]["times_s"])  # I and W profiled
+    # a quick calibration leaves I and W out: the split is priced by the analytic rule, memory is exact anyway
+    assert all("W" not in kinds for kinds in data["profile"]["times_s"].values())
     model = data["model"]
     reports = run_configs([run_config(model["name"], model["options"], s, 3) for s in specs])
     comparisons = [compare(data, s, [r], machine_processes("cpu")) for s, r in zip(specs, reports)]

@@ -54,20 +54,18 @@ SMALLER: dict[str, list[str]] = {
     # docs/training.md: the same training commands, a few steps of a small model each
     "gpipe train --plan plan.json --steps 20 --report report.json --trace trace.json":
         [TINY_PLAN, "gpipe train --plan plan.json --steps 2 --report report.json --trace trace.json"],
-    "gpipe train --model transformer --layers 4 --stages 2 --batch 16 --microbatches 4 --schedule 1f1b "
-    "--checkpoint except_last --steps 20":
-        ["gpipe train --model transformer --layers 4 --stages 2 --batch 16 --microbatches 4 --schedule 1f1b "
-         "--checkpoint except_last --steps 2"],
-    "gpipe train --model transformer --layers 4 --d-model 64 --ff 256 --heads 4 --seq 32 --vocab 256 "
-    "--stages 2 --tensor-parallel 2 --batch 16 --microbatches 4 --steps 4 --clip-grad-norm 1.0":
-        ["gpipe train --model transformer --layers 4 --d-model 64 --ff 256 --heads 4 --seq 32 --vocab 256 "
-         "--stages 1 --tensor-parallel 2 --batch 16 --microbatches 4 --steps 2 --clip-grad-norm 1.0"],
     "gpipe train --model transformer --vocab 256 --stages 2 --data text --steps 20":
         ["gpipe train --model transformer --vocab 256 --stages 2 --data text --steps 3"],
 }
 # minutes of calibration, two nodes, or one more torchrun launch each: the tests named run these
 # commands (or the same run through the same code) and compare what they print or train
 COVERED: dict[str, str] = {
+    "gpipe train --model transformer --layers 4 --stages 2 --batch 16 --microbatches 4 --schedule 1f1b "
+    "--checkpoint except_last --steps 20":
+        "tests/test_executor_worker.py::test_two_processes_match_the_in_process_pipeline",
+    "gpipe train --model transformer --layers 4 --d-model 64 --ff 256 --heads 4 --seq 32 --vocab 256 "
+    "--stages 2 --tensor-parallel 2 --batch 16 --microbatches 4 --steps 4 --clip-grad-norm 1.0":
+        "tests/test_executor_tensor_parallel.py::test_tensor_parallel_trains_what_one_process_trains",
     "gpipe train --plan plan.json --steps 200 --optimizer adamw --lr 3e-4 --weight-decay 0.1 --clip-grad-norm 1.0 "
     "--lr-schedule cosine --lr-warmup 20":
         "tests/test_executor_worker.py::test_two_stages_train_as_one_with_adamw_clipping_and_cosine",
