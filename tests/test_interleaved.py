@@ -33,6 +33,7 @@ from executor.models import build_model
 from executor.pipeline import LocalPipeline
 from sim.errors import GpipeInputError
 from sim.schedule import Kind, build_schedule
+from test_shared_parameters import check_tied_step
 from test_transparency import CLIP, check_adamw_steps, check_step
 from test_transparency_bf16 import check_bf16_step
 
@@ -175,18 +176,7 @@ def tied(stages, virtual_stages, microbatches, checkpoint="except_last", **overr
 def test_tied_weights_across_chunks_match_unpipelined(stages, virtual_stages, checkpoint):
     """The embedding (virtual stage 0) and the head (the last) share a weight: on two chunks of one
     device (K = 1) or on two devices (K = 2); each copy gets the summed gradient."""
-    pipe = LocalPipeline(tied(stages, virtual_stages, 2 * stages, checkpoint))
-    inputs, targets = pipe.batch(0)
-    loss = pipe.run_step(0, update=False)
-    model = build_model(TIED, {}, 0)
-    ref = pipe.prepared.loss_fn(model(inputs), targets)
-    ref.backward()
-    torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-6, atol=1e-6)
-    layers = list(pipe.model())
-    for name, p in model.named_parameters():
-        index, rest = name.split(".", 1)
-        torch.testing.assert_close(layers[int(index)].get_parameter(rest).grad, p.grad, rtol=1e-5, atol=1e-6,
-                                   msg=name)
+    layers, model = check_tied_step(LocalPipeline(tied(stages, virtual_stages, 2 * stages, checkpoint)))
     assert layers[-1].weight is not layers[0].embedding.weight  # each chunk holds its own copy
     torch.testing.assert_close(layers[-1].weight.grad, model[0].embedding.weight.grad, rtol=1e-5, atol=1e-6)
 

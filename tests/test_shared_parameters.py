@@ -29,9 +29,9 @@ def config(stages, microbatches=4, checkpoint="except_last", schedule="gpipe", *
                      microbatches=microbatches, checkpoint=checkpoint, schedule=schedule, **overrides)
 
 
-@pytest.mark.parametrize("stages,microbatches,checkpoint,schedule", GRID)
-def test_one_step_matches_unpipelined(stages, microbatches, checkpoint, schedule):
-    pipe = LocalPipeline(config(stages, microbatches, checkpoint, schedule))
+def check_tied_step(pipe: LocalPipeline) -> tuple[list, torch.nn.Module]:
+    """One step of ``pipe`` (no update) against the tied model alone: the loss (rtol 1e-6) and every
+    parameter's gradient (rtol 1e-5, atol 1e-6); the pipeline's layers and the reference model."""
     inputs, targets = pipe.batch(0)
     loss = pipe.run_step(0, update=False)
     model = build_model(MODEL, {}, 0)
@@ -43,6 +43,12 @@ def test_one_step_matches_unpipelined(stages, microbatches, checkpoint, schedule
         index, rest = name.split(".", 1)
         torch.testing.assert_close(layers[int(index)].get_parameter(rest).grad, p.grad, rtol=1e-5, atol=1e-6,
                                    msg=name)
+    return layers, model
+
+
+@pytest.mark.parametrize("stages,microbatches,checkpoint,schedule", GRID)
+def test_one_step_matches_unpipelined(stages, microbatches, checkpoint, schedule):
+    layers, model = check_tied_step(LocalPipeline(config(stages, microbatches, checkpoint, schedule)))
     head_copy = layers[-1].weight
     torch.testing.assert_close(head_copy.grad, model[0].embedding.weight.grad, rtol=1e-5, atol=1e-6)
     assert (head_copy is layers[0].embedding.weight) == (stages == 1)

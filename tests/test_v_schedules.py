@@ -17,12 +17,11 @@ placement. D = 2 replicas of a ZB-V pipeline are in ``test_executor_replicas.py`
 import json
 
 import pytest
-import torch
 
 from executor.config import RunConfig
-from executor.models import build_model
 from executor.pipeline import LocalPipeline
 from test_interleaved import OPTIONS, SEVERAL, TIED, gpipe
+from test_shared_parameters import check_tied_step
 from test_transparency import CLIP, check_adamw_steps, check_step
 from test_transparency_bf16 import check_bf16_step
 
@@ -71,18 +70,7 @@ def test_tied_weights_match_unpipelined_under_the_split_backward(schedule, stage
     config = RunConfig(model=TIED, data="tests.sample_models:tied_lm_data", loss="cross_entropy",
                        partition=partition, batch_size=11, microbatches=2 * stages + 1, checkpoint="except_last",
                        schedule=schedule, virtual_stages=len(partition) // stages)
-    pipe = LocalPipeline(config)
-    inputs, targets = pipe.batch(0)
-    loss = pipe.run_step(0, update=False)
-    model = build_model(TIED, {}, 0)
-    ref = pipe.prepared.loss_fn(model(inputs), targets)
-    ref.backward()
-    torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-6, atol=1e-6)
-    layers = list(pipe.model())
-    for name, p in model.named_parameters():
-        index, rest = name.split(".", 1)
-        torch.testing.assert_close(layers[int(index)].get_parameter(rest).grad, p.grad, rtol=1e-5, atol=1e-6,
-                                   msg=name)
+    check_tied_step(LocalPipeline(config))
 
 
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
