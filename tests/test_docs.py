@@ -27,8 +27,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
-TINY_LM = "--model transformer --layers 4 --d-model 64 --ff 256 --heads 4 --seq 32 --vocab 256"
-TINY_PLAN = f"gpipe plan {TINY_LM} --batch 16 --hardware cpu --stages-options 2 --microbatch-options 4 --out plan.json"
 
 SMALLER: dict[str, list[str]] = {
     # docs/planning.md: a plan of 30,784 candidates and one of 4,619 at fewer nodes
@@ -52,14 +50,16 @@ SMALLER: dict[str, list[str]] = {
     "gpipe plan --model my_pkg.models:build --hardware h100-nvlink --nodes 2 --out plan.json":
         ["gpipe plan --model tests.user_init_models:custom_init --hardware h100-nvlink --nodes 2 --out plan.json"],
     # docs/training.md: the same training commands, a few steps of a small model each
-    "gpipe train --plan plan.json --steps 20 --report report.json --trace trace.json":
-        [TINY_PLAN, "gpipe train --plan plan.json --steps 2 --report report.json --trace trace.json"],
-    "gpipe train --model transformer --vocab 256 --stages 2 --data text --steps 20":
-        ["gpipe train --model transformer --vocab 256 --stages 2 --data text --steps 3"],
 }
 # minutes of calibration, two nodes, or one more torchrun launch each: the tests named run these
 # commands (or the same run through the same code) and compare what they print or train
 COVERED: dict[str, str] = {
+    # a plan trained over torchrun with --report and --trace, compared with the in-process pipeline
+    "gpipe train --plan plan.json --steps 20 --report report.json --trace trace.json":
+        "tests/test_executor_worker.py::test_two_processes_match_the_in_process_pipeline",
+    # the demo trains its two-stage plan with gpipe train --data text and checks the loss falls
+    "gpipe train --model transformer --vocab 256 --stages 2 --data text --steps 20":
+        "tests/test_calibrate_demo.py::test_demo_writes_one_report_and_says_where",
     "gpipe train --model transformer --layers 4 --stages 2 --batch 16 --microbatches 4 --schedule 1f1b "
     "--checkpoint except_last --steps 20":
         "tests/test_executor_worker.py::test_two_processes_match_the_in_process_pipeline",
