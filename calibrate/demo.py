@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import time
 from typing import Any
 
@@ -198,13 +197,9 @@ def _rel(predicted: float, measured: float) -> str:
 def end_of_step_spans_s(predicted: Any, report: dict[str, Any]) -> tuple[float, float]:
     """(predicted, measured) time from the step's last compute action to its end: the predicted
     step's, and the median over the measured steps of replica 0's first tensor-parallel ranks."""
-    from calibrate.validate import end_of_step_span_s
-    from sim.timeline import Timeline
+    from calibrate.step_components import end_of_step_span_s, measured_end_span_s
 
-    records = [r for r in Timeline.from_dict(report["timeline"]).records if not r.replica and not r.tp]
-    steps = report["measured_steps"] or sorted({r.step for r in records})
-    return (end_of_step_span_s(predicted.records, 0),
-            statistics.median(end_of_step_span_s(records, step) for step in steps))
+    return end_of_step_span_s(predicted.records, 0), measured_end_span_s(report)
 
 
 def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any],

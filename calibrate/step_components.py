@@ -24,11 +24,13 @@ def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
 
 
 def measured_end_span_s(report: dict[str, Any]) -> float:
-    """The median end-of-step span over a report's measured steps (replica 0, tensor-parallel rank 0)."""
+    """The median end-of-step span over a report's measured steps (every step where none is past its
+    warm-up), replica 0's first tensor-parallel ranks."""
     from sim.timeline import Timeline
 
     records = [r for r in Timeline.from_dict(report["timeline"]).records if not r.replica and not r.tp]
-    return statistics.median(end_of_step_span_s(records, step) for step in report["measured_steps"])
+    steps = report["measured_steps"] or sorted({r.step for r in records})
+    return statistics.median(end_of_step_span_s(records, step) for step in steps)
 
 
 def measured_components(reports: Sequence[dict[str, Any]]) -> tuple[list[float], float]:

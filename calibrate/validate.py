@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.speed import run_probes, speed_factor
-from calibrate.step_components import end_of_step_span_s, measured_components, predicted_end_span_s  # noqa: F401
+from calibrate.step_components import measured_components, predicted_end_span_s
 from sim.partition import even_partition
 from sim.schedule import default_virtual_stages
 

@@ -32,7 +32,7 @@ from typing import Sequence
 import simpy
 
 from sim.hardware import Link, System
-from sim.schedule import Action, Kind, receives_gradient, recomputes
+from sim.schedule import Action, Kind, device_of_virtual_stage, receives_gradient, recomputes
 from sim.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
 from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 
@@ -86,7 +86,8 @@ class ReplicaRun:
         self.stages = len(devices)
         self.virtual = virtual_stages * self.stages
         # the pipeline position of each virtual stage (sim.schedule.device_of_virtual_stage); loop placement by default
-        self.position = list(positions) if positions is not None else [s % self.stages for s in range(self.virtual)]
+        self.position = (list(positions) if positions is not None
+                         else [device_of_virtual_stage(s, self.stages) for s in range(self.virtual)])
         self.rows = rows
         self.costs = costs
         self.checkpoint = checkpoint

@@ -72,7 +72,7 @@ def read_schedule_csv(path: str, checkpoint: str = "never") -> tuple[list[list[A
     per_rank = [[a for cell in row for a in _cell_actions(cell, path, rank)] for rank, row in enumerate(rows)]
     devices = len(per_rank)
     stages = 1 + max((a.stage for actions in per_rank for a in actions), default=-1)
-    placement = "zbv" if stages == 2 * devices and any(a.stage == stages - 1 for a in per_rank[0]) else "interleaved"
+    placement = "zbv" if _v_placed(per_rank, stages // devices) else "interleaved"
     for rank, actions in enumerate(per_rank):
         for action in actions:
             expected = device_of_virtual_stage(action.stage, devices, placement)
@@ -140,13 +140,18 @@ def _with_recompute(actions: Sequence[Action], checkpoint: str, microbatches: in
     return out
 
 
+def _v_placed(per_device: Sequence[Sequence[Action]], virtual_stages: int) -> bool:
+    """Two chunks per device, device 0 running the last stage: the V of ZB-V and DualPipeV."""
+    return virtual_stages == 2 and any(a.stage == 2 * len(per_device) - 1 for a in per_device[0])
+
+
 def schedule_shape(per_device: Sequence[Sequence[Action]], virtual_stages: int) -> str:
     """The named schedule whose placement, checks and labels fit these lists: for two chunks in a V
     (device 0 runs the last stage), zbv where every backward is split, else dualpipev; interleaved for
     other V > 1; zb-h1 where the backward is split, else 1f1b."""
     kinds = {a.kind for actions in per_device for a in actions}
     split = bool(kinds & {Kind.INPUT, Kind.WEIGHT})
-    if virtual_stages == 2 and any(a.stage == 2 * len(per_device) - 1 for a in per_device[0]):
+    if _v_placed(per_device, virtual_stages):
         return "dualpipev" if Kind.BACKWARD in kinds else "zbv"
     if virtual_stages > 1:
         return "interleaved"
