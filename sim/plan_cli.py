@@ -768,7 +768,12 @@ def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_opti
     policy = min(checkpoints, key=order.index)
     stages = max(stage_options)
     microbatches = len(split_rows(batch, max(microbatch_options)))
-    schedule = next((s for s in schedules if s != "interleaved"), None)
+    if result.candidates == 0:
+        return (f"no candidate to search: --schedules {','.join(schedules)} cannot run any K of "
+                f"{','.join(map(str, stage_options))} on {workload.num_layers} layers (zbv and dualpipev need 2K "
+                f"layers and K > 1, dualpipev M >= 2K, interleaved V x K layers and M a multiple of K); "
+                f"give other --stages-options or add gpipe or 1f1b to --schedules")
+    schedule = next((s for s in schedules if s not in MULTI_CHUNK_SCHEDULES), None)  # one chunk per device
     if schedule is None:
         return (f"no plan among {result.candidates} candidates fits; try more stages or "
                 f"--checkpoints always, or --schedules with gpipe or 1f1b")

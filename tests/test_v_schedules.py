@@ -153,6 +153,8 @@ def test_the_simulated_peak_is_the_count_of_microbatches_in_flight(schedule, sta
      "use --microbatches 4 or more"),
     (["simulate", "--model", "uniform", "--layers", "8", "--stages", "2", "--schedule", "zbv", "--checkpoint", "full"],
      "gpipe: error: --schedule zbv splits each backward into input and weight gradients, which --checkpoint full"),
+    (["plan", "--model", "uniform", "--layers", "8", "--schedules", "zbv", "--stages-options", "8", "--hardware",
+      "v100-nvlink"], "gpipe: error: no candidate to search: --schedules zbv cannot run any K of 8 on 8 layers"),
 ])
 def test_bad_v_schedules_are_one_line_and_exit_2(argv, message, capsys):
     from sim.cli import main
