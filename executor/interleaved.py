@@ -72,6 +72,12 @@ class ChunkTransport(DistTransport):
         self.devices = devices
         self.schedule = schedule
         self.local = local
+        # (channel, incoming) whose neighbouring virtual stage runs on this rank: fixed, so found once
+        # (only neighbours that exist are ever asked for)
+        here = device_of_virtual_stage(virtual_stage, devices, schedule)
+        self._on_this_rank = {
+            (channel, incoming) for channel in (ACT, GRAD) for incoming in (True, False)
+            if device_of_virtual_stage(self._peer_stage(channel, incoming), devices, schedule) == here}
 
     def _peer_stage(self, channel: str, incoming: bool) -> int:
         # act flows s -> s+1 over virtual boundary s; grad flows s+1 -> s over virtual boundary s.
@@ -80,9 +86,7 @@ class ChunkTransport(DistTransport):
         return self.stage + 1 if incoming else self.stage - 1
 
     def _in_process(self, channel: str, incoming: bool) -> bool:
-        peer = self._peer_stage(channel, incoming)
-        return (device_of_virtual_stage(peer, self.devices, self.schedule)
-                == device_of_virtual_stage(self.stage, self.devices, self.schedule))
+        return (channel, incoming) in self._on_this_rank
 
     def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
         peer = self._peer_stage(channel, incoming)
