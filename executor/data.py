@@ -47,6 +47,11 @@ def batch_for_step(model: str, options: dict[str, Any], batch_size: int, seed: i
     return inputs, targets
 
 
+class MicroBatches(list):
+    """A mini-batch value already split into its micro-batches (by :func:`split`) and on the stage's
+    device: what :class:`executor.prefetch.StepBatches` hands a stage, split while the stage waited."""
+
+
 def split(value: Any, microbatches: int) -> list[Any]:
     """``torch.chunk`` of every tensor of ``value`` along rows, each chunk a copy with storage of its own.
 

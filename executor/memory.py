@@ -48,15 +48,26 @@ class ActivationCounter:
         # micro-batch (or (micro-batch, tag): a layer's input or recompute under --checkpoint full)
         # -> {storage ptr: nbytes}
         self._live: dict[Any, dict[int, int]] = {}
+        # storage ptr -> how many entries of _live hold it: the union's total is kept as entries come
+        # and go, so a sample (after every action) costs nothing however many micro-batches are held
+        self._holders: dict[int, int] = {}
         self.peak_bytes = 0
-        self.current_bytes = 0
+        self.current_bytes = 0  # bytes of the distinct storages held now
 
     def _add(self, microbatch: int, tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
             return
         ptr, nbytes = storage_key(tensor)
-        if ptr and ptr not in self._excluded:
-            self._live.setdefault(microbatch, {})[ptr] = nbytes
+        if not ptr or ptr in self._excluded:
+            return
+        held = self._live.setdefault(microbatch, {})
+        if ptr in held:
+            return
+        held[ptr] = nbytes
+        holders = self._holders.get(ptr, 0)
+        self._holders[ptr] = holders + 1
+        if not holders:
+            self.current_bytes += nbytes
 
     def stash(self, microbatch: int, value: Any) -> None:
         """The boundary input of ``microbatch`` (a tensor, or a tuple, list or dict of them) is held
@@ -79,15 +90,17 @@ class ActivationCounter:
 
     def release(self, microbatch: int) -> None:
         """``microbatch``'s backward is done: its saved tensors and stash are freed."""
-        self._live.pop(microbatch, None)
+        for ptr, nbytes in self._live.pop(microbatch, {}).items():
+            holders = self._holders.pop(ptr) - 1
+            if holders:
+                self._holders[ptr] = holders
+            else:
+                self.current_bytes -= nbytes
 
     def sample(self) -> int:
         """Bytes held now (distinct storages), updating the peak."""
-        union: dict[int, int] = {}
-        for storages in self._live.values():
-            union.update(storages)
-        self.current_bytes = sum(union.values())
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
         return self.current_bytes
 
     def reset_peak(self) -> None:

@@ -156,7 +156,8 @@ def train_step_with_data(config: RunConfig, stage: PipelineStage | ChunkedDevice
 def step_batches(config: RunConfig, stage: PipelineStage | ChunkedDevice,
                  layout: "Layout | None" = None) -> StepBatches:
     """The stage's source of step data; its stages draw the next step's while they wait on a receive."""
-    batches = StepBatches(config, stage.is_first or stage.is_last, layout.share if layout is not None else None)
+    batches = StepBatches(config, stage.is_first or stage.is_last, layout.share if layout is not None else None,
+                          stage.device)
     for shard in shards(stage):
         shard.while_waiting = batches.prefetch
     return batches

@@ -75,9 +75,10 @@ def test_prefetched_batches_are_the_steps_own_and_the_run_is_unchanged():
     config = RunConfig(**CONFIG)
     batches = StepBatches(config, needs_data=True)
     for step in range(config.steps):
-        inputs, targets = batches.take(step)
+        inputs, targets = batches.take(step)  # split into the run's micro-batches
         expected = batch_for_step(config.model, config.options, config.batch_size, config.seed, step)
-        assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+        assert len(inputs) == len(targets) == config.microbatches
+        assert torch.equal(torch.cat(inputs), expected[0]) and torch.equal(torch.cat(targets), expected[1])
         batches.prefetch()
         batches.prefetch()  # idempotent: one batch ahead
         if step + 1 < config.steps:
@@ -92,7 +93,7 @@ def test_a_stale_prefetched_batch_is_dropped():
     batches.take(0)
     batches.prefetch()  # step 1 drawn, but step 2 asked for next
     inputs, _ = batches.take(2)
-    assert torch.equal(inputs, batch_for_step(config.model, config.options, 8, config.seed, 2)[0])
+    assert torch.equal(torch.cat(inputs), batch_for_step(config.model, config.options, 8, config.seed, 2)[0])
     batches.prefetch()
     assert batches._ahead is None  # step 3 is past the run
 
