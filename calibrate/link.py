@@ -33,15 +33,18 @@ def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) ->
         results = []
         for size in sizes:
             buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+            layout = [(tuple(buffer.shape), buffer.dtype)]
 
             def round_trip() -> None:
-                if links is not None:
+                if links is not None:  # as the executor takes a message: in place, released once used
                     if rank == 0:
                         links.send(1, 0, "act", 0, [buffer])
-                        links.recv(1, 0, "grad", 0, [buffer])
+                        links.take(1, 0, "grad", 0, layout)
+                        links.release()
                     else:
-                        links.recv(0, 0, "act", 0, [buffer])
-                        links.send(0, 0, "grad", 0, [buffer])
+                        (received,) = links.take(0, 0, "act", 0, layout)
+                        links.send(0, 0, "grad", 0, [received])
+                        links.release()
                 elif rank == 0:
                     dist.send(buffer, dst=1)
                     dist.recv(buffer, src=1)

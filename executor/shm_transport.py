@@ -7,17 +7,19 @@ into shared pages and a datagram of a few bytes.
 
 How:
 
-* Each message key (sender rank, receiver rank, boundary, channel, micro-batch, payload bytes) has
+* Each message key (sender rank, receiver rank, boundary, channel, micro-batch, each tensor's bytes) has
   a file in the run's shared directory (``GPIPE_SHM_DIR``: ``gpipe train`` and calibration make it
   under ``/dev/shm`` and remove it when the run ends, whatever happened), created and reserved
   (``posix_fallocate``: a full directory is an error at creation, never a SIGBUS later) by the
   sender at its first send and mapped by both ranks: a header holding the generation each of two
   payload slots was last consumed at, then the two slots. The key's n-th send uses slot n % 2, so a
-  sender one step ahead of its receiver never overwrites what it has not copied; two steps ahead
-  it waits.
-* The receiver is woken by a datagram on its own Unix socket (Linux's abstract namespace: nothing
-  on disk) naming the key and the generation; :meth:`HostLinks.recv` copies the slot into the
-  buffers the stage announced (:meth:`executor.transport.Transport.expect`) and marks it consumed.
+  sender one step ahead of its receiver never overwrites what it still uses; two steps ahead it
+  waits (a pipeline's sender is never that far ahead: see :meth:`HostLinks.take`).
+* A receiver that sleeps is woken by a datagram on its own Unix socket (Linux's abstract
+  namespace: nothing on disk); :meth:`HostLinks.take` returns the slot's tensors where they lie
+  (no copy: the receiving stage computes on the shared pages) and :meth:`HostLinks.release`, at
+  the end of the receiver's step, marks them consumed. Copying each message out cost the receiver
+  20-40 us of a 256 KiB message on the critical path, once per hop.
 * Which peers: the ranks that gathered the same (host name, shared directory) at setup
   (:func:`host_links`, collective), for CPU tensors, where the host has a core for each of them;
   other hosts, CUDA, more ranks than cores (polling would take turns with compute: 6% slower than
@@ -31,6 +33,7 @@ then raises; a rank that dies is noticed by torchrun's agent, which ends the oth
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import socket
@@ -62,18 +65,31 @@ def shared_directory() -> Iterator[str]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+ALIGN_BYTES = 64  # each tensor of a message starts on a cache line (and on its dtype's alignment)
+
+Layout = Sequence[tuple[tuple[int, ...], torch.dtype]]  # (shape, dtype) of each tensor of a message
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def message_sizes(layout: Layout) -> tuple[int, ...]:
+    """Each tensor's bytes: with the key, what names a message's file (a message of other sizes under
+    the same key is another file, never taken for this one)."""
+    return tuple(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
 
 
 class _MessageFile:
-    """One key's mapped file: per slot the generation last consumed and last written, then the slots.
+    """One key's mapped file: a header (per slot the generation last consumed and last written), then
+    two slots, each holding a message's tensors one after another at aligned offsets.
 
     The header is read and written through a ``memoryview`` of int64 (a fraction of a microsecond a
     look), not through tensor indexing: a receiver looks at it once or more per message, and each
     tensor call there cost 5-10 us of a stage's time right after its compute (cold caches)."""
 
-    def __init__(self, path: str, payload_bytes: int, create: bool) -> None:
+    def __init__(self, path: str, sizes: tuple[int, ...], create: bool) -> None:
+        payload_bytes = sum(_padded(n) for n in sizes)  # each tensor's bytes padded to ALIGN_BYTES
         size = HEADER_BYTES + 2 * payload_bytes
         # the sender makes the file whole under another name, then renames it: a receiver looking for
         # it finds nothing or all of it
@@ -92,11 +108,10 @@ class _MessageFile:
             os.close(fd)
         if create:
             os.rename(path + ".new", path)
+        self.payload_bytes = payload_bytes
         # [consumed of slot 0, of slot 1, written of slot 0, of slot 1]
         self.header = memoryview(self.map)[:32].cast("q")
-        whole = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.slots = (whole[HEADER_BYTES:HEADER_BYTES + payload_bytes],
-                      whole[HEADER_BYTES + payload_bytes:HEADER_BYTES + 2 * payload_bytes])
+        self._views: dict[tuple[int, tuple], list[torch.Tensor]] = {}
 
     def consumed(self, slot: int) -> int:
         return self.header[slot]
@@ -104,25 +119,21 @@ class _MessageFile:
     def written(self, slot: int) -> int:
         return self.header[2 + slot]
 
-
-def _copy_in(slot: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """The tensors' bytes one after another into ``slot``."""
-    offset = 0
-    for tensor in tensors:
-        part = _as_bytes(tensor)
-        size = part.numel()
-        (slot if offset == 0 and size == slot.numel() else slot[offset:offset + size]).copy_(part)
-        offset += size
-
-
-def _copy_out(slot: torch.Tensor, buffers: Sequence[torch.Tensor]) -> None:
-    """``slot``'s bytes into ``buffers``, one after another."""
-    offset = 0
-    for buffer in buffers:
-        part = buffer.view(-1).view(torch.uint8)
-        size = part.numel()
-        part.copy_(slot if offset == 0 and size == slot.numel() else slot[offset:offset + size])
-        offset += size
+    def tensors(self, slot: int, layout: Layout) -> list[torch.Tensor]:
+        """The slot's tensors as ``layout`` places them, each a storage of its own over the mapped
+        pages (so the activation counter charges a received tensor its own bytes); made once."""
+        key = (slot, tuple(layout))
+        views = self._views.get(key)
+        if views is None:
+            views, offset = [], HEADER_BYTES + slot * self.payload_bytes
+            for shape, dtype in layout:
+                count = math.prod(shape)
+                flat = torch.frombuffer(self.map, dtype=dtype, count=count, offset=offset) if count else \
+                    torch.empty(0, dtype=dtype)
+                views.append(flat.view(shape))
+                offset += _padded(count * dtype.itemsize)
+            self._views[key] = views
+        return views
 
 
 class HostLinks:
@@ -148,6 +159,7 @@ class HostLinks:
         self.files: dict[tuple, _MessageFile] = {}  # by (sender, receiver, boundary, channel, micro-batch, bytes)
         self.sent: dict[tuple, int] = {}  # key -> generations sent
         self.taken: dict[tuple, int] = {}  # key -> generations received
+        self._held: list[tuple[_MessageFile, int, int]] = []  # taken, not released: (file, slot, generation)
 
     def _address(self, rank: int) -> str:
         run, attempt = os.path.split(self.directory)
@@ -168,15 +180,15 @@ class HostLinks:
         return peer in self.local
 
     def _file(self, sender: int, receiver: int, boundary: int, channel: str, microbatch: int,
-              payload_bytes: int, create: bool) -> _MessageFile | None:
+              sizes: tuple[int, ...], create: bool) -> _MessageFile | None:
         """The key's file, mapped at its first use: made by its sender (``create``); None when the
         receiver looks before the sender has made it."""
-        key = (sender, receiver, boundary, channel, microbatch, payload_bytes)
+        key = (sender, receiver, boundary, channel, microbatch, sizes)
         found = self.files.get(key)
         if found is None:
-            name = "-".join(map(str, key))
+            name = "-".join(map(str, key[:-1])) + "-" + "x".join(map(str, sizes))
             try:
-                found = self.files[key] = _MessageFile(os.path.join(self.directory, name), payload_bytes, create)
+                found = self.files[key] = _MessageFile(os.path.join(self.directory, name), sizes, create)
             except FileNotFoundError:
                 return None
         return found
@@ -184,22 +196,25 @@ class HostLinks:
     def send(self, receiver: int, boundary: int, channel: str, microbatch: int,
              tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` into the key's next slot and mark it written; returns when copied."""
-        payload = sum(t.nbytes for t in tensors)
-        key = (receiver, boundary, channel, microbatch, payload)  # one file, one count of generations
+        layout = [(tuple(t.shape), t.dtype) for t in tensors]
+        sizes = message_sizes(layout)
+        key = (receiver, boundary, channel, microbatch, sizes)  # one file, one count of generations
         generation = self.sent.get(key, 0) + 1
-        self.sent[key] = generation
-        message = self._file(self.rank, receiver, boundary, channel, microbatch, payload, create=True)
+        message = self._file(self.rank, receiver, boundary, channel, microbatch, sizes, create=True)
         assert message is not None
         slot = generation % 2
-        if generation > 2 and message.consumed(slot) < generation - 2:  # its last use not yet copied
+        if generation > 2 and message.consumed(slot) < generation - 2:  # its last use not yet released
             deadline = time.monotonic() + self.timeout_s
             while message.consumed(slot) < generation - 2:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rank {self.rank}: rank {receiver} did not take {channel} of micro-batch "
                                        f"{microbatch} within {self.timeout_s:.0f} s")
                 time.sleep(SENDER_WAIT_S)
-        _copy_in(message.slots[slot], tensors)
+        with torch.no_grad():
+            for target, tensor in zip(message.tensors(slot, layout), tensors):
+                target.copy_(tensor)
         message.header[2 + slot] = generation  # written: after the copy (x86 keeps stores in order)
+        self.sent[key] = generation
         flag = self.sleeping.get(receiver)
         if flag is None:
             flag = self.sleeping[receiver] = self._flag(receiver, create=False)
@@ -210,18 +225,17 @@ class HostLinks:
                 pass  # a full queue: it looks at its slot every SLEEP_CHECK_S anyway
 
     def _arrived(self, sender: int, boundary: int, channel: str, microbatch: int,
-                 payload: int) -> tuple[_MessageFile, int] | None:
+                 sizes: tuple[int, ...]) -> tuple[_MessageFile, int] | None:
         """The key's file and slot when its next generation is written, else None."""
-        message = self._file(sender, self.rank, boundary, channel, microbatch, payload, create=False)
-        generation = self.taken.get((sender, boundary, channel, microbatch, payload), 0) + 1
+        message = self._file(sender, self.rank, boundary, channel, microbatch, sizes, create=False)
+        generation = self.taken.get((sender, boundary, channel, microbatch, sizes), 0) + 1
         if message is None or message.written(generation % 2) != generation:
             return None
         return message, generation
 
-    def ready(self, sender: int, boundary: int, channel: str, microbatch: int,
-              buffers: Sequence[torch.Tensor]) -> bool:
-        payload = sum(b.nbytes for b in buffers)
-        return self._arrived(sender, boundary, channel, microbatch, payload) is not None
+    def ready(self, sender: int, boundary: int, channel: str, microbatch: int, sizes: tuple[int, ...]) -> bool:
+        """Whether the key's next message (of tensors of ``sizes`` bytes, :func:`message_sizes`) has arrived."""
+        return self._arrived(sender, boundary, channel, microbatch, sizes) is not None
 
     def _sleep(self, left_s: float) -> None:
         """Sleep on the socket until a doorbell, at most ``left_s`` and :data:`SLEEP_CHECK_S`."""
@@ -234,12 +248,14 @@ class HostLinks:
         except (BlockingIOError, TimeoutError):
             pass
 
-    def recv(self, sender: int, boundary: int, channel: str, microbatch: int,
-             buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Wait for the key's next message and copy it into ``buffers``."""
+    def take(self, sender: int, boundary: int, channel: str, microbatch: int, layout: Layout) -> list[torch.Tensor]:
+        """Wait for the key's next message and return its tensors where they lie, in the shared
+        pages: no copy. They stay this rank's until :meth:`release` (the executor releases at the
+        end of each step, when its stage holds none of them); until then the sender does not write
+        that slot again, and it only needs to two steps later, so a step never waits for it."""
         start = time.monotonic()
-        payload = sum(b.nbytes for b in buffers)
-        found = self._arrived(sender, boundary, channel, microbatch, payload)
+        sizes = message_sizes(layout)
+        found = self._arrived(sender, boundary, channel, microbatch, sizes)
         while found is None:
             waited = time.monotonic() - start
             if waited > self.timeout_s:
@@ -247,21 +263,26 @@ class HostLinks:
                                    f"within {self.timeout_s:.0f} s")
             if waited < self.spin_s:
                 time.sleep(0)  # yield the core, then look again
-                found = self._arrived(sender, boundary, channel, microbatch, payload)
+                found = self._arrived(sender, boundary, channel, microbatch, sizes)
                 continue
             mine = self.sleeping[self.rank]
             mine[0] = 1  # from now on senders ring; look once more before sleeping
-            found = self._arrived(sender, boundary, channel, microbatch, payload)
+            found = self._arrived(sender, boundary, channel, microbatch, sizes)
             if found is None:
                 self._sleep(self.timeout_s - waited)
-                found = self._arrived(sender, boundary, channel, microbatch, payload)
+                found = self._arrived(sender, boundary, channel, microbatch, sizes)
             mine[0] = 0
         message, generation = found
         slot = generation % 2
-        _copy_out(message.slots[slot], buffers)
-        message.header[slot] = generation  # consumed: the sender may write this slot again
-        self.taken[(sender, boundary, channel, microbatch, payload)] = generation
-        return list(buffers)
+        self.taken[(sender, boundary, channel, microbatch, sizes)] = generation
+        self._held.append((message, slot, generation))
+        return list(message.tensors(slot, layout))
+
+    def release(self) -> None:
+        """Every message taken so far is no longer used: its slot may be written again."""
+        for message, slot, generation in self._held:
+            message.header[slot] = generation  # consumed
+        self._held.clear()
 
 
 _LINKS: HostLinks | None | bool = None  # None: not set up yet; False: none in this process

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from executor.shm_transport import message_sizes
+
 if TYPE_CHECKING:
     from executor.shm_transport import HostLinks
 
@@ -123,7 +125,8 @@ class DistTransport:
                  ranks: Sequence[int] | None = None, links: "HostLinks | None" = None) -> None:
         self.stage = stage
         self.links = links  # shared-memory links to the ranks of this host (executor.shm_transport)
-        self._local: dict[tuple[str, int], tuple[int, int, list[torch.Tensor]]] = {}  # announced, by shared memory
+        # announced, by shared memory: (channel, micro-batch) -> (peer, boundary, shapes, each tensor's bytes)
+        self._local: dict[tuple[str, int], tuple[int, int, Shapes, tuple[int, ...]]] = {}
         # global rank of each stage of this pipeline (one of several replicas, executor.replicas); None: rank == stage
         self.ranks = tuple(ranks) if ranks is not None else None
         self.groups = groups
@@ -148,8 +151,7 @@ class DistTransport:
     def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
         peer, group, boundary = self._peer_and_group(channel, incoming=True)
         if self._shared(peer):
-            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
-            self._local[(channel, microbatch)] = (peer, boundary, buffers)
+            self._local[(channel, microbatch)] = (peer, boundary, shapes, message_sizes(shapes))
             return
         posted = []
         for index, (shape, dtype) in enumerate(shapes):
@@ -161,15 +163,15 @@ class DistTransport:
     def ready(self, channel: str, microbatch: int) -> bool:
         local = self._local.get((channel, microbatch))
         if local is not None:
-            peer, boundary, buffers = local
-            return self.links.ready(peer, boundary, channel, microbatch, buffers)  # type: ignore[union-attr]
+            peer, boundary, _, sizes = local
+            return self.links.ready(peer, boundary, channel, microbatch, sizes)  # type: ignore[union-attr]
         return all(work.is_completed() for work, _ in self._pending[(channel, microbatch)])
 
     def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
         key = (channel, microbatch)
-        if key in self._local:
-            peer, boundary, buffers = self._local.pop(key)
-            return self.links.recv(peer, boundary, channel, microbatch, buffers)  # type: ignore[union-attr]
+        if key in self._local:  # the message's tensors in the shared pages, until the step ends
+            peer, boundary, shapes, _ = self._local.pop(key)
+            return self.links.take(peer, boundary, channel, microbatch, shapes)  # type: ignore[union-attr]
         if key not in self._pending:
             raise RuntimeError(f"stage {self.stage} did not expect {channel} of micro-batch {microbatch}")
         buffers = []
@@ -192,6 +194,8 @@ class DistTransport:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+        if self.links is not None:
+            self.links.release()  # this step's received tensors are no longer used
         if self._pending or self._local:
             raise RuntimeError(f"stage {self.stage} ended a step with unreceived tensors "
                                f"{sorted([*self._pending, *self._local])}")

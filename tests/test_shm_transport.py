@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from executor.shm_transport import HostLinks, shared_directory
+from executor.shm_transport import HostLinks, message_sizes, shared_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,16 +25,45 @@ def pair():
             link.socket.close()
 
 
-def test_a_message_of_several_tensors_and_dtypes_arrives_whole(pair):
+def layout(tensors):
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+def recv(links, sender, boundary, channel, microbatch, like):
+    """Take a message and copy it out, releasing its slot at once."""
+    got = [t.clone() for t in links.take(sender, boundary, channel, microbatch, layout(like))]
+    links.release()
+    return got
+
+
+def test_a_message_of_several_tensors_and_dtypes_arrives_whole_each_tensor_a_storage_of_its_own(pair):
     sender, receiver = pair
     assert sender.covers(1) and not sender.covers(0) and not sender.covers(2)
     message = [torch.randn(3, 4), torch.randn(2, 5).to(torch.bfloat16), torch.arange(7), torch.tensor([True, False])]
-    buffers = [torch.empty_like(t) for t in message]
-    assert not receiver.ready(0, 0, "act", 3, buffers)
+    sizes = message_sizes(layout(message))
+    assert sizes == (48, 20, 56, 2)
+    assert not receiver.ready(0, 0, "act", 3, sizes)
     sender.send(1, 0, "act", 3, message)
-    assert receiver.ready(0, 0, "act", 3, buffers)
-    got = receiver.recv(0, 0, "act", 3, buffers)
-    assert all(torch.equal(a, b) for a, b in zip(got, message))
+    assert receiver.ready(0, 0, "act", 3, sizes)
+    got = receiver.take(0, 0, "act", 3, layout(message))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, message))
+    # taken in place, each its own storage of its own bytes (what the activation counter charges)
+    assert [t.untyped_storage().nbytes() for t in got] == [t.nbytes for t in message]
+    assert [t.data_ptr() % 64 for t in got] == [0] * 4  # each on a cache line of its own
+
+
+def test_a_taken_slot_is_not_written_again_until_released(pair):
+    sender, receiver = pair
+    for value in (1.0, 2.0):
+        sender.send(1, 0, "act", 0, [torch.full((2,), value)])
+    (first,) = receiver.take(0, 0, "act", 0, [((2,), torch.float32)])  # slot 1, in use
+    (second,) = receiver.take(0, 0, "act", 0, [((2,), torch.float32)])  # slot 0
+    with pytest.raises(RuntimeError, match="did not take act of micro-batch 0 within"):
+        sender.send(1, 0, "act", 0, [torch.full((2,), 3.0)])  # would overwrite `first`
+    assert torch.equal(first, torch.full((2,), 1.0)) and torch.equal(second, torch.full((2,), 2.0))
+    receiver.release()
+    sender.send(1, 0, "act", 0, [torch.full((2,), 3.0)])
+    assert torch.equal(recv(receiver, 0, 0, "act", 0, [torch.empty(2)])[0], torch.full((2,), 3.0))
 
 
 def test_messages_are_taken_by_key_in_any_order_and_each_step_gets_its_own_slot(pair):
@@ -45,7 +74,7 @@ def test_messages_are_taken_by_key_in_any_order_and_each_step_gets_its_own_slot(
             sender.send(1, 0, "grad", m, [steps[step][m]])
     for step in range(2):
         for m in (0, 1):
-            (got,) = receiver.recv(0, 0, "grad", m, [torch.empty(4)])
+            (got,) = recv(receiver, 0, 0, "grad", m, [torch.empty(4)])
             assert torch.equal(got, steps[step][m])
 
 
@@ -54,7 +83,7 @@ def test_a_key_whose_size_changes_starts_a_file_of_its_own(pair):
     sender, receiver = pair
     for size in (2, 8, 2, 8, 8, 8):
         sender.send(1, 0, "act", 0, [torch.full((size,), float(size))])
-        (got,) = receiver.recv(0, 0, "act", 0, [torch.empty(size)])
+        (got,) = recv(receiver, 0, 0, "act", 0, [torch.empty(size)])
         assert torch.equal(got, torch.full((size,), float(size)))
 
 
@@ -64,22 +93,22 @@ def test_a_sender_two_steps_ahead_waits_for_the_slot_and_says_so_when_it_never_f
         sender.send(1, 1, "act", 0, [torch.full((2,), value)])
     with pytest.raises(RuntimeError, match="rank 1 did not take act of micro-batch 0 within"):
         sender.send(1, 1, "act", 0, [torch.full((2,), 3.0)])  # its slot still holds the first, not copied
-    (first,) = receiver.recv(0, 1, "act", 0, [torch.empty(2)])
+    (first,) = recv(receiver, 0, 1, "act", 0, [torch.empty(2)])
     assert torch.equal(first, torch.full((2,), 1.0))
 
 
 def test_a_receive_that_never_comes_fails_after_the_timeout(pair):
     _, receiver = pair
     with pytest.raises(RuntimeError, match="no act of micro-batch 5 from rank 0 within"):
-        receiver.recv(0, 0, "act", 5, [torch.empty(2)])
+        receiver.take(0, 0, "act", 5, [((2,), torch.float32)])
 
 
 def test_a_message_of_another_size_than_announced_is_not_taken_for_it(pair):
     sender, receiver = pair
     sender.send(1, 0, "act", 0, [torch.zeros(2)])
-    assert not receiver.ready(0, 0, "act", 0, [torch.empty(4)])
+    assert not receiver.ready(0, 0, "act", 0, message_sizes([((4,), torch.float32)]))
     with pytest.raises(RuntimeError, match="no act of micro-batch 0 from rank 0 within"):
-        receiver.recv(0, 0, "act", 0, [torch.empty(4)])
+        receiver.take(0, 0, "act", 0, [((4,), torch.float32)])
 
 
 def test_training_is_the_same_through_shared_memory_and_gloo(tmp_path):
