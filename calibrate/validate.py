@@ -124,11 +124,20 @@ class Comparison:
     measured_busy_s: list[float] = field(default_factory=list)
     predicted_end_span_s: float = 0.0
     measured_end_span_s: float = 0.0
+    # per stage, the median over rounds of each round's busy seconds divided by its speed factor
+    measured_busy_at_reference_s: list[float] = field(default_factory=list)
 
     @property
     def busy_errors(self) -> list[float]:
         """Per stage, predicted busy time against measured (forward, recompute, backward, optimizer)."""
         return [(p - m) / m if m else 0.0 for p, m in zip(self.predicted_busy_s, self.measured_busy_s)]
+
+    @property
+    def busy_errors_at_reference(self) -> list[float]:
+        """Per stage, predicted busy time against measured at the reference speed: the machine's
+        drift since calibration taken out, as for the step (a round that ran 10% slow computed 10%
+        slow, which no model of the work predicts)."""
+        return [(p - m) / m if m else 0.0 for p, m in zip(self.predicted_busy_s, self.measured_busy_at_reference_s)]
 
     @property
     def predicted_bubble(self) -> float:
@@ -189,7 +198,8 @@ class Comparison:
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
                 "memory_errors": self.memory_errors,
                 "predicted_busy_s": self.predicted_busy_s, "measured_busy_s": self.measured_busy_s,
-                "busy_errors": self.busy_errors, "predicted_bubble": self.predicted_bubble,
+                "busy_errors": self.busy_errors, "measured_busy_at_reference_s": self.measured_busy_at_reference_s,
+                "busy_errors_at_reference": self.busy_errors_at_reference, "predicted_bubble": self.predicted_bubble,
                 "measured_bubble": self.measured_bubble, "bubble_error_points": self.bubble_error_points,
                 "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s}
 
@@ -211,13 +221,15 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
     busy, span = measured_components(reports)
     predicted_busy = [s.busy_s for s in sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)]
+    speeds = [speed_factor(run_probes(r), reference) for r in reports]
+    busy_at_reference = [statistics.median(r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds))
+                         for k in range(len(busy))]
     return Comparison(spec.label(), result.step_time_s, measured,
                       replica_zero_peak_bytes(result),
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
-                      [r["step_time_s"] for r in reports],
-                      [speed_factor(run_probes(r), reference) for r in reports], spec.replicas,
+                      [r["step_time_s"] for r in reports], speeds, spec.replicas,
                       processes_available is not None and spec.processes > processes_available,
-                      predicted_busy, busy, predicted_end_span_s(result), span)
+                      predicted_busy, busy, predicted_end_span_s(result), span, busy_at_reference)
 
 
 def replica_zero_peak_bytes(result: Any) -> list[int]:
@@ -234,9 +246,12 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
     at_reference = [abs(c.step_error_at_reference) for c in comparisons]
     memory = [abs(e) for c in comparisons for e in c.memory_errors]
     busy = [abs(e) for c in comparisons for e in c.busy_errors]
+    busy_at_reference = [abs(e) for c in comparisons for e in c.busy_errors_at_reference]
     bubbles = [abs(c.bubble_error_points) for c in comparisons]
     return {"runs": len(comparisons), "oversubscribed_runs": len(all_comparisons) - len(comparisons),
             "median_busy_error": statistics.median(busy) if busy else 0.0, "worst_busy_error": max(busy, default=0.0),
+            "median_busy_error_at_reference": statistics.median(busy_at_reference) if busy_at_reference else 0.0,
+            "worst_busy_error_at_reference": max(busy_at_reference, default=0.0),
             "median_bubble_error_points": statistics.median(bubbles) if bubbles else 0.0,
             "worst_bubble_error_points": max(bubbles, default=0.0),
             "median_step_error": statistics.median(steps) if steps else 0.0,
@@ -297,7 +312,7 @@ def format_table(result: dict[str, Any]) -> str:
     after D and stay out of the summary lines.
     """
     header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
-              f"{'spread':>7}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  {'busy err':>8} "
+              f"{'spread':>7}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  {'busy err':>8} {'busy@ref':>8} "
               f"{'bubble p/m':>11} {'end p/m ms':>13}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
@@ -311,6 +326,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{_mib(run['predicted_peak_activation_bytes']):>13} "
                      f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%  "
                      f"{_worst_signed(run.get('busy_errors', [])) * 100:>+7.1f}% "
+                     f"{_worst_signed(run.get('busy_errors_at_reference', run.get('busy_errors', []))) * 100:>+7.1f}% "
                      f"{run.get('predicted_bubble', 0.0) * 100:>5.1f}/{run.get('measured_bubble', 0.0) * 100:<5.1f} "
                      f"{run.get('predicted_end_span_s', 0.0) * 1e3:>6.2f}/{run.get('measured_end_span_s', 0.0) * 1e3:<6.2f}")
     s = result["summary"]
@@ -324,7 +340,9 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "
-                 f"{s.get('worst_busy_error', 0.0) * 100:.1f}%; bubble error median "
+                 f"{s.get('worst_busy_error', 0.0) * 100:.1f}% (at the reference speed: median "
+                 f"{s.get('median_busy_error_at_reference', s.get('median_busy_error', 0.0)) * 100:.1f}%, worst "
+                 f"{s.get('worst_busy_error_at_reference', s.get('worst_busy_error', 0.0)) * 100:.1f}%); bubble error median "
                  f"{s.get('median_bubble_error_points', 0.0):.1f} points, worst "
                  f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "
                  "backward to the step's end, predicted/measured)")

@@ -41,33 +41,48 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 class ActivationCounter:
-    """Tracks saved and stashed storages per micro-batch; ``peak_bytes`` is the largest union seen."""
+    """Tracks saved and stashed storages per micro-batch; ``peak_bytes`` is the largest union seen.
+
+    The union's total is kept as entries come and go, so a sample (after every action) costs the same
+    however many micro-batches are held. A storage address two entries hold (freed by one micro-batch's
+    input-gradient pass, then reused by another's forward) counts once, at the size the entry added
+    to the count last holds: what a union of the entries' tables, taken in that order, gives."""
 
     def __init__(self, excluded: list[torch.Tensor]) -> None:
         self._excluded = {storage_key(t)[0] for t in excluded}
         # micro-batch (or (micro-batch, tag): a layer's input or recompute under --checkpoint full)
         # -> {storage ptr: nbytes}
         self._live: dict[Any, dict[int, int]] = {}
-        # storage ptr -> how many entries of _live hold it: the union's total is kept as entries come
-        # and go, so a sample (after every action) costs nothing however many micro-batches are held
-        self._holders: dict[int, int] = {}
+        self._order: dict[Any, int] = {}  # entry -> when it joined _live (a later one's size wins)
+        self._joined = 0
+        self._holders: dict[int, dict[Any, int]] = {}  # storage ptr -> {entry: nbytes}
         self.peak_bytes = 0
         self.current_bytes = 0  # bytes of the distinct storages held now
 
-    def _add(self, microbatch: int, tensor: torch.Tensor) -> None:
+    def _size(self, ptr: int) -> int:
+        """The bytes ``ptr`` counts for: its size in the latest entry that holds it (0: none)."""
+        holders = self._holders.get(ptr)
+        if not holders:
+            return 0
+        if len(holders) == 1:
+            return next(iter(holders.values()))
+        return holders[max(holders, key=self._order.__getitem__)]
+
+    def _add(self, microbatch: Any, tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
             return
         ptr, nbytes = storage_key(tensor)
         if not ptr or ptr in self._excluded:
             return
-        held = self._live.setdefault(microbatch, {})
-        if ptr in held:
-            return
+        held = self._live.get(microbatch)
+        if held is None:
+            held = self._live[microbatch] = {}
+            self._order[microbatch] = self._joined
+            self._joined += 1
+        before = self._size(ptr)
         held[ptr] = nbytes
-        holders = self._holders.get(ptr, 0)
-        self._holders[ptr] = holders + 1
-        if not holders:
-            self.current_bytes += nbytes
+        self._holders.setdefault(ptr, {})[microbatch] = nbytes
+        self.current_bytes += self._size(ptr) - before
 
     def stash(self, microbatch: int, value: Any) -> None:
         """The boundary input of ``microbatch`` (a tensor, or a tuple, list or dict of them) is held
@@ -90,12 +105,17 @@ class ActivationCounter:
 
     def release(self, microbatch: int) -> None:
         """``microbatch``'s backward is done: its saved tensors and stash are freed."""
-        for ptr, nbytes in self._live.pop(microbatch, {}).items():
-            holders = self._holders.pop(ptr) - 1
-            if holders:
-                self._holders[ptr] = holders
-            else:
-                self.current_bytes -= nbytes
+        held = self._live.pop(microbatch, None)
+        if held is None:
+            return
+        for ptr in held:
+            before = self._size(ptr)
+            holders = self._holders[ptr]
+            del holders[microbatch]
+            if not holders:
+                del self._holders[ptr]
+            self.current_bytes += self._size(ptr) - before
+        del self._order[microbatch]
 
     def sample(self) -> int:
         """Bytes held now (distinct storages), updating the peak."""

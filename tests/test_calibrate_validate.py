@@ -115,6 +115,8 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
         assert len(run["predicted_peak_activation_bytes"]) == len(run["measured_peak_activation_bytes"])
         # components: busy per stage, the bubble and the end-of-step span on both sides
         assert len(run["predicted_busy_s"]) == len(run["measured_busy_s"]) == len(run["busy_errors"]) >= 1
+        assert len(run["busy_errors_at_reference"]) == len(run["busy_errors"])
+        assert all(v > 0 for v in run["measured_busy_at_reference_s"])
         assert all(v > 0 for v in run["predicted_busy_s"] + run["measured_busy_s"])
         assert 0 <= run["measured_bubble"] < 1 and run["predicted_end_span_s"] >= 0 and run["measured_end_span_s"] > 0
 
@@ -193,3 +195,14 @@ def test_split_runs_fit_the_split_stages_in_pipeline_factor():
     assert fitted["2"]["R"] == pytest.approx(0.9) and fitted["2"]["B"] == pytest.approx(1.5)
     # F: micro-batch 0 at 1.2 x F's time, micro-batch 1 at 1.2 x R's (the same table here)
     assert fitted["2"]["F"] == pytest.approx(1.2)
+
+
+def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
+    """Two rounds that computed 10% and 30% slow than the calibration's pace: the busy error at the
+    reference speed compares the prediction with each round's busy time divided by its speed."""
+    from calibrate.validate import Comparison
+
+    comparison = Comparison("K=1 M=2 [4] never gpipe", 0.10, 0.12, [1], [1], [0.11, 0.13], [1.1, 1.3],
+                            predicted_busy_s=[0.10], measured_busy_s=[0.12], measured_busy_at_reference_s=[0.10])
+    assert comparison.busy_errors == [pytest.approx(-1 / 6)]
+    assert comparison.busy_errors_at_reference == [pytest.approx(0.0)]

@@ -92,3 +92,31 @@ def test_bad_partition_and_broken_layer_fail_before_training(tmp_path, monkeypat
         prepare(RunConfig(model="broken_models:build", partition=(2, 1)))
     message = str(info.value)
     assert "layer 2 (Linear, stage 1)" in message and "[2, 8]" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("schedule, partition, virtual", [("zb-h1", [3, 3], 1), ("zbv", [2, 2, 1, 1], 2)])
+def test_the_running_count_equals_the_union_of_what_each_microbatch_holds(monkeypatch, schedule, partition, virtual):
+    """The counter keeps its total as entries come and go; after every action it must equal the union
+    of the entries' storages. The split backward frees part of a micro-batch's graph at I and keeps
+    the rest to W, so another micro-batch's forward reuses those addresses at other sizes."""
+    from executor import memory
+
+    sample = memory.ActivationCounter.sample
+    checked = []
+
+    def union_checked(self):
+        union = {}
+        for storages in self._live.values():
+            union.update(storages)
+        checked.append(sum(union.values()) == sample(self))
+        return self.current_bytes
+
+    monkeypatch.setattr(memory.ActivationCounter, "sample", union_checked)
+    config = RunConfig(model="transformer", options={"layers": 4, "d_model": 32, "ff": 64, "heads": 2, "seq": 8,
+                                                      "vocab": 32},
+                       partition=partition, batch_size=16, microbatches=8, schedule=schedule, checkpoint="never",
+                       steps=2, virtual_stages=virtual)
+    pipe = LocalPipeline(config)
+    for step in range(2):
+        pipe.run_step(step)
+    assert len(checked) > 50 and all(checked)
