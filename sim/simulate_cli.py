@@ -27,11 +27,14 @@ from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name
                               resolve_workload, with_attention_default, with_precision, workload_and_batch)
 
 
+DEFAULT_STAGES = 4  # K when neither --stages nor --partition gives it
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan file (other flags ignored)")
     add_model_arguments(parser)
     add_optimizer_argument(parser)
-    add_pipeline_arguments(parser)
+    add_pipeline_arguments(parser, stages_default=None)  # None: not given (DEFAULT_STAGES, or the partition's)
     add_scale_out_arguments(parser)
     add_hardware_arguments(parser)
     add_precision_argument(parser, "the plan's; else the costs file's; else the device's: bf16 on "
@@ -96,6 +99,9 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         check_checkpoint_policy(args.checkpoint)
         given, args.microbatches, args.virtual_stages = read_schedule_csv(args.schedule_csv, args.checkpoint)
         args.stages, args.schedule = len(given), schedule_shape(given, args.virtual_stages)
+    stages_given = args.stages
+    if args.stages is None:
+        args.stages = DEFAULT_STAGES
     require_positive("stages (K)", args.stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
     require_positive("replicas (D)", args.replicas, "use --replicas 1 or more")
@@ -109,6 +115,10 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     if partition is not None and len(partition) % virtual:
         raise GpipeInputError(f"--partition has {len(partition)} entries, not a multiple of --virtual-stages "
                               f"{virtual}; give V x K entries")
+    if partition is not None and stages_given is not None and len(partition) != stages_given * virtual:
+        raise GpipeInputError(f"--partition has {len(partition)} entries but --stages {stages_given} x "
+                              f"--virtual-stages {virtual} needs {stages_given * virtual}; drop --stages or make "
+                              "them agree")
     stages = len(partition) // virtual if partition is not None else args.stages
     system = get_system(args.hardware, args.nodes)
     precision = chosen_precision(args, system.device)

@@ -44,6 +44,7 @@ def test_simulate_writes_trace_and_html(tmp_path):
     (["--batch", "0"], "batch size must be a positive integer, got 0"),
     (["--stages", "17"], "17 stages for a model of 16 layers"),
     (["--partition", "3,5"], "partition 3,5 sums to 8 layers but the model has 16"),
+    (["--partition", "8,8", "--stages", "3"], "--partition has 2 entries but --stages 3 x --virtual-stages 1 needs 3"),
     (["--model", "resnet"], "unknown model 'resnet'"),
     (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
     (["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
