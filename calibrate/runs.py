@@ -129,7 +129,7 @@ def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int
 # ----------------------------------------------------------------------------- worker side
 
 
-def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> dict[str, Any] | None:
+def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, directory: str) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -160,11 +160,36 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any) -> d
                "peak_allocated_bytes": device_api(device).peak_allocated_bytes(device),
                "losses": losses if stage.is_last else None,
                "speed_probe_s": [pace_before, pace_after]}
-    gathered: list[Any] = [None] * config.world_size if rank == 0 else []
-    dist.gather_object(payload, gathered if rank == 0 else None, dst=0)
+    gathered = _gather_through_files(payload, rank, config.world_size, directory)
+    return _report(config, gathered, device) if gathered is not None else None
+
+
+def _gather_through_files(payload: dict[str, Any], rank: int, world: int, directory: str) -> list[Any] | None:
+    """Every rank's payload on rank 0 (None elsewhere), through files in the launch's directory.
+
+    Not ``dist.gather_object``: gloo starts a thread of its own for each new size of message it
+    carries, and once a gather of a few hundred KiB (a timeline) has started them, the same process
+    computes on two threads a third slower for the rest of its life (a 256x256 matmul loop, 32 -> 46
+    ms here; a 1-thread loop is unchanged). The launch runs its configurations one after another in
+    the same processes, so every configuration after the first large timeline ran slow. The ranks of
+    a launch share one host (``torchrun --standalone``)."""
+    import torch.distributed as dist
+
+    from sim.timeline import write_json_atomic
+
+    write_json_atomic(os.path.join(directory, f"payload-{rank}.json"), payload)
+    dist.barrier()
     if rank != 0:
+        dist.barrier()  # rank 0 has read them
         return None
-    return _report(config, gathered, device)
+    gathered = []
+    for other in range(world):
+        path = os.path.join(directory, f"payload-{other}.json")
+        with open(path) as handle:
+            gathered.append(json.load(handle))
+        os.unlink(path)
+    dist.barrier()
+    return gathered
 
 
 def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict) -> tuple[Any, Any]:
@@ -258,7 +283,7 @@ def main(argv: list[str]) -> int:
             if key not in probes:
                 probes[key] = SpeedProbe.model(config.model, config.options, config.batch_size,
                                                config.loss, device)
-            report = _run_one(config, rank, groups, device, probes[key])
+            report = _run_one(config, rank, groups, device, probes[key], out_dir)
             if report is not None:
                 write_json_atomic(os.path.join(out_dir, f"report-{position}.json"), report)
     finally:
