@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from executor.boundary import tensors
+from executor.boundary import map_tensors, tensors
 from executor.models import example_batch, load_object
 from executor.seeds import mix_seed
 from executor.text_data import is_text_data, text_batch
@@ -50,6 +50,12 @@ def batch_for_step(model: str, options: dict[str, Any], batch_size: int, seed: i
 class MicroBatches(list):
     """A mini-batch value already split into its micro-batches (by :func:`split`) and on the stage's
     device: what :class:`executor.prefetch.StepBatches` hands a stage, split while the stage waited."""
+
+
+def micro_batches(value: Any, microbatches: int, device: torch.device) -> MicroBatches:
+    """``value`` split into ``microbatches`` (:func:`split`), each moved to ``device``."""
+    return MicroBatches(map_tensors(lambda t: t.to(device, non_blocking=True), part)
+                        for part in split(value, microbatches))
 
 
 def split(value: Any, microbatches: int) -> list[Any]:

@@ -20,9 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from executor.boundary import map_tensors
 from executor.config import RunConfig
-from executor.data import MicroBatches, batch_for_step, split
+from executor.data import MicroBatches, batch_for_step, micro_batches
 
 
 class StepBatches:
@@ -44,9 +43,8 @@ class StepBatches:
         inputs, targets = batch_for_step(c.model, c.options, c.batch_size, c.seed, step, c.data or None)
         if self.share is not None:
             inputs, targets = self.share(inputs), self.share(targets)
-        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        return tuple(MicroBatches(map_tensors(to_device, part) for part in split(value, c.microbatches))  # type: ignore[return-value]
-                     for value in (inputs, targets))
+        return (micro_batches(inputs, c.microbatches, self.device),
+                micro_batches(targets, c.microbatches, self.device))
 
     def take(self, step: int) -> tuple[Any, Any]:
         self.step = step

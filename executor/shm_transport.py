@@ -248,13 +248,15 @@ class HostLinks:
         except (BlockingIOError, TimeoutError):
             pass
 
-    def take(self, sender: int, boundary: int, channel: str, microbatch: int, layout: Layout) -> list[torch.Tensor]:
+    def take(self, sender: int, boundary: int, channel: str, microbatch: int, layout: Layout,
+             sizes: tuple[int, ...] | None = None) -> list[torch.Tensor]:
         """Wait for the key's next message and return its tensors where they lie, in the shared
         pages: no copy. They stay this rank's until :meth:`release` (the executor releases at the
         end of each step, when its stage holds none of them); until then the sender does not write
-        that slot again, and it only needs to two steps later, so a step never waits for it."""
+        that slot again, and it only needs to two steps later, so a step never waits for it.
+        ``sizes``: :func:`message_sizes` of ``layout``, if the caller has it already."""
         start = time.monotonic()
-        sizes = message_sizes(layout)
+        sizes = sizes or message_sizes(layout)
         found = self._arrived(sender, boundary, channel, microbatch, sizes)
         while found is None:
             waited = time.monotonic() - start

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -45,7 +44,7 @@ from torch import nn
 
 from executor.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.boundary import Boundary, map_tensors, tensors
-from executor.data import MicroBatches, mix_seed, split, split_rows
+from executor.data import MicroBatches, micro_batches, mix_seed, split_rows
 from executor.device import device_api
 from executor.memory import ActivationCounter
 from executor.optim import (OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_,
@@ -224,10 +223,7 @@ class PipelineStage(StepPhases):
             self._post_through(self.needs(self.actions[0]))
 
     def _micro_batches(self, value: Any) -> list[Any]:
-        if isinstance(value, MicroBatches):
-            return value
-        to_device = partial(map_tensors, lambda t: t.to(self.device, non_blocking=True))
-        return [to_device(c) for c in split(value, len(self.rows))]
+        return value if isinstance(value, MicroBatches) else micro_batches(value, len(self.rows), self.device)
 
     def _receives(self) -> list[tuple[tuple[str, int], Any]]:
         """Every message a step receives, (channel, micro-batch) -> shapes, in consumption order: the

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from executor.shm_transport import message_sizes
+from executor.shm_transport import Layout, message_sizes
 
 if TYPE_CHECKING:
     from executor.shm_transport import HostLinks
@@ -39,7 +39,7 @@ ACT = "act"
 GRAD = "grad"
 
 
-Shapes = Sequence[tuple[tuple[int, ...], torch.dtype]]  # (shape, dtype) of each tensor of a message
+Shapes = Layout  # (shape, dtype) of each tensor of a message
 
 
 class Transport(Protocol):
@@ -170,8 +170,8 @@ class DistTransport:
     def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
         key = (channel, microbatch)
         if key in self._local:  # the message's tensors in the shared pages, until the step ends
-            peer, boundary, shapes, _ = self._local.pop(key)
-            return self.links.take(peer, boundary, channel, microbatch, shapes)  # type: ignore[union-attr]
+            peer, boundary, shapes, sizes = self._local.pop(key)
+            return self.links.take(peer, boundary, channel, microbatch, shapes, sizes)  # type: ignore[union-attr]
         if key not in self._pending:
             raise RuntimeError(f"stage {self.stage} did not expect {channel} of micro-batch {microbatch}")
         buffers = []
