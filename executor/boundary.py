@@ -24,6 +24,7 @@ are refused with one line. Inside a stage anything may pass between layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Sequence
 
 import torch
@@ -51,14 +52,21 @@ class Boundary:
     leaves: tuple[LeafSpec, ...]
     spec: TreeSpec
 
-    @property
+    # Asked of every message a stage sends or receives: found once (a frozen dataclass's cached_property
+    # writes the instance's __dict__, not through __setattr__)
+    @cached_property
     def has_grad(self) -> bool:
         return any(leaf.carries_grad for leaf in self.leaves)
 
-    @property
+    @cached_property
     def grad_indices(self) -> list[int]:
         """Positions of the leaves a gradient comes back for, in leaf order."""
         return [i for i, leaf in enumerate(self.leaves) if leaf.carries_grad]
+
+    @cached_property
+    def _one_tensor(self) -> bool:
+        """The value is a tensor itself, not a container of them."""
+        return self.spec.is_leaf()
 
     def shapes(self, rows: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         return [(leaf.shape(rows), leaf.dtype) for leaf in self.leaves]
@@ -67,6 +75,8 @@ class Boundary:
         return [(self.leaves[i].shape(rows), self.leaves[i].dtype) for i in self.grad_indices]
 
     def flatten(self, value: Any) -> list[torch.Tensor]:
+        if self._one_tensor and isinstance(value, torch.Tensor):
+            return [value]
         leaves, spec = tree_flatten(value)
         if spec != self.spec:
             raise RuntimeError(f"a stage produced a value of structure {spec}, not the {self.spec} the "

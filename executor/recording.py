@@ -1,6 +1,9 @@
 """Timing of a stage's actions in the shared timeline format (``sim.timeline``), source "measured".
 
-On CPU every span is two ``time.perf_counter`` reads. On CUDA a span is a pair of CUDA events on
+On CPU every span is two ``time.perf_counter`` reads kept as a plain tuple, made a :class:`Record`
+when the timeline is read: a stage opens and closes several spans between two actions, when the
+caches hold the compute's matrices and every object built is a miss (a generator-based span and a
+named tuple cost 15-30 us there). On CUDA a span is a pair of CUDA events on
 the current stream, read once per step in :meth:`Recorder.flush` (after one synchronize), so timing
 never serializes the stream mid-step; event times are placed on the host clock through an event
 recorded at the step's start. Times are seconds since ``origin_s``, a ``perf_counter`` reading
@@ -55,7 +58,11 @@ class Recorder:
         self.api = device_api(device)
         self.on_events = self.api.events  # spans timed by the device's events (CUDA), else the host's clock
         self.origin_s = time.perf_counter() if origin_s is None else origin_s
-        self.timeline = Timeline(source="measured")
+        self._timeline = Timeline(source="measured")
+        # host-clock spans and samples not yet in the timeline: (kind, microbatch, start, end, step,
+        # virtual stage) and (time, bytes), raw perf_counter readings
+        self._spans: list[tuple[str, int, float, float, int, int | None]] = []
+        self._samples: list[tuple[float, int]] = []
         self.step = 0
         self._events: list[tuple[str, int, Any, Any, int | None]] = []
         self._memory: list[tuple[Any, int]] = []
@@ -63,8 +70,27 @@ class Recorder:
         self._step_host_s = 0.0
 
     def restart(self, origin_s: float | None = None) -> None:
-        """Put the time origin at ``origin_s`` (a ``perf_counter`` reading; default: now)."""
+        """Put the time origin at ``origin_s`` (a ``perf_counter`` reading; default: now); what was
+        recorded before keeps the origin it was recorded against."""
+        self._settle()
         self.origin_s = time.perf_counter() if origin_s is None else origin_s
+
+    @property
+    def timeline(self) -> Timeline:
+        """Every span and memory sample so far."""
+        self._settle()
+        return self._timeline
+
+    def _settle(self) -> None:
+        """Turn the raw host-clock spans and samples into the timeline's records and samples."""
+        origin = self.origin_s
+        for kind, microbatch, start, end, step, virtual_stage in self._spans:
+            self._timeline.records.append(Record(self.stage, kind, microbatch, start - origin, end - origin, step,
+                                                 self.replica, virtual_stage, self.tp))
+        for at, nbytes in self._samples:
+            self._timeline.memory.append(MemorySample(self.stage, at - origin, nbytes))
+        self._spans.clear()
+        self._samples.clear()
 
     def now_s(self) -> float:
         return time.perf_counter() - self.origin_s
@@ -77,32 +103,34 @@ class Recorder:
             self._step_event = self.api.event()
             self._step_event.record()
 
-    @contextlib.contextmanager
-    def span(self, kind: str, microbatch: int = -1, virtual_stage: int | None = None) -> Iterator[None]:
+    def span(self, kind: str, microbatch: int = -1,
+             virtual_stage: int | None = None) -> contextlib.AbstractContextManager[None]:
         """Time the block as ``kind`` of ``microbatch``; ``virtual_stage``: the chunk it ran on, under
-        the interleaved schedule (:mod:`executor.chunks`)."""
+        the interleaved schedule (:mod:`executor.chunks`). A block that raises records nothing."""
         if self.collectives and kind in COMPUTE_KINDS:
-            from executor.tp_trace import CollectiveSpans
+            return self._traced_span(kind, microbatch, virtual_stage)
+        return self._plain_span(kind, microbatch, virtual_stage)
 
-            with self._span(kind, microbatch, virtual_stage), CollectiveSpans(self, microbatch):
-                yield
-            return
-        with self._span(kind, microbatch, virtual_stage):
+    def _plain_span(self, kind: str, microbatch: int,
+                    virtual_stage: int | None) -> contextlib.AbstractContextManager[None]:
+        if self.on_events:
+            return self._event_span(kind, microbatch, virtual_stage)
+        return _HostSpan(self, kind, microbatch, virtual_stage)
+
+    @contextlib.contextmanager
+    def _traced_span(self, kind: str, microbatch: int, virtual_stage: int | None) -> Iterator[None]:
+        from executor.tp_trace import CollectiveSpans
+
+        with self._plain_span(kind, microbatch, virtual_stage), CollectiveSpans(self, microbatch):
             yield
 
     @contextlib.contextmanager
-    def _span(self, kind: str, microbatch: int, virtual_stage: int | None) -> Iterator[None]:
-        if self.on_events:
-            start, end = self.api.event(), self.api.event()
-            start.record()
-            yield
-            end.record()
-            self._events.append((kind, microbatch, start, end, virtual_stage))
-            return
-        start_s = self.now_s()
+    def _event_span(self, kind: str, microbatch: int, virtual_stage: int | None) -> Iterator[None]:
+        start, end = self.api.event(), self.api.event()
+        start.record()
         yield
-        self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), self.step,
-                                            self.replica, virtual_stage, self.tp))
+        end.record()
+        self._events.append((kind, microbatch, start, end, virtual_stage))
 
     def open_span(self, kind: str, microbatch: int = -1) -> Callable[[], None]:
         """A span that starts now and ends when the returned function is called: for work that runs
@@ -117,11 +145,10 @@ class Recorder:
                 self._events.append((kind, microbatch, start, end, None))
 
             return close_cuda
-        start_s, step = self.now_s(), self.step
+        start, step = time.perf_counter(), self.step
 
         def close() -> None:
-            self.timeline.records.append(Record(self.stage, kind, microbatch, start_s, self.now_s(), step,
-                                                self.replica, None, self.tp))
+            self._spans.append((kind, microbatch, start, time.perf_counter(), step, None))
 
         return close
 
@@ -135,7 +162,7 @@ class Recorder:
             event.record()
             self._memory.append((event, nbytes))
             return
-        self.timeline.memory.append(MemorySample(self.stage, self.now_s(), nbytes))
+        self._samples.append((time.perf_counter(), nbytes))
 
     def flush(self) -> None:
         """End of step: turn CUDA events into records (one synchronize); no-op on CPU."""
@@ -144,11 +171,29 @@ class Recorder:
         self.api.synchronize()
         base_event, base_s = self._step_event, self._step_host_s
         for kind, microbatch, start, end, virtual_stage in self._events:
-            self.timeline.records.append(Record(
+            self._timeline.records.append(Record(
                 self.stage, kind, microbatch, base_s + base_event.elapsed_time(start) / 1e3,
                 base_s + base_event.elapsed_time(end) / 1e3, self.step, self.replica, virtual_stage, self.tp))
         for event, nbytes in self._memory:
-            self.timeline.memory.append(
+            self._timeline.memory.append(
                 MemorySample(self.stage, base_s + base_event.elapsed_time(event) / 1e3, nbytes))
         self._events.clear()
         self._memory.clear()
+
+
+class _HostSpan:
+    """A span on the host's clock: two ``perf_counter`` reads and a tuple (:class:`Recorder`)."""
+
+    __slots__ = ("recorder", "kind", "microbatch", "virtual_stage", "start")
+
+    def __init__(self, recorder: Recorder, kind: str, microbatch: int, virtual_stage: int | None) -> None:
+        self.recorder, self.kind, self.microbatch, self.virtual_stage = recorder, kind, microbatch, virtual_stage
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, error: type | None, value: Any, traceback: Any) -> None:
+        if error is None:
+            recorder = self.recorder
+            recorder._spans.append((self.kind, self.microbatch, self.start, time.perf_counter(), recorder.step,
+                                    self.virtual_stage))

@@ -270,9 +270,14 @@ class PipelineStage(StepPhases):
         """The tensor ``action`` must receive before it can run, as (channel, micro-batch)."""
         if action.kind == Kind.FORWARD and not self.is_first:
             return ACT, action.microbatch
-        if receives_gradient(action.kind) and not self.is_last and self.outgoing.has_grad:  # type: ignore[union-attr]
+        if receives_gradient(action.kind) and self._receives_gradients:
             return GRAD, action.microbatch
         return None
+
+    @property
+    def _receives_gradients(self) -> bool:
+        """Whether a backward (or I) receives its output's gradient from the next stage."""
+        return not self.is_last and self.outgoing.has_grad  # type: ignore[union-attr]
 
     def finish_sends(self) -> None:
         """Wait for this step's sends to complete (the first end-of-step phase: a stage that ran no
@@ -404,9 +409,10 @@ class PipelineStage(StepPhases):
                 self.graph[m] = (needs_grad, out)
         if not self.is_last:
             assert self.outgoing is not None
-            check_boundary(self.outgoing.flatten(out), self.outgoing, self.config.stage)
+            leaves = self.outgoing.flatten(out)
+            check_boundary(leaves, self.outgoing, self.config.stage)
             with self.recorder.span(SEND_ACTIVATION, m):
-                self.transport.send(ACT, m, self.outgoing.flatten(out))
+                self.transport.send(ACT, m, leaves)
 
     def _forward_keeping_layer_inputs(self, m: int, received: list[torch.Tensor]) -> Any:
         """``full``: the layers without gradients, keeping each layer's input (counted as held by
@@ -476,7 +482,7 @@ class PipelineStage(StepPhases):
             self.graph[m] = (needs_grad, out)
 
     def _backward(self, m: int) -> None:
-        grads = self._receive(GRAD, m) if self.needs(Action(self.config.stage, Kind.BACKWARD, m)) else []
+        grads = self._receive(GRAD, m) if self._receives_gradients else []
         with self.recorder.span(Kind.BACKWARD.value, m):
             if recomputes_per_layer(self.config.checkpoint):
                 needs_grad = self._backward_layer_by_layer(m, grads)
@@ -499,7 +505,7 @@ class PipelineStage(StepPhases):
     def _backward_input(self, m: int) -> None:
         """I: the gradients of the stage's inputs alone, sent back at once; what the weight gradients
         need is kept for this micro-batch's W (:mod:`executor.split_backward`), its tensors with it."""
-        grads = self._receive(GRAD, m) if self.needs(Action(self.config.stage, Kind.INPUT, m)) else []
+        grads = self._receive(GRAD, m) if self._receives_gradients else []
         with self.recorder.span(Kind.INPUT.value, m):
             needs_grad, out = self.graph.pop(m)
             roots, root_grads = self._roots(out, grads)  # sent tensors: those that carry a gradient

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from executor.shm_transport import Layout, message_sizes
+from executor.shm_transport import Layout
 
 if TYPE_CHECKING:
-    from executor.shm_transport import HostLinks
+    from executor.shm_transport import HostLinks, Link
 
 ACT = "act"
 GRAD = "grad"
@@ -125,8 +125,10 @@ class DistTransport:
                  ranks: Sequence[int] | None = None, links: "HostLinks | None" = None) -> None:
         self.stage = stage
         self.links = links  # shared-memory links to the ranks of this host (executor.shm_transport)
-        # announced, by shared memory: (channel, micro-batch) -> (peer, boundary, shapes, each tensor's bytes)
-        self._local: dict[tuple[str, int], tuple[int, int, Shapes, tuple[int, ...]]] = {}
+        # by shared memory (executor.shm_transport), (channel, micro-batch) -> its link: the receives
+        # announced this step, and every key sent so far (the same each step: found once)
+        self._incoming: dict[tuple[str, int], "Link"] = {}
+        self._outgoing: dict[tuple[str, int], "Link"] = {}
         # global rank of each stage of this pipeline (one of several replicas, executor.replicas); None: rank == stage
         self.ranks = tuple(ranks) if ranks is not None else None
         self.groups = groups
@@ -151,7 +153,8 @@ class DistTransport:
     def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
         peer, group, boundary = self._peer_and_group(channel, incoming=True)
         if self._shared(peer):
-            self._local[(channel, microbatch)] = (peer, boundary, shapes, message_sizes(shapes))
+            self._incoming[(channel, microbatch)] = self.links.link(  # type: ignore[union-attr]
+                peer, self.links.rank, boundary, channel, microbatch, shapes)  # type: ignore[union-attr]
             return
         posted = []
         for index, (shape, dtype) in enumerate(shapes):
@@ -161,17 +164,16 @@ class DistTransport:
         self._pending[(channel, microbatch)] = posted
 
     def ready(self, channel: str, microbatch: int) -> bool:
-        local = self._local.get((channel, microbatch))
-        if local is not None:
-            peer, boundary, _, sizes = local
-            return self.links.ready(peer, boundary, channel, microbatch, sizes)  # type: ignore[union-attr]
+        link = self._incoming.get((channel, microbatch))
+        if link is not None:
+            return link.arrived()
         return all(work.is_completed() for work, _ in self._pending[(channel, microbatch)])
 
     def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
         key = (channel, microbatch)
-        if key in self._local:  # the message's tensors in the shared pages, until the step ends
-            peer, boundary, shapes, sizes = self._local.pop(key)
-            return self.links.take(peer, boundary, channel, microbatch, shapes, sizes)  # type: ignore[union-attr]
+        link = self._incoming.pop(key, None)
+        if link is not None:  # the message's tensors in the shared pages, until the step ends
+            return link.take()
         if key not in self._pending:
             raise RuntimeError(f"stage {self.stage} did not expect {channel} of micro-batch {microbatch}")
         buffers = []
@@ -181,9 +183,16 @@ class DistTransport:
         return buffers
 
     def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
+        link = self._outgoing.get((channel, microbatch))
+        if link is not None and link.fits(tensors):
+            link.send(tensors)
+            return
         peer, group, boundary = self._peer_and_group(channel, incoming=False)
         if self._shared(peer):
-            self.links.send(peer, boundary, channel, microbatch, tensors)  # type: ignore[union-attr]
+            link = self._outgoing[(channel, microbatch)] = self.links.link(  # type: ignore[union-attr]
+                self.links.rank, peer, boundary, channel, microbatch,  # type: ignore[union-attr]
+                [(tuple(t.shape), t.dtype) for t in tensors])
+            link.send(tensors)
             return
         for index, tensor in enumerate(tensors):
             tensor = tensor.detach().contiguous()
@@ -196,9 +205,9 @@ class DistTransport:
         self._sends.clear()
         if self.links is not None:
             self.links.release()  # this step's received tensors are no longer used
-        if self._pending or self._local:
+        if self._pending or self._incoming:
             raise RuntimeError(f"stage {self.stage} ended a step with unreceived tensors "
-                               f"{sorted([*self._pending, *self._local])}")
+                               f"{sorted([*self._pending, *self._incoming])}")
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         total = value.clone()
