@@ -54,6 +54,9 @@ class ChunkRecorder:
     def span(self, kind: str, microbatch: int = -1) -> contextlib.AbstractContextManager[None]:
         return self.device.span(kind, microbatch, self.virtual_stage)
 
+    def memory(self, nbytes: int) -> None:  # after every action: not through __getattr__'s miss
+        self.device.memory(nbytes)
+
     def __getattr__(self, name: str) -> Any:
         if name == "device":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)

@@ -57,6 +57,7 @@ class Recorder:
         self.tp = tp  # which of the stage's tensor-parallel ranks (executor.tensor_parallel)
         self.api = device_api(device)
         self.on_events = self.api.events  # spans timed by the device's events (CUDA), else the host's clock
+        self._host_spans = not self.on_events and not collectives  # every span a _HostSpan
         self.origin_s = time.perf_counter() if origin_s is None else origin_s
         self._timeline = Timeline(source="measured")
         # host-clock spans and samples not yet in the timeline: (kind, microbatch, start, end, step,
@@ -107,6 +108,8 @@ class Recorder:
              virtual_stage: int | None = None) -> contextlib.AbstractContextManager[None]:
         """Time the block as ``kind`` of ``microbatch``; ``virtual_stage``: the chunk it ran on, under
         the interleaved schedule (:mod:`executor.chunks`). A block that raises records nothing."""
+        if self._host_spans:
+            return _HostSpan(self, kind, microbatch, virtual_stage)
         if self.collectives and kind in COMPUTE_KINDS:
             return self._traced_span(kind, microbatch, virtual_stage)
         return self._plain_span(kind, microbatch, virtual_stage)

@@ -170,12 +170,16 @@ class Link:
 
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` are of this link's layout (shapes and dtypes)."""
-        return len(tensors) == len(self.layout) and all(
-            t.shape == shape and t.dtype == dtype for t, (shape, dtype) in zip(tensors, self.layout))
+        if len(tensors) != len(self.layout):
+            return False
+        for tensor, (shape, dtype) in zip(tensors, self.layout):
+            if tensor.dtype != dtype or tensor.shape != shape:
+                return False
+        return True
 
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` (of :meth:`fits` this layout) into the next slot and mark it written."""
-        message = self._mapped(create=True)
+        message = self.file if self.file is not None else self._mapped(create=True)
         assert message is not None
         generation = self.generation + 1
         slot = generation % 2

@@ -341,11 +341,15 @@ class PipelineStage(StepPhases):
         """The message, after the idle-time work if it has not arrived (that work is left out of the
         wait's span: the timeline shows only the time spent waiting)."""
         self._post_through((channel, m))
-        if not self.transport.ready(channel, m):
+        transport = self.transport
+        # the chores, each only while the message is still away: one arriving during a chore waits at
+        # most for that chore to end
+        if not transport.ready(channel, m) and self._unposted:
             self._post_through(None)
+        if self._gradients_stale and not transport.ready(channel, m):
             self._drop_gradients()
-            if self.while_waiting is not None:
-                self.while_waiting()
+        if self.while_waiting is not None and not transport.ready(channel, m):
+            self.while_waiting()
         with self.recorder.span(RECV_WAIT, m):
             return self.transport.recv(channel, m)
 
