@@ -159,7 +159,7 @@ def step_batches(config: RunConfig, stage: PipelineStage | ChunkedDevice,
     batches = StepBatches(config, stage.is_first or stage.is_last, layout.share if layout is not None else None,
                           stage.device)
     for shard in shards(stage):
-        shard.while_waiting = batches.prefetch
+        shard.while_waiting = batches
     return batches
 
 

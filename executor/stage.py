@@ -36,8 +36,9 @@ in turn and adds the stages' sums itself.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +58,16 @@ from executor.split_backward import PendingWeights, WeightEdges, input_gradients
 from sim.schedule import (Action, Kind, build_schedule, device_of_virtual_stage, receives_gradient, recomputes,
                           recomputes_attention_core, recomputes_per_layer)
 from sim.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
+
+
+class IdleWork(Protocol):
+    """Work a stage can do while it waits (:class:`executor.prefetch.StepBatches`)."""
+
+    def prefetch(self, wait: Hashable) -> None:
+        """The stage is about to wait at ``wait`` (virtual stage, channel, micro-batch): work now, or not."""
+
+    def waited(self, wait: Hashable, seconds: float) -> None:
+        """How long the stage was idle there, chores included."""
 
 
 # actions whose autograd calls add to the parameters' .grad (a split I computes input gradients only)
@@ -164,8 +175,9 @@ class PipelineStage(StepPhases):
                         if a.stage == config.stage]
         self.after_action: Callable[[int, Action], None] | None = None  # fault-injection hook
         self.weight_edges: WeightEdges | None = None  # the split backward's weight accumulators, found once
-        # Work for idle time, run before waiting on a receive that has not arrived (executor.prefetch)
-        self.while_waiting: Callable[[], None] | None = None
+        # Work for idle time, offered each wait on a receive that has not arrived, and told how long
+        # the wait lasted (executor.prefetch.StepBatches)
+        self.while_waiting: IdleWork | None = None
         # Sums the gradients of parameters other stages hold too (executor.sharing); the in-process
         # pipeline does it for all stages at once instead.
         self.reduce_shared: Callable[[], None] | None = None
@@ -342,16 +354,24 @@ class PipelineStage(StepPhases):
         wait's span: the timeline shows only the time spent waiting)."""
         self._post_through((channel, m))
         transport = self.transport
+        if transport.ready(channel, m):
+            with self.recorder.span(RECV_WAIT, m):
+                return transport.recv(channel, m)
+        idle_from = time.perf_counter()
         # the chores, each only while the message is still away: one arriving during a chore waits at
         # most for that chore to end
-        if not transport.ready(channel, m) and self._unposted:
+        if self._unposted:
             self._post_through(None)
         if self._gradients_stale and not transport.ready(channel, m):
             self._drop_gradients()
+        wait = (self.config.stage, channel, m)
         if self.while_waiting is not None and not transport.ready(channel, m):
-            self.while_waiting()
+            self.while_waiting.prefetch(wait)
         with self.recorder.span(RECV_WAIT, m):
-            return self.transport.recv(channel, m)
+            received = transport.recv(channel, m)
+        if self.while_waiting is not None:
+            self.while_waiting.waited(wait, time.perf_counter() - idle_from)
+        return received
 
     def _seed(self, m: int) -> None:
         """Seed the generators this stage draws from: the CPU's, and its GPU's on CUDA.

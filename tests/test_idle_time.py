@@ -41,6 +41,19 @@ class LateTransport:
         return getattr(self.inner, name)
 
 
+class IdleLog:
+    """Idle-time work that logs when it is offered a wait."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def prefetch(self, wait):
+        self.log.append(("idle",))
+
+    def waited(self, wait, seconds):
+        pass
+
+
 def test_receives_are_posted_in_order_the_first_at_the_start_the_rest_at_the_first_wait():
     pipe = LocalPipeline(RunConfig(**CONFIG))
     first, last = pipe.stages
@@ -50,7 +63,7 @@ def test_receives_are_posted_in_order_the_first_at_the_start_the_rest_at_the_fir
         first.run(action)
     log = []
     last.transport = LateTransport(last.transport, log)
-    last.while_waiting = lambda: log.append(("idle",))
+    last.while_waiting = IdleLog(log)
     last.begin_step(0, inputs, targets)
     assert log == [("post", ACT, 0)]  # the first receive only: the stage waits for it next
     last.run(last.actions[0])
@@ -70,7 +83,7 @@ def test_a_message_that_arrives_during_a_chore_is_taken_before_the_next_chore():
         first.run(action)
     log = []
     last.transport = LateTransport(last.transport, log, late_asks=1)  # there once the receives are posted
-    last.while_waiting = lambda: log.append(("idle",))
+    last.while_waiting = IdleLog(log)
     last.begin_step(0, inputs, targets)
     last.run(last.actions[0])
     assert log == [("post", ACT, 0), ("post", ACT, 1), ("post", ACT, 2), ("post", ACT, 3), ("recv", ACT, 0)]
@@ -99,6 +112,27 @@ def test_prefetched_batches_are_the_steps_own_and_the_run_is_unchanged():
             assert batches._ahead is not None and batches._ahead[0] == step + 1
     assert batches._ahead is None  # nothing past the last step
     assert StepBatches(config, needs_data=False).take(0) == (None, None)
+
+
+def test_the_next_batch_is_drawn_in_the_wait_that_was_longest_last_step():
+    config = RunConfig(**{**CONFIG, "steps": 5})
+    batches = StepBatches(config, needs_data=True)
+    batches.take(0)
+    batches.prefetch("a")  # no step before: the first wait draws
+    assert batches._ahead[0] == 1
+    batches.waited("a", 0.001)
+    batches.waited("b", 0.005)
+    batches.take(1)
+    batches.prefetch("a")
+    assert batches._ahead is None  # "b" was longer
+    batches.waited("a", 0.001)
+    batches.prefetch("b")
+    assert batches._ahead[0] == 2
+    batches.waited("b", 0.004)
+    batches.take(2)  # "b" again, but this step its message is there: the wait after it draws
+    batches.waited("b", 0.0)
+    batches.prefetch("c")
+    assert batches._ahead[0] == 3
 
 
 def test_a_stale_prefetched_batch_is_dropped():
