@@ -314,6 +314,7 @@ class HostLinks:
         found = self._links.get((sender, self.rank, boundary, channel, microbatch, sizes))
         if found is not None:
             return found.arrived()
+        # no link yet: nothing was taken under this key, so the next message is generation 1, in slot 1
         message = self._file(sender, self.rank, boundary, channel, microbatch, sizes, create=False)
         return message is not None and message.written(1) == 1
 
