@@ -112,7 +112,6 @@ class _MessageFile:
         self.payload_bytes = payload_bytes
         # [consumed of slot 0, of slot 1, written of slot 0, of slot 1]
         self.header = memoryview(self.map)[:32].cast("q")
-        self._views: dict[tuple[int, tuple], list[torch.Tensor]] = {}
 
     def consumed(self, slot: int) -> int:
         return self.header[slot]
@@ -122,18 +121,15 @@ class _MessageFile:
 
     def tensors(self, slot: int, layout: Layout) -> list[torch.Tensor]:
         """The slot's tensors as ``layout`` places them, each a storage of its own over the mapped
-        pages (so the activation counter charges a received tensor its own bytes); made once."""
-        key = (slot, tuple(layout))
-        views = self._views.get(key)
-        if views is None:
-            views, offset = [], HEADER_BYTES + slot * self.payload_bytes
-            for shape, dtype in layout:
-                count = math.prod(shape)
-                flat = torch.frombuffer(self.map, dtype=dtype, count=count, offset=offset) if count else \
-                    torch.empty(0, dtype=dtype)
-                views.append(flat.view(shape))
-                offset += _padded(count * dtype.itemsize)
-            self._views[key] = views
+        pages (so the activation counter charges a received tensor its own bytes); a :class:`Link`
+        makes them once and keeps them."""
+        views, offset = [], HEADER_BYTES + slot * self.payload_bytes
+        for shape, dtype in layout:
+            count = math.prod(shape)
+            flat = torch.frombuffer(self.map, dtype=dtype, count=count, offset=offset) if count else \
+                torch.empty(0, dtype=dtype)
+            views.append(flat.view(shape))
+            offset += _padded(count * dtype.itemsize)
         return views
 
 
