@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 from sim.costs import MeasuredWorkload
 from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
-from calibrate.step_components import measured_end_span_s, predicted_end_span_s
+from calibrate.step_components import measured_action_gaps_s, measured_end_span_s, predicted_end_span_s
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
 from sim.schedule import recomputes
@@ -123,6 +123,7 @@ class Observations:
     actions: dict[tuple[int, str], tuple[list[float], list[float]]] = field(default_factory=dict)
     sends: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     optimizer: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
+    gaps: dict[int, list[float]] = field(default_factory=dict)  # per K: the executor's time between actions
 
     @staticmethod
     def _add(table: dict, key: Any, x: float, y: float) -> None:
@@ -133,7 +134,8 @@ class Observations:
 
 def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], obs: Observations,
             speed: float = 1.0) -> None:
-    """Add one run's spans to ``obs``: compute actions, sends and optimizer steps of measured steps.
+    """Add one run's spans to ``obs``: compute actions, sends, optimizer steps and the gaps between
+    actions (:func:`calibrate.step_components.action_gaps_s`) of measured steps.
 
     Durations are divided by ``speed`` (:func:`calibrate.speed.speed_factor` of the run), so every
     run enters the fits at the reference speed. A stage's optimizer step is the sum of its step's
@@ -166,6 +168,8 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
             first, end = bounds[stage]
             params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
             Observations._add(obs.optimizer, k_count, params, duration)
+    obs.gaps.setdefault(k_count, []).extend(gap / speed for gaps in measured_action_gaps_s(report).values()
+                                            for gap in gaps)
 
 
 def profiled_action_s(workload: MeasuredWorkload, checkpoint: str, action: dict[str, Any],
@@ -206,10 +210,18 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))
                               if k in obs.optimizer else AffineFit(0.0, 0.0)).to_dict()
         entry["step_overhead_s"] = 0.0
+        # the median: a gap in which the executor did a chore while its input was away (drawing the
+        # next batch, once a step) is no part of the time between two actions that follow each other
+        gaps = obs.gaps.get(k, [])
+        entry["action_gap_s"] = statistics.median(gaps) if gaps else 0.0
         pipeline[str(k)] = entry
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", entry["actions"][kind]) for kind in "FRB"]}
+        if gaps:
+            low, _, high = statistics.quantiles(gaps, n=4) if len(gaps) > 1 else (gaps[0], 0.0, gaps[0])
+            residuals[str(k)]["action gap"] = {"points": len(gaps), "median_s": entry["action_gap_s"],
+                                               "quartiles_s": [low, high]}
     return pipeline, residuals
 
 

@@ -1,9 +1,9 @@
 """Where a step's time goes, read the same way from a measured report and a simulated timeline.
 
-Busy seconds per stage (forward, recompute, backward and their split parts, the optimizer) and the
-end-of-step span: from the last compute action of the step on any stage to the end of the step's
-last span (the optimizer, all-reduces, sends finishing, and in a prediction the fitted per-step
-overhead). Validation compares both sides with these; calibration bounds its fitted overhead by
+Busy seconds per stage (forward, recompute, backward and their split parts, the optimizer), the
+executor's own time between two actions of a device, and the end-of-step span: from the last
+compute action of the step on any stage to the end of the step's last span (the optimizer,
+all-reduces, sends finishing, and in a prediction the fitted per-step overhead). Validation compares both sides with these; calibration bounds its fitted overhead by
 the measured span (:func:`calibrate.calibration.fit_step_overhead`).
 """
 
@@ -13,6 +13,7 @@ import statistics
 from typing import Any, Sequence
 
 from sim.schedule import COMPUTE_KINDS
+from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 
 
 def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
@@ -21,6 +22,51 @@ def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
     ends = [(r.kind, r.end_s) for r in records if r.step == step]
     compute = [end for kind, end in ends if kind in COMPUTE_KINDS]
     return max(end for _, end in ends) - max(compute) if compute else 0.0
+
+
+def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[int, int], list[float]]:
+    """The executor's own time before each action of a device but its first in the step: from the
+    end of the device's previous action (its send included) to the start of this one, less any wait
+    for a neighbour's tensor in between (the model's :attr:`sim.stage_costs.StageCost.action_gap_s`).
+
+    Per (stage, step) of ``steps``, replica 0's first tensor-parallel ranks, one value per action. A
+    gap in which the executor did its chores while a message was away (posting receives, drawing the
+    next batch) is longer than one where the input was there; :func:`calibrate.calibration.fit_pipeline`
+    takes the median, which a chore once a step does not move. Measured timelines only: a simulated
+    send's span is its time on the link, not the sender's."""
+    chosen = set(steps)
+    by_device: dict[tuple[int, int], list[Any]] = {}
+    for r in records:
+        if r.step in chosen and not r.replica and not r.tp:
+            by_device.setdefault((r.stage, r.step), []).append(r)
+    gaps: dict[tuple[int, int], list[float]] = {}
+    for key, spans in sorted(by_device.items()):
+        spans.sort(key=lambda r: r.start_s)
+        previous_end, waited = None, 0.0
+        for r in spans:
+            if r.kind in COMPUTE_KINDS:
+                if previous_end is not None:
+                    gaps.setdefault(key, []).append(max(0.0, r.start_s - previous_end - waited))
+                previous_end, waited = r.end_s, 0.0
+            elif previous_end is not None and r.kind == RECV_WAIT:
+                waited += r.end_s - r.start_s
+            elif previous_end is not None and r.kind in (SEND_ACTIVATION, SEND_GRADIENT):
+                previous_end = max(previous_end, r.end_s)
+    return gaps
+
+
+def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list[float]]:
+    """:func:`action_gaps_s` over a report's measured steps."""
+    from sim.timeline import Timeline
+
+    records = Timeline.from_dict(report["timeline"]).records
+    return action_gaps_s(records, report["measured_steps"] or sorted({r.step for r in records}))
+
+
+def measured_gaps_per_step_s(report: dict[str, Any], stage: int) -> float:
+    """The median over measured steps of the sum of ``stage``'s gaps between actions."""
+    sums = [sum(values) for (k, _step), values in measured_action_gaps_s(report).items() if k == stage]
+    return statistics.median(sums) if sums else 0.0
 
 
 def measured_end_span_s(report: dict[str, Any]) -> float:

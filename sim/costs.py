@@ -8,7 +8,7 @@ The file (JSON, ``version`` 1) holds what ``gpipe calibrate`` measured and fitte
 machine stamp, the model and its options, the precision it ran at (``precision``, fp32 when absent),
 the per-layer profile (times per row count and thread
 count, exact saved bytes), the fitted link, the per-K pipeline fits (action scale and overhead per
-kind, send, optimizer and step overhead), the fitted roofline efficiency and, where the machine ran
+kind, send, optimizer, the gap between two actions and step overhead), the fitted roofline efficiency and, where the machine ran
 two processes or more, the measured all-reduce (``allreduce``: backend, group sizes ``parties``,
 ``sizes_bytes``, ``measured_s[i][j]`` for ``parties[i]`` and ``sizes_bytes[j]``, and the ring model's
 ``latency_s`` and ``bandwidth_bytes_per_s``, which :func:`allreduce_link` turns into the link the
@@ -89,12 +89,15 @@ class PipelineFit:
     send: Affine  # seconds the sender spends in isend, from bytes
     optimizer: Affine  # seconds of the optimizer step, from a stage's parameter bytes
     step_overhead_s: float
+    # the executor's own time between two actions of a device (:attr:`sim.stage_costs.StageCost.action_gap_s`);
+    # costs files written before it was measured have none
+    action_gap_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
         return cls(int(data["threads"]), {k: Affine.from_dict(v) for k, v in data["actions"].items()},
                    Affine.from_dict(data["send"]), Affine.from_dict(data["optimizer"]),
-                   float(data["step_overhead_s"]))
+                   float(data["step_overhead_s"]), float(data.get("action_gap_s", 0.0)))
 
 
 IDENTITY = PipelineFit(1, {k: Affine(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
@@ -305,7 +308,7 @@ class MeasuredWorkload:
             stash_bytes=inp, output_bytes=out,
             static_bytes=params * (2 + self.optimizer_slots),
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
-            layer_inputs_bytes=held, layer_transient_bytes=transient,
+            action_gap_s=_positive(fit.action_gap_s, 0.0), layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=fit.actions["B"].slope * weight_grad,
             split_overhead_s=fit.actions["B"].slope * split_overhead,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=fit.actions["B"].slope * sum(s for _, s in cores))

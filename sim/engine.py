@@ -31,8 +31,8 @@ backward finishes last).
 
 Limits of the model: compute and communication overlap perfectly (sends are asynchronous, as with
 copy engines and non-blocking NCCL calls); a device runs one action at a time and never stalls for
-other reasons (no kernel-launch jitter, no thermal throttling, no interference from other
-processes); a transfer holds its channel for bytes / bandwidth and arrives a latency later, with no
+other reasons than a calibrated gap between two actions (:mod:`sim.replica_run`): no kernel-launch
+jitter, no thermal throttling, no interference from other processes; a transfer holds its channel for bytes / bandwidth and arrives a latency later, with no
 protocol or congestion effects. Replicas are simulated apart: their transfers never queue behind
 each other on a shared PCIe channel, and all-reduces are not contended by anything. ZeRO-1 is
 modelled in memory alone (each device keeps 1/D of its optimizer state): the step on 1/D of the

@@ -9,6 +9,11 @@ s % K, so a micro-batch goes round the K devices V times and the hop from device
 back up the devices (:func:`sim.schedule.device_of_virtual_stage`): the hand-off between the chunks
 stays on device K-1, in memory, and every other hop joins neighbouring devices.
 
+Before each of its actions but its first, a device spends the stage's ``action_gap_s``: the
+executor's own time between two actions (its loop, posting receives, unpacking a message), which
+calibration measures from the timeline's gaps and the analytic models leave at 0. It is neither
+busy time nor waiting: the timeline shows it as the space between two spans, as the executor's does.
+
 Finished activations and gradients travel over first-come-first-served link channels: a dedicated
 one per device pair and direction, or, for PCIe through the host, one per node and direction that
 every transfer on that node queues for (see :class:`Links`). Which link a hop crosses comes from the
@@ -140,17 +145,17 @@ class ReplicaRun:
                 while i < lengths[device]:
                     action = actions[i]
                     m, s, kind = action.microbatch, action.stage, action.kind
+                    cost = self.costs[self.rows[m]][s]
+                    free_s = t + cost.action_gap_s if i and cost.action_gap_s else t
                     if kind is Kind.FORWARD and s > 0:
                         ready_s = arrival_s[True][s][m]
                     elif receives_gradient(kind) and s < last:
                         ready_s = arrival_s[False][s][m]
                     else:
-                        ready_s = t
+                        ready_s = free_s
                     if ready_s is None:
                         break
-                    if ready_s > t:
-                        t = ready_s
-                    cost = self.costs[self.rows[m]][s]
+                    t = ready_s if ready_s > free_s else free_s
                     duration = self._action_s(cost, kind, s)
                     stash, saved, transient = held_sizes(cost, self.checkpoint)
                     if kind is Kind.BACKWARD and transient:
@@ -214,9 +219,11 @@ class ReplicaRun:
         last = self.virtual - 1
         if self.record:
             self.memory.append((device, 0.0, 0))
-        for action in actions:
+        for i, action in enumerate(actions):
             m, s, kind = action.microbatch, action.stage, action.kind
             cost = self.costs[self.rows[m]][s]
+            if i and cost.action_gap_s:
+                yield env.timeout(cost.action_gap_s)  # the executor's own time between two actions
             waiting_on = None
             if kind is Kind.FORWARD and s > 0:
                 waiting_on = self.activation_in[s][m]

@@ -35,6 +35,10 @@ class StageCost:
     static_bytes: int  # parameters + gradients + optimizer state
     optimizer_s: float  # once per step
     step_overhead_s: float = 0.0  # once per step, fitted by calibration: what spans do not explain
+    # before every action of a device but its first in the step: the executor's own time between two
+    # actions (the loop, posting receives, unpacking the message), neither busy nor waiting; measured
+    # by calibration from the timeline's gaps, 0 in the analytic models
+    action_gap_s: float = 0.0
     # --checkpoint full: every layer's input, held per micro-batch from forward to backward, and the most
     # one layer's recompute adds during the backward to what is still held (inputs of the layers not yet
     # done, the layer's own saved tensors); see per_layer_bytes

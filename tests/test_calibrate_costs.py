@@ -85,6 +85,21 @@ def test_stage_cost_adds_fitted_constants(costs_file):
     assert last.optimizer_s == pytest.approx(1e-8 * 3000 + 1e-5)
     assert last.step_overhead_s == pytest.approx(5e-4)  # kept apart, drawn as its own span
     assert cost.stash_bytes == 8 and last.stash_bytes == 32
+    assert cost.action_gap_s == 0.0  # a costs file written before the gap was measured has none
+
+
+def test_the_fitted_gap_between_actions_reaches_every_stage_on_the_measured_device_only(tmp_path):
+    data = synthetic_costs()
+    data["pipeline"]["2"]["action_gap_s"] = 7e-5
+    path = tmp_path / "costs.json"
+    write_costs(data, path)
+    w, system = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "always")
+    assert {w.stage_cost(r, a, b, LOCAL_CPU).action_gap_s for r, a, b in ((1, 0, 1), (3, 1, 3))} == {7e-5}
+    assert w.stage_cost(2, 0, 2, V100).action_gap_s == 0.0  # a what-if device: the executor's CPU time is not its
+    gapped = simulate(w, system, [1, 2], 8, 4, "always")
+    starts = sorted(r.start_s for r in gapped.timeline.records if r.stage == 0 and r.kind in "FRB")
+    ends = sorted(r.end_s for r in gapped.timeline.records if r.stage == 0 and r.kind in "FRB")
+    assert min(b - a for a, b in zip(ends, starts[1:])) >= 7e-5 - 1e-12
 
 
 def test_selective_prices_the_attention_core_the_profile_measured():

@@ -129,3 +129,17 @@ def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypat
         report["end_span_s"] = 0.050
     calibration.fit_step_overhead(data, specs, reports)
     assert data["pipeline"]["2"]["step_overhead_s"] == pytest.approx(0.020, rel=1e-6)
+
+
+def test_the_gap_between_actions_is_the_median_of_what_the_runs_measured():
+    """A chore done once a step while a message was away (a long gap) does not move the fitted gap."""
+    from calibrate.calibration import Observations, fit_pipeline
+
+    obs = Observations()
+    obs.actions[(2, "F")] = ([1e-3, 2e-3], [1.1e-3, 2.1e-3])
+    obs.gaps[2] = [50e-6, 60e-6, 70e-6, 600e-6, 55e-6]
+    pipeline, residuals = fit_pipeline(obs, {2: 1})
+    assert pipeline["2"]["action_gap_s"] == pytest.approx(60e-6)
+    assert residuals["2"]["action gap"]["points"] == 5
+    obs.gaps.clear()
+    assert fit_pipeline(obs, {2: 1})[0]["2"]["action_gap_s"] == 0.0

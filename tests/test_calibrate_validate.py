@@ -171,6 +171,25 @@ def test_components_bubble_and_end_of_step_span_from_literal_spans():
     assert end_of_step_span_s(records, 4) == 0.0
 
 
+def test_the_gap_between_actions_is_device_time_outside_every_span_less_the_waits():
+    """Before each action of a device but its first in the step: from the end of the previous action
+    or its send to the action's start, less the wait for its input; other replicas, tensor-parallel
+    ranks and steps not asked for are left out."""
+    from sim.timeline import Record
+
+    from calibrate.step_components import action_gaps_s
+
+    records = [Record(0, "F", 0, 0.0, 1.0, step=3), Record(0, "send_act", 0, 1.0, 1.25, step=3),
+               Record(0, "F", 1, 1.5, 2.5, step=3),  # 0.25 after the send
+               Record(0, "recv_wait", 1, 2.75, 4.0, step=3), Record(0, "B", 1, 4.5, 6.0, step=3),  # 0.25 + 0.5
+               Record(1, "F", 0, 1.0, 2.0, step=3), Record(1, "B", 0, 2.0, 3.0, step=3),  # none
+               Record(1, "F", 0, 5.0, 6.0, step=3, replica=1), Record(1, "B", 0, 9.0, 9.5, step=3, replica=1),
+               Record(1, "F", 0, 5.0, 6.0, step=3, tp=1), Record(1, "B", 0, 9.0, 9.5, step=3, tp=1),
+               Record(0, "F", 0, 10.0, 11.0, step=4), Record(0, "B", 0, 19.0, 20.0, step=4)]
+    assert action_gaps_s(records, [3]) == {(0, 3): pytest.approx([0.25, 0.75]), (1, 3): [0.0]}
+    assert action_gaps_s(records, [4]) == {(0, 4): [pytest.approx(8.0)]}
+
+
 def test_split_runs_fit_the_split_stages_in_pipeline_factor():
     """Per kind, the ratio of a split run's measured actions (less K's per-action overhead, at the
     reference speed) to the split profile's times; the whole-stage runs leave it alone."""

@@ -161,3 +161,47 @@ def test_the_walk_without_spans_equals_the_simpy_processes(hardware, nodes):
                         == [s.peak_memory_bytes for s in spanned.stages])
                 cases += 1
     assert cases == 55
+
+
+class GappedWorkload(UniformWorkload):
+    """Uniform layers whose stages carry the executor's time between two actions (as measured costs do)."""
+
+    def __init__(self, layers: int, gap_s: float) -> None:
+        super().__init__(layers)
+        self.gap_s = gap_s
+
+    def stage_cost(self, rows, first, end, device):
+        from dataclasses import replace
+
+        from sim.stage_costs import sum_stage
+
+        return replace(sum_stage(self.layer_costs(rows, device)[first:end]), action_gap_s=self.gap_s)
+
+
+def test_the_gap_between_two_actions_delays_each_but_the_first_and_is_not_busy():
+    """The gap stands before every action of a device but its first: with two stages of 1 ms
+    forwards and 2 ms backwards, stage 1 starts F0 at 1 ms (stage 0's first action has no gap), and
+    each later action starts a gap after the previous one ends or when its input arrives."""
+    gap = 0.25e-3
+    result = simulate(GappedWorkload(2, gap), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="never")
+    assert spans(result) == [
+        (0, "F0", 0, 1), (0, "F1", 1.25, 2.25), (0, "B1", 5.5, 7.5), (0, "B0", 7.75, 9.75),
+        (1, "F0", 1, 2), (1, "F1", 2.25, 3.25), (1, "B1", 3.5, 5.5), (1, "B0", 5.75, 7.75),
+    ]
+    assert result.step_time_s == pytest.approx(9.75e-3)
+    assert [s.busy_s for s in result.stages] == pytest.approx([6e-3, 6e-3])
+    gapless = simulate(GappedWorkload(2, 0.0), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="never")
+    assert result.bubble_fraction > gapless.bubble_fraction
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
+def test_the_walk_equals_the_simpy_processes_with_a_gap_between_actions(schedule, virtual):
+    for stages, microbatches in ((1, 3), (2, 4), (4, 8)):
+        if virtual > 1 and stages == 1:
+            continue
+        partition = [1] * (stages * virtual)
+        spanned, walked = (simulate(GappedWorkload(stages * virtual, 0.3e-3), IDEAL, partition, 8, microbatches,
+                                    "except_last", schedule, virtual_stages=virtual, record=record)
+                           for record in (True, False))
+        assert walked.step_time_s == spanned.step_time_s
+        assert [s.busy_s for s in walked.stages] == [s.busy_s for s in spanned.stages]
