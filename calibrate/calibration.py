@@ -282,6 +282,24 @@ def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: S
     return summary
 
 
+def design_entry(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]],
+                 speeds: Sequence[float]) -> dict[str, Any]:
+    """How the finished fit predicts one design run over its rounds: step and busy time per stage
+    (replica 0's, forward, recompute, backward and optimizer) at the reference speed, the raw step
+    beside them; a fit that reproduces its own runs' steps but not their busy time has put compute
+    into some other term."""
+    result = predict(data, spec)
+    stages = len(reports[0]["stages"])
+    busy = sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)
+    return {"run": spec.label(),
+            "measured_step_s": statistics.median(r["step_time_s"] / v for r, v in zip(reports, speeds)),
+            "raw_measured_step_s": statistics.median(r["step_time_s"] for r in reports),
+            "predicted_step_s": result.step_time_s,
+            "measured_busy_s": [statistics.median(r["stages"][k]["busy_s"] / v for r, v in zip(reports, speeds))
+                                for k in range(stages)],
+            "predicted_busy_s": [s.busy_s for s in busy]}
+
+
 def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
                         speeds: Sequence[float]) -> dict[str, Any]:
     """Per T, the in-pipeline factor on the split profile's times, fitted on the design's split
@@ -498,11 +516,8 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     if parts > 1:
         data["tensor_parallel_fit"] = fit_tensor_parallel(data, specs, reports, speeds)
     data["fit_residuals"] = residuals
-    data["design"] = [{"run": s.label(),
-                       "measured_step_s": statistics.median(r["step_time_s"] / v for r, v in
-                                                            zip(reports[i::len(design)], speeds[i::len(design)])),
-                       "raw_measured_step_s": statistics.median(r["step_time_s"] for r in reports[i::len(design)]),
-                       "predicted_step_s": predict(data, s).step_time_s} for i, s in enumerate(design)]
+    data["design"] = [design_entry(data, s, reports[i::len(design)], speeds[i::len(design)])
+                      for i, s in enumerate(design)]
     if device == "cpu":
         data["efficiency"] = fit_efficiency(model, options, data["profile"], LOCAL_CPU, precision)
     say("calibration done")

@@ -162,8 +162,12 @@ def summary_text(data: dict[str, Any]) -> str:
     for run in data.get("design", []):
         error = (run["predicted_step_s"] - run["measured_step_s"]) / run["measured_step_s"]
         worst = max(worst, abs(error))
+        busy = ""
+        if run.get("measured_busy_s"):  # costs files from before it was kept have none
+            busy = ", busy per stage " + "/".join(f"{(p - m) / m * 100:+.1f}%" for p, m in
+                                                  zip(run["predicted_busy_s"], run["measured_busy_s"]))
         lines.append(f"  fitted on {run['run']}: measured {run['measured_step_s'] * 1e3:.2f} ms, "
-                     f"predicted {run['predicted_step_s'] * 1e3:.2f} ms ({error * 100:+.1f}%)")
+                     f"predicted {run['predicted_step_s'] * 1e3:.2f} ms ({error * 100:+.1f}%{busy})")
     if worst > NOISY_DESIGN_RESIDUAL:
         lines.append(f"warning: the fit misses a design run by {worst * 100:.0f}%, more than "
                      f"{NOISY_DESIGN_RESIDUAL * 100:.0f}%: the machine was likely busy or drifting while it was "

@@ -126,6 +126,17 @@ class Comparison:
     measured_end_span_s: float = 0.0
     # per stage, the median over rounds of each round's busy seconds divided by its speed factor
     measured_busy_at_reference_s: list[float] = field(default_factory=list)
+    # per action kind (F, R, B, I, W), per stage: the seconds a step's actions of that kind take,
+    # predicted and measured (the median over rounds of each round's, at the reference speed)
+    predicted_kind_s: dict[str, list[float]] = field(default_factory=dict)
+    measured_kind_at_reference_s: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def kind_errors_at_reference(self) -> dict[str, list[float]]:
+        """Per kind and stage, the predicted time of a step's actions against the measured: which
+        kind of work a busy-time error comes from."""
+        return {kind: [(p - m) / m if m else 0.0 for p, m in zip(self.predicted_kind_s[kind], measured)]
+                for kind, measured in self.measured_kind_at_reference_s.items() if kind in self.predicted_kind_s}
 
     @property
     def busy_errors(self) -> list[float]:
@@ -201,7 +212,10 @@ class Comparison:
                 "busy_errors": self.busy_errors, "measured_busy_at_reference_s": self.measured_busy_at_reference_s,
                 "busy_errors_at_reference": self.busy_errors_at_reference, "predicted_bubble": self.predicted_bubble,
                 "measured_bubble": self.measured_bubble, "bubble_error_points": self.bubble_error_points,
-                "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s}
+                "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s,
+                "predicted_kind_s": self.predicted_kind_s,
+                "measured_kind_at_reference_s": self.measured_kind_at_reference_s,
+                "kind_errors_at_reference": self.kind_errors_at_reference}
 
 
 def bubble(busy_s: Sequence[float], step_s: float) -> float:
@@ -229,7 +243,33 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
                       [r["step_time_s"] for r in reports], speeds, spec.replicas,
                       processes_available is not None and spec.processes > processes_available,
-                      predicted_busy, busy, predicted_end_span_s(result), span, busy_at_reference)
+                      predicted_busy, busy, predicted_end_span_s(result), span, busy_at_reference,
+                      predicted_kind_s(result, len(busy)),
+                      measured_kind_s(reports, speeds, len(busy)))
+
+
+def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:
+    """Per compute kind the simulated step has, each stage's seconds of it (replica 0)."""
+    from sim.schedule import COMPUTE_KINDS
+
+    table: dict[str, list[float]] = {}
+    for r in result.timeline.records:
+        if r.kind in COMPUTE_KINDS and not r.replica:
+            table.setdefault(r.kind, [0.0] * stages)[r.stage] += r.duration_s
+    return table
+
+
+def measured_kind_s(reports: Sequence[dict[str, Any]], speeds: Sequence[float], stages: int) -> dict[str, list[float]]:
+    """Per compute kind, each stage's seconds of it in a step: the sum of the report's per-action
+    medians, at the reference speed, the median over rounds."""
+    rounds: dict[str, list[list[float]]] = {}
+    for report, speed in zip(reports, speeds):
+        table: dict[str, list[float]] = {}
+        for action in report["actions"]:
+            table.setdefault(action["kind"], [0.0] * stages)[action["stage"]] += action["duration_s"] / speed
+        for kind, values in table.items():
+            rounds.setdefault(kind, []).append(values)
+    return {kind: [statistics.median(v[k] for v in values) for k in range(stages)] for kind, values in rounds.items()}
 
 
 def replica_zero_peak_bytes(result: Any) -> list[int]:
@@ -248,6 +288,10 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
     busy = [abs(e) for c in comparisons for e in c.busy_errors]
     busy_at_reference = [abs(e) for c in comparisons for e in c.busy_errors_at_reference]
     bubbles = [abs(c.bubble_error_points) for c in comparisons]
+    kinds: dict[str, list[float]] = {}  # signed: a kind predicted low everywhere shows as such
+    for c in comparisons:
+        for kind, errors in c.kind_errors_at_reference.items():
+            kinds.setdefault(kind, []).extend(e for e in errors if e)
     return {"runs": len(comparisons), "oversubscribed_runs": len(all_comparisons) - len(comparisons),
             "median_busy_error": statistics.median(busy) if busy else 0.0, "worst_busy_error": max(busy, default=0.0),
             "median_busy_error_at_reference": statistics.median(busy_at_reference) if busy_at_reference else 0.0,
@@ -260,7 +304,8 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
             "worst_step_error_at_reference": max(at_reference, default=0.0),
             "median_round_spread": statistics.median(c.round_spread for c in comparisons) if comparisons else 0.0,
             "median_memory_error": statistics.median(memory) if memory else 0.0,
-            "worst_memory_error": max(memory, default=0.0)}
+            "worst_memory_error": max(memory, default=0.0),
+            "median_kind_error_at_reference": {kind: statistics.median(errors) for kind, errors in kinds.items()}}
 
 
 def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
@@ -346,6 +391,10 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{s.get('median_bubble_error_points', 0.0):.1f} points, worst "
                  f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "
                  "backward to the step's end, predicted/measured)")
+    if s.get("median_kind_error_at_reference"):
+        lines.append("by kind of action, at the reference speed, median signed error of a stage's step of them: "
+                     + ", ".join(f"{kind} {error * 100:+.1f}%"
+                                 for kind, error in sorted(s["median_kind_error_at_reference"].items())))
     if s.get("oversubscribed_runs"):
         lines.append(f"{OVERSUBSCRIBED_MARK} oversubscribed: more processes (D x K) than this machine has "
                      f"cores (GPUs); measured for correctness, {s['oversubscribed_runs']} run(s) left out of "

@@ -301,8 +301,9 @@ class MeasuredWorkload:
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
         return StageCost(
-            forward_s=fit.actions["F"](forward) + (fit.send(out) if end < self.num_layers else 0.0),
-            backward_s=fit.actions["B"](backward) + (fit.send(inp) if first > 0 else 0.0),
+            forward_s=fit.actions["F"](forward), backward_s=fit.actions["B"](backward),
+            activation_send_s=fit.send(out) if end < self.num_layers else 0.0,
+            gradient_send_s=fit.send(inp) if first > 0 else 0.0,
             recompute_s=fit.actions["R"](recompute),
             saved_bytes=self.stage_saved_bytes(rows, first, end),
             stash_bytes=inp, output_bytes=out,

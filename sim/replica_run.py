@@ -13,6 +13,9 @@ Before each of its actions but its first, a device spends the stage's ``action_g
 executor's own time between two actions (its loop, posting receives, unpacking a message), which
 calibration measures from the timeline's gaps and the analytic models leave at 0. It is neither
 busy time nor waiting: the timeline shows it as the space between two spans, as the executor's does.
+So is the sender's own time in a send to another device (``activation_send_s`` after a forward,
+``gradient_send_s`` after a backward or I: the copy into the message on the CPU, 0 in the analytic
+models, whose sends are asynchronous), after which the message leaves on the link.
 
 Finished activations and gradients travel over first-come-first-served link channels: a dedicated
 one per device pair and direction, or, for PCIe through the host, one per node and direction that
@@ -166,6 +169,8 @@ class ReplicaRun:
                     if kind is Kind.FORWARD:
                         self._hold(device, stash if recomputes(self.checkpoint, m, m_count) else saved)
                         if s < last:
+                            if cost.activation_send_s and self.position[s + 1] != device:
+                                t += cost.activation_send_s
                             arrival_s[True][s + 1][m] = self._arrival_s(device, s + 1, t, cost.output_bytes)
                     elif kind is Kind.RECOMPUTE:
                         self._hold(device, saved - stash)
@@ -173,6 +178,8 @@ class ReplicaRun:
                         if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
                             self._hold(device, -saved - transient)
                         if kind is not Kind.WEIGHT and s > 0:
+                            if cost.gradient_send_s and self.position[s - 1] != device:
+                                t += cost.gradient_send_s
                             arrival_s[False][s - 1][m] = self._arrival_s(device, s - 1, t, cost.stash_bytes)
                     i += 1
                 advanced += i - position[device]
@@ -248,6 +255,8 @@ class ReplicaRun:
                 stashed = recomputes(self.checkpoint, m, microbatches)
                 self._hold(device, stash if stashed else saved)
                 if s < last:
+                    if cost.activation_send_s and self.position[s + 1] != device:
+                        yield env.timeout(cost.activation_send_s)  # the sender's own time
                     self._send(device, s + 1, m, cost.output_bytes, forward=True)
             elif kind is Kind.RECOMPUTE:
                 self._hold(device, saved - stash)
@@ -255,6 +264,8 @@ class ReplicaRun:
                 if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
                     self._hold(device, -saved - transient)
                 if kind is not Kind.WEIGHT and s > 0:
+                    if cost.gradient_send_s and self.position[s - 1] != device:
+                        yield env.timeout(cost.gradient_send_s)
                     self._send(device, s - 1, m, cost.stash_bytes, forward=False)
         self.last_backward_s[device] = env.now
 

@@ -39,6 +39,11 @@ class StageCost:
     # actions (the loop, posting receives, unpacking the message), neither busy nor waiting; measured
     # by calibration from the timeline's gaps, 0 in the analytic models
     action_gap_s: float = 0.0
+    # the sender's own time in a send to another device, after a forward (its output) and after a
+    # backward or I (its input's gradient): device time, not busy; measured by calibration, 0 in the
+    # analytic models, whose sends are asynchronous
+    activation_send_s: float = 0.0
+    gradient_send_s: float = 0.0
     # --checkpoint full: every layer's input, held per micro-batch from forward to backward, and the most
     # one layer's recompute adds during the backward to what is still held (inputs of the layers not yet
     # done, the layer's own saved tensors); see per_layer_bytes

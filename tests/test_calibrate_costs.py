@@ -78,10 +78,14 @@ def test_stage_cost_adds_fitted_constants(costs_file):
     w, _ = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "always")
     cost = w.stage_cost(2, 0, 2, LOCAL_CPU)
     forward = sum(1e-4 + 1e-3 * (i + 1) * 2 for i in range(2))
-    assert cost.forward_s == pytest.approx(1.5 * forward + 1e-4 + (2e-5 + 1e-9 * 32))
+    assert cost.forward_s == pytest.approx(1.5 * forward + 1e-4)
+    # the send is the sender's time after the action, not the action's: busy time leaves it out as
+    # the executor's report does
+    assert cost.activation_send_s == pytest.approx(2e-5 + 1e-9 * 32) and cost.gradient_send_s == 0.0
     last = w.stage_cost(2, 2, 3, LOCAL_CPU)
     backward = 2e-4 + 2e-3 * 3 * 2
-    assert last.backward_s == pytest.approx(1.5 * backward + 1e-4 + (2e-5 + 1e-9 * 32))
+    assert last.backward_s == pytest.approx(1.5 * backward + 1e-4)
+    assert last.gradient_send_s == pytest.approx(2e-5 + 1e-9 * 32) and last.activation_send_s == 0.0
     assert last.optimizer_s == pytest.approx(1e-8 * 3000 + 1e-5)
     assert last.step_overhead_s == pytest.approx(5e-4)  # kept apart, drawn as its own span
     assert cost.stash_bytes == 8 and last.stash_bytes == 32
@@ -329,6 +333,17 @@ def test_calibration_summary_warns_when_the_fit_misses_a_design_run_by_much():
     assert "warning" not in summary_text(_design([0.02, -0.05]))
     noisy = summary_text(_design([0.02, -0.26]))
     assert "warning: the fit misses a design run by 26%" in noisy and "--force" in noisy
+
+
+def test_calibration_summary_gives_each_design_runs_busy_error_and_the_gap_between_actions():
+    from calibrate.cli import summary_text
+
+    data = _design([0.0])
+    data["design"][0].update(measured_busy_s=[0.05, 0.04], predicted_busy_s=[0.045, 0.042])
+    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "action_gap_s": 8.4e-5}}
+    text = summary_text(data)
+    assert "busy per stage -10.0%/+5.0%" in text and "between actions 84 us" in text
+    assert "busy" not in summary_text(_design([0.0]))  # a costs file from before it was kept
 
 
 def test_calibration_summary_publishes_the_allreduce_fit_and_its_points():

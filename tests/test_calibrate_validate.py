@@ -225,3 +225,32 @@ def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
                             predicted_busy_s=[0.10], measured_busy_s=[0.12], measured_busy_at_reference_s=[0.10])
     assert comparison.busy_errors == [pytest.approx(-1 / 6)]
     assert comparison.busy_errors_at_reference == [pytest.approx(0.0)]
+
+
+def test_each_kind_of_action_is_compared_at_the_reference_speed():
+    """Per kind and stage, a step's predicted actions against the sum of the report's per-action
+    medians, each round divided by its speed, the median over rounds; the table's summary gives the
+    median signed error per kind."""
+    from types import SimpleNamespace
+
+    from sim.timeline import Record
+
+    from calibrate.validate import format_table, measured_kind_s, predicted_kind_s, summarize
+
+    def report(f0, b1):
+        return {"actions": [{"stage": 0, "kind": "F", "microbatch": m, "rows": 2, "duration_s": f0} for m in (0, 1)]
+                + [{"stage": 1, "kind": "B", "microbatch": 0, "rows": 2, "duration_s": b1}]}
+
+    measured = measured_kind_s([report(0.011, 0.022), report(0.013, 0.026)], [1.1, 1.3], 2)
+    assert measured == {"F": [pytest.approx(0.02), 0.0], "B": [0.0, pytest.approx(0.02)]}
+    timeline = SimpleNamespace(records=[Record(0, "F", 0, 0.0, 0.009), Record(0, "F", 1, 0.01, 0.019),
+                                        Record(1, "B", 0, 0.02, 0.045), Record(1, "B", 0, 0.02, 0.045, replica=1),
+                                        Record(0, "send_act", 0, 0.009, 0.01)])
+    predicted = predicted_kind_s(SimpleNamespace(timeline=timeline), 2)
+    assert predicted == {"F": [pytest.approx(0.018), 0.0], "B": [0.0, pytest.approx(0.025)]}
+    run = _comparison("K=2 M=2 [2,2] never gpipe", 1.0, 1.0)
+    run.predicted_kind_s, run.measured_kind_at_reference_s = predicted, measured
+    assert run.kind_errors_at_reference == {"F": [pytest.approx(-0.1), 0.0], "B": [0.0, pytest.approx(0.25)]}
+    summary = summarize([run])
+    assert summary["median_kind_error_at_reference"] == {"F": pytest.approx(-0.1), "B": pytest.approx(0.25)}
+    assert "B +25.0%, F -10.0%" in format_table({"runs": [run.to_dict()], "summary": summary})

@@ -166,16 +166,18 @@ def test_the_walk_without_spans_equals_the_simpy_processes(hardware, nodes):
 class GappedWorkload(UniformWorkload):
     """Uniform layers whose stages carry the executor's time between two actions (as measured costs do)."""
 
-    def __init__(self, layers: int, gap_s: float) -> None:
+    def __init__(self, layers: int, gap_s: float, send_s: float = 0.0) -> None:
         super().__init__(layers)
-        self.gap_s = gap_s
+        self.gap_s, self.send_s = gap_s, send_s
 
     def stage_cost(self, rows, first, end, device):
         from dataclasses import replace
 
         from sim.stage_costs import sum_stage
 
-        return replace(sum_stage(self.layer_costs(rows, device)[first:end]), action_gap_s=self.gap_s)
+        return replace(sum_stage(self.layer_costs(rows, device)[first:end]), action_gap_s=self.gap_s,
+                       activation_send_s=self.send_s if end < self.num_layers else 0.0,
+                       gradient_send_s=self.send_s if first > 0 else 0.0)
 
 
 def test_the_gap_between_two_actions_delays_each_but_the_first_and_is_not_busy():
@@ -194,13 +196,28 @@ def test_the_gap_between_two_actions_delays_each_but_the_first_and_is_not_busy()
     assert result.bubble_fraction > gapless.bubble_fraction
 
 
+def test_the_senders_time_delays_the_message_and_its_next_action_and_is_not_busy():
+    """A send's own time on the sender (a copy on the CPU) follows the action that made the message;
+    the message leaves after it. The V schedule's hand-off between the chunks of one device is no send."""
+    result = simulate(GappedWorkload(2, 0.0, 0.5e-3), IDEAL, [1, 1], batch_size=2, microbatches=2,
+                      checkpoint="never")
+    assert spans(result) == [
+        (0, "F0", 0, 1), (0, "F1", 1.5, 2.5), (0, "B1", 6.5, 8.5), (0, "B0", 9, 11),
+        (1, "F0", 1.5, 2.5), (1, "F1", 3, 4), (1, "B1", 4, 6), (1, "B0", 6.5, 8.5),
+    ]
+    assert [s.busy_s for s in result.stages] == pytest.approx([6e-3, 6e-3])
+    v = simulate(GappedWorkload(2, 0.0, 0.5e-3), IDEAL, [1, 1], batch_size=1, microbatches=1, checkpoint="never",
+                 schedule="zbv", virtual_stages=2)
+    assert v.step_time_s == pytest.approx(v.stages[0].busy_s)  # one device, chunks hand over in memory
+
+
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
 def test_the_walk_equals_the_simpy_processes_with_a_gap_between_actions(schedule, virtual):
     for stages, microbatches in ((1, 3), (2, 4), (4, 8)):
         if virtual > 1 and stages == 1:
             continue
         partition = [1] * (stages * virtual)
-        spanned, walked = (simulate(GappedWorkload(stages * virtual, 0.3e-3), IDEAL, partition, 8, microbatches,
+        spanned, walked = (simulate(GappedWorkload(stages * virtual, 0.3e-3, 0.2e-3), IDEAL, partition, 8, microbatches,
                                     "except_last", schedule, virtual_stages=virtual, record=record)
                            for record in (True, False))
         assert walked.step_time_s == spanned.step_time_s
