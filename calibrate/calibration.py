@@ -31,7 +31,7 @@ from calibrate.speed import model_probe_description, reference_s, run_probes, sp
 from calibrate.step_components import measured_action_gaps_s, measured_end_span_s, predicted_end_span_s
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
-from sim.schedule import recomputes
+from sim.schedule import COMPUTE_KINDS, recomputes
 from sim.progress import phase
 from sim.stage_costs import stage_bounds
 
@@ -123,7 +123,8 @@ class Observations:
     actions: dict[tuple[int, str], tuple[list[float], list[float]]] = field(default_factory=dict)
     sends: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     optimizer: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
-    gaps: dict[int, list[float]] = field(default_factory=dict)  # per K: the executor's time between actions
+    # per K and kind of action: the executor's own time after one, before the device's next
+    gaps: dict[int, dict[str, list[float]]] = field(default_factory=dict)
 
     @staticmethod
     def _add(table: dict, key: Any, x: float, y: float) -> None:
@@ -168,8 +169,9 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
             first, end = bounds[stage]
             params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
             Observations._add(obs.optimizer, k_count, params, duration)
-    obs.gaps.setdefault(k_count, []).extend(gap / speed for gaps in measured_action_gaps_s(report).values()
-                                            for gap in gaps)
+    for gaps in measured_action_gaps_s(report).values():
+        for kind, gap in gaps:
+            obs.gaps.setdefault(k_count, {}).setdefault(kind, []).append(gap / speed)
 
 
 def profiled_action_s(workload: MeasuredWorkload, checkpoint: str, action: dict[str, Any],
@@ -210,18 +212,21 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))
                               if k in obs.optimizer else AffineFit(0.0, 0.0)).to_dict()
         entry["step_overhead_s"] = 0.0
-        # the median: a gap in which the executor did a chore while its input was away (drawing the
-        # next batch, once a step) is no part of the time between two actions that follow each other
-        gaps = obs.gaps.get(k, [])
-        entry["action_gap_s"] = statistics.median(gaps) if gaps else 0.0
+        # per kind of the action before, the median: a gap in which the executor did a chore while its
+        # input was away (drawing the next batch, once a step) is no part of the time between two
+        # actions that follow each other; a kind no design run had after it takes the median of all
+        gaps = obs.gaps.get(k, {})
+        pooled = [gap for values in gaps.values() for gap in values]
+        entry["gap_after_s"] = ({kind: statistics.median(gaps.get(kind) or pooled) for kind in COMPUTE_KINDS}
+                                if pooled else {})
         pipeline[str(k)] = entry
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", entry["actions"][kind]) for kind in "FRB"]}
-        if gaps:
-            low, _, high = statistics.quantiles(gaps, n=4) if len(gaps) > 1 else (gaps[0], 0.0, gaps[0])
-            residuals[str(k)]["action gap"] = {"points": len(gaps), "median_s": entry["action_gap_s"],
-                                               "quartiles_s": [low, high]}
+        for kind, values in sorted(gaps.items()):
+            low, _, high = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+            residuals[str(k)][f"gap after {kind}"] = {"points": len(values), "median_s": entry["gap_after_s"][kind],
+                                                      "quartiles_s": [low, high]}
     return pipeline, residuals
 
 

@@ -149,8 +149,10 @@ def summary_text(data: dict[str, Any]) -> str:
     for k, fit in sorted(data.get("pipeline", {}).items()):
         acts = ", ".join(f"{kind} x{a['slope']:.3f}{a['intercept'] * 1e6:+.0f}us"
                          for kind, a in fit["actions"].items())
-        lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; between actions "
-                     f"{fit.get('action_gap_s', 0.0) * 1e6:.0f} us; step overhead {fit['step_overhead_s'] * 1e3:.2f} ms")
+        gaps = "/".join(f"{kind} {gap * 1e6:.0f}" for kind, gap in fit.get("gap_after_s", {}).items())
+        lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; "
+                     + (f"between actions, after {gaps} us; " if gaps else "")
+                     + f"step overhead {fit['step_overhead_s'] * 1e3:.2f} ms")
     for parts, factors in sorted(data.get("tensor_parallel_fit", {}).items()):
         lines.append(f"T={parts} (layers profiled split over {parts} ranks): in-pipeline factor "
                      + ", ".join(f"{kind} x{value:.3f}" for kind, value in factors.items()))

@@ -202,15 +202,16 @@ def end_of_step_spans_s(predicted: Any, report: dict[str, Any]) -> tuple[float, 
     return end_of_step_span_s(predicted.records, 0), measured_end_span_s(report)
 
 
-def gaps_per_step_s(predicted: Any, report: dict[str, Any], gap_s: float) -> tuple[float, float]:
-    """(predicted, measured) time stage 0 spends between its actions in a step: the fitted ``gap_s``
-    before each of its actions but the first, and the median over measured steps of what its
-    timeline shows."""
+def gaps_per_step_s(predicted: Any, report: dict[str, Any], gap_after_s: dict[str, float]) -> tuple[float, float]:
+    """(predicted, measured) time stage 0 spends between its actions in a step: the fitted gap after
+    each of its actions but the last (``gap_after_s`` per kind), and the median over measured steps
+    of what its timeline shows."""
     from calibrate.step_components import measured_gaps_per_step_s
     from sim.schedule import COMPUTE_KINDS
 
-    actions = [r for r in predicted.timeline.records if r.stage == 0 and not r.replica and r.kind in COMPUTE_KINDS]
-    return gap_s * max(0, len(actions) - 1), measured_gaps_per_step_s(report, 0)
+    actions = sorted((r for r in predicted.timeline.records
+                      if r.stage == 0 and not r.replica and r.kind in COMPUTE_KINDS), key=lambda r: r.start_s)
+    return sum(gap_after_s.get(r.kind, 0.0) for r in actions[:-1]), measured_gaps_per_step_s(report, 0)
 
 
 def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any],
@@ -242,7 +243,7 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
     rows.append(("end-of-step span (last compute to step end)", f"{predicted_end * 1e3:.2f} ms",
                  f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))
     fit = data.get("pipeline", {}).get(str(plan.stages), {})
-    predicted_gaps, measured_gaps = gaps_per_step_s(predicted, report, float(fit.get("action_gap_s", 0.0)))
+    predicted_gaps, measured_gaps = gaps_per_step_s(predicted, report, fit.get("gap_after_s", {}))
     rows.append(("stage 0 between actions (the executor's own time, neither busy nor waiting)",
                  f"{predicted_gaps * 1e3:.2f} ms", f"{measured_gaps * 1e3:.2f} ms", _rel(predicted_gaps, measured_gaps)))
     overhead = sum(r.duration_s for r in predicted.timeline.records if r.kind == STEP_OVERHEAD and r.stage == 0)

@@ -24,13 +24,13 @@ def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
     return max(end for _, end in ends) - max(compute) if compute else 0.0
 
 
-def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[int, int], list[float]]:
-    """The executor's own time before each action of a device but its first in the step: from the
-    end of the device's previous action (its send included) to the start of this one, less any wait
-    for a neighbour's tensor in between (the model's :attr:`sim.stage_costs.StageCost.action_gap_s`).
+def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[int, int], list[tuple[str, float]]]:
+    """The executor's own time between two actions of a device: from the end of one (its send
+    included) to the start of the next, less any wait for a neighbour's tensor in between (the
+    model's :attr:`sim.stage_costs.StageCost.gap_after_s`).
 
-    Per (stage, step) of ``steps``, replica 0's first tensor-parallel ranks, one value per action. A
-    gap in which the executor did its chores while a message was away (posting receives, drawing the
+    Per (stage, step) of ``steps``, replica 0's first tensor-parallel ranks, one (kind of the action
+    the gap follows, seconds) per action but the step's first. A gap in which the executor did its chores while a message was away (posting receives, drawing the
     next batch) is longer than one where the input was there; :func:`calibrate.calibration.fit_pipeline`
     takes the median, which a chore once a step does not move. Measured timelines only: a simulated
     send's span is its time on the link, not the sender's."""
@@ -39,15 +39,15 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
     for r in records:
         if r.step in chosen and not r.replica and not r.tp:
             by_device.setdefault((r.stage, r.step), []).append(r)
-    gaps: dict[tuple[int, int], list[float]] = {}
+    gaps: dict[tuple[int, int], list[tuple[str, float]]] = {}
     for key, spans in sorted(by_device.items()):
         spans.sort(key=lambda r: r.start_s)
-        previous_end, waited = None, 0.0
+        previous_end, previous_kind, waited = None, "", 0.0
         for r in spans:
             if r.kind in COMPUTE_KINDS:
                 if previous_end is not None:
-                    gaps.setdefault(key, []).append(max(0.0, r.start_s - previous_end - waited))
-                previous_end, waited = r.end_s, 0.0
+                    gaps.setdefault(key, []).append((previous_kind, max(0.0, r.start_s - previous_end - waited)))
+                previous_end, previous_kind, waited = r.end_s, r.kind, 0.0
             elif previous_end is not None and r.kind == RECV_WAIT:
                 waited += r.end_s - r.start_s
             elif previous_end is not None and r.kind in (SEND_ACTIVATION, SEND_GRADIENT):
@@ -55,7 +55,7 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
     return gaps
 
 
-def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list[float]]:
+def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list[tuple[str, float]]]:
     """:func:`action_gaps_s` over a report's measured steps."""
     from sim.timeline import Timeline
 
@@ -65,7 +65,8 @@ def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list
 
 def measured_gaps_per_step_s(report: dict[str, Any], stage: int) -> float:
     """The median over measured steps of the sum of ``stage``'s gaps between actions."""
-    sums = [sum(values) for (k, _step), values in measured_action_gaps_s(report).items() if k == stage]
+    sums = [sum(gap for _kind, gap in values) for (k, _step), values in measured_action_gaps_s(report).items()
+            if k == stage]
     return statistics.median(sums) if sums else 0.0
 
 

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 from sim.errors import GpipeInputError
 from sim.hardware import LOCAL_CPU, Device, Link, System
 from sim.precision import DEFAULT_PRECISION, FP32_BYTES
+from sim.schedule import COMPUTE_KINDS
 from sim.stage_costs import StageCost, layer_weight_grad_s, per_layer_bytes
 from sim.timeline import read_json
 from sim.workload import LayerCost, SharedParameter
@@ -89,15 +90,16 @@ class PipelineFit:
     send: Affine  # seconds the sender spends in isend, from bytes
     optimizer: Affine  # seconds of the optimizer step, from a stage's parameter bytes
     step_overhead_s: float
-    # the executor's own time between two actions of a device (:attr:`sim.stage_costs.StageCost.action_gap_s`);
-    # costs files written before it was measured have none
-    action_gap_s: float = 0.0
+    # per kind of action, the executor's own time after it before the device's next action
+    # (:attr:`sim.stage_costs.StageCost.gap_after_s`); costs files written before it was measured have none
+    gap_after_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
         return cls(int(data["threads"]), {k: Affine.from_dict(v) for k, v in data["actions"].items()},
                    Affine.from_dict(data["send"]), Affine.from_dict(data["optimizer"]),
-                   float(data["step_overhead_s"]), float(data.get("action_gap_s", 0.0)))
+                   float(data["step_overhead_s"]),
+                   {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()})
 
 
 IDENTITY = PipelineFit(1, {k: Affine(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
@@ -309,7 +311,8 @@ class MeasuredWorkload:
             stash_bytes=inp, output_bytes=out,
             static_bytes=params * (2 + self.optimizer_slots),
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
-            action_gap_s=_positive(fit.action_gap_s, 0.0), layer_inputs_bytes=held, layer_transient_bytes=transient,
+            gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
+            if fit.gap_after_s else (), layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=fit.actions["B"].slope * weight_grad,
             split_overhead_s=fit.actions["B"].slope * split_overhead,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=fit.actions["B"].slope * sum(s for _, s in cores))

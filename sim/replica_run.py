@@ -9,10 +9,11 @@ s % K, so a micro-batch goes round the K devices V times and the hop from device
 back up the devices (:func:`sim.schedule.device_of_virtual_stage`): the hand-off between the chunks
 stays on device K-1, in memory, and every other hop joins neighbouring devices.
 
-Before each of its actions but its first, a device spends the stage's ``action_gap_s``: the
-executor's own time between two actions (its loop, posting receives, unpacking a message), which
-calibration measures from the timeline's gaps and the analytic models leave at 0. It is neither
-busy time nor waiting: the timeline shows it as the space between two spans, as the executor's does.
+Between two of its actions a device spends the stage's ``gap_after_s`` for the kind of the first:
+the executor's own time (its loop, freeing a backward's graph, posting receives, unpacking the next
+message), which calibration measures from the timeline's gaps and the analytic models leave out. It
+is neither busy time nor waiting: the timeline shows it as the space between two spans, as the
+executor's does.
 So is the sender's own time in a send to another device (``activation_send_s`` after a forward,
 ``gradient_send_s`` after a backward or I: the copy into the message on the CPU, 0 in the analytic
 models, whose sends are asynchronous), after which the message leaves on the link.
@@ -43,6 +44,8 @@ from sim.hardware import Link, System
 from sim.schedule import Action, Kind, device_of_virtual_stage, receives_gradient, recomputes
 from sim.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
 from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+
+GAP_INDEX = {kind: i for i, kind in enumerate(Kind)}  # StageCost.gap_after_s is in this order
 
 
 class Links:
@@ -149,7 +152,7 @@ class ReplicaRun:
                     action = actions[i]
                     m, s, kind = action.microbatch, action.stage, action.kind
                     cost = self.costs[self.rows[m]][s]
-                    free_s = t + cost.action_gap_s if i and cost.action_gap_s else t
+                    free_s = t + cost.gap_after_s[GAP_INDEX[actions[i - 1].kind]] if i and cost.gap_after_s else t
                     if kind is Kind.FORWARD and s > 0:
                         ready_s = arrival_s[True][s][m]
                     elif receives_gradient(kind) and s < last:
@@ -229,8 +232,8 @@ class ReplicaRun:
         for i, action in enumerate(actions):
             m, s, kind = action.microbatch, action.stage, action.kind
             cost = self.costs[self.rows[m]][s]
-            if i and cost.action_gap_s:
-                yield env.timeout(cost.action_gap_s)  # the executor's own time between two actions
+            if i and cost.gap_after_s:  # the executor's own time between two actions
+                yield env.timeout(cost.gap_after_s[GAP_INDEX[actions[i - 1].kind]])
             waiting_on = None
             if kind is Kind.FORWARD and s > 0:
                 waiting_on = self.activation_in[s][m]

@@ -35,10 +35,11 @@ class StageCost:
     static_bytes: int  # parameters + gradients + optimizer state
     optimizer_s: float  # once per step
     step_overhead_s: float = 0.0  # once per step, fitted by calibration: what spans do not explain
-    # before every action of a device but its first in the step: the executor's own time between two
-    # actions (the loop, posting receives, unpacking the message), neither busy nor waiting; measured
-    # by calibration from the timeline's gaps, 0 in the analytic models
-    action_gap_s: float = 0.0
+    # the executor's own time after an action of each kind, in COMPUTE_KINDS order (F, R, B, I, W),
+    # before the device's next action (its loop, freeing a backward's graph, posting receives,
+    # unpacking the next message): neither busy nor waiting; measured by calibration from the
+    # timeline's gaps, none (empty) in the analytic models
+    gap_after_s: tuple[float, ...] = ()
     # the sender's own time in a send to another device, after a forward (its output) and after a
     # backward or I (its input's gradient): device time, not busy; measured by calibration, 0 in the
     # analytic models, whose sends are asynchronous

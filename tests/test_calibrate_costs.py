@@ -89,17 +89,18 @@ def test_stage_cost_adds_fitted_constants(costs_file):
     assert last.optimizer_s == pytest.approx(1e-8 * 3000 + 1e-5)
     assert last.step_overhead_s == pytest.approx(5e-4)  # kept apart, drawn as its own span
     assert cost.stash_bytes == 8 and last.stash_bytes == 32
-    assert cost.action_gap_s == 0.0  # a costs file written before the gap was measured has none
+    assert cost.gap_after_s == ()  # a costs file written before the gaps were measured has none
 
 
 def test_the_fitted_gap_between_actions_reaches_every_stage_on_the_measured_device_only(tmp_path):
     data = synthetic_costs()
-    data["pipeline"]["2"]["action_gap_s"] = 7e-5
+    data["pipeline"]["2"]["gap_after_s"] = {"F": 7e-5, "R": 7e-5, "B": 9e-5, "I": 7e-5, "W": 7e-5}
     path = tmp_path / "costs.json"
     write_costs(data, path)
     w, system = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "always")
-    assert {w.stage_cost(r, a, b, LOCAL_CPU).action_gap_s for r, a, b in ((1, 0, 1), (3, 1, 3))} == {7e-5}
-    assert w.stage_cost(2, 0, 2, V100).action_gap_s == 0.0  # a what-if device: the executor's CPU time is not its
+    assert {w.stage_cost(r, a, b, LOCAL_CPU).gap_after_s for r, a, b in ((1, 0, 1), (3, 1, 3))} == {
+        (7e-5, 7e-5, 9e-5, 7e-5, 7e-5)}
+    assert w.stage_cost(2, 0, 2, V100).gap_after_s == ()  # a what-if device: the executor's CPU time is not its
     gapped = simulate(w, system, [1, 2], 8, 4, "always")
     starts = sorted(r.start_s for r in gapped.timeline.records if r.stage == 0 and r.kind in "FRB")
     ends = sorted(r.end_s for r in gapped.timeline.records if r.stage == 0 and r.kind in "FRB")
@@ -340,9 +341,9 @@ def test_calibration_summary_gives_each_design_runs_busy_error_and_the_gap_betwe
 
     data = _design([0.0])
     data["design"][0].update(measured_busy_s=[0.05, 0.04], predicted_busy_s=[0.045, 0.042])
-    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "action_gap_s": 8.4e-5}}
+    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "gap_after_s": {"F": 8.4e-5, "B": 1.4e-4}}}
     text = summary_text(data)
-    assert "busy per stage -10.0%/+5.0%" in text and "between actions 84 us" in text
+    assert "busy per stage -10.0%/+5.0%" in text and "between actions, after F 84/B 140 us" in text
     assert "busy" not in summary_text(_design([0.0]))  # a costs file from before it was kept
 
 

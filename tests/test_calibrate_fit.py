@@ -131,15 +131,18 @@ def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypat
     assert data["pipeline"]["2"]["step_overhead_s"] == pytest.approx(0.020, rel=1e-6)
 
 
-def test_the_gap_between_actions_is_the_median_of_what_the_runs_measured():
-    """A chore done once a step while a message was away (a long gap) does not move the fitted gap."""
+def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measured():
+    """A chore done once a step while a message was away (a long gap) does not move the fitted gap;
+    a kind no design run had takes the median of all gaps."""
     from calibrate.calibration import Observations, fit_pipeline
 
     obs = Observations()
     obs.actions[(2, "F")] = ([1e-3, 2e-3], [1.1e-3, 2.1e-3])
-    obs.gaps[2] = [50e-6, 60e-6, 70e-6, 600e-6, 55e-6]
+    obs.gaps[2] = {"F": [50e-6, 60e-6, 70e-6, 600e-6, 55e-6], "B": [150e-6, 140e-6, 160e-6]}
     pipeline, residuals = fit_pipeline(obs, {2: 1})
-    assert pipeline["2"]["action_gap_s"] == pytest.approx(60e-6)
-    assert residuals["2"]["action gap"]["points"] == 5
+    gaps = pipeline["2"]["gap_after_s"]
+    assert gaps["F"] == pytest.approx(60e-6) and gaps["B"] == pytest.approx(150e-6)
+    assert gaps["R"] == gaps["I"] == gaps["W"] == pytest.approx(105e-6)  # of all eight: (70 + 140) / 2
+    assert residuals["2"]["gap after F"]["points"] == 5 and "gap after R" not in residuals["2"]
     obs.gaps.clear()
-    assert fit_pipeline(obs, {2: 1})[0]["2"]["action_gap_s"] == 0.0
+    assert fit_pipeline(obs, {2: 1})[0]["2"]["gap_after_s"] == {}

@@ -172,9 +172,9 @@ def test_components_bubble_and_end_of_step_span_from_literal_spans():
 
 
 def test_the_gap_between_actions_is_device_time_outside_every_span_less_the_waits():
-    """Before each action of a device but its first in the step: from the end of the previous action
-    or its send to the action's start, less the wait for its input; other replicas, tensor-parallel
-    ranks and steps not asked for are left out."""
+    """Between two actions of a device: from the end of the first or its send to the second's start,
+    less the wait for its input; other replicas, tensor-parallel ranks and steps not asked for are
+    left out."""
     from sim.timeline import Record
 
     from calibrate.step_components import action_gaps_s
@@ -186,8 +186,11 @@ def test_the_gap_between_actions_is_device_time_outside_every_span_less_the_wait
                Record(1, "F", 0, 5.0, 6.0, step=3, replica=1), Record(1, "B", 0, 9.0, 9.5, step=3, replica=1),
                Record(1, "F", 0, 5.0, 6.0, step=3, tp=1), Record(1, "B", 0, 9.0, 9.5, step=3, tp=1),
                Record(0, "F", 0, 10.0, 11.0, step=4), Record(0, "B", 0, 19.0, 20.0, step=4)]
-    assert action_gaps_s(records, [3]) == {(0, 3): pytest.approx([0.25, 0.75]), (1, 3): [0.0]}
-    assert action_gaps_s(records, [4]) == {(0, 4): [pytest.approx(8.0)]}
+    gaps = action_gaps_s(records, [3])
+    assert gaps.keys() == {(0, 3), (1, 3)} and gaps[(1, 3)] == [("F", 0.0)]
+    assert [kind for kind, _ in gaps[(0, 3)]] == ["F", "F"]  # each gap keyed by the action it follows
+    assert [gap for _, gap in gaps[(0, 3)]] == pytest.approx([0.25, 0.75])
+    assert action_gaps_s(records, [4]) == {(0, 4): [("F", pytest.approx(8.0))]}
 
 
 def test_split_runs_fit_the_split_stages_in_pipeline_factor():
