@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from sim.costs import MeasuredWorkload
-from calibrate.fit import AffineFit, fit_affine, fit_constant, fit_link, fit_roofline
+from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import measured_action_gaps_s, measured_end_span_s, predicted_end_span_s
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
@@ -117,10 +117,20 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
 
 
 @dataclass
+class ActionPoints:
+    """One (K, kind)'s actions: profiled time, its fixed part, measured time, and the run each came from."""
+
+    profiled: list[float] = field(default_factory=list)
+    fixed: list[float] = field(default_factory=list)
+    measured: list[float] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Observations:
     """Measured spans of executor runs paired with what the layer profile predicts for them."""
 
-    actions: dict[tuple[int, str], tuple[list[float], list[float]]] = field(default_factory=dict)
+    actions: dict[tuple[int, str], ActionPoints] = field(default_factory=dict)
     sends: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     optimizer: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     # per K and kind of action: the executor's own time after one, before the device's next
@@ -147,8 +157,12 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     bounds = stage_bounds(spec.partition)
     m_count = len([a for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"])
     for action in report["actions"]:
-        x = profiled_action_s(workload, spec.checkpoint, action, bounds, m_count)
-        Observations._add(obs.actions, (k_count, action["kind"]), x, action["duration_s"] / speed)
+        profiled, fixed = profiled_action_parts(workload, spec.checkpoint, action, bounds, m_count)
+        points = obs.actions.setdefault((k_count, action["kind"]), ActionPoints())
+        points.profiled.append(profiled)
+        points.fixed.append(fixed)
+        points.measured.append(action["duration_s"] / speed)
+        points.runs.append(spec.label())
     measured = set(report["measured_steps"])
     optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds
     for record in report["timeline"]["records"]:
@@ -178,11 +192,19 @@ def profiled_action_s(workload: MeasuredWorkload, checkpoint: str, action: dict[
                       bounds: Sequence[tuple[int, int]], microbatches: int) -> float:
     """What the layer profile says one of a report's actions takes: its stage's layers' times of its
     kind at its rows (a forward that keeps its graph as a recompute, which is what it runs)."""
+    return profiled_action_parts(workload, checkpoint, action, bounds, microbatches)[0]
+
+
+def profiled_action_parts(workload: MeasuredWorkload, checkpoint: str, action: dict[str, Any],
+                          bounds: Sequence[tuple[int, int]], microbatches: int) -> tuple[float, float]:
+    """:func:`profiled_action_s` and its part that does not grow with the rows
+    (:meth:`sim.costs.MeasuredWorkload.profiled_parts_s`)."""
     first, end = bounds[action["stage"]]
     kind = action["kind"]
     if kind == "F" and not recomputes(checkpoint, action["microbatch"], microbatches):
         kind = "R"
-    return sum(workload.profiled_s(kind, i, action["rows"]) for i in range(first, end))
+    parts = [workload.profiled_parts_s(kind, i, action["rows"]) for i in range(first, end)]
+    return sum(t for t, _ in parts), sum(f for _, f in parts)
 
 
 def _rows_of(spec: RunSpec, microbatch: int) -> int:
@@ -200,13 +222,13 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry: dict[str, Any] = {"threads": threads_of[k], "actions": {}}
         for kind in ("F", "R", "B"):
             if (k, kind) in obs.actions:
-                xs, ys = obs.actions[(k, kind)]
+                points = obs.actions[(k, kind)]
                 # overhead >= 0: a free intercept traded a slope above 1 for a negative overhead
                 # on the design's few row counts and overshot at row counts outside them
-                line = fit_affine(xs, ys, slope_bounds=(0.2, 5.0), intercept_bounds=(0.0, 1.0))
+                line = fit_action(points.profiled, points.fixed, points.measured, points.runs).to_dict()
             else:
-                line = AffineFit(1.0, 0.0)
-            entry["actions"][kind] = line.to_dict()
+                line = AffineFit(1.0, 0.0).to_dict()
+            entry["actions"][kind] = line
         entry["send"] = (fit_affine(*obs.sends[k], slope_bounds=(0.0, 1.0), intercept_bounds=(0.0, 1.0))
                          if k in obs.sends else AffineFit(0.0, 0.0)).to_dict()
         entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))

@@ -147,8 +147,9 @@ def summary_text(data: dict[str, Any]) -> str:
                      f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     lines += allreduce_lines(data.get("allreduce"))
     for k, fit in sorted(data.get("pipeline", {}).items()):
-        acts = ", ".join(f"{kind} x{a['slope']:.3f}{a['intercept'] * 1e6:+.0f}us"
-                         for kind, a in fit["actions"].items())
+        acts = ", ".join(f"{kind} x{a['slope']:.3f}"
+                         + (f" (fixed part x{a['fixed_slope']:.3f})" if a.get("fixed_slope") is not None else "")
+                         + f"{a['intercept'] * 1e6:+.0f}us" for kind, a in fit["actions"].items())
         gaps = "/".join(f"{kind} {gap * 1e6:.0f}" for kind, gap in fit.get("gap_after_s", {}).items())
         lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; "
                      + (f"between actions, after {gaps} us; " if gaps else "")

@@ -7,11 +7,15 @@ goal is a relative error. The models, each affine in what was measured:
 * link (ping-pong): ``one_way_s = latency_s + bytes / bandwidth``                 (Hockney 1994)
 * all-reduce among n parties (ring): ``seconds = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency_s``
   (Patarasuk and Yuan 2009; the form :func:`sim.engine.ring_allreduce_s` predicts with)
-* actions in the pipeline, per (K, kind): ``measured_s = scale * profiled_s + overhead_s``, where
-  ``profiled_s`` sums the stage's layers from the isolated layer profile. ``scale`` absorbs
-  contention between the K processes sharing the machine; ``overhead_s`` the executor's per-action
-  work (seeding, recording, memory accounting) and the difference between one call over the stage
-  and separate calls per layer; it is bounded below by 0, since work cannot take negative time.
+* actions in the pipeline, per (K, kind): ``measured_s = scale * (profiled_s - fixed_s) +
+  fixed_scale * fixed_s + overhead_s`` (:func:`fit_action`), where ``profiled_s`` sums the stage's
+  layers from the isolated layer profile and ``fixed_s`` is its part that does not grow with the
+  rows (each layer's profile at zero rows). ``scale`` absorbs contention between the K processes
+  sharing the machine and what a pipeline's caches cost the rows' work; ``fixed_scale`` how much of
+  an isolated call's fixed cost a stage's one call over its layers pays; ``overhead_s`` the
+  executor's per-action work (seeding, recording, memory accounting), bounded below by 0, since
+  work cannot take negative time. With one scale for both parts, a fit on this machine's design
+  missed its own 16-row runs by 13-25% and its 2-row runs by +5-14% (benchmarks/README.md).
 * sends inside the pipeline, per K: ``send_s = a + bytes * b`` (the sender's own time in isend)
 * optimizer, per K: ``optimizer_s = a + param_bytes * b``
 * step overhead, per K: one constant added to every stage's end of step (data, zero_grad, posting
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -95,6 +99,54 @@ def fit_affine(x: Sequence[float], y: Sequence[float], slope_bounds: tuple[float
                            ftol=1e-15, gtol=1e-15)
     slope, intercept = (float(v) for v in result.x)
     return AffineFit(slope, intercept, tuple(float(v) for v in residuals(result.x)))
+
+
+@dataclass(frozen=True)
+class ActionLine:
+    """``measured = slope * (profiled - fixed) + fixed_slope * fixed + intercept``, with its relative
+    residuals; ``fixed_slope`` None where the points could not tell the two parts apart."""
+
+    slope: float
+    intercept: float
+    fixed_slope: float | None
+    residuals: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict:
+        line = AffineFit(self.slope, self.intercept, self.residuals).to_dict()
+        return {**line, **({} if self.fixed_slope is None else {"fixed_slope": self.fixed_slope})}
+
+
+def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequence[float],
+               groups: Sequence[Any] = (), slope_bounds: tuple[float, float] = (0.2, 5.0),
+               fixed_bounds: tuple[float, float] = (0.0, 5.0),
+               intercept_bounds: tuple[float, float] = (0.0, 1.0)) -> ActionLine:
+    """Least squares of the action model on relative residuals, each point weighted by
+    1/sqrt(points of its group), so that every design run counts alike whatever its micro-batch
+    count (a 16-micro-batch run has eight times the actions of a 2-micro-batch one, and its small
+    actions would otherwise set the line for the large ones). When the fixed part's share of the
+    profiled time varies by less than 5 points over the points (one row count, say), the two parts
+    cannot be told apart and one slope is fitted (``fixed_slope`` None)."""
+    p, f, m = (np.asarray(v, dtype=float) for v in (profiled, fixed, measured))
+    if not len(p) == len(f) == len(m) or len(p) == 0:
+        raise ValueError(f"need as many profiled, fixed and measured times, at least one, got {len(p)}, {len(f)}, {len(m)}")
+    if np.any(m <= 0) or np.any(p <= 0):
+        raise ValueError("relative residuals need positive times")
+    labels = list(groups) if len(groups) else list(range(len(p)))
+    counts = {g: labels.count(g) for g in set(labels)}
+    weight = np.array([1.0 / math.sqrt(counts[g]) for g in labels])
+    share = f / p
+    split = float(np.max(share) - np.min(share)) >= 0.05
+    columns = [(p - f) / m, f / m, 1.0 / m] if split else [p / m, 1.0 / m]
+    bounds = [slope_bounds, fixed_bounds, intercept_bounds] if split else [slope_bounds, intercept_bounds]
+    design = np.stack(columns, axis=1)
+    from scipy.optimize import lsq_linear
+
+    result = lsq_linear(design * weight[:, None], weight, bounds=([b[0] for b in bounds], [b[1] for b in bounds]))
+    coefficients = [float(v) for v in result.x]
+    residuals = tuple(float(v) for v in design @ result.x - 1.0)
+    if split:
+        return ActionLine(coefficients[0], coefficients[2], coefficients[1], residuals)
+    return ActionLine(coefficients[0], coefficients[1], None, residuals)
 
 
 @dataclass(frozen=True)

@@ -82,11 +82,38 @@ class Affine:
 
 
 @dataclass(frozen=True)
+class ActionFit:
+    """An action's in-pipeline time from its stage's profiled time: ``slope`` on the part that grows
+    with the rows, ``fixed_slope`` on the part that does not (the profile's time at zero rows: the
+    isolated call's dispatch and timing, which a pipeline's stage call does not pay per layer), plus
+    a per-action ``intercept``. Without ``fixed_slope`` (costs files from before it, or a fit whose
+    design could not tell the parts apart) both parts take ``slope``."""
+
+    slope: float
+    intercept: float
+    fixed_slope: float | None = None
+
+    def scale(self, profiled_s: float, fixed_s: float = 0.0) -> float:
+        """The profiled time in the pipeline, without the per-action intercept."""
+        if self.fixed_slope is None:
+            return self.slope * profiled_s
+        return self.slope * (profiled_s - fixed_s) + self.fixed_slope * fixed_s
+
+    def __call__(self, profiled_s: float, fixed_s: float = 0.0) -> float:
+        return self.scale(profiled_s, fixed_s) + self.intercept
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ActionFit":
+        fixed = data.get("fixed_slope")
+        return cls(float(data["slope"]), float(data["intercept"]), None if fixed is None else float(fixed))
+
+
+@dataclass(frozen=True)
 class PipelineFit:
     """What executor runs with K processes add to the layer profile (see :mod:`calibrate.fit`)."""
 
     threads: int
-    actions: dict[str, Affine]  # kind -> measured_s = slope * profiled_s + intercept
+    actions: dict[str, ActionFit]  # kind -> measured_s from the stage's profiled_s
     send: Affine  # seconds the sender spends in isend, from bytes
     optimizer: Affine  # seconds of the optimizer step, from a stage's parameter bytes
     step_overhead_s: float
@@ -96,13 +123,13 @@ class PipelineFit:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
-        return cls(int(data["threads"]), {k: Affine.from_dict(v) for k, v in data["actions"].items()},
+        return cls(int(data["threads"]), {k: ActionFit.from_dict(v) for k, v in data["actions"].items()},
                    Affine.from_dict(data["send"]), Affine.from_dict(data["optimizer"]),
                    float(data["step_overhead_s"]),
                    {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()})
 
 
-IDENTITY = PipelineFit(1, {k: Affine(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
+IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 
 
 class MeasuredWorkload:
@@ -196,7 +223,7 @@ class MeasuredWorkload:
         if not self.split_factor:
             return nearest
         # a split stage: the profile's times scale by the factor fitted on split runs, not K's slope
-        return replace(nearest, actions={kind: Affine(self.split_factor.get(kind, line.slope), line.intercept)
+        return replace(nearest, actions={kind: ActionFit(self.split_factor.get(kind, line.slope), line.intercept)
                                          for kind, line in nearest.actions.items()})
 
     def _threads(self) -> int:
@@ -212,6 +239,18 @@ class MeasuredWorkload:
         """The isolated layer's median time for ``kind`` (calibrate.profile.KINDS), interpolated in rows."""
         values = self.times[self._threads()][kind][layer]
         return _positive(interpolate(self.rows, values, rows), 1e-9)
+
+    def profiled_parts_s(self, kind: str, layer: int, rows: int) -> tuple[float, float]:
+        """(time, its fixed part) of the isolated layer: the fixed part is the profile's line through
+        its two smallest row counts, taken at zero rows (between 0 and the time itself), what a
+        call costs whatever its rows (:class:`ActionFit` scales it apart)."""
+        total = self.profiled_s(kind, layer, rows)
+        values = self.times[self._threads()][kind][layer]
+        if len(self.rows) < 2:
+            return total, 0.0
+        (r0, r1), (t0, t1) = self.rows[:2], values[:2]
+        fixed = t0 - (t1 - t0) * r0 / (r1 - r0)
+        return total, min(max(fixed, 0.0), t0, total)
 
     def _split_backward_s(self, layers: range, rows: int, backwards: list[float],
                           layer_params: list[int]) -> tuple[float, float]:
@@ -235,14 +274,21 @@ class MeasuredWorkload:
         seconds = max(0.0, interpolate(self.rows, self.times[self._threads()]["C"][layer], rows))
         return self._mem("core_bytes", layer, rows), seconds
 
-    def _forward_kind_s(self, layer: int, rows: int) -> float:
-        no_grad, with_grad = self.profiled_s("F", layer, rows), self.profiled_s("R", layer, rows)
+    def _forward_kind_parts(self, layer: int, rows: int) -> tuple[float, float]:
+        """(time, fixed part) of the layer's forward as the policy runs it (:meth:`profiled_parts_s`)."""
+        no_grad, with_grad = self.profiled_parts_s("F", layer, rows), self.profiled_parts_s("R", layer, rows)
         if self.checkpoint in ("never", "selective"):  # selective's forward keeps all but the core
             return with_grad
         if self.checkpoint == "except_last":
             m = self.microbatches or 1
-            return ((m - 1) * no_grad + with_grad) / m
+            return ((m - 1) * no_grad[0] + with_grad[0]) / m, ((m - 1) * no_grad[1] + with_grad[1]) / m
         return no_grad
+
+    def _parts(self, kind: str, layers: range, rows: int) -> tuple[float, float]:
+        """(time, fixed part) of ``kind`` summed over ``layers`` (the forward as the policy runs it)."""
+        parts = [self._forward_kind_parts(i, rows) if kind == "F" else self.profiled_parts_s(kind, i, rows)
+                 for i in layers]
+        return sum(t for t, _ in parts), sum(f for _, f in parts)
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
         if device.name != self.device_name:
@@ -250,6 +296,8 @@ class MeasuredWorkload:
         fit = self.fit
         costs = []
         for i in range(self.num_layers):
+            backward = self.profiled_parts_s("B", i, rows)
+            in_pipeline = fit.actions["B"].scale(*backward) / backward[0]  # the backward's factor at these rows
             params = int(self.memory[i]["param_bytes"])
             own = self._mem("own_bytes", i, rows)
             inp, out = self._mem("input_bytes", i, rows), self._mem("output_bytes", i, rows)
@@ -257,13 +305,13 @@ class MeasuredWorkload:
             core_bytes, core_s = self._core(i, rows)
             costs.append(LayerCost(
                 name=self.memory[i]["name"],
-                forward_s=fit.actions["F"].slope * self._forward_kind_s(i, rows),
-                backward_s=fit.actions["B"].slope * self.profiled_s("B", i, rows),
-                recompute_s=fit.actions["R"].slope * self.profiled_s("R", i, rows),
+                forward_s=fit.actions["F"].scale(*self._forward_kind_parts(i, rows)),
+                backward_s=fit.actions["B"].scale(*backward),
+                recompute_s=fit.actions["R"].scale(*self.profiled_parts_s("R", i, rows)),
                 saved_bytes=saved, output_bytes=out, input_bytes=inp, param_bytes=params,
                 grad_bytes=params, optimizer_bytes=self.optimizer_slots * params,
                 optimizer_s=fit.optimizer.slope * params, saves_input=bool(self.memory[i]["saves_input"]),
-                core_saved_bytes=core_bytes, core_recompute_s=fit.actions["B"].slope * core_s))
+                core_saved_bytes=core_bytes, core_recompute_s=in_pipeline * core_s))
         return costs
 
     # ------------------------------------------------------------------ exact stage sums
@@ -290,11 +338,12 @@ class MeasuredWorkload:
             return sum_stage(self._what_if(rows, device)[first:end])
         fit = self.fit
         layers = range(first, end)
-        forward = sum(self._forward_kind_s(i, rows) for i in layers)
-        recompute = sum(self.profiled_s("R", i, rows) for i in layers)
+        forward, recompute = self._parts("F", layers, rows), self._parts("R", layers, rows)
         backwards = [self.profiled_s("B", i, rows) for i in layers]
         layer_params = [int(self.memory[i]["param_bytes"]) for i in layers]
-        backward = sum(backwards)
+        backward = self._parts("B", layers, rows)
+        # W, the split's cost and the attention core's rerun: the backward's in-pipeline factor at these rows
+        in_pipeline = fit.actions["B"].scale(*backward) / backward[0]
         inp = self._mem("input_bytes", first, rows)
         out = self._mem("output_bytes", end - 1, rows)
         params = sum(layer_params)
@@ -303,19 +352,18 @@ class MeasuredWorkload:
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
         return StageCost(
-            forward_s=fit.actions["F"](forward), backward_s=fit.actions["B"](backward),
+            forward_s=fit.actions["F"](*forward), backward_s=fit.actions["B"](*backward),
             activation_send_s=fit.send(out) if end < self.num_layers else 0.0,
             gradient_send_s=fit.send(inp) if first > 0 else 0.0,
-            recompute_s=fit.actions["R"](recompute),
+            recompute_s=fit.actions["R"](*recompute),
             saved_bytes=self.stage_saved_bytes(rows, first, end),
             stash_bytes=inp, output_bytes=out,
             static_bytes=params * (2 + self.optimizer_slots),
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
             gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
             if fit.gap_after_s else (), layer_inputs_bytes=held, layer_transient_bytes=transient,
-            weight_grad_s=fit.actions["B"].slope * weight_grad,
-            split_overhead_s=fit.actions["B"].slope * split_overhead,
-            core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=fit.actions["B"].slope * sum(s for _, s in cores))
+            weight_grad_s=in_pipeline * weight_grad, split_overhead_s=in_pipeline * split_overhead,
+            core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores))
 
     # ------------------------------------------------------------------ what-if on catalog devices
 

@@ -92,6 +92,23 @@ def test_stage_cost_adds_fitted_constants(costs_file):
     assert cost.gap_after_s == ()  # a costs file written before the gaps were measured has none
 
 
+def test_an_action_scales_the_profiles_fixed_part_apart_from_the_part_that_grows_with_rows(tmp_path):
+    """Each synthetic layer costs 0.1 ms whatever its rows (the profile's line at zero rows) plus its
+    rows' work: with the fixed part scaled by 0.2 and the rest by 1.5, a two-layer stage's forward at
+    2 rows is 1.5 x work + 0.2 x 0.2 ms + the overhead; W takes the backward's factor at those rows."""
+    data = synthetic_costs()
+    data["pipeline"]["2"]["actions"] = {k: {"slope": 1.5, "fixed_slope": 0.2, "intercept": 1e-4} for k in "FRB"}
+    path = tmp_path / "costs.json"
+    write_costs(data, path)
+    w, _ = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "always")
+    assert w.profiled_parts_s("F", 1, 4) == (pytest.approx(1e-4 + 2e-3 * 4), pytest.approx(1e-4))
+    cost = w.stage_cost(2, 0, 2, LOCAL_CPU)
+    work = sum(1e-3 * (i + 1) * 2 for i in range(2))
+    assert cost.forward_s == pytest.approx(1.5 * work + 0.2 * 2e-4 + 1e-4)
+    backward_work = sum(2e-3 * (i + 1) * 2 for i in range(2))
+    assert cost.backward_s == pytest.approx(1.5 * backward_work + 0.2 * 4e-4 + 1e-4)
+
+
 def test_the_fitted_gap_between_actions_reaches_every_stage_on_the_measured_device_only(tmp_path):
     data = synthetic_costs()
     data["pipeline"]["2"]["gap_after_s"] = {"F": 7e-5, "R": 7e-5, "B": 9e-5, "I": 7e-5, "W": 7e-5}

@@ -134,10 +134,10 @@ def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypat
 def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measured():
     """A chore done once a step while a message was away (a long gap) does not move the fitted gap;
     a kind no design run had takes the median of all gaps."""
-    from calibrate.calibration import Observations, fit_pipeline
+    from calibrate.calibration import ActionPoints, Observations, fit_pipeline
 
     obs = Observations()
-    obs.actions[(2, "F")] = ([1e-3, 2e-3], [1.1e-3, 2.1e-3])
+    obs.actions[(2, "F")] = ActionPoints([1e-3, 2e-3], [1e-4, 1e-4], [1.1e-3, 2.1e-3], ["a", "b"])
     obs.gaps[2] = {"F": [50e-6, 60e-6, 70e-6, 600e-6, 55e-6], "B": [150e-6, 140e-6, 160e-6]}
     pipeline, residuals = fit_pipeline(obs, {2: 1})
     gaps = pipeline["2"]["gap_after_s"]
@@ -146,3 +146,40 @@ def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measur
     assert residuals["2"]["gap after F"]["points"] == 5 and "gap after R" not in residuals["2"]
     obs.gaps.clear()
     assert fit_pipeline(obs, {2: 1})[0]["2"]["gap_after_s"] == {}
+
+
+def test_the_action_line_recovers_a_scale_for_each_part_and_the_overhead():
+    """Profiled times with a fixed part of 1 ms per call: a pipeline that pays a fifth of it and 1.2x
+    the rows' part, plus 0.3 ms an action, is recovered exactly."""
+    from calibrate.fit import fit_action
+
+    fixed = [1e-3, 1e-3, 2e-3, 2e-3]
+    profiled = [f + work for f, work in zip(fixed, [1e-3, 8e-3, 2e-3, 16e-3])]
+    measured = [1.2 * (p - f) + 0.2 * f + 3e-4 for p, f in zip(profiled, fixed)]
+    line = fit_action(profiled, fixed, measured, ["a", "a", "b", "b"])
+    assert line.slope == pytest.approx(1.2) and line.fixed_slope == pytest.approx(0.2)
+    assert line.intercept == pytest.approx(3e-4) and max(map(abs, line.residuals)) < 1e-9
+    assert line.to_dict()["fixed_slope"] == pytest.approx(0.2)
+
+
+def test_the_action_line_keeps_one_slope_where_the_fixed_share_does_not_vary():
+    from calibrate.fit import fit_action
+
+    profiled = [2e-3, 4e-3, 8e-3]
+    line = fit_action(profiled, [p / 4 for p in profiled], [1.5 * p for p in profiled])
+    assert line.fixed_slope is None and line.slope == pytest.approx(1.5) and "fixed_slope" not in line.to_dict()
+
+
+def test_every_run_counts_alike_in_the_action_line_whatever_its_number_of_actions():
+    """Eight small actions from one run and one large action from another, the two runs disagreeing:
+    weighted by run, the line splits the difference between them instead of following the eight."""
+    from calibrate.fit import fit_action
+
+    profiled, fixed = [1e-3] * 8 + [1e-2], [0.0] * 9
+    measured = [1.0e-3] * 8 + [1.2e-2]
+    by_run = fit_action(profiled, fixed, measured, ["small"] * 8 + ["large"])
+    by_action = fit_action(profiled, fixed, measured)
+    # the overhead would be negative, so it stays at 0: (s - 1)^2 + (s / 1.2 - 1)^2 is least at
+    # s = (1 + 1/1.2) / (1 + 1/1.44), where eight equal points of their own would pull s to 1.016
+    assert by_run.intercept == pytest.approx(0.0, abs=1e-12) and by_run.slope == pytest.approx((1 + 1 / 1.2) / (1 + 1 / 1.44))
+    assert by_action.slope == pytest.approx((8 + 1 / 1.2) / (8 + 1 / 1.44))
