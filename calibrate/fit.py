@@ -125,7 +125,8 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     count (a 16-micro-batch run has eight times the actions of a 2-micro-batch one, and its small
     actions would otherwise set the line for the large ones). When the fixed part's share of the
     profiled time varies by less than 5 points over the points (one row count, say), the two parts
-    cannot be told apart and one slope is fitted (``fixed_slope`` None)."""
+    cannot be told apart and one slope is fitted (``fixed_slope`` None); with one profiled time, the
+    overhead is left at 0 and the slope alone carries the points."""
     p, f, m = (np.asarray(v, dtype=float) for v in (profiled, fixed, measured))
     if not len(p) == len(f) == len(m) or len(p) == 0:
         raise ValueError(f"need as many profiled, fixed and measured times, at least one, got {len(p)}, {len(f)}, {len(m)}")
@@ -134,6 +135,8 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     labels = list(groups) if len(groups) else list(range(len(p)))
     counts = {g: labels.count(g) for g in set(labels)}
     weight = np.array([1.0 / math.sqrt(counts[g]) for g in labels])
+    if len(np.unique(p)) < 2:  # one profiled time: scale and overhead cannot be told apart; keep the scale
+        intercept_bounds = (0.0, 1e-300)
     share = f / p
     split = float(np.max(share) - np.min(share)) >= 0.05
     columns = [(p - f) / m, f / m, 1.0 / m] if split else [p / m, 1.0 / m]

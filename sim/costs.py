@@ -7,8 +7,10 @@ live here, so reading a costs file needs neither torch nor calibration's code.
 The file (JSON, ``version`` 1) holds what ``gpipe calibrate`` measured and fitted: the
 machine stamp, the model and its options, the precision it ran at (``precision``, fp32 when absent),
 the per-layer profile (times per row count and thread
-count, exact saved bytes), the fitted link, the per-K pipeline fits (action scale and overhead per
-kind, send, optimizer, the gap between two actions and step overhead), the fitted roofline efficiency and, where the machine ran
+count, exact saved bytes), the fitted link, the per-K pipeline fits (per kind of action, the scales of
+the profile's part that grows with rows and of its fixed part, and a per-action overhead
+(:class:`ActionFit`); the sender's time per send, the optimizer, the gap after each kind of action
+and the step overhead), the fitted roofline efficiency and, where the machine ran
 two processes or more, the measured all-reduce (``allreduce``: backend, group sizes ``parties``,
 ``sizes_bytes``, ``measured_s[i][j]`` for ``parties[i]`` and ``sizes_bytes[j]``, and the ring model's
 ``latency_s`` and ``bandwidth_bytes_per_s``, which :func:`allreduce_link` turns into the link the

@@ -168,6 +168,8 @@ def test_the_action_line_keeps_one_slope_where_the_fixed_share_does_not_vary():
     profiled = [2e-3, 4e-3, 8e-3]
     line = fit_action(profiled, [p / 4 for p in profiled], [1.5 * p for p in profiled])
     assert line.fixed_slope is None and line.slope == pytest.approx(1.5) and "fixed_slope" not in line.to_dict()
+    one = fit_action([2e-3] * 3, [5e-4] * 3, [3.1e-3, 3.0e-3, 2.9e-3])  # one row count: no overhead to fit
+    assert one.intercept == pytest.approx(0.0, abs=1e-12) and one.slope == pytest.approx(1.5, rel=0.01)
 
 
 def test_every_run_counts_alike_in_the_action_line_whatever_its_number_of_actions():
