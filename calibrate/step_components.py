@@ -3,8 +3,9 @@
 Busy seconds per stage (forward, recompute, backward and their split parts, the optimizer), the
 executor's own time between two actions of a device, and the end-of-step span: from the last
 compute action of the step on any stage to the end of the step's last span (the optimizer,
-all-reduces, sends finishing, and in a prediction the fitted per-step overhead). Validation compares both sides with these; calibration bounds its fitted overhead by
-the measured span (:func:`calibrate.calibration.fit_step_overhead`).
+all-reduces, sends finishing, and in a prediction the fitted per-step overhead). Validation
+compares both sides with these; calibration bounds its fitted overhead by the measured span
+(:func:`calibrate.calibration.fit_step_overhead`) and fits the model's gaps on the measured ones.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
     model's :attr:`sim.stage_costs.StageCost.gap_after_s`).
 
     Per (stage, step) of ``steps``, replica 0's first tensor-parallel ranks, one (kind of the action
-    the gap follows, seconds) per action but the step's first. A gap in which the executor did its chores while a message was away (posting receives, drawing the
-    next batch) is longer than one where the input was there; :func:`calibrate.calibration.fit_pipeline`
-    takes the median, which a chore once a step does not move. Measured timelines only: a simulated
+    the gap follows, seconds) per action but the step's first. A gap in which the executor did its
+    chores while a message was away (posting receives, drawing the next batch) is longer than one
+    where the input was there; :func:`calibrate.calibration.fit_pipeline` takes the median, which a
+    chore once a step does not move. Measured timelines only: a simulated
     send's span is its time on the link, not the sender's."""
     chosen = set(steps)
     by_device: dict[tuple[int, int], list[Any]] = {}

@@ -86,9 +86,9 @@ class Affine:
 @dataclass(frozen=True)
 class ActionFit:
     """An action's in-pipeline time from its stage's profiled time: ``slope`` on the part that grows
-    with the rows, ``fixed_slope`` on the part that does not (the profile's time at zero rows: the
-    isolated call's dispatch and timing, which a pipeline's stage call does not pay per layer), plus
-    a per-action ``intercept``. Without ``fixed_slope`` (costs files from before it, or a fit whose
+    with the rows, ``fixed_slope`` on the part that does not (the profile's time at zero rows: each
+    isolated layer call's dispatch, which a stage's one call over its layers pays in its own measure),
+    plus a per-action ``intercept``. Without ``fixed_slope`` (costs files from before it, or a fit whose
     design could not tell the parts apart) both parts take ``slope``."""
 
     slope: float
