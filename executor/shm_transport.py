@@ -9,7 +9,8 @@ How:
 
 * Each message key (sender rank, receiver rank, boundary, channel, micro-batch, each tensor's bytes) has
   a file in the run's shared directory (``GPIPE_SHM_DIR``: ``gpipe train`` and calibration make it
-  under ``/dev/shm`` and remove it when the run ends, whatever happened), created and reserved
+  under ``/dev/shm`` and remove it when the run ends, whatever happened; what a launcher killed
+  before its cleanup leaves, the next launch removes: :func:`shared_directory`), created and reserved
   (``posix_fallocate``: a full directory is an error at creation, never a SIGBUS later) by the
   sender at its first send and mapped by both ranks: a header holding the generation each of two
   payload slots was last consumed at, then the two slots. The key's n-th send uses slot n % 2, so a
@@ -52,18 +53,53 @@ SLEEP_CHECK_S = 1e-3  # a sleeping receiver looks at its slot at least this ofte
 
 
 @contextlib.contextmanager
-def shared_directory() -> Iterator[str]:
+def shared_directory(base: str | None = None) -> Iterator[str]:
     """A fresh directory for a run's message files, under ``/dev/shm`` (memory) where there is one,
-    removed when the block ends; launchers pass it to their ranks as :data:`SHM_DIR_ENV`."""
+    removed when the block ends; launchers pass it to their ranks as :data:`SHM_DIR_ENV`.
+
+    Named after the launcher's process id, so a later launch can remove what a launcher killed
+    before its cleanup (SIGKILL, or SIGTERM, which Python does not turn into an exception) left
+    behind: message files are memory, and they would hold it until the machine restarts."""
     import shutil
     import tempfile
 
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    directory = tempfile.mkdtemp(prefix="gpipe-shm-", dir=base)
+    if base is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    remove_orphans(base)
+    directory = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=base)
     try:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+SHM_PREFIX = "gpipe-shm-"
+
+
+def remove_orphans(base: str) -> list[str]:
+    """Remove the shared directories under ``base`` whose launcher is no longer running; the ones
+    removed. A directory of a live process, or of another user's, is left alone; so is one named
+    before directories carried their launcher's id."""
+    import re
+    import shutil
+
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        match = re.fullmatch(rf"{SHM_PREFIX}(\d+)-\w+", name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed.append(name)
+        except (PermissionError, OverflowError):
+            pass  # alive under another user, or no process id at all
+    return removed
 
 
 ALIGN_BYTES = 64  # each tensor of a message starts on a cache line (and on its dtype's alignment)

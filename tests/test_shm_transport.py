@@ -128,3 +128,21 @@ def test_training_is_the_same_through_shared_memory_and_gloo(tmp_path):
     assert losses["auto"] == losses["dist"]
     if os.path.isdir("/dev/shm"):
         assert not {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("gpipe-shm-")}
+
+
+def test_a_killed_launchers_directory_is_removed_by_the_next_launch_and_a_live_ones_kept(tmp_path):
+    """A launcher killed before its cleanup leaves its message files (memory, under /dev/shm); the
+    next launch on the machine removes the directories whose launcher is gone, and only those."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    orphan = tmp_path / f"gpipe-shm-{dead_pid}-abc123"
+    orphan.mkdir()
+    (orphan / "message").write_bytes(b"x" * 64)
+    alive = tmp_path / f"gpipe-shm-{os.getppid()}-def456"  # the process that started this one
+    alive.mkdir()
+    older = tmp_path / "gpipe-shm-k2j3h4"  # named before directories carried their launcher's id
+    older.mkdir()
+    with shared_directory(str(tmp_path)) as directory:
+        assert not orphan.exists() and alive.exists() and older.exists()
+        assert os.path.basename(directory).startswith(f"gpipe-shm-{os.getpid()}-")
+    assert not os.path.exists(directory)
