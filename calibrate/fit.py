@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-from scipy.optimize import least_squares
+from scipy.optimize import least_squares, lsq_linear
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,6 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     columns = [(p - f) / m, f / m, 1.0 / m] if split else [p / m, 1.0 / m]
     bounds = [slope_bounds, fixed_bounds, intercept_bounds] if split else [slope_bounds, intercept_bounds]
     design = np.stack(columns, axis=1)
-    from scipy.optimize import lsq_linear
-
     result = lsq_linear(design * weight[:, None], weight, bounds=([b[0] for b in bounds], [b[1] for b in bounds]))
     coefficients = [float(v) for v in result.x]
     residuals = tuple(float(v) for v in design @ result.x - 1.0)

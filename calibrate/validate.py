@@ -132,10 +132,10 @@ class Comparison:
     measured_kind_at_reference_s: dict[str, list[float]] = field(default_factory=dict)
 
     @property
-    def kind_errors_at_reference(self) -> dict[str, list[float]]:
+    def kind_errors_at_reference(self) -> dict[str, list[float | None]]:
         """Per kind and stage, the predicted time of a step's actions against the measured: which
-        kind of work a busy-time error comes from."""
-        return {kind: [(p - m) / m if m else 0.0 for p, m in zip(self.predicted_kind_s[kind], measured)]
+        kind of work a busy-time error comes from (None for a stage that ran none of that kind)."""
+        return {kind: [(p - m) / m if m else None for p, m in zip(self.predicted_kind_s[kind], measured)]
                 for kind, measured in self.measured_kind_at_reference_s.items() if kind in self.predicted_kind_s}
 
     @property
@@ -291,7 +291,7 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
     kinds: dict[str, list[float]] = {}  # signed: a kind predicted low everywhere shows as such
     for c in comparisons:
         for kind, errors in c.kind_errors_at_reference.items():
-            kinds.setdefault(kind, []).extend(e for e in errors if e)
+            kinds.setdefault(kind, []).extend(e for e in errors if e is not None)
     return {"runs": len(comparisons), "oversubscribed_runs": len(all_comparisons) - len(comparisons),
             "median_busy_error": statistics.median(busy) if busy else 0.0, "worst_busy_error": max(busy, default=0.0),
             "median_busy_error_at_reference": statistics.median(busy_at_reference) if busy_at_reference else 0.0,

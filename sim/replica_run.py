@@ -13,8 +13,7 @@ Between two of its actions a device spends the stage's ``gap_after_s`` for the k
 the executor's own time (its loop, freeing a backward's graph, posting receives, unpacking the next
 message), which calibration measures from the timeline's gaps and the analytic models leave out. It
 is neither busy time nor waiting: the timeline shows it as the space between two spans, as the
-executor's does.
-So is the sender's own time in a send to another device (``activation_send_s`` after a forward,
+executor's does. So is the sender's own time in a send to another device (``activation_send_s`` after a forward,
 ``gradient_send_s`` after a backward or I: the copy into the message on the CPU, 0 in the analytic
 models, whose sends are asynchronous), after which the message leaves on the link.
 

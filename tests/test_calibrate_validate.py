@@ -253,7 +253,7 @@ def test_each_kind_of_action_is_compared_at_the_reference_speed():
     assert predicted == {"F": [pytest.approx(0.018), 0.0], "B": [0.0, pytest.approx(0.025)]}
     run = _comparison("K=2 M=2 [2,2] never gpipe", 1.0, 1.0)
     run.predicted_kind_s, run.measured_kind_at_reference_s = predicted, measured
-    assert run.kind_errors_at_reference == {"F": [pytest.approx(-0.1), 0.0], "B": [0.0, pytest.approx(0.25)]}
+    assert run.kind_errors_at_reference == {"F": [pytest.approx(-0.1), None], "B": [None, pytest.approx(0.25)]}
     summary = summarize([run])
     assert summary["median_kind_error_at_reference"] == {"F": pytest.approx(-0.1), "B": pytest.approx(0.25)}
     assert "B +25.0%, F -10.0%" in format_table({"runs": [run.to_dict()], "summary": summary})
