@@ -202,16 +202,15 @@ def end_of_step_spans_s(predicted: Any, report: dict[str, Any]) -> tuple[float, 
     return end_of_step_span_s(predicted.records, 0), measured_end_span_s(report)
 
 
-def gaps_per_step_s(predicted: Any, report: dict[str, Any], gap_after_s: dict[str, float]) -> tuple[float, float]:
-    """(predicted, measured) time stage 0 spends between its actions in a step: the fitted gap after
-    each of its actions but the last (``gap_after_s`` per kind), and the median over measured steps
-    of what its timeline shows."""
-    from calibrate.step_components import measured_gaps_per_step_s
-    from sim.schedule import COMPUTE_KINDS
+def gap_rows(report: dict[str, Any], gap_after_s: dict[str, float]) -> list[tuple[str, str, str, str]]:
+    """Error-table rows of stage 0's time between two actions, per kind of the action before: the
+    fitted gap against the median of this run's (:func:`calibrate.step_components.measured_gap_medians_s`)."""
+    from calibrate.step_components import measured_gap_medians_s
+    from sim.timeline import KIND_NAMES
 
-    actions = sorted((r for r in predicted.timeline.records
-                      if r.stage == 0 and not r.replica and r.kind in COMPUTE_KINDS), key=lambda r: r.start_s)
-    return sum(gap_after_s.get(r.kind, 0.0) for r in actions[:-1]), measured_gaps_per_step_s(report, 0)
+    return [(f"stage 0 between actions, after {KIND_NAMES[kind]} (the executor's own time, neither busy nor "
+             f"waiting; median)", f"{gap_after_s.get(kind, 0.0) * 1e6:.0f} us", f"{measured * 1e6:.0f} us",
+             _rel(gap_after_s.get(kind, 0.0), measured)) for kind, measured in measured_gap_medians_s(report, 0).items()]
 
 
 def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any],
@@ -242,10 +241,7 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
     predicted_end, measured_end = end_of_step_spans_s(predicted.timeline, report)
     rows.append(("end-of-step span (last compute to step end)", f"{predicted_end * 1e3:.2f} ms",
                  f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))
-    fit = data.get("pipeline", {}).get(str(plan.stages), {})
-    predicted_gaps, measured_gaps = gaps_per_step_s(predicted, report, fit.get("gap_after_s", {}))
-    rows.append(("stage 0 between actions (the executor's own time, neither busy nor waiting)",
-                 f"{predicted_gaps * 1e3:.2f} ms", f"{measured_gaps * 1e3:.2f} ms", _rel(predicted_gaps, measured_gaps)))
+    rows += gap_rows(report, data.get("pipeline", {}).get(str(plan.stages), {}).get("gap_after_s", {}))
     overhead = sum(r.duration_s for r in predicted.timeline.records if r.kind == STEP_OVERHEAD and r.stage == 0)
     rows.append(("of it, the fitted per-step overhead (no measured span stands for it)",
                  f"{overhead * 1e3:.2f} ms", "-", "-"))

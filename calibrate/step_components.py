@@ -65,11 +65,16 @@ def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list
     return action_gaps_s(records, report["measured_steps"] or sorted({r.step for r in records}))
 
 
-def measured_gaps_per_step_s(report: dict[str, Any], stage: int) -> float:
-    """The median over measured steps of the sum of ``stage``'s gaps between actions."""
-    sums = [sum(gap for _kind, gap in values) for (k, _step), values in measured_action_gaps_s(report).items()
-            if k == stage]
-    return statistics.median(sums) if sums else 0.0
+def measured_gap_medians_s(report: dict[str, Any], stage: int) -> dict[str, float]:
+    """Per kind of action, the median of ``stage``'s gaps after one over the measured steps: what
+    calibration fits the model's gap on, so a run's own gaps compare with it like for like (a sum
+    would count the chores done while a message was away, time the model spends waiting)."""
+    by_kind: dict[str, list[float]] = {}
+    for (k, _step), values in measured_action_gaps_s(report).items():
+        if k == stage:
+            for kind, gap in values:
+                by_kind.setdefault(kind, []).append(gap)
+    return {kind: statistics.median(gaps) for kind, gaps in sorted(by_kind.items())}
 
 
 def measured_end_span_s(report: dict[str, Any]) -> float:

@@ -257,3 +257,23 @@ def test_each_kind_of_action_is_compared_at_the_reference_speed():
     summary = summarize([run])
     assert summary["median_kind_error_at_reference"] == {"F": pytest.approx(-0.1), "B": pytest.approx(0.25)}
     assert "B +25.0%, F -10.0%" in format_table({"runs": [run.to_dict()], "summary": summary})
+
+
+def test_a_runs_gaps_per_kind_are_the_medians_calibration_fits_on():
+    from sim.timeline import Record, Timeline
+
+    from calibrate.demo import gap_rows
+    from calibrate.step_components import measured_gap_medians_s
+
+    records = []
+    for step, after_f, after_b in ((1, 0.125, 0.25), (2, 0.375, 0.75)):
+        records += [Record(0, "F", 0, 0.0, 1.0, step=step), Record(0, "F", 1, 1.0 + after_f, 2.0, step=step),
+                    Record(0, "B", 1, 2.5, 3.0, step=step), Record(0, "B", 0, 3.0 + after_b, 4.0, step=step)]
+    records += [Record(1, "F", 0, 0.0, 1.0, step=1), Record(1, "B", 0, 9.0, 10.0, step=1)]  # another stage
+    report = {"timeline": Timeline(records=records).to_dict(), "measured_steps": [1, 2]}
+    # after F: 0.125 and 0.5 in step 1, 0.375 and 0.5 in step 2; after B: 0.25 and 0.75
+    assert measured_gap_medians_s(report, 0) == {"B": 0.5, "F": 0.4375}
+    rows = gap_rows(report, {"F": 0.21875, "B": 0.5})
+    assert [row[0].split(" (")[0] for row in rows] == ["stage 0 between actions, after backward",
+                                                       "stage 0 between actions, after forward"]
+    assert [row[1:] for row in rows] == [("500000 us", "500000 us", "+0.0%"), ("218750 us", "437500 us", "-50.0%")]
