@@ -34,8 +34,8 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
     the gap follows, seconds) per action but the step's first. A gap in which the executor did its
     chores while a message was away (posting receives, drawing the next batch) is longer than one
     where the input was there; :func:`calibrate.calibration.fit_pipeline` takes the median, which a
-    chore once a step does not move. Measured timelines only: a simulated
-    send's span is its time on the link, not the sender's."""
+    chore once a step does not move. Measured timelines only: a simulated send's span is its time
+    on the link, not the sender's."""
     chosen = set(steps)
     by_device: dict[tuple[int, int], list[Any]] = {}
     for r in records:

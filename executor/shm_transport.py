@@ -57,16 +57,17 @@ def shared_directory(base: str | None = None) -> Iterator[str]:
     """A fresh directory for a run's message files, under ``/dev/shm`` (memory) where there is one,
     removed when the block ends; launchers pass it to their ranks as :data:`SHM_DIR_ENV`.
 
-    Named after the launcher's process id, so a later launch can remove what a launcher killed
-    before its cleanup (SIGKILL, or SIGTERM, which Python does not turn into an exception) left
-    behind: message files are memory, and they would hold it until the machine restarts."""
+    Named after the launcher's host and process id, so a later launch on the host can remove what a
+    launcher killed before its cleanup (SIGKILL, or SIGTERM, which Python does not turn into an
+    exception) left behind: message files are memory, and they would hold it until the machine
+    restarts."""
     import shutil
     import tempfile
 
     if base is None:
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     remove_orphans(base)
-    directory = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=base)
+    directory = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{_host()}-{os.getpid()}-", dir=base)
     try:
         yield directory
     finally:
@@ -76,10 +77,20 @@ def shared_directory(base: str | None = None) -> Iterator[str]:
 SHM_PREFIX = "gpipe-shm-"
 
 
+def _host() -> str:
+    """This host's name as a directory name may carry it."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+
+
 def remove_orphans(base: str) -> list[str]:
-    """Remove the shared directories under ``base`` whose launcher is no longer running; the ones
-    removed. A directory of a live process, or of another user's, is left alone; so is one named
-    before directories carried their launcher's id."""
+    """Remove the shared directories under ``base`` made on this host by a launcher that is no
+    longer running; the ones removed. A directory of a live process, of another user's, of another
+    host's (containers that share ``/dev/shm`` see each other's directories but not each other's
+    processes; their host names differ) is left alone; so is one named before directories carried
+    their launcher's id. Limits: two process namespaces with one host name and one ``/dev/shm``
+    would take each other's directories for orphans."""
     import re
     import shutil
 
@@ -89,7 +100,7 @@ def remove_orphans(base: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        match = re.fullmatch(rf"{SHM_PREFIX}(\d+)-\w+", name)
+        match = re.fullmatch(rf"{SHM_PREFIX}{_host()}-(\d+)-\w+", name)
         if match is None or int(match.group(1)) == os.getpid():
             continue
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -135,14 +137,17 @@ def test_a_killed_launchers_directory_is_removed_by_the_next_launch_and_a_live_o
     next launch on the machine removes the directories whose launcher is gone, and only those."""
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
-    orphan = tmp_path / f"gpipe-shm-{dead_pid}-abc123"
+    host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())
+    orphan = tmp_path / f"gpipe-shm-{host}-{dead_pid}-abc123"
     orphan.mkdir()
     (orphan / "message").write_bytes(b"x" * 64)
-    alive = tmp_path / f"gpipe-shm-{os.getppid()}-def456"  # the process that started this one
+    alive = tmp_path / f"gpipe-shm-{host}-{os.getppid()}-def456"  # the process that started this one
     alive.mkdir()
+    elsewhere = tmp_path / f"gpipe-shm-another_{host}-{dead_pid}-ghi789"  # a container sharing /dev/shm
+    elsewhere.mkdir()
     older = tmp_path / "gpipe-shm-k2j3h4"  # named before directories carried their launcher's id
     older.mkdir()
     with shared_directory(str(tmp_path)) as directory:
-        assert not orphan.exists() and alive.exists() and older.exists()
-        assert os.path.basename(directory).startswith(f"gpipe-shm-{os.getpid()}-")
+        assert not orphan.exists() and alive.exists() and elsewhere.exists() and older.exists()
+        assert os.path.basename(directory).startswith(f"gpipe-shm-{host}-{os.getpid()}-")
     assert not os.path.exists(directory)
