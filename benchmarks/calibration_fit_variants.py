@@ -2,14 +2,18 @@
 
 Measures once what ``gpipe calibrate`` and ``gpipe validate`` measure (the profile, the design runs
 in 6 rounds, the held-out runs in 15 rounds of 10 steps) for the demo's transformer, keeps every
-report, then fits the costs three ways from the same design runs and validates each on the same
+report, then fits the costs four ways from the same design runs and validates each on the same
 held-out runs, so the difference between the variants is the model's, not the machine's moment:
 
 * ``affine, no gaps``: one scale and a per-action overhead per kind of action, fitted on every
   action alike (the fit before the gap and two-part terms), and no time between actions;
 * ``affine``: the same, with the measured gap after each kind of action (:mod:`sim.replica_run`);
-* ``two-part``: what ``gpipe calibrate`` fits: the profile's fixed part and the part that grows
-  with rows scaled apart, every design run weighing alike (:func:`calibrate.fit.fit_action`), gaps.
+* ``two-part, F R B``: the profile's fixed part and the part that grows with rows scaled apart,
+  every design run weighing alike (:func:`calibrate.fit.fit_action`), gaps; one line per kind of
+  action of the schedule: every forward on one, a split backward's I and W at the whole backward's
+  factor;
+* ``two-part``: what ``gpipe calibrate`` fits: the same, and lines of their own for a forward that
+  keeps its graph and for I and W (from the design's zb-h1 run).
 
 Usage::
 
@@ -39,7 +43,7 @@ MODEL = "transformer"
 OPTIONS = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 BATCH = 32
 DESIGN_ROUNDS, HELD_OUT_ROUNDS, STEPS = 6, 15, 10
-VARIANTS = ("affine, no gaps", "affine", "two-part")
+VARIANTS = ("affine, no gaps", "affine", "two-part, F R B", "two-part")
 
 
 def measure(path: str) -> None:
@@ -70,7 +74,10 @@ def measure(path: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {len(held_out)} held-out runs x {HELD_OUT_ROUNDS} rounds", flush=True)
     held_out_reports = run_configs(configs * HELD_OUT_ROUNDS)
     with open(path, "w") as handle:
-        json.dump({"data": data, "design_reports": design_reports, "held_out": [s.label() for s in held_out],
+        json.dump({"data": data, "design_reports": design_reports,
+                   "design": [s.label() for s in calibration.calibration_design(int(model["num_layers"]), BATCH, 2,
+                                                                                split_backward=True)],
+                   "held_out": [s.label() for s in held_out],
                    "held_out_reports": held_out_reports}, handle)
 
 
@@ -90,6 +97,9 @@ def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -
         for (k, kind), points in observations.actions.items():
             data["pipeline"][str(k)]["actions"][kind] = fit_affine(
                 points.profiled, points.measured, slope_bounds=(0.2, 5.0), intercept_bounds=(0.0, 1.0)).to_dict()
+    if variant.startswith("affine") or variant.endswith("F R B"):
+        for entry in data["pipeline"].values():
+            entry["actions"] = {kind: line for kind, line in entry["actions"].items() if kind in "FRB"}
     if variant.endswith("no gaps"):
         for entry in data["pipeline"].values():
             entry["gap_after_s"] = {}
@@ -106,7 +116,10 @@ def compare_variants(path: str) -> dict:
     with open(path) as handle:
         measured = json.load(handle)
     base = measured["data"]
-    design = calibration_design(int(base["model"]["num_layers"]), BATCH, 2)
+    # reports measured before the design's zb-h1 run have no label list and no such run
+    design = calibration_design(int(base["model"]["num_layers"]), BATCH, 2, split_backward="design" in measured)
+    assert [s.label() for s in design] == measured.get("design", [s.label() for s in design]), \
+        "the reports are of another calibration design"
     specs = design * (len(measured["design_reports"]) // len(design))
     reports = measured["design_reports"]
     speeds = [speed_factor(run_probes(r), base["speed"]["reference_s"].get(str(s.processes))) for s, r in zip(specs, reports)]

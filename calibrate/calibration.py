@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from sim.costs import MeasuredWorkload
+from sim.costs import FORWARD_WITH_GRAPH, MeasuredWorkload
 from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import measured_action_gaps_s, measured_end_span_s, predicted_end_span_s
@@ -84,10 +84,14 @@ def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
 
 
 def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
-                       tensor_parallel: Sequence[int] = ()) -> list[RunSpec]:
+                       tensor_parallel: Sequence[int] = (), split_backward: bool = False) -> list[RunSpec]:
     """The runs the fit learns from (small: every run costs a few seconds on 2 cores); for each T in
     ``tensor_parallel`` (the splits the profile measured) two one-stage runs split over T ranks,
-    whose actions fit the split stages' in-pipeline factor (:func:`fit_tensor_parallel`)."""
+    whose actions fit the split stages' in-pipeline factor (:func:`fit_tensor_parallel`). With
+    ``split_backward`` (a profile that timed I and W apart) a zb-h1 run, whose I and W actions get
+    in-pipeline factors of their own: a backward split in two pays its dispatch twice and keeps
+    its graph between the halves, which the whole backward's factor does not see. It keeps every
+    forward's graph (``never``) at 5-6 rows, where the other runs that do have 8 or 16."""
     specs = [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size),
              RunSpec(even_partition(num_layers, 1), 8, "always", "gpipe", batch_size)]
     if max_stages >= 2 and num_layers >= 2:
@@ -95,6 +99,8 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
                   RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
                   RunSpec(even_partition(num_layers, 2), 2, "never", "1f1b", batch_size),
                   RunSpec(even_partition(num_layers, 2), 16, "always", "gpipe", batch_size)]
+        if split_backward:
+            specs.append(RunSpec(even_partition(num_layers, 2), 6, "never", "zb-h1", batch_size))
     for parts in tensor_parallel:
         specs += [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size, 1, parts),
                   RunSpec(even_partition(num_layers, 1), 4, "except_last", "gpipe", batch_size, 1, parts)]
@@ -157,8 +163,11 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     bounds = stage_bounds(spec.partition)
     m_count = len([a for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"])
     for action in report["actions"]:
+        kind = fitted_kind(action, bounds, spec.checkpoint, m_count)
+        if kind is None:
+            continue
         profiled, fixed = profiled_action_parts(workload, spec.checkpoint, action, bounds, m_count)
-        points = obs.actions.setdefault((k_count, action["kind"]), ActionPoints())
+        points = obs.actions.setdefault((k_count, kind), ActionPoints())
         points.profiled.append(profiled)
         points.fixed.append(fixed)
         points.measured.append(action["duration_s"] / speed)
@@ -188,10 +197,26 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
             obs.gaps.setdefault(k_count, {}).setdefault(kind, []).append(gap / speed)
 
 
+def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], checkpoint: str,
+                microbatches: int) -> str | None:
+    """The line a report's action is fitted on: its kind's, but a forward that keeps its graph for
+    the backward (every one under ``never`` and ``selective``, the last under ``except_last``) on
+    the line of its own (:data:`sim.costs.FORWARD_WITH_GRAPH`); on the first stage (whose input needs
+    no gradient) a split backward's W is the whole backward (B) and its I computes nothing (None:
+    not fitted), as :func:`sim.stage_costs.weight_grad_time_s` predicts them."""
+    kind = action["kind"]
+    if kind == "F" and not recomputes(checkpoint, action["microbatch"], microbatches):
+        return FORWARD_WITH_GRAPH
+    if kind in ("I", "W") and bounds[action["stage"]][0] == 0:
+        return "B" if kind == "W" else None
+    return kind
+
+
 def profiled_action_s(workload: MeasuredWorkload, checkpoint: str, action: dict[str, Any],
                       bounds: Sequence[tuple[int, int]], microbatches: int) -> float:
-    """What the layer profile says one of a report's actions takes: its stage's layers' times of its
-    kind at its rows (a forward that keeps its graph as a recompute, which is what it runs)."""
+    """What the layer profile says one of a report's actions takes: its stage's layers' times of the
+    kind it is fitted as (:func:`fitted_kind`; a forward that keeps its graph as the profile's forward
+    with grad, which is what it runs; 0 for the first stage's I)."""
     return profiled_action_parts(workload, checkpoint, action, bounds, microbatches)[0]
 
 
@@ -200,9 +225,10 @@ def profiled_action_parts(workload: MeasuredWorkload, checkpoint: str, action: d
     """:func:`profiled_action_s` and its part that does not grow with the rows
     (:meth:`sim.costs.MeasuredWorkload.profiled_parts_s`)."""
     first, end = bounds[action["stage"]]
-    kind = action["kind"]
-    if kind == "F" and not recomputes(checkpoint, action["microbatch"], microbatches):
-        kind = "R"
+    kind = fitted_kind(action, bounds, checkpoint, microbatches)
+    if kind is None:
+        return 0.0, 0.0
+    kind = "R" if kind == FORWARD_WITH_GRAPH else kind
     parts = [workload.profiled_parts_s(kind, i, action["rows"]) for i in range(first, end)]
     return sum(t for t, _ in parts), sum(f for _, f in parts)
 
@@ -220,12 +246,19 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
     residuals: dict[str, Any] = {}
     for k in sorted({k for k, _ in obs.actions}):
         entry: dict[str, Any] = {"threads": threads_of[k], "actions": {}}
-        for kind in ("F", "R", "B"):
+        # I and W only where a design run split its backward (the stage's costs otherwise scale their
+        # profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
+        # keeping its graph only where a design run had one (else it takes the forward's line)
+        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W") if (k, kind) in obs.actions):
             if (k, kind) in obs.actions:
                 points = obs.actions[(k, kind)]
                 # overhead >= 0: a free intercept traded a slope above 1 for a negative overhead
-                # on the design's few row counts and overshot at row counts outside them
-                line = fit_action(points.profiled, points.fixed, points.measured, points.runs).to_dict()
+                # on the design's few row counts and overshot at row counts outside them; a forward
+                # keeping its graph takes the forward's (the executor's work around a forward is the
+                # same; the design's such forwards are all of large stages, which cannot tell it apart)
+                overhead = entry["actions"]["F"]["intercept"] if kind == FORWARD_WITH_GRAPH else None
+                line = fit_action(points.profiled, points.fixed, points.measured, points.runs,
+                                  overhead_s=overhead).to_dict()
             else:
                 line = AffineFit(1.0, 0.0).to_dict()
             entry["actions"][kind] = line
@@ -244,7 +277,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         pipeline[str(k)] = entry
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
-                             + [(f"action {kind}", entry["actions"][kind]) for kind in "FRB"]}
+                             + [(f"action {kind}", line) for kind, line in entry["actions"].items()]}
         for kind, values in sorted(gaps.items()):
             low, _, high = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
             residuals[str(k)][f"gap after {kind}"] = {"points": len(values), "median_s": entry["gap_after_s"][kind],
@@ -526,7 +559,8 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         say(f"profiling the layers split over {parts} tensor-parallel ranks at threads {split_threads}")
         data["tensor_parallel_profile"] = {str(parts): profile_tensor_parallel(
             model, options, batch_size, rows, split_threads, parts, device, quick, precision)}
-    design = calibration_design(ref.num_layers, batch_size, max_stages, [parts] if parts > 1 else [])
+    design = calibration_design(ref.num_layers, batch_size, max_stages, [parts] if parts > 1 else [],
+                                split_backward=repeats.split)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]
     reports = run_configs(configs, progress=say)

@@ -119,14 +119,15 @@ class ActionLine:
 def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequence[float],
                groups: Sequence[Any] = (), slope_bounds: tuple[float, float] = (0.2, 5.0),
                fixed_bounds: tuple[float, float] = (0.0, 5.0),
-               intercept_bounds: tuple[float, float] = (0.0, 1.0)) -> ActionLine:
+               intercept_bounds: tuple[float, float] = (0.0, 1.0), overhead_s: float | None = None) -> ActionLine:
     """Least squares of the action model on relative residuals, each point weighted by
     1/sqrt(points of its group), so that every design run counts alike whatever its micro-batch
     count (a 16-micro-batch run has eight times the actions of a 2-micro-batch one, and its small
     actions would otherwise set the line for the large ones). When the fixed part's share of the
     profiled time varies by less than 5 points over the points (one row count, say), the two parts
     cannot be told apart and one slope is fitted (``fixed_slope`` None); with one profiled time, the
-    overhead is left at 0 and the slope alone carries the points."""
+    overhead is left at 0 and the slope alone carries the points. A given ``overhead_s`` is kept as
+    the overhead and only the scales are fitted."""
     p, f, m = (np.asarray(v, dtype=float) for v in (profiled, fixed, measured))
     if not len(p) == len(f) == len(m) or len(p) == 0:
         raise ValueError(f"need as many profiled, fixed and measured times, at least one, got {len(p)}, {len(f)}, {len(m)}")
@@ -135,7 +136,9 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     labels = list(groups) if len(groups) else list(range(len(p)))
     counts = {g: labels.count(g) for g in set(labels)}
     weight = np.array([1.0 / math.sqrt(counts[g]) for g in labels])
-    if len(np.unique(p)) < 2:  # one profiled time: scale and overhead cannot be told apart; keep the scale
+    if overhead_s is not None:
+        intercept_bounds = (overhead_s, float(np.nextafter(overhead_s, np.inf)))
+    elif len(np.unique(p)) < 2:  # one profiled time: scale and overhead cannot be told apart; keep the scale
         intercept_bounds = (0.0, 1e-300)
     share = f / p
     split = float(np.max(share) - np.min(share)) >= 0.05

@@ -81,7 +81,7 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
     micro-batch (batch >= D x M); they are kept even where D x K oversubscribes the machine (see the
     module). Tensor-parallel runs come last.
     """
-    seen = set(calibration_design(num_layers, batch_size, max_stages, tensor_parallel))
+    seen = set(calibration_design(num_layers, batch_size, max_stages, tensor_parallel, split_backward=True))
     wanted = ([(1, 1, *run) for run in HELD_OUT] + [(1, *run) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
               + [(t, 1, *run[1:]) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]] if t in tensor_parallel])
     specs = []

@@ -131,6 +131,9 @@ class PipelineFit:
                    {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()})
 
 
+# the fitted line of a forward that keeps its graph for the backward (the pipeline fits' other lines are
+# the schedule's kinds of action, F, R, B, I and W)
+FORWARD_WITH_GRAPH = "F_graph"
 IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 
 
@@ -225,8 +228,10 @@ class MeasuredWorkload:
         if not self.split_factor:
             return nearest
         # a split stage: the profile's times scale by the factor fitted on split runs, not K's slope
+        # (lines of their own for the forward keeping its graph, I and W are left out: fitted on whole
+        # stages, they would not scale a split one; those take F's and B's split factors)
         return replace(nearest, actions={kind: ActionFit(self.split_factor.get(kind, line.slope), line.intercept)
-                                         for kind, line in nearest.actions.items()})
+                                         for kind, line in nearest.actions.items() if kind in ("F", "R", "B")})
 
     def _threads(self) -> int:
         """The profiled thread count of a D x K x T-process run: cores / processes on CPU, as the
@@ -276,20 +281,30 @@ class MeasuredWorkload:
         seconds = max(0.0, interpolate(self.rows, self.times[self._threads()]["C"][layer], rows))
         return self._mem("core_bytes", layer, rows), seconds
 
-    def _forward_kind_parts(self, layer: int, rows: int) -> tuple[float, float]:
-        """(time, fixed part) of the layer's forward as the policy runs it (:meth:`profiled_parts_s`)."""
-        no_grad, with_grad = self.profiled_parts_s("F", layer, rows), self.profiled_parts_s("R", layer, rows)
-        if self.checkpoint in ("never", "selective"):  # selective's forward keeps all but the core
-            return with_grad
+    def _forward_s(self, fit: PipelineFit, layers: range, rows: int, with_intercept: bool = True) -> float:
+        """The in-pipeline time of a forward over ``layers`` as the policy runs it: without a graph
+        (``always``, ``full``), keeping it (``never``, ``selective``, whose forward keeps all but the
+        core), or one micro-batch in M keeping it (``except_last``: the mean over the step's
+        forwards). A forward that keeps its graph is the profile's forward with grad, on its own
+        line where calibration fitted one (it saves every activation, which a forward without grad
+        does not), else on the forward's."""
+        plain = fit.actions["F"]
+        graph = fit.actions.get(FORWARD_WITH_GRAPH, plain)
+
+        def price(line: ActionFit, kind: str) -> float:
+            parts = self._parts(kind, layers, rows)
+            return line(*parts) if with_intercept else line.scale(*parts)
+
+        if self.checkpoint in ("never", "selective"):
+            return price(graph, "R")
         if self.checkpoint == "except_last":
             m = self.microbatches or 1
-            return ((m - 1) * no_grad[0] + with_grad[0]) / m, ((m - 1) * no_grad[1] + with_grad[1]) / m
-        return no_grad
+            return ((m - 1) * price(plain, "F") + price(graph, "R")) / m
+        return price(plain, "F")
 
     def _parts(self, kind: str, layers: range, rows: int) -> tuple[float, float]:
-        """(time, fixed part) of ``kind`` summed over ``layers`` (the forward as the policy runs it)."""
-        parts = [self._forward_kind_parts(i, rows) if kind == "F" else self.profiled_parts_s(kind, i, rows)
-                 for i in layers]
+        """(time, fixed part) of the profile's ``kind`` summed over ``layers``."""
+        parts = [self.profiled_parts_s(kind, i, rows) for i in layers]
         return sum(t for t, _ in parts), sum(f for _, f in parts)
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
@@ -307,7 +322,7 @@ class MeasuredWorkload:
             core_bytes, core_s = self._core(i, rows)
             costs.append(LayerCost(
                 name=self.memory[i]["name"],
-                forward_s=fit.actions["F"].scale(*self._forward_kind_parts(i, rows)),
+                forward_s=self._forward_s(fit, range(i, i + 1), rows, with_intercept=False),
                 backward_s=fit.actions["B"].scale(*backward),
                 recompute_s=fit.actions["R"].scale(*self.profiled_parts_s("R", i, rows)),
                 saved_bytes=saved, output_bytes=out, input_bytes=inp, param_bytes=params,
@@ -340,21 +355,29 @@ class MeasuredWorkload:
             return sum_stage(self._what_if(rows, device)[first:end])
         fit = self.fit
         layers = range(first, end)
-        forward, recompute = self._parts("F", layers, rows), self._parts("R", layers, rows)
+        recompute = self._parts("R", layers, rows)
         backwards = [self.profiled_s("B", i, rows) for i in layers]
         layer_params = [int(self.memory[i]["param_bytes"]) for i in layers]
         backward = self._parts("B", layers, rows)
-        # W, the split's cost and the attention core's rerun: the backward's in-pipeline factor at these rows
+        # W, the split's cost and the attention core's rerun: the backward's in-pipeline factor at these
+        # rows, unless calibration fitted I and W on a run that split its backward
         in_pipeline = fit.actions["B"].scale(*backward) / backward[0]
         inp = self._mem("input_bytes", first, rows)
         out = self._mem("output_bytes", end - 1, rows)
         params = sum(layer_params)
         weight_grad, split_overhead = self._split_backward_s(layers, rows, backwards, layer_params)
+        weight_grad, split_overhead = in_pipeline * weight_grad, in_pipeline * split_overhead
+        if "W" in fit.actions and "W" in self.times[self._threads()]:
+            # a design run split its backward: W's own in-pipeline line, and I's through the split's cost
+            weight_grad = fit.actions["W"](*self._parts("W", layers, rows))
+            if "I" in fit.actions:
+                split_overhead = fit.actions["I"](*self._parts("I", layers, rows)) - (fit.actions["B"](*backward)
+                                                                                      - weight_grad)
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
         return StageCost(
-            forward_s=fit.actions["F"](*forward), backward_s=fit.actions["B"](*backward),
+            forward_s=self._forward_s(fit, layers, rows), backward_s=fit.actions["B"](*backward),
             activation_send_s=fit.send(out) if end < self.num_layers else 0.0,
             gradient_send_s=fit.send(inp) if first > 0 else 0.0,
             recompute_s=fit.actions["R"](*recompute),
@@ -364,7 +387,7 @@ class MeasuredWorkload:
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
             gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
             if fit.gap_after_s else (), layer_inputs_bytes=held, layer_transient_bytes=transient,
-            weight_grad_s=in_pipeline * weight_grad, split_overhead_s=in_pipeline * split_overhead,
+            weight_grad_s=weight_grad, split_overhead_s=split_overhead,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores))
 
     # ------------------------------------------------------------------ what-if on catalog devices

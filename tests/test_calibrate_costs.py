@@ -109,6 +109,64 @@ def test_an_action_scales_the_profiles_fixed_part_apart_from_the_part_that_grows
     assert cost.backward_s == pytest.approx(1.5 * backward_work + 0.2 * 4e-4 + 1e-4)
 
 
+def test_a_forward_that_keeps_its_graph_is_priced_on_its_own_line_where_calibration_fitted_one(tmp_path):
+    """never: every forward keeps its graph (the profile's forward with grad, R, on the F_graph line);
+    except_last: one in M does; always: none. Without the line all take the forward's."""
+    data = synthetic_costs()
+    data["profile"]["times_s"] = {t: {**kinds, "R": [_times(1.5e-3 * (i + 1), 1e-4) for i in range(3)]}
+                                  for t, kinds in data["profile"]["times_s"].items()}
+    data["pipeline"]["2"]["actions"]["F_graph"] = {"slope": 1.8, "intercept": 3e-4}
+    path = tmp_path / "costs.json"
+    write_costs(data, path)
+    workload = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8})
+    no_grad = sum(1e-4 + 1e-3 * (i + 1) * 2 for i in range(2))
+    with_grad = sum(1e-4 + 1.5e-3 * (i + 1) * 2 for i in range(2))
+    forward = {policy: workload.bind(get_system("cpu"), 2, policy, 4)[0].stage_cost(2, 0, 2, LOCAL_CPU).forward_s
+               for policy in ("never", "except_last", "always")}
+    assert forward["never"] == pytest.approx(1.8 * with_grad + 3e-4)
+    assert forward["always"] == pytest.approx(1.5 * no_grad + 1e-4)
+    assert forward["except_last"] == pytest.approx((3 * forward["always"] + forward["never"]) / 4)
+    del data["pipeline"]["2"]["actions"]["F_graph"]
+    write_costs(data, path)
+    plain, _ = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "never")
+    assert plain.stage_cost(2, 0, 2, LOCAL_CPU).forward_s == pytest.approx(1.5 * with_grad + 1e-4)
+
+
+def test_fitted_i_and_w_lines_price_a_split_backward_and_the_first_stage_keeps_the_whole_backward(tmp_path):
+    """Where a design run split its backward, W is its own line on the profiled W and I its own line on
+    the profiled I (the split's cost is what I + W take beyond the fitted whole backward); the first
+    stage's W stays the whole backward and its I nothing. Without I and W lines both take the
+    backward's factor."""
+    from sim.stage_costs import input_grad_time_s, weight_grad_time_s
+
+    data = synthetic_costs()
+    for kinds in data["profile"]["times_s"].values():
+        kinds["I"] = [_times(1.2e-3 * (i + 1), 1e-4) for i in range(3)]
+        kinds["W"] = [_times(0.9e-3 * (i + 1), 1e-4) for i in range(3)]
+    plain_path, split_path = tmp_path / "plain.json", tmp_path / "split.json"
+    write_costs(data, plain_path)
+    data["pipeline"]["2"]["actions"]["I"] = {"slope": 1.25, "intercept": 2e-4}
+    data["pipeline"]["2"]["actions"]["W"] = {"slope": 2.0, "intercept": 3e-4}
+    write_costs(data, split_path)
+    options = {"layers": 3, "width": 8}
+    split, _ = load_costs_workload(str(split_path), "mlp", options).bind(get_system("cpu"), 2, "never")
+    plain, _ = load_costs_workload(str(plain_path), "mlp", options).bind(get_system("cpu"), 2, "never")
+    cost = split.stage_cost(2, 1, 3, LOCAL_CPU)
+    input_grad = sum(1e-4 + 1.2e-3 * (i + 1) * 2 for i in (1, 2))
+    weight_grad = sum(1e-4 + 0.9e-3 * (i + 1) * 2 for i in (1, 2))
+    assert weight_grad_time_s(cost, "never", first=False) == pytest.approx(2.0 * weight_grad + 3e-4)
+    assert input_grad_time_s(cost, "never", first=False) == pytest.approx(1.25 * input_grad + 2e-4)
+    first = split.stage_cost(2, 0, 1, LOCAL_CPU)
+    assert weight_grad_time_s(first, "never", first=True) == pytest.approx(first.backward_s)
+    assert input_grad_time_s(first, "never", first=True) == 0.0
+    unfitted = plain.stage_cost(2, 1, 3, LOCAL_CPU)
+    backward = sum(2e-4 + 2e-3 * (i + 1) * 2 for i in (1, 2))
+    factor = unfitted.backward_s / backward - 1e-4 / backward  # the backward's slope, without its intercept
+    assert unfitted.weight_grad_s == pytest.approx(factor * weight_grad)
+    assert input_grad_time_s(unfitted, "never", first=False) == pytest.approx(
+        unfitted.backward_s - factor * weight_grad + factor * (input_grad + weight_grad - backward))
+
+
 def test_the_fitted_gap_between_actions_reaches_every_stage_on_the_measured_device_only(tmp_path):
     data = synthetic_costs()
     data["pipeline"]["2"]["gap_after_s"] = {"F": 7e-5, "R": 7e-5, "B": 9e-5, "I": 7e-5, "W": 7e-5}

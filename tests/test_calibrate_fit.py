@@ -148,6 +148,29 @@ def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measur
     assert fit_pipeline(obs, {2: 1})[0]["2"]["gap_after_s"] == {}
 
 
+def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first_stage_as_a_backward():
+    """A zb-h1 run's first stage has no input gradient to compute: its W is the whole backward (fitted
+    with B) and its I is not fitted; the other stages' I and W get lines of their own, and a K
+    without a split run has none (the stage's costs then take the backward's factor)."""
+    from calibrate.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind
+
+    bounds = [(0, 2), (2, 4)]
+    assert [fitted_kind({"stage": s, "kind": k, "microbatch": 0}, bounds, "always", 4)
+            for s in (0, 1) for k in "FBIW"] == ["F", "B", None, "B", "F", "B", "I", "W"]
+    # a forward that keeps its graph has a line of its own
+    assert [fitted_kind({"stage": 1, "kind": "F", "microbatch": m}, bounds, "except_last", 4) for m in range(4)] == [
+        "F", "F", "F", "F_graph"]
+    assert fitted_kind({"stage": 0, "kind": "F", "microbatch": 0}, bounds, "never", 4) == "F_graph"
+    obs = Observations()
+    for kind, factor in (("F", 1.1), ("R", 1.0), ("B", 1.05), ("I", 1.3), ("W", 1.2)):
+        obs.actions[(2, kind)] = ActionPoints([1e-3, 1e-3], [1e-4, 1e-4], [factor * 1e-3] * 2, ["a", "b"])
+    obs.actions[(1, "F")] = ActionPoints([1e-3], [1e-4], [1e-3], ["c"])
+    pipeline, residuals = fit_pipeline(obs, {1: 2, 2: 1})
+    assert pipeline["2"]["actions"]["I"]["slope"] == pytest.approx(1.3)
+    assert pipeline["2"]["actions"]["W"]["slope"] == pytest.approx(1.2)
+    assert "action W" in residuals["2"] and set(pipeline["1"]["actions"]) == {"F", "R", "B"}
+
+
 def test_the_action_line_recovers_a_scale_for_each_part_and_the_overhead():
     """Profiled times with a fixed part of 1 ms per call: a pipeline that pays a fifth of it and 1.2x
     the rows' part, plus 0.3 ms an action, is recovered exactly."""
