@@ -26,14 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from sim.costs import FORWARD_WITH_GRAPH, MeasuredWorkload
-from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline
+from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, replica_spread
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
-from calibrate.step_components import measured_action_gaps_s, measured_end_span_s, predicted_end_span_s
+from calibrate.step_components import (compute_per_step_s, measured_action_gaps_s, measured_end_span_s,
+                                       predicted_end_span_s)
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
 from sim.schedule import COMPUTE_KINDS, recomputes
 from sim.progress import phase
 from sim.stage_costs import stage_bounds
+from sim.stragglers import straggle_fraction
 
 Progress = Callable[[str], None]
 
@@ -141,6 +143,8 @@ class Observations:
     optimizer: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     # per K and kind of action: the executor's own time after one, before the device's next
     gaps: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    # per K of two stages or more, per design run: each measured step's compute seconds per stage
+    step_compute: dict[int, dict[str, list[list[float]]]] = field(default_factory=dict)
 
     @staticmethod
     def _add(table: dict, key: Any, x: float, y: float) -> None:
@@ -195,6 +199,9 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     for gaps in measured_action_gaps_s(report).values():
         for kind, gap in gaps:
             obs.gaps.setdefault(k_count, {}).setdefault(kind, []).append(gap / speed)
+    if k_count >= 2:
+        obs.step_compute.setdefault(k_count, {}).setdefault(spec.label(), []).extend(
+            [seconds / speed for seconds in row] for row in compute_per_step_s(report))
 
 
 def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], checkpoint: str,
@@ -240,6 +247,10 @@ def _rows_of(spec: RunSpec, microbatch: int) -> int:
     return rows[microbatch] if 0 <= microbatch < len(rows) else rows[0]
 
 
+# the lines that take another's per-action overhead rather than fit their own (fit_pipeline)
+OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B"}
+
+
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-K fits (``pipeline`` section of the costs file) and their residual summaries."""
     pipeline: dict[str, Any] = {}
@@ -254,9 +265,12 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
                 points = obs.actions[(k, kind)]
                 # overhead >= 0: a free intercept traded a slope above 1 for a negative overhead
                 # on the design's few row counts and overshot at row counts outside them; a forward
-                # keeping its graph takes the forward's (the executor's work around a forward is the
-                # same; the design's such forwards are all of large stages, which cannot tell it apart)
-                overhead = entry["actions"]["F"]["intercept"] if kind == FORWARD_WITH_GRAPH else None
+                # keeping its graph takes the forward's, I and W the backward's (the executor's work
+                # around the action is the same; their design runs' stages are all of one size at
+                # one or two row counts, which cannot tell an overhead from a scale: one zb-h1 run's
+                # 5- and 6-row actions fitted W an overhead of 3 ms, 30% too much on the zbv's chunks)
+                shares = OVERHEAD_OF.get(kind)
+                overhead = entry["actions"][shares]["intercept"] if shares else None
                 line = fit_action(points.profiled, points.fixed, points.measured, points.runs,
                                   overhead_s=overhead).to_dict()
             else:
@@ -274,10 +288,18 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         pooled = [gap for values in gaps.values() for gap in values]
         entry["gap_after_s"] = ({kind: statistics.median(gaps.get(kind) or pooled) for kind in COMPUTE_KINDS}
                                 if pooled else {})
+        # how a process's compute varies from step to step: how late the slowest of D replicas finishes
+        spread = replica_spread(list(obs.step_compute.get(k, {}).values()))
+        if spread:
+            entry["replica_spread"] = spread
         pipeline[str(k)] = entry
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", line) for kind, line in entry["actions"].items()]}
+        if spread:
+            residuals[str(k)]["replica spread"] = {
+                "steps": sum(len(rows) for rows in obs.step_compute[k].values()),
+                "straggle_of_2": straggle_fraction(spread, 2), "straggle_of_4": straggle_fraction(spread, 4)}
         for kind, values in sorted(gaps.items()):
             low, _, high = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
             residuals[str(k)][f"gap after {kind}"] = {"points": len(values), "median_s": entry["gap_after_s"][kind],

@@ -22,6 +22,7 @@ from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
 from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer
 from sim.precision import DEFAULT_PRECISION, check_precision
+from sim.stragglers import straggle_fraction
 
 DEFAULT_MODEL = "transformer"
 
@@ -151,9 +152,12 @@ def summary_text(data: dict[str, Any]) -> str:
                          + (f" (fixed part x{a['fixed_slope']:.3f})" if a.get("fixed_slope") is not None else "")
                          + f"{a['intercept'] * 1e6:+.0f}us" for kind, a in fit["actions"].items())
         gaps = "/".join(f"{kind} {gap * 1e6:.0f}" for kind, gap in fit.get("gap_after_s", {}).items())
+        spread = fit.get("replica_spread")
         lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; "
                      + (f"between actions, after {gaps} us; " if gaps else "")
-                     + f"step overhead {fit['step_overhead_s'] * 1e3:.2f} ms")
+                     + f"step overhead {fit['step_overhead_s'] * 1e3:.2f} ms"
+                     + (f"; the slowest of 2 replicas {straggle_fraction(spread, 2) * 100:+.1f}% of their compute"
+                        if spread else ""))
     for parts, factors in sorted(data.get("tensor_parallel_fit", {}).items()):
         lines.append(f"T={parts} (layers profiled split over {parts} ranks): in-pipeline factor "
                      + ", ".join(f"{kind} x{value:.3f}" for kind, value in factors.items()))

@@ -20,6 +20,9 @@ goal is a relative error. The models, each affine in what was measured:
 * optimizer, per K: ``optimizer_s = a + param_bytes * b``
 * step overhead, per K: one constant added to every stage's end of step (data, zero_grad, posting
   receives), fitted on whole-step times after the rest is fixed.
+* replica spread, per K: quantiles of a process's own step-to-step compute deviation, from two
+  stages of one run in the same step (:func:`replica_spread`), how late the slowest of D replicas
+  finishes (:mod:`sim.stragglers`).
 * roofline efficiency: ``time_s = max(flops / (e * peak_flops), bytes / (b * peak_bandwidth)) +
   overhead_s`` (Williams et al. 2009), the form :mod:`sim.models` uses, fitted on the layer profile.
 
@@ -151,6 +154,31 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     if split:
         return ActionLine(coefficients[0], coefficients[2], coefficients[1], residuals)
     return ActionLine(coefficients[0], coefficients[1], None, residuals)
+
+
+def replica_spread(runs: Sequence[Sequence[Sequence[float]]], quantiles: int = 20) -> list[float]:
+    """Quantiles of the independent part of a process's compute deviation in one step, from runs of
+    several stages (each run: per step, each stage's compute seconds): a stage's step over the
+    run's median for that stage is ``1 + e``, and the difference of two stages' ``e`` in one step,
+    over sqrt(2), has the variance of one process's own deviation, what a machine-wide slow moment
+    (which moves both) leaves out; both signs are kept, as either process may be the slow one.
+    ``quantiles`` equally weighted values at the midpoints of as many equal slices (:mod:`sim.stragglers`);
+    empty without a run of two stages or more."""
+    samples: list[np.ndarray] = []
+    for rows in runs:
+        table = np.asarray(rows, dtype=float)
+        if table.ndim != 2 or table.shape[1] < 2 or len(table) == 0:
+            continue
+        ratios = table / np.median(table, axis=0)
+        for i in range(table.shape[1]):
+            for j in range(i + 1, table.shape[1]):
+                difference = (ratios[:, i] - ratios[:, j]) / math.sqrt(2.0)
+                samples += [difference, -difference]
+    if not samples:
+        return []
+    levels = (np.arange(quantiles) + 0.5) / quantiles
+    # sample values, not interpolations between them, which would shrink the tails the slowest draw comes from
+    return [float(v) for v in np.quantile(np.concatenate(samples), levels, method="inverted_cdf")]
 
 
 @dataclass(frozen=True)

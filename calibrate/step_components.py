@@ -77,6 +77,19 @@ def measured_gap_medians_s(report: dict[str, Any], stage: int) -> dict[str, floa
     return {kind: statistics.median(gaps) for kind, gaps in sorted(by_kind.items())}
 
 
+def compute_per_step_s(report: dict[str, Any]) -> list[list[float]]:
+    """Per measured step, each stage's compute seconds in it (its forwards, recomputes, backwards and
+    their split parts; replica 0, first tensor-parallel ranks), in stage order."""
+    stages = len(report["stages"])
+    steps = report["measured_steps"]
+    rows = {step: [0.0] * stages for step in steps}
+    for record in report["timeline"]["records"]:
+        if (record["step"] in rows and record["kind"] in COMPUTE_KINDS and not record.get("replica")
+                and not record.get("tp")):
+            rows[record["step"]][record["stage"]] += record["end_s"] - record["start_s"]
+    return [rows[step] for step in steps]
+
+
 def measured_end_span_s(report: dict[str, Any]) -> float:
     """The median end-of-step span over a report's measured steps (every step where none is past its
     warm-up), replica 0's first tensor-parallel ranks."""

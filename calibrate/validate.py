@@ -130,6 +130,9 @@ class Comparison:
     # predicted and measured (the median over rounds of each round's, at the reference speed)
     predicted_kind_s: dict[str, list[float]] = field(default_factory=dict)
     measured_kind_at_reference_s: dict[str, list[float]] = field(default_factory=dict)
+    # the noise beside the busy errors: per stage, the interquartile range of its rounds' busy seconds at
+    # the reference speed over their median; the widest stage's
+    busy_round_spread: float = 0.0
 
     @property
     def kind_errors_at_reference(self) -> dict[str, list[float | None]]:
@@ -181,11 +184,7 @@ class Comparison:
     def round_spread(self) -> float:
         """Interquartile range of the rounds at the reference speed, over their median: how far
         this machine lets one measurement of the run be trusted."""
-        values = self.rounds_at_reference_s
-        if len(values) < 2:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-        return (q3 - q1) / statistics.median(values)
+        return relative_spread(self.rounds_at_reference_s)
 
     @property
     def step_error_at_reference(self) -> float:
@@ -215,7 +214,15 @@ class Comparison:
                 "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s,
                 "predicted_kind_s": self.predicted_kind_s,
                 "measured_kind_at_reference_s": self.measured_kind_at_reference_s,
-                "kind_errors_at_reference": self.kind_errors_at_reference}
+                "kind_errors_at_reference": self.kind_errors_at_reference, "busy_round_spread": self.busy_round_spread}
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """Interquartile range over the median (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(values)
 
 
 def bubble(busy_s: Sequence[float], step_s: float) -> float:
@@ -236,8 +243,8 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     busy, span = measured_components(reports)
     predicted_busy = [s.busy_s for s in sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)]
     speeds = [speed_factor(run_probes(r), reference) for r in reports]
-    busy_at_reference = [statistics.median(r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds))
-                         for k in range(len(busy))]
+    rounds_busy = [[r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds)] for k in range(len(busy))]
+    busy_at_reference = [statistics.median(values) for values in rounds_busy]
     return Comparison(spec.label(), result.step_time_s, measured,
                       replica_zero_peak_bytes(result),
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
@@ -245,7 +252,8 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       processes_available is not None and spec.processes > processes_available,
                       predicted_busy, busy, predicted_end_span_s(result), span, busy_at_reference,
                       predicted_kind_s(result, len(busy)),
-                      measured_kind_s(reports, speeds, len(busy)))
+                      measured_kind_s(reports, speeds, len(busy)),
+                      max((relative_spread(values) for values in rounds_busy), default=0.0))
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:
@@ -303,6 +311,8 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
             "median_step_error_at_reference": statistics.median(at_reference) if at_reference else 0.0,
             "worst_step_error_at_reference": max(at_reference, default=0.0),
             "median_round_spread": statistics.median(c.round_spread for c in comparisons) if comparisons else 0.0,
+            "median_busy_round_spread": (statistics.median(c.busy_round_spread for c in comparisons)
+                                         if comparisons else 0.0),
             "median_memory_error": statistics.median(memory) if memory else 0.0,
             "worst_memory_error": max(memory, default=0.0),
             "median_kind_error_at_reference": {kind: statistics.median(errors) for kind, errors in kinds.items()}}
@@ -358,7 +368,7 @@ def format_table(result: dict[str, Any]) -> str:
     """
     header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
               f"{'spread':>7}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  {'busy err':>8} {'busy@ref':>8} "
-              f"{'bubble p/m':>11} {'end p/m ms':>13}")
+              f"{'spread':>7} {'bubble p/m':>11} {'end p/m ms':>13}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
         worst_mem = max((abs(e) for e in run["memory_errors"]), default=0.0)
@@ -372,6 +382,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%  "
                      f"{_worst_signed(run.get('busy_errors', [])) * 100:>+7.1f}% "
                      f"{_worst_signed(run.get('busy_errors_at_reference', run.get('busy_errors', []))) * 100:>+7.1f}% "
+                     f"{run.get('busy_round_spread', 0.0) * 100:>6.1f}% "
                      f"{run.get('predicted_bubble', 0.0) * 100:>5.1f}/{run.get('measured_bubble', 0.0) * 100:<5.1f} "
                      f"{run.get('predicted_end_span_s', 0.0) * 1e3:>6.2f}/{run.get('measured_end_span_s', 0.0) * 1e3:<6.2f}")
     s = result["summary"]
@@ -387,7 +398,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "
                  f"{s.get('worst_busy_error', 0.0) * 100:.1f}% (at the reference speed: median "
                  f"{s.get('median_busy_error_at_reference', s.get('median_busy_error', 0.0)) * 100:.1f}%, worst "
-                 f"{s.get('worst_busy_error_at_reference', s.get('worst_busy_error', 0.0)) * 100:.1f}%); bubble error median "
+                 f"{s.get('worst_busy_error_at_reference', s.get('worst_busy_error', 0.0)) * 100:.1f}%; rounds spread "
+                 f"a stage's busy time by {s.get('median_busy_round_spread', 0.0) * 100:.1f}%); bubble error median "
                  f"{s.get('median_bubble_error_points', 0.0):.1f} points, worst "
                  f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "
                  "backward to the step's end, predicted/measured)")

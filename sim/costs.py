@@ -122,13 +122,17 @@ class PipelineFit:
     # per kind of action, the executor's own time after it before the device's next action
     # (:attr:`sim.stage_costs.StageCost.gap_after_s`); costs files written before it was measured have none
     gap_after_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    # quantiles of a process's compute deviation in one step (:attr:`sim.stage_costs.StageCost.replica_spread`);
+    # none in costs files written before it was measured, or for a K whose design runs had one stage
+    replica_spread: tuple[float, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
         return cls(int(data["threads"]), {k: ActionFit.from_dict(v) for k, v in data["actions"].items()},
                    Affine.from_dict(data["send"]), Affine.from_dict(data["optimizer"]),
                    float(data["step_overhead_s"]),
-                   {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()})
+                   {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()},
+                   tuple(float(v) for v in data.get("replica_spread", ())))
 
 
 # the fitted line of a forward that keeps its graph for the backward (the pipeline fits' other lines are
@@ -388,7 +392,8 @@ class MeasuredWorkload:
             gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
             if fit.gap_after_s else (), layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=weight_grad, split_overhead_s=split_overhead,
-            core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores))
+            core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores),
+            replica_spread=fit.replica_spread)
 
     # ------------------------------------------------------------------ what-if on catalog devices
 

@@ -9,7 +9,9 @@ links depend only on which of its devices share a node; replicas alike in both a
 After a device's last backward comes, in this order, the same on every replica:
 
 1. the data-parallel all-reduce of its gradients (fp32) over its stage's group, the D devices
-   holding the same stage: launched when the last of them has finished its last backward, timed by
+   holding the same stage: launched when the last of them has finished its last backward (later
+   by the expected straggling of D replicas where calibration measured how a process's compute
+   varies from step to step, :mod:`sim.stragglers`), timed by
    :func:`sim.allreduce.group_allreduce_s` (ring inside a node, hierarchical across nodes), or as a
    ring on ``allreduce_link`` when one is given (a calibrated collective);
 2. the sum of each shared parameter's gradient among the stages holding a copy (a tied embedding
@@ -57,6 +59,7 @@ from sim.replica_run import ReplicaRun
 from sim.schedule import (Action, build_schedule, check_interleaving, check_virtual_stages, device_of_virtual_stage,
                           virtual_stages_of_device)
 from sim.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
+from sim.stragglers import straggle_fraction
 from sim.timeline import (DP_ALLREDUCE, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
                           Record, Timeline)
 from sim.workload import Workload, shared_parameters
@@ -331,7 +334,11 @@ class _Step:
     def _tail(self) -> tuple[list[list[float]], list[list[float]]]:
         """Per replica and position: when the device ends, and its busy seconds (optimizer included)."""
         K, layout = self.layout.stages, self.layout
-        start_s = [max(run.last_backward_s[k] for run in self.runs) for k in range(K)]
+        # the slowest replica's compute runs past the typical one's by what calibration measured of a
+        # process's step-to-step deviations (sim.stragglers; nothing with one replica or none measured)
+        start_s = [max(run.last_backward_s[k] for run in self.runs)
+                   + straggle_fraction(self.chunk_costs[k][0].replica_spread, layout.replicas)
+                   * sum(run.busy_s[k] for run in self.runs) / len(self.runs) for k in range(K)]
         reduced_s = [start_s[k] + self.allreduce_s[k] for k in range(K)]
         ends, busy = [], []
         for d, run in enumerate(self.runs):

@@ -58,6 +58,10 @@ class StageCost:
     # by calibration, 0 in the analytic models)
     weight_grad_s: float = 0.0
     split_overhead_s: float = 0.0
+    # deviations of a device's compute in one step from its typical, as an equally weighted sample
+    # (quantiles): how late the slowest of D replicas finishes (sim.stragglers); measured by
+    # calibration, none in the analytic models
+    replica_spread: tuple[float, ...] = ()
 
 
 WEIGHT_GRAD_SHARE = 0.5  # of the backward of a layer with weights

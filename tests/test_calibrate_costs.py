@@ -289,6 +289,30 @@ def test_replicas_are_priced_with_the_threads_and_fits_of_d_x_k_processes():
     assert two.stage_cost(2, 0, 3, LOCAL_CPU).forward_s == pytest.approx(2.0 * 2 * forward + 1e-4)
 
 
+def test_the_slowest_of_d_replicas_delays_each_stages_allreduce_by_the_measured_spread(tmp_path):
+    """A process's compute deviates by -10% or +10% in a step, equally often: the slower of two
+    replicas runs 5% of a replica's compute past the typical one, and the all-reduce waits for it;
+    one replica, or a costs file without the spread, waits for nothing."""
+    data = synthetic_costs()
+    path, plain_path = tmp_path / "costs.json", tmp_path / "plain.json"
+    write_costs(data, plain_path)
+    data["pipeline"]["2"]["replica_spread"] = [-0.1, 0.1]
+    write_costs(data, path)
+
+    def step(costs, replicas: int):
+        w, system = load_costs_workload(str(costs), "mlp", {"layers": 3, "width": 8}).bind(
+            get_system("cpu"), 1, "never", 2, replicas)
+        return simulate(w, system, [3], 8, 2, "never", replicas=replicas)
+
+    for replicas in (1, 2):
+        spread, plain = step(path, replicas), step(plain_path, replicas)
+        compute = plain.stages[0].busy_s - (1e-8 * 6000 + 1e-5)  # the stage's busy time less its optimizer step
+        expected = 0.05 * compute if replicas == 2 else 0.0
+        assert spread.step_time_s - plain.step_time_s == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        waits = [r for r in spread.timeline.records if r.kind == "recv_wait" and r.microbatch == -1]
+        assert bool(waits) == (replicas == 2)
+
+
 def test_bind_puts_the_fitted_link_in_the_cpu_system_only(costs_file):
     w = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8})
     _, cpu = w.bind(get_system("cpu"), 2)
@@ -416,9 +440,11 @@ def test_calibration_summary_gives_each_design_runs_busy_error_and_the_gap_betwe
 
     data = _design([0.0])
     data["design"][0].update(measured_busy_s=[0.05, 0.04], predicted_busy_s=[0.045, 0.042])
-    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "gap_after_s": {"F": 8.4e-5, "B": 1.4e-4}}}
+    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "gap_after_s": {"F": 8.4e-5, "B": 1.4e-4},
+                              "replica_spread": [-0.1, 0.1]}}
     text = summary_text(data)
     assert "busy per stage -10.0%/+5.0%" in text and "between actions, after F 84/B 140 us" in text
+    assert "the slowest of 2 replicas +5.0% of their compute" in text
     assert "busy" not in summary_text(_design([0.0]))  # a costs file from before it was kept
 
 

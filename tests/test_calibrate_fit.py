@@ -208,3 +208,22 @@ def test_every_run_counts_alike_in_the_action_line_whatever_its_number_of_action
     # s = (1 + 1/1.2) / (1 + 1/1.44), where eight equal points of their own would pull s to 1.016
     assert by_run.intercept == pytest.approx(0.0, abs=1e-12) and by_run.slope == pytest.approx((1 + 1 / 1.2) / (1 + 1 / 1.44))
     assert by_action.slope == pytest.approx((8 + 1 / 1.2) / (8 + 1 / 1.44))
+
+
+def test_the_replica_spread_keeps_a_processs_own_deviation_and_not_the_machines():
+    """Two stages slowed together (a machine-wide moment) deviate from each other by nothing; one
+    stage alone 20% slow in one step of four leaves a symmetric spread whose slower-of-two excess
+    is what two such processes would straggle by."""
+    from calibrate.fit import replica_spread
+    from sim.stragglers import expected_max, straggle_fraction
+
+    together = [[c * 10e-3, c * 20e-3] for c in (0.8, 1.0, 1.2, 1.0)]
+    assert replica_spread([together], quantiles=8) == pytest.approx([0.0] * 8)
+    alone = [[10e-3, 20e-3], [12e-3, 20e-3], [10e-3, 20e-3], [10e-3, 20e-3]]
+    spread = replica_spread([alone], quantiles=8)
+    assert spread == pytest.approx([-0.2 / 2 ** 0.5] + [0.0] * 6 + [0.2 / 2 ** 0.5])
+    assert replica_spread([[[1.0], [2.0]]]) == []  # one stage: nothing to pair
+    # the slower of two draws from {-1, +1}: +1 three times in four
+    assert expected_max([-1.0, 1.0], 2) == pytest.approx(0.5) and expected_max([-1.0, 1.0], 1) == 0.0
+    assert straggle_fraction(spread, 1) == 0.0 and straggle_fraction([], 2) == 0.0
+    assert straggle_fraction(spread, 4) > straggle_fraction(spread, 2) > 0.0

@@ -230,6 +230,21 @@ def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
     assert comparison.busy_errors_at_reference == [pytest.approx(0.0)]
 
 
+def test_the_busy_errors_noise_stands_beside_them_in_the_table():
+    """Each run's widest stage's interquartile range of its rounds' busy time over their median, and
+    the summary's median of it, beside the busy errors: how much of an error one round's noise is."""
+    from calibrate.validate import format_table, relative_spread, summarize
+
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2.0 / 3.0)
+    assert relative_spread([1.0]) == 0.0
+    run = _comparison("K=2 M=2 [2,2] never gpipe", 1.0, 1.0)
+    run.busy_round_spread = 0.083
+    summary = summarize([run])
+    assert summary["median_busy_round_spread"] == pytest.approx(0.083)
+    table = format_table({"runs": [run.to_dict()], "summary": summary})
+    assert "   8.3% " in table.splitlines()[2] and "rounds spread a stage's busy time by 8.3%" in table
+
+
 def test_each_kind_of_action_is_compared_at_the_reference_speed():
     """Per kind and stage, a step's predicted actions against the sum of the report's per-action
     medians, each round divided by its speed, the median over rounds; the table's summary gives the
