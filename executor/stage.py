@@ -191,6 +191,11 @@ class PipelineStage(StepPhases):
         self.step = 0
         self._receive_order: list[tuple[tuple[str, int], Any]] | None = None
         self._gradients_stale = False  # the last step's gradients are still on the parameters
+        # what finished backwards left (outputs, graph nodes, the gradients sent), freed at the stage's
+        # next wait, this step's or the next's (_backward); a stage that never waits frees it at the
+        # end of its step
+        self._finished: list[Any] = []
+        self._freed_in_wait = False  # whether a wait of this step freed it (else the step's end does)
         self._reset()
 
     @property
@@ -295,6 +300,9 @@ class PipelineStage(StepPhases):
         """Wait for this step's sends to complete (the first end-of-step phase: a stage that ran no
         backward drops last step's gradients here, as its first backward would have)."""
         self._drop_gradients()
+        if not self._freed_in_wait:  # else the next wait frees what is left: at most a step's worth
+            self._finished.clear()
+        self._freed_in_wait = False
         with self.recorder.span(SEND_ACTIVATION if self.is_first else SEND_GRADIENT):
             self.transport.finish_step()
 
@@ -364,6 +372,9 @@ class PipelineStage(StepPhases):
             self._post_through(None)
         if self._gradients_stale and not transport.ready(channel, m):
             self._drop_gradients()
+        if self._finished and not transport.ready(channel, m):
+            self._finished.clear()
+            self._freed_in_wait = True
         wait = (self.config.stage, channel, m)
         if self.while_waiting is not None and not transport.ready(channel, m):
             self.while_waiting.prefetch(wait)
@@ -516,8 +527,14 @@ class PipelineStage(StepPhases):
                 roots_with_grad = [r for r in roots if r.requires_grad]
                 if roots_with_grad:
                     torch.autograd.backward(roots_with_grad, root_grads)
+                # what is left of the micro-batch's graph (the output and the nodes; the saved tensors
+                # went in the backward) is freed in the stage's next wait: tens of microseconds of
+                # Python and allocator calls on caches the backward just filled, which between two
+                # actions would delay the next one
+                self._finished.append(out)
             self.counter.release(m)
         self._send_input_gradients(m, needs_grad, [x.grad for x in needs_grad])
+        self._finished.append(needs_grad)
 
     def _send_input_gradients(self, m: int, needs_grad: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         """Send the previous stage the gradients of the inputs it sent (zeros for an unused one)."""

@@ -120,3 +120,36 @@ def test_the_running_count_equals_the_union_of_what_each_microbatch_holds(monkey
     for step in range(2):
         pipe.run_step(step)
     assert len(checked) > 50 and all(checked)
+
+
+def test_what_a_backward_leaves_is_freed_in_the_next_wait_and_at_the_latest_at_the_steps_end():
+    """Stage 0 of two (gpipe, M=2): its first backward's output outlives the backward (freeing it
+    between two actions would delay the next one) and is gone once the second backward has waited
+    for its gradient; stage 1 never waits in an in-process pipeline and frees at the end of its step."""
+    import weakref
+
+    config = RunConfig(model="mlp", options={"width": 16}, partition=(4, 4), batch_size=8, microbatches=2,
+                       checkpoint="never")
+    pipe = LocalPipeline(config)
+    first, last = pipe.stages
+    second = [a for a in first.actions if a.kind.value == "B"][1]
+    answers = iter([True, False, False])  # the walk sees it, then the stage's own looks find it away
+
+    def ready(channel, microbatch, plain=first.transport.ready):
+        if (channel, microbatch) == ("grad", second.microbatch) and plain(channel, microbatch):
+            return next(answers, True)  # once it is there: as if it arrived during the wait's chores
+        return plain(channel, microbatch)
+
+    first.transport.ready = ready
+    kept = []
+    run = first.run
+
+    def observed(action):
+        if action == second:
+            kept.extend(weakref.ref(t) for t in first._finished if isinstance(t, torch.Tensor))
+        run(action)
+
+    first.run = observed
+    pipe.run_step(0)
+    assert kept and all(ref() is None for ref in kept)  # kept past the first backward, freed in the wait
+    assert first._finished and not last._finished  # the second's leftovers wait for the next step's wait
