@@ -221,10 +221,10 @@ class MeasuredWorkload:
         """The pipeline fits of as many processes of one thread count as this run's D x K (the
         nearest fitted K): the fits carry what processes sharing the machine cost each other, and D
         replicas of a K-stage pipeline run D x K processes of cores / (D x K) threads each. A stage
-        split over T ranks keeps those per-action overheads, sends, optimizer and step overhead,
-        and scales its split profile (measured with its T ranks sharing the machine already) by
-        the factors fitted on calibration's split runs (``tensor_parallel_fit``) where the file has
-        them, in place of the slopes."""
+        split over T ranks keeps those per-action overheads, sends and step overhead, and scales
+        its split profile (measured with its T ranks sharing the machine already) by the factors
+        fitted on calibration's split runs (``tensor_parallel_fit``) where the file has them, in
+        place of the slopes, and its optimizer line by the optimizer's factor there."""
         if not self.fits:
             return IDENTITY
         processes = self.stages * self.replicas
@@ -234,8 +234,11 @@ class MeasuredWorkload:
         # a split stage: the profile's times scale by the factor fitted on split runs, not K's slope
         # (lines of their own for the forward keeping its graph, I and W are left out: fitted on whole
         # stages, they would not scale a split one; those take F's and B's split factors)
+        # and the optimizer's line by the split stage's factor where calibration fitted one
+        optimizer = self.split_factor.get("optimizer", 1.0)
         return replace(nearest, actions={kind: ActionFit(self.split_factor.get(kind, line.slope), line.intercept)
-                                         for kind, line in nearest.actions.items() if kind in ("F", "R", "B")})
+                                         for kind, line in nearest.actions.items() if kind in ("F", "R", "B")},
+                       optimizer=Affine(optimizer * nearest.optimizer.slope, optimizer * nearest.optimizer.intercept))
 
     def _threads(self) -> int:
         """The profiled thread count of a D x K x T-process run: cores / processes on CPU, as the

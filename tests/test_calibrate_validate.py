@@ -217,6 +217,35 @@ def test_split_runs_fit_the_split_stages_in_pipeline_factor():
     assert fitted["2"]["R"] == pytest.approx(0.9) and fitted["2"]["B"] == pytest.approx(1.5)
     # F: micro-batch 0 at 1.2 x F's time, micro-batch 1 at 1.2 x R's (the same table here)
     assert fitted["2"]["F"] == pytest.approx(1.2)
+    assert "optimizer" not in fitted["2"]  # reports without a timeline: nothing to fit it on
+
+
+def test_a_split_stages_optimizer_step_is_scaled_by_the_factor_its_runs_measured():
+    """The optimizer spans of a split run's rank 0 (its measured steps, at the reference speed)
+    against K's optimizer line on the shard's bytes: a ratio through the origin, which prices
+    the split stage's optimizer step; whole stages keep K's line."""
+    from calibrate.calibration import fit_tensor_parallel
+    from sim.costs import MeasuredWorkload
+    from sim.hardware import LOCAL_CPU
+    from test_calibrate_costs import _with_split_profile, synthetic_costs
+
+    data = _with_split_profile(synthetic_costs())
+    spec = RunSpec((3,), 2, "except_last", "gpipe", 4, 1, 2)
+    split = MeasuredWorkload(data, 1, tensor_parallel=2)
+    shard = sum(int(layer["param_bytes"]) for layer in split.memory)
+    predicted = MeasuredWorkload(data, 1).fit.optimizer(shard)
+    records = [{"stage": 0, "kind": "optimizer", "microbatch": -1, "step": step, "start_s": 0.0,
+                "end_s": 2.0 * 3.0 * predicted / 2} for step in (1, 2) for _ in range(2)]  # two spans a step
+    records.append({"stage": 0, "kind": "optimizer", "microbatch": -1, "step": 1, "tp": 1, "start_s": 0.0,
+                    "end_s": 1.0})  # another rank's: not counted
+    report = {"actions": [], "measured_steps": [1, 2], "timeline": {"records": records}}
+    assert fit_tensor_parallel(data, [spec], [report], [2.0]) == {"2": {"optimizer": pytest.approx(3.0)}}
+    data["tensor_parallel_fit"] = {"2": {"F": 1.0, "R": 1.0, "B": 1.0, "optimizer": 3.0}}
+    cost = MeasuredWorkload(data, 1, tensor_parallel=2).stage_cost(2, 0, 3, LOCAL_CPU)
+    assert cost.optimizer_s == pytest.approx(3.0 * predicted)
+    whole = MeasuredWorkload(data, 1).stage_cost(2, 0, 3, LOCAL_CPU)
+    assert whole.optimizer_s == pytest.approx(MeasuredWorkload(data, 1).fit.optimizer(
+        sum(int(layer["param_bytes"]) for layer in data["profile"]["memory"])))
 
 
 def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
