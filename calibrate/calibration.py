@@ -418,11 +418,12 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
                     and not record.get("tp")):
                 key = (record["stage"], record["step"])
                 optimizer_s[key] = optimizer_s.get(key, 0.0) + (record["end_s"] - record["start_s"]) / speed
+        whole_line = MeasuredWorkload(data, spec.stages).fit.optimizer  # K's line, unscaled
         for (stage, _), seconds in sorted(optimizer_s.items()):
             first, end = bounds[stage]
             params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
             xs, ys = optimizer_pairs.setdefault(spec.tensor_parallel, ([], []))
-            xs.append(MeasuredWorkload(data, spec.stages).fit.optimizer(params))  # K's line, unscaled
+            xs.append(whole_line(params))
             ys.append(seconds)
     fits: dict[str, dict[str, float]] = {}
     for parts, kinds in pairs.items():
