@@ -12,8 +12,9 @@ calibration fits; under the interleaved schedule one per chunk, with its ``virtu
 
 With D data-parallel replicas (:mod:`executor.replicas`), ``stages`` and ``actions`` are replica
 0's (what one pipeline of the run did, on replica 0's rows), ``ranks`` lists every (replica, stage)
-with its ``peak_activation_bytes``, ``busy_s`` and ``optimizer_state_bytes`` (the optimizer state
-it holds after the last step: with ``--zero 1`` its shard), and the timeline holds every rank's spans, each
+with its ``peak_activation_bytes``, ``busy_s``, ``optimizer_state_bytes`` (the optimizer state
+it holds after the last step: with ``--zero 1`` its shard) and ``gradient_sum`` (how its gradients
+were summed over the replicas: ``"shared memory"`` or the backend's name), and the timeline holds every rank's spans, each
 record carrying its ``replica`` (the data-parallel all-reduce is the kind ``allreduce_dp``).
 
 A step's time is the gap between the end of its last span on any rank and the end of the
@@ -49,7 +50,8 @@ def step_times_s(timeline: Timeline) -> dict[int, float]:
 def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any], plan: dict[str, Any],
                  peak_activation_bytes: list[int], peak_allocated_bytes: list[int] | None = None,
                  first_step: int = 0, grad_norms: list[float] | None = None,
-                 optimizer_state_bytes: list[int] | None = None) -> dict[str, Any]:
+                 optimizer_state_bytes: list[int] | None = None,
+                 gradient_sums: list[str | None] | None = None) -> dict[str, Any]:
     """The run's report. ``stages`` are replica 0's devices (under the interleaved schedule a device
     lists its chunks' layers) and ``actions`` replica 0's median durations; with several replicas,
     ``ranks`` has every rank's peak activation bytes and busy time, in (replica, stage) order."""
@@ -106,6 +108,8 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
                           for i, peak in enumerate(peak_activation_bytes)]
         for entry, nbytes in zip(extra["ranks"], optimizer_state_bytes or []):
             entry["optimizer_state_bytes"] = nbytes
+        for entry, route in zip(extra["ranks"], gradient_sums or []):
+            entry["gradient_sum"] = route
     return {
         "step_time_s": step_time,
         "step_times_s": [times[s] for s in sorted(times)],

@@ -40,7 +40,7 @@ import mmap
 import os
 import socket
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -242,7 +242,7 @@ class Link:
                     self._slots[slot][index].copy_(tensor)
         message.header[2 + slot] = generation  # written: after the copy (x86 keeps stores in order)
         self.generation = generation
-        self.links._ring(self.receiver)
+        self.links.ring(self.receiver)
 
     def _wait_released(self, message: _MessageFile, slot: int, generation: int) -> None:
         deadline = time.monotonic() + self.links.timeout_s
@@ -335,8 +335,8 @@ class HostLinks:
             found = self._links[key] = Link(self, sender, receiver, boundary, channel, microbatch, layout)
         return found
 
-    def _ring(self, receiver: int) -> None:
-        """Wake ``receiver`` if it sleeps on its socket."""
+    def ring(self, receiver: int) -> None:
+        """Wake ``receiver`` if it sleeps on its socket (in :meth:`wait_until`)."""
         flag = self.sleeping.get(receiver)
         if flag is None:
             flag = self.sleeping[receiver] = self._flag(receiver, create=False)
@@ -373,19 +373,24 @@ class HostLinks:
             pass
 
     def _wait(self, link: Link) -> None:
-        """Until ``link``'s next generation arrives: poll, yielding the core, then sleep on the socket."""
+        """Until ``link``'s next generation arrives."""
+        self.wait_until(link.arrived, lambda: f"no {link.channel} of micro-batch {link.microbatch} from rank "
+                                              f"{link.sender}")
+
+    def wait_until(self, done: Callable[[], bool], missing: Callable[[], str]) -> None:
+        """Until ``done()``: poll, yielding the core, then sleep on the socket until a peer rings
+        (:meth:`ring`); after the run's timeout, raise with ``missing()`` saying what never came."""
         start = time.monotonic()
-        while not link.arrived():
+        while not done():
             waited = time.monotonic() - start
             if waited > self.timeout_s:
-                raise RuntimeError(f"rank {self.rank}: no {link.channel} of micro-batch {link.microbatch} from "
-                                   f"rank {link.sender} within {self.timeout_s:.0f} s")
+                raise RuntimeError(f"rank {self.rank}: {missing()} within {self.timeout_s:.0f} s")
             if waited < self.spin_s:
                 os.sched_yield()  # let any other thread on this core run, then look again
                 continue
             mine = self.sleeping[self.rank]
-            mine[0] = 1  # from now on senders ring; look once more before sleeping
-            if not link.arrived():
+            mine[0] = 1  # from now on peers ring; look once more before sleeping
+            if not done():
                 self._sleep(self.timeout_s - waited)
             mine[0] = 0
 

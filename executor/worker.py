@@ -208,6 +208,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
         "history": asdict(history) if history is not None else None,
         "replica": layout.replica, "stage": layout.stage, "tp": layout.tp_rank,
         "optimizer_state_bytes": replicas.optimizer_state_bytes(stage),
+        "gradient_sum": replicas.gradient_sum_route(stage),
     }
     gathered: list[Any] = [None] * config.world_size if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
@@ -235,7 +236,7 @@ def _report(config: RunConfig, gathered: list[Any], first_step: int, device: tor
     last = next(p["history"] for p in gathered if p["history"] is not None)
     return build_report(timeline, last["losses"], config.to_dict(), plan,
                         [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
-                        [p["optimizer_state_bytes"] for p in gathered])
+                        [p["optimizer_state_bytes"] for p in gathered], [p["gradient_sum"] for p in gathered])
 
 
 def _watchdog() -> failures.Watchdog | None:

@@ -197,10 +197,14 @@ class MeasuredWorkload:
         return bound, system
 
     def allreduce_link(self, system: System) -> Link | None:
-        """The calibrated all-reduce link for ``system`` if it is the one measured, else None."""
+        """The calibrated all-reduce link for ``system`` if it is the one measured, else None: the
+        shared-memory route's where the file has one and this run's D x K x T processes fit the
+        measured machine's cores (where the executor sums through shared memory), else the backend's."""
         if system.name != self.data.get("system", "cpu"):
             return None
-        return allreduce_link(self.data)
+        cores = self.data.get("machine", {}).get("cpu_cores")
+        processes = max(1, self.stages) * self.tensor_parallel * self.replicas
+        return allreduce_link(self.data, shared_memory=cores is not None and processes <= int(cores))
 
     @property
     def tensor_parallel_options(self) -> list[int]:
@@ -468,9 +472,10 @@ def tensor_parallel_link(data: dict[str, Any], sequence_parallel: bool) -> Link 
     return Link(f"calibrated {what} ({entry.get('backend', '?')})", bandwidth, latency_s)
 
 
-def allreduce_link(data: dict[str, Any]) -> Link | None:
+def allreduce_link(data: dict[str, Any], shared_memory: bool = False) -> Link | None:
     """The all-reduce the costs file measured as a :class:`Link` for the ring model, or None when
-    it has none (a one-core machine, or a file from before it was measured).
+    it has none (a one-core machine, or a file from before it was measured). ``shared_memory``: the
+    shared-memory route's fit (:mod:`calibrate.collective`) where the file has one, else the backend's.
 
     The simulator prices a data-parallel group of D ranks as ``2(D-1)/D * bytes / bandwidth +
     2(D-1) * latency`` on this link instead of the slowest link the group crosses. Limits: it was
@@ -482,6 +487,9 @@ def allreduce_link(data: dict[str, Any]) -> Link | None:
     fix = "re-run gpipe calibrate --force to measure it again"
     if not isinstance(entry, dict):
         raise GpipeInputError(f"the costs file's allreduce entry is {type(entry).__name__}, not an object; {fix}")
+    if shared_memory and isinstance(entry.get("shared_memory"), dict):
+        link = allreduce_link({"allreduce": entry["shared_memory"]})
+        return replace(link, name="fitted shared-memory all-reduce") if link is not None else None
     try:
         latency_s = float(entry["latency_s"])
         bandwidth = float(entry["bandwidth_bytes_per_s"])
@@ -543,6 +551,7 @@ def load_costs_workload(path: str, model: str | None, options: dict[str, Any]) -
     data = read_costs(path)
     check_model(data, model, options, path)
     allreduce_link(data)  # a malformed entry is refused before any work starts
+    allreduce_link(data, shared_memory=True)
     workload = MeasuredWorkload(data)
     wanted = options.get("optimizer_slots")
     if wanted is not None and wanted != workload.optimizer_slots:

@@ -1,6 +1,8 @@
-"""The all-reduce calibration: group sizes per machine, and one real measurement among two gloo ranks."""
+"""The all-reduce calibration: group sizes per machine, and one real measurement among two ranks on each route."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -14,11 +16,14 @@ def test_group_sizes_are_two_and_the_most_the_machine_runs():
     assert party_counts(8) == [2, 8]
 
 
-def test_two_gloo_ranks_all_reduce_small_tensors():
+def test_two_ranks_sum_small_gradients_over_gloo_and_through_shared_memory():
     sizes = (4 << 10, 256 << 10)
-    points = measure_allreduce(2, "cpu", sizes, repeats=3)
-    assert [p["bytes"] for p in points] == list(sizes)
-    assert all(0 < p["seconds"] < 1.0 for p in points)
+    routes = measure_allreduce(2, "cpu", sizes, repeats=3)
+    # shared memory where the executor would take it: two ranks with a core each
+    assert sorted(routes) == (["backend", "shared_memory"] if (os.cpu_count() or 1) >= 2 else ["backend"])
+    for points in routes.values():
+        assert [p["bytes"] for p in points] == list(sizes)
+        assert all(0 < p["seconds"] < 1.0 for p in points)
 
 
 def test_the_costs_entry_holds_the_points_and_a_fit_the_simulator_reads(monkeypatch):
@@ -28,8 +33,9 @@ def test_the_costs_entry_holds_the_points_and_a_fit_the_simulator_reads(monkeypa
 
     def fake_measure(parties, device_type, sizes, repeats):
         calls.append((parties, device_type, tuple(sizes), repeats))
-        return [{"bytes": b, "seconds": 2 * (parties - 1) / parties * b / 1e9 + 2 * (parties - 1) * 3e-5}
-                for b in sizes]
+        return {route: [{"bytes": b, "seconds": 2 * (parties - 1) / parties * b / bandwidth + 2 * (parties - 1) * 3e-5}
+                        for b in sizes]
+                for route, bandwidth in (("backend", 1e9), ("shared_memory", 4e9))}
 
     monkeypatch.setattr(collective, "measure_allreduce", fake_measure)
     entry = calibrate_allreduce("cpu", quick=True, parties=[2, 4])
@@ -40,4 +46,7 @@ def test_the_costs_entry_holds_the_points_and_a_fit_the_simulator_reads(monkeypa
     link = allreduce_link({"allreduce": entry})
     assert link.latency_s == pytest.approx(3e-5, rel=1e-6)
     assert link.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    shared = allreduce_link({"allreduce": entry}, shared_memory=True)
+    assert shared.bandwidth_bytes_per_s == pytest.approx(4e9, rel=1e-6) and shared.name.endswith("shared-memory all-reduce")
+    assert len(entry["shared_memory"]["measured_s"]) == 2
     assert calibrate_allreduce("cpu", parties=[]) is None

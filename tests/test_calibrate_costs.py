@@ -360,6 +360,24 @@ def test_the_measured_allreduce_reads_back_as_a_link_on_the_measured_system_only
     assert allreduce_link({k: v for k, v in data.items() if k != "allreduce"}) is None  # older files
 
 
+def test_a_run_whose_processes_fit_the_cores_is_priced_on_the_shared_memory_route(tmp_path):
+    data = synthetic_costs()
+    data["allreduce"]["shared_memory"] = {"measured_s": [[1e-5, 2e-5]], "latency_s": 1e-6,
+                                          "bandwidth_bytes_per_s": 4e9}
+    path = tmp_path / "costs.json"
+    write_costs(data, path)
+    w = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8})
+    cpu = get_system("cpu")
+    fits, _ = w.bind(cpu, 1, replicas=2)  # 2 processes on the file's 2 cores: the executor sums in shared memory
+    crowded, _ = w.bind(cpu, 2, replicas=2)  # 4 processes: gloo
+    assert (fits.allreduce_link(cpu).latency_s, fits.allreduce_link(cpu).bandwidth_bytes_per_s) == (1e-6, 4e9)
+    assert crowded.allreduce_link(cpu) == allreduce_link(data)
+    data["allreduce"]["shared_memory"] = {"latency_s": 1e-6}  # malformed: refused when the file is read
+    write_costs(data, path)
+    with pytest.raises(GpipeInputError, match="has no bandwidth_bytes_per_s"):
+        load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8})
+
+
 @pytest.mark.parametrize("entry, says", [
     ([1, 2], "is list, not an object"),
     ({"bandwidth_bytes_per_s": 5e8}, "has no latency_s"),

@@ -113,21 +113,31 @@ def test_a_message_of_another_size_than_announced_is_not_taken_for_it(pair):
         receiver.take(0, 0, "act", 0, [((4,), torch.float32)])
 
 
-def test_training_is_the_same_through_shared_memory_and_gloo(tmp_path):
-    """Two stages on this host: the default (shared memory) and --transport dist train bitwise the
-    same, and the run's shared directory is gone afterwards."""
+@pytest.mark.parametrize("plan", [["--stages", "2", "--schedule", "1f1b"], ["--stages", "1", "--replicas", "2"]],
+                         ids=["two-stages", "two-replicas"])
+def test_training_is_the_same_through_shared_memory_and_gloo(tmp_path, plan):
+    """Two stages, or two replicas whose gradients are summed, on this host: the default (shared
+    memory) and --transport dist train bitwise the same, and the run's shared directory is gone
+    afterwards."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    losses = {}
+    losses, spans, routes = {}, {}, {}
     for transport in ("auto", "dist"):
         report = tmp_path / f"{transport}.json"
         done = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", "transformer", "--layers", "2",
                                "--d-model", "16", "--ff", "32", "--heads", "2", "--seq", "8", "--vocab", "32",
-                               "--stages", "2", "--schedule", "1f1b", "--batch", "8", "--microbatches", "4",
+                               *plan, "--batch", "8", "--microbatches", "4",
                                "--steps", "3", "--transport", transport, "--report", str(report)],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        losses[transport] = json.loads(report.read_text())["losses"]
+        data = json.loads(report.read_text())
+        losses[transport] = data["losses"]
+        spans[transport] = [r for r in data["timeline"]["records"] if r["kind"] == "allreduce_dp"]
+        routes[transport] = data.get("ranks", [])
     assert losses["auto"] == losses["dist"]
+    if "--replicas" in plan:  # both replicas' sums were recorded, each step, and went where asked
+        assert len(spans["auto"]) == len(spans["dist"]) == 2 * 3
+        assert [r["gradient_sum"] for r in routes["auto"]] == ["shared memory"] * 2
+        assert [r["gradient_sum"] for r in routes["dist"]] == ["gloo"] * 2
     if os.path.isdir("/dev/shm"):
         assert not {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("gpipe-shm-")}
 
