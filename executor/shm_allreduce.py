@@ -9,7 +9,10 @@ instead each write their gradients once into shared pages and read the others' w
 How: one file per bucket (consecutive gradients of one dtype) in the run's shared directory (the
 pipeline messages' :data:`~executor.shm_transport.SHM_DIR_ENV`), made by the group's first rank at
 the first step and reserved whole (``posix_fallocate``): a header with each rank's arrival count
-(one cache line each), then D input regions, one per rank, and one output region.
+(one cache line each), then D input regions, one per rank, and one output region. Once every rank
+has mapped it (after the first sum) its name is removed, so nothing is left behind however the run
+ends; the pages go with the last mapping. Files are named by the order a process makes its sums in,
+which its peers share (they build the same stages in the same order).
 
 1. :meth:`SharedSum.launch`, after the rank's last backward: it writes ``weight x`` its gradients
    into its own input region (the one pass the bucket's ``torch.cat`` and scaling made before) and
@@ -42,7 +45,7 @@ from typing import Sequence
 
 import torch
 
-from executor.shm_transport import ALIGN_BYTES, HostLinks
+from executor.shm_transport import ALIGN_BYTES, HostLinks, map_file
 
 ARRIVAL_STRIDE = ALIGN_BYTES // 8  # int64s between two ranks' arrival counts: one cache line each
 
@@ -76,7 +79,9 @@ class SharedSum:
         self.numels = [math.prod(shape) for shape in shapes]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.numel = sum(self.numels)
-        self.path = os.path.join(links.directory, f"allreduce-{'-'.join(map(str, self.ranks))}-{name}")
+        # the n-th sum this rank made: a process may run several (calibration runs one configuration
+        # after another in one launch), and its peers make theirs in the same order
+        self.path = os.path.join(links.directory, f"allreduce-{next(links.sums_made)}-{'-'.join(map(str, self.ranks))}-{name}")
         self.generation = 0  # steps summed so far
         self.inputs: list[torch.Tensor] = []
         self.output: torch.Tensor | None = None
@@ -93,28 +98,10 @@ class SharedSum:
         parties = len(self.ranks)
         header = _padded(parties * ALIGN_BYTES)
         size = header + (parties + 1) * self.region_bytes
-        if self.index == 0:  # made whole under another name, then renamed: the others find nothing or all
-            fd = os.open(self.path + ".new", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as exc:
-                    os.unlink(self.path + ".new")
-                    raise RuntimeError(f"shared memory for the {size}-byte gradient sum in {self.links.directory} "
-                                       f"could not be reserved ({exc.strerror}); free space there or run with "
-                                       "--transport dist") from None
-                self._map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            os.rename(self.path + ".new", self.path)
-        else:
+        if self.index != 0:  # the group's first rank makes it
             self.links.wait_until(lambda: os.path.exists(self.path),
                                   lambda: f"rank {self.ranks[0]} made no gradient-sum file")
-            fd = os.open(self.path, os.O_RDWR)
-            try:
-                self._map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+        self._map = map_file(self.path, size, self.index == 0, f"the {size}-byte gradient sum")
         self.arrivals = memoryview(self._map)[:header].cast("q")
         regions = [torch.frombuffer(self._map, dtype=self.dtype, count=self.numel, offset=header + i * self.region_bytes)
                    if self.numel else torch.empty(0, dtype=self.dtype) for i in range(parties + 1)]
@@ -171,6 +158,8 @@ class SharedSum:
                     out.add_(region[start:end])
             self._arrive(2 * self.generation)
             self._wait_all(2 * self.generation)
+            if self.generation == 1 and self.index == 0:
+                os.unlink(self.path)  # every rank has it mapped: its pages go when the last one unmaps
             for grad, offset, numel in zip(grads, self.offsets, self.numels):
                 if grad is not None:
                     grad.copy_(self.output[offset:offset + numel].view_as(grad))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import math
 import mmap
 import os
@@ -128,6 +129,27 @@ def message_sizes(layout: Layout) -> tuple[int, ...]:
     return tuple(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
 
 
+def map_file(path: str, size: int, create: bool, what: str) -> mmap.mmap:
+    """``path`` mapped (``size`` bytes). ``create``: made whole under another name (``posix_fallocate``:
+    a full directory is an error here, never a SIGBUS later), then renamed, so a rank looking for it
+    finds nothing or all of it; otherwise opened (FileNotFoundError until it is made)."""
+    fd = os.open(path + ".new" if create else path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                os.unlink(path + ".new")
+                raise RuntimeError(f"shared memory for {what} in {os.path.dirname(path)} could not be reserved "
+                                   f"({exc.strerror}); free space there or run with --transport dist") from None
+        mapped = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if create:
+        os.rename(path + ".new", path)
+    return mapped
+
+
 class _MessageFile:
     """One key's mapped file: a header (per slot the generation last consumed and last written), then
     two slots, each holding a message's tensors one after another at aligned offsets.
@@ -138,24 +160,7 @@ class _MessageFile:
 
     def __init__(self, path: str, sizes: tuple[int, ...], create: bool) -> None:
         payload_bytes = sum(_padded(n) for n in sizes)  # each tensor's bytes padded to ALIGN_BYTES
-        size = HEADER_BYTES + 2 * payload_bytes
-        # the sender makes the file whole under another name, then renames it: a receiver looking for
-        # it finds nothing or all of it
-        fd = os.open(path + ".new" if create else path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as exc:
-                    os.unlink(path + ".new")
-                    raise RuntimeError(f"shared memory for a {payload_bytes}-byte message in {os.path.dirname(path)} "
-                                       f"could not be reserved ({exc.strerror}); free space there or run with "
-                                       "--transport dist") from None
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if create:
-            os.rename(path + ".new", path)
+        self.map = map_file(path, HEADER_BYTES + 2 * payload_bytes, create, f"a {payload_bytes}-byte message")
         self.payload_bytes = payload_bytes
         # [consumed of slot 0, of slot 1, written of slot 0, of slot 1]
         self.header = memoryview(self.map)[:32].cast("q")
@@ -292,6 +297,7 @@ class HostLinks:
         self.files: dict[tuple, _MessageFile] = {}  # by (sender, receiver, boundary, channel, micro-batch, bytes)
         self._links: dict[tuple, Link] = {}  # by (sender, receiver, boundary, channel, micro-batch, bytes)
         self._held: list[tuple[_MessageFile, int, int]] = []  # taken, not released: (file, slot, generation)
+        self.sums_made = itertools.count()  # numbers the gradient sums' files (executor.shm_allreduce)
 
     def _address(self, rank: int) -> str:
         run, attempt = os.path.split(self.directory)

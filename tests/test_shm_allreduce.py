@@ -4,6 +4,7 @@ rank that never comes is named after the timeout."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -71,6 +72,30 @@ def test_every_rank_gets_the_weighted_sum_in_rank_order_bit_for_bit_each_step(dt
             expected = expected + given[(2, step)][i] * weights[2]
             for rank in range(parties):
                 assert torch.equal(results[(rank, step)][i], expected), (rank, step, i)
+
+
+def test_sums_made_one_after_another_each_have_a_file_of_their_own_gone_after_the_first_step():
+    """As calibration runs configurations one after another in one launch: same ranks, same shapes."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    paths: dict[int, list[str]] = {}
+
+    def body(rank, links):
+        for run in range(3):
+            shared = SharedSum(links, [0, 1], [(40,)], torch.float32, "same")
+            for _ in range(2):
+                grads = [torch.full((40,), float(rank + run))]
+                shared.launch(grads, 1.0)
+                shared.finish(grads)
+                if rank == 0:  # the maker removes the name once every rank has mapped it
+                    assert not os.path.exists(shared.path)
+            seen.setdefault(rank, []).append(grads[0])
+            paths.setdefault(rank, []).append(shared.path)
+
+    assert run_ranks(2, body) == {}
+    assert paths[0] == paths[1] and len(set(paths[0])) == 3
+    for run in range(3):
+        assert torch.equal(seen[0][run], torch.full((40,), float(1 + 2 * run)))
+        assert torch.equal(seen[1][run], seen[0][run])
 
 
 def test_a_rank_that_never_comes_is_named_after_the_timeout():
