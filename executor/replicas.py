@@ -18,8 +18,8 @@ asynchronous all-reduce of its gradients over its stage's dp group, in buckets o
 step, before the shared-parameter reduction, the gradient norm and the optimizer step; where the
 dp group's ranks share a host and each has a core (the ranks the pipeline's messages reach through
 shared memory), the sum goes through shared memory instead (:mod:`executor.shm_allreduce`: 6.2 ms
-for 16 MiB among two ranks against gloo's 27 over loopback TCP, measured idle on a 2-core VM), each rank writing its gradients at the launch
-and summing its share of them in the wait. Each rank
+for 16 MiB among two ranks against gloo's 27 over loopback TCP, measured idle on a 2-core VM),
+each rank writing its gradients at the launch and summing its share of them in the wait. Each rank
 scales its gradients by ``rows_d / B`` before the sum, so the result is the gradient of the mean
 loss over the whole global batch, exactly what one process training B rows computes, even and
 uneven splits alike (for an even split the weight is 1/D: the plain average). Why not inside the
@@ -234,9 +234,9 @@ class GradientAverage:
     :meth:`launch` after the stage's last backward of a step, :meth:`wait` before anything reads
     the gradients. Buckets hold consecutive gradients of one dtype, at most ``bucket_bytes`` each
     (a larger gradient is a bucket of its own); through shared memory (``links`` covering the
-    group), a bucket per run of one dtype, whatever its size. The span :data:`~sim.timeline.DP_ALLREDUCE` runs
-    from the launch to the end of the wait: on the host's clock, the time the all-reduce was in
-    flight, bounded above by when the stage came to wait for it.
+    group), a bucket per run of one dtype, whatever its size. The span
+    :data:`~sim.timeline.DP_ALLREDUCE` runs from the launch to the end of the wait: on the host's
+    clock, the time the all-reduce was in flight, bounded above by when the stage came to wait for it.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, weight: float,

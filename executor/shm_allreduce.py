@@ -38,6 +38,7 @@ store order is what makes a rank's arrival visible only after its writes (as for
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
@@ -67,8 +68,8 @@ def share_bounds(numel: int, parties: int, index: int) -> tuple[int, int]:
 class SharedSum:
     """One bucket's weighted sum over ``ranks`` (global ranks, all covered by ``links``), this rank's end.
 
-    ``shapes`` are the bucket's gradients' shapes (the layout is fixed for the run; a step whose
-    gradients are a subset by ``present`` indices writes and reads only theirs)."""
+    ``shapes`` are the bucket's gradients' shapes, in order: the layout is fixed for the run; a
+    gradient that is None on a step is neither written nor read back."""
 
     def __init__(self, links: HostLinks, ranks: Sequence[int], shapes: Sequence[tuple[int, ...]],
                  dtype: torch.dtype, name: str) -> None:
@@ -77,11 +78,12 @@ class SharedSum:
         self.index = self.ranks.index(links.rank)
         self.dtype = dtype
         self.numels = [math.prod(shape) for shape in shapes]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.offsets = [0, *itertools.accumulate(self.numels)][:-1]
         self.numel = sum(self.numels)
         # the n-th sum this rank made: a process may run several (calibration runs one configuration
         # after another in one launch), and its peers make theirs in the same order
-        self.path = os.path.join(links.directory, f"allreduce-{next(links.sums_made)}-{'-'.join(map(str, self.ranks))}-{name}")
+        ranks_text = "-".join(map(str, self.ranks))
+        self.path = os.path.join(links.directory, f"allreduce-{next(links.sums_made)}-{ranks_text}-{name}")
         self.generation = 0  # steps summed so far
         self.inputs: list[torch.Tensor] = []
         self.output: torch.Tensor | None = None
@@ -103,7 +105,8 @@ class SharedSum:
                                   lambda: f"rank {self.ranks[0]} made no gradient-sum file")
         self._map = map_file(self.path, size, self.index == 0, f"the {size}-byte gradient sum")
         self.arrivals = memoryview(self._map)[:header].cast("q")
-        regions = [torch.frombuffer(self._map, dtype=self.dtype, count=self.numel, offset=header + i * self.region_bytes)
+        regions = [torch.frombuffer(self._map, dtype=self.dtype, count=self.numel,
+                                    offset=header + i * self.region_bytes)
                    if self.numel else torch.empty(0, dtype=self.dtype) for i in range(parties + 1)]
         self.inputs, self.output = regions[:parties], regions[parties]
 
