@@ -14,8 +14,8 @@ With D data-parallel replicas (:mod:`executor.replicas`), ``stages`` and ``actio
 0's (what one pipeline of the run did, on replica 0's rows), ``ranks`` lists every (replica, stage)
 with its ``peak_activation_bytes``, ``busy_s``, ``optimizer_state_bytes`` (the optimizer state
 it holds after the last step: with ``--zero 1`` its shard) and ``gradient_sum`` (how its gradients
-were summed over the replicas: ``"shared memory"`` or the backend's name), and the timeline holds every rank's spans, each
-record carrying its ``replica`` (the data-parallel all-reduce is the kind ``allreduce_dp``).
+were summed over the replicas: ``"shared memory"`` or the backend's name), and the timeline holds
+every rank's spans, each record carrying its ``replica`` (the data-parallel all-reduce is the kind ``allreduce_dp``).
 
 A step's time is the gap between the end of its last span on any rank and the end of the
 previous step's (the first measured step counts from its first span), so steady-state step times

@@ -29,8 +29,9 @@ its part of the output only after every rank's first arrival of the next step (s
 copies this step's out). A waiting rank polls, then sleeps on its socket and is rung by the ranks
 that arrive (:meth:`executor.shm_transport.HostLinks.wait_until`), at most the run's timeout.
 
-Limits: ranks of one host only, each with a core of its own (where :func:`~executor.shm_transport.host_links`
-makes links; elsewhere gloo or NCCL sums, as before); the file holds D + 1 copies of the stage's
+Limits: ranks of one host only, each with a core of its own (where
+:func:`~executor.shm_transport.host_links` makes links; elsewhere gloo or NCCL sums, as before);
+the file holds D + 1 copies of the stage's
 gradients in shared memory for the run; the sum is in the gradients' dtype, as gloo's; a gradient
 that is None on a step leaves its slots untouched (every replica leaves out the same ones); x86's
 store order is what makes a rank's arrival visible only after its writes (as for the messages).
