@@ -190,18 +190,21 @@ def allreduce_lines(entry: dict[str, Any] | None) -> list[str]:
     lines = [f"all-reduce ({entry['backend']}, ring model): latency {entry['latency_s'] * 1e6:.1f} us, "
              f"bandwidth {entry['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, worst point off by "
              f"{entry.get('worst_relative', 0.0) * 100:.1f}%"]
-    for parties, row in zip(entry["parties"], entry["measured_s"]):
-        points = ", ".join(f"{_size(b)} {t * 1e3:.3g} ms" for b, t in zip(entry["sizes_bytes"], row))
-        lines.append(f"  all-reduce among {parties} ranks: {points}")
+    lines += _points_lines(entry, entry["measured_s"], "all-reduce among")
     shared = entry.get("shared_memory")
     if shared:  # the route the executor takes where the group's ranks share a host and fit its cores
         lines.append(f"gradient sum through shared memory (ranks that fit this host's cores): latency "
                      f"{shared['latency_s'] * 1e6:.1f} us, bandwidth {shared['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
                      f"worst point off by {shared.get('worst_relative', 0.0) * 100:.1f}%")
-        for parties, row in zip(entry["parties"], shared["measured_s"]):
-            points = ", ".join(f"{_size(b)} {t * 1e3:.3g} ms" for b, t in zip(entry["sizes_bytes"], row))
-            lines.append(f"  among {parties} ranks: {points}")
+        lines += _points_lines(entry, shared["measured_s"], "among")
     return lines
+
+
+def _points_lines(entry: dict[str, Any], measured_s: list[list[float]], label: str) -> list[str]:
+    """One line per group size: each size's measured time."""
+    return [f"  {label} {parties} ranks: " + ", ".join(f"{_size(b)} {t * 1e3:.3g} ms"
+                                                      for b, t in zip(entry["sizes_bytes"], row))
+            for parties, row in zip(entry["parties"], measured_s)]
 
 
 def _size(nbytes: int) -> str:

@@ -330,7 +330,6 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     from sim.costs import MeasuredWorkload, allreduce_link, measured_precision
 
     allreduce_link(data)  # a malformed entry is refused before any run starts
-    allreduce_link(data, shared_memory=True)
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     workload = MeasuredWorkload(data)

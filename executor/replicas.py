@@ -255,10 +255,7 @@ class GradientAverage:
             locals_ = [_local(p) for p in self.params]
             for number, bucket in enumerate(self.buckets(list(range(len(locals_))), locals_, math.inf)):
                 shapes = [tuple(locals_[i].shape) for i in bucket]
-                dtype = locals_[bucket[0]].dtype
-                numel = sum(math.prod(shape) for shape in shapes)
-                name = f"{number}-{str(dtype).replace('torch.', '')}-{numel}"
-                self._shared.append((SharedSum(links, ranks, shapes, dtype, name), bucket))
+                self._shared.append((SharedSum(links, ranks, shapes, locals_[bucket[0]].dtype, str(number)), bucket))
 
     @property
     def through_shared_memory(self) -> bool:

@@ -84,7 +84,9 @@ class SharedSum:
         # the n-th sum this rank made: a process may run several (calibration runs one configuration
         # after another in one launch), and its peers make theirs in the same order
         ranks_text = "-".join(map(str, self.ranks))
-        self.path = os.path.join(links.directory, f"allreduce-{next(links.sums_made)}-{ranks_text}-{name}")
+        dtype_text = str(dtype).replace("torch.", "")
+        self.path = os.path.join(links.directory, f"allreduce-{next(links.sums_made)}-{ranks_text}-{name}-"
+                                                  f"{dtype_text}-{self.numel}")
         self.generation = 0  # steps summed so far
         self.inputs: list[torch.Tensor] = []
         self.output: torch.Tensor | None = None

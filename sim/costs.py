@@ -203,8 +203,7 @@ class MeasuredWorkload:
         if system.name != self.data.get("system", "cpu"):
             return None
         cores = self.data.get("machine", {}).get("cpu_cores")
-        processes = max(1, self.stages) * self.tensor_parallel * self.replicas
-        return allreduce_link(self.data, shared_memory=cores is not None and processes <= int(cores))
+        return allreduce_link(self.data, shared_memory=cores is not None and self._processes <= int(cores))
 
     @property
     def tensor_parallel_options(self) -> list[int]:
@@ -248,8 +247,12 @@ class MeasuredWorkload:
         """The profiled thread count of a D x K x T-process run: cores / processes on CPU, as the
         executor gives each (one table on CUDA)."""
         cores = int(self.data.get("machine", {}).get("cpu_cores", max(self.times)))
-        processes = max(1, self.stages) * self.tensor_parallel * self.replicas
-        return min(self.times, key=lambda t: (abs(t - max(1, cores // processes)), t))
+        return min(self.times, key=lambda t: (abs(t - max(1, cores // self._processes)), t))
+
+    @property
+    def _processes(self) -> int:
+        """The run's D x K x T processes."""
+        return max(1, self.stages) * self.tensor_parallel * self.replicas
 
     # ------------------------------------------------------------------ per layer
 
@@ -484,26 +487,35 @@ def allreduce_link(data: dict[str, Any], shared_memory: bool = False) -> Link | 
     entry = data.get("allreduce")
     if entry is None:
         return None
+    latency_s, bandwidth = _fitted_ring(entry, "allreduce")
+    shared = entry.get("shared_memory")  # checked whichever is asked for: a bad file fails before any work
+    if shared is not None:
+        shared_latency_s, shared_bandwidth = _fitted_ring(shared, "allreduce shared_memory")
+        if shared_memory:
+            return Link("fitted shared-memory all-reduce", shared_bandwidth, shared_latency_s)
+    return Link(f"fitted {entry.get('backend', 'all-reduce')} all-reduce", bandwidth, latency_s)
+
+
+def _fitted_ring(entry: Any, what: str) -> tuple[float, float]:
+    """(latency_s, bandwidth_bytes_per_s) of a costs file's fitted ring link; ``what`` names the
+    entry in the one-line error a malformed one gets."""
     fix = "re-run gpipe calibrate --force to measure it again"
     if not isinstance(entry, dict):
-        raise GpipeInputError(f"the costs file's allreduce entry is {type(entry).__name__}, not an object; {fix}")
-    if shared_memory and isinstance(entry.get("shared_memory"), dict):
-        link = allreduce_link({"allreduce": entry["shared_memory"]})
-        return replace(link, name="fitted shared-memory all-reduce") if link is not None else None
+        raise GpipeInputError(f"the costs file's {what} entry is {type(entry).__name__}, not an object; {fix}")
     try:
         latency_s = float(entry["latency_s"])
         bandwidth = float(entry["bandwidth_bytes_per_s"])
     except KeyError as exc:
-        raise GpipeInputError(f"the costs file's allreduce entry has no {exc.args[0]}; {fix}") from None
+        raise GpipeInputError(f"the costs file's {what} entry has no {exc.args[0]}; {fix}") from None
     except (TypeError, ValueError):
-        raise GpipeInputError(f"the costs file's allreduce latency_s {entry['latency_s']!r} or bandwidth_bytes_per_s "
+        raise GpipeInputError(f"the costs file's {what} latency_s {entry['latency_s']!r} or bandwidth_bytes_per_s "
                               f"{entry['bandwidth_bytes_per_s']!r} is not a number; {fix}") from None
     if not (math.isfinite(latency_s) and latency_s >= 0):
-        raise GpipeInputError(f"the costs file's allreduce latency_s {latency_s!r} is not a finite time of 0 s or "
+        raise GpipeInputError(f"the costs file's {what} latency_s {latency_s!r} is not a finite time of 0 s or "
                               f"more; {fix}")
     if not bandwidth > 0:
-        raise GpipeInputError(f"the costs file's allreduce bandwidth_bytes_per_s {bandwidth!r} is not positive; {fix}")
-    return Link(f"fitted {entry.get('backend', 'all-reduce')} all-reduce", bandwidth, latency_s)
+        raise GpipeInputError(f"the costs file's {what} bandwidth_bytes_per_s {bandwidth!r} is not positive; {fix}")
+    return latency_s, bandwidth
 
 
 def requested_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -551,7 +563,6 @@ def load_costs_workload(path: str, model: str | None, options: dict[str, Any]) -
     data = read_costs(path)
     check_model(data, model, options, path)
     allreduce_link(data)  # a malformed entry is refused before any work starts
-    allreduce_link(data, shared_memory=True)
     workload = MeasuredWorkload(data)
     wanted = options.get("optimizer_slots")
     if wanted is not None and wanted != workload.optimizer_slots:
