@@ -2,7 +2,7 @@
 
 Measures once what ``gpipe calibrate`` and ``gpipe validate`` measure (the profile, the design runs
 in 6 rounds, the held-out runs in 15 rounds of 10 steps) for the demo's transformer, keeps every
-report, then fits the costs four ways from the same design runs and validates each on the same
+report, then fits the costs five ways from the same design runs and validates each on the same
 held-out runs, so the difference between the variants is the model's, not the machine's moment:
 
 * ``affine, no gaps``: one scale and a per-action overhead per kind of action, fitted on every
@@ -12,8 +12,10 @@ held-out runs, so the difference between the variants is the model's, not the ma
   every design run weighing alike (:func:`calibrate.fit.fit_action`), gaps; one line per kind of
   action of the schedule: every forward on one, a split backward's I and W at the whole backward's
   factor;
-* ``two-part``: what ``gpipe calibrate`` fits: the same, and lines of their own for a forward that
-  keeps its graph and for I and W (from the design's zb-h1 run).
+* ``two-part, every round``: the same, and lines of their own for a forward that keeps its graph
+  and for I and W (from the design's zb-h1 run), fitted on every round's point of every action;
+* ``two-part``: what ``gpipe calibrate`` fits: the same on one point per action of a design run,
+  its median over the rounds (:meth:`calibrate.calibration.ActionPoints.typical`).
 
 Usage::
 
@@ -43,7 +45,7 @@ MODEL = "transformer"
 OPTIONS = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 BATCH = 32
 DESIGN_ROUNDS, HELD_OUT_ROUNDS, STEPS = 6, 15, 10
-VARIANTS = ("affine, no gaps", "affine", "two-part, F R B", "two-part")
+VARIANTS = ("affine, no gaps", "affine", "two-part, F R B", "two-part, every round", "two-part")
 
 
 def measure(path: str) -> None:
@@ -91,6 +93,9 @@ def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -
     observations = Observations()
     for spec, report, speed in zip(specs, reports, speeds):
         collect(MeasuredWorkload(data, spec.stages), spec, report, observations, speed)
+    if variant != "two-part":  # every round's point: an action without its identity is not pooled
+        for points in observations.actions.values():
+            points.actions = []
     threads = {int(k): entry["threads"] for k, entry in data["pipeline"].items()}
     data["pipeline"], _ = fit_pipeline(observations, threads)
     if variant.startswith("affine"):

@@ -126,12 +126,34 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
 
 @dataclass
 class ActionPoints:
-    """One (K, kind)'s actions: profiled time, its fixed part, measured time, and the run each came from."""
+    """One (K, kind)'s actions: profiled time, its fixed part, measured time, the run each came from
+    and which of the run's actions it is (stage, chunk, micro-batch; the same in every round)."""
 
     profiled: list[float] = field(default_factory=list)
     fixed: list[float] = field(default_factory=list)
     measured: list[float] = field(default_factory=list)
     runs: list[str] = field(default_factory=list)
+    actions: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def typical(self) -> "ActionPoints":
+        """One point per action of a run: its median over the rounds that measured it.
+
+        Validation compares a run's median round, and a fit on relative residuals of every round's
+        point settles below that median wherever rounds scatter (a round 15% slow pulls the line
+        down less than one 15% fast pulls it up: minimising ``sum((p - m) / m)^2`` weighs each
+        point by 1/m^2). On two sets of design runs with rounds spread by 12%, fitting every round
+        left K = 2's design runs predicted 5-9% low; the medians halve that
+        (benchmarks/README.md). Points without an action identity stay as they are."""
+        if not self.actions:
+            return self
+        groups: dict[tuple[str, tuple[int, int, int]], list[int]] = {}
+        for i, key in enumerate(zip(self.runs, self.actions)):
+            groups.setdefault(key, []).append(i)
+        rows = list(groups.items())
+        return ActionPoints([self.profiled[members[0]] for _, members in rows],
+                            [self.fixed[members[0]] for _, members in rows],
+                            [statistics.median(self.measured[i] for i in members) for _, members in rows],
+                            [run for (run, _), _ in rows], [action for (_, action), _ in rows])
 
 
 @dataclass
@@ -176,6 +198,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         points.fixed.append(fixed)
         points.measured.append(action["duration_s"] / speed)
         points.runs.append(spec.label())
+        points.actions.append((action["stage"], action.get("virtual_stage", 0), action["microbatch"]))
     measured = set(report["measured_steps"])
     optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds
     for record in report["timeline"]["records"]:
@@ -262,7 +285,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         # keeping its graph only where a design run had one (else it takes the forward's line)
         for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W") if (k, kind) in obs.actions):
             if (k, kind) in obs.actions:
-                points = obs.actions[(k, kind)]
+                points = obs.actions[(k, kind)].typical()
                 # overhead >= 0: a free intercept traded a slope above 1 for a negative overhead
                 # on the design's few row counts and overshot at row counts outside them; a forward
                 # keeping its graph takes the forward's, I and W the backward's (the executor's work

@@ -148,6 +148,37 @@ def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measur
     assert fit_pipeline(obs, {2: 1})[0]["2"]["gap_after_s"] == {}
 
 
+def test_an_action_measured_in_several_rounds_is_fitted_at_its_median_round():
+    """Rounds 15% fast, typical and 15% slow: the line goes through the typical round, as validation
+    compares a run's median round; every round's point on relative residuals settles below it."""
+    from calibrate.calibration import ActionPoints, Observations, fit_pipeline
+
+    def observed(identities: bool) -> Observations:
+        obs = Observations()
+        points = obs.actions[(2, "F")] = ActionPoints()
+        for round_pace in (0.85, 1.0, 1.15):
+            for microbatch, profiled in enumerate((1e-3, 2e-3, 4e-3)):
+                points.profiled.append(profiled)
+                points.fixed.append(1e-4)
+                points.measured.append(round_pace * 1.1 * profiled)
+                points.runs.append("K=2 M=3")
+                if identities:
+                    points.actions.append((0, 0, microbatch))
+        return obs
+
+    typical = observed(True).actions[(2, "F")].typical()
+    assert len(typical.measured) == 3 and typical.measured == pytest.approx([1.1e-3, 2.2e-3, 4.4e-3])
+    def predicted_s(line: dict, profiled: float) -> float:
+        fixed = 1e-4
+        return line["slope"] * (profiled - fixed) + line.get("fixed_slope", line["slope"]) * fixed + line["intercept"]
+
+    line = fit_pipeline(observed(True), {2: 1})[0]["2"]["actions"]["F"]
+    every_round = fit_pipeline(observed(False), {2: 1})[0]["2"]["actions"]["F"]
+    for profiled in (1e-3, 2e-3, 4e-3):
+        assert predicted_s(line, profiled) == pytest.approx(1.1 * profiled, rel=1e-6)
+        assert predicted_s(every_round, profiled) < 0.99 * 1.1 * profiled
+
+
 def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first_stage_as_a_backward():
     """A zb-h1 run's first stage has no input gradient to compute: its W is the whole backward (fitted
     with B) and its I is not fitted; the other stages' I and W get lines of their own, and a K
