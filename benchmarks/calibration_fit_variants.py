@@ -25,7 +25,9 @@ Usage::
         # compares the variants on reports measured before
 
 Writes ``benchmarks/results/calibration_fit_variants_cpu.json`` (per variant: the fitted terms, each
-design run's step and busy error, the held-out summary and per-run errors) and prints the tables.
+design run's step and busy error, the held-out summary and per-run errors, for ``two-part`` with
+the errors the fits on the odd and on the even design rounds give, as ``gpipe validate`` shows them)
+and prints the tables.
 The reports file (about 30 MB) stays out of the repository. The tensor-parallel profile and runs are
 left out (``--tensor-parallel 1``): the variants differ in the whole-stage fits only.
 """
@@ -90,6 +92,7 @@ def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -
     from sim.costs import MeasuredWorkload
 
     data = copy.deepcopy(base)
+    data.pop("fit_halves", None)  # the halves of the measured calibration's fit are not this variant's
     observations = Observations()
     for spec, report, speed in zip(specs, reports, speeds):
         collect(MeasuredWorkload(data, spec.stages), spec, report, observations, speed)
@@ -113,7 +116,7 @@ def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -
 
 
 def compare_variants(path: str) -> dict:
-    from calibrate.calibration import calibration_design, design_entry
+    from calibrate.calibration import calibration_design, design_entry, fit_halves
     from calibrate.speed import run_probes, speed_factor
     from calibrate.validate import compare, format_table, summarize, validation_design
     from sim.costs import MeasuredWorkload
@@ -136,6 +139,9 @@ def compare_variants(path: str) -> dict:
               "held_out_rounds": len(rounds) // len(held_out), "steps": STEPS, "variants": {}}
     for variant in VARIANTS:
         data = fitted(base, variant, specs, reports, speeds)
+        if variant == "two-part":  # as gpipe calibrate: the fits on the odd and the even rounds beside it
+            threads = {int(k): entry["threads"] for k, entry in data["pipeline"].items()}
+            data["fit_halves"] = fit_halves(data, len(design), specs, reports, speeds, threads)
         comparisons = [compare(data, spec, rounds[i::len(held_out)], 2) for i, spec in enumerate(held_out)]
         table = {"runs": [c.to_dict() for c in comparisons], "summary": summarize(comparisons)}
         designs = []

@@ -458,6 +458,46 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
     return fits
 
 
+def fit_in_pipeline(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
+                    speeds: Sequence[float], threads_of: dict[int, int]) -> dict[str, Any]:
+    """Fit what the design runs measured into ``data`` (in place): ``pipeline`` (per K), each K's step
+    overhead, and ``tensor_parallel_fit`` where the design has split runs; the residuals."""
+    whole = [i for i, s in enumerate(specs) if s.tensor_parallel == 1]
+    obs = Observations()
+    for i in whole:
+        collect(MeasuredWorkload(data, specs[i].stages), specs[i], reports[i], obs, speeds[i])
+    data["pipeline"], residuals = fit_pipeline(obs, threads_of)
+    residuals["step"] = fit_step_overhead(data, [specs[i] for i in whole], [reports[i] for i in whole],
+                                          speeds=[speeds[i] for i in whole])
+    if any(s.tensor_parallel > 1 for s in specs):
+        data["tensor_parallel_fit"] = fit_tensor_parallel(data, specs, reports, speeds)
+    return residuals
+
+
+# the terms fit_in_pipeline writes: what a half of the design rounds fits afresh (fit_halves)
+FITTED_TERMS = ("pipeline", "tensor_parallel_fit")
+
+
+def fit_halves(data: dict[str, Any], design_size: int, specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
+               speeds: Sequence[float], threads_of: dict[int, int]) -> list[dict[str, Any]]:
+    """The calibration's own noise: the same fit on the odd and on the even design rounds
+    (``specs`` is the design repeated round after round), each half's :data:`FITTED_TERMS`.
+
+    Validation predicts every held-out run with both halves too (:func:`calibrate.validate.compare`):
+    how far two calibrations taken minutes apart on this machine place the same run. Each half has
+    half the rounds, so the whole fit moves by about 1/sqrt(2) of that."""
+    import copy
+
+    halves = []
+    for parity in (0, 1):
+        chosen = [i for i in range(len(specs)) if (i // design_size) % 2 == parity]
+        half = copy.deepcopy({key: value for key, value in data.items() if key not in FITTED_TERMS + ("fit_halves",)})
+        fit_in_pipeline(half, [specs[i] for i in chosen], [reports[i] for i in chosen], [speeds[i] for i in chosen],
+                        threads_of)
+        halves.append({key: half[key] for key in FITTED_TERMS if key in half})
+    return halves
+
+
 def run_speed_reference(model: str, specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The reference pace per number of processes: the median speed probe over the design runs with
     that many (K x T; validation looks a run up by its D x K x T).
@@ -633,16 +673,9 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     data["speed"] = run_speed_reference(model, specs, reports)
     speeds = [speed_factor(run_probes(r), data["speed"]["reference_s"].get(str(s.processes)))
               for s, r in zip(specs, reports)]
-    whole = [i for i, s in enumerate(specs) if s.tensor_parallel == 1]
-    obs = Observations()
-    for i in whole:
-        collect(MeasuredWorkload(data, specs[i].stages), specs[i], reports[i], obs, speeds[i])
-    data["pipeline"], residuals = fit_pipeline(obs, threads_of)
-    residuals["step"] = fit_step_overhead(data, [specs[i] for i in whole], [reports[i] for i in whole],
-                                          speeds=[speeds[i] for i in whole])
-    if parts > 1:
-        data["tensor_parallel_fit"] = fit_tensor_parallel(data, specs, reports, speeds)
-    data["fit_residuals"] = residuals
+    data["fit_residuals"] = fit_in_pipeline(data, specs, reports, speeds, threads_of)
+    if not quick and rounds >= 2:
+        data["fit_halves"] = fit_halves(data, len(design), specs, reports, speeds, threads_of)
     data["design"] = [design_entry(data, s, reports[i::len(design)], speeds[i::len(design)])
                       for i, s in enumerate(design)]
     if device == "cpu":

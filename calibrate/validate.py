@@ -22,6 +22,12 @@ of the probes its ranks took just before and after it (:mod:`calibrate.speed`). 
 that (``step_error_at_reference``) is the simulator's own error with the machine's drift since
 calibration taken out; ``round_spread`` (interquartile range of those rounds over their median) is
 how precisely this machine measured the run at all. Both are published beside the raw error.
+
+Two measures of noise stand beside each error: ``interval``, where the error lies given this
+validation's own rounds (:func:`median_interval`), and ``halves``, the error as the calibration's fits
+on its odd and on its even design rounds predict the run (:func:`calibrate.calibration.fit_halves`;
+costs files from a quick calibration have none): what a calibration taken at another moment would
+have predicted. An error inside both is one this machine cannot tell from noise.
 """
 
 from __future__ import annotations
@@ -133,6 +139,10 @@ class Comparison:
     # the noise beside the busy errors: per stage, the interquartile range of its rounds' busy seconds at
     # the reference speed over their median; the widest stage's
     busy_round_spread: float = 0.0
+    # per stage, each round's busy seconds at the reference speed (measured_busy_at_reference_s their medians)
+    busy_rounds_at_reference_s: list[list[float]] = field(default_factory=list)
+    # the step as the fits on the calibration's odd and even design rounds predict it (calibrate.calibration.fit_halves)
+    predicted_step_halves_s: list[float] = field(default_factory=list)
 
     @property
     def kind_errors_at_reference(self) -> dict[str, list[float | None]]:
@@ -192,6 +202,27 @@ class Comparison:
         return (self.predicted_step_s - self.measured_at_reference_s) / self.measured_at_reference_s
 
     @property
+    def step_error_interval_at_reference(self) -> tuple[float, float]:
+        """The step error at the reference speed against the ends of the measured median's interval
+        (:func:`median_interval`): how far this validation's own rounds let the error move."""
+        return error_interval(self.predicted_step_s, self.rounds_at_reference_s)
+
+    @property
+    def busy_error_intervals_at_reference(self) -> list[tuple[float, float]]:
+        """Per stage, :attr:`busy_errors_at_reference` against the ends of its median's interval."""
+        return [error_interval(p, rounds) for p, rounds in zip(self.predicted_busy_s, self.busy_rounds_at_reference_s)]
+
+    @property
+    def step_error_halves_at_reference(self) -> tuple[float, float] | None:
+        """The step error at the reference speed as the two half calibrations predict the run, lower
+        first: how far the calibration's own noise moves the prediction (None without halves)."""
+        if len(self.predicted_step_halves_s) != 2:
+            return None
+        measured = self.measured_at_reference_s
+        low, high = sorted((p - measured) / measured for p in self.predicted_step_halves_s)
+        return low, high
+
+    @property
     def memory_errors(self) -> list[float]:
         return [(p - m) / m if m else (0.0 if p == 0 else float("inf"))
                 for p, m in zip(self.predicted_peak_bytes, self.measured_peak_bytes)]
@@ -214,7 +245,12 @@ class Comparison:
                 "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s,
                 "predicted_kind_s": self.predicted_kind_s,
                 "measured_kind_at_reference_s": self.measured_kind_at_reference_s,
-                "kind_errors_at_reference": self.kind_errors_at_reference, "busy_round_spread": self.busy_round_spread}
+                "kind_errors_at_reference": self.kind_errors_at_reference, "busy_round_spread": self.busy_round_spread,
+                "step_error_interval_at_reference": list(self.step_error_interval_at_reference),
+                "busy_error_intervals_at_reference": [list(i) for i in self.busy_error_intervals_at_reference],
+                "predicted_step_halves_s": self.predicted_step_halves_s,
+                "step_error_halves_at_reference": (list(self.step_error_halves_at_reference)
+                                                   if self.step_error_halves_at_reference else None)}
 
 
 def relative_spread(values: Sequence[float]) -> float:
@@ -223,6 +259,37 @@ def relative_spread(values: Sequence[float]) -> float:
         return 0.0
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return (q3 - q1) / statistics.median(values)
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.9) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``values``: the order statistics x(k) and
+    x(n + 1 - k) with the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k), is at least
+    ``confidence`` (with 15 rounds, the 4th and 12th of them: 96.5%); (min, max) where no k reaches it.
+
+    Limits: it assumes the rounds independent draws of one pace. Rounds interleaved over a
+    validation's minutes see its slow and fast stretches, so the interval covers how the machine moved
+    while validating; not how it moved between calibration and validation (what the speed probe
+    corrects, imperfectly), nor the calibration's own noise.
+    """
+    from scipy.stats import binom
+
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("an interval needs at least one value")
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1.0 - 2.0 * binom.cdf(k, n, 0.5) >= confidence:
+        k += 1
+    return ordered[k - 1], ordered[n - k]
+
+
+def error_interval(predicted: float, rounds: Sequence[float]) -> tuple[float, float]:
+    """(predicted - m) / m at both ends of the rounds' median interval, lower error first; (0, 0)
+    without rounds."""
+    if not rounds:
+        return 0.0, 0.0
+    low, high = median_interval(rounds)
+    return ((predicted - high) / high if high else 0.0), ((predicted - low) / low if low else 0.0)
 
 
 def bubble(busy_s: Sequence[float], step_s: float) -> float:
@@ -237,6 +304,8 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     ``processes_available`` (None: no limit) marks the run oversubscribed when D x K exceeds it.
     """
     result = predict(data, spec, data.get("system", "cpu"))
+    halves = [predict({**data, **half}, spec, data.get("system", "cpu")).step_time_s
+              for half in data.get("fit_halves", [])]
     measured = statistics.median(r["step_time_s"] for r in reports)
     # the pace probed with as many processes sharing the machine as this run has (D x K)
     reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
@@ -253,7 +322,7 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       predicted_busy, busy, predicted_end_span_s(result), span, busy_at_reference,
                       predicted_kind_s(result, len(busy)),
                       measured_kind_s(reports, speeds, len(busy)),
-                      max((relative_spread(values) for values in rounds_busy), default=0.0))
+                      max((relative_spread(values) for values in rounds_busy), default=0.0), rounds_busy, halves)
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:
@@ -297,6 +366,11 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
     busy_at_reference = [abs(e) for c in comparisons for e in c.busy_errors_at_reference]
     bubbles = [abs(c.bubble_error_points) for c in comparisons]
     kinds: dict[str, list[float]] = {}  # signed: a kind predicted low everywhere shows as such
+    worst_step = max(comparisons, key=lambda c: abs(c.step_error_at_reference), default=None)
+    stage_busy = [(abs(e), interval) for c in comparisons
+                  for e, interval in zip(c.busy_errors_at_reference, c.busy_error_intervals_at_reference)]
+    half_widths = [(high - low) / 2 for c in comparisons for low, high in [c.step_error_interval_at_reference]]
+    busy_half_widths = [(high - low) / 2 for _, (low, high) in stage_busy]
     for c in comparisons:
         for kind, errors in c.kind_errors_at_reference.items():
             kinds.setdefault(kind, []).extend(e for e in errors if e is not None)
@@ -315,7 +389,30 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
                                          if comparisons else 0.0),
             "median_memory_error": statistics.median(memory) if memory else 0.0,
             "worst_memory_error": max(memory, default=0.0),
-            "median_kind_error_at_reference": {kind: statistics.median(errors) for kind, errors in kinds.items()}}
+            "median_kind_error_at_reference": {kind: statistics.median(errors) for kind, errors in kinds.items()},
+            # the noise beside the errors: how far each run's own rounds let its error move (median_interval)
+            "median_step_error_half_width_at_reference": statistics.median(half_widths) if half_widths else 0.0,
+            "worst_step_error_interval_at_reference": (list(worst_step.step_error_interval_at_reference)
+                                                       if worst_step else [0.0, 0.0]),
+            "runs_with_step_error_beyond_noise": sum(1 for c in comparisons for low, high in
+                                                     [c.step_error_interval_at_reference] if not low <= 0.0 <= high),
+            "median_busy_error_half_width_at_reference": (statistics.median(busy_half_widths)
+                                                          if busy_half_widths else 0.0),
+            "worst_busy_error_interval_at_reference": list(max(stage_busy, key=lambda pair: pair[0])[1])
+                                                      if stage_busy else [0.0, 0.0],
+            **halves_summary(comparisons)}
+
+
+def halves_summary(comparisons: Sequence[Comparison]) -> dict[str, Any]:
+    """How far the two half calibrations put each run's step apart (in points of its error): median
+    and worst, and the worst run's errors by each half; {} without halves."""
+    apart = [high - low for c in comparisons if c.step_error_halves_at_reference
+             for low, high in [c.step_error_halves_at_reference]]
+    if not apart:
+        return {}
+    worst_step = max(comparisons, key=lambda c: abs(c.step_error_at_reference))
+    return {"median_halves_apart": statistics.median(apart), "worst_halves_apart": max(apart),
+            "worst_step_error_halves_at_reference": list(worst_step.step_error_halves_at_reference or (0.0, 0.0))}
 
 
 def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
@@ -353,6 +450,10 @@ def _worst_signed(errors: Sequence[float]) -> float:
     return max(errors, key=abs, default=0.0)
 
 
+def _interval(bounds: Sequence[float]) -> str:
+    return f"{bounds[0] * 100:+.0f}..{bounds[1] * 100:+.0f}%"
+
+
 def _mib(values: Sequence[int]) -> str:
     return "/".join(f"{v / 2**20:.2f}" for v in values)
 
@@ -367,22 +468,28 @@ def format_table(result: dict[str, Any]) -> str:
     after D and stay out of the summary lines.
     """
     header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
-              f"{'spread':>7}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  {'busy err':>8} {'busy@ref':>8} "
-              f"{'spread':>7} {'bubble p/m':>11} {'end p/m ms':>13}")
+              f"{'spread':>7} {'interval':>11} {'halves':>11}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  {'busy err':>8} "
+              f"{'busy@ref':>8} {'spread':>7} {'interval':>11} {'bubble p/m':>11} {'end p/m ms':>13}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
         worst_mem = max((abs(e) for e in run["memory_errors"]), default=0.0)
         mark = OVERSUBSCRIBED_MARK if run.get("oversubscribed") else " "
+        busy_at_reference = run.get("busy_errors_at_reference", run.get("busy_errors", []))
+        busy_intervals = run.get("busy_error_intervals_at_reference") or [[0.0, 0.0]] * len(busy_at_reference)
+        worst_stage = max(range(len(busy_at_reference)), key=lambda k: abs(busy_at_reference[k]), default=None)
+        busy_interval = busy_intervals[worst_stage] if worst_stage is not None else [0.0, 0.0]
         lines.append(f"{run.get('replicas', 1):>2}{mark} {run['run']:<40} {run['predicted_step_s'] * 1e3:>9.2f} "
                      f"{run['measured_step_s'] * 1e3:>9.2f} {run['step_error'] * 100:>+6.1f}% "
                      f"{run.get('measured_at_reference_s', run['measured_step_s']) * 1e3:>9.2f} "
                      f"{run.get('step_error_at_reference', run['step_error']) * 100:>+7.1f}% "
-                     f"{run.get('round_spread', 0.0) * 100:>6.1f}%  "
+                     f"{run.get('round_spread', 0.0) * 100:>6.1f}% "
+                     f"{_interval(run.get('step_error_interval_at_reference', [0.0, 0.0])):>11} "
+                     f"{_interval(run['step_error_halves_at_reference']) if run.get('step_error_halves_at_reference') else '-':>11}  "
                      f"{_mib(run['predicted_peak_activation_bytes']):>13} "
                      f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%  "
                      f"{_worst_signed(run.get('busy_errors', [])) * 100:>+7.1f}% "
-                     f"{_worst_signed(run.get('busy_errors_at_reference', run.get('busy_errors', []))) * 100:>+7.1f}% "
-                     f"{run.get('busy_round_spread', 0.0) * 100:>6.1f}% "
+                     f"{_worst_signed(busy_at_reference) * 100:>+7.1f}% "
+                     f"{run.get('busy_round_spread', 0.0) * 100:>6.1f}% {_interval(busy_interval):>11} "
                      f"{run.get('predicted_bubble', 0.0) * 100:>5.1f}/{run.get('measured_bubble', 0.0) * 100:<5.1f} "
                      f"{run.get('predicted_end_span_s', 0.0) * 1e3:>6.2f}/{run.get('measured_end_span_s', 0.0) * 1e3:<6.2f}")
     s = result["summary"]
@@ -393,6 +500,21 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{s.get('median_step_error_at_reference', 0.0) * 100:.1f}%, worst "
                  f"{s.get('worst_step_error_at_reference', 0.0) * 100:.1f}%; rounds of one run spread by "
                  f"{s.get('median_round_spread', 0.0) * 100:.1f}% (median interquartile range)")
+    if "median_step_error_half_width_at_reference" in s:
+        lines.append("noise beside the errors (interval: where a run's error at the reference speed lies, from "
+                     "its median's interval over its rounds, at least 90% confidence): a run's step error known "
+                     f"to +-{s['median_step_error_half_width_at_reference'] * 100:.1f}% (median half-width), "
+                     f"the worst run's in {_interval(s['worst_step_error_interval_at_reference'])}; "
+                     f"{s['runs_with_step_error_beyond_noise']} of {s['runs']} runs' step errors beyond their "
+                     f"interval's reach of zero; a stage's busy error known to "
+                     f"+-{s['median_busy_error_half_width_at_reference'] * 100:.1f}%, the worst in "
+                     f"{_interval(s['worst_busy_error_interval_at_reference'])}")
+    if "median_halves_apart" in s:
+        lines.append("the calibration's own noise (halves: the step error as fits on the odd and on the even "
+                     "design rounds predict it): the halves put a run "
+                     f"{s['median_halves_apart'] * 100:.1f} points apart (median), "
+                     f"{s['worst_halves_apart'] * 100:.1f} at worst; the worst run's error by the halves "
+                     f"{_interval(s['worst_step_error_halves_at_reference'])}")
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "

@@ -575,5 +575,5 @@ def load_costs_workload(path: str, model: str | None, options: dict[str, Any]) -
 
 def costs_summary(data: dict[str, Any]) -> dict[str, Any]:
     """The fitted numbers without the bulky profile, for printing."""
-    keep = {k: v for k, v in data.items() if k not in ("profile", "design")}
+    keep = {k: v for k, v in data.items() if k not in ("profile", "design", "fit_halves")}
     return json.loads(json.dumps(keep, default=lambda o: dataclasses.asdict(o)))

@@ -258,3 +258,25 @@ def test_the_replica_spread_keeps_a_processs_own_deviation_and_not_the_machines(
     assert expected_max([-1.0, 1.0], 2) == pytest.approx(0.5) and expected_max([-1.0, 1.0], 1) == 0.0
     assert straggle_fraction(spread, 1) == 0.0 and straggle_fraction([], 2) == 0.0
     assert straggle_fraction(spread, 4) > straggle_fraction(spread, 2) > 0.0
+
+
+def test_the_halves_of_a_calibration_fit_its_odd_and_its_even_rounds_apart(monkeypatch):
+    """The design repeated round after round: one half fits rounds 1, 3, 5, the other 2, 4, 6, each on
+    a copy of the measured data; the whole fit's terms are left as they were."""
+    import calibrate.calibration as calibration
+
+    seen = []
+
+    def fake_fit(data, specs, reports, speeds, threads_of):
+        seen.append([r["round"] for r in reports])
+        data["pipeline"] = {"2": {"rounds": [r["round"] for r in reports]}}
+        return {}
+
+    monkeypatch.setattr(calibration, "fit_in_pipeline", fake_fit)
+    specs = [calibration.RunSpec((3, 3), m, "never", "gpipe", 8) for m in (2, 4)] * 6
+    reports = [{"round": i // 2 + 1} for i in range(12)]
+    data = {"pipeline": {"2": {"rounds": "all"}}, "profile": {"rows": [1, 2]}}
+    halves = calibration.fit_halves(data, 2, specs, reports, [1.0] * 12, {2: 1})
+    assert seen == [[1, 1, 3, 3, 5, 5], [2, 2, 4, 4, 6, 6]]
+    assert [h["pipeline"]["2"]["rounds"] for h in halves] == seen and set(halves[0]) == {"pipeline"}
+    assert data == {"pipeline": {"2": {"rounds": "all"}}, "profile": {"rows": [1, 2]}}

@@ -321,3 +321,46 @@ def test_a_runs_gaps_per_kind_are_the_medians_calibration_fits_on():
     assert [row[0].split(" (")[0] for row in rows] == ["stage 0 between actions, after backward",
                                                        "stage 0 between actions, after forward"]
     assert [row[1:] for row in rows] == [("500000 us", "500000 us", "+0.0%"), ("218750 us", "437500 us", "-50.0%")]
+
+
+def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
+    """The measured median's distribution-free interval (with 15 rounds the 4th and 12th, 96.5%
+    coverage) turned into an interval of the error; the summary counts the runs whose interval does
+    not reach zero and gives the worst run's, and the table prints both beside the errors."""
+    from calibrate.validate import Comparison, format_table, median_interval, summarize
+
+    assert median_interval([float(v) for v in range(15, 0, -1)]) == (4.0, 12.0)
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few rounds for 90%: the whole range
+    rounds = [0.90 + 0.01 * i for i in range(15)]  # median 0.97, interval 0.93 .. 1.01
+    near = Comparison("K=1 M=2", 1.0, 0.97, [1], [1], rounds, [1.0] * 15, predicted_busy_s=[0.5],
+                      measured_busy_s=[0.5], measured_busy_at_reference_s=[0.5],
+                      busy_rounds_at_reference_s=[[0.4 + 0.01 * i for i in range(15)]])
+    far = Comparison("K=2 M=4", 0.8, 0.97, [1], [1], rounds, [1.0] * 15)
+    low, high = near.step_error_interval_at_reference
+    assert (low, high) == (pytest.approx(1.0 / 1.01 - 1.0), pytest.approx(1.0 / 0.93 - 1.0))
+    assert near.busy_error_intervals_at_reference == [(pytest.approx(0.5 / 0.51 - 1.0), pytest.approx(0.5 / 0.43 - 1.0))]
+    summary = summarize([near, far])
+    assert summary["runs_with_step_error_beyond_noise"] == 1  # far: -21% .. -14%, nowhere near zero
+    assert summary["worst_step_error_interval_at_reference"] == [pytest.approx(0.8 / 1.01 - 1.0),
+                                                                  pytest.approx(0.8 / 0.93 - 1.0)]
+    assert summary["median_step_error_half_width_at_reference"] == pytest.approx((1.0 / 0.93 - 1.0 / 1.01) / 2 * 0.9)
+    table = format_table({"runs": [near.to_dict(), far.to_dict()], "summary": summary})
+    assert "-1..+8%" in table.splitlines()[2] and "-21..-14%" in table.splitlines()[3]
+    assert "1 of 2 runs' step errors beyond" in table and "the worst run's in -21..-14%" in table
+
+
+def test_the_half_calibrations_errors_stand_beside_the_whole_fits():
+    """A run predicted at 0.9 and 1.1 s by the fits on the odd and the even design rounds, measured at
+    1.0 s: its error by the halves is -10..+10%, 20 points apart, in the table and the summary."""
+    from calibrate.validate import Comparison, format_table, summarize
+
+    run = Comparison("K=2 M=4", 1.0, 1.0, [1], [1], [1.0], [1.0], predicted_step_halves_s=[1.1, 0.9])
+    without = Comparison("K=2 M=5", 1.0, 1.0, [1], [1], [1.0], [1.0])
+    assert run.step_error_halves_at_reference == (pytest.approx(-0.1), pytest.approx(0.1))
+    assert without.step_error_halves_at_reference is None
+    summary = summarize([run, without])
+    assert summary["median_halves_apart"] == summary["worst_halves_apart"] == pytest.approx(0.2)
+    table = format_table({"runs": [run.to_dict(), without.to_dict()], "summary": summary})
+    assert "-10..+10%" in table.splitlines()[2] and "20.0 points apart (median)" in table
+    assert "the calibration's own noise" not in format_table({"runs": [without.to_dict()],
+                                                              "summary": summarize([without])})
