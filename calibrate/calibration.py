@@ -86,21 +86,35 @@ def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
 
 
 def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
-                       tensor_parallel: Sequence[int] = (), split_backward: bool = False) -> list[RunSpec]:
+                       tensor_parallel: Sequence[int] = (), split_backward: bool = False,
+                       row_span: bool = True) -> list[RunSpec]:
     """The runs the fit learns from (small: every run costs a few seconds on 2 cores); for each T in
     ``tensor_parallel`` (the splits the profile measured) two one-stage runs split over T ranks,
     whose actions fit the split stages' in-pipeline factor (:func:`fit_tensor_parallel`). With
     ``split_backward`` (a profile that timed I and W apart) a zb-h1 run, whose I and W actions get
     in-pipeline factors of their own: a backward split in two pays its dispatch twice and keeps
     its graph between the halves, which the whole backward's factor does not see. It keeps every
-    forward's graph (``never``) at 5-6 rows, where the other runs that do have 8 or 16."""
-    specs = [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size),
-             RunSpec(even_partition(num_layers, 1), 8, "always", "gpipe", batch_size)]
+    forward's graph (``never``) at 5-6 rows, where the other runs that do have 8 or 16.
+
+    ``row_span`` (a full calibration) adds runs at the ends of the rows a plan can use: the whole
+    batch in one micro-batch (K = 1 and 2, every kind of action at the batch's rows) and K = 1 with
+    16 micro-batches keeping their graphs (the fewest rows a forward that keeps its graph has).
+    Without them the lines rest on 4 to 16 rows at K = 1 and 2 to 16 at K = 2, and the held-out
+    runs with the whole batch in one micro-batch came out low in each of five calibrations (K = 1 by
+    6-20%, K = 2 by 2-20%)."""
+    single = even_partition(num_layers, 1)
+    specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
+             RunSpec(single, 8, "always", "gpipe", batch_size)]
+    if row_span:
+        specs += [RunSpec(single, 1, "always", "gpipe", batch_size),
+                  RunSpec(single, 16, "never", "gpipe", batch_size)]
     if max_stages >= 2 and num_layers >= 2:
         specs += [RunSpec(even_partition(num_layers, 2), 4, "except_last", "gpipe", batch_size),
                   RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
                   RunSpec(even_partition(num_layers, 2), 2, "never", "1f1b", batch_size),
                   RunSpec(even_partition(num_layers, 2), 16, "always", "gpipe", batch_size)]
+        if row_span:
+            specs.append(RunSpec(even_partition(num_layers, 2), 1, "always", "gpipe", batch_size))
         if split_backward:
             specs.append(RunSpec(even_partition(num_layers, 2), 6, "never", "zb-h1", batch_size))
     for parts in tensor_parallel:
@@ -668,7 +682,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         data["tensor_parallel_profile"] = {str(parts): profile_tensor_parallel(
             model, options, batch_size, rows, split_threads, parts, device, quick, precision)}
     design = calibration_design(ref.num_layers, batch_size, max_stages, [parts] if parts > 1 else [],
-                                split_backward=repeats.split)
+                                split_backward=repeats.split, row_span=not quick)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]
     reports = run_configs(configs, progress=say)

@@ -31,6 +31,19 @@ def test_held_out_design_never_repeats_a_calibration_run():
         assert len({s.partition for s in held_out if s.stages == 2 and s.virtual_stages == 1}) == 2
 
 
+def test_a_full_calibration_design_spans_the_rows_a_plan_can_give_a_micro_batch():
+    """The whole batch in one micro-batch at K = 1 and 2, and 2-row forwards that keep their graphs at
+    K = 1; a quick calibration's design leaves them out, and the held-out runs stay other runs."""
+    full = calibration_design(6, 32, split_backward=True)
+    quick = calibration_design(6, 32, split_backward=True, row_span=False)
+    added = [s for s in full if s not in quick]
+    assert [(s.stages, s.microbatches, s.checkpoint) for s in added] == [(1, 1, "always"), (1, 16, "never"),
+                                                                          (2, 1, "always")]
+    assert set(quick) < set(full) and not set(validation_design(6, 32)) & set(added)
+    rows = {32 // s.microbatches for s in full}
+    assert min(rows) == 2 and max(rows) == 32
+
+
 def test_held_out_design_adds_two_replicas_with_one_and_two_stages():
     held_out = validation_design(6, 32)
     replicated = [s for s in held_out if s.replicas > 1]
