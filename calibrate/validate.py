@@ -415,6 +415,17 @@ def halves_summary(comparisons: Sequence[Comparison]) -> dict[str, Any]:
             "worst_step_error_halves_at_reference": list(worst_step.step_error_halves_at_reference or (0.0, 0.0))}
 
 
+def check_fit_halves(data: dict[str, Any]) -> None:
+    """Refuse, in one line, a costs file whose ``fit_halves`` is not two fits with a ``pipeline`` each."""
+    from sim.errors import GpipeInputError
+
+    halves = data.get("fit_halves", [])
+    if not (isinstance(halves, list) and len(halves) in (0, 2)
+            and all(isinstance(half, dict) and isinstance(half.get("pipeline"), dict) for half in halves)):
+        raise GpipeInputError("the costs file's fit_halves is not two fits with a pipeline each; run gpipe "
+                              "calibrate --force to measure it again")
+
+
 def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
              progress: Callable[[str], None] = print, rounds: int = 3) -> dict[str, Any]:
     """Run the held-out design for the model in the costs ``data``; the comparisons and summary.
@@ -427,6 +438,7 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     from sim.costs import MeasuredWorkload, allreduce_link, measured_precision
 
     allreduce_link(data)  # a malformed entry is refused before any run starts
+    check_fit_halves(data)
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     workload = MeasuredWorkload(data)

@@ -377,3 +377,16 @@ def test_the_half_calibrations_errors_stand_beside_the_whole_fits():
     assert "-10..+10%" in table.splitlines()[2] and "20.0 points apart (median)" in table
     assert "the calibration's own noise" not in format_table({"runs": [without.to_dict()],
                                                               "summary": summarize([without])})
+
+
+def test_a_costs_file_with_malformed_halves_is_refused_before_any_run():
+    from calibrate.validate import check_fit_halves, validate
+    from sim.errors import GpipeInputError
+
+    check_fit_halves({})  # a quick calibration's file has none
+    check_fit_halves({"fit_halves": [{"pipeline": {}}, {"pipeline": {}}]})
+    for bad in ([{"pipeline": {}}], "halves", [{"pipeline": {}}, {"tensor_parallel_fit": {}}]):
+        with pytest.raises(GpipeInputError, match="fit_halves"):
+            check_fit_halves({"fit_halves": bad})
+    with pytest.raises(GpipeInputError, match="calibrate --force"):
+        validate({"fit_halves": "halves"}, progress=lambda message: pytest.fail("a run started"))
