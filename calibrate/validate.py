@@ -480,8 +480,8 @@ def format_table(result: dict[str, Any]) -> str:
     after D and stay out of the summary lines.
     """
     header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
-              f"{'spread':>7} {'interval':>11} {'halves':>11}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  {'busy err':>8} "
-              f"{'busy@ref':>8} {'spread':>7} {'interval':>11} {'bubble p/m':>11} {'end p/m ms':>13}")
+              f"{'spread':>7} {'interval':>11} {'halves':>11}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  "
+              f"{'busy err':>8} {'busy@ref':>8} {'spread':>7} {'interval':>11} {'bubble p/m':>11} {'end p/m ms':>13}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
         worst_mem = max((abs(e) for e in run["memory_errors"]), default=0.0)
@@ -490,13 +490,14 @@ def format_table(result: dict[str, Any]) -> str:
         busy_intervals = run.get("busy_error_intervals_at_reference") or [[0.0, 0.0]] * len(busy_at_reference)
         worst_stage = max(range(len(busy_at_reference)), key=lambda k: abs(busy_at_reference[k]), default=None)
         busy_interval = busy_intervals[worst_stage] if worst_stage is not None else [0.0, 0.0]
+        halves = run.get("step_error_halves_at_reference")
         lines.append(f"{run.get('replicas', 1):>2}{mark} {run['run']:<40} {run['predicted_step_s'] * 1e3:>9.2f} "
                      f"{run['measured_step_s'] * 1e3:>9.2f} {run['step_error'] * 100:>+6.1f}% "
                      f"{run.get('measured_at_reference_s', run['measured_step_s']) * 1e3:>9.2f} "
                      f"{run.get('step_error_at_reference', run['step_error']) * 100:>+7.1f}% "
                      f"{run.get('round_spread', 0.0) * 100:>6.1f}% "
                      f"{_interval(run.get('step_error_interval_at_reference', [0.0, 0.0])):>11} "
-                     f"{_interval(run['step_error_halves_at_reference']) if run.get('step_error_halves_at_reference') else '-':>11}  "
+                     f"{_interval(halves) if halves else '-':>11}  "
                      f"{_mib(run['predicted_peak_activation_bytes']):>13} "
                      f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%  "
                      f"{_worst_signed(run.get('busy_errors', [])) * 100:>+7.1f}% "
