@@ -499,15 +499,17 @@ def fit_halves(data: dict[str, Any], design_size: int, specs: Sequence[RunSpec],
 
     Validation predicts every held-out run with both halves too (:func:`calibrate.validate.compare`):
     how far two calibrations taken minutes apart on this machine place the same run. Each half has
-    half the rounds, so the whole fit moves by about 1/sqrt(2) of that."""
+    half the rounds, so two whole calibrations would lie about 1/sqrt(2) as far apart (where the
+    noise falls as the square root of the rounds)."""
     import copy
 
     halves = []
     for parity in (0, 1):
         chosen = [i for i in range(len(specs)) if (i // design_size) % 2 == parity]
-        half = copy.deepcopy({key: value for key, value in data.items() if key not in FITTED_TERMS + ("fit_halves",)})
-        fit_in_pipeline(half, [specs[i] for i in chosen], [reports[i] for i in chosen], [speeds[i] for i in chosen],
-                        threads_of)
+        half = copy.deepcopy({key: value for key, value in data.items()
+                              if key not in FITTED_TERMS + ("fit_halves",)})
+        fit_in_pipeline(half, [specs[i] for i in chosen], [reports[i] for i in chosen],
+                        [speeds[i] for i in chosen], threads_of)
         halves.append({key: half[key] for key in FITTED_TERMS if key in half})
     return halves
 
