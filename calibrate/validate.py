@@ -130,17 +130,12 @@ class Comparison:
     measured_busy_s: list[float] = field(default_factory=list)
     predicted_end_span_s: float = 0.0
     measured_end_span_s: float = 0.0
-    # per stage, the median over rounds of each round's busy seconds divided by its speed factor
-    measured_busy_at_reference_s: list[float] = field(default_factory=list)
+    # per stage, each round's busy seconds divided by the round's speed factor
+    busy_rounds_at_reference_s: list[list[float]] = field(default_factory=list)
     # per action kind (F, R, B, I, W), per stage: the seconds a step's actions of that kind take,
     # predicted and measured (the median over rounds of each round's, at the reference speed)
     predicted_kind_s: dict[str, list[float]] = field(default_factory=dict)
     measured_kind_at_reference_s: dict[str, list[float]] = field(default_factory=dict)
-    # the noise beside the busy errors: per stage, the interquartile range of its rounds' busy seconds at
-    # the reference speed over their median; the widest stage's
-    busy_round_spread: float = 0.0
-    # per stage, each round's busy seconds at the reference speed (measured_busy_at_reference_s their medians)
-    busy_rounds_at_reference_s: list[list[float]] = field(default_factory=list)
     # the step as the fits on the calibration's odd and even design rounds predict it (calibrate.calibration.fit_halves)
     predicted_step_halves_s: list[float] = field(default_factory=list)
 
@@ -155,6 +150,17 @@ class Comparison:
     def busy_errors(self) -> list[float]:
         """Per stage, predicted busy time against measured (forward, recompute, backward, optimizer)."""
         return [(p - m) / m if m else 0.0 for p, m in zip(self.predicted_busy_s, self.measured_busy_s)]
+
+    @property
+    def measured_busy_at_reference_s(self) -> list[float]:
+        """Per stage, the median over rounds of its busy seconds at the reference speed."""
+        return [statistics.median(rounds) for rounds in self.busy_rounds_at_reference_s]
+
+    @property
+    def busy_round_spread(self) -> float:
+        """The noise beside the busy errors: per stage, the interquartile range of its rounds' busy
+        seconds at the reference speed over their median; the widest stage's."""
+        return max((relative_spread(rounds) for rounds in self.busy_rounds_at_reference_s), default=0.0)
 
     @property
     def busy_errors_at_reference(self) -> list[float]:
@@ -313,16 +319,13 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     predicted_busy = [s.busy_s for s in sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)]
     speeds = [speed_factor(run_probes(r), reference) for r in reports]
     rounds_busy = [[r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds)] for k in range(len(busy))]
-    busy_at_reference = [statistics.median(values) for values in rounds_busy]
     return Comparison(spec.label(), result.step_time_s, measured,
                       replica_zero_peak_bytes(result),
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
                       [r["step_time_s"] for r in reports], speeds, spec.replicas,
                       processes_available is not None and spec.processes > processes_available,
-                      predicted_busy, busy, predicted_end_span_s(result), span, busy_at_reference,
-                      predicted_kind_s(result, len(busy)),
-                      measured_kind_s(reports, speeds, len(busy)),
-                      max((relative_spread(values) for values in rounds_busy), default=0.0), rounds_busy, halves)
+                      predicted_busy, busy, predicted_end_span_s(result), span, rounds_busy,
+                      predicted_kind_s(result, len(busy)), measured_kind_s(reports, speeds, len(busy)), halves)
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:

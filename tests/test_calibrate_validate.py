@@ -267,7 +267,7 @@ def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
     from calibrate.validate import Comparison
 
     comparison = Comparison("K=1 M=2 [4] never gpipe", 0.10, 0.12, [1], [1], [0.11, 0.13], [1.1, 1.3],
-                            predicted_busy_s=[0.10], measured_busy_s=[0.12], measured_busy_at_reference_s=[0.10])
+                            predicted_busy_s=[0.10], measured_busy_s=[0.12], busy_rounds_at_reference_s=[[0.10, 0.10]])
     assert comparison.busy_errors == [pytest.approx(-1 / 6)]
     assert comparison.busy_errors_at_reference == [pytest.approx(0.0)]
 
@@ -280,11 +280,12 @@ def test_the_busy_errors_noise_stands_beside_them_in_the_table():
     assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2.0 / 3.0)
     assert relative_spread([1.0]) == 0.0
     run = _comparison("K=2 M=2 [2,2] never gpipe", 1.0, 1.0)
-    run.busy_round_spread = 0.083
+    run.busy_rounds_at_reference_s = [[1.0, 1.0, 1.0], [0.9, 1.0, 1.1, 1.2, 1.3]]  # the second's: 0.2 / 1.1
     summary = summarize([run])
-    assert summary["median_busy_round_spread"] == pytest.approx(0.083)
+    assert run.busy_round_spread == pytest.approx(0.2 / 1.1)
+    assert summary["median_busy_round_spread"] == pytest.approx(0.2 / 1.1)
     table = format_table({"runs": [run.to_dict()], "summary": summary})
-    assert "   8.3% " in table.splitlines()[2] and "rounds spread a stage's busy time by 8.3%" in table
+    assert "  18.2% " in table.splitlines()[2] and "rounds spread a stage's busy time by 18.2%" in table
 
 
 def test_each_kind_of_action_is_compared_at_the_reference_speed():
@@ -346,7 +347,7 @@ def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
     assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few rounds for 90%: the whole range
     rounds = [0.90 + 0.01 * i for i in range(15)]  # median 0.97, interval 0.93 .. 1.01
     near = Comparison("K=1 M=2", 1.0, 0.97, [1], [1], rounds, [1.0] * 15, predicted_busy_s=[0.5],
-                      measured_busy_s=[0.5], measured_busy_at_reference_s=[0.5],
+                      measured_busy_s=[0.5],
                       busy_rounds_at_reference_s=[[0.4 + 0.01 * i for i in range(15)]])
     far = Comparison("K=2 M=4", 0.8, 0.97, [1], [1], rounds, [1.0] * 15)
     low, high = near.step_error_interval_at_reference
