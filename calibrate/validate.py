@@ -403,17 +403,16 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
                                                           if busy_half_widths else 0.0),
             "worst_busy_error_interval_at_reference": list(max(stage_busy, key=lambda pair: pair[0])[1])
                                                       if stage_busy else [0.0, 0.0],
-            **halves_summary(comparisons)}
+            **halves_summary(comparisons, worst_step)}
 
 
-def halves_summary(comparisons: Sequence[Comparison]) -> dict[str, Any]:
+def halves_summary(comparisons: Sequence[Comparison], worst_step: Comparison | None) -> dict[str, Any]:
     """How far the two half calibrations put each run's step apart (in points of its error): median
-    and worst, and the worst run's errors by each half; {} without halves."""
+    and worst, and ``worst_step``'s errors by each half; {} without halves."""
     apart = [high - low for c in comparisons if c.step_error_halves_at_reference
              for low, high in [c.step_error_halves_at_reference]]
-    if not apart:
+    if not apart or worst_step is None:
         return {}
-    worst_step = max(comparisons, key=lambda c: abs(c.step_error_at_reference))
     return {"median_halves_apart": statistics.median(apart), "worst_halves_apart": max(apart),
             "worst_step_error_halves_at_reference": list(worst_step.step_error_halves_at_reference or (0.0, 0.0))}
 
