@@ -352,8 +352,9 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     the measured all-reduce link where the costs file has one (:func:`sim.costs.allreduce_link`).
     With T > 1 each stage is priced from the costs file's profile of the layers split over T ranks
     (:mod:`calibrate.tp_profile`). A run with more processes than the system has devices (D x K = 4
-    on two cores) is predicted as if each process had a device of its own on this one node: what
-    the simulator models, not the cores taking turns (validation marks such runs).
+    on two cores) has its processes take turns on the cores (:mod:`sim.shared_cores`), each priced
+    with the fits of the nearest fitted process count: a calibration fits no more processes than
+    the machine has cores, so this is a machine fully busy, each process on a core of its own.
     """
     from dataclasses import replace
 
@@ -361,8 +362,12 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     from sim.hardware import get_system
     from sim.tensor_parallel import with_tensor_parallel
 
+    from sim.shared_cores import CoreSharing
+
     system = get_system(system_name)
+    sharing = None
     if spec.processes > system.total_devices:
+        sharing = CoreSharing(system.total_devices, spec.tensor_parallel)
         system = replace(system, devices_per_node=spec.processes, nodes=1)
     workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.tensor_parallel)
     workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches, spec.replicas)
@@ -370,7 +375,7 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
                 if spec.replicas > 1 else {})
     return simulate(workload, system, spec.partition, spec.batch_size, spec.microbatches, spec.checkpoint,
-                    spec.schedule, virtual_stages=spec.virtual_stages, **replicas)
+                    spec.schedule, virtual_stages=spec.virtual_stages, core_sharing=sharing, **replicas)
 
 
 def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],

@@ -28,6 +28,11 @@ without the event loop (:meth:`ReplicaRun.walk`): each channel then has one send
 its own program order, so every figure follows from the action lists alone; a test holds the two
 equal to the bit.
 
+Where the run's processes outnumber the cores they share (:mod:`sim.shared_cores`), every compute
+(an action, a gap, a sender's own time) takes its share of the cores rather than a device of its
+own, and all replicas walk in one environment, since each slows the others; busy time is then the
+actions' elapsed time, as the executor measures it.
+
 This module stops at each device's last backward: what follows (the data-parallel all-reduce, the
 shared-parameter reduction, the optimizer step) is a closed form in :mod:`sim.engine`.
 """
@@ -41,6 +46,7 @@ import simpy
 
 from sim.hardware import Link, System
 from sim.schedule import Action, Kind, device_of_virtual_stage, receives_gradient, recomputes
+from sim.shared_cores import SharedCores
 from sim.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
 from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 
@@ -92,8 +98,11 @@ class ReplicaRun:
 
     def __init__(self, system: System, devices: Sequence[int], virtual_stages: int, rows: list[int],
                  costs: dict[int, list[StageCost]], checkpoint: str, record: bool,
-                 positions: Sequence[int] | None = None) -> None:
+                 positions: Sequence[int] | None = None, shared: SharedCores | None = None,
+                 processes_per_device: int = 1) -> None:
         self.stages = len(devices)
+        self.shared = shared  # cores shared with every replica's processes (run() then only starts the walk)
+        self.processes_per_device = processes_per_device
         self.virtual = virtual_stages * self.stages
         # the pipeline position of each virtual stage (sim.schedule.device_of_virtual_stage); loop placement by default
         self.position = (list(positions) if positions is not None
@@ -113,18 +122,27 @@ class ReplicaRun:
 
     def run(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
         """Walk every device's list: as SimPy processes, or, where no spans are recorded and no link
-        is shared, in the closed form of :meth:`walk`, which gives the same figures."""
-        if not self.record and not any(link.shared for link, _key, _free in self.links.hop.values()):
+        or core is shared, in the closed form of :meth:`walk`, which gives the same figures. With
+        ``shared`` cores the processes are only started: the caller runs their environment."""
+        if (self.shared is None and not self.record
+                and not any(link.shared for link, _key, _free in self.links.hop.values())):
             return self.walk(per_device_actions)
-        self.env = simpy.Environment()
+        self.env = self.shared.env if self.shared is not None else simpy.Environment()
         m = len(self.rows)
         # activation_in[s][m]: virtual stage s has micro-batch m's input; gradient_in[s][m]: its output grad
         self.activation_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
         self.gradient_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
         for k in range(self.stages):
             self.env.process(self.device_process(k, per_device_actions[k]))
-        self.env.run()
+        if self.shared is None:
+            self.env.run()
         return self
+
+    def _compute(self, seconds: float):
+        """The event of ``seconds`` of this process's own work: alone, or sharing the cores."""
+        if self.shared is not None:
+            return self.shared.compute(seconds, self.processes_per_device)
+        return self.env.timeout(seconds)
 
     def walk(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
         """The SimPy processes' busy time, peak memory and last backward without the event loop.
@@ -232,7 +250,7 @@ class ReplicaRun:
             m, s, kind = action.microbatch, action.stage, action.kind
             cost = self.costs[self.rows[m]][s]
             if i and cost.gap_after_s:  # the executor's own time between two actions
-                yield env.timeout(cost.gap_after_s[GAP_INDEX[actions[i - 1].kind]])
+                yield self._compute(cost.gap_after_s[GAP_INDEX[actions[i - 1].kind]])
             waiting_on = None
             if kind is Kind.FORWARD and s > 0:
                 waiting_on = self.activation_in[s][m]
@@ -249,8 +267,8 @@ class ReplicaRun:
                 self._hold(device, transient)  # the layer being recomputed, on top of what is held
             start = env.now
             if duration > 0:
-                yield env.timeout(duration)
-            self.busy_s[device] += duration
+                yield self._compute(duration)
+            self.busy_s[device] += duration if self.shared is None else env.now - start
             if self.record:
                 self.records.append((device, kind.value, m, start, env.now, s))
             if kind is Kind.FORWARD:
@@ -258,7 +276,7 @@ class ReplicaRun:
                 self._hold(device, stash if stashed else saved)
                 if s < last:
                     if cost.activation_send_s and self.position[s + 1] != device:
-                        yield env.timeout(cost.activation_send_s)  # the sender's own time
+                        yield self._compute(cost.activation_send_s)  # the sender's own time
                     self._send(device, s + 1, m, cost.output_bytes, forward=True)
             elif kind is Kind.RECOMPUTE:
                 self._hold(device, saved - stash)
@@ -267,7 +285,7 @@ class ReplicaRun:
                     self._hold(device, -saved - transient)
                 if kind is not Kind.WEIGHT and s > 0:
                     if cost.gradient_send_s and self.position[s - 1] != device:
-                        yield env.timeout(cost.gradient_send_s)
+                        yield self._compute(cost.gradient_send_s)
                     self._send(device, s - 1, m, cost.stash_bytes, forward=False)
         self.last_backward_s[device] = env.now
 
