@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from sim.costs import FORWARD_WITH_GRAPH, MeasuredWorkload
+from sim.costs import FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, MeasuredWorkload
 from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, replica_spread
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import (compute_per_step_s, measured_action_gaps_s, measured_end_span_s,
@@ -181,6 +181,8 @@ class Observations:
     gaps: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     # per K of two stages or more, per design run: each measured step's compute seconds per stage
     step_compute: dict[int, dict[str, list[list[float]]]] = field(default_factory=dict)
+    # per K: the first stage's I actions (a split backward's, computing no gradient), seconds
+    first_input: dict[int, list[float]] = field(default_factory=dict)
 
     @staticmethod
     def _add(table: dict, key: Any, x: float, y: float) -> None:
@@ -205,6 +207,8 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     for action in report["actions"]:
         kind = fitted_kind(action, bounds, spec.checkpoint, m_count)
         if kind is None:
+            if action["kind"] == "I":
+                obs.first_input.setdefault(k_count, []).append(action["duration_s"] / speed)
             continue
         profiled, fixed = profiled_action_parts(workload, spec.checkpoint, action, bounds, m_count)
         points = obs.actions.setdefault((k_count, kind), ActionPoints())
@@ -246,13 +250,15 @@ def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], check
     """The line a report's action is fitted on: its kind's, but a forward that keeps its graph for
     the backward (every one under ``never`` and ``selective``, the last under ``except_last``) on
     the line of its own (:data:`sim.costs.FORWARD_WITH_GRAPH`); on the first stage (whose input needs
-    no gradient) a split backward's W is the whole backward (B) and its I computes nothing (None:
-    not fitted), as :func:`sim.stage_costs.weight_grad_time_s` predicts them."""
+    no gradient) a split backward's W is the whole backward, on a line of its own
+    (:data:`sim.costs.FIRST_STAGE_WEIGHT`), and its I computes nothing (None: not on a line; its
+    measured time is the first stage's I, ``first_input_s``), as
+    :func:`sim.stage_costs.weight_grad_time_s` and :func:`~sim.stage_costs.input_grad_time_s` predict them."""
     kind = action["kind"]
     if kind == "F" and not recomputes(checkpoint, action["microbatch"], microbatches):
         return FORWARD_WITH_GRAPH
     if kind in ("I", "W") and bounds[action["stage"]][0] == 0:
-        return "B" if kind == "W" else None
+        return FIRST_STAGE_WEIGHT if kind == "W" else None
     return kind
 
 
@@ -272,7 +278,7 @@ def profiled_action_parts(workload: MeasuredWorkload, checkpoint: str, action: d
     kind = fitted_kind(action, bounds, checkpoint, microbatches)
     if kind is None:
         return 0.0, 0.0
-    kind = "R" if kind == FORWARD_WITH_GRAPH else kind
+    kind = {FORWARD_WITH_GRAPH: "R", FIRST_STAGE_WEIGHT: "B"}.get(kind, kind)
     parts = [workload.profiled_parts_s(kind, i, action["rows"]) for i in range(first, end)]
     return sum(t for t, _ in parts), sum(f for _, f in parts)
 
@@ -285,7 +291,7 @@ def _rows_of(spec: RunSpec, microbatch: int) -> int:
 
 
 # the lines that take another's per-action overhead rather than fit their own (fit_pipeline)
-OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B"}
+OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
 
 
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -297,7 +303,8 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         # I and W only where a design run split its backward (the stage's costs otherwise scale their
         # profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
         # keeping its graph only where a design run had one (else it takes the forward's line)
-        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W") if (k, kind) in obs.actions):
+        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT)
+                                            if (k, kind) in obs.actions):
             if (k, kind) in obs.actions:
                 points = obs.actions[(k, kind)].typical()
                 # overhead >= 0: a free intercept traded a slope above 1 for a negative overhead
@@ -318,6 +325,8 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))
                               if k in obs.optimizer else AffineFit(0.0, 0.0)).to_dict()
         entry["step_overhead_s"] = 0.0
+        if obs.first_input.get(k):
+            entry["first_input_s"] = statistics.median(obs.first_input[k])
         # per kind of the action before, the median: a gap in which the executor did a chore while its
         # input was away (drawing the next batch, once a step) is no part of the time between two
         # actions that follow each other; a kind no design run had after it takes the median of all

@@ -125,6 +125,9 @@ class PipelineFit:
     # quantiles of a process's compute deviation in one step (:attr:`sim.stage_costs.StageCost.replica_spread`);
     # none in costs files written before it was measured, or for a K whose design runs had one stage
     replica_spread: tuple[float, ...] = ()
+    # a split backward's I on the first stage, which computes no gradient: the executor's own work around
+    # it, measured (0 in costs files written before it was, or without a split design run)
+    first_input_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
@@ -132,12 +135,17 @@ class PipelineFit:
                    Affine.from_dict(data["send"]), Affine.from_dict(data["optimizer"]),
                    float(data["step_overhead_s"]),
                    {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()},
-                   tuple(float(v) for v in data.get("replica_spread", ())))
+                   tuple(float(v) for v in data.get("replica_spread", ())),
+                   float(data.get("first_input_s", 0.0)))
 
 
 # the fitted line of a forward that keeps its graph for the backward (the pipeline fits' other lines are
 # the schedule's kinds of action, F, R, B, I and W)
 FORWARD_WITH_GRAPH = "F_graph"
+# the fitted line of a split backward's W on the first stage: the whole backward, as its I computes no
+# input gradient, but run as a W (weight gradients of a graph kept for the split), which measured 12-16%
+# slower than the same stage's B in the held-out zb-h1 and zbv runs of two calibrations
+FIRST_STAGE_WEIGHT = "W_first"
 IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 
 
@@ -387,6 +395,10 @@ class MeasuredWorkload:
             if "I" in fit.actions:
                 split_overhead = fit.actions["I"](*self._parts("I", layers, rows)) - (fit.actions["B"](*backward)
                                                                                       - weight_grad)
+        # the first stage's split backward: W on a line of its own where calibration fitted one, I its measured time
+        first_weight = (fit.actions[FIRST_STAGE_WEIGHT](*backward)
+                        if first == 0 and FIRST_STAGE_WEIGHT in fit.actions else None)
+        first_input = fit.first_input_s if first == 0 else 0.0
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
@@ -402,6 +414,7 @@ class MeasuredWorkload:
             gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
             if fit.gap_after_s else (), layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=weight_grad, split_overhead_s=split_overhead,
+            first_weight_grad_s=first_weight, first_input_s=first_input,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores),
             replica_spread=fit.replica_spread)
 

@@ -58,6 +58,11 @@ class StageCost:
     # by calibration, 0 in the analytic models)
     weight_grad_s: float = 0.0
     split_overhead_s: float = 0.0
+    # the first stage's split backward, whose I computes no gradient and whose W is the whole backward:
+    # W's time where calibration measured it on a line of its own (None: the whole backward's time),
+    # and I's (the executor's own work around it; 0 in the analytic models)
+    first_weight_grad_s: float | None = None
+    first_input_s: float = 0.0
     # deviations of a device's compute in one step from its typical, as an equally weighted sample
     # (quantiles): how late the slowest of D replicas finishes (sim.stragglers); measured by
     # calibration, none in the analytic models
@@ -77,16 +82,21 @@ def layer_weight_grad_s(backward_s: float, param_bytes: int) -> float:
 
 
 def input_grad_time_s(cost: StageCost, checkpoint: str, first: bool) -> float:
-    """An I action's time: the backward less its weight gradients, plus what the split costs;
-    nothing on the first (virtual) stage, whose input needs no gradient."""
+    """An I action's time: the backward less its weight gradients, plus what the split costs; on
+    the first (virtual) stage, whose input needs no gradient, only the executor's work around it."""
     if first:
-        return 0.0
+        return cost.first_input_s
     return max(0.0, backward_time_s(cost, checkpoint) - cost.weight_grad_s) + cost.split_overhead_s
 
 
 def weight_grad_time_s(cost: StageCost, checkpoint: str, first: bool) -> float:
-    """A W action's time: the weight gradients; the whole backward on the first (virtual) stage."""
-    return backward_time_s(cost, checkpoint) if first else cost.weight_grad_s
+    """A W action's time: the weight gradients; the whole backward on the first (virtual) stage, at
+    the time calibration measured for it there where it did."""
+    if not first:
+        return cost.weight_grad_s
+    if cost.first_weight_grad_s is None:
+        return backward_time_s(cost, checkpoint)
+    return backward_time_s(cost, checkpoint) - cost.backward_s + cost.first_weight_grad_s
 
 
 def stage_bounds(partition: Sequence[int]) -> list[tuple[int, int]]:

@@ -135,7 +135,8 @@ def test_a_forward_that_keeps_its_graph_is_priced_on_its_own_line_where_calibrat
 def test_fitted_i_and_w_lines_price_a_split_backward_and_the_first_stage_keeps_the_whole_backward(tmp_path):
     """Where a design run split its backward, W is its own line on the profiled W and I its own line on
     the profiled I (the split's cost is what I + W take beyond the fitted whole backward); the first
-    stage's W stays the whole backward and its I nothing. Without I and W lines both take the
+    stage's W stays the whole backward and its I nothing, or, where calibration fitted them, W the
+    whole backward on its own line and I the measured time. Without I and W lines both take the
     backward's factor."""
     from sim.stage_costs import input_grad_time_s, weight_grad_time_s
 
@@ -159,6 +160,18 @@ def test_fitted_i_and_w_lines_price_a_split_backward_and_the_first_stage_keeps_t
     first = split.stage_cost(2, 0, 1, LOCAL_CPU)
     assert weight_grad_time_s(first, "never", first=True) == pytest.approx(first.backward_s)
     assert input_grad_time_s(first, "never", first=True) == 0.0
+    data["pipeline"]["2"]["actions"]["W_first"] = {"slope": 1.5, "intercept": 3e-4}
+    data["pipeline"]["2"]["first_input_s"] = 4e-5
+    measured_path = tmp_path / "measured_first.json"
+    write_costs(data, measured_path)
+    measured, _ = load_costs_workload(str(measured_path), "mlp", options).bind(get_system("cpu"), 2, "never")
+    first = measured.stage_cost(2, 0, 1, LOCAL_CPU)
+    assert weight_grad_time_s(first, "never", first=True) == pytest.approx(1.5 * (2e-4 + 2e-3 * 2) + 3e-4)
+    assert weight_grad_time_s(first, "full", first=True) == pytest.approx(
+        first.recompute_s + 1.5 * (2e-4 + 2e-3 * 2) + 3e-4)  # full recomputes the layers first
+    assert input_grad_time_s(first, "never", first=True) == pytest.approx(4e-5)
+    later = measured.stage_cost(2, 1, 3, LOCAL_CPU)  # only the first stage's are apart
+    assert later.first_weight_grad_s is None and later.first_input_s == 0.0
     unfitted = plain.stage_cost(2, 1, 3, LOCAL_CPU)
     backward = sum(2e-4 + 2e-3 * (i + 1) * 2 for i in (1, 2))
     factor = unfitted.backward_s / backward - 1e-4 / backward  # the backward's slope, without its intercept

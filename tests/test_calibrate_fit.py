@@ -179,15 +179,16 @@ def test_an_action_measured_in_several_rounds_is_fitted_at_its_median_round():
         assert predicted_s(every_round, profiled) < 0.99 * 1.1 * profiled
 
 
-def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first_stage_as_a_backward():
-    """A zb-h1 run's first stage has no input gradient to compute: its W is the whole backward (fitted
-    with B) and its I is not fitted; the other stages' I and W get lines of their own, and a K
+def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first_stage_apart():
+    """A zb-h1 run's first stage has no input gradient to compute: its W is the whole backward, on a
+    line of its own (W_first, the backward's profile, B's overhead), and its I is on no line but
+    priced at its measured median; the other stages' I and W get lines of their own, and a K
     without a split run has none (the stage's costs then take the backward's factor)."""
     from calibrate.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind
 
     bounds = [(0, 2), (2, 4)]
     assert [fitted_kind({"stage": s, "kind": k, "microbatch": 0}, bounds, "always", 4)
-            for s in (0, 1) for k in "FBIW"] == ["F", "B", None, "B", "F", "B", "I", "W"]
+            for s in (0, 1) for k in "FBIW"] == ["F", "B", None, "W_first", "F", "B", "I", "W"]
     # a forward that keeps its graph has a line of its own
     assert [fitted_kind({"stage": 1, "kind": "F", "microbatch": m}, bounds, "except_last", 4) for m in range(4)] == [
         "F", "F", "F", "F_graph"]
@@ -195,11 +196,18 @@ def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first
     obs = Observations()
     for kind, factor in (("F", 1.1), ("R", 1.0), ("B", 1.05), ("I", 1.3), ("W", 1.2)):
         obs.actions[(2, kind)] = ActionPoints([1e-3, 1e-3], [1e-4, 1e-4], [factor * 1e-3] * 2, ["a", "b"])
+    obs.actions[(2, "W_first")] = ActionPoints([1e-3, 2e-3], [1e-4, 1e-4], [1.15e-3, 2.3e-3], ["a", "b"])
+    obs.first_input[2] = [5e-5, 4e-5, 9e-5]
     obs.actions[(1, "F")] = ActionPoints([1e-3], [1e-4], [1e-3], ["c"])
     pipeline, residuals = fit_pipeline(obs, {1: 2, 2: 1})
     assert pipeline["2"]["actions"]["I"]["slope"] == pytest.approx(1.3)
     assert pipeline["2"]["actions"]["W"]["slope"] == pytest.approx(1.2)
+    first = pipeline["2"]["actions"]["W_first"]
+    assert first["slope"] == pytest.approx(1.15)
+    assert first["intercept"] == pytest.approx(pipeline["2"]["actions"]["B"]["intercept"], abs=1e-12)
+    assert pipeline["2"]["first_input_s"] == pytest.approx(5e-5)
     assert "action W" in residuals["2"] and set(pipeline["1"]["actions"]) == {"F", "R", "B"}
+    assert "first_input_s" not in pipeline["1"]
 
 
 def test_the_action_line_recovers_a_scale_for_each_part_and_the_overhead():
