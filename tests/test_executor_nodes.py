@@ -123,7 +123,8 @@ def test_a_failure_on_node_1_ends_both_nodes_with_the_original_error(tmp_path, m
     assert all(code != 0 for code in codes), [node.stderr[-3000:] for node in nodes]
     assert [node.stderr.strip().splitlines()[-1] for node in nodes] == [
         f"gpipe: error: training failed on node 1: {error}", f"gpipe: error: training failed: {error}"]
-    assert all(node.elapsed < 60 for node in nodes), [node.elapsed for node in nodes]
+    # ended by the failure, well before the 300 s receive timeout would end it (slow machines included)
+    assert all(node.elapsed < 120 for node in nodes), [node.elapsed for node in nodes]
     assert "gpipe: step 99" not in nodes[1].stdout and not (tmp_path / "r0.json").exists()
 
 

@@ -98,7 +98,7 @@ def test_a_failing_rank_ends_every_rank_quickly(mode):
     result, elapsed = gpipe("train", *MLP, "--stages", "4", "--steps", "50",
                             env={"GPIPE_FAULT_RANK": "2", "GPIPE_FAULT_STEP": "2", "GPIPE_FAULT": mode})
     assert result.returncode != 0
-    assert elapsed < 60
+    assert elapsed < 120  # ended by the failure, well before the 300 s receive timeout would end it (slow machines)
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gpipe: error: training failed")
     if mode == "raise":
