@@ -369,9 +369,8 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
 
     from sim.engine import simulate
     from sim.hardware import get_system
-    from sim.tensor_parallel import with_tensor_parallel
-
     from sim.shared_cores import CoreSharing
+    from sim.tensor_parallel import with_tensor_parallel
 
     system = get_system(system_name)
     sharing = None

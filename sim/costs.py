@@ -143,8 +143,8 @@ class PipelineFit:
 # the schedule's kinds of action, F, R, B, I and W)
 FORWARD_WITH_GRAPH = "F_graph"
 # the fitted line of a split backward's W on the first stage: the whole backward, as its I computes no
-# input gradient, but run as a W (weight gradients of a graph kept for the split), which measured 12-16%
-# slower than the same stage's B in the held-out zb-h1 and zbv runs of two calibrations
+# input gradient, but run as a W (weight gradients of a graph kept for the split), which the backward's
+# line predicted 12-16% low in the held-out zb-h1 and zbv runs of two calibrations (6% in a third)
 FIRST_STAGE_WEIGHT = "W_first"
 IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 

@@ -8,7 +8,9 @@ action of ``work_s`` seconds alone lasts longer by however many others ran besid
 stands for T tensor-parallel processes (one stage split over T ranks) counts T times.
 
 Limits: the share is equal and instant (no time slices, no cache lost on a switch, no priority for
-a process just woken); a process waiting for a message uses no core (true of the blocking waits the
+a process just woken: in the D = 2 x K = 2 run on two cores a send held its stage 13-18 ms, most
+likely a sender that lost its core to the receiver it woke, and the step measured 21-27% longer than
+this model predicts); a process waiting for a message uses no core (true of the blocking waits the
 executor uses when ranks outnumber cores, not of a polling transport); threads inside a process are
 not modelled, a process counts once whatever its thread count (the executor gives each one thread
 when ranks outnumber cores).
