@@ -5,12 +5,9 @@ import simpy
 
 from sim.engine import simulate
 from sim.errors import GpipeInputError
-from sim.hardware import get_system
 from sim.shared_cores import CoreSharing, SharedCores
 from sim.workload import UniformWorkload
-from tests.test_engine import spans
-
-IDEAL = get_system("ideal")
+from tests.test_engine import IDEAL, spans
 
 
 def _finish_times(cores: int, jobs: list[tuple[float, float, int]]) -> list[float]:
