@@ -28,8 +28,10 @@ how precisely this machine measured the run at all. Both are published beside th
 Two measures of noise stand beside each error: ``interval``, where the error lies given this
 validation's own rounds (:func:`median_interval`), and ``halves``, the error as the calibration's fits
 on its odd and on its even design rounds predict the run (:func:`calibrate.calibration.fit_halves`;
-costs files from a quick calibration have none): what a calibration taken at another moment would
-have predicted. An error inside both is one this machine cannot tell from noise.
+costs files from a quick calibration have none): what a calibration from the other half of the same
+minutes would have predicted. An error inside both is one this machine cannot tell from noise. A third, ``calibs``,
+where other costs files are given: the error as calibrations taken at other moments predict the same
+measurement (:mod:`calibrate.across_calibrations`), the noise neither of the first two sees.
 """
 
 from __future__ import annotations
@@ -431,18 +433,23 @@ def check_fit_halves(data: dict[str, Any]) -> None:
 
 
 def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
-             progress: Callable[[str], None] = print, rounds: int = 3) -> dict[str, Any]:
+             progress: Callable[[str], None] = print, rounds: int = 3,
+             others: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """Run the held-out design for the model in the costs ``data``; the comparisons and summary.
 
     Each configuration is measured in ``rounds`` rounds, the rounds interleaved (all configurations
     once, then all again), and compared by its median: on a shared machine whose speed drifts by
     tens of percent over seconds, one measurement of a run says more about the moment than the run.
+    The costs files in ``others`` (other calibrations of the same model, checked by
+    :func:`calibrate.across_calibrations.check_same_calibration`) judge the same measurements: each
+    run's ``calibrations`` entry and the summary's ``across_calibrations``.
     """
     from calibrate.runs import run_configs
     from sim.costs import MeasuredWorkload, allreduce_link, measured_precision
 
-    allreduce_link(data)  # a malformed entry is refused before any run starts
-    check_fit_halves(data)
+    for each in (data, *others):
+        allreduce_link(each)  # a malformed entry is refused before any run starts
+        check_fit_halves(each)
     model = data["model"]
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     workload = MeasuredWorkload(data)
@@ -457,9 +464,18 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     reports = run_configs(configs * rounds, progress=progress)
     available = machine_processes(device)
     comparisons = [compare(data, s, reports[i::len(specs)], available) for i, s in enumerate(specs)]
+    summary, runs = summarize(comparisons), [c.to_dict() for c in comparisons]
+    if others:
+        from calibrate import across_calibrations
+
+        judged = [[compare(other, s, reports[i::len(specs)], available).to_dict() for i, s in enumerate(specs)]
+                  for other in others]
+        for k, run in enumerate(runs):
+            run["calibrations"] = across_calibrations.run_entry([run] + [each[k] for each in judged])
+        summary["across_calibrations"] = across_calibrations.summary(
+            [run["calibrations"] for run in runs if not run["oversubscribed"]])
     return {"model": model, "precision": measured_precision(data), "machine": data.get("machine", {}),
-            "steps": steps, "rounds": rounds,
-            "summary": summarize(comparisons), "runs": [c.to_dict() for c in comparisons]}
+            "steps": steps, "rounds": rounds, "summary": summary, "runs": runs}
 
 
 def _worst_signed(errors: Sequence[float]) -> float:
@@ -484,7 +500,7 @@ def format_table(result: dict[str, Any]) -> str:
     after D and stay out of the summary lines.
     """
     header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
-              f"{'spread':>7} {'interval':>11} {'halves':>11}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  "
+              f"{'spread':>7} {'interval':>11} {'halves':>11} {'calibs':>11}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  "
               f"{'busy err':>8} {'busy@ref':>8} {'spread':>7} {'interval':>11} {'bubble p/m':>11} {'end p/m ms':>13}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
@@ -495,13 +511,15 @@ def format_table(result: dict[str, Any]) -> str:
         worst_stage = max(range(len(busy_at_reference)), key=lambda k: abs(busy_at_reference[k]), default=None)
         busy_interval = busy_intervals[worst_stage] if worst_stage is not None else [0.0, 0.0]
         halves = run.get("step_error_halves_at_reference")
+        calibrations = run.get("calibrations", {}).get("step_error_range_at_reference")
         lines.append(f"{run.get('replicas', 1):>2}{mark} {run['run']:<40} {run['predicted_step_s'] * 1e3:>9.2f} "
                      f"{run['measured_step_s'] * 1e3:>9.2f} {run['step_error'] * 100:>+6.1f}% "
                      f"{run.get('measured_at_reference_s', run['measured_step_s']) * 1e3:>9.2f} "
                      f"{run.get('step_error_at_reference', run['step_error']) * 100:>+7.1f}% "
                      f"{run.get('round_spread', 0.0) * 100:>6.1f}% "
                      f"{_interval(run.get('step_error_interval_at_reference', [0.0, 0.0])):>11} "
-                     f"{_interval(halves) if halves else '-':>11}  "
+                     f"{_interval(halves) if halves else '-':>11} "
+                     f"{_interval(calibrations) if calibrations else '-':>11}  "
                      f"{_mib(run['predicted_peak_activation_bytes']):>13} "
                      f"{_mib(run['measured_peak_activation_bytes']):>13} {worst_mem * 100:>7.2f}%  "
                      f"{_worst_signed(run.get('busy_errors', [])) * 100:>+7.1f}% "
@@ -532,6 +550,18 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{s['median_halves_apart'] * 100:.1f} points apart (median), "
                      f"{s['worst_halves_apart'] * 100:.1f} at worst; the worst run's error by the halves "
                      f"{_interval(s['worst_step_error_halves_at_reference'])}")
+    across = s.get("across_calibrations")
+    if across:
+        over = across["median_over_calibrations"]
+        lines.append(f"the moment of calibration (calibs: the step error as each of {across['calibrations']} "
+                     "costs files predicts the run, each at its own reference speed): they put a run "
+                     f"{across['median_calibrations_apart'] * 100:.1f} points apart (median), "
+                     f"{across['worst_calibrations_apart'] * 100:.1f} at worst; the median over them: step "
+                     f"error median {over['median_step_error_at_reference'] * 100:.1f}%, worst "
+                     f"{over['worst_step_error_at_reference'] * 100:.1f}%; busy median "
+                     f"{over['median_busy_error_at_reference'] * 100:.1f}%, worst "
+                     f"{over['worst_busy_error_at_reference'] * 100:.1f}%; bubble median "
+                     f"{over['median_bubble_error_points']:.1f} points, worst {over['worst_bubble_error_points']:.1f}")
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "

@@ -1,4 +1,4 @@
-"""``gpipe validate --costs FILE``: predict held-out runs, measure them, print and write the errors."""
+"""``gpipe validate --costs FILE [FILE ...]``: predict held-out runs, measure them, print and write the errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from sim.errors import GpipeInputError, require_positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--costs", required=True, metavar="FILE", help="costs file from gpipe calibrate")
+    parser.add_argument("--costs", required=True, metavar="FILE", nargs="+",
+                        help="costs file from gpipe calibrate; more files (calibrations of the same model taken "
+                             "at other moments) each predict the same measured runs: how far the moment of "
+                             "calibration moves an error")
     parser.add_argument("--steps", type=int, default=5, help="steps per run, the first is warm-up (default 5)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="measure each run this many times, interleaved, and take the median (default 3)")
@@ -30,14 +33,21 @@ def run(args: argparse.Namespace) -> int:
     require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.limit is not None:
         require_positive("--limit", args.limit, "use --limit 1 or more")
-    data = read_costs(args.costs)
+    from calibrate.across_calibrations import check_same_calibration
+
+    if len(set(args.costs)) != len(args.costs):
+        raise GpipeInputError(f"--costs names a file twice ({' '.join(args.costs)}); give each calibration once")
+    everything = [read_costs(path) for path in args.costs]
+    data = everything[0]
     device = data.get("machine", {}).get("device", "cpu")
-    if not same_machine(data.get("machine", {}), machine_stamp(device)):
-        raise GpipeInputError(f"costs file {args.costs!r} was measured on another machine or library version; "
-                              "run gpipe calibrate here first")
+    for path, each in zip(args.costs, everything):
+        if not same_machine(each.get("machine", {}), machine_stamp(device)):
+            raise GpipeInputError(f"costs file {path!r} was measured on another machine or library version; "
+                                  "run gpipe calibrate here first")
+        check_same_calibration(data, each, path)
     from sim.progress import note
 
-    result = validate(data, args.steps, args.limit, note, args.rounds)
+    result = validate(data, args.steps, args.limit, note, args.rounds, everything[1:])
     if args.out:
         from sim.timeline import write_json_atomic
 

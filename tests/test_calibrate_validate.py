@@ -116,8 +116,15 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
     assert main(["calibrate", *TINY, "--out", costs, "--quick"]) == 0
     assert "reusing" in capsys.readouterr().out
 
+    # a second calibration whose reference pace is 1.25 times slower judges the same measurements: the
+    # same predicted step, against a measurement put at its reference 1.25 times longer
+    slower = {**data, "speed": {**data["speed"], "reference_s": {k: v * 1.25 for k, v in
+                                                                  data["speed"]["reference_s"].items()}}}
+    other = str(tmp_path / "other.json")
+    json.dump(slower, open(other, "w"))
     results = str(tmp_path / "validation.json")
-    assert main(["validate", "--costs", costs, "--limit", "2", "--steps", "3", "--json", "--out", results]) == 0
+    assert main(["validate", "--costs", costs, other, "--limit", "2", "--steps", "3", "--json", "--out",
+                 results]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.load(open(results))
     assert printed["summary"]["runs"] == 2
@@ -132,6 +139,14 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
         assert all(v > 0 for v in run["measured_busy_at_reference_s"])
         assert all(v > 0 for v in run["predicted_busy_s"] + run["measured_busy_s"])
         assert 0 <= run["measured_bubble"] < 1 and run["predicted_end_span_s"] >= 0 and run["measured_end_span_s"] > 0
+
+    for run in printed["runs"]:
+        by_first, by_second = run["calibrations"]["step_errors_at_reference"]
+        assert by_first == run["step_error_at_reference"]
+        assert by_second == pytest.approx((1 + by_first) / 1.25 - 1)
+        assert run["calibrations"]["predicted_steps_s"] == [run["predicted_step_s"]] * 2
+    assert printed["summary"]["across_calibrations"]["calibrations"] == 2
+    assert "the moment of calibration (calibs: the step error as each of 2 costs files" in format_table(printed)
 
 
 def test_validate_refuses_a_missing_costs_file(tmp_path, capsys):
@@ -391,3 +406,63 @@ def test_a_costs_file_with_malformed_halves_is_refused_before_any_run():
             check_fit_halves({"fit_halves": bad})
     with pytest.raises(GpipeInputError, match="calibrate --force"):
         validate({"fit_halves": "halves"}, progress=lambda message: pytest.fail("a run started"))
+
+
+def test_other_calibrations_judge_the_same_run_beside_the_first():
+    """One run measured once, judged by three calibrations at -10%, +6% and +2%: the range -10..+6%,
+    16 points apart, the median +2%; per stage the median of the busy errors; the table's calibs column
+    and summary line show them."""
+    from calibrate import across_calibrations
+
+    def judged(step, busy, bubble):
+        return {"step_error_at_reference": step, "busy_errors_at_reference": busy, "bubble_error_points": bubble,
+                "predicted_step_s": 1.0 + step}
+
+    entry = across_calibrations.run_entry([judged(-0.10, [-0.2, 0.1], 3.0), judged(0.06, [0.0, 0.3], -1.0),
+                                           judged(0.02, [0.05, -0.1], 0.5)])
+    assert entry["step_error_range_at_reference"] == [-0.10, 0.06]
+    assert entry["median"] == {"step_error_at_reference": 0.02, "busy_errors_at_reference": [0.0, 0.1],
+                               "bubble_error_points": 0.5}
+    assert entry["predicted_steps_s"] == [0.9, 1.06, 1.02]
+    other = across_calibrations.run_entry([judged(0.04, [0.04], 1.0), judged(-0.04, [-0.08], -2.0)])
+    summary = across_calibrations.summary([entry, other])
+    assert summary["median_calibrations_apart"] == pytest.approx((0.16 + 0.08) / 2)
+    assert summary["worst_calibrations_apart"] == pytest.approx(0.16)
+    over = summary["median_over_calibrations"]
+    assert over["worst_step_error_at_reference"] == pytest.approx(0.02)  # other's median is 0.0
+    assert over["worst_busy_error_at_reference"] == pytest.approx(0.1)
+    assert over["worst_bubble_error_points"] == pytest.approx(0.5)
+    assert summary["calibrations"] == 3
+
+    run = Comparison("K=2 M=4", 1.0, 1.0, [1], [1], [1.0], [1.0]).to_dict()
+    run["calibrations"] = entry
+    result = {"runs": [run], "summary": {**summarize([Comparison("K=2 M=4", 1.0, 1.0, [1], [1], [1.0], [1.0])]),
+                                         "across_calibrations": summary}}
+    table = format_table(result)
+    assert "-10..+6%" in table.splitlines()[2] and "calibs" in table.splitlines()[0]
+    assert "each of 3 costs files" in table and "12.0 points apart (median), 16.0 at worst" in table
+
+
+def test_other_calibrations_must_be_of_the_same_model_and_process_counts(tmp_path, capsys):
+    """Refused in one line, before any run: another model, batch or fitted K, or one file named twice."""
+    from calibrate.across_calibrations import check_same_calibration
+    from calibrate.machine import machine_stamp
+    from sim.costs import write_costs
+    from sim.errors import GpipeInputError
+    from tests.test_calibrate_costs import synthetic_costs
+
+    first = synthetic_costs()
+    check_same_calibration(first, synthetic_costs(), "b.json")
+    for change, message in (({"batch_size": 16}, "another batch size"), ({"model": {"name": "x"}}, "another model"),
+                            ({"pipeline": {"1": first["pipeline"]["1"]}}, "fitted K in")):
+        with pytest.raises(GpipeInputError, match=message):
+            check_same_calibration(first, {**synthetic_costs(), **change}, "b.json")
+    paths = []
+    for name, change in (("a.json", {}), ("b.json", {"batch_size": 16})):
+        paths.append(str(tmp_path / name))
+        write_costs({**synthetic_costs(), "machine": machine_stamp("cpu"), **change}, paths[-1])
+    assert main(["validate", "--costs", paths[0], paths[1]]) == 2
+    err = capsys.readouterr().err
+    assert "b.json" in err and "another batch size" in err and len(err.strip().splitlines()) == 1
+    assert main(["validate", "--costs", paths[0], paths[0]]) == 2
+    assert "names a file twice" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""The same held-out measurement judged by several calibrations: how far the moment of calibration
+moves a run's error.
+
+``gpipe validate --costs A B ...`` measures the held-out runs once and predicts each with every
+costs file. The two measures of noise a single calibration carries (a run's own rounds, the
+calibration's odd and even design rounds) both come from a few minutes of one machine; on a shared
+VM the next calibration, taken at another stretch of minutes, moves every fit together (on a 2-core
+VM the same code's held-out errors moved by 8 points, median, between two calibrations an hour
+apart, where one calibration's halves put runs 2-3 points apart; ``benchmarks/README.md``). Judging
+one measurement by several calibrations shows that third noise beside each error, without the
+validation's own noise mixed in; the median over the calibrations' errors is the error with the
+moment of calibration averaged out.
+
+Each calibration puts the run at its own reference speed (its own probes' median), as a single
+validation does. Limits: the calibrations must be of the same model, batch, precision, optimizer and
+machine, and profile the same process counts (refused otherwise); with two calibrations the median
+is their mean; N calibrations' range grows with N.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Sequence
+
+# what two costs files must share for their predictions of one held-out run to be comparable
+SAME_CALIBRATION_KEYS = ("model", "batch_size", "precision", "optimizer")
+
+
+def check_same_calibration(first: dict[str, Any], other: dict[str, Any], other_name: str) -> None:
+    """Refuse, in one line, a costs file that cannot predict the same held-out runs as ``first``."""
+    from sim.costs import MeasuredWorkload
+    from sim.errors import GpipeInputError
+
+    for key in SAME_CALIBRATION_KEYS:
+        if first.get(key) != other.get(key):
+            raise GpipeInputError(f"costs file {other_name!r} calibrated another {key.replace('_', ' ')} "
+                                  f"({other.get(key)!r}, not {first.get(key)!r}); give costs files of one "
+                                  "gpipe calibrate command")
+    if set(first.get("pipeline", {})) != set(other.get("pipeline", {})):
+        raise GpipeInputError(f"costs file {other_name!r} fitted K in {sorted(other.get('pipeline', {}))}, "
+                              f"not {sorted(first.get('pipeline', {}))}; give costs files of one gpipe calibrate "
+                              "command")
+    if MeasuredWorkload(first).tensor_parallel_options != MeasuredWorkload(other).tensor_parallel_options:
+        raise GpipeInputError(f"costs file {other_name!r} profiled other tensor-parallel splits; give costs "
+                              "files of one gpipe calibrate command")
+
+
+def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One held-out run as each calibration judged it (``runs``: its result dicts, one per costs
+    file, the first file's first): each one's errors, their range and their median."""
+    step = [run["step_error_at_reference"] for run in runs]
+    busy = [run["busy_errors_at_reference"] for run in runs]
+    bubble = [run["bubble_error_points"] for run in runs]
+    return {"step_errors_at_reference": step, "step_error_range_at_reference": [min(step), max(step)],
+            "predicted_steps_s": [run["predicted_step_s"] for run in runs],
+            "busy_errors_at_reference": busy, "bubble_error_points": bubble,
+            "median": {"step_error_at_reference": statistics.median(step),
+                       "busy_errors_at_reference": [statistics.median(stage) for stage in zip(*busy)],
+                       "bubble_error_points": statistics.median(bubble)}}
+
+
+def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over the runs (oversubscribed ones left out by the caller): how far apart the calibrations
+    put a run's step error, median and worst, and the errors of the median over the calibrations."""
+    apart = [high - low for entry in entries for low, high in [entry["step_error_range_at_reference"]]]
+    step = [abs(entry["median"]["step_error_at_reference"]) for entry in entries]
+    busy = [abs(e) for entry in entries for e in entry["median"]["busy_errors_at_reference"]]
+    bubble = [abs(entry["median"]["bubble_error_points"]) for entry in entries]
+    if not entries:
+        return {}
+    return {"calibrations": len(entries[0]["step_errors_at_reference"]),
+            "median_calibrations_apart": statistics.median(apart), "worst_calibrations_apart": max(apart),
+            "median_over_calibrations": {
+                "median_step_error_at_reference": statistics.median(step),
+                "worst_step_error_at_reference": max(step),
+                "median_busy_error_at_reference": statistics.median(busy) if busy else 0.0,
+                "worst_busy_error_at_reference": max(busy, default=0.0),
+                "median_bubble_error_points": statistics.median(bubble),
+                "worst_bubble_error_points": max(bubble)}}
