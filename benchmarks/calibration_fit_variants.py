@@ -125,11 +125,12 @@ def compare_variants(path: str) -> dict:
         measured = json.load(handle)
     base = measured["data"]
     # reports measured before the design's zb-h1 run have no label list and no such run; those measured
-    # before its runs at the ends of the rows have none of those
+    # before its runs at the ends of the rows, or its --checkpoint full runs, have none of those
     layers = int(base["model"]["num_layers"])
-    designs = [calibration_design(layers, BATCH, 2, split_backward="design" in measured, row_span=span)
-               for span in (True, False)]
-    labels = measured.get("design", [s.label() for s in designs[1]])
+    designs = [calibration_design(layers, BATCH, 2, split_backward="design" in measured, row_span=span,
+                                  per_layer_recompute=full)
+               for span in (True, False) for full in (True, False)]
+    labels = measured.get("design", [s.label() for s in designs[-1]])
     design = next((d for d in designs if [s.label() for s in d] == labels), None)
     assert design is not None, "the reports are of another calibration design"
     specs = design * (len(measured["design_reports"]) // len(design))

@@ -25,14 +25,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from sim.costs import FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, MeasuredWorkload
+from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, MeasuredWorkload
 from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, replica_spread
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import (compute_per_step_s, measured_action_gaps_s, measured_end_span_s,
                                        predicted_end_span_s)
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
-from sim.schedule import COMPUTE_KINDS, recomputes
+from sim.schedule import COMPUTE_KINDS, recomputes, recomputes_per_layer
 from sim.progress import phase
 from sim.stage_costs import stage_bounds
 from sim.stragglers import straggle_fraction
@@ -87,7 +87,7 @@ def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
 
 def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
                        tensor_parallel: Sequence[int] = (), split_backward: bool = False,
-                       row_span: bool = True) -> list[RunSpec]:
+                       row_span: bool = True, per_layer_recompute: bool = True) -> list[RunSpec]:
     """The runs the fit learns from (small: every run costs a few seconds on 2 cores); for each T in
     ``tensor_parallel`` (the splits the profile measured) two one-stage runs split over T ranks,
     whose actions fit the split stages' in-pipeline factor (:func:`fit_tensor_parallel`). With
@@ -101,13 +101,19 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     16 micro-batches keeping their graphs (the fewest rows a forward that keeps its graph has).
     Without them the lines rest on 4 to 16 rows at K = 1 and 2 to 16 at K = 2, and the held-out
     runs with the whole batch in one micro-batch came out low in each of five calibrations (K = 1 by
-    6-20%, K = 2 by 2-20%)."""
+    6-20%, K = 2 by 2-20%).
+
+    ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at
+    K = 2 (4 rows), whose backward, each layer recomputed just before its own, gets a line of its
+    own (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`)."""
     single = even_partition(num_layers, 1)
     specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
              RunSpec(single, 8, "always", "gpipe", batch_size)]
     if row_span:
         specs += [RunSpec(single, 1, "always", "gpipe", batch_size),
                   RunSpec(single, 16, "never", "gpipe", batch_size)]
+    if per_layer_recompute:
+        specs.append(RunSpec(single, 8, "full", "gpipe", batch_size))
     if max_stages >= 2 and num_layers >= 2:
         specs += [RunSpec(even_partition(num_layers, 2), 4, "except_last", "gpipe", batch_size),
                   RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
@@ -117,6 +123,8 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
             specs.append(RunSpec(even_partition(num_layers, 2), 1, "always", "gpipe", batch_size))
         if split_backward:
             specs.append(RunSpec(even_partition(num_layers, 2), 6, "never", "zb-h1", batch_size))
+        if per_layer_recompute:
+            specs.append(RunSpec(even_partition(num_layers, 2), 8, "full", "gpipe", batch_size))
     for parts in tensor_parallel:
         specs += [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size, 1, parts),
                   RunSpec(even_partition(num_layers, 1), 4, "except_last", "gpipe", batch_size, 1, parts)]
@@ -253,9 +261,15 @@ def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], check
     no gradient) a split backward's W is the whole backward, on a line of its own
     (:data:`sim.costs.FIRST_STAGE_WEIGHT`), and its I computes nothing (None: not on a line; its
     measured time is the first stage's I, ``first_input_s``), as
-    :func:`sim.stage_costs.weight_grad_time_s` and :func:`~sim.stage_costs.input_grad_time_s` predict them."""
+    :func:`sim.stage_costs.weight_grad_time_s` and :func:`~sim.stage_costs.input_grad_time_s` predict them;
+    a backward under ``full`` (each layer recomputed just before its own backward) on a line of its own
+    (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`), on the profile's backward and recompute summed."""
     kind = action["kind"]
-    if kind == "F" and not recomputes(checkpoint, action["microbatch"], microbatches):
+    if kind == "B" and recomputes_per_layer(checkpoint):
+        return BACKWARD_WITH_RECOMPUTE
+    # under full a forward keeps each layer's input, no graph: a plain forward
+    if kind == "F" and not recomputes(checkpoint, action["microbatch"], microbatches) \
+            and not recomputes_per_layer(checkpoint):
         return FORWARD_WITH_GRAPH
     if kind in ("I", "W") and bounds[action["stage"]][0] == 0:
         return FIRST_STAGE_WEIGHT if kind == "W" else None
@@ -278,8 +292,9 @@ def profiled_action_parts(workload: MeasuredWorkload, checkpoint: str, action: d
     kind = fitted_kind(action, bounds, checkpoint, microbatches)
     if kind is None:
         return 0.0, 0.0
-    kind = {FORWARD_WITH_GRAPH: "R", FIRST_STAGE_WEIGHT: "B"}.get(kind, kind)
-    parts = [workload.profiled_parts_s(kind, i, action["rows"]) for i in range(first, end)]
+    profiled_kinds = {FORWARD_WITH_GRAPH: ("R",), FIRST_STAGE_WEIGHT: ("B",),
+                      BACKWARD_WITH_RECOMPUTE: ("B", "R")}.get(kind, (kind,))
+    parts = [workload.profiled_parts_s(each, i, action["rows"]) for i in range(first, end) for each in profiled_kinds]
     return sum(t for t, _ in parts), sum(f for _, f in parts)
 
 
@@ -291,7 +306,7 @@ def _rows_of(spec: RunSpec, microbatch: int) -> int:
 
 
 # the lines that take another's per-action overhead rather than fit their own (fit_pipeline)
-OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
+OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B", BACKWARD_WITH_RECOMPUTE: "B"}
 
 
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -303,7 +318,8 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         # I and W only where a design run split its backward (the stage's costs otherwise scale their
         # profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
         # keeping its graph only where a design run had one (else it takes the forward's line)
-        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT)
+        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT,
+                                                              BACKWARD_WITH_RECOMPUTE)
                                             if (k, kind) in obs.actions):
             if (k, kind) in obs.actions:
                 points = obs.actions[(k, kind)].typical()
@@ -697,7 +713,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         data["tensor_parallel_profile"] = {str(parts): profile_tensor_parallel(
             model, options, batch_size, rows, split_threads, parts, device, quick, precision)}
     design = calibration_design(ref.num_layers, batch_size, max_stages, [parts] if parts > 1 else [],
-                                split_backward=repeats.split, row_span=not quick)
+                                split_backward=repeats.split, row_span=not quick, per_layer_recompute=not quick)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]
     reports = run_configs(configs, progress=say)

@@ -146,6 +146,11 @@ FORWARD_WITH_GRAPH = "F_graph"
 # input gradient, but run as a W (weight gradients of a graph kept for the split), which the backward's
 # line predicted 12-16% low in the held-out zb-h1 and zbv runs of two calibrations (6% in a third)
 FIRST_STAGE_WEIGHT = "W_first"
+# the fitted line of a backward under --checkpoint full, which reruns each layer's forward just before
+# that layer's backward: the backward's and the recompute's lines summed predicted it 6-16% low at
+# K = 1 in four calibrations (one backward call over layers each rebuilding its graph in turn is not
+# a stage's recompute followed by its backward)
+BACKWARD_WITH_RECOMPUTE = "B_full"
 IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 
 
@@ -399,6 +404,8 @@ class MeasuredWorkload:
         first_weight = (fit.actions[FIRST_STAGE_WEIGHT](*backward)
                         if first == 0 and FIRST_STAGE_WEIGHT in fit.actions else None)
         first_input = fit.first_input_s if first == 0 else 0.0
+        full_backward = (fit.actions[BACKWARD_WITH_RECOMPUTE](backward[0] + recompute[0], backward[1] + recompute[1])
+                         if BACKWARD_WITH_RECOMPUTE in fit.actions else None)
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
@@ -414,7 +421,7 @@ class MeasuredWorkload:
             gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
             if fit.gap_after_s else (), layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=weight_grad, split_overhead_s=split_overhead,
-            first_weight_grad_s=first_weight, first_input_s=first_input,
+            first_weight_grad_s=first_weight, first_input_s=first_input, full_backward_s=full_backward,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores),
             replica_spread=fit.replica_spread)
 

@@ -44,6 +44,16 @@ def test_a_full_calibration_design_spans_the_rows_a_plan_can_give_a_micro_batch(
     assert min(rows) == 2 and max(rows) == 32
 
 
+def test_a_full_calibration_has_a_run_under_full_at_each_k_and_the_quick_one_none():
+    """Their backwards, each layer recomputed just before its own, fit the B_full line; the held-out
+    runs under full stay other runs (other M, other partition)."""
+    full = [s for s in calibration_design(6, 32, split_backward=True) if s.checkpoint == "full"]
+    assert [(s.stages, s.microbatches) for s in full] == [(1, 8), (2, 8)]
+    assert not any(s.checkpoint == "full" for s in calibration_design(6, 32, per_layer_recompute=False))
+    held_out = [s for s in validation_design(6, 32) if s.checkpoint == "full"]
+    assert len(held_out) == 2 and not set(held_out) & set(full)
+
+
 def test_held_out_design_adds_two_replicas_with_one_and_two_stages():
     held_out = validation_design(6, 32)
     replicated = [s for s in held_out if s.replicas > 1]

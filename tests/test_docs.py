@@ -96,6 +96,10 @@ COVERED: dict[str, str] = {
     "gpipe calibrate --model transformer --layers 4 --d-model 128 --ff 512 --seq 32 --batch 32 --out costs.json":
         "tests/test_calibrate_validate.py::test_calibrate_then_validate_end_to_end",
     "gpipe validate --costs costs.json --json": "tests/test_calibrate_validate.py::test_calibrate_then_validate_end_to_end",
+    "gpipe calibrate --model transformer --layers 4 --d-model 128 --ff 512 --seq 32 --batch 32 --out costs_b.json":
+        "tests/test_calibrate_validate.py::test_calibrate_then_validate_end_to_end",
+    "gpipe validate --costs costs.json costs_b.json":
+        "tests/test_calibrate_validate.py::test_calibrate_then_validate_end_to_end",
     "gpipe simulate --costs costs.json --model transformer --layers 4 --d-model 128 --ff 512 --seq 32 --batch 32 "
     "--hardware cpu --stages 2 --microbatches 4": "tests/test_calibrate_costs.py::test_gpipe_simulate_takes_costs",
     "gpipe train --model mlp --option width=16 --batch 10 --microbatches 4 --stages 4 --steps 3 --nnodes 2 "
