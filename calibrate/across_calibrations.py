@@ -47,11 +47,18 @@ def check_same_calibration(first: dict[str, Any], other: dict[str, Any], other_n
 
 def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One held-out run as each calibration judged it (``runs``: its result dicts, one per costs
-    file, the first file's first): each one's errors, their range and their median."""
+    file, the first file's first): each one's errors and step error interval
+    (:func:`calibrate.validate.median_interval`), their range and their median, and whether every
+    calibration's interval lies on one side of zero (``beyond_noise``)."""
     step = [run["step_error_at_reference"] for run in runs]
     busy = [run["busy_errors_at_reference"] for run in runs]
     bubble = [run["bubble_error_points"] for run in runs]
-    return {"step_errors_at_reference": step, "step_error_range_at_reference": [min(step), max(step)],
+    intervals = [list(run["step_error_interval_at_reference"]) for run in runs]
+    # beyond the noise by every calibration: each one's interval on the same side of zero
+    beyond = all(low > 0 for low, _ in intervals) or all(high < 0 for _, high in intervals)
+    return {"run": runs[0]["run"], "step_errors_at_reference": step,
+            "step_error_range_at_reference": [min(step), max(step)],
+            "step_error_intervals_at_reference": intervals, "beyond_noise": beyond,
             "predicted_steps_s": [run["predicted_step_s"] for run in runs],
             "busy_errors_at_reference": busy, "bubble_error_points": bubble,
             "median": {"step_error_at_reference": statistics.median(step),
@@ -61,7 +68,9 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Over the runs (oversubscribed ones left out by the caller): how far apart the calibrations
-    put a run's step error, median and worst, and the errors of the median over the calibrations."""
+    put a run's step error, median and worst, the errors of the median over the calibrations, and
+    the runs whose step error every calibration puts beyond its rounds' interval, on the same side
+    of zero: errors no noise measured here explains, the model's own."""
     apart = [high - low for entry in entries for low, high in [entry["step_error_range_at_reference"]]]
     step = [abs(entry["median"]["step_error_at_reference"]) for entry in entries]
     busy = [abs(e) for entry in entries for e in entry["median"]["busy_errors_at_reference"]]
@@ -70,6 +79,7 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {}
     return {"calibrations": len(entries[0]["step_errors_at_reference"]),
             "median_calibrations_apart": statistics.median(apart), "worst_calibrations_apart": max(apart),
+            "runs_beyond_noise_by_every_calibration": [entry["run"] for entry in entries if entry["beyond_noise"]],
             "median_over_calibrations": {
                 "median_step_error_at_reference": statistics.median(step),
                 "worst_step_error_at_reference": max(step),

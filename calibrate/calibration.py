@@ -317,7 +317,8 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry: dict[str, Any] = {"threads": threads_of[k], "actions": {}}
         # I and W only where a design run split its backward (the stage's costs otherwise scale their
         # profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
-        # keeping its graph only where a design run had one (else it takes the forward's line)
+        # keeping its graph only where a design run had one (else it takes the forward's line), a backward
+        # under full only where a design run had one (else the backward's and the recompute's lines summed)
         for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT,
                                                               BACKWARD_WITH_RECOMPUTE)
                                             if (k, kind) in obs.actions):

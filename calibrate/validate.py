@@ -562,6 +562,10 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{over['median_busy_error_at_reference'] * 100:.1f}%, worst "
                      f"{over['worst_busy_error_at_reference'] * 100:.1f}%; bubble median "
                      f"{over['median_bubble_error_points']:.1f} points, worst {over['worst_bubble_error_points']:.1f}")
+        beyond = across["runs_beyond_noise_by_every_calibration"]
+        lines.append(f"{len(beyond)} of {s['runs']} runs' step errors beyond their interval's reach of zero, on the "
+                     "same side, by every calibration (errors no noise measured here explains)"
+                     + (": " + "; ".join(beyond) if beyond else ""))
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "

@@ -155,6 +155,9 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys):
         assert by_first == run["step_error_at_reference"]
         assert by_second == pytest.approx((1 + by_first) / 1.25 - 1)
         assert run["calibrations"]["predicted_steps_s"] == [run["predicted_step_s"]] * 2
+        low, high = run["calibrations"]["step_error_intervals_at_reference"][1]
+        assert (low, high) == (pytest.approx((1 + run["step_error_interval_at_reference"][0]) / 1.25 - 1),
+                               pytest.approx((1 + run["step_error_interval_at_reference"][1]) / 1.25 - 1))
     assert printed["summary"]["across_calibrations"]["calibrations"] == 2
     assert "the moment of calibration (calibs: the step error as each of 2 costs files" in format_table(printed)
 
@@ -424,17 +427,22 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     and summary line show them."""
     from calibrate import across_calibrations
 
-    def judged(step, busy, bubble):
-        return {"step_error_at_reference": step, "busy_errors_at_reference": busy, "bubble_error_points": bubble,
-                "predicted_step_s": 1.0 + step}
+    def judged(step, busy, bubble, run="K=2 M=4"):
+        return {"run": run, "step_error_at_reference": step, "busy_errors_at_reference": busy,
+                "bubble_error_points": bubble, "predicted_step_s": 1.0 + step,
+                "step_error_interval_at_reference": [step - 0.03, step + 0.03]}
 
     entry = across_calibrations.run_entry([judged(-0.10, [-0.2, 0.1], 3.0), judged(0.06, [0.0, 0.3], -1.0),
                                            judged(0.02, [0.05, -0.1], 0.5)])
+    assert not entry["beyond_noise"]  # -13..-7% by one calibration, +3..+9% by another
     assert entry["step_error_range_at_reference"] == [-0.10, 0.06]
     assert entry["median"] == {"step_error_at_reference": 0.02, "busy_errors_at_reference": [0.0, 0.1],
                                "bubble_error_points": 0.5}
     assert entry["predicted_steps_s"] == [0.9, 1.06, 1.02]
     other = across_calibrations.run_entry([judged(0.04, [0.04], 1.0), judged(-0.04, [-0.08], -2.0)])
+    low = across_calibrations.run_entry([judged(-0.08, [0.0], 0.0, "K=1 M=4"), judged(-0.2, [0.0], 0.0, "K=1 M=4")])
+    assert low["beyond_noise"] and low["step_error_intervals_at_reference"][0] == [-0.11, -0.05]
+    assert across_calibrations.summary([entry, other, low])["runs_beyond_noise_by_every_calibration"] == ["K=1 M=4"]
     summary = across_calibrations.summary([entry, other])
     assert summary["median_calibrations_apart"] == pytest.approx((0.16 + 0.08) / 2)
     assert summary["worst_calibrations_apart"] == pytest.approx(0.16)
@@ -451,6 +459,7 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     table = format_table(result)
     assert "-10..+6%" in table.splitlines()[2] and "calibs" in table.splitlines()[0]
     assert "each of 3 costs files" in table and "12.0 points apart (median), 16.0 at worst" in table
+    assert "0 of 1 runs' step errors beyond their interval's reach of zero, on the same side, by every" in table
 
 
 def test_other_calibrations_must_be_of_the_same_model_and_process_counts(tmp_path, capsys):
