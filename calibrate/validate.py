@@ -29,9 +29,10 @@ Two measures of noise stand beside each error: ``interval``, where the error lie
 validation's own rounds (:func:`median_interval`), and ``halves``, the error as the calibration's fits
 on its odd and on its even design rounds predict the run (:func:`calibrate.calibration.fit_halves`;
 costs files from a quick calibration have none): what a calibration from the other half of the same
-minutes would have predicted. An error inside both is one this machine cannot tell from noise. A third, ``calibs``,
-where other costs files are given: the error as calibrations taken at other moments predict the same
-measurement (:mod:`calibrate.across_calibrations`), the noise neither of the first two sees.
+minutes would have predicted. An error inside both is one this machine cannot tell from noise. A
+third, ``calibs``, where other costs files are given: the error as calibrations taken at other
+moments predict the same measurement (:mod:`calibrate.across_calibrations`), the noise neither of
+the first two sees.
 """
 
 from __future__ import annotations
@@ -500,7 +501,8 @@ def format_table(result: dict[str, Any]) -> str:
     after D and stay out of the summary lines.
     """
     header = (f"{'D':>2}  {'run':<40} {'pred ms':>9} {'meas ms':>9} {'err':>7} {'@ref ms':>9} {'err@ref':>8} "
-              f"{'spread':>7} {'interval':>11} {'halves':>11} {'calibs':>11}  {'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  "
+              f"{'spread':>7} {'interval':>11} {'halves':>11} {'calibs':>11}  "
+              f"{'pred MiB':>13} {'meas MiB':>13} {'mem err':>8}  "
               f"{'busy err':>8} {'busy@ref':>8} {'spread':>7} {'interval':>11} {'bubble p/m':>11} {'end p/m ms':>13}")
     lines = [header, "-" * len(header)]
     for run in result["runs"]:
