@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, MeasuredWorkload
+from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
 from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, replica_spread
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import (compute_per_step_s, measured_action_gaps_s, measured_end_span_s,
@@ -156,6 +156,8 @@ class ActionPoints:
     measured: list[float] = field(default_factory=list)
     runs: list[str] = field(default_factory=list)
     actions: list[tuple[int, int, int]] = field(default_factory=list)
+    # a backward under full: its stage's recompute as profiled (time, fixed part), beside its backward's
+    recompute: list[tuple[float, float]] = field(default_factory=list)
 
     def typical(self) -> "ActionPoints":
         """One point per action of a run: its median over the rounds that measured it.
@@ -175,7 +177,8 @@ class ActionPoints:
         return ActionPoints([self.profiled[members[0]] for _, members in rows],
                             [self.fixed[members[0]] for _, members in rows],
                             [statistics.median(self.measured[i] for i in members) for _, members in rows],
-                            [run for (run, _), _ in rows], [action for (_, action), _ in rows])
+                            [run for (run, _), _ in rows], [action for (_, action), _ in rows],
+                            [self.recompute[members[0]] for _, members in rows] if self.recompute else [])
 
 
 @dataclass
@@ -225,6 +228,9 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         points.measured.append(action["duration_s"] / speed)
         points.runs.append(spec.label())
         points.actions.append((action["stage"], action.get("virtual_stage", 0), action["microbatch"]))
+        if kind == BACKWARD_WITH_RECOMPUTE:
+            first, end = bounds[action["stage"]]
+            points.recompute.append(workload._parts("R", range(first, end), action["rows"]))
     measured = set(report["measured_steps"])
     optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds
     for record in report["timeline"]["records"]:
@@ -262,8 +268,9 @@ def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], check
     (:data:`sim.costs.FIRST_STAGE_WEIGHT`), and its I computes nothing (None: not on a line; its
     measured time is the first stage's I, ``first_input_s``), as
     :func:`sim.stage_costs.weight_grad_time_s` and :func:`~sim.stage_costs.input_grad_time_s` predict them;
-    a backward under ``full`` (each layer recomputed just before its own backward) on a line of its own
-    (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`), on the profile's backward and recompute summed."""
+    a backward under ``full`` (each layer recomputed just before its own backward) apart
+    (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`): its factor over the backward's and the recompute's
+    lines summed (:func:`fit_full_backward`)."""
     kind = action["kind"]
     if kind == "B" and recomputes_per_layer(checkpoint):
         return BACKWARD_WITH_RECOMPUTE
@@ -292,9 +299,8 @@ def profiled_action_parts(workload: MeasuredWorkload, checkpoint: str, action: d
     kind = fitted_kind(action, bounds, checkpoint, microbatches)
     if kind is None:
         return 0.0, 0.0
-    profiled_kinds = {FORWARD_WITH_GRAPH: ("R",), FIRST_STAGE_WEIGHT: ("B",),
-                      BACKWARD_WITH_RECOMPUTE: ("B", "R")}.get(kind, (kind,))
-    parts = [workload.profiled_parts_s(each, i, action["rows"]) for i in range(first, end) for each in profiled_kinds]
+    kind = {FORWARD_WITH_GRAPH: "R", FIRST_STAGE_WEIGHT: "B", BACKWARD_WITH_RECOMPUTE: "B"}.get(kind, kind)
+    parts = [workload.profiled_parts_s(kind, i, action["rows"]) for i in range(first, end)]
     return sum(t for t, _ in parts), sum(f for _, f in parts)
 
 
@@ -306,7 +312,26 @@ def _rows_of(spec: RunSpec, microbatch: int) -> int:
 
 
 # the lines that take another's per-action overhead rather than fit their own (fit_pipeline)
-OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B", BACKWARD_WITH_RECOMPUTE: "B"}
+OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
+
+
+def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: ActionFit) -> dict[str, Any]:
+    """The factor a backward under ``full`` takes over the backward's and the recompute's lines summed,
+    by least squares on the relative residuals, and its residual summary.
+
+    A factor over the two lines rather than a line of its own: a full design run's backwards all have
+    the same rows, and at K = 1, where every stage holds every layer, a line's per-action overhead
+    cannot be told from its scale of the profile's fixed part (one calibration here fitted the
+    backward 5.9 ms of overhead and none of the fixed part, the next the reverse; a line sharing that
+    overhead put the held-out K = 1 ``full`` run -15% and +1% off). The two lines' sum is known at
+    every row count, whichever way they split it."""
+    combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
+    weights = [c / m for c, m in zip(combined, points.measured)]
+    factor = sum(weights) / sum(w * w for w in weights)
+    residuals = [factor * w - 1.0 for w in weights]
+    return {"factor": factor, "points": len(residuals),
+            "rms_relative": (sum(r * r for r in residuals) / len(residuals)) ** 0.5,
+            "worst_relative": max(abs(r) for r in residuals)}
 
 
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -317,10 +342,9 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry: dict[str, Any] = {"threads": threads_of[k], "actions": {}}
         # I and W only where a design run split its backward (the stage's costs otherwise scale their
         # profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
-        # keeping its graph only where a design run had one (else it takes the forward's line), a backward
-        # under full only where a design run had one (else the backward's and the recompute's lines summed)
-        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT,
-                                                              BACKWARD_WITH_RECOMPUTE)
+        # keeping its graph only where a design run had one (else it takes the forward's line); a backward
+        # under full takes a factor over the backward's and the recompute's lines (fit_full_backward)
+        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT)
                                             if (k, kind) in obs.actions):
             if (k, kind) in obs.actions:
                 points = obs.actions[(k, kind)].typical()
@@ -344,6 +368,11 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry["step_overhead_s"] = 0.0
         if obs.first_input.get(k):
             entry["first_input_s"] = statistics.median(obs.first_input[k])
+        full = None
+        if (k, BACKWARD_WITH_RECOMPUTE) in obs.actions:
+            full = fit_full_backward(obs.actions[(k, BACKWARD_WITH_RECOMPUTE)].typical(),
+                                     ActionFit.from_dict(entry["actions"]["B"]), ActionFit.from_dict(entry["actions"]["R"]))
+            entry["full_backward_factor"] = full["factor"]
         # per kind of the action before, the median: a gap in which the executor did a chore while its
         # input was away (drawing the next batch, once a step) is no part of the time between two
         # actions that follow each other; a kind no design run had after it takes the median of all
@@ -359,6 +388,8 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", line) for kind, line in entry["actions"].items()]}
+        if full:
+            residuals[str(k)][f"action {BACKWARD_WITH_RECOMPUTE}"] = {key: v for key, v in full.items() if key != "factor"}
         if spread:
             residuals[str(k)]["replica spread"] = {
                 "steps": sum(len(rows) for rows in obs.step_compute[k].values()),

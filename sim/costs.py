@@ -128,6 +128,9 @@ class PipelineFit:
     # a split backward's I on the first stage, which computes no gradient: the executor's own work around
     # it, measured (0 in costs files written before it was, or without a split design run)
     first_input_s: float = 0.0
+    # a backward under --checkpoint full over the backward's and the recompute's lines summed, measured
+    # (None in costs files written before it was, or without a full design run: the sum as it is)
+    full_backward_factor: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
@@ -136,7 +139,8 @@ class PipelineFit:
                    float(data["step_overhead_s"]),
                    {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()},
                    tuple(float(v) for v in data.get("replica_spread", ())),
-                   float(data.get("first_input_s", 0.0)))
+                   float(data.get("first_input_s", 0.0)),
+                   None if data.get("full_backward_factor") is None else float(data["full_backward_factor"]))
 
 
 # the fitted line of a forward that keeps its graph for the backward (the pipeline fits' other lines are
@@ -146,10 +150,11 @@ FORWARD_WITH_GRAPH = "F_graph"
 # input gradient, but run as a W (weight gradients of a graph kept for the split), which the backward's
 # line predicted 12-16% low in the held-out zb-h1 and zbv runs of two calibrations (6% in a third)
 FIRST_STAGE_WEIGHT = "W_first"
-# the fitted line of a backward under --checkpoint full, which reruns each layer's forward just before
-# that layer's backward: the backward's and the recompute's lines summed predicted it 6-16% low at
-# K = 1 in four calibrations (one backward call over layers each rebuilding its graph in turn is not
-# a stage's recompute followed by its backward)
+# the points of a backward under --checkpoint full, which reruns each layer's forward just before that
+# layer's backward: the backward's and the recompute's lines summed predicted it 6-13% low at K = 1 in
+# four calibrations (one backward call over layers each rebuilding its graph in turn is not a stage's
+# recompute followed by its backward); calibration fits the factor it takes over that sum
+# (PipelineFit.full_backward_factor)
 BACKWARD_WITH_RECOMPUTE = "B_full"
 IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 
@@ -404,8 +409,8 @@ class MeasuredWorkload:
         first_weight = (fit.actions[FIRST_STAGE_WEIGHT](*backward)
                         if first == 0 and FIRST_STAGE_WEIGHT in fit.actions else None)
         first_input = fit.first_input_s if first == 0 else 0.0
-        full_backward = (fit.actions[BACKWARD_WITH_RECOMPUTE](backward[0] + recompute[0], backward[1] + recompute[1])
-                         if BACKWARD_WITH_RECOMPUTE in fit.actions else None)
+        full_backward = (fit.full_backward_factor * (fit.actions["B"](*backward) + fit.actions["R"](*recompute))
+                         if fit.full_backward_factor is not None else None)
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]

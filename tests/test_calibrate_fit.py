@@ -290,11 +290,12 @@ def test_the_halves_of_a_calibration_fit_its_odd_and_its_even_rounds_apart(monke
     assert data == {"pipeline": {"2": {"rounds": "all"}}, "profile": {"rows": [1, 2]}}
 
 
-def test_a_backward_under_full_is_fitted_on_a_line_of_its_own_on_the_backward_and_recompute_profiled():
-    """Under --checkpoint full a backward reruns each layer's forward first: its points go on B_full,
-    profiled as the stage's backward plus its recompute, with the backward's per-action overhead."""
+def test_a_backward_under_full_takes_a_factor_over_the_backward_and_recompute_lines():
+    """Under --checkpoint full a backward reruns each layer's forward first: its points (the stage's
+    backward and recompute profiled) fit the factor it takes over the two lines summed, whichever way
+    those lines split their fixed part between scale and overhead; its forward is a plain forward."""
     from calibrate.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind, profiled_action_parts
-    from sim.costs import MeasuredWorkload
+    from sim.costs import ActionFit, MeasuredWorkload
     from tests.test_calibrate_costs import synthetic_costs
 
     bounds = [(0, 1), (1, 3)]
@@ -302,20 +303,20 @@ def test_a_backward_under_full_is_fitted_on_a_line_of_its_own_on_the_backward_an
     assert fitted_kind({"stage": 1, "kind": "B", "microbatch": 0}, bounds, "always", 4) == "B"
     workload = MeasuredWorkload(synthetic_costs(), 2)
     action = {"stage": 1, "kind": "B", "microbatch": 0, "rows": 2}
-    parts = [workload.profiled_parts_s(kind, i, 2) for i in (1, 2) for kind in "BR"]
-    assert profiled_action_parts(workload, "full", action, bounds, 4) == (
-        pytest.approx(sum(t for t, _ in parts)), pytest.approx(sum(f for _, f in parts)))
-    assert profiled_action_parts(workload, "never", action, bounds, 4)[0] == pytest.approx(
-        sum(workload.profiled_parts_s("B", i, 2)[0] for i in (1, 2)))
+    assert profiled_action_parts(workload, "full", action, bounds, 4) == profiled_action_parts(
+        workload, "never", action, bounds, 4)  # the backward's profile; the recompute's is kept beside it
     obs = Observations()
     for kind, factor in (("F", 1.1), ("R", 1.0), ("B", 1.05)):
         obs.actions[(2, kind)] = ActionPoints([1e-3, 2e-3], [1e-4, 1e-4], [factor * 1e-3, factor * 2e-3], ["a", "b"])
-    backward_overhead = fit_pipeline(obs, {2: 1})[0]["2"]["actions"]["B"]["intercept"]
-    # 1.2 times the profile, plus the backward's overhead: the executor's work around one backward action
-    obs.actions[(2, "B_full")] = ActionPoints([3e-3, 6e-3], [2e-4, 2e-4],
-                                              [1.2 * 3e-3 + backward_overhead, 1.2 * 6e-3 + backward_overhead],
-                                              ["c", "c"])
+    lines = fit_pipeline(obs, {2: 1})[0]["2"]["actions"]
+    backward, recompute = ActionFit.from_dict(lines["B"]), ActionFit.from_dict(lines["R"])
+    profiles = [((3e-3, 2e-4), (2e-3, 1e-4)), ((6e-3, 2e-4), (4e-3, 1e-4))]
+    obs.actions[(2, "B_full")] = ActionPoints(
+        [b[0] for b, _ in profiles], [b[1] for b, _ in profiles],
+        [1.2 * (backward(*b) + recompute(*r)) for b, r in profiles], ["c", "c"], [(1, 0, 0), (1, 0, 1)],
+        [r for _, r in profiles])
     pipeline, residuals = fit_pipeline(obs, {2: 1})
-    line = pipeline["2"]["actions"]["B_full"]
-    assert line["slope"] == pytest.approx(1.2, rel=1e-4) and "action B_full" in residuals["2"]
-    assert line["intercept"] == pytest.approx(pipeline["2"]["actions"]["B"]["intercept"], abs=1e-12)
+    assert pipeline["2"]["full_backward_factor"] == pytest.approx(1.2)
+    assert "B_full" not in pipeline["2"]["actions"] and residuals["2"]["action B_full"]["worst_relative"] < 1e-9
+    assert "full_backward_factor" not in fit_pipeline(Observations(actions={(2, "F"): obs.actions[(2, "F")]}),
+                                                      {2: 1})[0]["2"]
