@@ -49,16 +49,17 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One held-out run as each calibration judged it (``runs``: its result dicts, one per costs
     file, the first file's first): each one's errors and step error interval
     (:func:`calibrate.validate.median_interval`), their range and their median, and whether every
-    calibration's interval lies on one side of zero (``beyond_noise``)."""
+    calibration's interval lies on one side of zero (``beyond_noise``; per stage for the busy time,
+    ``busy_beyond_noise``)."""
     step = [run["step_error_at_reference"] for run in runs]
     busy = [run["busy_errors_at_reference"] for run in runs]
     bubble = [run["bubble_error_points"] for run in runs]
     intervals = [list(run["step_error_interval_at_reference"]) for run in runs]
-    # beyond the noise by every calibration: each one's interval on the same side of zero
-    beyond = all(low > 0 for low, _ in intervals) or all(high < 0 for _, high in intervals)
+    busy_intervals = [[list(bounds) for bounds in run["busy_error_intervals_at_reference"]] for run in runs]
     return {"run": runs[0]["run"], "step_errors_at_reference": step,
             "step_error_range_at_reference": [min(step), max(step)],
-            "step_error_intervals_at_reference": intervals, "beyond_noise": beyond,
+            "step_error_intervals_at_reference": intervals, "beyond_noise": beyond_noise(intervals),
+            "busy_beyond_noise": [beyond_noise(stage) for stage in zip(*busy_intervals)],
             "predicted_steps_s": [run["predicted_step_s"] for run in runs],
             "busy_errors_at_reference": busy, "bubble_error_points": bubble,
             "median": {"step_error_at_reference": statistics.median(step),
@@ -66,11 +67,16 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                        "bubble_error_points": statistics.median(bubble)}}
 
 
+def beyond_noise(intervals: Sequence[Sequence[float]]) -> bool:
+    """Whether every calibration's interval of an error lies on the same side of zero."""
+    return all(low > 0 for low, _ in intervals) or all(high < 0 for _, high in intervals)
+
+
 def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Over the runs (oversubscribed ones left out by the caller): how far apart the calibrations
     put a run's step error, median and worst, the errors of the median over the calibrations, and
-    the runs whose step error every calibration puts beyond its rounds' interval, on the same side
-    of zero: errors no noise measured here explains, the model's own."""
+    the runs whose step error (and the stages whose busy time) every calibration puts beyond its
+    rounds' interval, on the same side of zero: errors no noise measured here explains, the model's own."""
     apart = [high - low for entry in entries for low, high in [entry["step_error_range_at_reference"]]]
     step = [abs(entry["median"]["step_error_at_reference"]) for entry in entries]
     busy = [abs(e) for entry in entries for e in entry["median"]["busy_errors_at_reference"]]
@@ -80,6 +86,10 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"calibrations": len(entries[0]["step_errors_at_reference"]),
             "median_calibrations_apart": statistics.median(apart), "worst_calibrations_apart": max(apart),
             "runs_beyond_noise_by_every_calibration": [entry["run"] for entry in entries if entry["beyond_noise"]],
+            # each as (run, stage, the median over the calibrations of its busy error)
+            "stages_beyond_noise_by_every_calibration": [
+                [entry["run"], stage, entry["median"]["busy_errors_at_reference"][stage]] for entry in entries
+                for stage, beyond in enumerate(entry["busy_beyond_noise"]) if beyond],
             "median_over_calibrations": {
                 "median_step_error_at_reference": statistics.median(step),
                 "worst_step_error_at_reference": max(step),

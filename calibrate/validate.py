@@ -568,6 +568,10 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{len(beyond)} of {s['runs']} runs' step errors beyond their interval's reach of zero, on the "
                      "same side, by every calibration (errors no noise measured here explains)"
                      + (": " + "; ".join(beyond) if beyond else ""))
+        stages = across["stages_beyond_noise_by_every_calibration"]
+        lines.append(f"{len(stages)} stages' busy errors beyond their interval's reach of zero by every calibration"
+                     + (": " + "; ".join(f"{run} stage {stage} {error * 100:+.1f}%" for run, stage, error in stages)
+                        if stages else ""))
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "

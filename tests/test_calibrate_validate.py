@@ -430,7 +430,8 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     def judged(step, busy, bubble, run="K=2 M=4"):
         return {"run": run, "step_error_at_reference": step, "busy_errors_at_reference": busy,
                 "bubble_error_points": bubble, "predicted_step_s": 1.0 + step,
-                "step_error_interval_at_reference": [step - 0.03, step + 0.03]}
+                "step_error_interval_at_reference": [step - 0.03, step + 0.03],
+                "busy_error_intervals_at_reference": [[e - 0.03, e + 0.03] for e in busy]}
 
     entry = across_calibrations.run_entry([judged(-0.10, [-0.2, 0.1], 3.0), judged(0.06, [0.0, 0.3], -1.0),
                                            judged(0.02, [0.05, -0.1], 0.5)])
@@ -443,6 +444,12 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     low = across_calibrations.run_entry([judged(-0.08, [0.0], 0.0, "K=1 M=4"), judged(-0.2, [0.0], 0.0, "K=1 M=4")])
     assert low["beyond_noise"] and low["step_error_intervals_at_reference"][0] == [-0.11, -0.05]
     assert across_calibrations.summary([entry, other, low])["runs_beyond_noise_by_every_calibration"] == ["K=1 M=4"]
+    # stage 0: -23..-17% and -3..+3%, not beyond; stage 1: +7..+13%, +27..+33%, -13..-7%, not beyond
+    assert entry["busy_beyond_noise"] == [False, False]
+    apart = across_calibrations.run_entry([judged(0.0, [0.1, 0.0], 0.0), judged(0.0, [0.2, 0.01], 0.0)])
+    assert apart["busy_beyond_noise"] == [True, False]
+    assert across_calibrations.summary([apart])["stages_beyond_noise_by_every_calibration"] == [
+        ["K=2 M=4", 0, pytest.approx(0.15)]]
     summary = across_calibrations.summary([entry, other])
     assert summary["median_calibrations_apart"] == pytest.approx((0.16 + 0.08) / 2)
     assert summary["worst_calibrations_apart"] == pytest.approx(0.16)
@@ -460,6 +467,7 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     assert "-10..+6%" in table.splitlines()[2] and "calibs" in table.splitlines()[0]
     assert "each of 3 costs files" in table and "12.0 points apart (median), 16.0 at worst" in table
     assert "0 of 1 runs' step errors beyond their interval's reach of zero, on the same side, by every" in table
+    assert "0 stages' busy errors beyond their interval's reach of zero by every calibration" in table
 
 
 def test_other_calibrations_must_be_of_the_same_model_and_process_counts(tmp_path, capsys):
