@@ -104,8 +104,8 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     6-20%, K = 2 by 2-20%).
 
     ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at
-    K = 2 (4 rows), whose backward, each layer recomputed just before its own, gets a line of its
-    own (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`)."""
+    K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the factor
+    such a backward takes over the backward's and the recompute's lines (:func:`fit_full_backward`)."""
     single = even_partition(num_layers, 1)
     specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
              RunSpec(single, 8, "always", "gpipe", batch_size)]
@@ -230,7 +230,8 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         points.actions.append((action["stage"], action.get("virtual_stage", 0), action["microbatch"]))
         if kind == BACKWARD_WITH_RECOMPUTE:
             first, end = bounds[action["stage"]]
-            points.recompute.append(workload._parts("R", range(first, end), action["rows"]))
+            parts = [workload.profiled_parts_s("R", i, action["rows"]) for i in range(first, end)]
+            points.recompute.append((sum(t for t, _ in parts), sum(f for _, f in parts)))
     measured = set(report["measured_steps"])
     optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds
     for record in report["timeline"]["records"]:
@@ -323,7 +324,7 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
     the same rows, and at K = 1, where every stage holds every layer, a line's per-action overhead
     cannot be told from its scale of the profile's fixed part (one calibration here fitted the
     backward 5.9 ms of overhead and none of the fixed part, the next the reverse; a line sharing that
-    overhead put the held-out K = 1 ``full`` run -15% and +1% off). The two lines' sum is known at
+    overhead put the held-out K = 1 ``full`` run -14.9% and +0.5% off). The two lines' sum is known at
     every row count, whichever way they split it."""
     combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
     weights = [c / m for c, m in zip(combined, points.measured)]

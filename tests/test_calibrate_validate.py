@@ -45,8 +45,8 @@ def test_a_full_calibration_design_spans_the_rows_a_plan_can_give_a_micro_batch(
 
 
 def test_a_full_calibration_has_a_run_under_full_at_each_k_and_the_quick_one_none():
-    """Their backwards, each layer recomputed just before its own, fit the B_full line; the held-out
-    runs under full stay other runs (other M, other partition)."""
+    """Their backwards, each layer recomputed just before its own, measure the factor such a backward
+    takes over the two lines; the held-out runs under full stay other runs (other M, other partition)."""
     full = [s for s in calibration_design(6, 32, split_backward=True) if s.checkpoint == "full"]
     assert [(s.stages, s.microbatches) for s in full] == [(1, 8), (2, 8)]
     assert not any(s.checkpoint == "full" for s in calibration_design(6, 32, per_layer_recompute=False))
