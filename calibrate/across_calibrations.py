@@ -5,8 +5,9 @@ moves a run's error.
 costs file. The two measures of noise a single calibration carries (a run's own rounds, the
 calibration's odd and even design rounds) both come from a few minutes of one machine; on a shared
 VM the next calibration, taken at another stretch of minutes, moves every fit together (on a 2-core
-VM the same code's held-out errors moved by 8 points, median, between two calibrations an hour
-apart, where one calibration's halves put runs 2-3 points apart; ``benchmarks/README.md``). Judging
+VM two calibrations five minutes apart put one validation's held-out runs 1.7-3.2 points apart,
+median, and 15-16 at worst; two an hour apart, each with its own validation, 8 points, median;
+``benchmarks/README.md``). Judging
 one measurement by several calibrations shows that third noise beside each error, without the
 validation's own noise mixed in; the median over the calibrations' errors is the error with the
 moment of calibration averaged out.
