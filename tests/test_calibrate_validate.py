@@ -444,7 +444,7 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     low = across_calibrations.run_entry([judged(-0.08, [0.0], 0.0, "K=1 M=4"), judged(-0.2, [0.0], 0.0, "K=1 M=4")])
     assert low["beyond_noise"] and low["step_error_intervals_at_reference"][0] == [-0.11, -0.05]
     assert across_calibrations.summary([entry, other, low])["runs_beyond_noise_by_every_calibration"] == ["K=1 M=4"]
-    # stage 0: -23..-17% and -3..+3%, not beyond; stage 1: +7..+13%, +27..+33%, -13..-7%, not beyond
+    # stage 0: -23..-17%, -3..+3%, +2..+8%; stage 1: +7..+13%, +27..+33%, -13..-7%: neither beyond
     assert entry["busy_beyond_noise"] == [False, False]
     apart = across_calibrations.run_entry([judged(0.0, [0.1, 0.0], 0.0), judged(0.0, [0.2, 0.01], 0.0)])
     assert apart["busy_beyond_noise"] == [True, False]
