@@ -78,12 +78,12 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     put a run's step error, median and worst, the errors of the median over the calibrations, and
     the runs whose step error (and the stages whose busy time) every calibration puts beyond its
     rounds' interval, on the same side of zero: errors no noise measured here explains, the model's own."""
+    if not entries:
+        return {}
     apart = [high - low for entry in entries for low, high in [entry["step_error_range_at_reference"]]]
     step = [abs(entry["median"]["step_error_at_reference"]) for entry in entries]
     busy = [abs(e) for entry in entries for e in entry["median"]["busy_errors_at_reference"]]
     bubble = [abs(entry["median"]["bubble_error_points"]) for entry in entries]
-    if not entries:
-        return {}
     return {"calibrations": len(entries[0]["step_errors_at_reference"]),
             "median_calibrations_apart": statistics.median(apart), "worst_calibrations_apart": max(apart),
             "runs_beyond_noise_by_every_calibration": [entry["run"] for entry in entries if entry["beyond_noise"]],

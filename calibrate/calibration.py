@@ -316,9 +316,9 @@ def _rows_of(spec: RunSpec, microbatch: int) -> int:
 OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
 
 
-def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: ActionFit) -> dict[str, Any]:
-    """The factor a backward under ``full`` takes over the backward's and the recompute's lines summed,
-    by least squares on the relative residuals, and its residual summary.
+def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: ActionFit) -> AffineFit:
+    """The factor a backward under ``full`` takes over the backward's and the recompute's lines summed
+    (the fit's slope, through zero), by least squares on the relative residuals.
 
     A factor over the two lines rather than a line of its own: a full design run's backwards all have
     the same rows, and at K = 1, where every stage holds every layer, a line's per-action overhead
@@ -329,10 +329,7 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
     combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
     weights = [c / m for c, m in zip(combined, points.measured)]
     factor = sum(weights) / sum(w * w for w in weights)
-    residuals = [factor * w - 1.0 for w in weights]
-    return {"factor": factor, "points": len(residuals),
-            "rms_relative": (sum(r * r for r in residuals) / len(residuals)) ** 0.5,
-            "worst_relative": max(abs(r) for r in residuals)}
+    return AffineFit(factor, 0.0, tuple(factor * w - 1.0 for w in weights))
 
 
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -373,7 +370,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         if (k, BACKWARD_WITH_RECOMPUTE) in obs.actions:
             full = fit_full_backward(obs.actions[(k, BACKWARD_WITH_RECOMPUTE)].typical(),
                                      ActionFit.from_dict(entry["actions"]["B"]), ActionFit.from_dict(entry["actions"]["R"]))
-            entry["full_backward_factor"] = full["factor"]
+            entry["full_backward_factor"] = full.slope
         # per kind of the action before, the median: a gap in which the executor did a chore while its
         # input was away (drawing the next batch, once a step) is no part of the time between two
         # actions that follow each other; a kind no design run had after it takes the median of all
@@ -389,8 +386,9 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", line) for kind, line in entry["actions"].items()]}
-        if full:
-            residuals[str(k)][f"action {BACKWARD_WITH_RECOMPUTE}"] = {key: v for key, v in full.items() if key != "factor"}
+        if full is not None:
+            residuals[str(k)][f"action {BACKWARD_WITH_RECOMPUTE}"] = {key: v for key, v in full.to_dict().items()
+                                                                       if key != "slope"}
         if spread:
             residuals[str(k)]["replica spread"] = {
                 "steps": sum(len(rows) for rows in obs.step_compute[k].values()),
