@@ -104,8 +104,8 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     6-20%, K = 2 by 2-20%).
 
     ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at
-    K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the factor
-    such a backward takes over the backward's and the recompute's lines (:func:`fit_full_backward`)."""
+    K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the time per
+    layer such a backward takes beyond the backward's and the recompute's lines (:func:`fit_full_backward`)."""
     single = even_partition(num_layers, 1)
     specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
              RunSpec(single, 8, "always", "gpipe", batch_size)]
@@ -156,8 +156,10 @@ class ActionPoints:
     measured: list[float] = field(default_factory=list)
     runs: list[str] = field(default_factory=list)
     actions: list[tuple[int, int, int]] = field(default_factory=list)
-    # a backward under full: its stage's recompute as profiled (time, fixed part), beside its backward's
+    # a backward under full: its stage's recompute as profiled (time, fixed part), beside its backward's,
+    # and its stage's layer count
     recompute: list[tuple[float, float]] = field(default_factory=list)
+    layers: list[int] = field(default_factory=list)
 
     def typical(self) -> "ActionPoints":
         """One point per action of a run: its median over the rounds that measured it.
@@ -178,7 +180,8 @@ class ActionPoints:
                             [self.fixed[members[0]] for _, members in rows],
                             [statistics.median(self.measured[i] for i in members) for _, members in rows],
                             [run for (run, _), _ in rows], [action for (_, action), _ in rows],
-                            [self.recompute[members[0]] for _, members in rows] if self.recompute else [])
+                            [self.recompute[members[0]] for _, members in rows] if self.recompute else [],
+                            [self.layers[members[0]] for _, members in rows] if self.layers else [])
 
 
 @dataclass
@@ -232,6 +235,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
             first, end = bounds[action["stage"]]
             parts = [workload.profiled_parts_s("R", i, action["rows"]) for i in range(first, end)]
             points.recompute.append((sum(t for t, _ in parts), sum(f for _, f in parts)))
+            points.layers.append(end - first)
     measured = set(report["measured_steps"])
     optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds
     for record in report["timeline"]["records"]:
@@ -270,8 +274,8 @@ def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], check
     measured time is the first stage's I, ``first_input_s``), as
     :func:`sim.stage_costs.weight_grad_time_s` and :func:`~sim.stage_costs.input_grad_time_s` predict them;
     a backward under ``full`` (each layer recomputed just before its own backward) apart
-    (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`): its factor over the backward's and the recompute's
-    lines summed (:func:`fit_full_backward`)."""
+    (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`): its time per layer beyond the backward's and the
+    recompute's lines summed (:func:`fit_full_backward`)."""
     kind = action["kind"]
     if kind == "B" and recomputes_per_layer(checkpoint):
         return BACKWARD_WITH_RECOMPUTE
@@ -317,19 +321,25 @@ OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: 
 
 
 def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: ActionFit) -> AffineFit:
-    """The factor a backward under ``full`` takes over the backward's and the recompute's lines summed
-    (the fit's slope, through zero), by least squares on the relative residuals.
+    """The seconds per layer a backward under ``full`` takes beyond the backward's and the recompute's
+    lines summed (the fit's slope over the stage's layer count, through zero, at least 0), by least
+    squares on the relative residuals.
 
-    A factor over the two lines rather than a line of its own: a full design run's backwards all have
-    the same rows, and at K = 1, where every stage holds every layer, a line's per-action overhead
-    cannot be told from its scale of the profile's fixed part (one calibration here fitted the
-    backward 5.9 ms of overhead and none of the fixed part, the next the reverse; a line sharing that
-    overhead put the held-out K = 1 ``full`` run -14.9% and +0.5% off). The two lines' sum is known at
-    every row count, whichever way they split it."""
+    The executor's ``full`` backward restores each layer's random state, reruns its forward and calls
+    autograd on it, one layer at a time: work per layer, not per row. A factor over the two lines (fitted
+    before) put the held-out K = 1 ``full`` run at 8 rows 8.6% high where the design's run, at 4 rows, sat
+    on it. Not a line of its own: a full design run's backwards all have the same rows, and at K = 1,
+    where every stage holds every layer, a line's per-action overhead cannot be told from its scale of
+    the profile's fixed part (one calibration here fitted the backward 5.9 ms of overhead and none of
+    the fixed part, the next the reverse; a line sharing that overhead put the held-out K = 1 ``full``
+    run -14.9% and +0.5% off). The two lines' sum is known at every row count, whichever way they split
+    it. At least 0: the work it stands for takes time."""
     combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
-    weights = [c / m for c, m in zip(combined, points.measured)]
-    factor = sum(weights) / sum(w * w for w in weights)
-    return AffineFit(factor, 0.0, tuple(factor * w - 1.0 for w in weights))
+    per_layer = [n / m for n, m in zip(points.layers, points.measured)]
+    short = [1.0 - c / m for c, m in zip(combined, points.measured)]
+    seconds = max(0.0, sum(a * s for a, s in zip(per_layer, short)) / sum(a * a for a in per_layer))
+    return AffineFit(seconds, 0.0, tuple((c + n * seconds) / m - 1.0
+                                         for c, n, m in zip(combined, points.layers, points.measured)))
 
 
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -341,7 +351,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         # I and W only where a design run split its backward (the stage's costs otherwise scale their
         # profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
         # keeping its graph only where a design run had one (else it takes the forward's line); a backward
-        # under full takes a factor over the backward's and the recompute's lines (fit_full_backward)
+        # under full takes a time per layer beyond the backward's and the recompute's lines (fit_full_backward)
         for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT)
                                             if (k, kind) in obs.actions):
             if (k, kind) in obs.actions:
@@ -370,7 +380,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         if (k, BACKWARD_WITH_RECOMPUTE) in obs.actions:
             full = fit_full_backward(obs.actions[(k, BACKWARD_WITH_RECOMPUTE)].typical(),
                                      ActionFit.from_dict(entry["actions"]["B"]), ActionFit.from_dict(entry["actions"]["R"]))
-            entry["full_backward_factor"] = full.slope
+            entry["full_backward_per_layer_s"] = full.slope
         # per kind of the action before, the median: a gap in which the executor did a chore while its
         # input was away (drawing the next batch, once a step) is no part of the time between two
         # actions that follow each other; a kind no design run had after it takes the median of all

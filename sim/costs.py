@@ -128,9 +128,10 @@ class PipelineFit:
     # a split backward's I on the first stage, which computes no gradient: the executor's own work around
     # it, measured (0 in costs files written before it was, or without a split design run)
     first_input_s: float = 0.0
-    # a backward under --checkpoint full over the backward's and the recompute's lines summed, measured
-    # (None in costs files written before it was, or without a full design run: the sum as it is)
-    full_backward_factor: float | None = None
+    # seconds per layer a backward under --checkpoint full takes beyond the backward's and the recompute's
+    # lines summed, measured (0 in costs files written before it was, or without a full design run: the
+    # sum as it is; files that kept a factor over the sum instead are read as the sum)
+    full_backward_per_layer_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
@@ -140,7 +141,7 @@ class PipelineFit:
                    {kind: float(v) for kind, v in data.get("gap_after_s", {}).items()},
                    tuple(float(v) for v in data.get("replica_spread", ())),
                    float(data.get("first_input_s", 0.0)),
-                   None if data.get("full_backward_factor") is None else float(data["full_backward_factor"]))
+                   float(data.get("full_backward_per_layer_s", 0.0)))
 
 
 # the fitted line of a forward that keeps its graph for the backward (the pipeline fits' other lines are
@@ -153,8 +154,8 @@ FIRST_STAGE_WEIGHT = "W_first"
 # the points of a backward under --checkpoint full, which reruns each layer's forward just before that
 # layer's backward: the backward's and the recompute's lines summed predicted it 6-13% low at K = 1 in
 # four calibrations (one backward call over layers each rebuilding its graph in turn is not a stage's
-# recompute followed by its backward); calibration fits the factor it takes over that sum
-# (PipelineFit.full_backward_factor)
+# recompute followed by its backward); calibration fits the time per layer it takes beyond that sum
+# (PipelineFit.full_backward_per_layer_s)
 BACKWARD_WITH_RECOMPUTE = "B_full"
 IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 
@@ -409,8 +410,8 @@ class MeasuredWorkload:
         first_weight = (fit.actions[FIRST_STAGE_WEIGHT](*backward)
                         if first == 0 and FIRST_STAGE_WEIGHT in fit.actions else None)
         first_input = fit.first_input_s if first == 0 else 0.0
-        full_backward = (fit.full_backward_factor * (fit.actions["B"](*backward) + fit.actions["R"](*recompute))
-                         if fit.full_backward_factor is not None else None)
+        full_backward = (fit.actions["B"](*backward) + fit.actions["R"](*recompute)
+                         + len(layers) * fit.full_backward_per_layer_s)
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]

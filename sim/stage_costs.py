@@ -63,8 +63,8 @@ class StageCost:
     # and I's (the executor's own work around it; 0 in the analytic models)
     first_weight_grad_s: float | None = None
     first_input_s: float = 0.0
-    # --checkpoint full: a backward that recomputes each layer just before its own backward, at the
-    # factor calibration measured over the backward's time plus the recompute's (None: that sum)
+    # --checkpoint full: a backward that recomputes each layer just before its own backward, with the
+    # time per layer calibration measured beyond the backward's time plus the recompute's (None: that sum)
     full_backward_s: float | None = None
     # deviations of a device's compute in one step from its typical, as an equally weighted sample
     # (quantiles): how late the slowest of D replicas finishes (sim.stragglers); measured by
@@ -141,8 +141,8 @@ def layer_alone_bytes(cost: LayerCost) -> int:
 
 
 def backward_time_s(cost: StageCost, checkpoint: str) -> float:
-    """A backward action's time: with ``--checkpoint full`` it recomputes every layer first (at the
-    factor calibration measured for it, where it did), with ``selective`` every attention core."""
+    """A backward action's time: with ``--checkpoint full`` it recomputes every layer first (with the
+    time per layer calibration measured for it, where it did), with ``selective`` every attention core."""
     if recomputes_per_layer(checkpoint):
         return cost.backward_s + cost.recompute_s if cost.full_backward_s is None else cost.full_backward_s
     if recomputes_attention_core(checkpoint):

@@ -511,26 +511,25 @@ def test_plan_searches_the_split_backward_schedules_by_default_only_where_the_pr
     assert default_schedules(SimpleNamespace(schedules="zbv", costs=None)) == "zbv"
 
 
-def test_a_backward_under_full_takes_the_factor_calibration_measured_over_the_two_lines(tmp_path):
-    """--checkpoint full reruns each layer just before its backward: without a measured factor its
-    backward is the backward's and the recompute's lines summed; with one, that sum times the factor;
-    other policies never use it."""
+def test_a_backward_under_full_takes_the_time_per_layer_calibration_measured_beyond_the_two_lines(tmp_path):
+    """--checkpoint full reruns each layer just before its backward: without a measured time per layer
+    its backward is the backward's and the recompute's lines summed; with one, that sum plus the time
+    for each of the stage's layers; other policies never use it."""
     from sim.stage_costs import backward_time_s
 
     options = {"layers": 3, "width": 8}
     data = synthetic_costs()
     plain_path, fitted_path = tmp_path / "plain.json", tmp_path / "fitted.json"
     write_costs(data, plain_path)
-    data["pipeline"]["2"]["full_backward_factor"] = 1.25
+    data["pipeline"]["2"]["full_backward_per_layer_s"] = 5e-4
     write_costs(data, fitted_path)
     plain, _ = load_costs_workload(str(plain_path), "mlp", options).bind(get_system("cpu"), 2, "full")
     fitted, _ = load_costs_workload(str(fitted_path), "mlp", options).bind(get_system("cpu"), 2, "full")
     before, after = plain.stage_cost(2, 1, 3, LOCAL_CPU), fitted.stage_cost(2, 1, 3, LOCAL_CPU)
-    assert before.full_backward_s is None
     # the synthetic lines: 1.5 x the profile + 0.1 ms, at 2 rows
     backward = 1.5 * sum(2e-4 + 2e-3 * (i + 1) * 2 for i in (1, 2)) + 1e-4
     recompute = 1.5 * sum(1e-4 + 1e-3 * (i + 1) * 2 for i in (1, 2)) + 1e-4
     assert backward_time_s(before, "full") == pytest.approx(backward + recompute)
-    assert backward_time_s(after, "full") == pytest.approx(1.25 * (backward + recompute))
+    assert backward_time_s(after, "full") == pytest.approx(backward + recompute + 2 * 5e-4)
     assert backward_time_s(after, "never") == backward_time_s(before, "never") == pytest.approx(backward)
     assert backward_time_s(after, "always") == pytest.approx(backward)

@@ -290,10 +290,11 @@ def test_the_halves_of_a_calibration_fit_its_odd_and_its_even_rounds_apart(monke
     assert data == {"pipeline": {"2": {"rounds": "all"}}, "profile": {"rows": [1, 2]}}
 
 
-def test_a_backward_under_full_takes_a_factor_over_the_backward_and_recompute_lines():
+def test_a_backward_under_full_takes_a_time_per_layer_beyond_the_backward_and_recompute_lines():
     """Under --checkpoint full a backward reruns each layer's forward first: its points (the stage's
-    backward and recompute profiled) fit the factor it takes over the two lines summed, whichever way
-    those lines split their fixed part between scale and overhead; its forward is a plain forward."""
+    backward and recompute profiled, its layer count) fit the time per layer it takes beyond the two
+    lines summed, whichever way those lines split their fixed part between scale and overhead; its
+    forward is a plain forward."""
     from calibrate.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind, profiled_action_parts
     from sim.costs import ActionFit, MeasuredWorkload
     from tests.test_calibrate_costs import synthetic_costs
@@ -310,13 +311,17 @@ def test_a_backward_under_full_takes_a_factor_over_the_backward_and_recompute_li
         obs.actions[(2, kind)] = ActionPoints([1e-3, 2e-3], [1e-4, 1e-4], [factor * 1e-3, factor * 2e-3], ["a", "b"])
     lines = fit_pipeline(obs, {2: 1})[0]["2"]["actions"]
     backward, recompute = ActionFit.from_dict(lines["B"]), ActionFit.from_dict(lines["R"])
-    profiles = [((3e-3, 2e-4), (2e-3, 1e-4)), ((6e-3, 2e-4), (4e-3, 1e-4))]
+    # two stages of 2 and 3 layers, 0.5 ms per layer beyond the two lines
+    profiles = [((3e-3, 2e-4), (2e-3, 1e-4), 2), ((6e-3, 2e-4), (4e-3, 1e-4), 3)]
     obs.actions[(2, "B_full")] = ActionPoints(
-        [b[0] for b, _ in profiles], [b[1] for b, _ in profiles],
-        [1.2 * (backward(*b) + recompute(*r)) for b, r in profiles], ["c", "c"], [(1, 0, 0), (1, 0, 1)],
-        [r for _, r in profiles])
+        [b[0] for b, _, _ in profiles], [b[1] for b, _, _ in profiles],
+        [backward(*b) + recompute(*r) + n * 5e-4 for b, r, n in profiles], ["c", "c"], [(0, 0, 0), (1, 0, 0)],
+        [r for _, r, _ in profiles], [n for _, _, n in profiles])
     pipeline, residuals = fit_pipeline(obs, {2: 1})
-    assert pipeline["2"]["full_backward_factor"] == pytest.approx(1.2)
+    assert pipeline["2"]["full_backward_per_layer_s"] == pytest.approx(5e-4)
     assert "B_full" not in pipeline["2"]["actions"] and residuals["2"]["action B_full"]["worst_relative"] < 1e-9
-    assert "full_backward_factor" not in fit_pipeline(Observations(actions={(2, "F"): obs.actions[(2, "F")]}),
+    # a backward faster than the two lines summed takes none: the work the term stands for takes time
+    obs.actions[(2, "B_full")].measured[:] = [0.9 * (backward(*b) + recompute(*r)) for b, r, _ in profiles]
+    assert fit_pipeline(obs, {2: 1})[0]["2"]["full_backward_per_layer_s"] == 0.0
+    assert "full_backward_per_layer_s" not in fit_pipeline(Observations(actions={(2, "F"): obs.actions[(2, "F")]}),
                                                       {2: 1})[0]["2"]
