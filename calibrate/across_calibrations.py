@@ -51,7 +51,7 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     file, the first file's first): each one's errors and step error interval
     (:func:`calibrate.validate.median_interval`), their range and their median, and whether every
     calibration's interval lies on one side of zero (``beyond_noise``; per stage for the busy time,
-    ``busy_beyond_noise``)."""
+    ``busy_beyond_noise``; for the bubble, in points, ``bubble_beyond_noise``)."""
     step = [run["step_error_at_reference"] for run in runs]
     busy = [run["busy_errors_at_reference"] for run in runs]
     bubble = [run["bubble_error_points"] for run in runs]
@@ -61,6 +61,7 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "step_error_range_at_reference": [min(step), max(step)],
             "step_error_intervals_at_reference": intervals, "beyond_noise": beyond_noise(intervals),
             "busy_beyond_noise": [beyond_noise(stage) for stage in zip(*busy_intervals)],
+            "bubble_beyond_noise": beyond_noise([run["bubble_error_interval_points"] for run in runs]),
             "predicted_steps_s": [run["predicted_step_s"] for run in runs],
             "busy_errors_at_reference": busy, "bubble_error_points": bubble,
             "median": {"step_error_at_reference": statistics.median(step),
@@ -76,8 +77,9 @@ def beyond_noise(intervals: Sequence[Sequence[float]]) -> bool:
 def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Over the runs (oversubscribed ones left out by the caller): how far apart the calibrations
     put a run's step error, median and worst, the errors of the median over the calibrations, and
-    the runs whose step error (and the stages whose busy time) every calibration puts beyond its
-    rounds' interval, on the same side of zero: errors no noise measured here explains, the model's own."""
+    the runs whose step error (and the stages whose busy time, and the runs whose bubble) every
+    calibration puts beyond its rounds' interval, on the same side of zero: errors no noise measured
+    here explains, the model's own."""
     if not entries:
         return {}
     apart = [high - low for entry in entries for low, high in [entry["step_error_range_at_reference"]]]
@@ -91,6 +93,10 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "stages_beyond_noise_by_every_calibration": [
                 [entry["run"], stage, entry["median"]["busy_errors_at_reference"][stage]] for entry in entries
                 for stage, beyond in enumerate(entry["busy_beyond_noise"]) if beyond],
+            # each as (run, the median over the calibrations of its bubble error in points)
+            "bubbles_beyond_noise_by_every_calibration": [
+                [entry["run"], entry["median"]["bubble_error_points"]] for entry in entries
+                if entry["bubble_beyond_noise"]],
             "median_over_calibrations": {
                 "median_step_error_at_reference": statistics.median(step),
                 "worst_step_error_at_reference": max(step),

@@ -188,6 +188,22 @@ class Comparison:
         return (self.predicted_bubble - self.measured_bubble) * 100
 
     @property
+    def bubble_rounds(self) -> list[float]:
+        """Each round's bubble, from its stages' busy seconds and its step (their speed factor cancels)."""
+        return [bubble(busy, step) for busy, step in zip(zip(*self.busy_rounds_at_reference_s),
+                                                         self.rounds_at_reference_s)]
+
+    @property
+    def bubble_error_interval_points(self) -> tuple[float, float]:
+        """The predicted bubble against the ends of the rounds' bubbles' median interval
+        (:func:`median_interval`), in points, lower first; (0, 0) without rounds."""
+        rounds = self.bubble_rounds
+        if not rounds:
+            return 0.0, 0.0
+        low, high = median_interval(rounds)
+        return (self.predicted_bubble - high) * 100, (self.predicted_bubble - low) * 100
+
+    @property
     def step_error(self) -> float:
         return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
 
@@ -259,6 +275,7 @@ class Comparison:
                 "kind_errors_at_reference": self.kind_errors_at_reference, "busy_round_spread": self.busy_round_spread,
                 "step_error_interval_at_reference": list(self.step_error_interval_at_reference),
                 "busy_error_intervals_at_reference": [list(i) for i in self.busy_error_intervals_at_reference],
+                "bubble_error_interval_points": list(self.bubble_error_interval_points),
                 "predicted_step_halves_s": self.predicted_step_halves_s,
                 "step_error_halves_at_reference": (list(self.step_error_halves_at_reference)
                                                    if self.step_error_halves_at_reference else None)}
@@ -408,6 +425,8 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
                                                           if busy_half_widths else 0.0),
             "worst_busy_error_interval_at_reference": list(max(stage_busy, key=lambda pair: pair[0])[1])
                                                       if stage_busy else [0.0, 0.0],
+            "runs_with_bubble_error_beyond_noise": sum(1 for c in comparisons for low, high in
+                                                       [c.bubble_error_interval_points] if not low <= 0.0 <= high),
             **halves_summary(comparisons, worst_step)}
 
 
@@ -545,7 +564,9 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{s['runs_with_step_error_beyond_noise']} of {s['runs']} runs' step errors beyond their "
                      f"interval's reach of zero; a stage's busy error known to "
                      f"+-{s['median_busy_error_half_width_at_reference'] * 100:.1f}%, the worst in "
-                     f"{_interval(s['worst_busy_error_interval_at_reference'])}")
+                     f"{_interval(s['worst_busy_error_interval_at_reference'])}; "
+                     f"{s['runs_with_bubble_error_beyond_noise']} of {s['runs']} runs' bubble errors beyond their "
+                     "interval's reach of zero")
     if "median_halves_apart" in s:
         lines.append("the calibration's own noise (halves: the step error as fits on the odd and on the even "
                      "design rounds predict it): the halves put a run "
@@ -572,6 +593,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{len(stages)} stages' busy errors beyond their interval's reach of zero by every calibration"
                      + (": " + "; ".join(f"{run} stage {stage} {error * 100:+.1f}%" for run, stage, error in stages)
                         if stages else ""))
+        bubbles = across["bubbles_beyond_noise_by_every_calibration"]
+        lines.append(f"{len(bubbles)} runs' bubble errors beyond their interval's reach of zero by every calibration"
+                     + (": " + "; ".join(f"{run} {points:+.1f} points" for run, points in bubbles) if bubbles else ""))
     lines.append("peak activation memory "
                  f"error: median {s['median_memory_error'] * 100:.2f}%, worst {s['worst_memory_error'] * 100:.2f}%")
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "

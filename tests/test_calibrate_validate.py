@@ -381,14 +381,26 @@ def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
     low, high = near.step_error_interval_at_reference
     assert (low, high) == (pytest.approx(1.0 / 1.01 - 1.0), pytest.approx(1.0 / 0.93 - 1.0))
     assert near.busy_error_intervals_at_reference == [(pytest.approx(0.5 / 0.51 - 1.0), pytest.approx(0.5 / 0.43 - 1.0))]
+    # each round's bubble 1 - busy / step; the 4th and 12th of 15; predicted 1 - 0.5 / 1.0
+    bubbles = sorted(1 - (0.4 + 0.01 * i) / (0.90 + 0.01 * i) for i in range(15))
+    assert near.bubble_error_interval_points == (pytest.approx((0.5 - bubbles[11]) * 100),
+                                                 pytest.approx((0.5 - bubbles[3]) * 100))
+    assert far.bubble_error_interval_points == (0.0, 0.0)  # no rounds of busy time
     summary = summarize([near, far])
     assert summary["runs_with_step_error_beyond_noise"] == 1  # far: -21% .. -14%, nowhere near zero
+    # near's bubble: predicted 50%, its rounds' median interval 49.5..53.8%: zero within reach; a run
+    # predicted as busy for 0.2 s (80% idle) is beyond it
+    idle = Comparison("K=2 M=8", 1.0, 0.97, [1], [1], rounds, [1.0] * 15, predicted_busy_s=[0.2],
+                      measured_busy_s=[0.5], busy_rounds_at_reference_s=near.busy_rounds_at_reference_s)
+    assert summary["runs_with_bubble_error_beyond_noise"] == 0
+    assert summarize([near, idle])["runs_with_bubble_error_beyond_noise"] == 1
     assert summary["worst_step_error_interval_at_reference"] == [pytest.approx(0.8 / 1.01 - 1.0),
                                                                   pytest.approx(0.8 / 0.93 - 1.0)]
     assert summary["median_step_error_half_width_at_reference"] == pytest.approx((1.0 / 0.93 - 1.0 / 1.01) / 2 * 0.9)
     table = format_table({"runs": [near.to_dict(), far.to_dict()], "summary": summary})
     assert "-1..+8%" in table.splitlines()[2] and "-21..-14%" in table.splitlines()[3]
     assert "1 of 2 runs' step errors beyond" in table and "the worst run's in -21..-14%" in table
+    assert "0 of 2 runs' bubble errors beyond their interval's reach of zero" in table
 
 
 def test_the_half_calibrations_errors_stand_beside_the_whole_fits():
@@ -431,7 +443,8 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
         return {"run": run, "step_error_at_reference": step, "busy_errors_at_reference": busy,
                 "bubble_error_points": bubble, "predicted_step_s": 1.0 + step,
                 "step_error_interval_at_reference": [step - 0.03, step + 0.03],
-                "busy_error_intervals_at_reference": [[e - 0.03, e + 0.03] for e in busy]}
+                "busy_error_intervals_at_reference": [[e - 0.03, e + 0.03] for e in busy],
+                "bubble_error_interval_points": [bubble - 1.0, bubble + 1.0]}
 
     entry = across_calibrations.run_entry([judged(-0.10, [-0.2, 0.1], 3.0), judged(0.06, [0.0, 0.3], -1.0),
                                            judged(0.02, [0.05, -0.1], 0.5)])
@@ -450,6 +463,11 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     assert apart["busy_beyond_noise"] == [True, False]
     assert across_calibrations.summary([apart])["stages_beyond_noise_by_every_calibration"] == [
         ["K=2 M=4", 0, pytest.approx(0.15)]]
+    # bubble: 2..4, -2..0, -0.5..+1.5 points: not beyond; 5..7 and 1.5..3.5: beyond, median +4.25
+    assert not entry["bubble_beyond_noise"] and not low["bubble_beyond_noise"]
+    high = across_calibrations.run_entry([judged(0.0, [0.0], 6.0, "K=2 M=12"), judged(0.0, [0.0], 2.5, "K=2 M=12")])
+    assert across_calibrations.summary([entry, high])["bubbles_beyond_noise_by_every_calibration"] == [
+        ["K=2 M=12", pytest.approx(4.25)]]
     summary = across_calibrations.summary([entry, other])
     assert summary["median_calibrations_apart"] == pytest.approx((0.16 + 0.08) / 2)
     assert summary["worst_calibrations_apart"] == pytest.approx(0.16)
@@ -468,6 +486,7 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     assert "each of 3 costs files" in table and "12.0 points apart (median), 16.0 at worst" in table
     assert "0 of 1 runs' step errors beyond their interval's reach of zero, on the same side, by every" in table
     assert "0 stages' busy errors beyond their interval's reach of zero by every calibration" in table
+    assert "0 runs' bubble errors beyond their interval's reach of zero by every calibration" in table
 
 
 def test_other_calibrations_must_be_of_the_same_model_and_process_counts(tmp_path, capsys):
