@@ -321,25 +321,29 @@ OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: 
 
 
 def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: ActionFit) -> AffineFit:
-    """The seconds per layer a backward under ``full`` takes beyond the backward's and the recompute's
-    lines summed (the fit's slope over the stage's layer count, through zero, at least 0), by least
-    squares on the relative residuals.
+    """The seconds each layer after a stage's first adds to a backward under ``full`` beyond the
+    backward's and the recompute's lines summed (the fit's slope over the stage's layer count less one,
+    through zero, at least 0), by least squares on the relative residuals.
 
     The executor's ``full`` backward restores each layer's random state, reruns its forward and calls
-    autograd on it, one layer at a time: work per layer, not per row. A factor over the two lines (fitted
-    before) put the held-out K = 1 ``full`` run at 8 rows 8.6% high where the design's run, at 4 rows, sat
-    on it. Not a line of its own: a full design run's backwards all have the same rows, and at K = 1,
+    autograd on it, one layer at a time: work per layer, not per row. The lines' per-action overheads
+    hold one such call (a stage's recompute, then its backward); each further layer pays its own. A
+    factor over the two lines (fitted before) put the held-out K = 1 ``full`` run at 8 rows 8.6% high
+    where the design's run, at 4 rows, sat on it; a time for every layer put the one-layer embedding
+    stage of a K = 2 ``full`` run 15-51% high. Not a line of its own: a full design run's backwards all have the same rows, and at K = 1,
     where every stage holds every layer, a line's per-action overhead cannot be told from its scale of
     the profile's fixed part (one calibration here fitted the backward 5.9 ms of overhead and none of
     the fixed part, the next the reverse; a line sharing that overhead put the held-out K = 1 ``full``
     run -14.9% and +0.5% off). The two lines' sum is known at every row count, whichever way they split
     it. At least 0: the work it stands for takes time."""
     combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
-    per_layer = [n / m for n, m in zip(points.layers, points.measured)]
+    further = [n - 1 for n in points.layers]
+    per_layer = [n / m for n, m in zip(further, points.measured)]
     short = [1.0 - c / m for c, m in zip(combined, points.measured)]
-    seconds = max(0.0, sum(a * s for a, s in zip(per_layer, short)) / sum(a * a for a in per_layer))
+    spread = sum(a * a for a in per_layer)
+    seconds = max(0.0, sum(a * s for a, s in zip(per_layer, short)) / spread) if spread else 0.0
     return AffineFit(seconds, 0.0, tuple((c + n * seconds) / m - 1.0
-                                         for c, n, m in zip(combined, points.layers, points.measured)))
+                                         for c, n, m in zip(combined, further, points.measured)))
 
 
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:

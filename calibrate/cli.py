@@ -152,7 +152,7 @@ def summary_text(data: dict[str, Any]) -> str:
                          + (f" (fixed part x{a['fixed_slope']:.3f})" if a.get("fixed_slope") is not None else "")
                          + f"{a['intercept'] * 1e6:+.0f}us" for kind, a in fit["actions"].items())
         if fit.get("full_backward_per_layer_s") is not None:
-            acts += f", B under full B + R + {fit['full_backward_per_layer_s'] * 1e3:.2f} ms per layer"
+            acts += f", B under full B + R + {fit['full_backward_per_layer_s'] * 1e3:.2f} ms per layer after the first"
         gaps = "/".join(f"{kind} {gap * 1e6:.0f}" for kind, gap in fit.get("gap_after_s", {}).items())
         spread = fit.get("replica_spread")
         lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; "

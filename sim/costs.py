@@ -128,9 +128,10 @@ class PipelineFit:
     # a split backward's I on the first stage, which computes no gradient: the executor's own work around
     # it, measured (0 in costs files written before it was, or without a split design run)
     first_input_s: float = 0.0
-    # seconds per layer a backward under --checkpoint full takes beyond the backward's and the recompute's
-    # lines summed, measured (0 in costs files written before it was, or without a full design run: the
-    # sum as it is; files that kept a factor over the sum instead are read as the sum)
+    # seconds each layer after a stage's first adds to a backward under --checkpoint full beyond the
+    # backward's and the recompute's lines summed, measured (0 in costs files written before it was, or
+    # without a full design run: the sum as it is; files that kept a factor over the sum instead are read
+    # as the sum)
     full_backward_per_layer_s: float = 0.0
 
     @classmethod
@@ -154,8 +155,8 @@ FIRST_STAGE_WEIGHT = "W_first"
 # the points of a backward under --checkpoint full, which reruns each layer's forward just before that
 # layer's backward: the backward's and the recompute's lines summed predicted it 6-13% low at K = 1 in
 # four calibrations (one backward call over layers each rebuilding its graph in turn is not a stage's
-# recompute followed by its backward); calibration fits the time per layer it takes beyond that sum
-# (PipelineFit.full_backward_per_layer_s)
+# recompute followed by its backward); calibration fits the time each layer after the stage's first
+# takes beyond that sum (PipelineFit.full_backward_per_layer_s)
 BACKWARD_WITH_RECOMPUTE = "B_full"
 IDENTITY = PipelineFit(1, {k: ActionFit(1.0, 0.0) for k in "FRB"}, Affine(0.0, 0.0), Affine(0.0, 0.0), 0.0)
 
@@ -411,7 +412,7 @@ class MeasuredWorkload:
                         if first == 0 and FIRST_STAGE_WEIGHT in fit.actions else None)
         first_input = fit.first_input_s if first == 0 else 0.0
         full_backward = (fit.actions["B"](*backward) + fit.actions["R"](*recompute)
-                         + len(layers) * fit.full_backward_per_layer_s)
+                         + (len(layers) - 1) * fit.full_backward_per_layer_s)
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]

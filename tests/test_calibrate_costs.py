@@ -514,7 +514,7 @@ def test_plan_searches_the_split_backward_schedules_by_default_only_where_the_pr
 def test_a_backward_under_full_takes_the_time_per_layer_calibration_measured_beyond_the_two_lines(tmp_path):
     """--checkpoint full reruns each layer just before its backward: without a measured time per layer
     its backward is the backward's and the recompute's lines summed; with one, that sum plus the time
-    for each of the stage's layers; other policies never use it."""
+    for each of the stage's layers after its first; other policies never use it."""
     from sim.stage_costs import backward_time_s
 
     options = {"layers": 3, "width": 8}
@@ -530,6 +530,8 @@ def test_a_backward_under_full_takes_the_time_per_layer_calibration_measured_bey
     backward = 1.5 * sum(2e-4 + 2e-3 * (i + 1) * 2 for i in (1, 2)) + 1e-4
     recompute = 1.5 * sum(1e-4 + 1e-3 * (i + 1) * 2 for i in (1, 2)) + 1e-4
     assert backward_time_s(before, "full") == pytest.approx(backward + recompute)
-    assert backward_time_s(after, "full") == pytest.approx(backward + recompute + 2 * 5e-4)
+    assert backward_time_s(after, "full") == pytest.approx(backward + recompute + 5e-4)  # the second layer's
+    one_layer = fitted.stage_cost(2, 2, 3, LOCAL_CPU)  # nothing beyond the two lines: the lines hold one call
+    assert backward_time_s(one_layer, "full") == pytest.approx(one_layer.backward_s + one_layer.recompute_s)
     assert backward_time_s(after, "never") == backward_time_s(before, "never") == pytest.approx(backward)
     assert backward_time_s(after, "always") == pytest.approx(backward)

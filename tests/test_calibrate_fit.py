@@ -311,11 +311,11 @@ def test_a_backward_under_full_takes_a_time_per_layer_beyond_the_backward_and_re
         obs.actions[(2, kind)] = ActionPoints([1e-3, 2e-3], [1e-4, 1e-4], [factor * 1e-3, factor * 2e-3], ["a", "b"])
     lines = fit_pipeline(obs, {2: 1})[0]["2"]["actions"]
     backward, recompute = ActionFit.from_dict(lines["B"]), ActionFit.from_dict(lines["R"])
-    # two stages of 2 and 3 layers, 0.5 ms per layer beyond the two lines
+    # two stages of 2 and 3 layers, 0.5 ms for each layer after the first beyond the two lines
     profiles = [((3e-3, 2e-4), (2e-3, 1e-4), 2), ((6e-3, 2e-4), (4e-3, 1e-4), 3)]
     obs.actions[(2, "B_full")] = ActionPoints(
         [b[0] for b, _, _ in profiles], [b[1] for b, _, _ in profiles],
-        [backward(*b) + recompute(*r) + n * 5e-4 for b, r, n in profiles], ["c", "c"], [(0, 0, 0), (1, 0, 0)],
+        [backward(*b) + recompute(*r) + (n - 1) * 5e-4 for b, r, n in profiles], ["c", "c"], [(0, 0, 0), (1, 0, 0)],
         [r for _, r, _ in profiles], [n for _, _, n in profiles])
     pipeline, residuals = fit_pipeline(obs, {2: 1})
     assert pipeline["2"]["full_backward_per_layer_s"] == pytest.approx(5e-4)
