@@ -51,8 +51,9 @@ from typing import Any
 
 import torch
 
-from executor import state_file, tensor_parallel
+from executor import state_file
 from executor.device import device_api
+from executor.loaded_types import is_dtensor
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
 from sim.timeline import write_json_atomic
@@ -69,8 +70,10 @@ def save_shard(root: str, step: int, stage: PipelineStage, write: bool = True) -
 
     A tensor-parallel stage's state is gathered from its T ranks first, in the model's own layout
     (:mod:`executor.tensor_parallel`): every one of them calls this, one (``write``) writes it."""
-    sharded = tensor_parallel.is_sharded(stage.module.parameters())
+    sharded = any(is_dtensor(p) for p in stage.module.parameters())
     if sharded:
+        from executor import tensor_parallel
+
         module_state = tensor_parallel.full_state_dict(stage.module)
         optimizer_state = (tensor_parallel.full_optimizer_state(stage.module, stage.optimizer)
                            if stage.optimizer is not None else None)
@@ -150,7 +153,9 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
             state = None
     if state is None:
         state = repartitioned_state(directory, manifest, stage)
-    if tensor_parallel.is_sharded(stage.module.parameters()):  # the shard holds the whole stage: take this rank's part
+    if any(is_dtensor(p) for p in stage.module.parameters()):  # the shard holds the whole stage: its part
+        from executor import tensor_parallel
+
         tensor_parallel.load_full_state_dict(stage.module, state["module"])
         if stage.optimizer is not None and state["optimizer"] is not None:
             tensor_parallel.load_full_optimizer_state(stage.module, stage.optimizer, state["optimizer"])

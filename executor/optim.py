@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch import nn
 
+from executor.loaded_types import is_dtensor
 from sim.errors import GpipeInputError
 from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer
 
@@ -134,7 +134,7 @@ def squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.T
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:
     """A norm as a plain tensor: a tensor-parallel gradient's (a DTensor) over all its shards, once."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

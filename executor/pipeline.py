@@ -36,7 +36,6 @@ from executor.shapes import dry_run
 from executor.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
                               reduce_in_process)
 from executor.stage import PipelineStage, StageConfig
-from executor.tensor_parallel import check_model, parallelize_stage
 from executor.shm_transport import host_links
 from executor.transport import DistTransport, LocalMailboxes, Transport, boundary_groups
 from sim.errors import GpipeInputError
@@ -71,7 +70,10 @@ def prepare(config: RunConfig) -> Prepared:
                                      config.data or None)
     loss_fn = loss_function(loss)
     validate_partition(tuple(config.partition), len(model))
-    check_model(model, config.tensor_parallel, config.sequence_parallel)
+    if config.tensor_parallel > 1:  # DTensor takes 0.8 s to import: tensor-parallel runs only
+        from executor.tensor_parallel import check_model
+
+        check_model(model, config.tensor_parallel, config.sequence_parallel)
     shared = find_shared(model, tuple(config.partition))
     check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
@@ -107,6 +109,8 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
                                virtual_stages=config.virtual_stages)
     module = stage_layers(config, prepared, stage)
     if tp_mesh is not None:
+        from executor.tensor_parallel import parallelize_stage
+
         parallelize_stage(module.to(device), tp_mesh, config.sequence_parallel)
     return PipelineStage(
         stage_config, module, transport, prepared.loss_fn,

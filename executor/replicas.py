@@ -61,11 +61,10 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from executor.data import split
 from executor.device import backend_device
+from executor.loaded_types import is_dtensor, is_zero_optimizer
 from executor.optim import make_scheduler, optimizer_class_and_kwargs
 from executor.recording import Recorder
 from executor.seeds import mix_seed
@@ -309,7 +308,7 @@ class GradientAverage:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel tensor's shard on this rank (the same shard on every replica of its rank t),
     or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -381,6 +380,8 @@ def shard_optimizer(stage: PipelineStage, layout: Layout) -> None:
     torch.optim class and settings, and its learning-rate schedule by one over the new optimizer."""
     if stage.optimizer is None:
         return
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # 1.6 s to import: ZeRO runs only
+
     optimizer_class, kwargs = optimizer_class_and_kwargs(stage.optim)
     stage.optimizer = ZeroRedundancyOptimizer(stage.params, optimizer_class=optimizer_class,
                                               process_group=layout.dp_group, **kwargs)
@@ -395,7 +396,7 @@ def optimizer_state_bytes(stage: Any) -> int:
         optimizer = part.optimizer
         if optimizer is None:
             continue
-        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        local = optimizer.optim if is_zero_optimizer(optimizer) else optimizer
         total += sum(value.numel() * value.element_size() for state in local.state.values()
                      for value in state.values() if torch.is_tensor(value))
     return total
@@ -406,5 +407,5 @@ def consolidate(stage: Any) -> None:
     replica 0 (group rank 0 of the dp group), which writes the shards. Collective over the dp
     group; a no-op otherwise."""
     for part in stage_parts(stage):
-        if isinstance(part.optimizer, ZeroRedundancyOptimizer):
+        if is_zero_optimizer(part.optimizer):
             part.optimizer.consolidate_state_dict(to=0)

@@ -44,7 +44,7 @@ with dropout.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -247,7 +247,3 @@ def _param_orders(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[i
     ids = {id(p): name for name, p in module.named_parameters()}
     return {index: by_name[ids[id(p)]] for index, p in enumerate(_indexed_params(optimizer))
             if ids.get(id(p)) in by_name}
-
-
-def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
-    return any(isinstance(t, DTensor) for t in tensors)

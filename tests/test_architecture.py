@@ -32,13 +32,15 @@ def project_modules() -> dict[str, pathlib.Path]:
     return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
 
 
-def imported_names(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
-    """Every module ``path`` imports, anywhere in its body; ``from a import b`` names ``a.b`` when
-    that is a module of the project, else ``a``."""
+def imported_names(path: pathlib.Path, modules: dict[str, pathlib.Path], top_level: bool = False) -> set[str]:
+    """Every module ``path`` imports, anywhere in its body (``top_level``: only when it is imported,
+    its body's and its top-level ``if``/``try`` blocks' statements, not those inside functions or
+    classes); ``from a import b`` names ``a.b`` when that is a module of the project, else ``a``."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), filename=str(path))
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in (top_level_statements(tree) if top_level else ast.walk(tree)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -49,6 +51,18 @@ def imported_names(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
                 found.add(candidate if candidate in modules else base)
+    return found
+
+
+def top_level_statements(tree: ast.Module) -> list[ast.stmt]:
+    """The statements a module runs when imported: its body's, and its top-level ``if``/``try`` blocks'."""
+    todo, found = list(tree.body), []
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if isinstance(node, (ast.If, ast.Try)):
+            todo.extend(node.body + node.orelse + getattr(node, "finalbody", [])
+                        + [s for handler in getattr(node, "handlers", []) for s in handler.body])
     return found
 
 
@@ -129,6 +143,30 @@ def test_layers_point_one_way():
               if name.startswith("executor") and not is_composition_root(name)
               for other in sorted(others) if other.startswith("calibrate")]
     assert upward == []
+
+
+# what a rank need not import unless its run is tensor-parallel or shards its optimizer: 0.8 s and 1.6 s
+# of a core on top of torch's 2 s, in every rank of every launch (executor.loaded_types)
+HEAVY_AT_START = ("torch.distributed.tensor", "torch.distributed.optim", "executor.tensor_parallel",
+                  "executor.tp_styles")
+
+
+def test_a_rank_starts_without_importing_dtensor_or_zero():
+    """Following module-level imports from the worker (what every rank imports at start), none of
+    :data:`HEAVY_AT_START` is reached: tensor-parallel and ZeRO code imports them where it runs."""
+    modules = project_modules()
+    seen, todo, reached = set(), ["executor.worker"], []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for imported in imported_names(modules[name], modules, top_level=True):
+            if imported.startswith(HEAVY_AT_START):
+                reached.append(f"{name} imports {imported}")
+            elif imported in modules:
+                todo.append(imported)
+    assert "executor.stage" in seen and reached == []
 
 
 # ----------------------------------------------------------------------------- the checker itself

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,13 +13,14 @@ from sim.costs import write_costs
 from sim.hardware import SYSTEMS
 from sim.plan import Plan, load_plan, save_plan
 from sim.precision import choose_precision
+from tests import in_process
 
 TRANSFORMER = ["--model", "transformer", "--layers", "4", "--d-model", "256", "--ff", "1024", "--heads", "4",
                "--seq", "128", "--vocab", "1000", "--batch", "8"]
 
 
 def gpipe(*args):
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True, timeout=120)
+    return in_process.gpipe(*args)
 
 
 @pytest.mark.parametrize("command", [

@@ -2,8 +2,6 @@
 ring attention's exchange beside the attention, and one line for what cannot be split."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +12,7 @@ from sim.kernel_model import ring_exposed_s
 from sim.models import get_workload
 from sim.plan import load_plan
 from sim.tensor_parallel import with_tensor_parallel
+from tests import in_process
 
 LONG = {"layers": 2, "d_model": 512, "ff": 2048, "heads": 8, "kv_heads": 2, "seq": 4096, "vocab": 8000,
         "attention": "flash", "precision": "bf16-model"}
@@ -85,7 +84,6 @@ def test_the_plan_carries_c_and_the_executor_refuses_it(tmp_path, capsys):
     assert plan.context_parallel == 2 and plan.dp_overlap
     assert main(["simulate", "--plan", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(ranked[0]["step_time_s"], rel=1e-12)
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--plan", str(out)], capture_output=True,
-                          text=True, timeout=120)
+    proc = in_process.gpipe("train", "--plan", str(out))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "context_parallel" in proc.stderr

@@ -21,9 +21,10 @@ import pathlib
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
+
+from tests import in_process
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -156,9 +157,9 @@ def run(command: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
     args = shlex.split(command)
     if args[0] != "gpipe":
         raise AssertionError(f"{command!r} is not a gpipe command: give it a SMALLER, COVERED or NOT_RUN entry")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args[1:]], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    # the ranks torchrun starts run in cwd too: they find the project on PYTHONPATH
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return in_process.gpipe(*args[1:], env=env, cwd=cwd)
 
 
 @pytest.mark.slow

@@ -11,8 +11,6 @@ several things.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,8 +21,8 @@ from executor.models import build_model, default_loss, loss_function
 from executor.optim import OptimSettings, make_optimizer, make_scheduler
 from executor.replicas import replica_rows
 from sim.cli import main
+from tests import in_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = {"width": 16}
 MLP = ["--model", "mlp", "--option", "width=16", "--microbatches", "2"]
 SGD = dict(optimizer="sgd", lr=0.05)
@@ -41,9 +39,8 @@ def flags(settings):
     return [part for key, value in settings.items() for part in (names[key], str(value))]
 
 
-def gpipe(*args, env=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, **(env or {})))
+def gpipe(*args, env=None):
+    return in_process.gpipe(*args, env=env)
 
 
 def reference(batch, settings, steps=STEPS):

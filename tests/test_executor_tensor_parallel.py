@@ -28,6 +28,7 @@ from executor.config import RunConfig
 from executor.pipeline import LocalPipeline
 from sim.plan import load_plan
 from sim.cli import main
+from tests import in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = {"layers": 4, "d_model": 32, "ff": 64, "heads": 4, "kv_heads": 2, "activation": "swiglu", "seq": 8,
@@ -51,9 +52,8 @@ def option_flags(options):
             for part in ("--option", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
 
 
-def gpipe(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+def gpipe(*args, env=None):
+    return in_process.gpipe(*args, env=env)
 
 
 def one_process(model, options, partition, batch, microbatches, steps=STEPS, optim=ADAMW, **settings):

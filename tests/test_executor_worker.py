@@ -12,16 +12,16 @@ import pytest
 
 from executor.config import RunConfig
 from executor.pipeline import LocalPipeline
+from tests import in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = ["--model", "mlp", "--option", "width=32", "--batch", "10", "--microbatches", "4"]
 pytestmark = pytest.mark.slow
 
 
-def gpipe(*args, env=None, timeout=120):
+def gpipe(*args, env=None):
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=timeout, env=dict(os.environ, **(env or {})))
+    result = in_process.gpipe(*args, env=env)
     return result, time.monotonic() - started
 
 

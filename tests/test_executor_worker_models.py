@@ -1,23 +1,19 @@
 """Multi-process runs of models that pass several tensors between stages and share parameters."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from executor.config import RunConfig
 from executor.pipeline import LocalPipeline
+from tests import in_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
 def train(tmp_path, *args):
     report = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "sim.cli", "train", *args, "--report", str(report)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=180)
+    result = in_process.gpipe("train", *args, "--report", str(report))
     assert result.returncode == 0, result.stderr
     return json.loads(report.read_text())
 

@@ -4,8 +4,6 @@ memory, Megatron's bf16 model, the overlapped data-parallel reduction, and what 
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +15,7 @@ from sim.kernel_model import EFFICIENCY_FILE, KernelEfficiency, read_efficiencie
 from sim.models import get_workload
 from sim.planner import search
 from sim.tensor_parallel import with_tensor_parallel
+from tests import in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEV = os.path.join(ROOT, "benchmarks", "published_runs", "dev.json")
@@ -123,7 +122,7 @@ def test_a_bf16_model_keeps_bf16_weights_fp32_gradients_and_an_fp32_master_copy(
     (["train", "--model", "transformer", "--stages", "2", "--precision", "fp8"], "precision fp8 is a planning option"),
 ])
 def test_what_only_the_planner_models_is_refused_in_one_line(command, message):
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True, timeout=120)
+    proc = in_process.gpipe(*command)
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 

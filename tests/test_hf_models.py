@@ -17,6 +17,7 @@ from executor.config import RunConfig  # noqa: E402
 from executor.models import checkpoint_names, model_ref  # noqa: E402
 from executor.pipeline import LocalPipeline, prepare  # noqa: E402
 from sim.errors import GpipeInputError  # noqa: E402
+from tests import in_process
 
 CONFIGS = {
     "llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -125,11 +126,10 @@ def test_training_a_hugging_face_model_with_gpipe_train(tmp_path):
 
     saved_model(tmp_path / "gpt2", "gpt2")
     report = tmp_path / "report.json"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", f"hf-config:{tmp_path / 'gpt2'}",
-                             "--option", f"seq={SEQ}", "--init-from", str(tmp_path / "gpt2"), "--partition", "2,3",
-                             "--batch", "6", "--microbatches", "3", "--steps", "3", "--optimizer", "adam", "--lr",
-                             "0.01", "--report", str(report)], cwd=root, capture_output=True, text=True, timeout=300)
+    result = in_process.gpipe("train", "--model", f"hf-config:{tmp_path / 'gpt2'}",
+                              "--option", f"seq={SEQ}", "--init-from", str(tmp_path / "gpt2"), "--partition", "2,3",
+                              "--batch", "6", "--microbatches", "3", "--steps", "3", "--optimizer", "adam", "--lr",
+                              "0.01", "--report", str(report))
     assert result.returncode == 0, result.stderr
     local = LocalPipeline(RunConfig(model=f"hf-config:{tmp_path / 'gpt2'}", options={"seq": SEQ}, partition=(5,),
                                     batch_size=6, microbatches=3, optimizer="adam", lr=0.01,
@@ -216,6 +216,5 @@ def test_what_cannot_be_planned_by_shape_is_one_line(name, message):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "simulate", "--model", name, "--tensor-parallel", "2",
-                           "--hardware", "h100-nvlink"], capture_output=True, text=True, timeout=120)
+    proc = in_process.gpipe("simulate", "--model", name, "--tensor-parallel", "2", "--hardware", "h100-nvlink")
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

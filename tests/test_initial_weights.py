@@ -10,8 +10,6 @@ Tolerances as the transparency tests: losses and norms rtol 1e-5, parameters rto
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,9 +22,8 @@ from executor.initial_weights import FromFile, indexed, write_layers
 from executor.models import build_meta_model
 from executor.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
-from tests import user_init_models
+from tests import in_process, user_init_models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUSTOM = "tests.user_init_models:custom_init"
 GPT2 = "tests.user_init_models:gpt2_blocks"
 PARTITIONS = {1: (6,), 2: (3, 3), 3: (2, 2, 2), 4: (1, 2, 2, 1)}
@@ -231,9 +228,8 @@ def test_state_files_round_trip_what_a_shard_holds(tmp_path):
 # ----------------------------------------------------------------------------- over torchrun
 
 
-def gpipe(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+def gpipe(*args):
+    return in_process.gpipe(*args)
 
 
 @pytest.mark.slow
@@ -281,7 +277,7 @@ def test_gpt2_blocks_train_over_two_processes_and_init_meta_is_refused_before_an
 def test_a_model_larger_than_this_host_is_refused_before_anything_is_built():
     # 8 layers of 100000 x 100000: 320 GB of fp32 weights, far more than this machine holds
     done = gpipe("train", "--model", "mlp", "--layers", "8", "--width", "100000", "--stages", "2", "--batch", "2",
-                 "--microbatches", "1", timeout=120)
+                 "--microbatches", "1")
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr

@@ -36,6 +36,7 @@ from sim.schedule import Kind, build_schedule
 from test_shared_parameters import check_tied_step
 from test_transparency import CLIP, check_adamw_steps, check_step
 from test_transparency_bf16 import check_bf16_step
+from tests import in_process
 
 OPTIONS = {"mlp": {"width": 32}, "transformer": {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}}
 # (model, K, V) -> V*K layers per chunk in model order; the mlp has 8 layers, the transformer 4
@@ -276,9 +277,8 @@ def test_a_small_batch_is_checked_as_executed():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def gpipe(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+def gpipe(*args):
+    return in_process.gpipe(*args)
 
 
 def parse(*argv):

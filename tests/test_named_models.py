@@ -1,8 +1,6 @@
 """Named models (--model llama3-70b): packaged Hugging Face configs planned by their shape."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -11,6 +9,7 @@ from sim.cli import main
 from sim.errors import GpipeInputError
 from sim.models import get_workload
 from sim.named_models import named_models, named_options
+from tests import in_process
 
 
 def test_every_named_model_is_the_shape_transformers_reads_from_its_config():
@@ -51,6 +50,5 @@ def test_simulate_and_plan_take_a_named_model(capsys):
 
 
 def test_a_named_model_the_executor_cannot_build_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", "nemotron4-15b", "--stages", "2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = in_process.gpipe("train", "--model", "nemotron4-15b", "--stages", "2")
     assert proc.returncode == 2 and "'nemotron' is not supported" in proc.stderr and proc.stderr.count("\n") == 1

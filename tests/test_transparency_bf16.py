@@ -26,9 +26,6 @@ losses over three SGD steps with K=1 in process: rtol 1e-6 (the stages' arithmet
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -38,6 +35,7 @@ from executor.data import split
 from executor.models import build_model
 from executor.pipeline import LocalPipeline
 from executor.stage import PipelineStage
+from tests import in_process
 
 PARTITIONS = {
     ("mlp", 1): (8,), ("mlp", 2): (3, 5), ("mlp", 4): (2, 2, 2, 2),
@@ -177,12 +175,11 @@ def test_several_bf16_steps_keep_fp32_master_weights_and_optimizer_state():
 
 @pytest.mark.slow
 def test_two_processes_in_bf16_match_one_stage(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     report = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", "mlp", "--option", "width=32",
-                             "--batch", str(BATCH), "--microbatches", str(MICROBATCHES), "--stages", "2",
-                             "--checkpoint", "always", "--schedule", "1f1b", "--steps", "3", "--precision", "bf16",
-                             "--report", str(report)], cwd=root, capture_output=True, text=True, timeout=180)
+    result = in_process.gpipe("train", "--model", "mlp", "--option", "width=32",
+                              "--batch", str(BATCH), "--microbatches", str(MICROBATCHES), "--stages", "2",
+                              "--checkpoint", "always", "--schedule", "1f1b", "--steps", "3", "--precision", "bf16",
+                              "--report", str(report))
     assert result.returncode == 0, result.stderr
     data = json.loads(report.read_text())
     assert data["config"]["precision"] == "bf16" and data["plan"]["precision"] == "bf16"
