@@ -2,17 +2,16 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
+
+from tests import in_process
 
 
 @pytest.mark.slow
 def test_demo_writes_one_report_and_says_where(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--out-dir", str(out), "--steps", "8"],
-                          capture_output=True, text=True, timeout=600)
+    proc = in_process.gpipe("demo", "--out-dir", str(out), "--steps", "8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last == f"report written to {out / 'report.html'}"
@@ -30,8 +29,7 @@ def test_demo_writes_one_report_and_says_where(tmp_path):
         assert text in page, text
     assert (out / "costs.json").exists() and (out / "plan.json").exists()
     costs_written = (out / "costs.json").stat().st_mtime
-    again = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--out-dir", str(out), "--steps", "2",
-                            "--data", "synthetic", "--quiet"], capture_output=True, text=True, timeout=600)
+    again = in_process.gpipe("demo", "--out-dir", str(out), "--steps", "2", "--data", "synthetic", "--quiet")
     assert again.returncode == 0 and (out / "costs.json").stat().st_mtime == costs_written  # calibration is cached
     said = again.stdout.strip().splitlines()
     assert len(said) == 2 and said[0].startswith("losses over 2 steps") and said[1].startswith("report written")
@@ -39,6 +37,5 @@ def test_demo_writes_one_report_and_says_where(tmp_path):
 
 
 def test_demo_rejects_a_bad_step_count():
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--steps", "0"], capture_output=True,
-                          text=True, timeout=120)
+    proc = in_process.gpipe("demo", "--steps", "0")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "steps" in proc.stderr

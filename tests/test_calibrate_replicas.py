@@ -63,7 +63,7 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
 
 
 @pytest.mark.slow
-def test_validation_measures_and_predicts_two_replicas_and_a_v(tmp_path):
+def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs):
     """The held-out D = 2 runs and the ZB-V run (two chunks per rank, the backward split) measured and
     predicted, peak activation memory exact."""
     from calibrate.calibration import run_config
@@ -75,11 +75,7 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tmp_path):
         summarize,
         validation_design,
     )
-    from sim.cli import main
-    from tests.test_calibrate_validate import TINY
-
-    costs = str(tmp_path / "costs.json")
-    assert main(["calibrate", *TINY, "--out", costs, "--quick", "--steps", "3"]) == 0
+    costs, _ = tiny_quick_costs
     with open(costs) as handle:
         data = json.load(handle)
     held_out = validation_design(data["model"]["num_layers"], data["batch_size"])

@@ -18,8 +18,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -274,7 +272,6 @@ def test_a_small_batch_is_checked_as_executed():
                          microbatches=4, schedule="interleaved", virtual_stages=2))
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def gpipe(*args):
@@ -347,9 +344,7 @@ def test_two_processes_two_chunks_each_match_in_process_and_resume_exactly(tmp_p
     assert {(a["stage"], a["virtual_stage"]) for a in data["actions"]} == {(0, 0), (1, 1), (0, 2), (1, 3)}
 
     saving = [*run, "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
-    killed = subprocess.run([sys.executable, "-m", "sim.cli", "train", *saving], cwd=ROOT, capture_output=True,
-                            text=True, timeout=180,
-                            env=dict(os.environ, GPIPE_FAULT_RANK="1", GPIPE_FAULT_STEP="3"))
+    killed = in_process.gpipe("train", *saving, env={"GPIPE_FAULT_RANK": "1", "GPIPE_FAULT_STEP": "3"})
     assert killed.returncode != 0
     assert sorted(os.listdir(tmp_path / "ck" / "step-000001")) == [f"stage-{s}.safetensors" for s in range(4)]
     resumed = gpipe("train", *saving, "--resume", "--report", str(tmp_path / "resumed.json"))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from executor.shm_transport import HostLinks, message_sizes, shared_directory
+from tests import in_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -123,11 +123,10 @@ def test_training_is_the_same_through_shared_memory_and_gloo(tmp_path, plan):
     losses, spans, routes = {}, {}, {}
     for transport in ("auto", "dist"):
         report = tmp_path / f"{transport}.json"
-        done = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", "transformer", "--layers", "2",
-                               "--d-model", "16", "--ff", "32", "--heads", "2", "--seq", "8", "--vocab", "32",
-                               *plan, "--batch", "8", "--microbatches", "4",
-                               "--steps", "3", "--transport", transport, "--report", str(report)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        done = in_process.gpipe("train", "--model", "transformer", "--layers", "2",
+                                "--d-model", "16", "--ff", "32", "--heads", "2", "--seq", "8", "--vocab", "32",
+                                *plan, "--batch", "8", "--microbatches", "4",
+                                "--steps", "3", "--transport", transport, "--report", str(report))
         assert done.returncode == 0, done.stderr[-3000:]
         data = json.loads(report.read_text())
         losses[transport] = data["losses"]
