@@ -104,8 +104,8 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     6-20%, K = 2 by 2-20%).
 
     ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at
-    K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the time per
-    layer such a backward takes beyond the backward's and the recompute's lines (:func:`fit_full_backward`)."""
+    K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the time each
+    layer after a stage's first adds beyond the backward's and the recompute's lines (:func:`fit_full_backward`)."""
     single = even_partition(num_layers, 1)
     specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
              RunSpec(single, 8, "always", "gpipe", batch_size)]
@@ -274,8 +274,8 @@ def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], check
     measured time is the first stage's I, ``first_input_s``), as
     :func:`sim.stage_costs.weight_grad_time_s` and :func:`~sim.stage_costs.input_grad_time_s` predict them;
     a backward under ``full`` (each layer recomputed just before its own backward) apart
-    (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`): its time per layer beyond the backward's and the
-    recompute's lines summed (:func:`fit_full_backward`)."""
+    (:data:`sim.costs.BACKWARD_WITH_RECOMPUTE`): its time per layer (after a stage's first) beyond the
+    backward's and the recompute's lines summed (:func:`fit_full_backward`)."""
     kind = action["kind"]
     if kind == "B" and recomputes_per_layer(checkpoint):
         return BACKWARD_WITH_RECOMPUTE
@@ -330,12 +330,12 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
     hold one such call (a stage's recompute, then its backward); each further layer pays its own. A
     factor over the two lines (fitted before) put the held-out K = 1 ``full`` run at 8 rows 8.6% high
     where the design's run, at 4 rows, sat on it; a time for every layer put the one-layer embedding
-    stage of a K = 2 ``full`` run 15-51% high. Not a line of its own: a full design run's backwards all have the same rows, and at K = 1,
-    where every stage holds every layer, a line's per-action overhead cannot be told from its scale of
-    the profile's fixed part (one calibration here fitted the backward 5.9 ms of overhead and none of
-    the fixed part, the next the reverse; a line sharing that overhead put the held-out K = 1 ``full``
-    run -14.9% and +0.5% off). The two lines' sum is known at every row count, whichever way they split
-    it. At least 0: the work it stands for takes time."""
+    stage of a K = 2 ``full`` run 15-51% high. Not a line of its own: a full design run's backwards all
+    have the same rows, and at K = 1, where every stage holds every layer, a line's per-action overhead
+    cannot be told from its scale of the profile's fixed part (one calibration here fitted the backward
+    5.9 ms of overhead and none of the fixed part, the next the reverse; a line sharing that overhead
+    put the held-out K = 1 ``full`` run -14.9% and +0.5% off). The two lines' sum is known at every row
+    count, whichever way they split it. At least 0: the work it stands for takes time."""
     combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
     further = [n - 1 for n in points.layers]
     per_layer = [n / m for n, m in zip(further, points.measured)]
