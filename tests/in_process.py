@@ -64,7 +64,7 @@ def gpipe(*args: str, env: dict[str, str] | None = None, cwd: str | os.PathLike 
     """Run ``gpipe ARGS`` here, in ``cwd``: its exit status and its (and its subprocesses') stdout and stderr."""
     from sim.cli import main
 
-    cwd = os.getcwd()
+    here = os.getcwd()
     with _environment(env), _captured_descriptors() as (out, err):
         os.chdir(cwd)
         try:
@@ -72,7 +72,7 @@ def gpipe(*args: str, env: dict[str, str] | None = None, cwd: str | os.PathLike 
         except SystemExit as exc:  # argparse's usage errors
             code = exc.code if isinstance(exc.code, int) else 1
         finally:
-            os.chdir(cwd)
+            os.chdir(here)
         sys.stdout.flush()
         sys.stderr.flush()
         out.seek(0)
