@@ -53,7 +53,7 @@ import torch
 
 from executor import state_file
 from executor.device import device_api
-from executor.loaded_types import is_dtensor
+from executor.loaded_types import is_sharded
 from executor.stage import PipelineStage
 from sim.errors import GpipeInputError
 from sim.timeline import write_json_atomic
@@ -70,7 +70,7 @@ def save_shard(root: str, step: int, stage: PipelineStage, write: bool = True) -
 
     A tensor-parallel stage's state is gathered from its T ranks first, in the model's own layout
     (:mod:`executor.tensor_parallel`): every one of them calls this, one (``write``) writes it."""
-    sharded = any(is_dtensor(p) for p in stage.module.parameters())
+    sharded = is_sharded(stage.module.parameters())
     if sharded:
         from executor import tensor_parallel
 
@@ -153,7 +153,7 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
             state = None
     if state is None:
         state = repartitioned_state(directory, manifest, stage)
-    if any(is_dtensor(p) for p in stage.module.parameters()):  # the shard holds the whole stage: its part
+    if is_sharded(stage.module.parameters()):  # the shard holds the whole stage: take this rank's part
         from executor import tensor_parallel
 
         tensor_parallel.load_full_state_dict(stage.module, state["module"])

@@ -10,7 +10,7 @@ and where it is, the ordinary ``isinstance``.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 
 def is_loaded_instance(value: Any, module: str, name: str) -> bool:
@@ -22,6 +22,11 @@ def is_loaded_instance(value: Any, module: str, name: str) -> bool:
 def is_dtensor(value: Any) -> bool:
     """Whether ``value`` is a DTensor (a tensor-parallel parameter, gradient or norm)."""
     return is_loaded_instance(value, "torch.distributed.tensor", "DTensor")
+
+
+def is_sharded(tensors: Iterable[Any]) -> bool:
+    """Whether any of ``tensors`` is a DTensor: a tensor-parallel stage's parameters."""
+    return any(is_dtensor(t) for t in tensors)
 
 
 def is_zero_optimizer(value: Any) -> bool:

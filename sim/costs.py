@@ -393,6 +393,7 @@ class MeasuredWorkload:
         backwards = [self.profiled_s("B", i, rows) for i in layers]
         layer_params = [int(self.memory[i]["param_bytes"]) for i in layers]
         backward = self._parts("B", layers, rows)
+        backward_s, recompute_s = fit.actions["B"](*backward), fit.actions["R"](*recompute)
         # W, the split's cost and the attention core's rerun: the backward's in-pipeline factor at these
         # rows, unless calibration fitted I and W on a run that split its backward
         in_pipeline = fit.actions["B"].scale(*backward) / backward[0]
@@ -405,22 +406,20 @@ class MeasuredWorkload:
             # a design run split its backward: W's own in-pipeline line, and I's through the split's cost
             weight_grad = fit.actions["W"](*self._parts("W", layers, rows))
             if "I" in fit.actions:
-                split_overhead = fit.actions["I"](*self._parts("I", layers, rows)) - (fit.actions["B"](*backward)
-                                                                                      - weight_grad)
+                split_overhead = fit.actions["I"](*self._parts("I", layers, rows)) - (backward_s - weight_grad)
         # the first stage's split backward: W on a line of its own where calibration fitted one, I its measured time
         first_weight = (fit.actions[FIRST_STAGE_WEIGHT](*backward)
                         if first == 0 and FIRST_STAGE_WEIGHT in fit.actions else None)
         first_input = fit.first_input_s if first == 0 else 0.0
-        full_backward = (fit.actions["B"](*backward) + fit.actions["R"](*recompute)
-                         + (len(layers) - 1) * fit.full_backward_per_layer_s)
+        full_backward = backward_s + recompute_s + (len(layers) - 1) * fit.full_backward_per_layer_s
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
         return StageCost(
-            forward_s=self._forward_s(fit, layers, rows), backward_s=fit.actions["B"](*backward),
+            forward_s=self._forward_s(fit, layers, rows), backward_s=backward_s,
             activation_send_s=fit.send(out) if end < self.num_layers else 0.0,
             gradient_send_s=fit.send(inp) if first > 0 else 0.0,
-            recompute_s=fit.actions["R"](*recompute),
+            recompute_s=recompute_s,
             saved_bytes=self.stage_saved_bytes(rows, first, end),
             stash_bytes=inp, output_bytes=out,
             static_bytes=params * (2 + self.optimizer_slots),
