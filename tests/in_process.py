@@ -9,8 +9,7 @@ text=True)`` returns them.
 Limits: no timeout (the run's own ``--timeout`` and torchrun's failure handling end a failed run;
 tests of that handling, and of signals, keep their own interpreter); the command runs in ``cwd``
 (the repository's directory unless given) with ``env`` added to this process's environment, both
-restored after; what
-it leaves in module-level state (torch's global seed, caches) stays.
+restored after; what it leaves in module-level state (torch's global seed, caches) stays.
 """
 
 from __future__ import annotations

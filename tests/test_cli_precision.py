@@ -13,14 +13,10 @@ from sim.costs import write_costs
 from sim.hardware import SYSTEMS
 from sim.plan import Plan, load_plan, save_plan
 from sim.precision import choose_precision
-from tests import in_process
+from tests.in_process import gpipe
 
 TRANSFORMER = ["--model", "transformer", "--layers", "4", "--d-model", "256", "--ff", "1024", "--heads", "4",
                "--seq", "128", "--vocab", "1000", "--batch", "8"]
-
-
-def gpipe(*args):
-    return in_process.gpipe(*args)
 
 
 @pytest.mark.parametrize("command", [

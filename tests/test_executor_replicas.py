@@ -21,7 +21,7 @@ from executor.models import build_model, default_loss, loss_function
 from executor.optim import OptimSettings, make_optimizer, make_scheduler
 from executor.replicas import replica_rows
 from sim.cli import main
-from tests import in_process
+from tests.in_process import gpipe
 
 OPTIONS = {"width": 16}
 MLP = ["--model", "mlp", "--option", "width=16", "--microbatches", "2"]
@@ -37,10 +37,6 @@ def flags(settings):
     names = {"optimizer": "--optimizer", "lr": "--lr", "weight_decay": "--weight-decay",
              "clip_grad_norm": "--clip-grad-norm", "lr_schedule": "--lr-schedule", "lr_warmup_steps": "--lr-warmup"}
     return [part for key, value in settings.items() for part in (names[key], str(value))]
-
-
-def gpipe(*args, env=None):
-    return in_process.gpipe(*args, env=env)
 
 
 def reference(batch, settings, steps=STEPS):

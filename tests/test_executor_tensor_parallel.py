@@ -28,7 +28,7 @@ from executor.config import RunConfig
 from executor.pipeline import LocalPipeline
 from sim.plan import load_plan
 from sim.cli import main
-from tests import in_process
+from tests.in_process import gpipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = {"layers": 4, "d_model": 32, "ff": 64, "heads": 4, "kv_heads": 2, "activation": "swiglu", "seq": 8,
@@ -50,10 +50,6 @@ STEPS = 3
 def option_flags(options):
     return [part for key, value in options.items()
             for part in ("--option", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
-
-
-def gpipe(*args, env=None):
-    return in_process.gpipe(*args, env=env)
 
 
 def one_process(model, options, partition, batch, microbatches, steps=STEPS, optim=ADAMW, **settings):

@@ -22,7 +22,8 @@ from executor.initial_weights import FromFile, indexed, write_layers
 from executor.models import build_meta_model
 from executor.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
-from tests import in_process, user_init_models
+from tests import user_init_models
+from tests.in_process import gpipe
 
 CUSTOM = "tests.user_init_models:custom_init"
 GPT2 = "tests.user_init_models:gpt2_blocks"
@@ -226,10 +227,6 @@ def test_state_files_round_trip_what_a_shard_holds(tmp_path):
 
 
 # ----------------------------------------------------------------------------- over torchrun
-
-
-def gpipe(*args):
-    return in_process.gpipe(*args)
 
 
 @pytest.mark.slow

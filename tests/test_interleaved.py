@@ -34,7 +34,7 @@ from sim.schedule import Kind, build_schedule
 from test_shared_parameters import check_tied_step
 from test_transparency import CLIP, check_adamw_steps, check_step
 from test_transparency_bf16 import check_bf16_step
-from tests import in_process
+from tests.in_process import gpipe
 
 OPTIONS = {"mlp": {"width": 32}, "transformer": {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}}
 # (model, K, V) -> V*K layers per chunk in model order; the mlp has 8 layers, the transformer 4
@@ -274,10 +274,6 @@ def test_a_small_batch_is_checked_as_executed():
 
 
 
-def gpipe(*args):
-    return in_process.gpipe(*args)
-
-
 def parse(*argv):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -344,7 +340,7 @@ def test_two_processes_two_chunks_each_match_in_process_and_resume_exactly(tmp_p
     assert {(a["stage"], a["virtual_stage"]) for a in data["actions"]} == {(0, 0), (1, 1), (0, 2), (1, 3)}
 
     saving = [*run, "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
-    killed = in_process.gpipe("train", *saving, env={"GPIPE_FAULT_RANK": "1", "GPIPE_FAULT_STEP": "3"})
+    killed = gpipe("train", *saving, env={"GPIPE_FAULT_RANK": "1", "GPIPE_FAULT_STEP": "3"})
     assert killed.returncode != 0
     assert sorted(os.listdir(tmp_path / "ck" / "step-000001")) == [f"stage-{s}.safetensors" for s in range(4)]
     resumed = gpipe("train", *saving, "--resume", "--report", str(tmp_path / "resumed.json"))
