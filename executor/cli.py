@@ -1,12 +1,13 @@
-"""``gpipe train``: validate a plan, then start torchrun with one worker process per stage.
+"""``gpipe train``: validate a plan, then start one worker process per stage under torchrun's agent.
 
 Takes a plan file (``--plan``) or the flags ``gpipe simulate`` takes (model, stages or partition,
 batch, micro-batches, schedule, checkpoint policy). The model is built and dry-run here first, so a
-bad plan fails with one line before any process starts. On one machine it runs
-``python -m torch.distributed.run --standalone --nproc-per-node K -m executor.worker CONFIG``; with
-``--nnodes N`` every node runs ``gpipe train`` with the same flags, its ``--node-rank`` and node 0's
-address as ``--rdzv-endpoint HOST:PORT``, each starting K/N workers (:mod:`executor.launch` says
-how, and why the static rendezvous).
+bad plan fails with one line before any process starts. On one machine its ranks are what
+``python -m torch.distributed.run --standalone --nproc-per-node K -m executor.worker CONFIG`` would
+start, from torchrun's agent run in this process; with ``--nnodes N`` every node runs ``gpipe
+train`` with the same flags, its ``--node-rank`` and node 0's address as ``--rdzv-endpoint
+HOST:PORT``, each starting K/N workers (:mod:`executor.launch` says how, and why the static
+rendezvous).
 
 torch is imported inside :func:`run` only, so ``gpipe --help`` stays fast.
 """
@@ -20,7 +21,7 @@ import sys
 import tempfile
 from typing import Any
 
-from executor.launch import check_capacity, check_nodes, run_torchrun, torchrun_command
+from executor.launch import check_capacity, check_nodes, run_ranks, start_fork_server
 from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
                              add_precision_argument, model_options)
 from sim.errors import GpipeInputError, require_positive
@@ -287,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
                                   "exist; create it first")
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
+    start_fork_server()  # it imports the executor for the ranks while this process checks the model
     prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
     from executor.shm_transport import SHM_DIR_ENV, shared_directory
@@ -306,13 +308,11 @@ def run(args: argparse.Namespace) -> int:
             os.makedirs(error_dir)
             env = dict(os.environ, GPIPE_ERROR_DIR=error_dir, **{SHM_DIR_ENV: shared})
             env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
-            command = torchrun_command(config_path, config.world_size, args)
             per_node = config.world_size // args.nnodes
             env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
-            code, message = run_torchrun(command, env, error_dir, args)
+            code, message = run_ranks("executor.worker", [config_path], config.world_size, env, error_dir, args)
             if code != 0:
                 print(message, file=sys.stderr)
-                return code if code > 0 else 1
-            return 0
+            return code
         finally:
             shutil.rmtree(workdir, ignore_errors=True)

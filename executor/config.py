@@ -112,8 +112,6 @@ class RunConfig:
 
         check_data_parallel(self)
         self.check_virtual_stages()
-        from executor.tensor_parallel import check_tensor_parallel
-
         check_tensor_parallel(self.tensor_parallel, self.zero, self.sequence_parallel)
         return self
 
@@ -206,3 +204,17 @@ class RunConfig:
     def load(cls, path: str | os.PathLike[str]) -> "RunConfig":
         with open(path) as handle:
             return cls.from_dict(json.load(handle))
+
+
+def check_tensor_parallel(parts: int, zero: int, sequence_parallel: bool = False) -> None:
+    """What a run with T = ``parts`` needs of its settings, before any work; one line each."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise GpipeInputError(f"--tensor-parallel {parts!r} is not a positive integer; use 1 (none) or more")
+    if sequence_parallel and parts == 1:
+        raise GpipeInputError("--sequence-parallel splits the sequence over a stage's tensor-parallel ranks; add "
+                              "--tensor-parallel 2 or more, or drop --sequence-parallel")
+    if parts == 1:
+        return
+    if zero:
+        raise GpipeInputError(f"--tensor-parallel {parts} with --zero 1 is not supported yet; drop --zero or use "
+                              "--tensor-parallel 1")

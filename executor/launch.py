@@ -1,44 +1,63 @@
-"""Start this node's torchrun, and say why the run failed when it did.
+"""Run this node's ranks under torchrun's agent, inside this process, and say why the run failed when it did.
 
-One node: ``torchrun --standalone --nproc-per-node K``. Several nodes: every node runs ``gpipe
-train`` with its ``--node-rank`` and node 0's address as ``--rdzv-endpoint``, and this module
-starts ``torchrun --nnodes N --node-rank n --nproc-per-node K/N --rdzv-backend static
---rdzv-endpoint HOST:PORT --rdzv-conf timeout=T``.
+The agent is torchrun's own (``torch.distributed.launcher.api.elastic_launch``: rendezvous,
+restarts, failure detection), run here instead of as ``python -m torch.distributed.run``, and it
+forks each rank from a fork server that has imported the executor once (see
+:mod:`executor.rank_process`, which makes the fork the ``python -u -m MODULE`` torchrun would have
+started). A launch thereby skips torchrun's import of torch (about 2 s before any rank starts) and
+each rank's imports (about 3.7 s of a core per rank); a second launch from the same process (a
+calibration, a notebook, the tests) reuses the fork server.
+
+One node: the agent as ``torchrun --standalone --nproc-per-node K``. Several nodes: every node runs
+``gpipe train`` with its ``--node-rank`` and node 0's address as ``--rdzv-endpoint``, and its agent
+uses the static rendezvous with that node rank (torchrun's ``--rdzv-backend static``).
 
 Why the static rendezvous rather than c10d: the executor needs rank == stage, and node n's workers
 to be stages n*K/N .. n*K/N + K/N - 1, so that node 0 holds stage 0 (which writes ``--report`` and
 ``--trace``) whatever order the nodes start in. c10d numbers nodes in the order they join and
-ignores ``--node-rank``; the workers could renumber themselves from (node rank, local rank), but
-then every rank torchrun prints (its failure summary, its log prefixes) would disagree with the
-executor's, and two nodes given the same ``--node-rank`` would only be found inside the workers.
-The static rendezvous takes the node rank as given, so torchrun's ``RANK`` is the stage; node 0's
-agent hosts the store at the endpoint and the others connect to it, retrying, so the order of
-starting does not matter; a node that never comes ends the others after ``--rdzv-timeout``. What
-static gives up is elasticity (a fixed node count; a pipeline cannot lose a stage anyway) and
-coordinated restarts: with ``--max-restarts`` each node restarts its workers when they fail, which
-they all do when any stage fails (see :mod:`executor.failures`), so the attempts stay in step.
+ignores the node rank; the workers could renumber themselves from (node rank, local rank), but
+then every rank the agent reports (its failures, its log lines) would disagree with the executor's,
+and two nodes given the same ``--node-rank`` would only be found inside the workers. The static
+rendezvous takes the node rank as given, so the agent's ``RANK`` is the stage; node 0's agent
+hosts the store at the endpoint and the others connect to it, retrying, so the order of starting
+does not matter; a node that never comes ends the others after ``--rdzv-timeout``. What static
+gives up is elasticity (a fixed node count; a pipeline cannot lose a stage anyway) and coordinated
+restarts: with ``--max-restarts`` each node restarts its workers when they fail, which they all do
+when any stage fails (see :mod:`executor.failures`), so the attempts stay in step.
 
 How a failure on one node reaches the others is in :mod:`executor.failures`; this side adds what
-only the launching process knows: that a worker was killed by a signal (from torchrun's summary),
-which it writes to the store for the other nodes.
+only the launching process knows: that a worker was killed by a signal (the agent's
+``ChildFailedError``), which it writes to the store for the other nodes.
+
+Limits: the launching process must be able to start a fork server (``multiprocessing``'s
+``forkserver``: Linux and macOS); while the ranks run, the agent handles SIGTERM, SIGINT, SIGHUP and
+SIGQUIT in this process (it ends the ranks, then :func:`run_ranks` returns); the handlers before
+the launch are restored after it.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import re
+import atexit
+import importlib.machinery
+import multiprocessing
+import os
 import signal
-import subprocess
 import sys
-import threading
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from executor.failures import FailureRecord, local_records, pick_failure, post_to
 from sim.errors import GpipeInputError, require_positive
 
-# torchrun's failure summary: the root cause's rank and exit code (negative: killed by a signal)
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
-_LAST_ERROR = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Timeout)\w*): (.+)$")
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
+
+MONITOR_INTERVAL_S = 0.2  # how often the agent looks at its ranks (torchrun's default is 0.1 s)
+# what the fork server imports once for every rank it will fork (a rank of any module built on the executor)
+FORK_SERVER_PRELOAD = ["executor.rank_process", "executor.fork_server_preload"]
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent's, restored after a launch
 
 
 def endpoint(text: str | None) -> tuple[str, int]:
@@ -93,82 +112,142 @@ def check_capacity(ranks: int, nnodes: int, device: str, cores: int, gpus: int) 
                               "fewer --replicas or --stages, or more --nnodes")
 
 
-def torchrun_command(config_path: str, stages: int, args: argparse.Namespace) -> list[str]:
-    """The torchrun command line that starts this node's workers (``stages`` / nnodes of them;
-    ``stages`` is the run's ranks, D replicas x K stages)."""
-    check_nodes(args, stages)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages // args.nnodes),
-               "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.2"]
+def launch_config(ranks: int, args: argparse.Namespace) -> LaunchConfig:
+    """This node's agent's settings for ``ranks`` / nnodes workers (``ranks`` is the run's ranks, D
+    replicas x K stages x T), as ``torchrun --standalone`` would have them or, with several nodes,
+    ``torchrun --rdzv-backend static --node-rank n``."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    check_nodes(args, ranks)
     if args.nnodes == 1:
-        command.append("--standalone")
+        backend, where, run_id, rendezvous = "c10d", "localhost:0", uuid.uuid4().hex, {}
     else:
         host, port = endpoint(args.rdzv_endpoint)
-        command += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "static",
-                    "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", args.rdzv_id,
-                    "--rdzv-conf", f"timeout={int(args.rdzv_timeout)}"]
-    return command + ["-m", "executor.worker", config_path]
+        backend, where, run_id = "static", f"{host}:{port}", args.rdzv_id
+        rendezvous = {"timeout": int(args.rdzv_timeout), "rank": args.node_rank}
+    return LaunchConfig(min_nodes=args.nnodes, max_nodes=args.nnodes, nproc_per_node=ranks // args.nnodes,
+                        run_id=run_id, role="default", rdzv_endpoint=where, rdzv_backend=backend,
+                        rdzv_configs=rendezvous, max_restarts=args.max_restarts,
+                        monitor_interval=MONITOR_INTERVAL_S, start_method="forkserver",
+                        logs_specs=DefaultLogsSpecs())
 
 
-def killed_by_signal(torchrun_output: str, node: int) -> FailureRecord | None:
-    """The rank torchrun's summary names as the root cause, when a signal ended it."""
-    match = _ROOT_CAUSE.search(torchrun_output)
-    if not match or int(match.group(2)) >= 0:
+@dataclass
+class LaunchOutcome:
+    """How the ranks ended: all well (``failed`` False), a rank's root failure (``rank`` and its
+    ``exitcode``, negative for a signal), or the agent's own error (``agent_error``, e.g. a
+    rendezvous that timed out) or a signal that stopped the launch (``stopped_by``)."""
+
+    failed: bool = False
+    rank: int | None = None
+    exitcode: int | None = None
+    agent_error: str | None = None
+    stopped_by: int | None = None
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server with the executor imported, unless one already runs (a
+    server started without the preload still works: its ranks import what they need)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the one ``multiprocessing`` keeps per process
+    if server._forkserver_pid is None:
+        multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
+        server.ensure_running()
+        atexit.register(_stop_fork_server, server._forkserver_pid)
+    server.ensure_running()
+
+
+def _stop_fork_server(pid: int) -> None:
+    """End the fork server with this process: left alone it notices only after this process has
+    gone and then spends about a second unloading torch, holding this process's output open (a
+    caller reading that output to its end waits for it)."""
+    try:
+        os.kill(pid, signal.SIGTERM)  # a fork server has no handler for it: it ends at once
+        os.waitpid(pid, 0)
+    except (OSError, ChildProcessError):
+        pass
+
+
+def launch(config: LaunchConfig, module: str, argv: list[str], env: dict[str, str], stdout_fd: int = 1,
+           stderr_fd: int = 2, timeout_s: float | None = None) -> LaunchOutcome:
+    """Run ``python -u -m module *argv`` as this node's ranks under the agent ``config`` describes,
+    with environment ``env``, this process's working directory, and output to ``stdout_fd`` /
+    ``stderr_fd``; each rank ends itself after ``timeout_s`` (see :func:`rank_process.run_module`)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from executor.rank_process import InheritedFd, run_module
+
+    start_fork_server()
+    main = sys.modules["__main__"]
+    main_spec = getattr(main, "__spec__", None)
+    # ``multiprocessing`` makes a started process import the launching script (as ``__mp_main__``);
+    # a rank of ``python -m MODULE`` never did, so the launching script passes for one that need not be
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in _HANDLED_SIGNALS if hasattr(signal, name)}
+    saved = dict(os.environ)  # the agent sets variables of its own in this process
+    try:
+        elastic_launch(config, run_module)(module, list(argv), dict(env), os.getcwd(), InheritedFd(stdout_fd),
+                                           InheritedFd(stderr_fd), timeout_s)
+        return LaunchOutcome()
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        return LaunchOutcome(True, rank, failure.exitcode)
+    except SignalException as exc:
+        return LaunchOutcome(True, stopped_by=int(exc.sigval))
+    except Exception as exc:  # the agent's own: a rendezvous that failed or timed out, a bad endpoint
+        text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        return LaunchOutcome(True, agent_error=text)
+    finally:
+        main.__spec__ = main_spec
+        os.environ.clear()
+        os.environ.update(saved)
+        if multiprocessing.current_process().name == "MainProcess":
+            try:
+                for name, handler in handlers.items():
+                    signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
+            except ValueError:  # not the main thread: the agent set none either
+                pass
+
+
+def killed_by_signal(outcome: LaunchOutcome, node: int) -> FailureRecord | None:
+    """The root failure's rank, when a signal ended it."""
+    if outcome.exitcode is None or outcome.exitcode >= 0 or outcome.rank is None:
         return None
-    number = -int(match.group(2))
+    number = -outcome.exitcode
     try:
         name = f" ({signal.Signals(number).name})"
     except ValueError:
         name = ""
-    return FailureRecord(node, int(match.group(1)), f"killed by signal {number}{name}")
+    return FailureRecord(node, outcome.rank, f"killed by signal {number}{name}")
 
 
-def torchrun_error(torchrun_output: str) -> str | None:
-    """The last ``SomeError: message`` line torchrun printed (its own failure, not a worker's)."""
-    for line in reversed(torchrun_output.splitlines()):
-        match = _LAST_ERROR.match(line.strip())
-        if match:
-            return f"{match.group(1)}: {match.group(2)}"
-    return None
-
-
-def _tee(stream, sink, tail: collections.deque) -> None:
-    """Copy torchrun's stderr (its workers' too) through, keeping the last lines."""
-    out = getattr(sink, "buffer", None)
-    for line in iter(stream.readline, b""):
-        tail.append(line)
-        if out is not None:
-            out.write(line)
-            out.flush()
-        else:
-            sink.write(line.decode(errors="replace"))
-
-
-def run_torchrun(command: list[str], env: dict[str, str], error_dir: str,
-                 args: argparse.Namespace) -> tuple[int, str | None]:
-    """Run torchrun; on failure return its exit code and the line ``gpipe train`` prints.
+def run_ranks(module: str, argv: list[str], ranks: int, env: dict[str, str], error_dir: str,
+              args: argparse.Namespace) -> tuple[int, str | None]:
+    """Run ``module`` as this node's ranks; on failure return the exit code for ``gpipe train`` and
+    the line it prints.
 
     With several nodes, a failure that happened here is also written to the rendezvous store
     (node 0's, while it lasts) so the other nodes' workers stop with its message.
     """
-    tail: collections.deque = collections.deque(maxlen=500)
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
-    reader = threading.Thread(target=_tee, args=(process.stderr, sys.stderr, tail), daemon=True)
-    reader.start()
-    code = process.wait()
-    reader.join(timeout=5)
-    if code == 0:
+    outcome = launch(launch_config(ranks, args), module, argv, env)
+    if not outcome.failed:
         return 0, None
-    output = b"".join(tail).decode(errors="replace")
-    killed = killed_by_signal(output, args.node_rank)
+    if outcome.stopped_by is not None:
+        name = signal.Signals(outcome.stopped_by).name
+        return 128 + outcome.stopped_by, f"gpipe: error: training stopped by {name}; its ranks were ended"
+    killed = killed_by_signal(outcome, args.node_rank)
     failure = pick_failure(local_records(error_dir), killed)
     if failure is None:
-        error = torchrun_error(output)
         hint = ("; check that every node was started with the same flags and --nnodes, node 0's address as "
                 "--rdzv-endpoint and a distinct --node-rank, within --rdzv-timeout") if args.nnodes > 1 else ""
-        detail = f"torchrun failed ({error.rstrip('.')}){hint}" if error else \
-            "a worker died without an error message; see torchrun's output above"
-        return code, f"gpipe: error: training failed: {detail}"
+        detail = f"the launch failed ({outcome.agent_error.rstrip('.')}){hint}" if outcome.agent_error else \
+            f"rank {outcome.rank} exited with code {outcome.exitcode} without an error message; see its output above"
+        return 1, f"gpipe: error: training failed: {detail}"
     if args.nnodes > 1 and failure is killed:  # a killed worker could not write it itself
         post_to(endpoint(args.rdzv_endpoint), args.max_restarts, failure)  # the last attempt's
     where = failure.describe(args.node_rank)
-    return code, f"gpipe: error: training failed{' ' if where.startswith('on node') else ': '}{where}"
+    return 1, f"gpipe: error: training failed{' ' if where.startswith('on node') else ': '}{where}"

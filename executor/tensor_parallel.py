@@ -62,20 +62,6 @@ TP = "tp"  # the mesh's tensor-parallel dimension
 HOOK = "tensor_parallel_plan"  # a user layer's own plan: tensor_parallel_plan(parts) -> {name: ParallelStyle}
 
 
-def check_tensor_parallel(parts: int, zero: int, sequence_parallel: bool = False) -> None:
-    """What a run with T = ``parts`` needs of its settings, before any work; one line each."""
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise GpipeInputError(f"--tensor-parallel {parts!r} is not a positive integer; use 1 (none) or more")
-    if sequence_parallel and parts == 1:
-        raise GpipeInputError("--sequence-parallel splits the sequence over a stage's tensor-parallel ranks; add "
-                              "--tensor-parallel 2 or more, or drop --sequence-parallel")
-    if parts == 1:
-        return
-    if zero:
-        raise GpipeInputError(f"--tensor-parallel {parts} with --zero 1 is not supported yet; drop --zero or use "
-                              "--tensor-parallel 1")
-
-
 def check_model(model: nn.Sequential, parts: int, sequence_parallel: bool = False) -> None:
     """Every layer of ``model`` (on the meta device) has a plan for ``parts`` ranks: the built-in
     transformer's heads, key/value heads and FFN width divide by it; a layer with parameters and no

@@ -2,7 +2,8 @@ import argparse
 
 import pytest
 
-from executor.cli import add_arguments, config_from_args, even_partition, torchrun_command
+from executor.cli import add_arguments, config_from_args, even_partition
+from executor.launch import launch_config
 from sim.errors import GpipeInputError
 from sim.plan import ModelRef, Plan, save_plan
 from executor.models import model_ref
@@ -44,16 +45,17 @@ def test_even_partition():
     assert even_partition(8, 3) == (3, 3, 2)
 
 
-def test_torchrun_command_single_and_multi_node():
-    single = torchrun_command("c.json", 4, parse("--model", "mlp"))
-    assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] == "4"
-    multi = torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "2", "--node-rank", "1",
-                                                "--rdzv-endpoint", "h:29500", "--rdzv-timeout", "60"))
-    assert multi[multi.index("--nproc-per-node") + 1] == "2" and "--standalone" not in multi
-    assert multi[multi.index("--rdzv-backend") + 1] == "static" and multi[multi.index("--node-rank") + 1] == "1"
-    assert multi[multi.index("--rdzv-conf") + 1] == "timeout=60"
+def test_the_agent_is_torchruns_standalone_on_one_node_and_static_on_several():
+    single = launch_config(4, parse("--model", "mlp"))
+    assert (single.nproc_per_node, single.min_nodes, single.max_nodes) == (4, 1, 1)
+    assert (single.rdzv_backend, single.rdzv_endpoint, single.start_method) == ("c10d", "localhost:0", "forkserver")
+    multi = launch_config(4, parse("--model", "mlp", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                                   "h:29500", "--rdzv-timeout", "60", "--max-restarts", "2"))
+    assert (multi.nproc_per_node, multi.min_nodes, multi.max_nodes, multi.max_restarts) == (2, 2, 2, 2)
+    assert (multi.rdzv_backend, multi.rdzv_endpoint) == ("static", "h:29500")
+    assert multi.rdzv_configs == {"timeout": 60, "rank": 1}
     with pytest.raises(GpipeInputError, match="do not split over --nnodes 3"):
-        torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "3", "--rdzv-endpoint", "h:1"))
+        launch_config(4, parse("--model", "mlp", "--nnodes", "3", "--rdzv-endpoint", "h:1"))
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -70,13 +72,13 @@ def test_bad_node_flags_are_one_line(argv, message):
     flags.update(dict(zip(argv[::2], argv[1::2])))
     args = parse("--model", "mlp", "--nnodes", "2", *[x for pair in flags.items() for x in pair])
     with pytest.raises(GpipeInputError) as error:
-        torchrun_command("c.json", 4, args)
+        launch_config(4, args)
     assert str(error.value) == message
 
 
 def test_several_nodes_need_an_endpoint():
     with pytest.raises(GpipeInputError, match="needs --rdzv-endpoint HOST:PORT, node 0's address"):
-        torchrun_command("c.json", 4, parse("--model", "mlp", "--nnodes", "2"))
+        launch_config(4, parse("--model", "mlp", "--nnodes", "2"))
 
 
 def test_an_ipv6_endpoint_is_split_at_the_last_colon():

@@ -12,33 +12,9 @@ import torch.distributed as dist
 from executor import failures, nodes
 from executor.config import RunConfig
 from executor.failures import PEER, RAISED, REMOTE, FailureRecord, Watchdog, pick_failure
-from executor.launch import killed_by_signal, torchrun_error
+from executor.launch import LaunchOutcome, killed_by_signal
 from sim.errors import GpipeInputError
 
-# the end of what torchrun 2.x prints when a worker was killed (the root cause comes last)
-TORCHRUN_KILLED = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-=======================================================
-executor.worker FAILED
--------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-11-22_08:54:10
-  host      : localhost
-  rank      : 2 (local_rank: 0)
-  exitcode  : -15 (pid: 23693)  (SIGTERM)
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 23693
--------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-22_08:54:10
-  host      : localhost
-  rank      : 3 (local_rank: 1)
-  exitcode  : -9 (pid: 23694)  (SIGKILL)
-  error_file: <N/A>
-  traceback : Signal 9 (SIGKILL) received by PID 23694
-=======================================================
-"""
 GLOO_PEER_GONE = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
                   "peer [127.0.0.1]:39604. This is typically caused by a remote worker crashing.")
 
@@ -64,18 +40,11 @@ def test_gpipe_train_prefers_the_original_error_to_its_consequences():
     assert pick_failure([], None) is None
 
 
-def test_torchruns_summary_names_the_killed_rank():
-    assert killed_by_signal(TORCHRUN_KILLED, node=1) == FailureRecord(1, 3, "killed by signal 9 (SIGKILL)")
-    assert killed_by_signal(TORCHRUN_KILLED.replace("-9 (pid: 23694)", "1 (pid: 23694)"), node=1) is None
-    assert killed_by_signal("no summary at all", node=0) is None
-
-
-def test_torchruns_own_error_is_its_last_exception_line():
-    output = ("Traceback (most recent call last):\n  File ...\n"
-              "torch.distributed.DistStoreError: Timed out after 61 seconds waiting for clients. 1/2 clients joined.\n")
-    assert torchrun_error(output) == ("DistStoreError: Timed out after 61 seconds waiting for clients. "
-                                      "1/2 clients joined.")
-    assert torchrun_error("nothing here") is None
+def test_the_agents_root_failure_names_the_rank_a_signal_killed():
+    assert killed_by_signal(LaunchOutcome(True, rank=3, exitcode=-9), node=1) == \
+        FailureRecord(1, 3, "killed by signal 9 (SIGKILL)")
+    assert killed_by_signal(LaunchOutcome(True, rank=3, exitcode=1), node=1) is None
+    assert killed_by_signal(LaunchOutcome(True, agent_error="DistStoreError: timed out"), node=0) is None
 
 
 def test_a_lost_peer_is_told_from_an_error_of_its_own():

@@ -44,7 +44,7 @@ class Node:
     def wait(self, timeout=150):
         try:
             code = self.process.wait(timeout=timeout)
-        finally:  # a hung node takes its torchrun and workers with it (they share its session)
+        finally:  # a hung node takes its workers with it (they share its session)
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -54,18 +54,9 @@ class Node:
         return code
 
 
-def torchrun_running(port, rank):
-    """Whether this test's node ``rank`` has started torchrun (so it is waiting in the rendezvous)."""
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                argv = handle.read().split(b"\0")
-        except OSError:
-            continue
-        if b"torch.distributed.run" in argv and f"127.0.0.1:{port}".encode() in argv \
-                and argv[argv.index(b"--node-rank") + 1] == str(rank).encode():
-            return True
-    return False
+def in_rendezvous(node):
+    """Whether ``node`` (started with ``LOGLEVEL=INFO``) has reached the rendezvous: its agent says so."""
+    return "Rendezvous'ing worker group" in node.err.read_text()
 
 
 def local_losses(stages, steps):
@@ -82,12 +73,12 @@ def test_two_nodes_train_as_one_whichever_starts_first(tmp_path, stages, first):
     if stages == 2:
         flags[1] = ["--report", str(tmp_path / "r1.json")]  # asked on node 1 too: written there as well
     common = ["--stages", str(stages), "--steps", "3"]
-    nodes = {first: Node(tmp_path, first, port, *common, *flags[first])}
+    nodes = {first: Node(tmp_path, first, port, *common, *flags[first], env={"LOGLEVEL": "INFO"})}
     if first == 1:  # node 0 starts only once node 1 waits for it in the rendezvous
         deadline = time.monotonic() + 60
-        while not torchrun_running(port, 1) and time.monotonic() < deadline:
+        while not in_rendezvous(nodes[1]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert torchrun_running(port, 1)
+        assert in_rendezvous(nodes[1])
     nodes[1 - first] = Node(tmp_path, 1 - first, port, *common, *flags[1 - first])
     codes = {rank: node.wait() for rank, node in nodes.items()}
     assert codes == {0: 0, 1: 0}, {rank: node.stderr[-3000:] for rank, node in nodes.items()}
