@@ -6,7 +6,8 @@ per layer and frees it, and each worker reads its two layers (executor.initial_w
 worker at most 0.8 x the model's bytes, the launcher at most 1.3 x. With ``--init meta`` no process
 builds the whole model (executor.materialize); goal: every process at most 0.8 x. This script runs
 the real command for each, samples the peak resident set (VmHWM in /proc/PID/status) of the
-launcher and every process under it until they exit, and writes the figures with the goals.
+launcher and every process under it (its fork server and the ranks forked from that) until they
+exit, and writes the figures with the goals.
 
     .venv/bin/python benchmarks/init_memory.py [out.json]
 """
@@ -36,13 +37,15 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _tree(pid: int) -> list[int]:
-    pids, todo = [], [pid]
+def _tree(pid: int) -> dict[int, int]:
+    """Every process under ``pid`` (itself included), each with its parent."""
+    parents, todo = {pid: 0}, [pid]
     while todo:
         current = todo.pop()
-        pids.append(current)
-        todo.extend(_children(current))
-    return pids
+        for child in _children(current):
+            parents[child] = current
+            todo.append(child)
+    return parents
 
 
 def _status(pid: int) -> tuple[str, int] | None:
@@ -65,8 +68,10 @@ def measure(init: str) -> dict:
     started = time.perf_counter()
     launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peaks: dict[int, tuple[str, int]] = {}
+    parents: dict[int, int] = {}
     while launcher.poll() is None:
-        for pid in _tree(launcher.pid):
+        for pid, parent in _tree(launcher.pid).items():
+            parents[pid] = parent
             status = _status(pid)
             if status is not None and status[1] >= peaks.get(pid, ("", 0))[1]:
                 peaks[pid] = status
@@ -76,8 +81,10 @@ def measure(init: str) -> dict:
         raise RuntimeError(output)
     rows = []
     for pid, (cmd, kib) in sorted(peaks.items()):
-        role = ("torchrun" if "torch.distributed.run" in cmd else "worker" if "executor.worker" in cmd
-                else "launcher" if "sim.cli" in cmd else "other")
+        # the ranks are forked from the launcher's fork server (executor.launch): its command line, its children
+        server = "multiprocessing.forkserver" in cmd and parents.get(pid) == launcher.pid
+        rank = "multiprocessing.forkserver" in peaks.get(parents.get(pid, 0), ("", 0))[0]
+        role = ("launcher" if pid == launcher.pid else "fork server" if server else "worker" if rank else "other")
         goal = GOALS[init].get(role)
         rows.append({"pid": pid, "role": role, "peak_rss_bytes": kib * 1024,
                      "fraction_of_model": kib * 1024 / MODEL_BYTES, "goal_fraction": goal,

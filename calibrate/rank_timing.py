@@ -1,6 +1,7 @@
 """Timing one communication call among fresh local ranks, as the link and all-reduce measurements do.
 
-The measuring processes are started on this host by torchrun, as the executor's workers are, and
+The measuring processes are started on this host as the executor's workers are
+(:func:`executor.launch.launch_captured`), and
 join ``torch.distributed`` on the executor's backend (gloo for CPU tensors, NCCL for CUDA tensors,
 one GPU per rank). Each timed call starts right after a barrier and, on CUDA, between two
 synchronisations; the first calls warm up and are left out. Rank 0 writes the points to a JSON file
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,27 +68,26 @@ def write_points(points: Any, out_path: str) -> None:
 
 def run_ranks(module: str, ranks: int, device_type: str, sizes: tuple[int, ...], repeats: int,
               what: str) -> list[dict[str, float]]:
-    """Start ``ranks`` processes of ``python -m module DEVICE SIZES REPEATS OUT`` under torchrun and
-    return the points rank 0 wrote; a failure raises RuntimeError naming ``what`` and the last lines."""
+    """Run ``python -m module DEVICE SIZES REPEATS OUT`` as ``ranks`` ranks on this host and return
+    the points rank 0 wrote; a failure raises RuntimeError naming ``what`` and the last lines."""
     return list(launch_ranks(module, ranks, [device_type, ",".join(map(str, sizes)), str(repeats)], what))
 
 
 def launch_ranks(module: str, ranks: int, args: list[str], what: str, timeout_s: float = 300.0) -> Any:
-    """Start ``ranks`` processes of ``python -m module *args OUT`` under torchrun, one thread each,
-    and return the JSON rank 0 wrote to OUT; a failure raises RuntimeError naming ``what`` and the
-    last lines of its output."""
+    """Run ``python -m module *args OUT`` as ``ranks`` ranks on this host, one thread each, and
+    return the JSON rank 0 wrote to OUT; a failure raises RuntimeError naming ``what`` and the last
+    lines of its output."""
     from calibrate.runs import _env
+    from executor.launch import launch_captured
     from executor.shm_transport import SHM_DIR_ENV, shared_directory
 
     with tempfile.TemporaryDirectory(prefix="gpipe-measure-") as directory:
         out_path = os.path.join(directory, "points.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                   "--monitor-interval", "0.2", "-m", module, *args, out_path]
         with shared_directory() as shared:  # the message files of ranks that talk as the executor's do
-            done = subprocess.run(command, env={**_env(1), SHM_DIR_ENV: shared}, capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            outcome, output = launch_captured(module, [*args, out_path], ranks, {**_env(1), SHM_DIR_ENV: shared},
+                                              timeout_s)
+        if outcome.failed:
+            tail = output.strip().splitlines()[-3:] or [outcome.agent_error or f"exit code {outcome.exitcode}"]
             raise RuntimeError(f"{what} failed: " + " | ".join(tail))
         with open(out_path) as handle:
             return json.load(handle)

@@ -1,9 +1,9 @@
-"""Traced executor runs for calibration and validation: many configurations per torchrun launch.
+"""Traced executor runs for calibration and validation: many configurations per launch of ranks.
 
-Starting torchrun and importing torch costs seconds per launch, more than a small run itself, so the
+Starting ranks and setting up their process groups costs more than a small run itself, so the
 configurations that share a replica count D, a stage count K and a tensor-parallel degree T run one after another inside the
-same D x K x T worker processes (``python -m torch.distributed.run --nproc-per-node D*K*T -m
-calibrate.runs CONFIGS OUTDIR``). Each configuration runs exactly as ``gpipe train`` runs it: the
+same D x K x T worker processes (``calibrate.runs CONFIGS OUTDIR`` as D*K*T ranks, started as
+``gpipe train`` starts its own: :func:`executor.launch.launch_captured`). Each configuration runs exactly as ``gpipe train`` runs it: the
 executor's own :func:`prepare`, :func:`make_dist_stage` (each rank's replica and stage as laid out by
 :mod:`sim.placement`, its layers read from ``factory()``'s values written once by the launching
 process, as ``gpipe train`` writes them), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per
@@ -60,7 +60,8 @@ def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
 
 def _run_launch(configs: Sequence[Any], indices: list[int], replicas: int, stages: int, parts: int,
                 reports: list[dict[str, Any]], timeout_s: float, progress: Callable[[str], None] | None) -> None:
-    """One torchrun launch of D x K x T workers running ``configs[indices]`` in turn; fills ``reports``."""
+    """One launch of D x K x T workers running ``configs[indices]`` in turn; fills ``reports``."""
+    from executor.launch import launch_captured
     from executor.shm_transport import SHM_DIR_ENV, shared_directory
 
     world = replicas * stages * parts
@@ -72,15 +73,12 @@ def _run_launch(configs: Sequence[Any], indices: list[int], replicas: int, stage
         with open(path, "w") as handle:
             json.dump([_with_factory_weights(configs[i], os.path.join(directory, f"weights-{i}")).to_dict()
                        for i in indices], handle)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(world), "--monitor-interval", "0.2",
-                   "-m", "calibrate.runs", path, directory]
         threads = max(1, (os.cpu_count() or 1) // world)
         with shared_directory() as shared:  # the ranks' message files, as gpipe train makes them
-            done = subprocess.run(command, env={**_env(threads), SHM_DIR_ENV: shared}, capture_output=True,
-                                  text=True, timeout=timeout_s)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            outcome, output = launch_captured("calibrate.runs", [path, directory], world,
+                                              {**_env(threads), SHM_DIR_ENV: shared}, timeout_s)
+        if outcome.failed:
+            tail = output.strip().splitlines()[-5:] or [outcome.agent_error or f"exit code {outcome.exitcode}"]
             raise RuntimeError(f"executor runs with {shape} failed: " + " | ".join(tail))
         for position, index in enumerate(indices):
             with open(os.path.join(directory, f"report-{position}.json")) as handle:
@@ -104,7 +102,7 @@ def _with_factory_weights(config: Any, directory: str) -> Any:
 
 def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int = 1,
                  data: str = "") -> dict[str, Any]:
-    """Train a plan file with ``gpipe train`` (torchrun, one process per stage) on ``data`` (its
+    """Train a plan file with ``gpipe train`` (one process per stage) on ``data`` (its
     ``--data``; "" synthetic); its report. Its steps advance a progress bar as they are printed."""
     command = [sys.executable, "-m", "sim.cli", "train", "--plan", plan_path, "--steps", str(steps),
                "--warmup-steps", str(warmup_steps), "--report", report_path]
@@ -172,7 +170,7 @@ def _gather_through_files(payload: dict[str, Any], rank: int, world: int, direct
     computes on two threads a third slower for the rest of its life (a 256x256 matmul loop, 32 -> 46
     ms here; a 1-thread loop is unchanged). The launch runs its configurations one after another in
     the same processes, so every configuration after the first large timeline ran slow. The ranks of
-    a launch share one host (``torchrun --standalone``)."""
+    a launch share one host (a standalone launch)."""
     import torch.distributed as dist
 
     from sim.timeline import write_json_atomic

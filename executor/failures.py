@@ -15,8 +15,9 @@ Who writes the failure, so that the original error wins over its consequences:
   when their sockets close, so the original is always first);
 * a worker whose error is only the loss of a peer (:func:`is_peer_loss`: a closed connection) waits
   up to ``PEER_LOSS_GRACE_S`` for the cause to be written by someone else before writing its own;
-* a worker killed by a signal writes nothing; ``gpipe train`` on its node reads torchrun's summary
-  after torchrun exits and writes ``killed by signal 9 (SIGKILL)`` for it (``executor.launch``),
+* a worker killed by a signal writes nothing; ``gpipe train`` on its node learns it from the agent
+  (its ``ChildFailedError``) once the ranks have ended and writes ``killed by signal 9 (SIGKILL)``
+  for it (``executor.launch``),
   while the other nodes' workers, which lost it as a peer, are still waiting for it.
 
 Every worker also keeps a local record of what it saw (``$GPIPE_ERROR_DIR/rank-R.json``), from
@@ -216,7 +217,7 @@ class Watchdog:
                     continue
                 host, port = self.endpoint
                 record = FailureRecord(0, None, f"lost contact with its rendezvous store at {host}:{port} "
-                                                "(its torchrun exited, or the network is down)", REMOTE)
+                                                "(its gpipe train exited, or the network is down)", REMOTE)
             if record is not None and not self._stop.is_set():
                 self.abort(record)
                 return

@@ -44,6 +44,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -114,22 +115,31 @@ def check_capacity(ranks: int, nnodes: int, device: str, cores: int, gpus: int) 
 
 def launch_config(ranks: int, args: argparse.Namespace) -> LaunchConfig:
     """This node's agent's settings for ``ranks`` / nnodes workers (``ranks`` is the run's ranks, D
-    replicas x K stages x T), as ``torchrun --standalone`` would have them or, with several nodes,
-    ``torchrun --rdzv-backend static --node-rank n``."""
+    replicas x K stages x T) from ``gpipe train``'s flags, as ``torchrun --standalone`` would have
+    them or, with several nodes, ``torchrun --rdzv-backend static --node-rank n``."""
+    check_nodes(args, ranks)
+    if args.nnodes == 1:
+        return agent_config(ranks, max_restarts=args.max_restarts)
+    host, port = endpoint(args.rdzv_endpoint)
+    return agent_config(ranks // args.nnodes, args.max_restarts, args.nnodes, args.node_rank, f"{host}:{port}",
+                        args.rdzv_id, int(args.rdzv_timeout))
+
+
+def agent_config(ranks_here: int, max_restarts: int = 0, nnodes: int = 1, node_rank: int = 0,
+                 rendezvous_at: str = "", run_id: str = "", rendezvous_timeout_s: int = 900) -> LaunchConfig:
+    """The agent's settings for ``ranks_here`` ranks on this node: one node alone (c10d on a free
+    local port, ``--standalone``), or node ``node_rank`` of ``nnodes`` meeting at ``rendezvous_at``
+    (``HOST:PORT``) in the static rendezvous."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    check_nodes(args, ranks)
-    if args.nnodes == 1:
+    if nnodes == 1:
         backend, where, run_id, rendezvous = "c10d", "localhost:0", uuid.uuid4().hex, {}
     else:
-        host, port = endpoint(args.rdzv_endpoint)
-        backend, where, run_id = "static", f"{host}:{port}", args.rdzv_id
-        rendezvous = {"timeout": int(args.rdzv_timeout), "rank": args.node_rank}
-    return LaunchConfig(min_nodes=args.nnodes, max_nodes=args.nnodes, nproc_per_node=ranks // args.nnodes,
-                        run_id=run_id, role="default", rdzv_endpoint=where, rdzv_backend=backend,
-                        rdzv_configs=rendezvous, max_restarts=args.max_restarts,
-                        monitor_interval=MONITOR_INTERVAL_S, start_method="forkserver",
+        backend, where, rendezvous = "static", rendezvous_at, {"timeout": rendezvous_timeout_s, "rank": node_rank}
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=ranks_here, run_id=run_id,
+                        role="default", rdzv_endpoint=where, rdzv_backend=backend, rdzv_configs=rendezvous,
+                        max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="forkserver",
                         logs_specs=DefaultLogsSpecs())
 
 
@@ -211,6 +221,16 @@ def launch(config: LaunchConfig, module: str, argv: list[str], env: dict[str, st
                     signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
             except ValueError:  # not the main thread: the agent set none either
                 pass
+
+
+def launch_captured(module: str, argv: list[str], ranks: int, env: dict[str, str],
+                    timeout_s: float | None = None) -> tuple[LaunchOutcome, str]:
+    """Run ``module`` as ``ranks`` ranks on this machine alone, their output (standard output and
+    error, interleaved as written) kept and returned with the outcome instead of shown."""
+    with tempfile.TemporaryFile() as output:
+        outcome = launch(agent_config(ranks), module, argv, env, output.fileno(), output.fileno(), timeout_s)
+        output.seek(0)
+        return outcome, output.read().decode(errors="replace")
 
 
 def killed_by_signal(outcome: LaunchOutcome, node: int) -> FailureRecord | None:

@@ -1,7 +1,7 @@
 """Check a model against a partition before training, and describe what crosses each boundary.
 
 Every rank runs this (it needs no communication, so a bad model fails the same way everywhere,
-before any process group exists), and so does ``gpipe train`` before it starts torchrun, on the
+before any process group exists), and so does ``gpipe train`` before it starts the ranks, on the
 meta device: shapes and dtypes without storage, so no process allocates the model. A dry
 forward runs layer by layer in eval mode (so batch norm touches no running statistics) at two row
 counts, ``DRY_ROWS``, under the run's autocast (:mod:`executor.precision`; on fake CPU tensors,

@@ -1,12 +1,13 @@
 """``gpipe ARGS`` run inside the test process, with what a new interpreter's run would give back.
 
 Why: a new interpreter imports torch again, 2-3 s of a core before ``gpipe train`` checks its
-input and starts torchrun; the test process has torch imported already. The command's exit status,
-and everything it and its subprocesses (torchrun and the ranks) write to the two file descriptors,
-come back as a :class:`subprocess.CompletedProcess`, as ``subprocess.run(..., capture_output=True,
-text=True)`` returns them.
+input and starts its ranks; the test process has torch imported already, and its fork server
+(:mod:`executor.launch`), started by the first launch, serves every later one. The command's exit
+status, and everything it and its ranks write to the two file descriptors, come back as a
+:class:`subprocess.CompletedProcess`, as ``subprocess.run(..., capture_output=True, text=True)``
+returns them.
 
-Limits: no timeout (the run's own ``--timeout`` and torchrun's failure handling end a failed run;
+Limits: no timeout (the run's own ``--timeout`` and the agent's failure handling end a failed run;
 tests of that handling, and of signals, keep their own interpreter); the command runs in ``cwd``
 (the repository's directory unless given) with ``env`` added to this process's environment, both
 restored after; what it leaves in module-level state (torch's global seed, caches) stays.
