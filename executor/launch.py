@@ -162,21 +162,25 @@ def start_fork_server() -> None:
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # the one ``multiprocessing`` keeps per process
-    if server._forkserver_pid is None:
+    first = server._forkserver_pid is None
+    if first:
         multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
-        server.ensure_running()
-        atexit.register(_stop_fork_server, server._forkserver_pid)
-    server.ensure_running()
+    server.ensure_running()  # also starts a new one if the last has died
+    if first:
+        atexit.register(_stop_fork_server, server)
 
 
-def _stop_fork_server(pid: int) -> None:
+def _stop_fork_server(server) -> None:
     """End the fork server with this process: left alone it notices only after this process has
     gone and then spends about a second unloading torch, holding this process's output open (a
     caller reading that output to its end waits for it)."""
+    pid = server._forkserver_pid
+    if pid is None:
+        return
     try:
         os.kill(pid, signal.SIGTERM)  # a fork server has no handler for it: it ends at once
         os.waitpid(pid, 0)
-    except (OSError, ChildProcessError):
+    except OSError:
         pass
 
 
@@ -215,12 +219,11 @@ def launch(config: LaunchConfig, module: str, argv: list[str], env: dict[str, st
         main.__spec__ = main_spec
         os.environ.clear()
         os.environ.update(saved)
-        if multiprocessing.current_process().name == "MainProcess":
-            try:
-                for name, handler in handlers.items():
-                    signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
-            except ValueError:  # not the main thread: the agent set none either
-                pass
+        try:
+            for name, handler in handlers.items():
+                signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
+        except ValueError:  # not the main thread: the agent set none either
+            pass
 
 
 def launch_captured(module: str, argv: list[str], ranks: int, env: dict[str, str],

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 from calibrate import runs
 from calibrate.calibration import RunSpec, run_config
+from executor import launch
+from executor.launch import LaunchOutcome
 
 
 def _config(partition, replicas=1):
@@ -17,18 +18,18 @@ def _config(partition, replicas=1):
 def test_each_replicas_and_stages_pair_gets_one_launch_of_d_times_k_ranks(monkeypatch):
     launches = []
 
-    def fake_run(command, env, capture_output, text, timeout):
-        configs_path, directory = command[-2:]
+    def fake_launch(module, argv, ranks, env, timeout_s):
+        assert module == "calibrate.runs"
+        configs_path, directory = argv
         with open(configs_path) as handle:
             configs = json.load(handle)
-        nproc = int(command[command.index("--nproc-per-node") + 1])
-        launches.append((nproc, env["OMP_NUM_THREADS"], [(c["replicas"], tuple(c["partition"])) for c in configs]))
+        launches.append((ranks, env["OMP_NUM_THREADS"], [(c["replicas"], tuple(c["partition"])) for c in configs]))
         for position, config in enumerate(configs):
             with open(os.path.join(directory, f"report-{position}.json"), "w") as handle:
                 json.dump({"replicas": config["replicas"], "partition": config["partition"]}, handle)
-        return subprocess.CompletedProcess(command, 0, "", "")
+        return LaunchOutcome(), ""
 
-    monkeypatch.setattr(runs.subprocess, "run", fake_run)
+    monkeypatch.setattr(launch, "launch_captured", fake_launch)
     monkeypatch.setattr(runs.os, "cpu_count", lambda: 8)
     configs = [_config((2, 2), 2), _config((4,)), _config((4,), 2), _config((2, 2)), _config((4,), 2)]
     reports = runs.run_configs(configs)
