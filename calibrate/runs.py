@@ -1,21 +1,22 @@
 """Traced executor runs for calibration and validation: many configurations per launch of ranks.
 
 Starting ranks and setting up their process groups costs more than a small run itself, so the
-configurations that share a replica count D, a stage count K and a tensor-parallel degree T run one after another inside the
-same D x K x T worker processes (``calibrate.runs CONFIGS OUTDIR`` as D*K*T ranks, started as
-``gpipe train`` starts its own: :func:`executor.launch.launch_captured`). Each configuration runs exactly as ``gpipe train`` runs it: the
-executor's own :func:`prepare`, :func:`make_dist_stage` (each rank's replica and stage as laid out by
-:mod:`sim.placement`, its layers read from ``factory()``'s values written once by the launching
-process, as ``gpipe train`` writes them), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per
-process; its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With
-D > 1 the replicas are made as ``gpipe train`` makes them (:mod:`executor.replicas`), the losses
-are the global batch's mean, the report's per-stage figures are replica 0's (whose rows
-``torch.chunk`` makes the largest) and step times span every rank. With T tensor-parallel ranks per
-stage (D x K x T processes, cores/(D x K x T) threads each) a stage's figures are its rank 0's. Differences from a fresh ``gpipe
-train`` launch: the process, its allocator and the gloo groups are reused from the previous
-configuration, and every rank times the speed probe of
-:mod:`calibrate.speed` just before and just after the run (all ranks at once, outside the timed
-steps); the report's ``speed_probe_s`` holds them, per rank.
+configurations that share a replica count D, a stage count K and a tensor-parallel degree T run one
+after another inside the same D x K x T worker processes (``calibrate.runs CONFIGS OUTDIR`` as D*K*T
+ranks, started as ``gpipe train`` starts its own: :func:`executor.launch.launch_captured`). Each
+configuration runs exactly as ``gpipe train`` runs it: the executor's own :func:`prepare`,
+:func:`make_dist_stage` (each rank's replica and stage as laid out by :mod:`sim.placement`, its
+layers read from ``factory()``'s values written once by the launching process, as ``gpipe train``
+writes them), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per process;
+its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With D > 1 the
+replicas are made as ``gpipe train`` makes them (:mod:`executor.replicas`), the losses are the
+global batch's mean, the report's per-stage figures are replica 0's (whose rows ``torch.chunk``
+makes the largest) and step times span every rank. With T tensor-parallel ranks per stage (D x K x T
+processes, cores/(D x K x T) threads each) a stage's figures are its rank 0's. Differences from a
+fresh ``gpipe train`` launch: the process, its allocator and the gloo groups are reused from the
+previous configuration, and every rank times the speed probe of :mod:`calibrate.speed` just before
+and just after the run (all ranks at once, outside the timed steps); the report's ``speed_probe_s``
+holds them, per rank.
 
 :func:`train_report` runs one plan through the real ``gpipe train`` command instead (the demo does).
 """

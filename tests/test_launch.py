@@ -118,3 +118,27 @@ def test_gpipe_train_stopped_by_sigterm_ends_its_ranks_and_says_so(tmp_path):
             pass
     assert code == 128 + signal.SIGTERM
     assert "gpipe: error: training stopped by SIGTERM; its ranks were ended" in err.read_text()
+
+
+def test_a_rendezvous_nobody_comes_to_is_the_agents_own_error(probe, tmp_path):
+    """Node 1 of 2 waits for node 0's store, which never opens: after --rdzv-timeout the agent itself
+    fails, and gpipe train's line says so with what to check."""
+    import argparse
+    import socket
+
+    from executor.launch import run_ranks
+
+    _, env = probe
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = argparse.Namespace(nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_timeout=2,
+                              rdzv_id="nobody-comes", max_restarts=0)
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    code, message = run_ranks("probe_rank", ["ok"], 2, env, str(errors), args)
+    assert code == 1
+    assert message.startswith("gpipe: error: training failed: the launch failed (")
+    assert message.endswith("; check that every node was started with the same flags and --nnodes, node 0's "
+                            "address as --rdzv-endpoint and a distinct --node-rank, within --rdzv-timeout")
+    assert not list(tmp_path.glob("rank*.json"))  # no rank started
