@@ -212,6 +212,39 @@ def test_components_bubble_and_end_of_step_span_from_literal_spans():
     assert end_of_step_span_s(records, 4) == 0.0
 
 
+def test_replica_zeros_wait_for_the_slowest_replica_and_the_wait_noise_alone_would_give():
+    from calibrate.step_components import expected_max_of_normals, replica_waits
+
+    def record(replica, step, start, end, kind="F"):
+        return {"stage": 0, "kind": kind, "microbatch": 0, "start_s": start, "end_s": end, "step": step,
+                **({"replica": replica} if replica else {})}
+
+    # two measured steps (step 0 is warm-up); replica 1 computes 0.2 s longer in step 1, 0.1 s shorter in step 2
+    records = [record(0, 0, 0.0, 9.0), record(1, 0, 0.0, 1.0),
+               record(0, 1, 0.0, 0.4), record(0, 1, 0.4, 1.0, "B"), record(1, 1, 0.0, 1.2),
+               record(0, 2, 0.0, 1.0), record(1, 2, 0.0, 0.9), record(0, 2, 1.0, 1.5, "allreduce_dp")]
+    report = {"stages": [{}], "measured_steps": [1, 2], "timeline": {"records": records}}
+    waits, spread = replica_waits(report, 2)
+    assert waits == [pytest.approx(0.1)]  # (0.2 + 0) / 2: an all-reduce is not compute
+    busy = [1.0, 1.2, 1.0, 0.9]
+    mean = sum(busy) / 4
+    assert spread == pytest.approx((sum((b - mean) ** 2 for b in busy) / 4) ** 0.5 / mean)
+    assert replica_waits(report, 1) == ([0.0], 0.0)
+    assert expected_max_of_normals(1) == 0.0
+    assert expected_max_of_normals(2) == pytest.approx(1 / 3.141592653589793 ** 0.5, rel=1e-6)
+    assert expected_max_of_normals(4) == pytest.approx(1.0294, abs=1e-4)
+
+    two = Comparison("D=2 K=1 M=3", 0.9, 1.0, [1], [1], [1.0], [1.0], 2, predicted_busy_s=[0.9],
+                     measured_busy_s=[0.8], measured_replica_wait_s=[0.05], replica_busy_spread=0.1)
+    assert two.replica_wait_points == pytest.approx(5.0)  # 0.05 s of a 1.0 s step
+    assert two.replica_wait_from_spread_s == [pytest.approx(expected_max_of_normals(2) * 0.1 * 0.8)]
+    table = format_table({"runs": [two.to_dict()], "summary": summarize([two])})
+    assert "D=2 K=1 M=3: 50.0 ms (5.0 points; spread 10.0% alone 45.1 ms)" in table
+    one = Comparison("K=1 M=3", 0.9, 1.0, [1], [1], [1.0], [1.0])
+    assert one.replica_wait_points == 0.0 and one.replica_wait_from_spread_s == []
+    assert "replicas (D > 1)" not in format_table({"runs": [one.to_dict()], "summary": summarize([one])})
+
+
 def test_the_gap_between_actions_is_device_time_outside_every_span_less_the_waits():
     """Between two actions of a device: from the end of the first or its send to the second's start,
     less the wait for its input; other replicas, tensor-parallel ranks and steps not asked for are
