@@ -91,16 +91,13 @@ def compute_per_step_s(report: dict[str, Any]) -> list[list[float]]:
 
 
 def replica_waits(report: dict[str, Any], replicas: int) -> tuple[list[float], float]:
-    """What replica 0 waits for the other replicas: per stage, the mean over the measured steps of
-    the slowest replica's compute seconds in the step less replica 0's (the gradient all-reduce at
-    the step's end holds replica 0 until the slowest has finished; first tensor-parallel ranks);
-    and the spread of one replica's compute seconds per step, the standard deviation over the mean
-    of every (replica, stage, step). ([0.0] per stage, 0.0) for one replica.
-
-    Why: the replicas compute the same work, so the simulator gives them equal times and no wait;
-    measured, each replica's step varies on its own (on this 2-core VM by 7-14%), and replica 0's
-    idle includes the wait for whichever was slower. :func:`expected_max_of_normals` says how much
-    independent noise of that spread alone makes it."""
+    """What replica 0 waits for the other replicas, measured: per stage, the mean over the measured
+    steps of the slowest replica's compute seconds in the step less replica 0's (the gradient
+    all-reduce at the step's end holds replica 0 until the slowest has finished; first
+    tensor-parallel ranks); and the spread of one replica's compute seconds per step, the standard
+    deviation over the mean of every (replica, stage, step). ([0.0] per stage, 0.0) for one replica.
+    The simulator predicts this wait from calibration's deviations (:mod:`sim.stragglers`;
+    :func:`predicted_replica_waits_s`)."""
     stages = len(report["stages"])
     if replicas < 2:
         return [0.0] * stages, 0.0
@@ -117,18 +114,20 @@ def replica_waits(report: dict[str, Any], replicas: int) -> tuple[list[float], f
     return waits, spread
 
 
-def expected_max_of_normals(count: int) -> float:
-    """E[max of ``count`` independent standard normal variables]: 0 for one, 1/sqrt(pi) = 0.564 for
-    two, 1.029 for four. Times the spread of the replicas' step, the wait independent noise alone
-    makes the others' slowest replica cost a replica (an approximation: step times are not exactly
-    normal)."""
-    if count < 2:
-        return 0.0
-    from scipy import integrate
-    from scipy.stats import norm
+def predicted_replica_waits_s(result: Any, stages: int) -> list[float]:
+    """Per stage, the simulated replica 0's wait between its last compute and its gradient
+    all-reduce (the straggler allowance of :mod:`sim.stragglers`); 0 where a stage has no
+    all-reduce (one replica)."""
+    from sim.timeline import DP_ALLREDUCE
 
-    value, _ = integrate.quad(lambda x: x * count * norm.pdf(x) * norm.cdf(x) ** (count - 1), -12, 12)
-    return float(value)
+    records = [r for r in result.timeline.records if not r.replica]
+    waits = [0.0] * stages
+    for k in range(stages):
+        reduce = [r.start_s for r in records if r.stage == k and r.kind == DP_ALLREDUCE]
+        compute = [r.end_s for r in records if r.stage == k and r.kind in COMPUTE_KINDS]
+        if reduce and compute:
+            waits[k] = max(0.0, min(reduce) - max(compute))
+    return waits
 
 
 def measured_end_span_s(report: dict[str, Any]) -> float:

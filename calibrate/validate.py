@@ -44,7 +44,8 @@ from typing import Any, Callable, Sequence
 
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.speed import run_probes, speed_factor
-from calibrate.step_components import measured_components, predicted_end_span_s, replica_waits
+from calibrate.step_components import (measured_components, predicted_end_span_s, predicted_replica_waits_s,
+                                       replica_waits)
 from sim.partition import even_partition
 from sim.schedule import default_virtual_stages
 
@@ -143,29 +144,21 @@ class Comparison:
     measured_kind_at_reference_s: dict[str, list[float]] = field(default_factory=dict)
     # the step as the fits on the calibration's odd and even design rounds predict it (calibrate.calibration.fit_halves)
     predicted_step_halves_s: list[float] = field(default_factory=list)
-    # D > 1: per stage, replica 0's wait a step for the stage's slowest replica, and the spread of a
-    # replica's compute per step (calibrate.step_components.replica_waits), medians over rounds
+    # D > 1: per stage, replica 0's wait a step for the stage's slowest replica, measured (median over
+    # rounds, calibrate.step_components.replica_waits) and simulated (the straggler allowance), and
+    # the spread of a replica's compute per step (median over rounds)
     measured_replica_wait_s: list[float] = field(default_factory=list)
+    predicted_replica_wait_s: list[float] = field(default_factory=list)
     replica_busy_spread: float = 0.0
 
     @property
-    def replica_wait_points(self) -> float:
-        """The share of the measured bubble that is replica 0 waiting for the other replicas, in
-        points of the step (the bubble's mean over stages; the prediction has no such wait)."""
-        if not self.measured_replica_wait_s or self.measured_step_s <= 0:
-            return 0.0
-        return statistics.fmean(self.measured_replica_wait_s) / self.measured_step_s * 100
-
-    @property
-    def replica_wait_from_spread_s(self) -> list[float]:
-        """Per stage, the wait independent step-to-step noise of the measured spread alone would give
-        replica 0: E[max of D normals] x spread x the stage's measured busy time."""
-        if self.replicas < 2:
-            return []
-        from calibrate.step_components import expected_max_of_normals
-
-        factor = expected_max_of_normals(self.replicas) * self.replica_busy_spread
-        return [factor * busy for busy in self.measured_busy_s]
+    def replica_wait_points(self) -> tuple[float, float]:
+        """Replica 0's wait for the other replicas in points of the step (mean over stages, as the
+        bubble), predicted and measured; (0, 0) for one replica."""
+        if not self.measured_replica_wait_s or self.measured_step_s <= 0 or self.predicted_step_s <= 0:
+            return 0.0, 0.0
+        return (statistics.fmean(self.predicted_replica_wait_s or [0.0]) / self.predicted_step_s * 100,
+                statistics.fmean(self.measured_replica_wait_s) / self.measured_step_s * 100)
 
     @property
     def kind_errors_at_reference(self) -> dict[str, list[float | None]]:
@@ -301,8 +294,8 @@ class Comparison:
                 "bubble_error_interval_points": list(self.bubble_error_interval_points),
                 "predicted_step_halves_s": self.predicted_step_halves_s,
                 "measured_replica_wait_s": self.measured_replica_wait_s,
-                "replica_wait_points": self.replica_wait_points, "replica_busy_spread": self.replica_busy_spread,
-                "replica_wait_from_spread_s": self.replica_wait_from_spread_s,
+                "predicted_replica_wait_s": self.predicted_replica_wait_s,
+                "replica_wait_points": list(self.replica_wait_points), "replica_busy_spread": self.replica_busy_spread,
                 "step_error_halves_at_reference": (list(self.step_error_halves_at_reference)
                                                    if self.step_error_halves_at_reference else None)}
 
@@ -376,7 +369,8 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       predicted_busy, busy, predicted_end_span_s(result), span, rounds_busy,
                       predicted_kind_s(result, len(busy)), measured_kind_s(reports, speeds, len(busy)), halves,
                       [statistics.median(w[0][k] for w in waits) for k in range(len(busy))] if spec.replicas > 1
-                      else [], statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0)
+                      else [], predicted_replica_waits_s(result, len(busy)) if spec.replicas > 1 else [],
+                      statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0)
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:
@@ -638,12 +632,14 @@ def format_table(result: dict[str, Any]) -> str:
     waits = [run for run in result["runs"] if run.get("replicas", 1) > 1 and run.get("measured_replica_wait_s")]
     if waits:
         lines.append("replicas (D > 1): replica 0's wait for the slowest replica of its stage before the gradient "
-                     "all-reduce, a step (points of its measured bubble; the prediction has none), and the wait "
-                     "the replicas' measured step-to-step spread alone would give: "
-                     + "; ".join(f"{run['run']}: {statistics.fmean(run['measured_replica_wait_s']) * 1e3:.1f} ms "
-                                 f"({run['replica_wait_points']:.1f} points; spread "
-                                 f"{run['replica_busy_spread'] * 100:.1f}% alone "
-                                 f"{statistics.fmean(run['replica_wait_from_spread_s']) * 1e3:.1f} ms)"
+                     "all-reduce, a step, predicted (the straggler allowance calibration's deviations give) / "
+                     "measured, in ms and in points of the step (part of the bubble), and the measured spread of "
+                     "a replica's compute per step: "
+                     + "; ".join(f"{run['run']}: "
+                                 f"{statistics.fmean(run.get('predicted_replica_wait_s') or [0.0]) * 1e3:.1f}/"
+                                 f"{statistics.fmean(run['measured_replica_wait_s']) * 1e3:.1f} ms "
+                                 f"({run['replica_wait_points'][0]:.1f}/{run['replica_wait_points'][1]:.1f} points; "
+                                 f"spread {run['replica_busy_spread'] * 100:.1f}%)"
                                  for run in waits))
     if s.get("median_kind_error_at_reference"):
         lines.append("by kind of action, at the reference speed, median signed error of a stage's step of them: "

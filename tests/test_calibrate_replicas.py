@@ -93,9 +93,10 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs)
         assert comparison.measured_peak_bytes == comparison.predicted_peak_bytes  # exact, as for D = 1
     assert comparisons[1].oversubscribed == (4 > machine_processes("cpu"))
     for comparison in comparisons[:2]:  # replica 0's wait for the other, from both replicas' timelines
-        assert len(comparison.measured_replica_wait_s) == len(comparison.measured_busy_s)
+        assert len(comparison.measured_replica_wait_s) == len(comparison.predicted_replica_wait_s) \
+            == len(comparison.measured_busy_s)
         assert all(wait >= 0.0 for wait in comparison.measured_replica_wait_s) and comparison.replica_busy_spread > 0
-    assert comparisons[2].measured_replica_wait_s == [] and comparisons[2].replica_wait_points == 0.0
+    assert comparisons[2].measured_replica_wait_s == [] and comparisons[2].replica_wait_points == (0.0, 0.0)
     table = format_table({"runs": [c.to_dict() for c in comparisons], "summary": summarize(comparisons)})
     assert all(line.lstrip().startswith("2") for line in table.splitlines()[2:4])
     assert "V=2" in table.splitlines()[4]

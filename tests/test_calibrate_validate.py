@@ -212,8 +212,12 @@ def test_components_bubble_and_end_of_step_span_from_literal_spans():
     assert end_of_step_span_s(records, 4) == 0.0
 
 
-def test_replica_zeros_wait_for_the_slowest_replica_and_the_wait_noise_alone_would_give():
-    from calibrate.step_components import expected_max_of_normals, replica_waits
+def test_replica_zeros_wait_for_the_slowest_replica_measured_and_simulated():
+    from types import SimpleNamespace
+
+    from sim.timeline import Record
+
+    from calibrate.step_components import predicted_replica_waits_s, replica_waits
 
     def record(replica, step, start, end, kind="F"):
         return {"stage": 0, "kind": kind, "microbatch": 0, "start_s": start, "end_s": end, "step": step,
@@ -230,18 +234,22 @@ def test_replica_zeros_wait_for_the_slowest_replica_and_the_wait_noise_alone_wou
     mean = sum(busy) / 4
     assert spread == pytest.approx((sum((b - mean) ** 2 for b in busy) / 4) ** 0.5 / mean)
     assert replica_waits(report, 1) == ([0.0], 0.0)
-    assert expected_max_of_normals(1) == 0.0
-    assert expected_max_of_normals(2) == pytest.approx(1 / 3.141592653589793 ** 0.5, rel=1e-6)
-    assert expected_max_of_normals(4) == pytest.approx(1.0294, abs=1e-4)
+    # simulated: replica 0's last backward ends at 2.0, its all-reduce starts at 2.3 (replica 1's own is not read)
+    simulated = SimpleNamespace(timeline=SimpleNamespace(records=[
+        Record(0, "F", 0, 0.0, 1.0), Record(0, "B", 0, 1.0, 2.0), Record(0, "recv_wait", -1, 2.0, 2.3),
+        Record(0, "allreduce_dp", -1, 2.3, 2.5), Record(0, "B", 0, 1.0, 2.3, replica=1),
+        Record(0, "allreduce_dp", -1, 2.3, 2.5, replica=1)]))
+    assert predicted_replica_waits_s(simulated, 1) == [pytest.approx(0.3)]
+    assert predicted_replica_waits_s(SimpleNamespace(timeline=SimpleNamespace(records=[])), 2) == [0.0, 0.0]
 
-    two = Comparison("D=2 K=1 M=3", 0.9, 1.0, [1], [1], [1.0], [1.0], 2, predicted_busy_s=[0.9],
-                     measured_busy_s=[0.8], measured_replica_wait_s=[0.05], replica_busy_spread=0.1)
-    assert two.replica_wait_points == pytest.approx(5.0)  # 0.05 s of a 1.0 s step
-    assert two.replica_wait_from_spread_s == [pytest.approx(expected_max_of_normals(2) * 0.1 * 0.8)]
+    two = Comparison("D=2 K=1 M=3", 0.8, 1.0, [1], [1], [1.0], [1.0], 2, predicted_busy_s=[0.7],
+                     measured_busy_s=[0.8], measured_replica_wait_s=[0.05], predicted_replica_wait_s=[0.04],
+                     replica_busy_spread=0.1)
+    assert two.replica_wait_points == (pytest.approx(5.0), pytest.approx(5.0))  # 0.04 s of 0.8, 0.05 s of 1.0
     table = format_table({"runs": [two.to_dict()], "summary": summarize([two])})
-    assert "D=2 K=1 M=3: 50.0 ms (5.0 points; spread 10.0% alone 45.1 ms)" in table
+    assert "D=2 K=1 M=3: 40.0/50.0 ms (5.0/5.0 points; spread 10.0%)" in table
     one = Comparison("K=1 M=3", 0.9, 1.0, [1], [1], [1.0], [1.0])
-    assert one.replica_wait_points == 0.0 and one.replica_wait_from_spread_s == []
+    assert one.replica_wait_points == (0.0, 0.0)
     assert "replicas (D > 1)" not in format_table({"runs": [one.to_dict()], "summary": summarize([one])})
 
 
