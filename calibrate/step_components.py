@@ -77,14 +77,14 @@ def measured_gap_medians_s(report: dict[str, Any], stage: int) -> dict[str, floa
     return {kind: statistics.median(gaps) for kind, gaps in sorted(by_kind.items())}
 
 
-def compute_per_step_s(report: dict[str, Any]) -> list[list[float]]:
+def compute_per_step_s(report: dict[str, Any], replica: int = 0) -> list[list[float]]:
     """Per measured step, each stage's compute seconds in it (its forwards, recomputes, backwards and
-    their split parts; replica 0, first tensor-parallel ranks), in stage order."""
+    their split parts; replica ``replica``, first tensor-parallel ranks), in stage order."""
     stages = len(report["stages"])
     steps = report["measured_steps"]
     rows = {step: [0.0] * stages for step in steps}
     for record in report["timeline"]["records"]:
-        if (record["step"] in rows and record["kind"] in COMPUTE_KINDS and not record.get("replica")
+        if (record["step"] in rows and record["kind"] in COMPUTE_KINDS and record.get("replica", 0) == replica
                 and not record.get("tp")):
             rows[record["step"]][record["stage"]] += record["end_s"] - record["start_s"]
     return [rows[step] for step in steps]
@@ -101,15 +101,11 @@ def replica_waits(report: dict[str, Any], replicas: int) -> tuple[list[float], f
     stages = len(report["stages"])
     if replicas < 2:
         return [0.0] * stages, 0.0
-    steps = report["measured_steps"]
-    busy = {(d, k, step): 0.0 for d in range(replicas) for k in range(stages) for step in steps}
-    for record in report["timeline"]["records"]:
-        key = (record.get("replica", 0), record["stage"], record["step"])
-        if key in busy and record["kind"] in COMPUTE_KINDS and not record.get("tp"):
-            busy[key] += record["end_s"] - record["start_s"]
-    waits = [statistics.fmean(max(busy[(d, k, step)] for d in range(replicas)) - busy[(0, k, step)]
-                              for step in steps) if steps else 0.0 for k in range(stages)]
-    values = list(busy.values())
+    per_replica = [compute_per_step_s(report, d) for d in range(replicas)]  # [replica][step][stage]
+    steps = range(len(per_replica[0]))
+    waits = [statistics.fmean(max(rows[s][k] for rows in per_replica) - per_replica[0][s][k] for s in steps)
+             if steps else 0.0 for k in range(stages)]
+    values = [seconds for rows in per_replica for row in rows for seconds in row]
     spread = statistics.pstdev(values) / statistics.fmean(values) if len(values) > 1 and any(values) else 0.0
     return waits, spread
 
