@@ -3,9 +3,13 @@
 Busy seconds per stage (forward, recompute, backward and their split parts, the optimizer), the
 executor's own time between two actions of a device, and the end-of-step span: from the last
 compute action of the step on any stage to the end of the step's last span (the optimizer,
-all-reduces, sends finishing, and in a prediction the fitted per-step overhead). Validation
-compares both sides with these; calibration bounds its fitted overhead by the measured span
-(:func:`calibrate.calibration.fit_step_overhead`) and fits the model's gaps on the measured ones.
+all-reduces, sends finishing, and in a prediction the fitted per-step overhead), plus, in a
+measured run, the start-of-step span from the previous step's end to the step's first action
+(drawing the batch, zeroing gradients, posting receives). A measured step lasts from the previous
+step's end to its own, so both spans are in it; the simulator prices one step from its first
+action and puts all of that time in its end-of-step overhead, so the two compare as one sum.
+Validation compares both sides with these; calibration bounds its fitted overhead by the measured
+span (:func:`calibrate.calibration.fit_step_overhead`) and fits the model's gaps on the measured ones.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
     ends = [(r.kind, r.end_s) for r in records if r.step == step]
     compute = [end for kind, end in ends if kind in COMPUTE_KINDS]
     return max(end for _, end in ends) - max(compute) if compute else 0.0
+
+
+def start_of_step_span_s(records: Sequence[Any], step: int) -> float:
+    """From the end of the previous step's last span to ``step``'s first span: the executor's work
+    between two steps before any action starts. Negative where a stage began the step before
+    another had finished the last one (stage 0's first forward while the last stage's optimizer
+    runs): the measured step is then that much shorter than the one step the simulator prices.
+    0 for a step whose previous step is not in ``records``."""
+    previous = [r.end_s for r in records if r.step == step - 1]
+    starts = [r.start_s for r in records if r.step == step]
+    return min(starts) - max(previous) if previous and starts else 0.0
 
 
 def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[int, int], list[tuple[str, float]]]:
@@ -127,13 +142,16 @@ def predicted_replica_waits_s(result: Any, stages: int) -> list[float]:
 
 
 def measured_end_span_s(report: dict[str, Any]) -> float:
-    """The median end-of-step span over a report's measured steps (every step where none is past its
-    warm-up), replica 0's first tensor-parallel ranks."""
+    """The median over a report's measured steps (every step past its warm-up) of the end-of-step
+    span plus the start-of-step span before it (see the module), replica 0's first tensor-parallel
+    ranks: the time a measured step holds outside its actions, which the simulator's end-of-step
+    span stands for."""
     from sim.timeline import Timeline
 
     records = [r for r in Timeline.from_dict(report["timeline"]).records if not r.replica and not r.tp]
     steps = report["measured_steps"] or sorted({r.step for r in records})
-    return statistics.median(end_of_step_span_s(records, step) for step in steps)
+    return statistics.median(end_of_step_span_s(records, step) + start_of_step_span_s(records, step)
+                             for step in steps)
 
 
 def measured_components(reports: Sequence[dict[str, Any]]) -> tuple[list[float], float]:

@@ -212,6 +212,29 @@ def test_components_bubble_and_end_of_step_span_from_literal_spans():
     assert end_of_step_span_s(records, 4) == 0.0
 
 
+def test_a_measured_steps_start_span_joins_its_end_of_step_span():
+    """The measured step runs from the previous step's end to its own: the time before its first
+    action counts with its end-of-step span (the simulator puts both at its one step's end), and a
+    stage that begins a step before the last one ended shortens it."""
+    from sim.timeline import Record, Timeline
+
+    from calibrate.step_components import measured_end_span_s, start_of_step_span_s
+
+    def step(n, begin):  # F on stage 0 for 2 s, B on stage 1 for 3 s, the optimizer 0.5 s
+        return [Record(0, "F", 0, begin, begin + 2.0, step=n), Record(1, "B", 0, begin + 2.0, begin + 5.0, step=n),
+                Record(1, "optimizer", -1, begin + 5.0, begin + 5.5, step=n)]
+
+    gapped = step(0, 0.0) + step(1, 6.0) + step(2, 12.0)  # 0.5 s between one step's end and the next's start
+    assert start_of_step_span_s(gapped, 0) == 0.0  # no previous step
+    assert start_of_step_span_s(gapped, 1) == pytest.approx(0.5)
+    report = {"timeline": Timeline(gapped).to_dict(), "measured_steps": [1, 2]}
+    assert measured_end_span_s(report) == pytest.approx(0.5 + 0.5)  # optimizer 0.5 s + 0.5 s before the step
+    overlapped = step(0, 0.0) + step(1, 5.2) + step(2, 10.4)  # stage 0 starts 0.3 s before the optimizer ends
+    assert start_of_step_span_s(overlapped, 2) == pytest.approx(-0.3)
+    report = {"timeline": Timeline(overlapped).to_dict(), "measured_steps": [1, 2]}
+    assert measured_end_span_s(report) == pytest.approx(0.5 - 0.3)
+
+
 def test_replica_zeros_wait_for_the_slowest_replica_measured_and_simulated():
     from types import SimpleNamespace
 
