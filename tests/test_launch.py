@@ -13,8 +13,8 @@ PROBE = textwrap.dedent('''
     import json, os, sys, time
     rank = int(os.environ["RANK"])
     mode = sys.argv[1]
-    sys.stdout.write(f"out of rank {rank}\n")  # one write each: print's text and newline are two, which
-    sys.stderr.write(f"err of rank {rank}\n")  # the two ranks' unbuffered streams can interleave
+    sys.stdout.write(f"out of rank {rank}\\n")  # one write each: print's text and newline are two, which
+    sys.stderr.write(f"err of rank {rank}\\n")  # the two ranks' unbuffered streams can interleave
     with open(f"rank{rank}.json", "w") as handle:
         json.dump({"cwd": os.getcwd(), "marker": os.environ.get("PROBE_MARKER"), "home": os.environ.get("HOME"),
                    "world": os.environ["WORLD_SIZE"], "argv": sys.argv, "name": __name__,
