@@ -245,7 +245,7 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
                  f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))
     rows += gap_rows(report, data.get("pipeline", {}).get(str(plan.stages), {}).get("gap_after_s", {}))
     overhead = sum(r.duration_s for r in predicted.timeline.records if r.kind == STEP_OVERHEAD and r.stage == 0)
-    rows.append(("of it, the fitted per-step overhead (no measured span stands for it)",
+    rows.append(("of it, the fitted per-step overhead (work between steps, at most the span measured there)",
                  f"{overhead * 1e3:.2f} ms", "-", "-"))
     pace = report.get("machine_pace")
     if pace:

@@ -4,8 +4,8 @@ Busy seconds per stage (forward, recompute, backward and their split parts, the 
 executor's own time between two actions of a device, and the end-of-step span: from the last
 compute action of the step on any stage to the end of the step's last span (the optimizer,
 all-reduces, sends finishing, and in a prediction the fitted per-step overhead), plus, in a
-measured run, the start-of-step span from the previous step's end to the step's first action
-(drawing the batch, zeroing gradients, posting receives). A measured step lasts from the previous
+measured run, the start-of-step span from the previous step's end to the step's first compute
+action (drawing the batch, zeroing gradients, posting receives). A measured step lasts from the previous
 step's end to its own, so both spans are in it; the simulator prices one step from its first
 action and puts all of that time in its end-of-step overhead, so the two compare as one sum.
 Validation compares both sides with these; calibration bounds its fitted overhead by the measured
@@ -30,13 +30,15 @@ def end_of_step_span_s(records: Sequence[Any], step: int) -> float:
 
 
 def start_of_step_span_s(records: Sequence[Any], step: int) -> float:
-    """From the end of the previous step's last span to ``step``'s first span: the executor's work
-    between two steps before any action starts. Negative where a stage began the step before
-    another had finished the last one (stage 0's first forward while the last stage's optimizer
-    runs): the measured step is then that much shorter than the one step the simulator prices.
-    0 for a step whose previous step is not in ``records``."""
+    """From the end of the previous step's last span to ``step``'s first compute action: the
+    executor's work between two steps before any action starts (a stage's wait for its input is
+    no work: the last stage of a one-micro-batch run waits through most of the previous step's
+    end). Negative where a stage began the step before another had finished the last one (stage
+    0's first forward while the last stage's optimizer runs): the measured step is then that much
+    shorter than the one step the simulator prices. 0 for a step whose previous step is not in
+    ``records``."""
     previous = [r.end_s for r in records if r.step == step - 1]
-    starts = [r.start_s for r in records if r.step == step]
+    starts = [r.start_s for r in records if r.step == step and r.kind in COMPUTE_KINDS]
     return min(starts) - max(previous) if previous and starts else 0.0
 
 

@@ -628,7 +628,7 @@ def format_table(result: dict[str, Any]) -> str:
                  f"a stage's busy time by {s.get('median_busy_round_spread', 0.0) * 100:.1f}%); bubble error median "
                  f"{s.get('median_bubble_error_points', 0.0):.1f} points, worst "
                  f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "
-                 "backward to the step's end, and in a measured step from the previous step's end to its first "
+                 "backward to the step's end, and in a measured step from the previous step's end to its first compute "
                  "action, predicted/measured)")
     waits = [run for run in result["runs"] if run.get("replicas", 1) > 1 and run.get("measured_replica_wait_s")]
     if waits:

@@ -339,14 +339,23 @@ class MeasuredWorkload:
             return ((m - 1) * price(plain, "F") + price(graph, "R")) / m
         return price(plain, "F")
 
-    @staticmethod
-    def _cold_start_s(fit: PipelineFit) -> tuple[float, ...]:
-        """Per kind in COMPUTE_KINDS order, what an action adds when it starts cold: the forward's,
-        recompute's and backward's lines' own; I and W the backward's, whose per-action overhead
-        calibration has them share. Empty where no line has one (older costs files)."""
+    def _cold_start_s(self, fit: PipelineFit) -> tuple[float, ...]:
+        """Per kind in COMPUTE_KINDS order, what an action adds when it starts cold: the forward's
+        as the policy runs it (as :meth:`_forward_s` prices it), the recompute's and backward's
+        lines' own; I and W the backward's, which calibration has them share. Empty where no line
+        has one (older costs files)."""
         lines = fit.actions
+        plain = lines["F"].cold_start_s
+        graph = lines.get(FORWARD_WITH_GRAPH, lines["F"]).cold_start_s
+        if self.checkpoint in ("never", "selective"):
+            forward = graph
+        elif self.checkpoint == "except_last":
+            m = self.microbatches or 1
+            forward = ((m - 1) * plain + graph) / m
+        else:
+            forward = plain
         backward = lines["B"].cold_start_s
-        values = (lines["F"].cold_start_s, lines["R"].cold_start_s, backward, backward, backward)
+        values = (forward, lines["R"].cold_start_s, backward, backward, backward)
         return tuple(max(0.0, v) for v in values) if any(values) else ()
 
     def _parts(self, kind: str, layers: range, rows: int) -> tuple[float, float]:

@@ -229,6 +229,8 @@ def test_a_measured_steps_start_span_joins_its_end_of_step_span():
     assert start_of_step_span_s(gapped, 1) == pytest.approx(0.5)
     report = {"timeline": Timeline(gapped).to_dict(), "measured_steps": [1, 2]}
     assert measured_end_span_s(report) == pytest.approx(0.5 + 0.5)  # optimizer 0.5 s + 0.5 s before the step
+    waiting = gapped + [Record(1, "recv_wait", 0, 3.0, 8.0, step=1)]  # stage 1 waits from early on: no work
+    assert start_of_step_span_s(waiting, 1) == pytest.approx(0.5)
     overlapped = step(0, 0.0) + step(1, 5.2) + step(2, 10.4)  # stage 0 starts 0.3 s before the optimizer ends
     assert start_of_step_span_s(overlapped, 2) == pytest.approx(-0.3)
     report = {"timeline": Timeline(overlapped).to_dict(), "measured_steps": [1, 2]}
