@@ -431,23 +431,6 @@ def stage_actions(stage: int, stages: int, microbatches: int, schedule: str = "g
     return _stage_1f1b(stage, stages, microbatches, checkpoint)
 
 
-def starts_cold(actions: Sequence[Action], index: int) -> bool:
-    """Whether a device's ``index``-th action starts cold: it is the first of the device's list, or
-    the action before it was of another kind or another chunk. Its weights' and activations' cache
-    lines and the code it runs were then displaced by other work (the optimizer before the step's
-    first action, a backward before a forward under 1F1B); the simulator adds the stage's
-    ``cold_start_s`` for it and calibration fits that time on the same marks."""
-    if index == 0:
-        return True
-    before, action = actions[index - 1], actions[index]
-    return before.kind is not action.kind or before.stage != action.stage
-
-
-def cold_starts(actions: Sequence[Action]) -> list[bool]:
-    """:func:`starts_cold` of every action of a device's list."""
-    return [starts_cold(actions, i) for i in range(len(actions))]
-
-
 def device_of_virtual_stage(virtual_stage: int, stages: int, schedule: str = "interleaved") -> int:
     """The device (pipeline position) that runs virtual stage ``virtual_stage``, chunk ``s // K``.
 

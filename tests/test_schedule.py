@@ -324,13 +324,3 @@ def test_the_bubble_figure_orders_the_schedules_as_their_formulas(tmp_path, caps
                for p in json.loads((tmp_path / "bubbles.json").read_text())["points"]}
     assert written[("zbv", 8)] == pytest.approx(points[("zbv", 8)].bubble_fraction)
     assert "zbv         M=4:  20.0%" in capsys.readouterr().out
-
-
-def test_an_action_starts_cold_after_another_kind_or_another_chunk():
-    """The first action of a device, and one whose predecessor ran another kind or another chunk
-    (interleaved: device 0 holds chunks 0 and 2), start cold; a run of one kind on one chunk does not."""
-    from sim.schedule import cold_starts
-
-    actions = [Action.parse(text) for text in ("0F0", "0F1", "2F0", "2F1", "2B1", "2B0", "0B1", "0R0", "0B0")]
-    assert cold_starts(actions) == [True, False, True, False, True, False, True, True, True]
-    assert cold_starts([]) == []
