@@ -197,8 +197,8 @@ def _rel(predicted: float, measured: float) -> str:
 def end_of_step_spans_s(predicted: Any, report: dict[str, Any]) -> tuple[float, float]:
     """(predicted, measured) time from the step's last compute action to its end: the predicted
     step's, and the median over the measured steps of replica 0's first tensor-parallel ranks, with
-    the time from the previous step's end to the step's first action added (the simulator prices
-    that time at the end of its one step)."""
+    the time from the previous step's end to the step's first compute action added (the simulator
+    prices that time at the end of its one step)."""
     from calibrate.step_components import end_of_step_span_s, measured_end_span_s
 
     return end_of_step_span_s(predicted.records, 0), measured_end_span_s(report)
@@ -241,8 +241,8 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
     for k, (s, m) in enumerate(zip(predicted.stages, measured_busy)):
         rows.append((f"stage {k} busy per step", f"{s.busy_s * 1e3:.2f} ms", f"{m * 1e3:.2f} ms", _rel(s.busy_s, m)))
     predicted_end, measured_end = end_of_step_spans_s(predicted.timeline, report)
-    rows.append(("end-of-step span (last compute to step end, and last step's end to first action)", f"{predicted_end * 1e3:.2f} ms",
-                 f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))
+    rows.append(("end-of-step span (last compute to step end, and last step's end to first action)",
+                 f"{predicted_end * 1e3:.2f} ms", f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))
     rows += gap_rows(report, data.get("pipeline", {}).get(str(plan.stages), {}).get("gap_after_s", {}))
     overhead = sum(r.duration_s for r in predicted.timeline.records if r.kind == STEP_OVERHEAD and r.stage == 0)
     rows.append(("of it, the fitted per-step overhead (work between steps, at most the span measured there)",

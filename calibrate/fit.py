@@ -148,8 +148,9 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     columns = [(p - f) / m, f / m, 1.0 / m] if split else [p / m, 1.0 / m]
     bounds = [slope_bounds, fixed_bounds, intercept_bounds] if split else [slope_bounds, intercept_bounds]
     design = np.stack(columns, axis=1)
+    # bvls: exact on a few columns; the default method stopped 1e-5 short near a bound (scipy 1.17)
     result = lsq_linear(design * weight[:, None], weight, bounds=([b[0] for b in bounds], [b[1] for b in bounds]),
-                        method="bvls")  # exact on a few columns; the default stopped 1e-5 short near a bound (scipy 1.17)
+                        method="bvls")
     coefficients = [float(v) for v in result.x]
     residuals = tuple(float(v) for v in design @ result.x - 1.0)
     if split:

@@ -5,9 +5,9 @@ executor's own time between two actions of a device, and the end-of-step span: f
 compute action of the step on any stage to the end of the step's last span (the optimizer,
 all-reduces, sends finishing, and in a prediction the fitted per-step overhead), plus, in a
 measured run, the start-of-step span from the previous step's end to the step's first compute
-action (drawing the batch, zeroing gradients, posting receives). A measured step lasts from the previous
-step's end to its own, so both spans are in it; the simulator prices one step from its first
-action and puts all of that time in its end-of-step overhead, so the two compare as one sum.
+action (drawing the batch, zeroing gradients, posting receives). A measured step lasts from the
+previous step's end to its own, so both spans are in it; the simulator prices one step from its
+first action and puts all of that time in its end-of-step overhead, so the two compare as one sum.
 Validation compares both sides with these; calibration bounds its fitted overhead by the measured
 span (:func:`calibrate.calibration.fit_step_overhead`) and fits the model's gaps on the measured ones.
 """

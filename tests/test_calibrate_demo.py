@@ -24,7 +24,8 @@ def test_demo_writes_one_report_and_says_where(tmp_path):
     page = (out / "report.html").read_text()
     for text in ("predicted timeline", "measured timeline", "Busy and bubble per stage",
                  "Peak activation memory per stage", "Prediction error", "step time", "stage 1 peak activation",
-                 "step time at the calibration&#x27;s machine speed", "end-of-step span (last compute to step end, and last step&#x27;s end to first action)",
+                 "step time at the calibration&#x27;s machine speed",
+                 "end-of-step span (last compute to step end, and last step&#x27;s end to first action)",
                  "the fitted per-step overhead", "stage 0 between actions", "Training loss per step (the shipped Shakespeare"):
         assert text in page, text
     assert (out / "costs.json").exists() and (out / "plan.json").exists()
