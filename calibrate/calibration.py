@@ -32,7 +32,7 @@ from calibrate.step_components import (compute_per_step_s, measured_action_gaps_
                                        predicted_end_span_s)
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
-from sim.schedule import COMPUTE_KINDS, recomputes, recomputes_per_layer
+from sim.schedule import COMPUTE_KINDS, build_schedule, cold_starts, recomputes, recomputes_per_layer
 from sim.progress import phase
 from sim.stage_costs import stage_bounds
 from sim.stragglers import straggle_fraction
@@ -160,6 +160,8 @@ class ActionPoints:
     # and its stage's layer count
     recompute: list[tuple[float, float]] = field(default_factory=list)
     layers: list[int] = field(default_factory=list)
+    # 1.0 where the action starts cold (sim.schedule.starts_cold), else 0.0
+    cold: list[float] = field(default_factory=list)
 
     def typical(self) -> "ActionPoints":
         """One point per action of a run: its median over the rounds that measured it.
@@ -181,7 +183,8 @@ class ActionPoints:
                             [statistics.median(self.measured[i] for i in members) for _, members in rows],
                             [run for (run, _), _ in rows], [action for (_, action), _ in rows],
                             [self.recompute[members[0]] for _, members in rows] if self.recompute else [],
-                            [self.layers[members[0]] for _, members in rows] if self.layers else [])
+                            [self.layers[members[0]] for _, members in rows] if self.layers else [],
+                            [self.cold[members[0]] for _, members in rows] if self.cold else [])
 
 
 @dataclass
@@ -218,6 +221,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     k_count = spec.stages
     bounds = stage_bounds(spec.partition)
     m_count = len([a for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"])
+    cold = cold_marks(spec)
     for action in report["actions"]:
         kind = fitted_kind(action, bounds, spec.checkpoint, m_count)
         if kind is None:
@@ -231,6 +235,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         points.measured.append(action["duration_s"] / speed)
         points.runs.append(spec.label())
         points.actions.append((action["stage"], action.get("virtual_stage", 0), action["microbatch"]))
+        points.cold.append(1.0 if starts_cold_in(cold, action) else 0.0)
         if kind == BACKWARD_WITH_RECOMPUTE:
             first, end = bounds[action["stage"]]
             parts = [workload.profiled_parts_s("R", i, action["rows"]) for i in range(first, end)]
@@ -262,6 +267,22 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     if k_count >= 2:
         obs.step_compute.setdefault(k_count, {}).setdefault(spec.label(), []).extend(
             [seconds / speed for seconds in row] for row in compute_per_step_s(report))
+
+
+def cold_marks(spec: RunSpec) -> dict[tuple[int, str, int], bool]:
+    """Per (virtual stage, kind, micro-batch) of the run's schedule, whether that action starts cold
+    (:func:`sim.schedule.starts_cold`): the simulator walks the same lists."""
+    marks: dict[tuple[int, str, int], bool] = {}
+    for actions in build_schedule(spec.stages, spec.microbatches, spec.schedule, spec.checkpoint,
+                                  spec.virtual_stages):
+        for action, is_cold in zip(actions, cold_starts(actions)):
+            marks[(action.stage, action.kind.value, action.microbatch)] = is_cold
+    return marks
+
+
+def starts_cold_in(marks: dict[tuple[int, str, int], bool], action: dict[str, Any]) -> bool:
+    """Whether a report's action starts cold by ``marks`` (a chunk's own index where the run interleaves)."""
+    return marks.get((action.get("virtual_stage", action["stage"]), action["kind"], action["microbatch"]), False)
 
 
 def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], checkpoint: str,
@@ -318,6 +339,9 @@ def _rows_of(spec: RunSpec, microbatch: int) -> int:
 
 # the lines that take another's per-action overhead rather than fit their own (fit_pipeline)
 OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
+# and those that take its cold start too (the step's first action is never one of theirs). A
+# forward keeping its graph fits its own: it opens the step under never and selective.
+COLD_START_OF = {"I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
 
 
 def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: ActionFit) -> AffineFit:
@@ -336,7 +360,9 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
     5.9 ms of overhead and none of the fixed part, the next the reverse; a line sharing that overhead
     put the held-out K = 1 ``full`` run -14.9% and +0.5% off). The two lines' sum is known at every row
     count, whichever way they split it. At least 0: the work it stands for takes time."""
-    combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
+    cold = points.cold or [0.0] * len(points.profiled)
+    combined = [backward(p, f) + recompute(*r) + backward.cold_start_s * c
+                for p, f, r, c in zip(points.profiled, points.fixed, points.recompute, cold)]
     further = [n - 1 for n in points.layers]
     per_layer = [n / m for n, m in zip(further, points.measured)]
     short = [1.0 - c / m for c, m in zip(combined, points.measured)]
@@ -368,8 +394,10 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
                 # 5- and 6-row actions fitted W an overhead of 3 ms, 30% too much on the zbv's chunks)
                 shares = OVERHEAD_OF.get(kind)
                 overhead = entry["actions"][shares]["intercept"] if shares else None
+                cold_of = COLD_START_OF.get(kind)
+                cold_s = entry["actions"][cold_of]["cold_start_s"] if cold_of else None
                 line = fit_action(points.profiled, points.fixed, points.measured, points.runs,
-                                  overhead_s=overhead).to_dict()
+                                  overhead_s=overhead, cold=points.cold, cold_s=cold_s).to_dict()
             else:
                 line = AffineFit(1.0, 0.0).to_dict()
             entry["actions"][kind] = line
@@ -498,9 +526,10 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
     """Per T, the in-pipeline factor on the split profile's times, fitted on the design's split
     runs as K's slopes are on whole stages: for each kind (F, R, B) the least-squares ratio through
     the origin of the measured durations (at the reference speed, tensor-parallel rank 0's, less
-    K's per-action overhead) to the profiled ones, a kind the design runs did not show taking the
-    ratio over all of them (``tensor_parallel_fit`` in the costs file; :class:`sim.costs.MeasuredWorkload`
-    uses it in place of K's slopes). The optimizer step gets a factor the same way, on K's optimizer
+    K's per-action overhead and, where the action starts cold, its cold start) to the profiled
+    ones, a kind the design runs did not show taking the ratio over all of them
+    (``tensor_parallel_fit`` in the costs file; :class:`sim.costs.MeasuredWorkload` uses it in
+    place of K's slopes). The optimizer step gets a factor the same way, on K's optimizer
     line for the stage's shard (``optimizer``): the step over a split stage's DTensor shards pays
     their dispatch per parameter, which K's line, fitted on plain tensors, does not (21 ms against
     3.7 ms predicted for the demo model's T=2 stage with AdamW). Limits: one factor per kind
@@ -515,13 +544,16 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
             continue
         workload = MeasuredWorkload(data, spec.stages, spec.checkpoint, spec.microbatches, spec.tensor_parallel)
         bounds = stage_bounds(spec.partition)
+        cold = cold_marks(spec)
         for action in report["actions"]:
             kind = action["kind"]
             if kind not in "FRB":
                 continue
+            line = workload.fit.actions[kind]
             xs, ys = pairs.setdefault(spec.tensor_parallel, {}).setdefault(kind, ([], []))
             xs.append(profiled_action_s(workload, spec.checkpoint, action, bounds, spec.microbatches))
-            ys.append(action["duration_s"] / speed - workload.fit.actions[kind].intercept)
+            ys.append(action["duration_s"] / speed - line.intercept
+                      - (line.cold_start_s if starts_cold_in(cold, action) else 0.0))
         measured = set(report.get("measured_steps", ()))
         optimizer_s: dict[tuple[int, int], float] = {}  # (stage, step) -> seconds, rank 0's
         for record in report.get("timeline", {}).get("records", ()):

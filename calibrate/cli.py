@@ -150,7 +150,9 @@ def summary_text(data: dict[str, Any]) -> str:
     for k, fit in sorted(data.get("pipeline", {}).items()):
         acts = ", ".join(f"{kind} x{a['slope']:.3f}"
                          + (f" (fixed part x{a['fixed_slope']:.3f})" if a.get("fixed_slope") is not None else "")
-                         + f"{a['intercept'] * 1e6:+.0f}us" for kind, a in fit["actions"].items())
+                         + f"{a['intercept'] * 1e6:+.0f}us"
+                         + (f" (cold start +{a['cold_start_s'] * 1e6:.0f}us)" if a.get("cold_start_s") else "")
+                         for kind, a in fit["actions"].items())
         if fit.get("full_backward_per_layer_s") is not None:
             acts += f", B under full B + R + {fit['full_backward_per_layer_s'] * 1e3:.2f} ms per layer after the first"
         gaps = "/".join(f"{kind} {gap * 1e6:.0f}" for kind, gap in fit.get("gap_after_s", {}).items())

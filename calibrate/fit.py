@@ -8,7 +8,7 @@ goal is a relative error. The models, each affine in what was measured:
 * all-reduce among n parties (ring): ``seconds = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency_s``
   (Patarasuk and Yuan 2009; the form :func:`sim.engine.ring_allreduce_s` predicts with)
 * actions in the pipeline, per (K, kind): ``measured_s = scale * (profiled_s - fixed_s) +
-  fixed_scale * fixed_s + overhead_s`` (:func:`fit_action`), where ``profiled_s`` sums the stage's
+  fixed_scale * fixed_s + overhead_s + cold_start_s * cold`` (:func:`fit_action`), where ``profiled_s`` sums the stage's
   layers from the isolated layer profile and ``fixed_s`` is its part that does not grow with the
   rows (each layer's profile at zero rows). ``scale`` absorbs contention between the K processes
   sharing the machine and what a pipeline's caches cost the rows' work; ``fixed_scale`` how much of
@@ -16,6 +16,10 @@ goal is a relative error. The models, each affine in what was measured:
   executor's per-action work (seeding, recording, memory accounting), bounded below by 0, since
   work cannot take negative time. With one scale for both parts, a fit on this machine's design
   missed its own 16-row runs by 13-25% and its 2-row runs by +5-14% (benchmarks/README.md).
+  ``cold`` is 1 for the step's first action on its device (:func:`sim.schedule.starts_cold`),
+  after the optimizer: within one run on this 2-core machine the step's first forward took
+  230-560 us longer than the forwards after it (``benchmarks/cold_starts.py``). A line without the
+  term spreads that time over every action, so a run of few micro-batches is priced short.
 * sends inside the pipeline, per K: ``send_s = a + bytes * b`` (the sender's own time in isend)
 * optimizer, per K: ``optimizer_s = a + param_bytes * b``
 * step overhead, per K: one constant added to every stage's end of step (data, zero_grad, posting
@@ -106,23 +110,27 @@ def fit_affine(x: Sequence[float], y: Sequence[float], slope_bounds: tuple[float
 
 @dataclass(frozen=True)
 class ActionLine:
-    """``measured = slope * (profiled - fixed) + fixed_slope * fixed + intercept``, with its relative
-    residuals; ``fixed_slope`` None where the points could not tell the two parts apart."""
+    """``measured = slope * (profiled - fixed) + fixed_slope * fixed + intercept + cold_start_s *
+    cold``, with its relative residuals; ``fixed_slope`` None where the points could not tell the two
+    parts apart; ``cold`` 1 for the step's first action on its device."""
 
     slope: float
     intercept: float
     fixed_slope: float | None
     residuals: tuple[float, ...] = ()
+    cold_start_s: float = 0.0
 
     def to_dict(self) -> dict:
         line = AffineFit(self.slope, self.intercept, self.residuals).to_dict()
-        return {**line, **({} if self.fixed_slope is None else {"fixed_slope": self.fixed_slope})}
+        return {**line, **({} if self.fixed_slope is None else {"fixed_slope": self.fixed_slope}),
+                "cold_start_s": self.cold_start_s}
 
 
 def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequence[float],
                groups: Sequence[Any] = (), slope_bounds: tuple[float, float] = (0.2, 5.0),
                fixed_bounds: tuple[float, float] = (0.0, 5.0),
-               intercept_bounds: tuple[float, float] = (0.0, 1.0), overhead_s: float | None = None) -> ActionLine:
+               intercept_bounds: tuple[float, float] = (0.0, 1.0), overhead_s: float | None = None,
+               cold: Sequence[float] = (), cold_s: float | None = None) -> ActionLine:
     """Least squares of the action model on relative residuals, each point weighted by
     1/sqrt(points of its group), so that every design run counts alike whatever its micro-batch
     count (a 16-micro-batch run has eight times the actions of a 2-micro-batch one, and its small
@@ -130,7 +138,9 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     profiled time varies by less than 5 points over the points (one row count, say), the two parts
     cannot be told apart and one slope is fitted (``fixed_slope`` None); with one profiled time, the
     overhead is left at 0 and the slope alone carries the points. A given ``overhead_s`` is kept as
-    the overhead and only the scales are fitted."""
+    the overhead and only the scales are fitted. ``cold`` (1 or 0 per point) marks the actions that
+    pay a cold start: its seconds are fitted (at least 0) where the points hold both kinds, else 0
+    (all cold: the overhead carries it); a given ``cold_s`` is kept."""
     p, f, m = (np.asarray(v, dtype=float) for v in (profiled, fixed, measured))
     if not len(p) == len(f) == len(m) or len(p) == 0:
         raise ValueError(f"need as many profiled, fixed and measured times, at least one, got {len(p)}, {len(f)}, {len(m)}")
@@ -143,19 +153,29 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
         intercept_bounds = (overhead_s, float(np.nextafter(overhead_s, np.inf)))
     elif len(np.unique(p)) < 2:  # one profiled time: scale and overhead cannot be told apart; keep the scale
         intercept_bounds = (0.0, 1e-300)
+    c = np.asarray(cold, dtype=float) if len(cold) else np.zeros_like(p)
+    if len(c) != len(p):
+        raise ValueError(f"need a cold mark per point, got {len(c)} for {len(p)}")
     share = f / p
     split = float(np.max(share) - np.min(share)) >= 0.05
     columns = [(p - f) / m, f / m, 1.0 / m] if split else [p / m, 1.0 / m]
     bounds = [slope_bounds, fixed_bounds, intercept_bounds] if split else [slope_bounds, intercept_bounds]
+    if cold_s is not None:
+        columns.append(c / m)
+        bounds.append((cold_s, float(np.nextafter(cold_s, np.inf))))
+    elif 0 < np.sum(c) < len(c):  # both cold and warm points: the cold start is identifiable
+        columns.append(c / m)
+        bounds.append((0.0, 1.0))
     design = np.stack(columns, axis=1)
     # bvls: exact on a few columns; the default method stopped 1e-5 short near a bound (scipy 1.17)
     result = lsq_linear(design * weight[:, None], weight, bounds=([b[0] for b in bounds], [b[1] for b in bounds]),
                         method="bvls")
     coefficients = [float(v) for v in result.x]
     residuals = tuple(float(v) for v in design @ result.x - 1.0)
+    cold_start = coefficients[-1] if len(columns) > (3 if split else 2) else 0.0
     if split:
-        return ActionLine(coefficients[0], coefficients[2], coefficients[1], residuals)
-    return ActionLine(coefficients[0], coefficients[1], None, residuals)
+        return ActionLine(coefficients[0], coefficients[2], coefficients[1], residuals, cold_start)
+    return ActionLine(coefficients[0], coefficients[1], None, residuals, cold_start)
 
 
 def replica_spread(runs: Sequence[Sequence[Sequence[float]]], quantiles: int = 20) -> list[float]:

@@ -94,6 +94,8 @@ class ActionFit:
     slope: float
     intercept: float
     fixed_slope: float | None = None
+    # what the action adds when it starts cold (sim.schedule.starts_cold); 0 in files written before it was fitted
+    cold_start_s: float = 0.0
 
     def scale(self, profiled_s: float, fixed_s: float = 0.0) -> float:
         """The profiled time in the pipeline, without the per-action intercept."""
@@ -107,7 +109,8 @@ class ActionFit:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ActionFit":
         fixed = data.get("fixed_slope")
-        return cls(float(data["slope"]), float(data["intercept"]), None if fixed is None else float(fixed))
+        return cls(float(data["slope"]), float(data["intercept"]), None if fixed is None else float(fixed),
+                   float(data.get("cold_start_s", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,22 @@ class MeasuredWorkload:
             return ((m - 1) * price(plain, "F") + price(graph, "R")) / m
         return price(plain, "F")
 
+    def _cold_start_s(self, fit: PipelineFit) -> tuple[float, ...]:
+        """Per kind in COMPUTE_KINDS order, what an action adds when it starts cold (the step's first
+        on its device): the forward's line's as the policy runs the first forward (keeping its graph
+        under never and selective, and under except_last when it is the only one), the recompute's
+        and backward's lines' own; I and W the backward's, which calibration has them share. Empty
+        where no line has one (older costs files)."""
+        lines = fit.actions
+        plain = lines["F"].cold_start_s
+        graph = lines.get(FORWARD_WITH_GRAPH, lines["F"]).cold_start_s
+        keeps_graph = self.checkpoint in ("never", "selective") or (
+            self.checkpoint == "except_last" and (self.microbatches or 1) == 1)
+        forward = graph if keeps_graph else plain
+        backward = lines["B"].cold_start_s
+        values = (forward, lines["R"].cold_start_s, backward, backward, backward)
+        return tuple(max(0.0, v) for v in values) if any(values) else ()
+
     def _parts(self, kind: str, layers: range, rows: int) -> tuple[float, float]:
         """(time, fixed part) of the profile's ``kind`` summed over ``layers``."""
         parts = [self.profiled_parts_s(kind, i, rows) for i in layers]
@@ -425,7 +444,8 @@ class MeasuredWorkload:
             static_bytes=params * (2 + self.optimizer_slots),
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
             gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
-            if fit.gap_after_s else (), layer_inputs_bytes=held, layer_transient_bytes=transient,
+            if fit.gap_after_s else (), cold_start_s=self._cold_start_s(fit),
+            layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=weight_grad, split_overhead_s=split_overhead,
             first_weight_grad_s=first_weight, first_input_s=first_input, full_backward_s=full_backward,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores),

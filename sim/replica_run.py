@@ -9,6 +9,9 @@ s % K, so a micro-batch goes round the K devices V times and the hop from device
 back up the devices (:func:`sim.schedule.device_of_virtual_stage`): the hand-off between the chunks
 stays on device K-1, in memory, and every other hop joins neighbouring devices.
 
+An action that starts cold (:func:`sim.schedule.starts_cold`: the first of its device's list, the
+step's first) takes the stage's ``cold_start_s`` for its kind on top of its work, as busy time.
+
 Between two of its actions a device spends the stage's ``gap_after_s`` for the kind of the first:
 the executor's own time (its loop, freeing a backward's graph, posting receives, unpacking the next
 message), which calibration measures from the timeline's gaps and the analytic models leave out. It
@@ -45,7 +48,7 @@ from typing import Sequence
 import simpy
 
 from sim.hardware import Link, System
-from sim.schedule import Action, Kind, device_of_virtual_stage, receives_gradient, recomputes
+from sim.schedule import Action, Kind, cold_starts, device_of_virtual_stage, receives_gradient, recomputes
 from sim.shared_cores import SharedCores
 from sim.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
 from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
@@ -160,6 +163,7 @@ class ReplicaRun:
         now_s = [0.0] * stages
         position = [0] * stages
         lengths = [len(actions) for actions in per_device_actions]
+        cold = [cold_starts(actions) for actions in per_device_actions]
         remaining = sum(lengths)
         while remaining:
             advanced = 0
@@ -179,7 +183,7 @@ class ReplicaRun:
                     if ready_s is None:
                         break
                     t = ready_s if ready_s > free_s else free_s
-                    duration = self._action_s(cost, kind, s)
+                    duration = self._action_s(cost, kind, s, cold[device][i])
                     stash, saved, transient = held_sizes(cost, self.checkpoint)
                     if kind is Kind.BACKWARD and transient:
                         self._hold(device, transient)
@@ -221,8 +225,17 @@ class ReplicaRun:
         arrival_s = self.links.reserve(link, key, now_s, nbytes)[1]
         return now_s + (arrival_s - now_s)  # as SimPy times the arrival: a timeout of the difference
 
-    def _action_s(self, cost, kind, virtual_stage: int) -> float:
-        """Seconds one action of ``kind`` takes on a stage of ``cost``."""
+    def _action_s(self, cost, kind, virtual_stage: int, cold: bool = False) -> float:
+        """Seconds one action of ``kind`` takes on a stage of ``cost``; one that starts ``cold``
+        (:func:`sim.schedule.starts_cold`) adds the stage's ``cold_start_s`` for its kind, but the first
+        stage's I, whose time calibration measured whole."""
+        seconds = self._work_s(cost, kind, virtual_stage)
+        if cold and cost.cold_start_s and not (kind is Kind.INPUT and virtual_stage == 0):
+            seconds += cost.cold_start_s[GAP_INDEX[kind]]
+        return seconds
+
+    def _work_s(self, cost, kind, virtual_stage: int) -> float:
+        """Seconds one action of ``kind`` takes on a stage of ``cost``, warm."""
         if kind is Kind.FORWARD:
             return cost.forward_s
         if kind is Kind.RECOMPUTE:
@@ -246,6 +259,7 @@ class ReplicaRun:
         last = self.virtual - 1
         if self.record:
             self.memory.append((device, 0.0, 0))
+        cold = cold_starts(actions)
         for i, action in enumerate(actions):
             m, s, kind = action.microbatch, action.stage, action.kind
             cost = self.costs[self.rows[m]][s]
@@ -261,7 +275,7 @@ class ReplicaRun:
                 yield waiting_on
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
-            duration = self._action_s(cost, kind, s)
+            duration = self._action_s(cost, kind, s, cold[i])
             stash, saved, transient = held_sizes(cost, self.checkpoint)
             if kind is Kind.BACKWARD and transient:
                 self._hold(device, transient)  # the layer being recomputed, on top of what is held

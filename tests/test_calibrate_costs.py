@@ -90,6 +90,25 @@ def test_stage_cost_adds_fitted_constants(costs_file):
     assert last.step_overhead_s == pytest.approx(5e-4)  # kept apart, drawn as its own span
     assert cost.stash_bytes == 8 and last.stash_bytes == 32
     assert cost.gap_after_s == ()  # a costs file written before the gaps were measured has none
+    assert cost.cold_start_s == ()  # nor cold starts
+
+
+def test_the_fitted_cold_starts_reach_every_kind_i_and_w_taking_the_backwards(tmp_path):
+    data = synthetic_costs()
+    lines = data["pipeline"]["2"]["actions"]
+    lines["F"]["cold_start_s"], lines["R"]["cold_start_s"], lines["B"]["cold_start_s"] = 3e-4, 1e-4, 2e-4
+    path = tmp_path / "costs.json"
+    write_costs(data, path)
+    w, _ = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "never")
+    assert w.stage_cost(2, 0, 2, LOCAL_CPU).cold_start_s == pytest.approx((3e-4, 1e-4, 2e-4, 2e-4, 2e-4))
+    assert w.stage_cost(2, 0, 2, V100).cold_start_s == ()  # a what-if device prices its kernels alone
+    lines["F_graph"] = {**lines["F"], "cold_start_s": 1e-4}  # a forward keeping its graph, on its own line
+    write_costs(data, path)
+    for checkpoint, microbatches, forward in (("never", 4, 1e-4), ("except_last", 4, 3e-4), ("except_last", 1, 1e-4),
+                                              ("always", 4, 3e-4)):  # the step's first forward's line
+        w, _ = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8}).bind(
+            get_system("cpu"), 2, checkpoint, microbatches)
+        assert w.stage_cost(2, 0, 2, LOCAL_CPU).cold_start_s[0] == pytest.approx(forward), checkpoint
 
 
 def test_an_action_scales_the_profiles_fixed_part_apart_from_the_part_that_grows_with_rows(tmp_path):

@@ -234,6 +234,38 @@ def test_the_action_line_keeps_one_slope_where_the_fixed_share_does_not_vary():
     assert one.intercept == pytest.approx(0.0, abs=1e-12) and one.slope == pytest.approx(1.5, rel=0.01)
 
 
+def test_the_action_line_tells_a_cold_start_from_its_overhead_where_the_points_hold_both():
+    """Cold actions (the first of their kind on a device, or after another kind) pay 0.3 ms more: the
+    line finds it beside the 0.1 ms every action pays; with every point cold the two cannot be told
+    apart and the overhead carries it; a given cold start is kept."""
+    from calibrate.fit import fit_action
+
+    profiled = [1e-3, 2e-3, 4e-3, 1e-3, 2e-3, 4e-3, 8e-3]
+    cold = [1, 1, 1, 0, 0, 0, 0]
+    measured = [1.2 * p + 1e-4 + 3e-4 * c for p, c in zip(profiled, cold)]
+    line = fit_action(profiled, [0.0] * 7, measured, cold=cold)
+    assert line.slope == pytest.approx(1.2) and line.intercept == pytest.approx(1e-4)
+    assert line.cold_start_s == pytest.approx(3e-4) and line.to_dict()["cold_start_s"] == pytest.approx(3e-4)
+    everything_cold = fit_action(profiled[:3], [0.0] * 3, measured[:3], cold=[1, 1, 1])
+    assert everything_cold.cold_start_s == 0.0 and everything_cold.intercept == pytest.approx(4e-4)
+    given = fit_action(profiled, [0.0] * 7, measured, cold=cold, cold_s=1e-4, overhead_s=1e-4)
+    assert given.cold_start_s == pytest.approx(1e-4) and given.intercept == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="cold mark per point"):
+        fit_action(profiled, [0.0] * 7, measured, cold=[1, 0])
+
+
+def test_the_calibration_marks_cold_actions_from_the_runs_schedule():
+    """The marks calibration fits on come from the schedule the simulator walks: each stage's first
+    action of the step, its first forward under GPipe and 1F1B alike."""
+    from calibrate.calibration import RunSpec, cold_marks, starts_cold_in
+
+    for schedule in ("gpipe", "1f1b"):
+        marks = cold_marks(RunSpec((3, 3), 4, "never", schedule, 8))
+        assert [key for key, cold in marks.items() if cold] == [(0, "F", 0), (1, "F", 0)]
+    report_action = {"stage": 1, "kind": "F", "microbatch": 0, "duration_s": 1e-3}
+    assert starts_cold_in(marks, report_action) and not starts_cold_in(marks, {**report_action, "microbatch": 1})
+
+
 def test_every_run_counts_alike_in_the_action_line_whatever_its_number_of_actions():
     """Eight small actions from one run and one large action from another, the two runs disagreeing:
     weighted by run, the line splits the difference between them instead of following the eight."""

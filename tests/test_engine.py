@@ -166,11 +166,13 @@ def test_the_walk_without_spans_equals_the_simpy_processes(hardware, nodes):
 class GappedWorkload(UniformWorkload):
     """Uniform layers whose stages carry the executor's time between two actions (as measured costs do)."""
 
-    def __init__(self, layers: int, gap_s: float, send_s: float = 0.0, backward_gap_s: float | None = None) -> None:
+    def __init__(self, layers: int, gap_s: float, send_s: float = 0.0, backward_gap_s: float | None = None,
+                 cold_s: tuple[float, ...] = ()) -> None:
         super().__init__(layers)
         self.send_s = send_s
         after_backward = gap_s if backward_gap_s is None else backward_gap_s
         self.gaps = (gap_s, gap_s, after_backward, gap_s, gap_s)  # after F, R, B, I, W
+        self.cold = cold_s  # what F, R, B, I, W add when they start cold
 
     def stage_cost(self, rows, first, end, device):
         from dataclasses import replace
@@ -178,7 +180,7 @@ class GappedWorkload(UniformWorkload):
         from sim.stage_costs import sum_stage
 
         return replace(sum_stage(self.layer_costs(rows, device)[first:end]), gap_after_s=self.gaps,
-                       activation_send_s=self.send_s if end < self.num_layers else 0.0,
+                       cold_start_s=self.cold, activation_send_s=self.send_s if end < self.num_layers else 0.0,
                        gradient_send_s=self.send_s if first > 0 else 0.0)
 
 
@@ -198,6 +200,24 @@ def test_the_gap_between_two_actions_delays_each_but_the_first_and_is_not_busy()
     gapless = simulate(GappedWorkload(2, 0.0), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="never")
     assert gapless.step_time_s == pytest.approx(9e-3)
     assert result.bubble_fraction > gapless.bubble_fraction
+
+
+def test_the_steps_first_action_on_a_device_pays_its_kinds_cold_start_as_busy_time():
+    """The first action of each device's step starts cold: with two stages of 1 ms forwards and 2 ms
+    backwards, a cold forward 0.5 ms longer (and a cold backward 0.25 ms, which no device opens with),
+    GPipe's F0 pays it on both stages and nothing else does, under 1F1B as under GPipe."""
+    cold = (0.5e-3, 0.0, 0.25e-3, 0.0, 0.0)
+    result = simulate(GappedWorkload(2, 0.0, cold_s=cold), IDEAL, [1, 1], batch_size=2, microbatches=2,
+                      checkpoint="never")
+    assert spans(result) == [
+        (0, "F0", 0, 1.5), (0, "F1", 1.5, 2.5), (0, "B1", 6, 8), (0, "B0", 8, 10),
+        (1, "F0", 1.5, 3), (1, "F1", 3, 4), (1, "B1", 4, 6), (1, "B0", 6, 8),
+    ]
+    assert [s.busy_s for s in result.stages] == pytest.approx([6.5e-3, 6.5e-3])
+    for schedule in ("gpipe", "1f1b"):
+        cold_run, warm_run = (simulate(GappedWorkload(2, 0.0, cold_s=c), IDEAL, [1, 1], batch_size=4, microbatches=4,
+                                       checkpoint="never", schedule=schedule) for c in (cold, ()))
+        assert [a.busy_s - b.busy_s for a, b in zip(cold_run.stages, warm_run.stages)] == pytest.approx([5e-4, 5e-4])
 
 
 def test_the_senders_time_delays_the_message_and_its_next_action_and_is_not_busy():
@@ -221,7 +241,9 @@ def test_the_walk_equals_the_simpy_processes_with_a_gap_between_actions(schedule
         if virtual > 1 and stages == 1:
             continue
         partition = [1] * (stages * virtual)
-        spanned, walked = (simulate(GappedWorkload(stages * virtual, 0.3e-3, 0.2e-3, 0.45e-3), IDEAL, partition, 8, microbatches,
+        workload = GappedWorkload(stages * virtual, 0.3e-3, 0.2e-3, 0.45e-3,
+                                  cold_s=(0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3))
+        spanned, walked = (simulate(workload, IDEAL, partition, 8, microbatches,
                                     "except_last", schedule, virtual_stages=virtual, record=record)
                            for record in (True, False))
         assert walked.step_time_s == spanned.step_time_s

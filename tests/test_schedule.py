@@ -324,3 +324,13 @@ def test_the_bubble_figure_orders_the_schedules_as_their_formulas(tmp_path, caps
                for p in json.loads((tmp_path / "bubbles.json").read_text())["points"]}
     assert written[("zbv", 8)] == pytest.approx(points[("zbv", 8)].bubble_fraction)
     assert "zbv         M=4:  20.0%" in capsys.readouterr().out
+
+
+def test_only_the_first_action_of_a_devices_step_starts_cold():
+    """The step's first action follows the optimizer and the executor's work between steps; an
+    action after another kind (1F1B's forward after a backward) or another chunk does not start cold."""
+    from sim.schedule import cold_starts
+
+    actions = [Action.parse(text) for text in ("0F0", "0F1", "2F0", "2F1", "2B1", "2B0", "0B1", "0R0", "0B0")]
+    assert cold_starts(actions) == [True] + [False] * 8
+    assert cold_starts([]) == []
