@@ -160,7 +160,7 @@ class ActionPoints:
     # and its stage's layer count
     recompute: list[tuple[float, float]] = field(default_factory=list)
     layers: list[int] = field(default_factory=list)
-    # 1.0 where the action starts cold (sim.schedule.starts_cold), else 0.0
+    # 1.0 where the action starts cold (sim.schedule.cold_starts), else 0.0
     cold: list[float] = field(default_factory=list)
 
     def typical(self) -> "ActionPoints":
@@ -271,7 +271,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
 
 def cold_marks(spec: RunSpec) -> dict[tuple[int, str, int], bool]:
     """Per (virtual stage, kind, micro-batch) of the run's schedule, whether that action starts cold
-    (:func:`sim.schedule.starts_cold`): the simulator walks the same lists."""
+    (:func:`sim.schedule.cold_starts`): the simulator walks the same lists."""
     marks: dict[tuple[int, str, int], bool] = {}
     for actions in build_schedule(spec.stages, spec.microbatches, spec.schedule, spec.checkpoint,
                                   spec.virtual_stages):

@@ -8,15 +8,16 @@ goal is a relative error. The models, each affine in what was measured:
 * all-reduce among n parties (ring): ``seconds = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency_s``
   (Patarasuk and Yuan 2009; the form :func:`sim.engine.ring_allreduce_s` predicts with)
 * actions in the pipeline, per (K, kind): ``measured_s = scale * (profiled_s - fixed_s) +
-  fixed_scale * fixed_s + overhead_s + cold_start_s * cold`` (:func:`fit_action`), where ``profiled_s`` sums the stage's
-  layers from the isolated layer profile and ``fixed_s`` is its part that does not grow with the
-  rows (each layer's profile at zero rows). ``scale`` absorbs contention between the K processes
-  sharing the machine and what a pipeline's caches cost the rows' work; ``fixed_scale`` how much of
-  an isolated call's fixed cost a stage's one call over its layers pays; ``overhead_s`` the
-  executor's per-action work (seeding, recording, memory accounting), bounded below by 0, since
-  work cannot take negative time. With one scale for both parts, a fit on this machine's design
-  missed its own 16-row runs by 13-25% and its 2-row runs by +5-14% (benchmarks/README.md).
-  ``cold`` is 1 for the step's first action on its device (:func:`sim.schedule.starts_cold`),
+  fixed_scale * fixed_s + overhead_s + cold_start_s * cold`` (:func:`fit_action`), where
+  ``profiled_s`` sums the stage's layers from the isolated layer profile and ``fixed_s`` is its
+  part that does not grow with the rows (each layer's profile at zero rows). ``scale`` absorbs
+  contention between the K processes sharing the machine and what a pipeline's caches cost the
+  rows' work; ``fixed_scale`` how much of an isolated call's fixed cost a stage's one call over its
+  layers pays; ``overhead_s`` the executor's per-action work (seeding, recording, memory
+  accounting), bounded below by 0, since work cannot take negative time. With one scale for both
+  parts, a fit on this machine's design missed its own 16-row runs by 13-25% and its 2-row runs by
+  +5-14% (benchmarks/README.md).
+  ``cold`` is 1 for the step's first action on its device (:func:`sim.schedule.cold_starts`),
   after the optimizer: within one run on this 2-core machine the step's first forward took
   230-560 us longer than the forwards after it (``benchmarks/cold_starts.py``). A line without the
   term spreads that time over every action, so a run of few micro-batches is priced short.
@@ -139,8 +140,8 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     cannot be told apart and one slope is fitted (``fixed_slope`` None); with one profiled time, the
     overhead is left at 0 and the slope alone carries the points. A given ``overhead_s`` is kept as
     the overhead and only the scales are fitted. ``cold`` (1 or 0 per point) marks the actions that
-    pay a cold start: its seconds are fitted (at least 0) where the points hold both kinds, else 0
-    (all cold: the overhead carries it); a given ``cold_s`` is kept."""
+    pay a cold start: its seconds are fitted (at least 0) where the points hold both, else 0 (the
+    overhead cannot be told from it); a given ``cold_s`` is kept."""
     p, f, m = (np.asarray(v, dtype=float) for v in (profiled, fixed, measured))
     if not len(p) == len(f) == len(m) or len(p) == 0:
         raise ValueError(f"need as many profiled, fixed and measured times, at least one, got {len(p)}, {len(f)}, {len(m)}")

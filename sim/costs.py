@@ -94,7 +94,7 @@ class ActionFit:
     slope: float
     intercept: float
     fixed_slope: float | None = None
-    # what the action adds when it starts cold (sim.schedule.starts_cold); 0 in files written before it was fitted
+    # what the action adds when it starts cold (sim.schedule.cold_starts); 0 in files from before it
     cold_start_s: float = 0.0
 
     def scale(self, profiled_s: float, fixed_s: float = 0.0) -> float:

@@ -9,7 +9,7 @@ s % K, so a micro-batch goes round the K devices V times and the hop from device
 back up the devices (:func:`sim.schedule.device_of_virtual_stage`): the hand-off between the chunks
 stays on device K-1, in memory, and every other hop joins neighbouring devices.
 
-An action that starts cold (:func:`sim.schedule.starts_cold`: the first of its device's list, the
+An action that starts cold (:func:`sim.schedule.cold_starts`: the first of its device's list, the
 step's first) takes the stage's ``cold_start_s`` for its kind on top of its work, as busy time.
 
 Between two of its actions a device spends the stage's ``gap_after_s`` for the kind of the first:
@@ -227,10 +227,9 @@ class ReplicaRun:
 
     def _action_s(self, cost, kind, virtual_stage: int, cold: bool = False) -> float:
         """Seconds one action of ``kind`` takes on a stage of ``cost``; one that starts ``cold``
-        (:func:`sim.schedule.starts_cold`) adds the stage's ``cold_start_s`` for its kind, but the first
-        stage's I, whose time calibration measured whole."""
+        (:func:`sim.schedule.cold_starts`) adds the stage's ``cold_start_s`` for its kind."""
         seconds = self._work_s(cost, kind, virtual_stage)
-        if cold and cost.cold_start_s and not (kind is Kind.INPUT and virtual_stage == 0):
+        if cold and cost.cold_start_s:
             seconds += cost.cold_start_s[GAP_INDEX[kind]]
         return seconds
 

@@ -431,20 +431,15 @@ def stage_actions(stage: int, stages: int, microbatches: int, schedule: str = "g
     return _stage_1f1b(stage, stages, microbatches, checkpoint)
 
 
-def starts_cold(actions: Sequence[Action], index: int) -> bool:
-    """Whether a device's ``index``-th action starts cold: it is the first of the device's list, the
-    step's first action, after the optimizer and the executor's work between steps have displaced
-    its weights' and activations' cache lines and the code it runs. Within one run the step's first
-    forward took 230-560 us longer than the forwards after it on stages of one and three layers,
-    while an action after another kind of action was not measurably slower on three layers
-    (benchmarks/README.md, ``cold_starts.py``). The simulator adds the stage's ``cold_start_s`` for
-    it and calibration fits that time on the same marks."""
-    return index == 0
-
-
 def cold_starts(actions: Sequence[Action]) -> list[bool]:
-    """:func:`starts_cold` of every action of a device's list."""
-    return [starts_cold(actions, i) for i in range(len(actions))]
+    """Which of a device's actions start cold: the first of its list, the step's first action,
+    after the optimizer and the executor's work between steps have displaced its weights' and
+    activations' cache lines and the code it runs. Within one run the step's first forward took
+    230-560 us longer than the forwards after it on stages of one and three layers, while an action
+    after another kind of action was not measurably slower on three layers (benchmarks/README.md,
+    ``cold_starts.py``). The simulator adds the stage's ``cold_start_s`` for it and calibration fits
+    that time on the same marks."""
+    return [i == 0 for i in range(len(actions))]
 
 
 def device_of_virtual_stage(virtual_stage: int, stages: int, schedule: str = "interleaved") -> int:

@@ -40,9 +40,9 @@ class StageCost:
     # unpacking the next message): neither busy nor waiting; measured by calibration from the
     # timeline's gaps, none (empty) in the analytic models
     gap_after_s: tuple[float, ...] = ()
-    # what an action of each kind, in COMPUTE_KINDS order, adds when it starts cold (sim.schedule.starts_cold:
-    # the first of a device's list, the step's first): busy time; fitted by calibration, none (empty) in
-    # the analytic models
+    # what an action of each kind, in COMPUTE_KINDS order, adds when it starts cold
+    # (sim.schedule.cold_starts: the first of a device's list, the step's first): busy time; fitted by
+    # calibration, none (empty) in the analytic models
     cold_start_s: tuple[float, ...] = ()
     # the sender's own time in a send to another device, after a forward (its output) and after a
     # backward or I (its input's gradient): device time, not busy; measured by calibration, 0 in the
