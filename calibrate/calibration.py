@@ -339,9 +339,6 @@ def _rows_of(spec: RunSpec, microbatch: int) -> int:
 
 # the lines that take another's per-action overhead rather than fit their own (fit_pipeline)
 OVERHEAD_OF = {FORWARD_WITH_GRAPH: "F", "I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
-# and those that take its cold start too (the step's first action is never one of theirs). A
-# forward keeping its graph fits its own: it opens the step under never and selective.
-COLD_START_OF = {"I": "B", "W": "B", FIRST_STAGE_WEIGHT: "B"}
 
 
 def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: ActionFit) -> AffineFit:
@@ -360,9 +357,7 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
     5.9 ms of overhead and none of the fixed part, the next the reverse; a line sharing that overhead
     put the held-out K = 1 ``full`` run -14.9% and +0.5% off). The two lines' sum is known at every row
     count, whichever way they split it. At least 0: the work it stands for takes time."""
-    cold = points.cold or [0.0] * len(points.profiled)
-    combined = [backward(p, f) + recompute(*r) + backward.cold_start_s * c
-                for p, f, r, c in zip(points.profiled, points.fixed, points.recompute, cold)]
+    combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
     further = [n - 1 for n in points.layers]
     per_layer = [n / m for n, m in zip(further, points.measured)]
     short = [1.0 - c / m for c, m in zip(combined, points.measured)]
@@ -394,10 +389,8 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
                 # 5- and 6-row actions fitted W an overhead of 3 ms, 30% too much on the zbv's chunks)
                 shares = OVERHEAD_OF.get(kind)
                 overhead = entry["actions"][shares]["intercept"] if shares else None
-                cold_of = COLD_START_OF.get(kind)
-                cold_s = entry["actions"][cold_of]["cold_start_s"] if cold_of else None
                 line = fit_action(points.profiled, points.fixed, points.measured, points.runs,
-                                  overhead_s=overhead, cold=points.cold, cold_s=cold_s).to_dict()
+                                  overhead_s=overhead, cold=points.cold).to_dict()
             else:
                 line = AffineFit(1.0, 0.0).to_dict()
             entry["actions"][kind] = line

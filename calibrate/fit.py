@@ -131,7 +131,7 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
                groups: Sequence[Any] = (), slope_bounds: tuple[float, float] = (0.2, 5.0),
                fixed_bounds: tuple[float, float] = (0.0, 5.0),
                intercept_bounds: tuple[float, float] = (0.0, 1.0), overhead_s: float | None = None,
-               cold: Sequence[float] = (), cold_s: float | None = None) -> ActionLine:
+               cold: Sequence[float] = ()) -> ActionLine:
     """Least squares of the action model on relative residuals, each point weighted by
     1/sqrt(points of its group), so that every design run counts alike whatever its micro-batch
     count (a 16-micro-batch run has eight times the actions of a 2-micro-batch one, and its small
@@ -141,7 +141,8 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     overhead is left at 0 and the slope alone carries the points. A given ``overhead_s`` is kept as
     the overhead and only the scales are fitted. ``cold`` (1 or 0 per point) marks the actions that
     pay a cold start: its seconds are fitted (at least 0) where the points hold both, else 0 (the
-    overhead cannot be told from it); a given ``cold_s`` is kept."""
+    overhead cannot be told from it). Only forwards hold cold points: every schedule opens a
+    device's step with one, so a line's cold start is fitted, never shared as its overhead is."""
     p, f, m = (np.asarray(v, dtype=float) for v in (profiled, fixed, measured))
     if not len(p) == len(f) == len(m) or len(p) == 0:
         raise ValueError(f"need as many profiled, fixed and measured times, at least one, got {len(p)}, {len(f)}, {len(m)}")
@@ -161,10 +162,7 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     split = float(np.max(share) - np.min(share)) >= 0.05
     columns = [(p - f) / m, f / m, 1.0 / m] if split else [p / m, 1.0 / m]
     bounds = [slope_bounds, fixed_bounds, intercept_bounds] if split else [slope_bounds, intercept_bounds]
-    if cold_s is not None:
-        columns.append(c / m)
-        bounds.append((cold_s, float(np.nextafter(cold_s, np.inf))))
-    elif 0 < np.sum(c) < len(c):  # both cold and warm points: the cold start is identifiable
+    if 0 < np.sum(c) < len(c):  # both cold and warm points: the cold start is identifiable
         columns.append(c / m)
         bounds.append((0.0, 1.0))
     design = np.stack(columns, axis=1)

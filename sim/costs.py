@@ -343,8 +343,8 @@ class MeasuredWorkload:
         """Per kind in COMPUTE_KINDS order, what an action adds when it starts cold (the step's first
         on its device): the forward's line's as the policy runs the first forward (keeping its graph
         under never and selective, and under except_last when it is the only one), the recompute's
-        and backward's lines' own; I and W the backward's, which calibration has them share. Empty
-        where no line has one (older costs files)."""
+        and backward's lines' own (calibration fits none for them: no device opens a step with
+        one); I and W the backward's. Empty where no line has one (older costs files)."""
         lines = fit.actions
         plain = lines["F"].cold_start_s
         graph = lines.get(FORWARD_WITH_GRAPH, lines["F"]).cold_start_s

@@ -237,7 +237,7 @@ def test_the_action_line_keeps_one_slope_where_the_fixed_share_does_not_vary():
 def test_the_action_line_tells_a_cold_start_from_its_overhead_where_the_points_hold_both():
     """Cold actions (the first of their kind on a device, or after another kind) pay 0.3 ms more: the
     line finds it beside the 0.1 ms every action pays; with every point cold the two cannot be told
-    apart and the overhead carries it; a given cold start is kept."""
+    apart and the overhead carries it."""
     from calibrate.fit import fit_action
 
     profiled = [1e-3, 2e-3, 4e-3, 1e-3, 2e-3, 4e-3, 8e-3]
@@ -248,8 +248,6 @@ def test_the_action_line_tells_a_cold_start_from_its_overhead_where_the_points_h
     assert line.cold_start_s == pytest.approx(3e-4) and line.to_dict()["cold_start_s"] == pytest.approx(3e-4)
     everything_cold = fit_action(profiled[:3], [0.0] * 3, measured[:3], cold=[1, 1, 1])
     assert everything_cold.cold_start_s == 0.0 and everything_cold.intercept == pytest.approx(4e-4)
-    given = fit_action(profiled, [0.0] * 7, measured, cold=cold, cold_s=1e-4, overhead_s=1e-4)
-    assert given.cold_start_s == pytest.approx(1e-4) and given.intercept == pytest.approx(1e-4)
     with pytest.raises(ValueError, match="cold mark per point"):
         fit_action(profiled, [0.0] * 7, measured, cold=[1, 0])
 
