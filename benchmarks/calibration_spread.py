@@ -9,6 +9,13 @@ its error at the reference speed in each, the range between them, and their medi
 would have if the moment of calibration were averaged out. Oversubscribed runs are left out, as in
 ``gpipe validate``'s summary.
 
+The same files hold the other side: each validation measured the same held-out runs again, at its
+own moment. Where the executor did not change between them, how far a run's measured bubble (and a
+stage's share of the step, busy time over step time, which the machine's speed at that moment
+cancels from) moves from one validation to the next is the measurement's noise across moments,
+which no single validation's rounds see; the last file's predictions are placed in that range
+(``moments`` in the output).
+
 Usage::
 
     .venv/bin/python benchmarks/calibration_spread.py benchmarks/results/calibration_validation_cpu_A.json \\
@@ -44,20 +51,63 @@ def spread(results: list[dict]) -> dict:
         rows.append({"run": label, "step_errors": step, "step_range": max(step) - min(step),
                      "step_median": statistics.median(step), "worst_busy_errors": busy,
                      "worst_busy_median": statistics.median(busy), "bubble_error_points": bubble,
-                     "bubble_median": statistics.median(bubble)})
+                     "bubble_median": statistics.median(bubble), **moments(seen)})
     if not rows:
         raise SystemExit("no held-out run is in every results file; give validations of one model and design")
     ranges = [row["step_range"] for row in rows]
     medians = [abs(row["step_median"]) for row in rows]
     busy = [abs(row["worst_busy_median"]) for row in rows]
     bubble = [abs(row["bubble_median"]) for row in rows]
-    summary = {"calibrations": len(results), "runs": len(rows),
+    summary = {"calibrations": len(results), "runs": len(rows), "moments": moments_summary(rows),
                "median_step_range": statistics.median(ranges), "worst_step_range": max(ranges),
                "median_of_calibrations": {"step_median": statistics.median(medians), "step_worst": max(medians),
                                           "worst_busy_median": statistics.median(busy), "worst_busy_worst": max(busy),
                                           "bubble_median_points": statistics.median(bubble),
                                           "bubble_worst_points": max(bubble)}}
     return {"runs": rows, "summary": summary}
+
+
+def moments(seen: list[dict]) -> dict:
+    """One run as each validation measured it: its bubble (points) and each stage's share of the step
+    (busy over step, raw: the moment's speed cancels), with the last validation's predictions of both
+    and how far outside the measured range each falls (0 inside; points for the bubble, relative to
+    the range's nearer end for a share)."""
+    measured_bubbles = [run["measured_bubble"] * 100 for run in seen]
+    predicted_bubble = seen[-1]["predicted_bubble"] * 100
+    last = seen[-1]
+    shares = [[run["measured_busy_s"][k] / run["measured_step_s"] for run in seen]
+              for k in range(len(last["measured_busy_s"]))]
+    predicted_shares = [busy / last["predicted_step_s"] for busy in last["predicted_busy_s"]]
+    return {"measured_bubbles": measured_bubbles, "predicted_bubble": predicted_bubble,
+            "bubble_outside_points": outside(predicted_bubble, measured_bubbles),
+            "measured_busy_shares": shares, "predicted_busy_shares": predicted_shares,
+            "share_outside": [outside(p, values) / (min(values) if p < min(values) else max(values))
+                              for p, values in zip(predicted_shares, shares)]}
+
+
+def outside(value: float, measured: list[float]) -> float:
+    """How far ``value`` lies beyond the range of ``measured``, signed (below: negative); 0 within it."""
+    if value < min(measured):
+        return value - min(measured)
+    if value > max(measured):
+        return value - max(measured)
+    return 0.0
+
+
+def moments_summary(rows: list[dict]) -> dict:
+    """Over the runs: how far a run's measured bubble moves between validations, and where the last
+    validation's predictions fall against the measurements of every moment."""
+    ranges = [max(row["measured_bubbles"]) - min(row["measured_bubbles"]) for row in rows]
+    bubble_misses = [row["bubble_outside_points"] for row in rows]
+    share_misses = [(row["run"], k, miss) for row in rows for k, miss in enumerate(row["share_outside"])]
+    worst_share = max(share_misses, key=lambda item: abs(item[2]))
+    return {"median_measured_bubble_range_points": statistics.median(ranges),
+            "worst_measured_bubble_range_points": max(ranges),
+            "bubbles_within_measured_range": sum(1 for miss in bubble_misses if miss == 0.0),
+            "worst_bubble_outside_points": max(bubble_misses, key=abs),
+            "stages": len(share_misses),
+            "shares_within_measured_range": sum(1 for *_, miss in share_misses if miss == 0.0),
+            "worst_share_outside": {"run": worst_share[0], "stage": worst_share[1], "relative": worst_share[2]}}
 
 
 def format_spread(table: dict, names: list[str]) -> str:
@@ -72,6 +122,21 @@ def format_spread(table: dict, names: list[str]) -> str:
                  f"the median over calibrations: median {m['step_median'] * 100:.1f}%, worst {m['step_worst'] * 100:.1f}%; "
                  f"a run's worst stage's busy error {m['worst_busy_median'] * 100:.1f}% / {m['worst_busy_worst'] * 100:.1f}%; "
                  f"bubble {m['bubble_median_points']:.1f} / {m['bubble_worst_points']:.1f} points")
+    lines.append(f"{'run':40s} {'measured bubble over the validations (points)':>46s}  {'last pred':>9s} {'outside':>8s}")
+    for row in table["runs"]:
+        measured = row["measured_bubbles"]
+        lines.append(f"{row['run'][:40]:40s} {min(measured):14.1f} .. {statistics.median(measured):5.1f} .. "
+                     f"{max(measured):5.1f} (min, median, max) {row['predicted_bubble']:9.1f} "
+                     f"{row['bubble_outside_points']:+8.1f}")
+    o = s["moments"]
+    worst = o["worst_share_outside"]
+    lines.append(f"measured across {s['calibrations']} validations: a run's bubble moves by "
+                 f"{o['median_measured_bubble_range_points']:.1f} points (median range), "
+                 f"{o['worst_measured_bubble_range_points']:.1f} at worst; the last validation's predicted bubble "
+                 f"lies within the measured range for {o['bubbles_within_measured_range']} of {s['runs']} runs, "
+                 f"the farthest {o['worst_bubble_outside_points']:+.1f} points outside; its predicted share of the "
+                 f"step within the measured range for {o['shares_within_measured_range']} of {o['stages']} stages, "
+                 f"the farthest {worst['relative'] * 100:+.1f}% beyond it ({worst['run']} stage {worst['stage']})")
     return "\n".join(lines)
 
 
