@@ -85,10 +85,13 @@ def check_nodes(args: argparse.Namespace, stages: int, tensor_parallel: int = 1)
     if (stages // args.nnodes) % tensor_parallel:
         raise GpipeInputError(f"{stages // args.nnodes} ranks per node do not hold whole groups of --tensor-parallel "
                               f"{tensor_parallel}: a stage's tensor-parallel ranks must share a node; use fewer nodes")
+    if args.nnodes == 1 and args.node_rank != 0:
+        raise GpipeInputError(f"--node-rank {args.node_rank} names a node of several, but --nnodes is 1; leave "
+                              "--node-rank out, or give every node --nnodes N and node 0's --rdzv-endpoint")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise GpipeInputError(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}; "
+                              f"number the nodes 0 to {args.nnodes - 1}, node 0 at the --rdzv-endpoint")
     if args.nnodes > 1:
-        if not 0 <= args.node_rank < args.nnodes:
-            raise GpipeInputError(f"--node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}; "
-                                  f"number the nodes 0 to {args.nnodes - 1}, node 0 at the --rdzv-endpoint")
         require_positive("--rdzv-timeout", args.rdzv_timeout)
         endpoint(args.rdzv_endpoint)
 

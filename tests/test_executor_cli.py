@@ -155,3 +155,52 @@ def test_a_report_into_a_missing_directory_is_refused_before_training(tmp_path):
 def test_zero_stages_is_one_line_not_a_one_stage_run():
     with pytest.raises(GpipeInputError, match="--stages must be a positive integer, got 0"):
         config_from_args(parse("--model", "mlp", "--stages", "0"))
+
+
+TORCH_FREE_REFUSALS = [
+    (("--replicas", "0"), "--replicas must be a positive integer, got 0; use --replicas 1 or more"),
+    (("--threads", "-1"), "--threads must be 0 (cores / workers) or more, got -1"),
+    (("--timeout", "0"), "--timeout must be a positive number of seconds, got 0.0; a stuck receive fails after it "
+                         "(default 300)"),
+    (("--timeout", "nan"), "--timeout must be a positive number of seconds, got nan; a stuck receive fails after "
+                           "it (default 300)"),
+    (("--warmup-steps", "-1"), "--warmup-steps must be 0 (every step measured) or more, got -1"),
+    (("--max-restarts", "-1"), "--max-restarts must be 0 (none) or more, got -1"),
+    (("--microbatches", "-1"), "micro-batches (M) must be a positive integer, got -1; use --microbatches 1 or more"),
+    (("--steps", "0"), "steps must be a positive integer, got 0; use --steps 1 or more"),
+]
+
+
+def test_flags_that_need_no_model_are_refused_before_torch_is_imported(tmp_path):
+    """Each a one-line error with exit code 2 in a process that never imports torch (these flags
+    used to reach the ranks: a zero --timeout failed each one's rendezvous, --threads -1 its
+    set_num_threads, and --replicas 0 was reported as a micro-batch count)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import contextlib, io, json, sys\n"
+              "from sim.cli import main\n"
+              "out = []\n"
+              "for argv in json.loads(sys.argv[1]):\n"
+              "    err = io.StringIO()\n"
+              "    with contextlib.redirect_stderr(err):\n"
+              "        code = main(['train', '--model', 'mlp', '--stages', '2', *argv])\n"
+              "    out.append([code, err.getvalue().splitlines()])\n"
+              "print(json.dumps({'results': out, 'torch': 'torch' in sys.modules}))\n")
+    argvs = [list(argv) for argv, _ in TORCH_FREE_REFUSALS]
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(argvs)], capture_output=True, text=True,
+                          check=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": root})
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["results"] == [[2, [f"gpipe: error: {message}"]] for _, message in TORCH_FREE_REFUSALS]
+    assert not seen["torch"]
+
+
+def test_a_node_rank_without_several_nodes_is_refused():
+    with pytest.raises(GpipeInputError) as error:
+        launch_config(2, parse("--model", "mlp", "--node-rank", "5"))
+    assert str(error.value) == ("--node-rank 5 names a node of several, but --nnodes is 1; leave --node-rank out, "
+                                "or give every node --nnodes N and node 0's --rdzv-endpoint")
