@@ -7,10 +7,12 @@ import torch at module level, so ``gpipe simulate`` and ``gpipe plan`` stay fast
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import signal
 import sys
+import threading
 
 from sim.errors import GpipeInputError
 
@@ -136,5 +138,29 @@ def _reader_went_away() -> int:
     return 128 + signal.SIGPIPE
 
 
+def command() -> None:
+    """The ``gpipe`` executable: :func:`main`, then an exit without the interpreter's teardown.
+
+    Why: a process that imported torch spends 0.6-0.9 s after its work is done freeing its modules
+    one by one (``gpipe train`` of two steps of the MLP here: 4.39 s to exit, 3.66 s with this).
+    What the teardown is for runs first, in its order: other non-daemon threads are joined, the
+    exit handlers run (logging's flush, the fork server's shutdown, temporary directories' removal),
+    stdout and stderr are flushed; then the process ends with ``os._exit`` and ``main``'s status. An
+    exception escaping ``main`` exits the usual way, traceback and all. Limits: a file some library
+    left open and unflushed (not closed by a ``with``) loses what it buffered; gpipe's own are closed.
+    """
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone, or the stream closed: nothing left to save
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

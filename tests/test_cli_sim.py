@@ -198,3 +198,29 @@ def test_simulate_prints_the_zb_h1_lists_and_its_smaller_bubble(capsys):
     assert main([*common, "--schedule", "zb-h1", "--print-schedule"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[3].startswith("stage 3: 3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0")
+
+
+def test_the_executable_runs_exit_handlers_flushes_and_keeps_the_status(tmp_path):
+    """``sim.cli.command`` ends with ``os._exit`` to skip torch's teardown: what the teardown is for
+    (exit handlers, buffered output) still happens, and the status is main's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    script = ("import atexit, sys\n"
+              "from sim import cli\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "sys.argv = ['gpipe', *sys.argv[1:]]\n"
+              "cli.command()\n")
+    env = {**os.environ, "PYTHONPATH": root}
+    ok = subprocess.run([sys.executable, "-c", script, "simulate", "--model", "mlp", "--stages", "2"],
+                        capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert ok.returncode == 0
+    assert ok.stdout.splitlines()[-1] == "exit handler ran" and "bubble" in ok.stdout
+    refused = subprocess.run([sys.executable, "-c", script, "simulate", "--model", "mlp", "--stages", "0"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == ["gpipe: error: stages (K) must be a positive integer, got 0; use --stages "
+                                           "1 or more"]
