@@ -297,6 +297,7 @@ def _default_batch(model: str) -> int:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # the flags first, then the model (torch)
     from executor.device import device_api
+    from executor.hf import is_hf, rank_imports
     from executor.pipeline import prepare
 
     check_nodes(args, config.world_size, config.tensor_parallel)
@@ -308,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
                                   "exist; create it first")
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
-    start_fork_server()  # it imports the executor for the ranks while this process checks the model
+    # it imports the executor (and a Hugging Face model's code) for the ranks while this process checks the model
+    start_fork_server(rank_imports(config.model, config.options) if is_hf(config.model) else ())
     prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
     from executor.shm_transport import SHM_DIR_ENV, shared_directory

@@ -90,6 +90,17 @@ def config_of(name: str, options: dict[str, Any]) -> Any:
     return config
 
 
+def rank_imports(name: str, options: dict[str, Any]) -> list[str]:
+    """The modules a rank training ``name`` imports on top of the executor: this module and the
+    family's modeling code, which ``AutoModelForCausalLM`` loads at the first build (about 5 s of a
+    core for GPT-2 here, in every rank unless the fork server has it: :func:`executor.launch.start_fork_server`).
+    Empty for a model type not supported (the model check refuses it with its reason)."""
+    model_type, _ = _type_and_fields(name, options)
+    if model_type not in FAMILIES:
+        return []
+    return [__name__, f"transformers.models.{model_type}.modeling_{model_type}"]
+
+
 class _Initialiser:
     """The model's own ``_init_weights``, applied to a layer's modules children first.
 

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from executor.failures import FailureRecord, local_records, pick_failure, post_to
 from sim.errors import GpipeInputError, require_positive
@@ -159,15 +159,17 @@ class LaunchOutcome:
     stopped_by: int | None = None
 
 
-def start_fork_server() -> None:
-    """Start this process's fork server with the executor imported, unless one already runs (a
-    server started without the preload still works: its ranks import what they need)."""
+def start_fork_server(preload: Sequence[str] = ()) -> None:
+    """Start this process's fork server with the executor imported, and the modules in ``preload``
+    (what the run's model needs on top: :func:`executor.hf.rank_imports`), unless one already runs
+    (a server started without them still works: its ranks import what they need; a module that
+    fails to import is skipped by the server and fails, with its reason, in the rank)."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # the one ``multiprocessing`` keeps per process
     first = server._forkserver_pid is None
     if first:
-        multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
+        multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD + list(preload))
     server.ensure_running()  # also starts a new one if the last has died
     if first:
         atexit.register(_stop_fork_server, server)

@@ -218,3 +218,19 @@ def test_what_cannot_be_planned_by_shape_is_one_line(name, message):
 
     proc = in_process.gpipe("simulate", "--model", name, "--tensor-parallel", "2", "--hardware", "h100-nvlink")
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_the_fork_server_preloads_each_familys_modeling_code(tmp_path):
+    """``rank_imports`` names modules that exist (the fork server skips one that does not, silently),
+    read from a config file's model_type as well as from ``hf:TYPE``."""
+    import importlib.util
+
+    from executor.hf import FAMILIES, rank_imports
+
+    for family in FAMILIES:
+        modules = rank_imports(f"hf:{family}", {})
+        assert modules[0] == "executor.hf" and modules[1].endswith(f".modeling_{family}")
+        assert all(importlib.util.find_spec(module) is not None for module in modules)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 32}))
+    assert rank_imports(f"hf-config:{tmp_path}", {})[1] == "transformers.models.mistral.modeling_mistral"
+    assert rank_imports("hf:bert", {}) == []
