@@ -13,8 +13,8 @@ The same files hold the other side: each validation measured the same held-out r
 own moment. Where the executor did not change between them, how far a run's measured bubble (and a
 stage's share of the step, busy time over step time, which the machine's speed at that moment
 cancels from) moves from one validation to the next is the measurement's noise across moments,
-which no single validation's rounds see; the last file's predictions are placed in that range
-(``moments`` in the output).
+which no single validation's rounds see; the last file's predictions are placed in that range,
+and compared with the median over the validations (``moments`` in the output).
 
 Usage::
 
@@ -80,6 +80,8 @@ def moments(seen: list[dict]) -> dict:
     predicted_shares = [busy / last["predicted_step_s"] for busy in last["predicted_busy_s"]]
     return {"measured_bubbles": measured_bubbles, "predicted_bubble": predicted_bubble,
             "bubble_outside_points": outside(predicted_bubble, measured_bubbles),
+            "bubble_error_vs_median_points": predicted_bubble - statistics.median(measured_bubbles),
+            "share_errors_vs_median": [p / statistics.median(values) - 1 for p, values in zip(predicted_shares, shares)],
             "measured_busy_shares": shares, "predicted_busy_shares": predicted_shares,
             "share_outside": [outside(p, values) / (min(values) if p < min(values) else max(values))
                               for p, values in zip(predicted_shares, shares)]}
@@ -101,7 +103,15 @@ def moments_summary(rows: list[dict]) -> dict:
     bubble_misses = [row["bubble_outside_points"] for row in rows]
     share_misses = [(row["run"], k, miss) for row in rows for k, miss in enumerate(row["share_outside"])]
     worst_share = max(share_misses, key=lambda item: abs(item[2]))
+    bubble_errors = [row["bubble_error_vs_median_points"] for row in rows]
+    share_errors = [(row["run"], k, error) for row in rows for k, error in enumerate(row["share_errors_vs_median"])]
+    worst_share_error = max(share_errors, key=lambda item: abs(item[2]))
     return {"median_measured_bubble_range_points": statistics.median(ranges),
+            "bubble_error_vs_median_points": {"median": statistics.median(abs(e) for e in bubble_errors),
+                                              "worst": max(bubble_errors, key=abs)},
+            "share_error_vs_median": {"median": statistics.median(abs(e) for *_, e in share_errors),
+                                      "worst": {"run": worst_share_error[0], "stage": worst_share_error[1],
+                                                "relative": worst_share_error[2]}},
             "worst_measured_bubble_range_points": max(ranges),
             "bubbles_within_measured_range": sum(1 for miss in bubble_misses if miss == 0.0),
             "worst_bubble_outside_points": max(bubble_misses, key=abs),
@@ -137,6 +147,11 @@ def format_spread(table: dict, names: list[str]) -> str:
                  f"the farthest {o['worst_bubble_outside_points']:+.1f} points outside; its predicted share of the "
                  f"step within the measured range for {o['shares_within_measured_range']} of {o['stages']} stages, "
                  f"the farthest {worst['relative'] * 100:+.1f}% beyond it ({worst['run']} stage {worst['stage']})")
+    bubble, share = o["bubble_error_vs_median_points"], o["share_error_vs_median"]
+    lines.append(f"against the median over the validations' measurements (the moment of measuring averaged out): "
+                 f"bubble error median {bubble['median']:.1f} points, worst {bubble['worst']:+.1f}; a stage's share "
+                 f"of the step median {share['median'] * 100:.1f}%, worst {share['worst']['relative'] * 100:+.1f}% "
+                 f"({share['worst']['run']} stage {share['worst']['stage']})")
     return "\n".join(lines)
 
 

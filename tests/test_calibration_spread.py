@@ -34,6 +34,8 @@ def test_the_last_validations_predictions_are_placed_among_every_moments_measure
     assert row["predicted_busy_shares"] == pytest.approx([0.75, 0.95])
     assert row["share_outside"][0] == 0.0  # within 0.70..0.80
     assert row["share_outside"][1] == pytest.approx(0.01 / 0.94)  # beyond the range's top, relative to it
+    assert row["bubble_error_vs_median_points"] == pytest.approx(3.0)  # 15 against the median of 10 and 14
+    assert row["share_errors_vs_median"] == pytest.approx([0.75 / 0.75 - 1, 0.95 / 0.92 - 1])
     moments = spread([first, last])["summary"]["moments"]
     assert moments["bubbles_within_measured_range"] == 0
     assert moments["shares_within_measured_range"] == 1
