@@ -72,9 +72,9 @@ def moments(seen: list[dict]) -> dict:
     (busy over step, raw: the moment's speed cancels), with the last validation's predictions of both
     and how far outside the measured range each falls (0 inside; points for the bubble, relative to
     the range's nearer end for a share)."""
-    measured_bubbles = [run["measured_bubble"] * 100 for run in seen]
-    predicted_bubble = seen[-1]["predicted_bubble"] * 100
     last = seen[-1]
+    measured_bubbles = [run["measured_bubble"] * 100 for run in seen]
+    predicted_bubble = last["predicted_bubble"] * 100
     shares = [[run["measured_busy_s"][k] / run["measured_step_s"] for run in seen]
               for k in range(len(last["measured_busy_s"]))]
     predicted_shares = [busy / last["predicted_step_s"] for busy in last["predicted_busy_s"]]
