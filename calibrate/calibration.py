@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from sim.errors import require_at_least
 from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
 from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, replica_spread
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
@@ -131,6 +132,16 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     return specs
 
 
+WARMUP_STEPS = 1  # each run's first steps, left out of its timing (the report's measured steps)
+
+
+def check_timed_steps(steps: int) -> int:
+    """``--steps`` of a command whose runs are timed: more than the warm-up, which the timing leaves
+    out (with no step left, a report times every step, the warm-up included)."""
+    return require_at_least("steps", steps, WARMUP_STEPS + 1, "the first step is a warm-up, left out of "
+                            f"the timing; use --steps {WARMUP_STEPS + 1} or more")
+
+
 def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, device: str = "cpu",
                optimizer: str = DEFAULT_OPTIMIZER, precision: str = "fp32") -> Any:
     from executor.config import RunConfig
@@ -138,7 +149,7 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
     return RunConfig(model=model, options=dict(options), partition=spec.partition,
                      batch_size=spec.batch_size, microbatches=spec.microbatches,
                      schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
-                     warmup_steps=1, device=device, timeout_s=120.0, optimizer=optimizer,
+                     warmup_steps=WARMUP_STEPS, device=device, timeout_s=120.0, optimizer=optimizer,
                      precision=precision, replicas=spec.replicas,
                      tensor_parallel=spec.tensor_parallel, virtual_stages=spec.virtual_stages).validate()
 

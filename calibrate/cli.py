@@ -18,6 +18,7 @@ from typing import Any
 from sim.cli_options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
                              check_output_path, model_options)
 from sim.progress import note
+from calibrate.calibration import check_timed_steps
 from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
 from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     optimizer = check_optimizer(args.optimizer or DEFAULT_OPTIMIZER)
     batch = args.batch if args.batch is not None else DEFAULT_BATCH.get(args.model, 32)
     require_positive("batch size", batch, "use --batch 1 or more")
-    require_positive("steps", args.steps, "use --steps 2 or more")
+    check_timed_steps(args.steps)
     require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.max_stages is not None:
         require_positive("--max-stages", args.max_stages, "use --max-stages 1 or more")

@@ -74,15 +74,16 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tu
 
 
 def run(args: argparse.Namespace) -> int:
+    from calibrate.calibration import check_timed_steps
+
+    check_timed_steps(args.steps)  # before torch is imported
     from calibrate.cli import calibrate_cached
     from calibrate.runs import train_report
     from executor.models import model_ref
     from sim.planner import simulate_candidate
     from sim.plan import Plan, save_plan
     from sim import progress
-    from sim.errors import require_positive
 
-    require_positive("steps", args.steps, "use --steps 2 or more")
     if args.picture:
         from calibrate.report_picture import kaleido_major_version
         from sim.cli_options import check_output_path

@@ -7,6 +7,7 @@ import json
 import sys
 
 from sim.cli_options import check_output_path
+from calibrate.calibration import check_timed_steps
 from sim.errors import GpipeInputError, require_positive
 
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.validate import format_table, validate
 
     check_output_path(args.out, "--out")
-    require_positive("steps", args.steps, "use --steps 2 or more")
+    check_timed_steps(args.steps)
     require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.limit is not None:
         require_positive("--limit", args.limit, "use --limit 1 or more")

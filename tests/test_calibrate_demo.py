@@ -40,3 +40,13 @@ def test_demo_writes_one_report_and_says_where(tmp_path):
 def test_demo_rejects_a_bad_step_count():
     proc = in_process.gpipe("demo", "--steps", "0")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "steps" in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["demo"], ["calibrate"], ["validate", "--costs", "unused.json"]])
+def test_one_step_is_refused_where_the_first_is_a_warm_up(command):
+    """A single step would be timed with its warm-up in it (the report's fallback when no step is
+    left after the warm-up): refused in one line, before anything runs."""
+    proc = in_process.gpipe(*command, "--steps", "1")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["gpipe: error: steps must be an integer of at least 2, got 1; the first "
+                                        "step is a warm-up, left out of the timing; use --steps 2 or more"]
