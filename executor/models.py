@@ -25,6 +25,7 @@ from executor import hf
 from executor.materialize import build_meta
 from executor.selective import AttentionCore, attention_core, recomputing_attention_core
 from sim.errors import GpipeInputError
+from sim import models as sim_models
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.plan import ModelRef
 
@@ -57,7 +58,10 @@ def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[st
         except (TypeError, ValueError):
             raise GpipeInputError(f"model option {key}={value!r} is not a "
                                   f"{type(merged[key]).__name__}") from None
-    return merged
+    # every value checked as gpipe simulate checks it (a positive width, heads dividing d_model, ...),
+    # in one line here rather than as torch's error from inside the build
+    checked = sim_models.resolve_options(name, merged)
+    return {key: checked[key] for key in merged}
 
 
 # ----------------------------------------------------------------------------- transformer pieces

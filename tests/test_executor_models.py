@@ -54,6 +54,21 @@ def test_unknown_model_and_option_fail_with_one_line():
         build_model("no_such_pkg.models:build", {})
 
 
+@pytest.mark.parametrize("name,options,message", [
+    ("mlp", {"width": -5}, "width=-5 for model mlp; use a positive integer"),
+    ("transformer", {"d_model": "-4"}, "d_model=-4 for model transformer; use a positive integer"),
+    ("transformer", {"heads": 3}, "heads=3 does not divide d_model=64; choose heads that divide d_model"),
+    ("transformer", {"dropout": 1.5}, "dropout=1.5 for model transformer; use a number in [0, 1)"),
+    ("cnn", {"channels": 0}, "channels=0 for model cnn; use a positive integer"),
+])
+def test_a_built_in_models_values_are_checked_as_the_simulator_checks_them(name, options, message):
+    """One line, as ``gpipe simulate`` gives, where the build used to fail inside torch (a negative
+    dimension) or at the first forward (heads that do not divide d_model)."""
+    with pytest.raises(GpipeInputError) as error:
+        build_model(name, options)
+    assert str(error.value) == message
+
+
 def test_user_factory_and_its_example_batch(tmp_path, monkeypatch):
     (tmp_path / "user_models.py").write_text(
         "import torch\nfrom torch import nn\n"
