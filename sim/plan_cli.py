@@ -128,6 +128,8 @@ def planning_inputs(args: argparse.Namespace, hardware: str | None = None):
     from sim.whatif import efficiency_from_costs, with_efficiency
 
     efficiency, bandwidth = args.efficiency, None
+    if efficiency is not None and not 0.0 < efficiency <= 1.0:  # nan too
+        raise GpipeInputError(f"--efficiency {efficiency} is not a fraction of peak; use a value in (0, 1]")
     if args.efficiency_from:
         fitted, bandwidth = efficiency_from_costs(args.efficiency_from)
         efficiency = fitted if efficiency is None else efficiency

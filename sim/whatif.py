@@ -32,8 +32,9 @@ def with_efficiency(system: System, efficiency: float | None,
                                     ("bandwidth efficiency", bandwidth_efficiency, "bandwidth_efficiency")):
         if value is None:
             continue
+        # up to 1.5: a roofline fit may put a CPU above the catalog's nominal peak (calibrate.fit.fit_roofline)
         if isinstance(value, bool) or not 0.0 < float(value) <= 1.5:
-            raise GpipeInputError(f"{flag} {value} is not a fraction of peak; use a value in (0, 1]")
+            raise GpipeInputError(f"{flag} {value} is not a fraction of peak; use a value in (0, 1.5]")
         device = replace(device, **{field_name: float(value)})
         if device.kernels is not None:  # a fitted GPU: the given fraction replaces the fitted matmul (or memory) one
             fractions = ({"matmul": float(value), "attention": float(value)} if field_name == "efficiency"

@@ -27,6 +27,17 @@ def test_an_efficiency_that_is_not_a_fraction_is_refused(value):
         with_efficiency(get_system("h100-nvlink"), value)
 
 
+@pytest.mark.parametrize("value", ["1.5", "nan", "0"])
+def test_gpipe_plan_takes_an_efficiency_of_at_most_the_peak(value, capsys):
+    """A user's --efficiency is a fraction of the catalog's peak; 1.5 passed before (the bound a
+    roofline fit of a CPU may reach), though the message said (0, 1]."""
+    from sim.cli import main
+
+    assert main(["plan", "--model", "mlp", "--hardware", "a100-nvlink", "--quiet", "--efficiency", value]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"gpipe: error: --efficiency {float(value)} is not a fraction "
+                                                   "of peak; use a value in (0, 1]"]
+
+
 def test_efficiency_is_read_from_a_costs_file(tmp_path):
     path = tmp_path / "costs.json"
     write_costs({"efficiency": {"efficiency": 0.37, "bandwidth_efficiency": 0.21}}, path)
