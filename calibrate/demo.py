@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 import time
 from typing import Any
+
+from sim.errors import GpipeInputError
 
 DEMO_MODEL = "transformer"
 DEMO_OPTIONS: dict[str, Any] = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
@@ -67,8 +70,6 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tu
         bound, system = MeasuredWorkload(data).bind(system, k, c.checkpoint, c.microbatches)
         best[k] = (found.best, bound, system)
     if not best:
-        from sim.errors import GpipeInputError
-
         raise GpipeInputError("no plan fits this machine's memory; use a smaller model or batch")
     return best
 
@@ -91,7 +92,14 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.picture, "--picture")
         kaleido_major_version()  # refused now, not after the demo's minute of work
     started = time.perf_counter()
-    os.makedirs(args.out_dir, exist_ok=True)
+    try:  # made and written to now, not after the demo's minute of work
+        os.makedirs(args.out_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".gpipe-probe-", dir=args.out_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise GpipeInputError(f"--out-dir {args.out_dir} cannot be written ({exc.strerror or exc}); give a "
+                              "directory this user can create and write") from None
 
     def say(message: str) -> None:
         if not args.quiet:

@@ -42,6 +42,17 @@ def test_demo_rejects_a_bad_step_count():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "steps" in proc.stderr
 
 
+def test_an_out_dir_that_cannot_be_made_is_one_line_before_any_work(tmp_path):
+    """It was a FileNotFoundError traceback from os.makedirs (and a directory it could not write to
+    failed only when the demo wrote its first file, after the calibration)."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    proc = in_process.gpipe("demo", "--out-dir", str(taken / "out"))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"gpipe: error: --out-dir {taken / 'out'} cannot be written (Not a "
+                                        "directory); give a directory this user can create and write"]
+
+
 @pytest.mark.parametrize("command", [["demo"], ["calibrate"], ["validate", "--costs", "unused.json"]])
 def test_one_step_is_refused_where_the_first_is_a_warm_up(command):
     """A single step would be timed with its warm-up in it (the report's fallback when no step is
