@@ -4,6 +4,7 @@ Several nodes are in ``test_executor_nodes.py``."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ def test_two_processes_match_the_in_process_pipeline(tmp_path, schedule, checkpo
     result, _ = gpipe("train", *MLP, "--stages", "2", "--steps", "3", "--schedule", schedule,
                       "--checkpoint", checkpoint, "--report", str(report), "--trace", str(tmp_path / "t.json"))
     assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"gpipe: trained 3 steps, median step [0-9.]+ ms", result.stdout.strip().splitlines()[-1])
     data = json.loads(report.read_text())
     expected = local_losses(3, partition=(4, 4), schedule=schedule, checkpoint=checkpoint)
     assert data["losses"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
@@ -62,6 +64,15 @@ def test_four_processes_transformer(tmp_path):
                                        partition=(1, 1, 1, 1), batch_size=6, microbatches=3))
     losses = [expected.run_step(s) for s in range(2)]
     assert json.loads(report.read_text())["losses"] == pytest.approx(losses, rel=1e-6, abs=1e-7)
+
+
+def test_a_step_time_with_its_warm_up_in_it_says_so():
+    """With no step after the warm-up the report times every step, the cold first one too; the
+    summary line says so and how many steps leave it out."""
+    result, _ = gpipe("train", *MLP, "--stages", "1", "--steps", "1", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"gpipe: trained 1 step, median step [0-9.]+ ms \(warm-up included: --steps 2 or more "
+                        r"leaves it out\)", result.stdout.strip().splitlines()[-1])
 
 
 def test_bad_partition_fails_before_training_with_one_line():
