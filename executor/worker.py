@@ -220,7 +220,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
         report = nodes.receive_outputs(writers[dist.get_rank()])
     if dist.get_rank() == 0 or dist.get_rank() in writers:
         # with no step after the warm-up the report times every step (executor.report): say so
-        timed_warmup = min(report["measured_steps"], default=first_step) < first_step + config.warmup_steps
+        timed_warmup = config.steps <= first_step + config.warmup_steps
         print(f"gpipe: trained {config.steps} step{'s' if config.steps != 1 else ''}, median step "
               f"{report['step_time_s'] * 1e3:.2f} ms"
               + (f" (warm-up included: --steps {first_step + config.warmup_steps + 1} or more leaves it out)"
