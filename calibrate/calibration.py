@@ -19,6 +19,7 @@ drift of the machine from error of the model.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -27,16 +28,19 @@ from typing import Any, Callable, Sequence
 
 from sim.errors import require_at_least
 from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
-from calibrate.fit import AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, replica_spread
+from calibrate.fit import (AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, fit_warm_up,
+                           replica_spread)
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
-from calibrate.step_components import (compute_per_step_s, measured_action_gaps_s, measured_end_span_s,
-                                       predicted_end_span_s)
+from calibrate.step_components import (busy_since_wait_s, compute_per_step_s, measured_action_gaps_s,
+                                       measured_end_span_s, predicted_end_span_s)
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
 from sim.schedule import COMPUTE_KINDS, build_schedule, cold_starts, recomputes, recomputes_per_layer
 from sim.progress import phase
 from sim.stage_costs import stage_bounds
 from sim.stragglers import straggle_fraction
+from sim.timeline import Timeline
+from sim.warm_up import IDLE_S, measured_paid_s
 
 Progress = Callable[[str], None]
 
@@ -173,6 +177,9 @@ class ActionPoints:
     layers: list[int] = field(default_factory=list)
     # 1.0 where the action starts cold (sim.schedule.cold_starts), else 0.0
     cold: list[float] = field(default_factory=list)
+    # the compute seconds its device ran since its last long wait before it (inf where none came):
+    # what the action paid of a warm-up (calibrate.step_components.busy_since_wait_s)
+    since_wait: list[float] = field(default_factory=list)
 
     def typical(self) -> "ActionPoints":
         """One point per action of a run: its median over the rounds that measured it.
@@ -195,7 +202,21 @@ class ActionPoints:
                             [run for (run, _), _ in rows], [action for (_, action), _ in rows],
                             [self.recompute[members[0]] for _, members in rows] if self.recompute else [],
                             [self.layers[members[0]] for _, members in rows] if self.layers else [],
-                            [self.cold[members[0]] for _, members in rows] if self.cold else [])
+                            [self.cold[members[0]] for _, members in rows] if self.cold else [],
+                            [statistics.median(self.since_wait[i] for i in members) for _, members in rows]
+                            if self.since_wait else [])
+
+    def less_warm_up(self, warm_up_s: float) -> "ActionPoints":
+        """These points with what each paid of a warm-up of ``warm_up_s`` taken out of its measured time."""
+        from dataclasses import replace
+
+        return replace(self, measured=[m - p for m, p in zip(self.measured, self.warm_up_paid(warm_up_s))])
+
+    def warm_up_paid(self, warm_up_s: float) -> list[float]:
+        """Per point, what it paid of a warm-up of ``warm_up_s`` (:func:`sim.warm_up.measured_paid_s`)."""
+        if not self.since_wait:
+            return [0.0] * len(self.measured)
+        return [measured_paid_s(warm_up_s, since, m) for since, m in zip(self.since_wait, self.measured)]
 
 
 @dataclass
@@ -233,6 +254,8 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     bounds = stage_bounds(spec.partition)
     m_count = len([a for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"])
     cold = cold_marks(spec)
+    records = Timeline.from_dict(report["timeline"]).records
+    since_wait = busy_since_wait_s(records, report["measured_steps"] or sorted({r.step for r in records}), IDLE_S)
     for action in report["actions"]:
         kind = fitted_kind(action, bounds, spec.checkpoint, m_count)
         if kind is None:
@@ -247,6 +270,8 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         points.runs.append(spec.label())
         points.actions.append((action["stage"], action.get("virtual_stage", 0), action["microbatch"]))
         points.cold.append(1.0 if starts_cold_in(cold, action) else 0.0)
+        points.since_wait.append(since_wait.get((action["stage"], action.get("virtual_stage"), action["kind"],
+                                                 action["microbatch"]), math.inf) / speed)
         if kind == BACKWARD_WITH_RECOMPUTE:
             first, end = bounds[action["stage"]]
             parts = [workload.profiled_parts_s("R", i, action["rows"]) for i in range(first, end)]
@@ -378,33 +403,48 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
                                          for c, n, m in zip(combined, further, points.measured)))
 
 
+def fit_lines(typical: dict[str, ActionPoints], warm_up_s: float) -> tuple[dict[str, Any], float]:
+    """One K's action lines on its points (each action's median over the rounds), with what each point
+    paid of a warm-up of ``warm_up_s`` taken out (:mod:`sim.warm_up`); and their summed weighted squares.
+
+    I and W only where a design run split its backward (the stage's costs otherwise scale their
+    profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
+    keeping its graph only where a design run had one (else it takes the forward's line); a backward
+    under full takes a time per layer beyond the backward's and the recompute's lines (fit_full_backward)."""
+    lines: dict[str, Any] = {}
+    cost = 0.0
+    for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT)
+                                        if kind in typical):
+        if kind not in typical:
+            lines[kind] = AffineFit(1.0, 0.0).to_dict()
+            continue
+        points = typical[kind]
+        # overhead >= 0: a free intercept traded a slope above 1 for a negative overhead
+        # on the design's few row counts and overshot at row counts outside them; a forward
+        # keeping its graph takes the forward's, I and W the backward's (the executor's work
+        # around the action is the same; their design runs' stages are all of one size at
+        # one or two row counts, which cannot tell an overhead from a scale: one zb-h1 run's
+        # 5- and 6-row actions fitted W an overhead of 3 ms, 30% too much on the zbv's chunks)
+        shares = OVERHEAD_OF.get(kind)
+        overhead = lines[shares]["intercept"] if shares else None
+        line = fit_action(points.profiled, points.fixed, points.measured, points.runs,
+                          overhead_s=overhead, cold=points.cold, extra=points.warm_up_paid(warm_up_s))
+        lines[kind] = line.to_dict()
+        cost += line.cost
+    return lines, cost
+
+
 def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-K fits (``pipeline`` section of the costs file) and their residual summaries."""
     pipeline: dict[str, Any] = {}
     residuals: dict[str, Any] = {}
     for k in sorted({k for k, _ in obs.actions}):
-        entry: dict[str, Any] = {"threads": threads_of[k], "actions": {}}
-        # I and W only where a design run split its backward (the stage's costs otherwise scale their
-        # profile by the whole backward's factor, sim.costs.MeasuredWorkload.stage_cost), a forward
-        # keeping its graph only where a design run had one (else it takes the forward's line); a backward
-        # under full takes a time per layer beyond the backward's and the recompute's lines (fit_full_backward)
-        for kind in ("F", "R", "B") + tuple(kind for kind in (FORWARD_WITH_GRAPH, "I", "W", FIRST_STAGE_WEIGHT)
-                                            if (k, kind) in obs.actions):
-            if (k, kind) in obs.actions:
-                points = obs.actions[(k, kind)].typical()
-                # overhead >= 0: a free intercept traded a slope above 1 for a negative overhead
-                # on the design's few row counts and overshot at row counts outside them; a forward
-                # keeping its graph takes the forward's, I and W the backward's (the executor's work
-                # around the action is the same; their design runs' stages are all of one size at
-                # one or two row counts, which cannot tell an overhead from a scale: one zb-h1 run's
-                # 5- and 6-row actions fitted W an overhead of 3 ms, 30% too much on the zbv's chunks)
-                shares = OVERHEAD_OF.get(kind)
-                overhead = entry["actions"][shares]["intercept"] if shares else None
-                line = fit_action(points.profiled, points.fixed, points.measured, points.runs,
-                                  overhead_s=overhead, cold=points.cold).to_dict()
-            else:
-                line = AffineFit(1.0, 0.0).to_dict()
-            entry["actions"][kind] = line
+        entry: dict[str, Any] = {"threads": threads_of[k]}
+        typical = {kind: points.typical() for (at, kind), points in obs.actions.items() if at == k}
+        waited = any(not math.isinf(since) for points in typical.values() for since in points.since_wait)
+        # the warm-up after a long wait (sim.warm_up), fitted with the lines: the one whose lines fit best
+        entry["warm_up_s"] = fit_warm_up(lambda w: fit_lines(typical, w)[1]) if waited else 0.0
+        entry["actions"] = fit_lines(typical, entry["warm_up_s"])[0]
         entry["send"] = (fit_affine(*obs.sends[k], slope_bounds=(0.0, 1.0), intercept_bounds=(0.0, 1.0))
                          if k in obs.sends else AffineFit(0.0, 0.0)).to_dict()
         entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))
@@ -414,7 +454,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
             entry["first_input_s"] = statistics.median(obs.first_input[k])
         full = None
         if (k, BACKWARD_WITH_RECOMPUTE) in obs.actions:
-            full = fit_full_backward(obs.actions[(k, BACKWARD_WITH_RECOMPUTE)].typical(),
+            full = fit_full_backward(typical[BACKWARD_WITH_RECOMPUTE].less_warm_up(entry["warm_up_s"]),
                                      ActionFit.from_dict(entry["actions"]["B"]), ActionFit.from_dict(entry["actions"]["R"]))
             entry["full_backward_per_layer_s"] = full.slope
         # per kind of the action before, the median: a gap in which the executor did a chore while its
@@ -432,6 +472,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", line) for kind, line in entry["actions"].items()]}
+        residuals[str(k)]["warm up"] = {"warm_up_s": entry["warm_up_s"], "idle_s": IDLE_S}
         if full is not None:
             residuals[str(k)][f"action {BACKWARD_WITH_RECOMPUTE}"] = {key: v for key, v in full.to_dict().items()
                                                                        if key != "slope"}

@@ -18,6 +18,7 @@ from typing import Any
 from sim.cli_options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
                              check_output_path, model_options)
 from sim.progress import note
+from sim.warm_up import IDLE_S
 from calibrate.calibration import check_timed_steps
 from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
@@ -161,6 +162,8 @@ def summary_text(data: dict[str, Any]) -> str:
         lines.append(f"K={k} ({fit['threads']} thread(s)): {acts}; "
                      + (f"between actions, after {gaps} us; " if gaps else "")
                      + f"step overhead {fit['step_overhead_s'] * 1e3:.2f} ms"
+                     + (f"; after a wait of {IDLE_S * 1e3:.0f} ms or more, half speed until "
+                        f"{fit['warm_up_s'] * 1e6:.0f} us are lost" if fit.get("warm_up_s") else "")
                      + (f"; the slowest of 2 replicas {straggle_fraction(spread, 2) * 100:+.1f}% of their compute"
                         if spread else ""))
     for parts, factors in sorted(data.get("tensor_parallel_fit", {}).items()):

@@ -14,6 +14,7 @@ span (:func:`calibrate.calibration.fit_step_overhead`) and fits the model's gaps
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Sequence
 
@@ -72,6 +73,34 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
             elif previous_end is not None and r.kind in (SEND_ACTIVATION, SEND_GRADIENT):
                 previous_end = max(previous_end, r.end_s)
     return gaps
+
+
+def busy_since_wait_s(records: Sequence[Any], steps: Sequence[int], idle_s: float) -> dict[tuple, float]:
+    """Per action (stage, virtual stage or None, kind, micro-batch), the median over ``steps`` of the
+    compute seconds its device ran in the step since its last wait of at least ``idle_s`` for an
+    input before it (0 for the action right after one; inf where no such wait came before it in the
+    step): what calibration reads of the warm-up each action paid (:func:`sim.warm_up.measured_paid_s`).
+    Replica 0's first tensor-parallel ranks; the waits are the timeline's ``recv_wait`` spans between
+    two compute actions, summed."""
+    chosen = set(steps)
+    by_device: dict[tuple[int, int], list[Any]] = {}
+    for r in records:
+        if r.step in chosen and not r.replica and not r.tp:
+            by_device.setdefault((r.stage, r.step), []).append(r)
+    seen: dict[tuple, list[float]] = {}
+    for spans in by_device.values():
+        spans.sort(key=lambda r: r.start_s)
+        since, waited = math.inf, 0.0
+        for r in spans:
+            if r.kind == RECV_WAIT:
+                waited += r.end_s - r.start_s
+            elif r.kind in COMPUTE_KINDS:
+                if waited >= idle_s:
+                    since = 0.0
+                seen.setdefault((r.stage, r.virtual_stage, r.kind, r.microbatch), []).append(since)
+                since += r.end_s - r.start_s
+                waited = 0.0
+    return {key: statistics.median(values) for key, values in seen.items()}
 
 
 def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list[tuple[str, float]]]:

@@ -10,7 +10,9 @@ back up the devices (:func:`sim.schedule.device_of_virtual_stage`): the hand-off
 stays on device K-1, in memory, and every other hop joins neighbouring devices.
 
 An action that starts cold (:func:`sim.schedule.cold_starts`: the first of its device's list, the
-step's first) takes the stage's ``cold_start_s`` for its kind on top of its work, as busy time.
+step's first) takes the stage's ``cold_start_s`` for its kind on top of its work, as busy time. After
+a long wait for its input a device runs at half speed until it has lost the stage's ``warm_up_s``
+(:mod:`sim.warm_up`), also busy time.
 
 Between two of its actions a device spends the stage's ``gap_after_s`` for the kind of the first:
 the executor's own time (its loop, freeing a backward's graph, posting receives, unpacking the next
@@ -52,6 +54,7 @@ from sim.schedule import Action, Kind, cold_starts, device_of_virtual_stage, rec
 from sim.shared_cores import SharedCores
 from sim.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
 from sim.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+from sim.warm_up import owed_s, paid_s
 
 GAP_INDEX = {kind: i for i, kind in enumerate(Kind)}  # StageCost.gap_after_s is in this order
 
@@ -122,6 +125,7 @@ class ReplicaRun:
         self.records: list[tuple] = []
         self.memory: list[tuple] = []  # MemorySample fields
         self.last_backward_s = [0.0] * self.stages
+        self.owed_s = [0.0] * self.stages  # per device, the warm-up it still owes (sim.warm_up)
 
     def run(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
         """Walk every device's list: as SimPy processes, or, where no spans are recorded and no link
@@ -182,8 +186,9 @@ class ReplicaRun:
                         ready_s = free_s
                     if ready_s is None:
                         break
+                    duration = self._warmed_s(device, cost, ready_s - free_s,
+                                              self._action_s(cost, kind, s, cold[device][i]))
                     t = ready_s if ready_s > free_s else free_s
-                    duration = self._action_s(cost, kind, s, cold[device][i])
                     stash, saved, transient = held_sizes(cost, self.checkpoint)
                     if kind is Kind.BACKWARD and transient:
                         self._hold(device, transient)
@@ -233,6 +238,14 @@ class ReplicaRun:
             seconds += cost.cold_start_s[GAP_INDEX[kind]]
         return seconds
 
+    def _warmed_s(self, device: int, cost, wait_s: float, seconds: float) -> float:
+        """``seconds`` of an action its device waited ``wait_s`` for its input before, with what it
+        pays of the warm-up it owes after a long wait (:mod:`sim.warm_up`)."""
+        owed = owed_s(wait_s, self.owed_s[device], cost.warm_up_s)
+        paid = paid_s(seconds, owed) if owed else 0.0
+        self.owed_s[device] = owed - paid
+        return seconds + paid
+
     def _work_s(self, cost, kind, virtual_stage: int) -> float:
         """Seconds one action of ``kind`` takes on a stage of ``cost``, warm."""
         if kind is Kind.FORWARD:
@@ -269,12 +282,12 @@ class ReplicaRun:
                 waiting_on = self.activation_in[s][m]
             elif receives_gradient(kind) and s < last:
                 waiting_on = self.gradient_in[s][m]
+            wait_start = env.now
             if waiting_on is not None and not waiting_on.processed:
-                wait_start = env.now
                 yield waiting_on
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
-            duration = self._action_s(cost, kind, s, cold[i])
+            duration = self._warmed_s(device, cost, env.now - wait_start, self._action_s(cost, kind, s, cold[i]))
             stash, saved, transient = held_sizes(cost, self.checkpoint)
             if kind is Kind.BACKWARD and transient:
                 self._hold(device, transient)  # the layer being recomputed, on top of what is held

@@ -44,6 +44,9 @@ class StageCost:
     # (sim.schedule.cold_starts: the first of a device's list, the step's first): busy time; fitted by
     # calibration, none (empty) in the analytic models
     cold_start_s: tuple[float, ...] = ()
+    # what a device loses after a wait of at least sim.warm_up.IDLE_S for its input, running at half
+    # speed until it is paid: busy time; fitted by calibration, 0 in the analytic models
+    warm_up_s: float = 0.0
     # the sender's own time in a send to another device, after a forward (its output) and after a
     # backward or I (its input's gradient): device time, not busy; measured by calibration, 0 in the
     # analytic models, whose sends are asynchronous

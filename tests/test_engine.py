@@ -167,8 +167,9 @@ class GappedWorkload(UniformWorkload):
     """Uniform layers whose stages carry the executor's time between two actions (as measured costs do)."""
 
     def __init__(self, layers: int, gap_s: float, send_s: float = 0.0, backward_gap_s: float | None = None,
-                 cold_s: tuple[float, ...] = ()) -> None:
+                 cold_s: tuple[float, ...] = (), warm_s: float = 0.0) -> None:
         super().__init__(layers)
+        self.warm_s = warm_s  # what a device loses after a long wait (sim.warm_up)
         self.send_s = send_s
         after_backward = gap_s if backward_gap_s is None else backward_gap_s
         self.gaps = (gap_s, gap_s, after_backward, gap_s, gap_s)  # after F, R, B, I, W
@@ -180,7 +181,7 @@ class GappedWorkload(UniformWorkload):
         from sim.stage_costs import sum_stage
 
         return replace(sum_stage(self.layer_costs(rows, device)[first:end]), gap_after_s=self.gaps,
-                       cold_start_s=self.cold, activation_send_s=self.send_s if end < self.num_layers else 0.0,
+                       cold_start_s=self.cold, warm_up_s=self.warm_s, activation_send_s=self.send_s if end < self.num_layers else 0.0,
                        gradient_send_s=self.send_s if first > 0 else 0.0)
 
 
@@ -220,6 +221,23 @@ def test_the_steps_first_action_on_a_device_pays_its_kinds_cold_start_as_busy_ti
         assert [a.busy_s - b.busy_s for a, b in zip(cold_run.stages, warm_run.stages)] == pytest.approx([5e-4, 5e-4])
 
 
+def test_after_a_long_wait_a_device_runs_at_half_speed_until_its_warm_up_is_paid():
+    """Two stages of 1 ms forwards and 2 ms backwards under GPipe: stage 1's F0 waits 1 ms (under
+    sim.warm_up.IDLE_S: nothing), stage 0's B1 waits 3 ms for its gradient and pays the warm-up; a
+    warm-up longer than B1's work is paid at half speed into B0, which did not wait. Busy time."""
+    for warm_s, b1_end, b0_end in ((0.5e-3, 7.5, 9.5), (3e-3, 9, 12)):
+        result = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2, microbatches=2,
+                          checkpoint="never")
+        assert spans(result) == [
+            (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B1", 5, b1_end), (0, "B0", b1_end, b0_end),
+            (1, "F0", 1, 2), (1, "F1", 2, 3), (1, "B1", 3, 5), (1, "B0", 5, 7),
+        ]
+        assert [s.busy_s for s in result.stages] == pytest.approx([6e-3 + warm_s, 6e-3])
+        walked = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2, microbatches=2,
+                          checkpoint="never", record=False)
+        assert walked.step_time_s == result.step_time_s == pytest.approx(b0_end * 1e-3)
+
+
 def test_the_senders_time_delays_the_message_and_its_next_action_and_is_not_busy():
     """A send's own time on the sender (a copy on the CPU) follows the action that made the message;
     the message leaves after it. The V schedule's hand-off between the chunks of one device is no send."""
@@ -242,7 +260,7 @@ def test_the_walk_equals_the_simpy_processes_with_a_gap_between_actions(schedule
             continue
         partition = [1] * (stages * virtual)
         workload = GappedWorkload(stages * virtual, 0.3e-3, 0.2e-3, 0.45e-3,
-                                  cold_s=(0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3))
+                                  cold_s=(0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3), warm_s=0.7e-3)
         spanned, walked = (simulate(workload, IDEAL, partition, 8, microbatches,
                                     "except_last", schedule, virtual_stages=virtual, record=record)
                            for record in (True, False))
