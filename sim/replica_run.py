@@ -186,8 +186,9 @@ class ReplicaRun:
                         ready_s = free_s
                     if ready_s is None:
                         break
-                    duration = self._warmed_s(device, cost, ready_s - free_s,
-                                              self._action_s(cost, kind, s, cold[device][i]))
+                    duration = self._action_s(cost, kind, s, cold[device][i])
+                    if cost.warm_up_s:
+                        duration = self._warmed_s(device, cost, ready_s - free_s, duration)
                     t = ready_s if ready_s > free_s else free_s
                     stash, saved, transient = held_sizes(cost, self.checkpoint)
                     if kind is Kind.BACKWARD and transient:
@@ -287,7 +288,9 @@ class ReplicaRun:
                 yield waiting_on
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
-            duration = self._warmed_s(device, cost, env.now - wait_start, self._action_s(cost, kind, s, cold[i]))
+            duration = self._action_s(cost, kind, s, cold[i])
+            if cost.warm_up_s:
+                duration = self._warmed_s(device, cost, env.now - wait_start, duration)
             stash, saved, transient = held_sizes(cost, self.checkpoint)
             if kind is Kind.BACKWARD and transient:
                 self._hold(device, transient)  # the layer being recomputed, on top of what is held
