@@ -120,12 +120,9 @@ def run(args: argparse.Namespace) -> int:
         c = candidate_option.candidate
         say(f"    best with K={k}: M={c.microbatches} partition {candidate_option.partition} {c.checkpoint} "
             f"{c.schedule}, predicted {candidate_option.step_time_s * 1e3:.1f} ms")
-    # The demo trains a pipeline: the best plan with the most stages this machine has room for, even
-    # where fewer stages would be faster (on a few CPU cores one process using them all often is).
     option, workload, system = per_k[max(per_k)]
     c = option.candidate
-    chunks = f" V={c.virtual_stages}" if c.virtual_stages > 1 else ""
-    say(f"    chosen: K={c.stages}{chunks} M={c.microbatches} partition {option.partition} {c.checkpoint} {c.schedule}")
+    say("    " + chosen_line(per_k))
     say("3/5 simulating the chosen plan")
     predicted = simulate_candidate(workload, system, option.partition, DEMO_BATCH, c, record=True)
     say(f"    predicted step {predicted.step_time_s * 1e3:.1f} ms, bubble {predicted.bubble_fraction:.1%}")
@@ -211,6 +208,19 @@ def end_of_step_spans_s(predicted: Any, report: dict[str, Any]) -> tuple[float, 
     from calibrate.step_components import end_of_step_span_s, measured_end_span_s
 
     return end_of_step_span_s(predicted.records, 0), measured_end_span_s(report)
+
+
+def chosen_line(per_k: dict[int, tuple[Any, ...]]) -> str:
+    """The plan the demo trains, from the best plan per stage count K (``plan_best``): the one with
+    the most stages this machine has room for, a pipeline, even where fewer stages are predicted
+    faster (on a few CPU cores one process using them all often is); the line says so then."""
+    option = per_k[max(per_k)][0]
+    c = option.candidate
+    chunks = f" V={c.virtual_stages}" if c.virtual_stages > 1 else ""
+    fastest_k = min(per_k, key=lambda k: per_k[k][0].step_time_s)
+    why = (f" (a pipeline, the most stages this machine has room for; K={fastest_k} is predicted faster, "
+           f"{per_k[fastest_k][0].step_time_s * 1e3:.1f} ms)" if fastest_k != max(per_k) else "")
+    return f"chosen: K={c.stages}{chunks} M={c.microbatches} partition {option.partition} {c.checkpoint} {c.schedule}{why}"
 
 
 def gap_rows(report: dict[str, Any], gap_after_s: dict[str, float]) -> list[tuple[str, str, str, str]]:

@@ -61,3 +61,22 @@ def test_one_step_is_refused_where_the_first_is_a_warm_up(command):
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["gpipe: error: steps must be an integer of at least 2, got 1; the first "
                                         "step is a warm-up, left out of the timing; use --steps 2 or more"]
+
+
+def test_the_chosen_line_says_when_fewer_stages_are_predicted_faster():
+    """The demo trains the best plan with the most stages; where one with fewer is predicted faster,
+    its line says so rather than leave the choice looking like the planner's best."""
+    from types import SimpleNamespace
+
+    from calibrate.demo import chosen_line
+
+    def best(stages: int, step_s: float, virtual: int = 1):
+        candidate = SimpleNamespace(stages=stages, virtual_stages=virtual, microbatches=2, checkpoint="never",
+                                    schedule="interleaved" if virtual > 1 else "gpipe")
+        return (SimpleNamespace(candidate=candidate, partition=[6 // (stages * virtual)] * (stages * virtual),
+                                step_time_s=step_s), None, None)
+
+    slower = chosen_line({1: best(1, 0.0543), 2: best(2, 0.0609, virtual=2)})
+    assert slower == ("chosen: K=2 V=2 M=2 partition [1, 1, 1, 1] never interleaved (a pipeline, the most "
+                      "stages this machine has room for; K=1 is predicted faster, 54.3 ms)")
+    assert chosen_line({1: best(1, 0.07), 2: best(2, 0.06)}) == "chosen: K=2 M=2 partition [3, 3] never gpipe"
