@@ -23,7 +23,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from sim.errors import require_at_least
@@ -31,15 +31,14 @@ from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_
 from calibrate.fit import (AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, fit_warm_up,
                            replica_spread)
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
-from calibrate.step_components import (busy_since_wait_s, compute_per_step_s, measured_action_gaps_s,
-                                       measured_end_span_s, predicted_end_span_s)
+from calibrate.step_components import (action_gaps_s, busy_since_wait_s, compute_per_step_s, measured_end_span_s,
+                                       measured_records, predicted_end_span_s)
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 from sim.partition import even_partition
 from sim.schedule import COMPUTE_KINDS, build_schedule, cold_starts, recomputes, recomputes_per_layer
 from sim.progress import phase
 from sim.stage_costs import stage_bounds
 from sim.stragglers import straggle_fraction
-from sim.timeline import Timeline
 from sim.warm_up import IDLE_S, measured_paid_s
 
 Progress = Callable[[str], None]
@@ -208,8 +207,6 @@ class ActionPoints:
 
     def less_warm_up(self, warm_up_s: float) -> "ActionPoints":
         """These points with what each paid of a warm-up of ``warm_up_s`` taken out of its measured time."""
-        from dataclasses import replace
-
         return replace(self, measured=[m - p for m, p in zip(self.measured, self.warm_up_paid(warm_up_s))])
 
     def warm_up_paid(self, warm_up_s: float) -> list[float]:
@@ -254,8 +251,8 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     bounds = stage_bounds(spec.partition)
     m_count = len([a for a in report["actions"] if a["stage"] == 0 and a["kind"] == "F"])
     cold = cold_marks(spec)
-    records = Timeline.from_dict(report["timeline"]).records
-    since_wait = busy_since_wait_s(records, report["measured_steps"] or sorted({r.step for r in records}), IDLE_S)
+    records, steps = measured_records(report)  # the timeline read once, for the waits and the gaps
+    since_wait = busy_since_wait_s(records, steps, IDLE_S)
     for action in report["actions"]:
         kind = fitted_kind(action, bounds, spec.checkpoint, m_count)
         if kind is None:
@@ -297,7 +294,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
             first, end = bounds[stage]
             params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
             Observations._add(obs.optimizer, k_count, params, duration)
-    for gaps in measured_action_gaps_s(report).values():
+    for gaps in action_gaps_s(records, steps).values():
         for kind, gap in gaps:
             obs.gaps.setdefault(k_count, {}).setdefault(kind, []).append(gap / speed)
     if k_count >= 2:
@@ -499,8 +496,6 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     with the fits of the nearest fitted process count: a calibration fits no more processes than
     the machine has cores, so this is a machine fully busy, each process on a core of its own.
     """
-    from dataclasses import replace
-
     from sim.engine import simulate
     from sim.hardware import get_system
     from sim.shared_cores import CoreSharing

@@ -43,6 +43,18 @@ def start_of_step_span_s(records: Sequence[Any], step: int) -> float:
     return min(starts) - max(previous) if previous and starts else 0.0
 
 
+def device_spans(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[int, int], list[Any]]:
+    """Per (stage, step) of ``steps``, replica 0's first tensor-parallel rank's spans in time order."""
+    chosen = set(steps)
+    by_device: dict[tuple[int, int], list[Any]] = {}
+    for r in records:
+        if r.step in chosen and not r.replica and not r.tp:
+            by_device.setdefault((r.stage, r.step), []).append(r)
+    for spans in by_device.values():
+        spans.sort(key=lambda r: r.start_s)
+    return by_device
+
+
 def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[int, int], list[tuple[str, float]]]:
     """The executor's own time between two actions of a device: from the end of one (its send
     included) to the start of the next, less any wait for a neighbour's tensor in between (the
@@ -54,14 +66,8 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
     where the input was there; :func:`calibrate.calibration.fit_pipeline` takes the median, which a
     chore once a step does not move. Measured timelines only: a simulated send's span is its time
     on the link, not the sender's."""
-    chosen = set(steps)
-    by_device: dict[tuple[int, int], list[Any]] = {}
-    for r in records:
-        if r.step in chosen and not r.replica and not r.tp:
-            by_device.setdefault((r.stage, r.step), []).append(r)
     gaps: dict[tuple[int, int], list[tuple[str, float]]] = {}
-    for key, spans in sorted(by_device.items()):
-        spans.sort(key=lambda r: r.start_s)
+    for key, spans in sorted(device_spans(records, steps).items()):
         previous_end, previous_kind, waited = None, "", 0.0
         for r in spans:
             if r.kind in COMPUTE_KINDS:
@@ -82,14 +88,8 @@ def busy_since_wait_s(records: Sequence[Any], steps: Sequence[int], idle_s: floa
     step): what calibration reads of the warm-up each action paid (:func:`sim.warm_up.measured_paid_s`).
     Replica 0's first tensor-parallel ranks; the waits are the timeline's ``recv_wait`` spans between
     two compute actions, summed."""
-    chosen = set(steps)
-    by_device: dict[tuple[int, int], list[Any]] = {}
-    for r in records:
-        if r.step in chosen and not r.replica and not r.tp:
-            by_device.setdefault((r.stage, r.step), []).append(r)
     seen: dict[tuple, list[float]] = {}
-    for spans in by_device.values():
-        spans.sort(key=lambda r: r.start_s)
+    for spans in device_spans(records, steps).values():
         since, waited = math.inf, 0.0
         for r in spans:
             if r.kind == RECV_WAIT:
@@ -103,12 +103,17 @@ def busy_since_wait_s(records: Sequence[Any], steps: Sequence[int], idle_s: floa
     return {key: statistics.median(values) for key, values in seen.items()}
 
 
-def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list[tuple[str, float]]]:
-    """:func:`action_gaps_s` over a report's measured steps."""
+def measured_records(report: dict[str, Any]) -> tuple[list[Any], list[int]]:
+    """A report's timeline records and its measured steps (every step where it names none)."""
     from sim.timeline import Timeline
 
     records = Timeline.from_dict(report["timeline"]).records
-    return action_gaps_s(records, report["measured_steps"] or sorted({r.step for r in records}))
+    return records, report["measured_steps"] or sorted({r.step for r in records})
+
+
+def measured_action_gaps_s(report: dict[str, Any]) -> dict[tuple[int, int], list[tuple[str, float]]]:
+    """:func:`action_gaps_s` over a report's measured steps."""
+    return action_gaps_s(*measured_records(report))
 
 
 def measured_gap_medians_s(report: dict[str, Any], stage: int) -> dict[str, float]:
