@@ -22,7 +22,6 @@ machine exposes no cycle counters (``perf stat -e cycles``: not supported).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from executor.models import build_model  # noqa: E402
+from sim.timeline import write_json_atomic  # noqa: E402
 
 OPTIONS = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 ROWS = 2  # batch 32 in 16 micro-batches
@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['action']} {r['wait_ms']:.0f}ms {r['median_us']:.0f}us" for r in rows if r["stage"] == name))
     result = {"options": OPTIONS, "rows_per_microbatch": ROWS, "cores": os.cpu_count(), "repeats": args.repeats,
               "torch": torch.__version__, "rows": rows}
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_json_atomic(args.out, result)
     print(f"results written to {args.out}")
     return 0
 

@@ -20,7 +20,6 @@ this machine exposes no cycle counters.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, ROOT)
 
 from executor.host_allocator import keep_freed_memory  # noqa: E402
 from executor.models import build_model  # noqa: E402
+from sim.timeline import write_json_atomic  # noqa: E402
 
 OPTIONS = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 ROWS = (2, 4, 8, 16)
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                               for r in rows_out if r["rows"] == rows))
     result = {"options": OPTIONS, "stage": "embedding", "stream_bytes": STREAM_BYTES, "cores": os.cpu_count(),
               "repeats": args.repeats, "torch": torch.__version__, "rows": rows_out}
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_json_atomic(args.out, result)
     print(f"results written to {args.out}")
     return 0
 

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from sim.timeline import write_json_atomic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--model", "transformer", "--layers", "4", "--d-model", "128", "--ff", "512", "--heads", "4",
          "--seq", "32", "--vocab", "256", "--batch", "32", "--optimizer", "sgd", "--checkpoint", "never"]
@@ -83,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     for r in rows))
     result = {"command": "gpipe train " + " ".join(MODEL) + f" --microbatches {args.microbatches} --steps 10",
               "cores": os.cpu_count(), "repeats": args.repeats, "runs": runs}
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_json_atomic(args.out, result)
     print(f"results written to {args.out}")
     return 0
 

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from sim.timeline import write_json_atomic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--model", "transformer", "--layers", "4", "--d-model", "128", "--ff", "512", "--heads", "4",
          "--seq", "32", "--vocab", "256", "--batch", "32", "--optimizer", "sgd", "--checkpoint", "except_last"]
@@ -100,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "gpipe train " + " ".join(MODEL) + f" --stages 1 --replicas 2 --microbatches 3 "
                          f"--steps {args.steps}", "cores": os.cpu_count(), "runs": runs,
               "core_speeds_before": before, "core_speeds_after": after}
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_json_atomic(args.out, result)
     print(f"results written to {args.out}")
     return 0
 
