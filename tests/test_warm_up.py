@@ -4,29 +4,13 @@ timeline, and the fit recovers from points that paid it."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import pytest
 
 from sim.engine import simulate
-from sim.hardware import get_system
 from sim.timeline import Record
 from sim.warm_up import IDLE_S, measured_paid_s, owed_s, paid_s
-from sim.workload import UniformWorkload
-
-IDEAL = get_system("ideal")
-
-
-@dataclass(frozen=True)
-class WarmingWorkload(UniformWorkload):
-    """Uniform layers whose stages lose ``warm_s`` after a long wait."""
-
-    warm_s: float = 0.0
-
-    def stage_cost(self, rows, first, end, device):
-        from sim.stage_costs import sum_stage
-
-        return replace(sum_stage(self.layer_costs(rows, device)[first:end]), warm_up_s=self.warm_s)
+from tests.test_engine import IDEAL, GappedWorkload
 
 
 def test_a_long_wait_sets_the_debt_a_short_one_keeps_it_and_work_pays_it_at_half_speed():
@@ -43,7 +27,7 @@ def test_calibration_reads_back_from_a_timeline_what_each_action_paid():
     from calibrate.step_components import busy_since_wait_s
 
     for schedule, warm_s in (("gpipe", 1.5e-3), ("1f1b", 0.4e-3), ("1f1b", 5e-3)):
-        runs = [simulate(WarmingWorkload(4, warm_s=w), IDEAL, [1, 2, 1], batch_size=6, microbatches=6,
+        runs = [simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6, microbatches=6,
                          checkpoint="except_last", schedule=schedule) for w in (warm_s, 0.0)]
         warm, unwarmed = ({(r.stage, r.kind, r.microbatch): r.duration_s for r in run.timeline.records
                        if r.kind in ("F", "R", "B")} for run in runs)
