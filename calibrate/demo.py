@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from sim.errors import GpipeInputError
+from sim.warm_up import IDLE_S
 
 DEMO_MODEL = "transformer"
 DEMO_OPTIONS: dict[str, Any] = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
@@ -234,6 +235,19 @@ def gap_rows(report: dict[str, Any], gap_after_s: dict[str, float]) -> list[tupl
              _rel(gap_after_s.get(kind, 0.0), measured)) for kind, measured in measured_gap_medians_s(report, 0).items()]
 
 
+def busy_rows(stages: Any, measured_busy_s: list[float]) -> list[tuple[str, str, str, str]]:
+    """Error-table rows of each stage's busy time a step, predicted against measured, and under each the
+    part of the prediction that is the warm-up after long waits (:mod:`sim.warm_up`) where it has one:
+    the component this machine moves most from one moment to the next (docs/calibration.md)."""
+    rows = []
+    for k, (s, m) in enumerate(zip(stages, measured_busy_s)):
+        rows.append((f"stage {k} busy per step", f"{s.busy_s * 1e3:.2f} ms", f"{m * 1e3:.2f} ms", _rel(s.busy_s, m)))
+        if s.warm_up_s:
+            rows.append((f"of it, running slow after waits of {IDLE_S * 1e3:g} ms or more for its input (the "
+                         "fitted warm-up)", f"{s.warm_up_s * 1e3:.2f} ms", "-", "-"))
+    return rows
+
+
 def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any, report: dict[str, Any],
                       picture: str | None = None) -> None:
     """The HTML report: timelines on one axis, the loss curve, bubble and memory side by side, the
@@ -257,8 +271,7 @@ def write_demo_report(path: str, data: dict[str, Any], plan: Any, predicted: Any
                  f"{(predicted.bubble_fraction - measured_bubble) * 100:+.1f} points"))
     for k, (p, m) in enumerate(zip(pred_mem, meas_mem)):
         rows.append((f"stage {k} peak activation", f"{p / 2**20:.3f} MiB", f"{m / 2**20:.3f} MiB", _rel(p, m)))
-    for k, (s, m) in enumerate(zip(predicted.stages, measured_busy)):
-        rows.append((f"stage {k} busy per step", f"{s.busy_s * 1e3:.2f} ms", f"{m * 1e3:.2f} ms", _rel(s.busy_s, m)))
+    rows += busy_rows(predicted.stages, measured_busy)
     predicted_end, measured_end = end_of_step_spans_s(predicted.timeline, report)
     rows.append(("end-of-step span (last compute to step end, and last step's end to first action)",
                  f"{predicted_end * 1e3:.2f} ms", f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))

@@ -150,6 +150,9 @@ class Comparison:
     measured_replica_wait_s: list[float] = field(default_factory=list)
     predicted_replica_wait_s: list[float] = field(default_factory=list)
     replica_busy_spread: float = 0.0
+    # per stage (replica 0), the part of the predicted busy time the device runs slow after long
+    # waits (sim.warm_up): the component whose size this machine moves most from moment to moment
+    predicted_warm_up_s: list[float] = field(default_factory=list)
 
     @property
     def replica_wait_points(self) -> tuple[float, float]:
@@ -282,7 +285,8 @@ class Comparison:
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
                 "memory_errors": self.memory_errors,
                 "predicted_busy_s": self.predicted_busy_s, "measured_busy_s": self.measured_busy_s,
-                "busy_errors": self.busy_errors, "measured_busy_at_reference_s": self.measured_busy_at_reference_s,
+                "predicted_warm_up_s": self.predicted_warm_up_s, "busy_errors": self.busy_errors,
+                "measured_busy_at_reference_s": self.measured_busy_at_reference_s,
                 "busy_errors_at_reference": self.busy_errors_at_reference, "predicted_bubble": self.predicted_bubble,
                 "measured_bubble": self.measured_bubble, "bubble_error_points": self.bubble_error_points,
                 "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s,
@@ -357,7 +361,8 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     # the pace probed with as many processes sharing the machine as this run has (D x K)
     reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
     busy, span = measured_components(reports)
-    predicted_busy = [s.busy_s for s in sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)]
+    replica_zero = sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)
+    predicted_busy = [s.busy_s for s in replica_zero]
     speeds = [speed_factor(run_probes(r), reference) for r in reports]
     rounds_busy = [[r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds)] for k in range(len(busy))]
     waits = [replica_waits(r, spec.replicas) for r in reports]
@@ -370,7 +375,8 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       predicted_kind_s(result, len(busy)), measured_kind_s(reports, speeds, len(busy)), halves,
                       [statistics.median(w[0][k] for w in waits) for k in range(len(busy))] if spec.replicas > 1
                       else [], predicted_replica_waits_s(result, len(busy)) if spec.replicas > 1 else [],
-                      statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0)
+                      statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0,
+                      [s.warm_up_s for s in replica_zero])
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:
@@ -521,6 +527,26 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
             "steps": steps, "rounds": rounds, "summary": summary, "runs": runs}
 
 
+def _after_waits(result: dict[str, Any], label: str, stage: int) -> str:
+    """`` (n% after waits)``: the share of ``label``'s stage's predicted busy time that is the warm-up
+    after long waits (:mod:`sim.warm_up`), where there is any."""
+    for run in result["runs"]:
+        if run["run"] == label and run.get("predicted_warm_up_s") and run["predicted_busy_s"][stage] > 0:
+            share = run["predicted_warm_up_s"][stage] / run["predicted_busy_s"][stage]
+            return f" ({share * 100:.0f}% after waits)" if share > 0 else ""
+    return ""
+
+
+def _worst_stage(result: dict[str, Any]) -> str:
+    """`` by <run> stage k (n% after waits)``: where the worst busy error at the reference speed is."""
+    stages = [(abs(error), run["run"], k) for run in result["runs"] if not run.get("oversubscribed")
+              for k, error in enumerate(run.get("busy_errors_at_reference", []))]
+    if not stages:
+        return ""
+    _, label, stage = max(stages)
+    return f", by {label} stage {stage}{_after_waits(result, label, stage)}"
+
+
 def _worst_signed(errors: Sequence[float]) -> float:
     return max(errors, key=abs, default=0.0)
 
@@ -614,8 +640,8 @@ def format_table(result: dict[str, Any]) -> str:
                      + (": " + "; ".join(beyond) if beyond else ""))
         stages = across["stages_beyond_noise_by_every_calibration"]
         lines.append(f"{len(stages)} stages' busy errors beyond their interval's reach of zero by every calibration"
-                     + (": " + "; ".join(f"{run} stage {stage} {error * 100:+.1f}%" for run, stage, error in stages)
-                        if stages else ""))
+                     + (": " + "; ".join(f"{run} stage {stage} {error * 100:+.1f}%{_after_waits(result, run, stage)}"
+                                         for run, stage, error in stages) if stages else ""))
         bubbles = across["bubbles_beyond_noise_by_every_calibration"]
         lines.append(f"{len(bubbles)} runs' bubble errors beyond their interval's reach of zero by every calibration"
                      + (": " + "; ".join(f"{run} {points:+.1f} points" for run, points in bubbles) if bubbles else ""))
@@ -624,7 +650,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"components: busy time per stage error median {s.get('median_busy_error', 0.0) * 100:.1f}%, worst "
                  f"{s.get('worst_busy_error', 0.0) * 100:.1f}% (at the reference speed: median "
                  f"{s.get('median_busy_error_at_reference', s.get('median_busy_error', 0.0)) * 100:.1f}%, worst "
-                 f"{s.get('worst_busy_error_at_reference', s.get('worst_busy_error', 0.0)) * 100:.1f}%; rounds spread "
+                 f"{s.get('worst_busy_error_at_reference', s.get('worst_busy_error', 0.0)) * 100:.1f}%"
+                 f"{_worst_stage(result)}; rounds spread "
                  f"a stage's busy time by {s.get('median_busy_round_spread', 0.0) * 100:.1f}%); bubble error median "
                  f"{s.get('median_bubble_error_points', 0.0):.1f} points, worst "
                  f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "

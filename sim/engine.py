@@ -85,12 +85,15 @@ class StageResult:
     fits: bool
     replica: int = 0
     device: int = 0
+    # of busy_s, what the device ran slow after long waits for its input (sim.warm_up): 0 on costs
+    # without a fitted warm-up (the analytic and GPU models); work seconds, as if its cores were its own
+    warm_up_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         capacity = self.memory_capacity_bytes
         return {
             "stage": self.stage, "replica": self.replica, "device": self.device, "layers": self.layers,
-            "busy_s": self.busy_s,
+            "busy_s": self.busy_s, "warm_up_s": self.warm_up_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_activation_bytes": self.peak_activation_bytes,
             "static_bytes": self.static_bytes,
@@ -414,7 +417,8 @@ class _Step:
                 stage_results.append(StageResult(
                     stage=k, layers=layers[k], busy_s=self.busy_s[d][k], peak_memory_bytes=peak,
                     peak_activation_bytes=run.peak_bytes[k], static_bytes=self.static[k],
-                    memory_capacity_bytes=capacity, fits=peak <= capacity, replica=d, device=device))
+                    memory_capacity_bytes=capacity, fits=peak <= capacity, replica=d, device=device,
+                    warm_up_s=run.warm_up_paid_s[k]))
         stage_results.sort(key=lambda s: s.device)
         rows0 = self.per_replica_rows[0]
         return SimResult(

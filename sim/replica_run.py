@@ -126,6 +126,7 @@ class ReplicaRun:
         self.memory: list[tuple] = []  # MemorySample fields
         self.last_backward_s = [0.0] * self.stages
         self.owed_s = [0.0] * self.stages  # per device, the warm-up it still owes (sim.warm_up)
+        self.warm_up_paid_s = [0.0] * self.stages  # per device, the part of busy_s that was warm-up
 
     def run(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
         """Walk every device's list: as SimPy processes, or, where no spans are recorded and no link
@@ -245,6 +246,7 @@ class ReplicaRun:
         owed = owed_s(wait_s, self.owed_s[device], cost.warm_up_s)
         paid = paid_s(seconds, owed) if owed else 0.0
         self.owed_s[device] = owed - paid
+        self.warm_up_paid_s[device] += paid
         return seconds + paid
 
     def _work_s(self, cost, kind, virtual_stage: int) -> float:

@@ -6,6 +6,7 @@ import math
 
 from sim.engine import SimResult
 from sim.hardware import System
+from sim.warm_up import IDLE_S
 
 GIB = 1 << 30
 
@@ -25,14 +26,20 @@ def format_summary(result: SimResult, system: System, precision: str) -> str:
         f"step time    {result.step_time_s * 1e3:.3f} ms",
         f"bubble       {result.bubble_fraction:.1%}",
         f"throughput   {result.throughput_samples_per_s:.2f} samples/s",
-        ("device replica " if result.replicas > 1 else "") + "stage  layers  busy ms   activations   "
-        "peak memory   capacity   fits",
     ]
+    # the warm-up after long waits (sim.warm_up), part of busy time: shown where the costs fitted one
+    waits = any(s.warm_up_s for s in result.stages)
+    lines.append(("device replica " if result.replicas > 1 else "") + "stage  layers  busy ms   "
+                 + ("of it after waits   " if waits else "") + "activations   peak memory   capacity   fits")
     for s in result.stages:
         where = f"{s.device:>6} {s.replica:>7} " if result.replicas > 1 else ""
-        lines.append(f"{where}{s.stage:>5}  {s.layers:>6}  {s.busy_s * 1e3:>7.3f}   {gib(s.peak_activation_bytes):>11}"
-                     f"   {gib(s.peak_memory_bytes):>11}   {gib(s.memory_capacity_bytes):>9}   "
-                     f"{'yes' if s.fits else 'NO'}")
+        after_waits = f"{s.warm_up_s * 1e3:>17.3f}   " if waits else ""
+        lines.append(f"{where}{s.stage:>5}  {s.layers:>6}  {s.busy_s * 1e3:>7.3f}   {after_waits}"
+                     f"{gib(s.peak_activation_bytes):>11}   {gib(s.peak_memory_bytes):>11}   "
+                     f"{gib(s.memory_capacity_bytes):>9}   {'yes' if s.fits else 'NO'}")
+    if waits:
+        lines.append(f"after waits: busy time the device runs slow after waiting {IDLE_S * 1e3:g} ms or more for "
+                     "its input (the costs file's fitted warm-up; see docs/calibration.md)")
     return "\n".join(lines)
 
 

@@ -80,3 +80,15 @@ def test_the_chosen_line_says_when_fewer_stages_are_predicted_faster():
     assert slower == ("chosen: K=2 V=2 M=2 partition [1, 1, 1, 1] never interleaved (a pipeline, the most "
                       "stages this machine has room for; K=1 is predicted faster, 54.3 ms)")
     assert chosen_line({1: best(1, 0.07), 2: best(2, 0.06)}) == "chosen: K=2 M=2 partition [3, 3] never gpipe"
+
+
+def test_the_busy_rows_show_the_warm_up_part_of_a_stage_s_busy_time():
+    from calibrate.demo import busy_rows
+    from sim.engine import StageResult
+
+    stages = [StageResult(k, 3, 0.05, 0, 0, 0, 1e9, True, warm_up_s=w) for k, w in enumerate((0.002, 0.0))]
+    rows = busy_rows(stages, [0.04, 0.05])
+    assert [row[0] for row in rows] == ["stage 0 busy per step",
+                                        "of it, running slow after waits of 2 ms or more for its input (the fitted "
+                                        "warm-up)", "stage 1 busy per step"]
+    assert rows[0][1:] == ("50.00 ms", "40.00 ms", "+25.0%") and rows[1][1:] == ("2.00 ms", "-", "-")

@@ -109,6 +109,21 @@ def test_the_table_shows_d_and_keeps_oversubscribed_runs_out_of_the_errors():
         {"runs": result["runs"][:2], "summary": summarize(comparisons[:2])}).splitlines())
 
 
+def test_the_table_names_the_worst_stage_and_how_much_of_its_busy_time_is_after_waits():
+    """The busy error's worst stage, with the share of its predicted busy time the warm-up after long
+    waits makes up (sim.warm_up): the component this machine moves most from one moment to the next."""
+    small = Comparison("K=2 M=6 [1,5]", 1.0, 1.0, [100, 100], [100, 100], [1.0], [1.0],
+                       predicted_busy_s=[0.010, 0.50], measured_busy_s=[0.008, 0.50],
+                       busy_rounds_at_reference_s=[[0.008], [0.50]], predicted_warm_up_s=[0.004, 0.0])
+    even = Comparison("K=2 M=6 [3,3]", 1.0, 1.0, [100, 100], [100, 100], [1.0], [1.0],
+                      predicted_busy_s=[0.5, 0.5], measured_busy_s=[0.5, 0.51], busy_rounds_at_reference_s=[[0.5], [0.51]])
+    assert small.to_dict()["predicted_warm_up_s"] == [0.004, 0.0]
+    table = format_table({"runs": [even.to_dict(), small.to_dict()], "summary": summarize([even, small])})
+    assert "worst 25.0%, by K=2 M=6 [1,5] stage 0 (40% after waits)" in table
+    alone = format_table({"runs": [even.to_dict()], "summary": summarize([even])})
+    assert "by K=2 M=6 [3,3] stage 1;" in alone and "after waits" not in alone
+
+
 @pytest.mark.slow
 def test_calibrate_then_validate_end_to_end(tmp_path, capsys, tiny_quick_costs):
     costs = str(tmp_path / "costs.json")

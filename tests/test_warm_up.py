@@ -37,6 +37,24 @@ def test_calibration_reads_back_from_a_timeline_what_each_action_paid():
         assert sum(paid.values()) > warm_s  # more than one device paid
 
 
+def test_each_stage_reports_the_warm_up_it_paid_as_part_of_its_busy_time():
+    """A stage's ``warm_up_s`` is what the warm-up added to its busy time, in both of the simulator's
+    walks (SimPy's with a timeline, the closed form without), and the report shows it."""
+    from sim.report import format_summary
+
+    for schedule in ("gpipe", "1f1b"):
+        for record in (True, False):
+            warm, unwarmed = (simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6,
+                                       microbatches=6, checkpoint="except_last", schedule=schedule, record=record)
+                              for w in (1.5e-3, 0.0))
+            paid = [s.warm_up_s for s in warm.stages]
+            assert paid == pytest.approx([w.busy_s - u.busy_s for w, u in zip(warm.stages, unwarmed.stages)], abs=1e-12)
+            assert sum(paid) > 1.5e-3 and all(s.warm_up_s == 0.0 for s in unwarmed.stages)
+            assert warm.stages[0].to_dict()["warm_up_s"] == paid[0]
+    assert "of it after waits" in format_summary(warm, IDEAL, "fp32")
+    assert "of it after waits" not in format_summary(unwarmed, IDEAL, "fp32")
+
+
 def test_the_time_since_a_long_wait_counts_compute_only_and_restarts_at_each_long_wait():
     from calibrate.step_components import busy_since_wait_s
 
