@@ -20,7 +20,7 @@ amount in its first action.
 Limits: one amount whatever the wait's length beyond the threshold (the one-process measurement
 grows from 3 to 9 ms) and whatever the stage's size; its cause is not modelled, only its time
 (``after_wait.py --ways``: a pure spin loses as much as polling or sleeping, and running the stage's
-own forward during the wait keeps nearly all of it, so it is what the stage uses being displaced
+own forward during the wait avoids nearly all of it, so it is what the stage uses being displaced
 while the core runs other work); and its size at one moment: within four minutes a one-layer stage's
 loss after a 9 ms wait moved by a factor of 3-4 (``--probes``), where the costs file holds the
 calibration's. A wait shorter than the threshold costs nothing, however many follow each other.
