@@ -187,6 +187,12 @@ class Comparison:
         return max((relative_spread(rounds) for rounds in self.busy_rounds_at_reference_s), default=0.0)
 
     @property
+    def warm_up_shares(self) -> list[float]:
+        """Per stage, the share of its predicted busy time that is the warm-up after long waits
+        (empty where the prediction has none recorded)."""
+        return [w / b if b else 0.0 for w, b in zip(self.predicted_warm_up_s, self.predicted_busy_s)]
+
+    @property
     def busy_errors_at_reference(self) -> list[float]:
         """Per stage, predicted busy time against measured at the reference speed: the machine's
         drift since calibration taken out, as for the step (a round that ran 10% slow computed 10%
@@ -285,7 +291,8 @@ class Comparison:
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
                 "memory_errors": self.memory_errors,
                 "predicted_busy_s": self.predicted_busy_s, "measured_busy_s": self.measured_busy_s,
-                "predicted_warm_up_s": self.predicted_warm_up_s, "busy_errors": self.busy_errors,
+                "predicted_warm_up_s": self.predicted_warm_up_s, "warm_up_shares": self.warm_up_shares,
+                "busy_errors": self.busy_errors,
                 "measured_busy_at_reference_s": self.measured_busy_at_reference_s,
                 "busy_errors_at_reference": self.busy_errors_at_reference, "predicted_bubble": self.predicted_bubble,
                 "measured_bubble": self.measured_bubble, "bubble_error_points": self.bubble_error_points,
@@ -421,10 +428,11 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
     bubbles = [abs(c.bubble_error_points) for c in comparisons]
     kinds: dict[str, list[float]] = {}  # signed: a kind predicted low everywhere shows as such
     worst_step = max(comparisons, key=lambda c: abs(c.step_error_at_reference), default=None)
-    stage_busy = [(abs(e), interval) for c in comparisons
-                  for e, interval in zip(c.busy_errors_at_reference, c.busy_error_intervals_at_reference)]
+    stage_busy = [(abs(e), interval, c, k) for c in comparisons
+                  for k, (e, interval) in enumerate(zip(c.busy_errors_at_reference, c.busy_error_intervals_at_reference))]
+    worst_stage = max(stage_busy, key=lambda item: item[0], default=None)
     half_widths = [(high - low) / 2 for c in comparisons for low, high in [c.step_error_interval_at_reference]]
-    busy_half_widths = [(high - low) / 2 for _, (low, high) in stage_busy]
+    busy_half_widths = [(high - low) / 2 for _, (low, high), _, _ in stage_busy]
     for c in comparisons:
         for kind, errors in c.kind_errors_at_reference.items():
             kinds.setdefault(kind, []).extend(e for e in errors if e is not None)
@@ -452,11 +460,18 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
                                                      [c.step_error_interval_at_reference] if not low <= 0.0 <= high),
             "median_busy_error_half_width_at_reference": (statistics.median(busy_half_widths)
                                                           if busy_half_widths else 0.0),
-            "worst_busy_error_interval_at_reference": list(max(stage_busy, key=lambda pair: pair[0])[1])
-                                                      if stage_busy else [0.0, 0.0],
+            "worst_busy_error_interval_at_reference": list(worst_stage[1]) if worst_stage else [0.0, 0.0],
+            "worst_busy_stage_at_reference": _stage_entry(worst_stage[2], worst_stage[3]) if worst_stage else None,
             "runs_with_bubble_error_beyond_noise": sum(1 for c in comparisons for low, high in
                                                        [c.bubble_error_interval_points] if not low <= 0.0 <= high),
             **halves_summary(comparisons, worst_step)}
+
+
+def _stage_entry(comparison: Comparison, stage: int) -> dict[str, Any]:
+    """A stage named in the summary: its run, its index, and how much of its predicted busy time is
+    the warm-up after long waits (0 where none was recorded)."""
+    shares = comparison.warm_up_shares
+    return {"run": comparison.run, "stage": stage, "warm_up_share": shares[stage] if stage < len(shares) else 0.0}
 
 
 def halves_summary(comparisons: Sequence[Comparison], worst_step: Comparison | None) -> dict[str, Any]:
@@ -527,24 +542,23 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
             "steps": steps, "rounds": rounds, "summary": summary, "runs": runs}
 
 
-def _after_waits(result: dict[str, Any], label: str, stage: int) -> str:
-    """`` (n% after waits)``: the share of ``label``'s stage's predicted busy time that is the warm-up
-    after long waits (:mod:`sim.warm_up`), where there is any."""
-    for run in result["runs"]:
-        if run["run"] == label and run.get("predicted_warm_up_s") and run["predicted_busy_s"][stage] > 0:
-            share = run["predicted_warm_up_s"][stage] / run["predicted_busy_s"][stage]
-            return f" ({share * 100:.0f}% after waits)" if share > 0 else ""
-    return ""
+def _after_waits(share: float) -> str:
+    """`` (n% after waits)``: a stage's share of predicted busy time that is the warm-up after long
+    waits (:mod:`sim.warm_up`), where there is any."""
+    return f" ({share * 100:.0f}% after waits)" if share > 0 else ""
 
 
-def _worst_stage(result: dict[str, Any]) -> str:
-    """`` by <run> stage k (n% after waits)``: where the worst busy error at the reference speed is."""
-    stages = [(abs(error), run["run"], k) for run in result["runs"] if not run.get("oversubscribed")
-              for k, error in enumerate(run.get("busy_errors_at_reference", []))]
-    if not stages:
-        return ""
-    _, label, stage = max(stages)
-    return f", by {label} stage {stage}{_after_waits(result, label, stage)}"
+def _stage_after_waits(result: dict[str, Any], label: str, stage: int) -> str:
+    """:func:`_after_waits` of ``label``'s stage, from its run's ``warm_up_shares``."""
+    shares = next((run.get("warm_up_shares") or [] for run in result["runs"] if run["run"] == label), [])
+    return _after_waits(shares[stage]) if stage < len(shares) else ""
+
+
+def _worst_stage(summary: dict[str, Any]) -> str:
+    """`` by <run> stage k (n% after waits)``: where the summary's worst busy error at the reference
+    speed is (nothing in results from before it was recorded)."""
+    worst = summary.get("worst_busy_stage_at_reference")
+    return f", by {worst['run']} stage {worst['stage']}{_after_waits(worst['warm_up_share'])}" if worst else ""
 
 
 def _worst_signed(errors: Sequence[float]) -> float:
@@ -640,7 +654,7 @@ def format_table(result: dict[str, Any]) -> str:
                      + (": " + "; ".join(beyond) if beyond else ""))
         stages = across["stages_beyond_noise_by_every_calibration"]
         lines.append(f"{len(stages)} stages' busy errors beyond their interval's reach of zero by every calibration"
-                     + (": " + "; ".join(f"{run} stage {stage} {error * 100:+.1f}%{_after_waits(result, run, stage)}"
+                     + (": " + "; ".join(f"{run} stage {stage} {error * 100:+.1f}%{_stage_after_waits(result, run, stage)}"
                                          for run, stage, error in stages) if stages else ""))
         bubbles = across["bubbles_beyond_noise_by_every_calibration"]
         lines.append(f"{len(bubbles)} runs' bubble errors beyond their interval's reach of zero by every calibration"
@@ -651,7 +665,7 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{s.get('worst_busy_error', 0.0) * 100:.1f}% (at the reference speed: median "
                  f"{s.get('median_busy_error_at_reference', s.get('median_busy_error', 0.0)) * 100:.1f}%, worst "
                  f"{s.get('worst_busy_error_at_reference', s.get('worst_busy_error', 0.0)) * 100:.1f}%"
-                 f"{_worst_stage(result)}; rounds spread "
+                 f"{_worst_stage(s)}; rounds spread "
                  f"a stage's busy time by {s.get('median_busy_round_spread', 0.0) * 100:.1f}%); bubble error median "
                  f"{s.get('median_bubble_error_points', 0.0):.1f} points, worst "
                  f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "
