@@ -68,10 +68,6 @@ def spin(seconds: float) -> None:
         pass
 
 
-def sleep(seconds: float) -> None:
-    time.sleep(seconds)
-
-
 def kept_warm(stage: "TimedStage", every_s: float = 1e-3) -> Callable[[float], None]:
     """A wait that polls and runs ``stage``'s forward without gradients every ``every_s``."""
     def wait(seconds: float) -> None:
@@ -152,7 +148,7 @@ def by_way(stages: dict[str, TimedStage], repeats: int, wait_ms: float = 9.0) ->
     """At one wait length, each way of spending it against no wait at all."""
     rows = []
     for name, stage in stages.items():
-        ways = {"poll": poll, "spin": spin, "sleep": sleep, "poll, stage kept warm": kept_warm(stage)}
+        ways = {"poll": poll, "spin": spin, "sleep": time.sleep, "poll, stage kept warm": kept_warm(stage)}
         cases = {"no wait": (0.0, poll), **{way: (wait_ms / 1e3, wait) for way, wait in ways.items()}}
         table = medians_us(stage, cases, repeats)
         for way in ways:
