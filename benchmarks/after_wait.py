@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--probes", type=int, default=0, help="the 9 ms loss this many times, --every seconds apart")
     parser.add_argument("--every", type=float, default=20.0, help="seconds between probes")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.probes < 0 or args.every < 0:
+        parser.error(f"--repeats must be at least 1 and --probes and --every at least 0, got {args.repeats}, "
+                     f"{args.probes} and {args.every}")
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     torch.set_num_threads(1)  # as each rank of a 2-core pipeline runs
     model = build_model("transformer", OPTIONS)
