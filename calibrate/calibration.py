@@ -30,6 +30,7 @@ from sim.errors import require_at_least
 from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
 from calibrate.fit import (AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, fit_warm_up,
                            replica_spread)
+from calibrate.after_wait_probe import run_after_wait_probes
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import (action_gaps_s, busy_since_wait_s, compute_per_step_s, measured_end_span_s,
                                        measured_records, predicted_end_span_s)
@@ -666,12 +667,18 @@ def run_speed_reference(model: str, specs: Sequence[RunSpec], reports: Sequence[
 
     Per count because that many processes probing at once contend as the run will, and the fits of
     runs with that many processes are what the reference speed anchors.
+
+    The after-wait probes (:mod:`calibrate.after_wait_probe`) give ``after_wait_reference_s`` the same
+    way: the loss a wait cost at the calibration's moments, which the fitted warm-ups stand for.
     """
     by_k: dict[int, list[float]] = {}
+    losses: dict[int, list[float]] = {}
     for spec, report in zip(specs, reports):
         by_k.setdefault(spec.processes, []).extend(run_probes(report))
+        losses.setdefault(spec.processes, []).extend(run_after_wait_probes(report))
     return {"probe": model_probe_description(model, specs[0].batch_size) if specs else "",
-            "reference_s": {str(k): reference_s(p) for k, p in sorted(by_k.items()) if p}}
+            "reference_s": {str(k): reference_s(p) for k, p in sorted(by_k.items()) if p},
+            "after_wait_reference_s": {str(k): reference_s(p) for k, p in sorted(losses.items()) if p}}
 
 
 # ----------------------------------------------------------------------------- efficiency

@@ -14,9 +14,10 @@ global batch's mean, the report's per-stage figures are replica 0's (whose rows 
 makes the largest) and step times span every rank. With T tensor-parallel ranks per stage (D x K x T
 processes, cores/(D x K x T) threads each) a stage's figures are its rank 0's. Differences from a
 fresh ``gpipe train`` launch: the process, its allocator and the gloo groups are reused from the
-previous configuration, and every rank times the speed probe of :mod:`calibrate.speed` just before
-and just after the run (all ranks at once, outside the timed steps); the report's ``speed_probe_s``
-holds them, per rank.
+previous configuration, and every rank times the speed probe of :mod:`calibrate.speed` and the
+after-wait probe of :mod:`calibrate.after_wait_probe` just before and just after the run (all ranks at
+once, outside the timed steps); the report's ``speed_probe_s`` and ``after_wait_probe_s`` hold them,
+per rank.
 
 :func:`train_report` runs one plan through the real ``gpipe train`` command instead (the demo does).
 """
@@ -128,7 +129,8 @@ def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int
 # ----------------------------------------------------------------------------- worker side
 
 
-def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, directory: str) -> dict[str, Any] | None:
+def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, after_wait: Any,
+             directory: str) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -139,6 +141,7 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, dire
     prepared = prepare(config)
     dist.barrier()
     pace_before = probe.measure(PROBE_BUDGET_S)  # every rank at once, as the run will load the machine
+    loss_before = after_wait.measure()
     dist.barrier()
     stage, layout = _make_stage(config, prepared, rank, device, groups)
     stage.recorder.restart(shared_origin_s())  # one time axis for the ranks, as gpipe train's
@@ -154,11 +157,12 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, dire
             losses.append(float(loss))  # type: ignore[arg-type]
     dist.barrier()
     pace_after = probe.measure(PROBE_BUDGET_S)
+    loss_after = after_wait.measure()
     payload = {"timeline": stage.recorder.timeline.to_dict(),
                "peak_activation_bytes": stage.counter.peak_bytes,
                "peak_allocated_bytes": device_api(device).peak_allocated_bytes(device),
                "losses": losses if stage.is_last else None,
-               "speed_probe_s": [pace_before, pace_after]}
+               "speed_probe_s": [pace_before, pace_after], "after_wait_probe_s": [loss_before, loss_after]}
     gathered = _gather_through_files(payload, rank, config.world_size, directory)
     return _report(config, gathered, device) if gathered is not None else None
 
@@ -242,6 +246,7 @@ def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]
     report = build_report(timeline, losses, config.to_dict(), plan, [p["peak_activation_bytes"] for p in ordered],
                           allocated, 0)
     report["speed_probe_s"] = [p["speed_probe_s"] for p in gathered]  # per rank: [before, after]
+    report["after_wait_probe_s"] = [p["after_wait_probe_s"] for p in gathered]
     return report
 
 
@@ -254,6 +259,7 @@ def main(argv: list[str]) -> int:
 
     from executor.config import RunConfig
     from executor.device import device_api
+    from calibrate.after_wait_probe import AfterWaitProbe
     from calibrate.speed import SpeedProbe
     from executor.transport import boundary_groups
     from sim.timeline import write_json_atomic
@@ -271,7 +277,7 @@ def main(argv: list[str]) -> int:
     dist.init_process_group(api.backend, timeout=timedelta(seconds=configs[0].timeout_s))
     try:
         groups = boundary_groups(world) if configs[0].replicas == 1 and configs[0].tensor_parallel == 1 else {}
-        probes: dict[str, SpeedProbe] = {}
+        probes: dict[str, tuple[SpeedProbe, AfterWaitProbe]] = {}
         for position, config in enumerate(configs):
             if config.world_size != world or (config.replicas, config.tensor_parallel) != \
                     (configs[0].replicas, configs[0].tensor_parallel):
@@ -280,9 +286,9 @@ def main(argv: list[str]) -> int:
                                  f"replica(s) of {configs[0].tensor_parallel} rank(s) per stage in a world of {world}")
             key = json.dumps([config.model, config.options, config.batch_size, config.loss], sort_keys=True)
             if key not in probes:
-                probes[key] = SpeedProbe.model(config.model, config.options, config.batch_size,
-                                               config.loss, device)
-            report = _run_one(config, rank, groups, device, probes[key], out_dir)
+                probe = SpeedProbe.model(config.model, config.options, config.batch_size, config.loss, device)
+                probes[key] = probe, AfterWaitProbe(probe)
+            report = _run_one(config, rank, groups, device, *probes[key], out_dir)
             if report is not None:
                 write_json_atomic(os.path.join(out_dir, f"report-{position}.json"), report)
     finally:

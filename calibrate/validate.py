@@ -42,6 +42,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from calibrate.after_wait_probe import WAIT_S, run_after_wait_probes, warm_up_factor
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.speed import run_probes, speed_factor
 from calibrate.step_components import (measured_components, predicted_end_span_s, predicted_replica_waits_s,
@@ -153,6 +154,8 @@ class Comparison:
     # per stage (replica 0), the part of the predicted busy time the device runs slow after long
     # waits (sim.warm_up): the component whose size this machine moves most from moment to moment
     predicted_warm_up_s: list[float] = field(default_factory=list)
+    # each round's after-wait probe against the calibration's (calibrate.after_wait_probe.warm_up_factor)
+    round_warm_up_factors: list[float] = field(default_factory=list)
 
     @property
     def replica_wait_points(self) -> tuple[float, float]:
@@ -191,6 +194,29 @@ class Comparison:
         """Per stage, the share of its predicted busy time that is the warm-up after long waits
         (empty where the prediction has none recorded)."""
         return [w / b if b else 0.0 for w, b in zip(self.predicted_warm_up_s, self.predicted_busy_s)]
+
+    @property
+    def predicted_busy_at_probed_warm_up_s(self) -> list[float]:
+        """Per stage, the predicted busy time with its warm-up scaled to each round's after-wait probe
+        and put at the reference speed as that round's measurement is (the warm-up's loss is measured in
+        the round's own seconds), the median over rounds; the prediction unchanged without factors."""
+        if not self.round_warm_up_factors or not self.predicted_warm_up_s:
+            return list(self.predicted_busy_s)
+        moments = list(zip(self.round_warm_up_factors, self.round_speeds))
+        return [statistics.median(busy - warm + warm * factor / speed for factor, speed in moments)
+                for busy, warm in zip(self.predicted_busy_s, self.predicted_warm_up_s)]
+
+    @property
+    def busy_errors_at_probed_warm_up(self) -> list[float]:
+        """Per stage, :attr:`busy_errors_at_reference` with the warm-up at the run's probed moment:
+        what the error is once the after-wait loss's own moves are taken out."""
+        return [(p - m) / m if m else 0.0
+                for p, m in zip(self.predicted_busy_at_probed_warm_up_s, self.measured_busy_at_reference_s)]
+
+    @property
+    def warm_up_factor(self) -> float:
+        """The median over rounds of the after-wait probe against the calibration's (1.0 without)."""
+        return statistics.median(self.round_warm_up_factors) if self.round_warm_up_factors else 1.0
 
     @property
     def busy_errors_at_reference(self) -> list[float]:
@@ -294,7 +320,10 @@ class Comparison:
                 "predicted_warm_up_s": self.predicted_warm_up_s, "warm_up_shares": self.warm_up_shares,
                 "busy_errors": self.busy_errors,
                 "measured_busy_at_reference_s": self.measured_busy_at_reference_s,
-                "busy_errors_at_reference": self.busy_errors_at_reference, "predicted_bubble": self.predicted_bubble,
+                "busy_errors_at_reference": self.busy_errors_at_reference,
+                "round_warm_up_factors": self.round_warm_up_factors, "warm_up_factor": self.warm_up_factor,
+                "busy_errors_at_probed_warm_up": self.busy_errors_at_probed_warm_up,
+                "predicted_bubble": self.predicted_bubble,
                 "measured_bubble": self.measured_bubble, "bubble_error_points": self.bubble_error_points,
                 "predicted_end_span_s": self.predicted_end_span_s, "measured_end_span_s": self.measured_end_span_s,
                 "predicted_kind_s": self.predicted_kind_s,
@@ -371,6 +400,7 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     replica_zero = sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)
     predicted_busy = [s.busy_s for s in replica_zero]
     speeds = [speed_factor(run_probes(r), reference) for r in reports]
+    loss_reference = data.get("speed", {}).get("after_wait_reference_s", {}).get(str(spec.processes))
     rounds_busy = [[r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds)] for k in range(len(busy))]
     waits = [replica_waits(r, spec.replicas) for r in reports]
     return Comparison(spec.label(), result.step_time_s, measured,
@@ -383,7 +413,9 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       [statistics.median(w[0][k] for w in waits) for k in range(len(busy))] if spec.replicas > 1
                       else [], predicted_replica_waits_s(result, len(busy)) if spec.replicas > 1 else [],
                       statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0,
-                      [s.warm_up_s for s in replica_zero])
+                      [s.warm_up_s for s in replica_zero],
+                      [warm_up_factor(run_after_wait_probes(r), loss_reference) for r in reports]
+                      if loss_reference is not None else [])
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:
@@ -464,14 +496,33 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
             "worst_busy_stage_at_reference": _stage_entry(worst_stage[2], worst_stage[3]) if worst_stage else None,
             "runs_with_bubble_error_beyond_noise": sum(1 for c in comparisons for low, high in
                                                        [c.bubble_error_interval_points] if not low <= 0.0 <= high),
-            **halves_summary(comparisons, worst_step)}
+            **halves_summary(comparisons, worst_step), **probed_warm_up_summary(comparisons)}
 
 
 def _stage_entry(comparison: Comparison, stage: int) -> dict[str, Any]:
-    """A stage named in the summary: its run, its index, and how much of its predicted busy time is
-    the warm-up after long waits (0 where none was recorded)."""
+    """A stage named in the summary: its run, its index, how much of its predicted busy time is the
+    warm-up after long waits (0 where none was recorded) and its run's after-wait probe against the
+    calibration's."""
     shares = comparison.warm_up_shares
-    return {"run": comparison.run, "stage": stage, "warm_up_share": shares[stage] if stage < len(shares) else 0.0}
+    return {"run": comparison.run, "stage": stage, "warm_up_share": shares[stage] if stage < len(shares) else 0.0,
+            "warm_up_factor": comparison.warm_up_factor}
+
+
+def probed_warm_up_summary(comparisons: Sequence[Comparison]) -> dict[str, Any]:
+    """The busy errors with each stage's warm-up at its run's probed after-wait loss
+    (:attr:`Comparison.busy_errors_at_probed_warm_up`): median, worst and where, and how far the runs'
+    probes ranged against the calibration's; {} where no run has probes against a reference."""
+    probed = [c for c in comparisons if c.round_warm_up_factors]
+    stages = [(abs(e), c, k) for c in probed for k, e in enumerate(c.busy_errors_at_probed_warm_up)]
+    if not stages:
+        return {}
+    worst = max(stages, key=lambda item: item[0])
+    rounds = [f for c in probed for f in c.round_warm_up_factors]
+    return {"median_busy_error_at_probed_warm_up": statistics.median(e for e, _, _ in stages),
+            "worst_busy_error_at_probed_warm_up": worst[0],
+            "worst_busy_stage_at_probed_warm_up": _stage_entry(worst[1], worst[2]),
+            "warm_up_factor_range": [min(c.warm_up_factor for c in probed), max(c.warm_up_factor for c in probed)],
+            "round_warm_up_factor_range": [min(rounds), max(rounds)]}
 
 
 def halves_summary(comparisons: Sequence[Comparison], worst_step: Comparison | None) -> dict[str, Any]:
@@ -554,11 +605,17 @@ def _stage_after_waits(result: dict[str, Any], label: str, stage: int) -> str:
     return _after_waits(shares[stage]) if stage < len(shares) else ""
 
 
-def _worst_stage(summary: dict[str, Any]) -> str:
+def _worst_stage(summary: dict[str, Any], key: str = "worst_busy_stage_at_reference") -> str:
     """`` by <run> stage k (n% after waits)``: where the summary's worst busy error at the reference
-    speed is (nothing in results from before it was recorded)."""
-    worst = summary.get("worst_busy_stage_at_reference")
-    return f", by {worst['run']} stage {worst['stage']}{_after_waits(worst['warm_up_share'])}" if worst else ""
+    speed (or the one ``key`` names) is, with its run's after-wait probe against the calibration's
+    where one was taken (nothing in results from before it was recorded)."""
+    worst = summary.get(key)
+    if not worst:
+        return ""
+    notes = [f"{worst['warm_up_share'] * 100:.0f}% after waits"] if worst["warm_up_share"] > 0 else []
+    if "median_busy_error_at_probed_warm_up" in summary and "warm_up_factor" in worst:
+        notes.append(f"after-wait probe x{worst['warm_up_factor']:.2f}")
+    return f", by {worst['run']} stage {worst['stage']}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _worst_signed(errors: Sequence[float]) -> float:
@@ -671,6 +728,15 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{s.get('worst_bubble_error_points', 0.0):.1f} (bubble: 1 - mean busy / step; end: from the last "
                  "backward to the step's end, and in a measured step from the previous step's end to its first compute "
                  "action, predicted/measured)")
+    if "median_busy_error_at_probed_warm_up" in s:
+        lines.append("the after-wait loss at each run's moment (the first layer's forward after a "
+                     f"{WAIT_S * 1e3:.0f} ms wait, probed around each round, against the calibration's): "
+                     f"x{s['warm_up_factor_range'][0]:.2f}-x{s['warm_up_factor_range'][1]:.2f} over the runs "
+                     f"(x{s['round_warm_up_factor_range'][0]:.2f}-x{s['round_warm_up_factor_range'][1]:.2f} over "
+                     "rounds); busy time per stage with each stage's predicted warm-up scaled to it: error median "
+                     f"{s['median_busy_error_at_probed_warm_up'] * 100:.1f}%, worst "
+                     f"{s['worst_busy_error_at_probed_warm_up'] * 100:.1f}%"
+                     f"{_worst_stage(s, 'worst_busy_stage_at_probed_warm_up')}")
     waits = [run for run in result["runs"] if run.get("replicas", 1) > 1 and run.get("measured_replica_wait_s")]
     if waits:
         lines.append("replicas (D > 1): replica 0's wait for the slowest replica of its stage before the gradient "

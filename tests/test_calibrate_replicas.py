@@ -87,7 +87,7 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs)
     reports = run_configs([run_config(model["name"], model["options"], s, 3) for s in specs])
     comparisons = [compare(data, s, [r], machine_processes("cpu")) for s, r in zip(specs, reports)]
     for spec, report, comparison in zip(specs, reports, comparisons):
-        assert len(report["speed_probe_s"]) == spec.processes  # every rank of every replica probed
+        assert len(report["speed_probe_s"]) == len(report["after_wait_probe_s"]) == spec.processes  # every rank probed
         assert len(report["stages"]) == spec.stages  # replica 0's stages
         assert comparison.measured_step_s > 0 and comparison.predicted_step_s > 0
         assert comparison.measured_peak_bytes == comparison.predicted_peak_bytes  # exact, as for D = 1
