@@ -54,6 +54,8 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ``busy_beyond_noise``; for the bubble, in points, ``bubble_beyond_noise``)."""
     step = [run["step_error_at_reference"] for run in runs]
     busy = [run["busy_errors_at_reference"] for run in runs]
+    # with each stage's warm-up at the run's probed after-wait loss, as each calibration's probes put it
+    probed = [run.get("busy_errors_at_probed_warm_up", run["busy_errors_at_reference"]) for run in runs]
     bubble = [run["bubble_error_points"] for run in runs]
     intervals = [list(run["step_error_interval_at_reference"]) for run in runs]
     busy_intervals = [[list(bounds) for bounds in run["busy_error_intervals_at_reference"]] for run in runs]
@@ -66,6 +68,7 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "busy_errors_at_reference": busy, "bubble_error_points": bubble,
             "median": {"step_error_at_reference": statistics.median(step),
                        "busy_errors_at_reference": [statistics.median(stage) for stage in zip(*busy)],
+                       "busy_errors_at_probed_warm_up": [statistics.median(stage) for stage in zip(*probed)],
                        "bubble_error_points": statistics.median(bubble)}}
 
 
@@ -85,6 +88,7 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     apart = [high - low for entry in entries for low, high in [entry["step_error_range_at_reference"]]]
     step = [abs(entry["median"]["step_error_at_reference"]) for entry in entries]
     busy = [abs(e) for entry in entries for e in entry["median"]["busy_errors_at_reference"]]
+    probed = [abs(e) for entry in entries for e in entry["median"].get("busy_errors_at_probed_warm_up", [])]
     bubble = [abs(entry["median"]["bubble_error_points"]) for entry in entries]
     return {"calibrations": len(entries[0]["step_errors_at_reference"]),
             "median_calibrations_apart": statistics.median(apart), "worst_calibrations_apart": max(apart),
@@ -102,5 +106,7 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "worst_step_error_at_reference": max(step),
                 "median_busy_error_at_reference": statistics.median(busy) if busy else 0.0,
                 "worst_busy_error_at_reference": max(busy, default=0.0),
+                "median_busy_error_at_probed_warm_up": statistics.median(probed) if probed else 0.0,
+                "worst_busy_error_at_probed_warm_up": max(probed, default=0.0),
                 "median_bubble_error_points": statistics.median(bubble),
                 "worst_bubble_error_points": max(bubble)}}

@@ -703,7 +703,12 @@ def format_table(result: dict[str, Any]) -> str:
                      f"error median {over['median_step_error_at_reference'] * 100:.1f}%, worst "
                      f"{over['worst_step_error_at_reference'] * 100:.1f}%; busy median "
                      f"{over['median_busy_error_at_reference'] * 100:.1f}%, worst "
-                     f"{over['worst_busy_error_at_reference'] * 100:.1f}%; bubble median "
+                     f"{over['worst_busy_error_at_reference'] * 100:.1f}%"
+                     + (f" (with the warm-up at each run's probed after-wait loss: median "
+                        f"{over['median_busy_error_at_probed_warm_up'] * 100:.1f}%, worst "
+                        f"{over['worst_busy_error_at_probed_warm_up'] * 100:.1f}%)"
+                        if "median_busy_error_at_probed_warm_up" in s else "")
+                     + "; bubble median "
                      f"{over['median_bubble_error_points']:.1f} points, worst {over['worst_bubble_error_points']:.1f}")
         beyond = across["runs_beyond_noise_by_every_calibration"]
         lines.append(f"{len(beyond)} of {s['runs']} runs' step errors beyond their interval's reach of zero, on the "

@@ -532,7 +532,9 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     assert not entry["beyond_noise"]  # -13..-7% by one calibration, +3..+9% by another
     assert entry["step_error_range_at_reference"] == [-0.10, 0.06]
     assert entry["median"] == {"step_error_at_reference": 0.02, "busy_errors_at_reference": [0.0, 0.1],
-                               "bubble_error_points": 0.5}
+                               "bubble_error_points": 0.5,
+                               # results without after-wait probes: the busy errors at the reference speed
+                               "busy_errors_at_probed_warm_up": [0.0, 0.1]}
     assert entry["predicted_steps_s"] == [0.9, 1.06, 1.02]
     other = across_calibrations.run_entry([judged(0.04, [0.04], 1.0), judged(-0.04, [-0.08], -2.0)])
     low = across_calibrations.run_entry([judged(-0.08, [0.0], 0.0, "K=1 M=4"), judged(-0.2, [0.0], 0.0, "K=1 M=4")])
