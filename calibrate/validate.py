@@ -33,6 +33,12 @@ minutes would have predicted. An error inside both is one this machine cannot te
 third, ``calibs``, where other costs files are given: the error as calibrations taken at other
 moments predict the same measurement (:mod:`calibrate.across_calibrations`), the noise neither of
 the first two sees.
+
+The warm-up after long waits (:mod:`sim.warm_up`) moves more between moments than the speed does, so
+each round is also bracketed by an after-wait probe (:mod:`calibrate.after_wait_probe`): the busy
+errors with each stage's predicted warm-up scaled to its run's probe stand beside the others
+(``busy_errors_at_probed_warm_up``), and the table gives how far the probes ranged against the
+calibration's.
 """
 
 from __future__ import annotations
@@ -320,6 +326,7 @@ class Comparison:
                 "predicted_warm_up_s": self.predicted_warm_up_s, "warm_up_shares": self.warm_up_shares,
                 "busy_errors": self.busy_errors,
                 "measured_busy_at_reference_s": self.measured_busy_at_reference_s,
+                "busy_rounds_at_reference_s": self.busy_rounds_at_reference_s,
                 "busy_errors_at_reference": self.busy_errors_at_reference,
                 "round_warm_up_factors": self.round_warm_up_factors, "warm_up_factor": self.warm_up_factor,
                 "busy_errors_at_probed_warm_up": self.busy_errors_at_probed_warm_up,

@@ -112,3 +112,15 @@ def test_the_table_shows_the_probes_range_and_the_busy_errors_at_the_runs_moment
     assert table.endswith("(40% after waits; after-wait probe x1.00)")  # the worst once the probe scales it
     unprobed = [_run([], [1.0])]
     assert "after-wait" not in format_table({"runs": [r.to_dict() for r in unprobed], "summary": summarize(unprobed)})
+
+
+def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up():
+    from calibrate.cli import summary_text
+    from tests.test_calibrate_costs import _design, synthetic_costs
+
+    data = _design([0.0])
+    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "warm_up_s": 4.15e-4}}
+    assert "after-wait probe" not in summary_text(data)  # a costs file from before the probe
+    data["speed"] = {"reference_s": {"2": 0.018}, "after_wait_reference_s": {"2": 2.44e-4}}
+    assert ("half speed until 415 us are lost (meanwhile the after-wait probe, the first layer's forward "
+            "after a 9 ms wait, lost 244 us)") in summary_text(data)
