@@ -9,8 +9,8 @@ twelve moments the forward's loss after the wait correlated 0.98 with the backwa
 wait and 0.97 with the forward's after that backward: timing one small forward after a wait says how
 large the warm-up is at that moment.
 
-What it times: the forward without gradients of the model's first layer (a one-layer stage's work)
-after a sleep of :data:`WAIT_S`, minus the same forward run again at once, the median over
+What it times: the forward without gradients of the model's first layer (a one-layer stage's work,
+in eval mode so that it draws no random numbers and leaves batch-norm statistics alone) after a sleep of :data:`WAIT_S`, minus the same forward run again at once, the median over
 ``repeats`` pairs. Pairs cancel the machine's drift; a pair costs the wait and two small forwards
 (about 0.15 s for 15 pairs here). :func:`warm_up_factor` divides a run's probes by the calibration's
 median, as :func:`calibrate.speed.speed_factor` divides paces: ``gpipe validate`` scales each stage's
@@ -50,7 +50,7 @@ class AfterWaitProbe:
         module = speed_probe.module
         self.layer = module[0] if isinstance(module, torch.nn.Sequential) and len(module) else module
         self.inputs = speed_probe.inputs
-        self._forward()  # once, so the first pair does not pay for the first call
+        self.measure(repeats=1, wait_s=0.0)  # once, so the first pair does not pay for the first call
 
     def _forward(self) -> float:
         """Seconds of one forward of the layer, without gradients, synchronised on the device."""
@@ -67,10 +67,15 @@ class AfterWaitProbe:
         if repeats < 1:
             raise ValueError(f"an after-wait probe needs at least one pair, not {repeats}")
         losses = []
-        for _ in range(repeats):
-            time.sleep(wait_s)
-            after_wait = self._forward()
-            losses.append(after_wait - self._forward())
+        training = self.layer.training
+        self.layer.eval()  # no dropout drawing on the random stream, no batch-norm statistics touched
+        try:
+            for _ in range(repeats):
+                time.sleep(wait_s)
+                after_wait = self._forward()
+                losses.append(after_wait - self._forward())
+        finally:
+            self.layer.train(training)
         return statistics.median(losses)
 
 

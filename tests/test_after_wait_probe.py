@@ -51,13 +51,17 @@ def test_the_probe_finds_the_time_a_wait_costs_the_first_layer_only():
     assert abs(probe.measure(repeats=5, wait_s=0.0)) < 0.7e-3  # no wait, nothing lost
 
 
-def test_the_probe_times_a_real_models_first_layer_without_touching_its_gradients():
-    speed = SpeedProbe.model("transformer", OPTIONS, 16)
+def test_the_probe_times_a_real_models_first_layer_without_touching_its_gradients_or_the_random_stream():
+    speed = SpeedProbe.model("transformer", {**OPTIONS, "dropout": 0.5}, 16)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
     probe = AfterWaitProbe(speed)
     assert probe.layer is speed.module[0]
     loss = probe.measure(repeats=3)
+    assert torch.equal(torch.rand(3), expected)  # the random stream left as it was
     assert math.isfinite(loss) and abs(loss) < 0.1
-    assert all(p.grad is None for p in speed.module.parameters())
+    assert all(p.grad is None for p in speed.module.parameters()) and probe.layer.training
     with pytest.raises(ValueError, match="at least one pair, not 0"):
         probe.measure(repeats=0)
 
