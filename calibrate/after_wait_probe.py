@@ -13,8 +13,11 @@ What it times: the forward without gradients of the model's first layer (a one-l
 in eval mode so that it draws no random numbers and leaves batch-norm statistics alone) after a sleep of :data:`WAIT_S`, minus the same forward run again at once, the median over
 ``repeats`` pairs. Pairs cancel the machine's drift; a pair costs the wait and two small forwards
 (about 0.15 s for 15 pairs here). :func:`warm_up_factor` divides a run's probes by the calibration's
-median, as :func:`calibrate.speed.speed_factor` divides paces: ``gpipe validate`` scales each stage's
-predicted warm-up by it and shows the busy error so corrected beside the one without.
+median, as :func:`calibrate.speed.speed_factor` divides paces. Calibration scales what each design
+run's actions paid of the warm-up by its run's factor, so the fitted warm-up is the one at the
+calibration's median probe (:func:`calibrate.calibration.collect`); ``gpipe validate`` scales each
+stage's predicted warm-up by its run's factor and shows the busy error so corrected beside the one
+without.
 
 Limits: one layer's loss after one wait length stands for every stage's after any long wait; the
 three-block stage's loss in the same twelve moments correlated only 0.65 with the embedding's. A

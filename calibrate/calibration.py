@@ -30,7 +30,7 @@ from sim.errors import require_at_least
 from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
 from calibrate.fit import (AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, fit_warm_up,
                            replica_spread)
-from calibrate.after_wait_probe import run_after_wait_probes
+from calibrate.after_wait_probe import run_after_wait_probes, warm_up_factor
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import (action_gaps_s, busy_since_wait_s, compute_per_step_s, measured_end_span_s,
                                        measured_records, predicted_end_span_s)
@@ -180,6 +180,9 @@ class ActionPoints:
     # the compute seconds its device ran since its last long wait before it (inf where none came):
     # what the action paid of a warm-up (calibrate.step_components.busy_since_wait_s)
     since_wait: list[float] = field(default_factory=list)
+    # the run's after-wait probe over the calibration's, over its speed factor: the warm-up it paid in
+    # seconds at the reference speed is this times the warm-up at the calibration's probe (1.0 without)
+    warm_up_scale: list[float] = field(default_factory=list)
 
     def typical(self) -> "ActionPoints":
         """One point per action of a run: its median over the rounds that measured it.
@@ -204,17 +207,22 @@ class ActionPoints:
                             [self.layers[members[0]] for _, members in rows] if self.layers else [],
                             [self.cold[members[0]] for _, members in rows] if self.cold else [],
                             [statistics.median(self.since_wait[i] for i in members) for _, members in rows]
-                            if self.since_wait else [])
+                            if self.since_wait else [],
+                            [statistics.median(self.warm_up_scale[i] for i in members) for _, members in rows]
+                            if self.warm_up_scale else [])
 
     def less_warm_up(self, warm_up_s: float) -> "ActionPoints":
         """These points with what each paid of a warm-up of ``warm_up_s`` taken out of its measured time."""
         return replace(self, measured=[m - p for m, p in zip(self.measured, self.warm_up_paid(warm_up_s))])
 
     def warm_up_paid(self, warm_up_s: float) -> list[float]:
-        """Per point, what it paid of a warm-up of ``warm_up_s`` (:func:`sim.warm_up.measured_paid_s`)."""
+        """Per point, what it paid of a warm-up of ``warm_up_s`` at the calibration's after-wait probe,
+        scaled to its run's (:func:`sim.warm_up.measured_paid_s`)."""
         if not self.since_wait:
             return [0.0] * len(self.measured)
-        return [measured_paid_s(warm_up_s, since, m) for since, m in zip(self.since_wait, self.measured)]
+        scales = self.warm_up_scale or [1.0] * len(self.measured)
+        return [measured_paid_s(warm_up_s * scale, since, m)
+                for since, m, scale in zip(self.since_wait, self.measured, scales)]
 
 
 @dataclass
@@ -239,14 +247,16 @@ class Observations:
 
 
 def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], obs: Observations,
-            speed: float = 1.0) -> None:
+            speed: float = 1.0, after_wait_factor: float = 1.0) -> None:
     """Add one run's spans to ``obs``: compute actions, sends, optimizer steps and the gaps between
     actions (:func:`calibrate.step_components.action_gaps_s`) of measured steps.
 
     Durations are divided by ``speed`` (:func:`calibrate.speed.speed_factor` of the run), so every
-    run enters the fits at the reference speed. A stage's optimizer step is the sum of its step's
-    ``optimizer`` spans (the gradient norm, then clipping and the update, either side of the wait
-    for the other stages' norms).
+    run enters the fits at the reference speed, and the warm-up its actions paid is scaled by its
+    ``after_wait_factor`` (:func:`calibrate.after_wait_probe.warm_up_factor`), so the fitted warm-up
+    is the one at the calibration's after-wait probe, as ``gpipe validate`` scales it. A stage's
+    optimizer step is the sum of its step's ``optimizer`` spans (the gradient norm, then clipping
+    and the update, either side of the wait for the other stages' norms).
     """
     k_count = spec.stages
     bounds = stage_bounds(spec.partition)
@@ -270,6 +280,7 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
         points.cold.append(1.0 if starts_cold_in(cold, action) else 0.0)
         points.since_wait.append(since_wait.get((action["stage"], action.get("virtual_stage"), action["kind"],
                                                  action["microbatch"]), math.inf) / speed)
+        points.warm_up_scale.append(after_wait_factor / speed)
         if kind == BACKWARD_WITH_RECOMPUTE:
             first, end = bounds[action["stage"]]
             parts = [workload.profiled_parts_s("R", i, action["rows"]) for i in range(first, end)]
@@ -625,8 +636,10 @@ def fit_in_pipeline(data: dict[str, Any], specs: Sequence[RunSpec], reports: Seq
     overhead, and ``tensor_parallel_fit`` where the design has split runs; the residuals."""
     whole = [i for i, s in enumerate(specs) if s.tensor_parallel == 1]
     obs = Observations()
+    losses = data.get("speed", {}).get("after_wait_reference_s", {})
     for i in whole:
-        collect(MeasuredWorkload(data, specs[i].stages), specs[i], reports[i], obs, speeds[i])
+        collect(MeasuredWorkload(data, specs[i].stages), specs[i], reports[i], obs, speeds[i],
+                warm_up_factor(run_after_wait_probes(reports[i]), losses.get(str(specs[i].processes))))
     data["pipeline"], residuals = fit_pipeline(obs, threads_of)
     residuals["step"] = fit_step_overhead(data, [specs[i] for i in whole], [reports[i] for i in whole],
                                           speeds=[speeds[i] for i in whole])

@@ -134,6 +134,7 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys, tiny_quick_costs):
     assert set(data["pipeline"]) >= {"1"}
     assert data["model"]["num_layers"] == 4
     assert set(data["speed"]["reference_s"]) == set(data["pipeline"])  # a reference pace per K
+    assert set(data["speed"]["after_wait_reference_s"]) == set(data["pipeline"])  # and an after-wait loss
     assert ("allreduce" in data) == (data["machine"]["cpu_cores"] >= 2)  # a data-parallel group fits
     if "allreduce" in data:
         assert data["allreduce"]["parties"][0] == 2 and data["allreduce"]["bandwidth_bytes_per_s"] > 0
@@ -157,6 +158,7 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys, tiny_quick_costs):
         assert run["measured_step_s"] > 0 and run["predicted_step_s"] > 0
         assert len(run["round_speeds"]) == printed["rounds"] and all(v > 0 for v in run["round_speeds"])
         assert run["measured_at_reference_s"] > 0
+        assert len(run["round_warm_up_factors"]) == printed["rounds"] and all(f >= 0 for f in run["round_warm_up_factors"])
         assert len(run["predicted_peak_activation_bytes"]) == len(run["measured_peak_activation_bytes"])
         # components: busy per stage, the bubble and the end-of-step span on both sides
         assert len(run["predicted_busy_s"]) == len(run["measured_busy_s"]) == len(run["busy_errors"]) >= 1

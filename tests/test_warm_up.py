@@ -69,52 +69,74 @@ def test_the_time_since_a_long_wait_counts_compute_only_and_restarts_at_each_lon
                                    (0, None, "B", 1): 1.8 * ms, (0, None, "F", 2): 0.0})
 
 
+def _line(profiled: float) -> float:
+    return 1.1 * profiled + 1e-4
+
+
+def _observed(warm_s: float, with_waits: bool, factors: tuple[float, ...] = (1.0,), scaled: bool = False):
+    """Actions on :func:`_line`, one warm forward and backward per run; on the small stages, a
+    backward after a long wait and the forward after it pay a warm-up at half speed: ``warm_s`` times
+    the run's after-wait factor (``factors`` in turn), recorded with the points where ``scaled``."""
+    from calibrate.calibration import ActionPoints, Observations
+
+    obs = Observations()
+    forwards = obs.actions[(2, "F")] = ActionPoints()
+    backwards = obs.actions[(2, "B")] = ActionPoints()
+
+    def add(points: ActionPoints, profiled: float, measured: float, run: int, since: float, factor: float) -> None:
+        points.profiled.append(profiled)
+        points.fixed.append(0.0)
+        points.measured.append(measured)
+        points.runs.append(f"run {run}")
+        points.since_wait.append(since)
+        if scaled:
+            points.warm_up_scale.append(factor)
+
+    for run, profiled in enumerate((5e-5, 6e-5, 8e-5, 1e-4, 1.5e-4, 1e-3, 2e-3, 4e-3, 8e-3)):
+        factor = factors[run % len(factors)]
+        for points, scale in ((forwards, 1.0), (backwards, 2.0)):  # one warm action of each kind
+            add(points, scale * profiled, _line(scale * profiled), run, math.inf, factor)
+        if profiled < 2e-4:  # the small stage waits before its backward
+            backward_work, forward_work = _line(2 * profiled), _line(profiled)
+            backward_paid = paid_s(backward_work, warm_s * factor)
+            forward_paid = paid_s(forward_work, warm_s * factor - backward_paid)
+            add(backwards, 2 * profiled, backward_work + backward_paid, run, 0.0 if with_waits else math.inf, factor)
+            add(forwards, profiled, forward_work + forward_paid, run,
+                backward_work + backward_paid if with_waits else math.inf, factor)
+    return obs
+
+
 def test_the_fit_finds_the_warm_up_the_points_paid_and_the_line_beneath_it():
-    """Actions on a line 1.1 x profiled + 0.1 ms; on a small stage, a backward after a long wait and
-    the forward after it pay a 0.25 ms warm-up at half speed (the backward all its work, the forward
-    the rest). The fit finds the warm-up within its grid's step and the line under it; with the
-    warm-up left out of the fit (no waits seen), the line tilts to carry it."""
-    from calibrate.calibration import ActionPoints, Observations, fit_pipeline
+    """On a small stage, a backward after a long wait and the forward after it pay a 0.25 ms warm-up
+    at half speed (the backward all its work, the forward the rest). The fit finds the warm-up within
+    its grid's step and the line under it; with the warm-up left out of the fit (no waits seen), the
+    line tilts to carry it."""
+    from calibrate.calibration import fit_pipeline
 
     warm_s = 0.25e-3
-
-    def line(profiled: float) -> float:
-        return 1.1 * profiled + 1e-4
-
-    def observed(with_waits: bool) -> Observations:
-        obs = Observations()
-        forwards = obs.actions[(2, "F")] = ActionPoints()
-        backwards = obs.actions[(2, "B")] = ActionPoints()
-        for run, profiled in enumerate((5e-5, 1e-4, 1e-3, 2e-3, 4e-3, 8e-3)):
-            for points, scale in ((forwards, 1.0), (backwards, 2.0)):  # one warm action of each kind
-                points.profiled.append(scale * profiled)
-                points.fixed.append(0.0)
-                points.measured.append(line(scale * profiled))
-                points.runs.append(f"run {run}")
-                points.since_wait.append(math.inf)
-            if profiled < 2e-4:  # the small stage waits before its backward
-                backward_work, forward_work = line(2 * profiled), line(profiled)
-                backward_paid = paid_s(backward_work, warm_s)
-                forward_paid = paid_s(forward_work, warm_s - backward_paid)
-                for points, scale, work, paid, since in ((backwards, 2.0, backward_work, backward_paid, 0.0),
-                                                         (forwards, 1.0, forward_work, forward_paid,
-                                                          backward_work + backward_paid)):
-                    points.profiled.append(scale * profiled)
-                    points.fixed.append(0.0)
-                    points.measured.append(work + paid)
-                    points.runs.append(f"run {run}")
-                    points.since_wait.append(since if with_waits else math.inf)
-        return obs
-
-    pipeline, residuals = fit_pipeline(observed(True), {2: 1})
+    pipeline, residuals = fit_pipeline(_observed(warm_s, True), {2: 1})
     assert pipeline["2"]["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
     assert residuals["2"]["warm up"]["warm_up_s"] == pipeline["2"]["warm_up_s"]
     for kind in ("F", "B"):
         fitted = pipeline["2"]["actions"][kind]
         assert fitted["slope"] == pytest.approx(1.1, rel=2e-2) and fitted["intercept"] == pytest.approx(1e-4, rel=0.1)
         assert fitted["worst_relative"] < 0.03
-    unseen = fit_pipeline(observed(False), {2: 1})[0]["2"]
+    unseen = fit_pipeline(_observed(warm_s, False), {2: 1})[0]["2"]
     assert unseen["warm_up_s"] == 0.0 and unseen["actions"]["F"]["worst_relative"] > 0.1
+
+
+def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_moments():
+    """Runs whose after-wait probe stood at half and at one and a half times the calibration's paid
+    that much of a 0.25 ms warm-up: with each run's factor the fit finds 0.25 ms and lines that fit;
+    without, one warm-up cannot fit both kinds of run."""
+    from calibrate.calibration import fit_pipeline
+
+    warm_s = 0.25e-3
+    scaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5), scaled=True), {2: 1})[0]["2"]
+    assert scaled["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
+    assert scaled["actions"]["F"]["worst_relative"] < 0.03 and scaled["actions"]["B"]["worst_relative"] < 0.03
+    unscaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5)), {2: 1})[0]["2"]
+    assert max(unscaled["actions"][kind]["worst_relative"] for kind in "FB") > 0.1
 
 
 def test_the_costs_file_carries_the_warm_up_to_every_stage():
