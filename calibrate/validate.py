@@ -607,9 +607,17 @@ def _after_waits(share: float) -> str:
 
 
 def _stage_after_waits(result: dict[str, Any], label: str, stage: int) -> str:
-    """:func:`_after_waits` of ``label``'s stage, from its run's ``warm_up_shares``."""
-    shares = next((run.get("warm_up_shares") or [] for run in result["runs"] if run["run"] == label), [])
-    return _after_waits(shares[stage]) if stage < len(shares) else ""
+    """`` (n% after waits; e% at the run's after-wait probe)`` of ``label``'s stage: its run's
+    ``warm_up_shares``, and the median over the calibrations of its busy error with the warm-up at the
+    run's probe where the run was probed (nothing for a stage without a warm-up)."""
+    run = next((run for run in result["runs"] if run["run"] == label), {})
+    shares = run.get("warm_up_shares") or []
+    if stage >= len(shares) or shares[stage] <= 0:
+        return ""
+    probed = run.get("calibrations", {}).get("median", {}).get("busy_errors_at_probed_warm_up") or []
+    at_probe = (f"; {probed[stage] * 100:+.1f}% at the run's after-wait probe"
+                if run.get("round_warm_up_factors") and stage < len(probed) else "")
+    return f" ({shares[stage] * 100:.0f}% after waits{at_probe})"
 
 
 def _worst_stage(summary: dict[str, Any], key: str = "worst_busy_stage_at_reference") -> str:

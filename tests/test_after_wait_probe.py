@@ -128,3 +128,15 @@ def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up
     data["speed"] = {"reference_s": {"2": 0.018}, "after_wait_reference_s": {"2": 2.44e-4}}
     assert ("half speed until 415 us are lost (meanwhile the after-wait probe, the first layer's forward "
             "after a 9 ms wait, lost 244 us)") in summary_text(data)
+
+
+def test_a_stage_beyond_noise_by_every_calibration_shows_its_error_at_the_runs_probe():
+    from calibrate import across_calibrations
+
+    run = _run([2.0, 2.0, 2.0], [1.0] * 3).to_dict()
+    run["calibrations"] = across_calibrations.run_entry([run, run])
+    summary = {**summarize([_run([2.0, 2.0, 2.0], [1.0] * 3)]),
+               "across_calibrations": across_calibrations.summary([run["calibrations"]])}
+    line = next(line for line in format_table({"runs": [run], "summary": summary}).splitlines()
+                if "beyond their interval's reach of zero by every calibration" in line and "stage" in line)
+    assert line.endswith("K=2 M=6 [1,5] stage 0 -28.6% (40% after waits; +0.0% at the run's after-wait probe)")
