@@ -113,7 +113,12 @@ def test_the_table_shows_the_probes_range_and_the_busy_errors_at_the_runs_moment
     table = format_table({"runs": [r.to_dict() for r in runs], "summary": summary})
     assert "x1.00-x2.00 over the runs (x0.90-x2.20 over rounds)" in table
     assert "(40% after waits; after-wait probe x2.00); rounds" in table  # the worst at the reference speed
-    assert table.endswith("(40% after waits; after-wait probe x1.00)")  # the worst once the probe scales it
+    probed = next(line for line in table.splitlines() if line.startswith("the after-wait loss at each run's moment"))
+    assert probed.endswith("(40% after waits; after-wait probe x1.00)")  # the worst once the probe scales it
+    goals = next(line for line in table.splitlines() if line.startswith("past the goals"))
+    assert "busy 2 of 4 stages; K=2 M=6 [1,5] stage 0 -28.6% (-29..-29%)" in goals  # both runs' first stages
+    assert goals.endswith("with the warm-up at each run's after-wait probe 1 of 4; K=2 M=6 [1,5] stage 0 -28.6% "
+                          "(-29..-29%); step 0 of 2 runs; bubble 0 of 2 runs")
     unprobed = [_run([], [1.0])]
     assert "after-wait" not in format_table({"runs": [r.to_dict() for r in unprobed], "summary": summarize(unprobed)})
 

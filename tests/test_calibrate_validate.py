@@ -597,3 +597,33 @@ def test_other_calibrations_must_be_of_the_same_model_and_process_counts(tmp_pat
     assert "b.json" in err and "another batch size" in err and len(err.strip().splitlines()) == 1
     assert main(["validate", "--costs", paths[0], paths[0]]) == 2
     assert "names a file twice" in capsys.readouterr().err
+
+
+def test_the_measured_bubble_is_the_median_rounds_not_the_bubble_of_medians_from_different_rounds():
+    """Per round 1 - 0.4/0.9, 1 - 0.5/0.5 and 1 - 0.6/0.7: the median round's bubble 14.3%, inside the
+    interval the rounds give, where the median busy time over the median step (28.6%) is no round's."""
+    run = Comparison("D=2 K=1 M=3", 0.7, 0.7, [1], [1], [0.9, 0.5, 0.7], [1.0] * 3, 2, predicted_busy_s=[0.5],
+                     measured_busy_s=[0.5], busy_rounds_at_reference_s=[[0.4, 0.5, 0.6]])
+    assert run.measured_bubble == pytest.approx(1 - 0.6 / 0.7)
+    low, high = run.bubble_error_interval_points
+    assert low <= run.bubble_error_points <= high
+    without_rounds = Comparison("D=2 K=1 M=3", 0.7, 0.7, [1], [1], [0.7], [1.0], 2, predicted_busy_s=[0.5],
+                                measured_busy_s=[0.5])
+    assert without_rounds.measured_bubble == pytest.approx(1 - 0.5 / 0.7)
+
+
+def test_errors_past_their_goal_beyond_their_own_rounds_noise_are_named():
+    from calibrate.validate import beyond_goals
+
+    # the step 1.18-1.22 s, predicted 1.0 (-16.7% at the median); busy 1.12-1.16 s, predicted 0.96 (-15.8%);
+    # each round's bubble 4.4-5.1% against 4% predicted
+    rounds = [1.18 + 0.01 * i for i in range(5)]
+    slow = Comparison("K=1 M=2", 1.0, 1.2, [1], [1], rounds, [1.0] * 5, predicted_busy_s=[0.96],
+                      measured_busy_s=[1.14], busy_rounds_at_reference_s=[[1.12 + 0.01 * i for i in range(5)]])
+    goals = beyond_goals([slow])
+    assert [run for run, *_ in goals["step"]] == ["K=1 M=2"] and goals["step"][0][1] == pytest.approx(-1 / 6)
+    assert [(run, stage) for run, stage, *_ in goals["busy"]] == [("K=1 M=2", 0)] and goals["stages"] == 1
+    assert goals["bubble"] == [] and "busy_at_probed_warm_up" not in goals  # within 3 points; no probes taken
+    # -11.5% at the median round, past the goal, but its rounds (1.05-1.30 s) put it anywhere in -23..-5%
+    noisy = Comparison("K=1 M=3", 1.0, 1.13, [1], [1], [1.05, 1.13, 1.30], [1.0] * 3)
+    assert noisy.step_error_at_reference == pytest.approx(1 / 1.13 - 1) and beyond_goals([noisy])["step"] == []
