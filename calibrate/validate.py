@@ -651,9 +651,9 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
 
 
 def _after_waits(share: float) -> str:
-    """`` (n% after waits)``: a stage's share of predicted busy time that is the warm-up after long
-    waits (:mod:`sim.warm_up`), where there is any."""
-    return f" ({share * 100:.0f}% after waits)" if share > 0 else ""
+    """``n% after waits``: a stage's share of predicted busy time that is the warm-up after long waits
+    (:mod:`sim.warm_up`)."""
+    return f"{share * 100:.0f}% after waits"
 
 
 def _stage_after_waits(result: dict[str, Any], label: str, stage: int) -> str:
@@ -667,7 +667,7 @@ def _stage_after_waits(result: dict[str, Any], label: str, stage: int) -> str:
     probed = run.get("calibrations", {}).get("median", {}).get("busy_errors_at_probed_warm_up") or []
     at_probe = (f"; {probed[stage] * 100:+.1f}% at the run's after-wait probe"
                 if run.get("round_warm_up_factors") and stage < len(probed) else "")
-    return f" ({shares[stage] * 100:.0f}% after waits{at_probe})"
+    return f" ({_after_waits(shares[stage])}{at_probe})"
 
 
 def _worst_stage(summary: dict[str, Any], key: str = "worst_busy_stage_at_reference") -> str:
@@ -677,7 +677,7 @@ def _worst_stage(summary: dict[str, Any], key: str = "worst_busy_stage_at_refere
     worst = summary.get(key)
     if not worst:
         return ""
-    notes = [f"{worst['warm_up_share'] * 100:.0f}% after waits"] if worst["warm_up_share"] > 0 else []
+    notes = [_after_waits(worst["warm_up_share"])] if worst["warm_up_share"] > 0 else []
     if "median_busy_error_at_probed_warm_up" in summary and "warm_up_factor" in worst:
         notes.append(f"after-wait probe x{worst['warm_up_factor']:.2f}")
     return f", by {worst['run']} stage {worst['stage']}" + (f" ({'; '.join(notes)})" if notes else "")

@@ -24,7 +24,8 @@ own forward during the wait avoids nearly all of it, so it is what the stage use
 while the core runs other work); and its size at one moment: within four minutes a one-layer stage's
 loss after a 9 ms wait moved by a factor of 3-4 (``--probes``), where the costs file holds the
 calibration's (``gpipe validate`` probes the loss around each run and shows the busy errors with the
-warm-up scaled to it, :mod:`calibrate.after_wait_probe`; the simulator itself has no way to know it). A wait shorter than the threshold costs nothing, however many follow each other.
+warm-up scaled to it, :mod:`calibrate.after_wait_probe`; the simulator itself has no way to know
+it). A wait shorter than the threshold costs nothing, however many follow each other.
 """
 
 from __future__ import annotations
