@@ -23,6 +23,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
+from calibrate.goals import BUBBLE_GOAL_POINTS, BUSY_GOAL, STEP_GOAL, past_by_every
+
 # what two costs files must share for their predictions of one held-out run to be comparable
 SAME_CALIBRATION_KEYS = ("model", "batch_size", "precision", "optimizer")
 
@@ -59,11 +61,20 @@ def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     bubble = [run["bubble_error_points"] for run in runs]
     intervals = [list(run["step_error_interval_at_reference"]) for run in runs]
     busy_intervals = [[list(bounds) for bounds in run["busy_error_intervals_at_reference"]] for run in runs]
+    probed_intervals = [[list(bounds) for bounds in run.get("busy_error_intervals_at_probed_warm_up",
+                                                             run["busy_error_intervals_at_reference"])]
+                        for run in runs]
+    bubble_intervals = [run["bubble_error_interval_points"] for run in runs]
     return {"run": runs[0]["run"], "step_errors_at_reference": step,
             "step_error_range_at_reference": [min(step), max(step)],
             "step_error_intervals_at_reference": intervals, "beyond_noise": beyond_noise(intervals),
             "busy_beyond_noise": [beyond_noise(stage) for stage in zip(*busy_intervals)],
-            "bubble_beyond_noise": beyond_noise([run["bubble_error_interval_points"] for run in runs]),
+            "bubble_beyond_noise": beyond_noise(bubble_intervals),
+            "past_goals": {"step": past_by_every(intervals, STEP_GOAL),
+                           "busy": [past_by_every(stage, BUSY_GOAL) for stage in zip(*busy_intervals)],
+                           "busy_at_probed_warm_up": [past_by_every(stage, BUSY_GOAL)
+                                                      for stage in zip(*probed_intervals)],
+                           "bubble": past_by_every(bubble_intervals, BUBBLE_GOAL_POINTS)},
             "predicted_steps_s": [run["predicted_step_s"] for run in runs],
             "busy_errors_at_reference": busy, "bubble_error_points": bubble,
             "median": {"step_error_at_reference": statistics.median(step),
@@ -101,6 +112,7 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "bubbles_beyond_noise_by_every_calibration": [
                 [entry["run"], entry["median"]["bubble_error_points"]] for entry in entries
                 if entry["bubble_beyond_noise"]],
+            "past_goals_by_every_calibration": past_goals(entries),
             "median_over_calibrations": {
                 "median_step_error_at_reference": statistics.median(step),
                 "worst_step_error_at_reference": max(step),
@@ -110,3 +122,22 @@ def summary(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "worst_busy_error_at_probed_warm_up": max(probed, default=0.0),
                 "median_bubble_error_points": statistics.median(bubble),
                 "worst_bubble_error_points": max(bubble)}}
+
+
+def past_goals(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The errors every calibration puts past its goal by more than its rounds allow
+    (:mod:`calibrate.goals`): a miss neither the machine's round-to-round noise nor the moment of
+    calibration explains. Each stage as [run, stage, median busy error over the calibrations], each
+    run as [run, median step error] or [run, median bubble error in points]; entries from results
+    saved before the goals were judged here count as within them."""
+    def stages(flags: str, errors: str) -> list[list[Any]]:
+        return [[entry["run"], stage, entry["median"][errors][stage]] for entry in entries
+                for stage, past in enumerate(entry.get("past_goals", {}).get(flags, [])) if past]
+
+    return {"stages": sum(len(entry["busy_beyond_noise"]) for entry in entries),
+            "busy": stages("busy", "busy_errors_at_reference"),
+            "busy_at_probed_warm_up": stages("busy_at_probed_warm_up", "busy_errors_at_probed_warm_up"),
+            "step": [[entry["run"], entry["median"]["step_error_at_reference"]] for entry in entries
+                     if entry.get("past_goals", {}).get("step")],
+            "bubble": [[entry["run"], entry["median"]["bubble_error_points"]] for entry in entries
+                       if entry.get("past_goals", {}).get("bubble")]}
