@@ -21,16 +21,33 @@ Usage::
     .venv/bin/python benchmarks/calibration_spread.py benchmarks/results/calibration_validation_cpu_A.json \\
         benchmarks/results/calibration_validation_cpu_B.json [...] --out benchmarks/results/calibration_spread.json
 
+``goals`` in the output pools the moments against the goals (:mod:`calibrate.goals`): each error (a
+stage's busy time, a run's step and bubble, at the reference speed; per validation the median over
+the calibrations that judged it, where several did) over the validations, its mean and the 90%
+Student-t interval of that mean, and the errors whose whole interval lies past the goal: a miss that
+recurs at every moment by more than the moments' scatter allows, which no single validation's
+noise can show, and the model's own.
+
 Limits: with two calibrations the median is their mean; a run's range across N calibrations grows
-with N; results files of different code mix its changes into the spread.
+with N; results files of different code mix its changes into the spread; the interval takes the
+moments as independent draws, so a bias every validation shares (the same calibration design, the
+same machine) sits in the mean, not in the interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from calibrate.goals import BUBBLE_GOAL_POINTS, BUSY_GOAL, STEP_GOAL, past  # noqa: E402
+
+CONFIDENCE = 0.9
 
 
 def spread(results: list[dict]) -> dict:
@@ -120,6 +137,67 @@ def moments_summary(rows: list[dict]) -> dict:
             "worst_share_outside": {"run": worst_share[0], "stage": worst_share[1], "relative": worst_share[2]}}
 
 
+def judged(run: dict) -> dict:
+    """A run's errors at the reference speed as its validation judged them: the median over its
+    calibrations where several judged it, else the first calibration's."""
+    median = run.get("calibrations", {}).get("median")
+    if median:
+        return {"busy": median["busy_errors_at_reference"], "step": median["step_error_at_reference"],
+                "bubble": median["bubble_error_points"]}
+    return {"busy": run["busy_errors_at_reference"], "step": run["step_error_at_reference"],
+            "bubble": run["bubble_error_points"]}
+
+
+def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """The mean of ``values`` and the two-sided Student-t interval of it (at least two values)."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(values)
+    half = float(t.ppf(0.5 + confidence / 2, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def goals(results: list[dict]) -> dict:
+    """Every error of the runs in every result (oversubscribed runs left out) pooled over the
+    validations against its goal: [run, what ("busy stage k", "step" or "bubble"), the values, their
+    mean, the interval's ends], and those whose interval lies wholly past the goal."""
+    runs: dict[str, list[dict]] = {}
+    for result in results:
+        for run in result["runs"]:
+            if not run.get("oversubscribed"):
+                runs.setdefault(run["run"], []).append(judged(run))
+    errors = []
+    for label, seen in runs.items():
+        if len(seen) != len(results):
+            continue
+        series = [(f"busy stage {k}", [each["busy"][k] for each in seen], BUSY_GOAL)
+                  for k in range(len(seen[0]["busy"]))]
+        series += [("step", [each["step"] for each in seen], STEP_GOAL),
+                   ("bubble", [each["bubble"] for each in seen], BUBBLE_GOAL_POINTS)]
+        for what, values, goal in series:
+            mean, low, high = mean_interval(values)
+            errors.append({"run": label, "error": what, "values": values, "mean": mean, "interval": [low, high],
+                           "past_goal": past((low, high), goal)})
+    return {"validations": len(results), "confidence": CONFIDENCE, "errors": errors,
+            "past_goals": [[e["run"], e["error"], e["mean"], *e["interval"]] for e in errors if e["past_goal"]]}
+
+
+def format_goals(table: dict) -> str:
+    def shown(entry: dict) -> str:
+        unit, scale = (" points", 1.0) if entry["error"] == "bubble" else ("%", 100.0)
+        low, high = entry["interval"]
+        return (f"{entry['run']} {entry['error']} {entry['mean'] * scale:+.1f}{unit} "
+                f"({low * scale:+.1f}..{high * scale:+.1f})")
+
+    past_ones = [e for e in table["errors"] if e["past_goal"]]
+    near = sorted((e for e in table["errors"] if not e["past_goal"] and e["error"] != "bubble"),
+                  key=lambda e: -abs(e["mean"]))[:5]
+    return (f"pooled over {table['validations']} validations (each error's mean over them and its "
+            f"{table['confidence'] * 100:.0f}% interval): {len(past_ones)} of {len(table['errors'])} errors past their "
+            "goal beyond the moments' scatter" + "".join(f"; {shown(e)}" for e in past_ones)
+            + "; the largest means: " + "; ".join(shown(e) for e in near))
+
+
 def format_spread(table: dict, names: list[str]) -> str:
     lines = [f"{'run':40s} " + " ".join(f"{name[-12:]:>12s}" for name in names) + "    range   median"]
     for row in table["runs"]:
@@ -167,8 +245,10 @@ def main() -> None:
         with open(path) as handle:
             results.append(json.load(handle))
     table = spread(results)
+    table["goals"] = goals(results)
     names = [os.path.splitext(os.path.basename(path))[0] for path in args.results]
     print(format_spread(table, names))
+    print(format_goals(table["goals"]))
     with open(args.out, "w") as handle:
         json.dump({"results": args.results, **table}, handle, indent=1)
     print(f"written to {args.out}")

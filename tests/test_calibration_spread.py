@@ -41,3 +41,26 @@ def test_the_last_validations_predictions_are_placed_among_every_moments_measure
     assert moments["shares_within_measured_range"] == 1
     assert moments["worst_measured_bubble_range_points"] == pytest.approx(4.0)
     assert moments["worst_share_outside"]["stage"] == 1
+
+
+def test_an_error_recurring_past_its_goal_at_every_moment_is_named_and_a_scattered_one_is_not():
+    """Busy +7%, +8%, +9% at three moments: mean +8%, its 90% interval +6.3..+9.7% past 5%. Step +12%,
+    -4%, +20%: mean +9.3% but the interval reaches far inside 10%. A validation judged by two
+    calibrations counts by their median."""
+    from benchmarks.calibration_spread import goals, mean_interval
+
+    def result(busy, step, median=None):
+        run = {**_run("K=2 M=8", 0.1, [1.0], 1.0, [1.0], 1.0), "busy_errors_at_reference": [busy],
+               "step_error_at_reference": step}
+        if median is not None:
+            run["calibrations"] = {"median": {"busy_errors_at_reference": [median], "step_error_at_reference": step,
+                                              "bubble_error_points": 0.0}}
+        return {"runs": [run]}
+
+    mean, low, high = mean_interval([0.07, 0.08, 0.09])
+    assert mean == pytest.approx(0.08) and low == pytest.approx(0.08 - 2.919986 * 0.01 / 3 ** 0.5)
+    table = goals([result(0.07, 0.12), result(0.30, -0.04, median=0.08), result(0.09, 0.20)])
+    assert table["past_goals"] == [["K=2 M=8", "busy stage 0", pytest.approx(0.08), pytest.approx(low),
+                                    pytest.approx(high)]]
+    step = next(e for e in table["errors"] if e["error"] == "step")
+    assert step["mean"] == pytest.approx(0.28 / 3) and not step["past_goal"]
