@@ -295,10 +295,10 @@ def test_replica_zeros_wait_for_the_slowest_replica_measured_and_simulated():
     assert "replicas (D > 1)" not in format_table({"runs": [one.to_dict()], "summary": summarize([one])})
 
 
-def test_the_gap_between_actions_is_device_time_outside_every_span_less_the_waits():
+def test_the_gap_between_actions_is_device_time_outside_every_span_where_the_input_was_there():
     """Between two actions of a device: from the end of the first or its send to the second's start,
-    less the wait for its input; other replicas, tensor-parallel ranks and steps not asked for are
-    left out."""
+    where no wait for its input came between (the chores done while it was away are time the model
+    spends waiting); other replicas, tensor-parallel ranks and steps not asked for are left out."""
     from sim.timeline import Record
 
     from calibrate.step_components import action_gaps_s
@@ -312,9 +312,11 @@ def test_the_gap_between_actions_is_device_time_outside_every_span_less_the_wait
                Record(0, "F", 0, 10.0, 11.0, step=4), Record(0, "B", 0, 19.0, 20.0, step=4)]
     gaps = action_gaps_s(records, [3])
     assert gaps.keys() == {(0, 3), (1, 3)} and gaps[(1, 3)] == [("F", 0.0)]
-    assert [kind for kind, _ in gaps[(0, 3)]] == ["F", "F"]  # each gap keyed by the action it follows
-    assert [gap for _, gap in gaps[(0, 3)]] == pytest.approx([0.25, 0.75])
+    assert gaps[(0, 3)] == [("F", pytest.approx(0.25))]  # keyed by the action it follows; B waited: none
     assert action_gaps_s(records, [4]) == {(0, 4): [("F", pytest.approx(8.0))]}
+    # a zero-length wait span is no wait: the input was there
+    records.insert(2, Record(0, "recv_wait", 1, 1.375, 1.375, step=3))
+    assert action_gaps_s(records, [3])[(0, 3)] == [("F", pytest.approx(0.25))]
 
 
 def test_split_runs_fit_the_split_stages_in_pipeline_factor():
