@@ -87,7 +87,7 @@ def measure(path: str) -> None:
 
 def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -> dict:
     """The costs ``base`` measured, with the pipeline terms fitted as ``variant`` does."""
-    from calibrate.after_wait_probe import run_after_wait_probes, warm_up_factor
+    from calibrate.after_wait_probe import report_warm_up_factor
     from calibrate.calibration import Observations, collect, fit_pipeline, fit_step_overhead
     from calibrate.fit import fit_affine
     from sim.costs import MeasuredWorkload
@@ -95,11 +95,10 @@ def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -
     data = copy.deepcopy(base)
     data.pop("fit_halves", None)  # the halves of the measured calibration's fit are not this variant's
     observations = Observations()
-    losses = data.get("speed", {}).get("after_wait_reference_s", {})
     for spec, report, speed in zip(specs, reports, speeds):
         # each run's warm-up at its own after-wait probe, as gpipe calibrate fits it (1.0 without probes)
         collect(MeasuredWorkload(data, spec.stages), spec, report, observations, speed,
-                warm_up_factor(run_after_wait_probes(report), losses.get(str(spec.processes))))
+                report_warm_up_factor(report, data, spec.processes))
     if variant != "two-part":  # every round's point: an action without its identity is not pooled
         for points in observations.actions.values():
             points.actions = []

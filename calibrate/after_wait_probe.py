@@ -87,6 +87,18 @@ def run_after_wait_probes(report: dict[str, Any]) -> list[float]:
     return [loss for rank in report.get("after_wait_probe_s") or [] for loss in rank]
 
 
+def after_wait_reference_s(costs: dict[str, Any], processes: int) -> float | None:
+    """The calibration's after-wait loss for runs of ``processes`` processes (D x K x T) in the costs
+    file ``costs``; None where it has none (written before the probe, or no design run of that many)."""
+    return costs.get("speed", {}).get("after_wait_reference_s", {}).get(str(processes))
+
+
+def report_warm_up_factor(report: dict[str, Any], costs: dict[str, Any], processes: int) -> float:
+    """:func:`warm_up_factor` of one executor run's report against the calibration's reference for its
+    number of processes (1.0 without either)."""
+    return warm_up_factor(run_after_wait_probes(report), after_wait_reference_s(costs, processes))
+
+
 def warm_up_factor(probes: Sequence[float], reference_s: float | None) -> float:
     """(after-wait loss around a run) / (the calibration's median): the median of the run's probes
     over the reference, never below 0; 1.0 without probes or without a reference of at least

@@ -30,7 +30,7 @@ from sim.errors import require_at_least
 from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
 from calibrate.fit import (AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, fit_warm_up,
                            replica_spread)
-from calibrate.after_wait_probe import run_after_wait_probes, warm_up_factor
+from calibrate.after_wait_probe import report_warm_up_factor, run_after_wait_probes
 from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
 from calibrate.step_components import (action_gaps_s, busy_since_wait_s, compute_per_step_s, measured_end_span_s,
                                        measured_records, predicted_end_span_s)
@@ -636,10 +636,9 @@ def fit_in_pipeline(data: dict[str, Any], specs: Sequence[RunSpec], reports: Seq
     overhead, and ``tensor_parallel_fit`` where the design has split runs; the residuals."""
     whole = [i for i, s in enumerate(specs) if s.tensor_parallel == 1]
     obs = Observations()
-    losses = data.get("speed", {}).get("after_wait_reference_s", {})
     for i in whole:
         collect(MeasuredWorkload(data, specs[i].stages), specs[i], reports[i], obs, speeds[i],
-                warm_up_factor(run_after_wait_probes(reports[i]), losses.get(str(specs[i].processes))))
+                report_warm_up_factor(reports[i], data, specs[i].processes))
     data["pipeline"], residuals = fit_pipeline(obs, threads_of)
     residuals["step"] = fit_step_overhead(data, [specs[i] for i in whole], [reports[i] for i in whole],
                                           speeds=[speeds[i] for i in whole])

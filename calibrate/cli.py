@@ -19,7 +19,7 @@ from sim.cli_options import (MODEL_FLAGS, add_option_argument, add_optimizer_arg
                              check_output_path, model_options)
 from sim.progress import note
 from sim.warm_up import IDLE_S
-from calibrate.after_wait_probe import WAIT_S as AFTER_WAIT_S
+from calibrate.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
 from calibrate.calibration import check_timed_steps
 from sim.errors import GpipeInputError, require_positive
 from sim.model_defaults import DEFAULT_BATCH
@@ -150,8 +150,8 @@ def summary_text(data: dict[str, Any]) -> str:
         lines.append(f"link: latency {link['latency_s'] * 1e6:.1f} us, bandwidth "
                      f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     lines += allreduce_lines(data.get("allreduce"))
-    losses = data.get("speed", {}).get("after_wait_reference_s", {})  # per process count, K here
     for k, fit in sorted(data.get("pipeline", {}).items()):
+        loss = after_wait_reference_s(data, int(k))  # per process count, K here
         acts = ", ".join(f"{kind} x{a['slope']:.3f}"
                          + (f" (fixed part x{a['fixed_slope']:.3f})" if a.get("fixed_slope") is not None else "")
                          + f"{a['intercept'] * 1e6:+.0f}us"
@@ -167,8 +167,8 @@ def summary_text(data: dict[str, Any]) -> str:
                      + (f"; after a wait of {IDLE_S * 1e3:.0f} ms or more, half speed until "
                         f"{fit['warm_up_s'] * 1e6:.0f} us are lost" if fit.get("warm_up_s") else "")
                      + (f" (meanwhile the after-wait probe, the first layer's forward after a "
-                        f"{AFTER_WAIT_S * 1e3:.0f} ms wait, lost {losses[k] * 1e6:.0f} us)"
-                        if fit.get("warm_up_s") and k in losses else "")
+                        f"{AFTER_WAIT_S * 1e3:.0f} ms wait, lost {loss * 1e6:.0f} us)"
+                        if fit.get("warm_up_s") and loss is not None else "")
                      + (f"; the slowest of 2 replicas {straggle_fraction(spread, 2) * 100:+.1f}% of their compute"
                         if spread else ""))
     for parts, factors in sorted(data.get("tensor_parallel_fit", {}).items()):

@@ -48,7 +48,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from calibrate.after_wait_probe import WAIT_S, run_after_wait_probes, warm_up_factor
+from calibrate.after_wait_probe import WAIT_S, after_wait_reference_s, run_after_wait_probes, warm_up_factor
 from calibrate.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.goals import BUBBLE_GOAL_POINTS, BUSY_GOAL, STEP_GOAL, past
 from calibrate.speed import run_probes, speed_factor
@@ -424,7 +424,7 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     replica_zero = sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)
     predicted_busy = [s.busy_s for s in replica_zero]
     speeds = [speed_factor(run_probes(r), reference) for r in reports]
-    loss_reference = data.get("speed", {}).get("after_wait_reference_s", {}).get(str(spec.processes))
+    loss_reference = after_wait_reference_s(data, spec.processes)
     rounds_busy = [[r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds)] for k in range(len(busy))]
     waits = [replica_waits(r, spec.replicas) for r in reports]
     return Comparison(spec.label(), result.step_time_s, measured,
