@@ -678,38 +678,36 @@ def _worst_stage(summary: dict[str, Any], key: str = "worst_busy_stage_at_refere
 
 def _beyond_goals_line(goals: dict[str, Any], runs: int) -> str:
     """The summary's :func:`beyond_goals` as one line of the table."""
-    def named(stages: Sequence[Sequence[Any]]) -> str:
-        return "".join(f"; {run} stage {stage} {error * 100:+.1f}% ({_interval((low, high))})"
-                       for run, stage, error, low, high in stages)
-
-    line = (f"past the goals by more than their own rounds allow (the error's whole interval beyond: busy "
+    return (f"past the goals by more than their own rounds allow (the error's whole interval beyond: busy "
             f"+-{BUSY_GOAL * 100:.0f}%, step +-{STEP_GOAL * 100:.0f}%, bubble +-{BUBBLE_GOAL_POINTS:.0f} "
-            f"points): busy {len(goals['busy'])} of {goals['stages']} stages{named(goals['busy'])}")
-    if "busy_at_probed_warm_up" in goals:
-        line += (f"; with the warm-up at each run's after-wait probe {len(goals['busy_at_probed_warm_up'])} of "
-                 f"{goals['stages']}{named(goals['busy_at_probed_warm_up'])}")
-    line += f"; step {len(goals['step'])} of {runs} runs" + "".join(
-        f"; {run} {error * 100:+.1f}% ({_interval((low, high))})" for run, error, low, high in goals["step"])
-    line += f"; bubble {len(goals['bubble'])} of {runs} runs" + "".join(
-        f"; {run} {points:+.1f} points ({low:+.1f}..{high:+.1f})" for run, points, low, high in goals["bubble"])
-    return line
+            f"points): " + _goals_tally(goals, runs, "busy_at_probed_warm_up" in goals))
 
 
 def _past_goals_by_every_calibration_line(goals: dict[str, Any], runs: int, probed: bool) -> str:
     """The summary's :func:`calibrate.across_calibrations.past_goals` as one line of the table."""
-    def named(stages: Sequence[Sequence[Any]]) -> str:
-        return "".join(f"; {run} stage {stage} {error * 100:+.1f}%" for run, stage, error in stages)
+    return ("past the goals by more than their own rounds allow by every calibration (neither the machine's "
+            "round-to-round noise nor the moment of calibration explains these; the median over the "
+            "calibrations shown): " + _goals_tally(goals, runs, probed))
 
-    line = (f"past the goals by more than their own rounds allow by every calibration (neither the machine's "
-            f"round-to-round noise nor the moment of calibration explains these; the median over the "
-            f"calibrations shown): busy {len(goals['busy'])} of {goals['stages']} stages{named(goals['busy'])}")
+
+def _goals_tally(goals: dict[str, Any], runs: int, probed: bool) -> str:
+    """How many stages and runs miss each goal, each named with its error and, where the entry carries
+    them, its interval's ends: stages as [run, stage, error, *bounds], runs as [run, error, *bounds]."""
+    def percent(error: float, bounds: Sequence[float]) -> str:
+        return f"{error * 100:+.1f}%" + (f" ({_interval(bounds)})" if bounds else "")
+
+    def stages(entries: Sequence[Sequence[Any]]) -> str:
+        return "".join(f"; {run} stage {stage} {percent(error, bounds)}" for run, stage, error, *bounds in entries)
+
+    text = f"busy {len(goals['busy'])} of {goals['stages']} stages{stages(goals['busy'])}"
     if probed:
-        line += (f"; with the warm-up at each run's after-wait probe {len(goals['busy_at_probed_warm_up'])} of "
-                 f"{goals['stages']}{named(goals['busy_at_probed_warm_up'])}")
-    line += f"; step {len(goals['step'])} of {runs} runs" + "".join(
-        f"; {run} {error * 100:+.1f}%" for run, error in goals["step"])
-    return line + f"; bubble {len(goals['bubble'])} of {runs} runs" + "".join(
-        f"; {run} {points:+.1f} points" for run, points in goals["bubble"])
+        text += (f"; with the warm-up at each run's after-wait probe {len(goals['busy_at_probed_warm_up'])} of "
+                 f"{goals['stages']}{stages(goals['busy_at_probed_warm_up'])}")
+    text += f"; step {len(goals['step'])} of {runs} runs" + "".join(
+        f"; {run} {percent(error, bounds)}" for run, error, *bounds in goals["step"])
+    return text + f"; bubble {len(goals['bubble'])} of {runs} runs" + "".join(
+        f"; {run} {points:+.1f} points" + (f" ({bounds[0]:+.1f}..{bounds[1]:+.1f})" if bounds else "")
+        for run, points, *bounds in goals["bubble"])
 
 
 def _worst_signed(errors: Sequence[float]) -> float:
