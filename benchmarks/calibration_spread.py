@@ -240,6 +240,9 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.results) < 2:
         parser.error("give two or more validation results to compare")
+    missing = [path for path in args.results if not os.path.isfile(path)]
+    if missing:
+        parser.error(f"no such validation result: {missing[0]}; give files gpipe validate wrote")
     results = []
     for path in args.results:
         with open(path) as handle:
