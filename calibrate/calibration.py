@@ -27,11 +27,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from sim.errors import require_at_least
-from sim.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
+from sim.costs import DESIGN_FIT_GOAL, BACKWARD_WITH_RECOMPUTE, fit_quality, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload
 from calibrate.fit import (AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline, fit_warm_up,
                            replica_spread)
-from calibrate.after_wait_probe import report_warm_up_factor, run_after_wait_probes
-from calibrate.speed import model_probe_description, reference_s, run_probes, speed_factor
+from calibrate.after_wait_probe import report_warm_up_factor
+from calibrate.design_checks import corrected_within_bounds, missed_design_runs, refuse_missed
 from calibrate.step_components import (action_gaps_s, busy_since_wait_s, compute_per_step_s, measured_end_span_s,
                                        measured_records, predicted_end_span_s)
 from sim.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
@@ -556,11 +556,12 @@ def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: S
 
 
 def design_entry(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]],
-                 speeds: Sequence[float]) -> dict[str, Any]:
+                 corrections: Sequence[dict[str, float]]) -> dict[str, Any]:
     """How the finished fit predicts one design run over its rounds: step and busy time per stage
     (replica 0's, forward, recompute, backward and optimizer) at the reference speed, the raw step
-    beside them; a fit that reproduces its own runs' steps but not their busy time has put compute
-    into some other term."""
+    and each round's corrections (:mod:`calibrate.design_checks`) beside them; a fit that reproduces
+    its own runs' steps but not their busy time has put compute into some other term."""
+    speeds = [c["speed"] for c in corrections]
     result = predict(data, spec)
     stages = len(reports[0]["stages"])
     busy = sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)
@@ -570,7 +571,8 @@ def design_entry(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str
             "predicted_step_s": result.step_time_s,
             "measured_busy_s": [statistics.median(r["stages"][k]["busy_s"] / v for r, v in zip(reports, speeds))
                                 for k in range(stages)],
-            "predicted_busy_s": [s.busy_s for s in busy]}
+            "predicted_busy_s": [s.busy_s for s in busy],
+            "corrections": [dict(c) for c in corrections]}
 
 
 def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
@@ -671,26 +673,6 @@ def fit_halves(data: dict[str, Any], design_size: int, specs: Sequence[RunSpec],
                         [speeds[i] for i in chosen], threads_of)
         halves.append({key: half[key] for key in FITTED_TERMS if key in half})
     return halves
-
-
-def run_speed_reference(model: str, specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The reference pace per number of processes: the median speed probe over the design runs with
-    that many (K x T; validation looks a run up by its D x K x T).
-
-    Per count because that many processes probing at once contend as the run will, and the fits of
-    runs with that many processes are what the reference speed anchors.
-
-    The after-wait probes (:mod:`calibrate.after_wait_probe`) give ``after_wait_reference_s`` the same
-    way: the loss a wait cost at the calibration's moments, which the fitted warm-ups stand for.
-    """
-    by_k: dict[int, list[float]] = {}
-    losses: dict[int, list[float]] = {}
-    for spec, report in zip(specs, reports):
-        by_k.setdefault(spec.processes, []).extend(run_probes(report))
-        losses.setdefault(spec.processes, []).extend(run_after_wait_probes(report))
-    return {"probe": model_probe_description(model, specs[0].batch_size) if specs else "",
-            "reference_s": {str(k): reference_s(p) for k, p in sorted(by_k.items()) if p},
-            "after_wait_reference_s": {str(k): reference_s(p) for k, p in sorted(losses.items()) if p}}
 
 
 # ----------------------------------------------------------------------------- efficiency
@@ -852,15 +834,27 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
                                 split_backward=repeats.split, row_span=not quick, per_layer_recompute=not quick)
     specs = design * (1 if quick else rounds)
     configs = [run_config(model, options, s, steps, device, optimizer, precision) for s in specs]
+    def remeasure(indices: Sequence[int]) -> list[dict[str, Any]]:
+        return run_configs([configs[i] for i in indices], progress=say)
+
     reports = run_configs(configs, progress=say)
-    data["speed"] = run_speed_reference(model, specs, reports)
-    speeds = [speed_factor(run_probes(r), data["speed"]["reference_s"].get(str(s.processes)))
-              for s, r in zip(specs, reports)]
-    data["fit_residuals"] = fit_in_pipeline(data, specs, reports, speeds, threads_of)
+    for attempt in (1, 2):  # a design run the fit misses is measured once more, then refused
+        reports, data["speed"], corrections = corrected_within_bounds(model, specs, reports, remeasure, say)
+        speeds = [c["speed"] for c in corrections]
+        data["fit_residuals"] = fit_in_pipeline(data, specs, reports, speeds, threads_of)
+        data["design"] = [design_entry(data, s, reports[i::len(design)], corrections[i::len(design)])
+                          for i, s in enumerate(design)]
+        missed = {run for run, _ in missed_design_runs(data)}
+        if not missed or attempt == 2:
+            break
+        again = [i for i, s in enumerate(specs) if s.label() in missed]
+        say(f"the fit misses {', '.join(sorted(missed))} past {DESIGN_FIT_GOAL:.0%}; measuring again and refitting")
+        for i, report in zip(again, remeasure(again)):
+            reports[i] = report
+    refuse_missed(data)
+    data["fit_quality"] = fit_quality(data, corrections)
     if not quick and rounds >= 2:
         data["fit_halves"] = fit_halves(data, len(design), specs, reports, speeds, threads_of)
-    data["design"] = [design_entry(data, s, reports[i::len(design)], speeds[i::len(design)])
-                      for i, s in enumerate(design)]
     if device == "cpu":
         data["efficiency"] = fit_efficiency(model, options, data["profile"], LOCAL_CPU, precision)
     say("calibration done")

@@ -57,24 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the fitted numbers as JSON")
 
 
-# A design run the fitted costs miss by more than this points at a noisy calibration, not the model:
-# in five calibrations of the demo model on a 2-core VM the worst design residual was 4-11%, and 26%
-# in a sixth taken while the machine drifted (its held-out runs were then off by up to 20%).
-NOISY_DESIGN_RESIDUAL = 0.12
-
-
 def cached(path: str, model: str, options: dict[str, Any], batch: int, device: str,
            optimizer: str = DEFAULT_OPTIMIZER, precision: str = DEFAULT_PRECISION) -> dict[str, Any] | None:
     """The costs at ``path`` if they were measured here, with these versions, for this model, with
-    this optimizer and at this precision."""
-    from sim.costs import measured_precision, read_costs, requested_options
+    this optimizer and at this precision, and their fit holds its own design runs."""
+    from sim.costs import fit_quality_warning, measured_precision, read_costs, requested_options
     from calibrate.machine import machine_stamp, same_machine
 
     if not os.path.exists(path):
         return None
     try:
-        data = read_costs(path)
+        data = read_costs(path, warn=False)
     except GpipeInputError:
+        return None
+    if fit_quality_warning(data):  # a fit that misses its own runs is measured again, never reused
         return None
     stored = data.get("model", {})
     wanted = requested_options(model, options)
@@ -143,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary_text(data: dict[str, Any]) -> str:
+    from sim.costs import fit_quality_warning
+
     lines = [f"model {data['model']['name']} {data['model']['options']} batch {data['batch_size']}, "
              f"optimizer {data.get('optimizer', 'sgd')}, precision {data.get('precision', DEFAULT_PRECISION)}"]
     link = data.get("link")
@@ -178,21 +176,23 @@ def summary_text(data: dict[str, Any]) -> str:
     if eff:
         lines.append(f"efficiency vs {eff['relative_to']}: {eff['efficiency']:.3f} of peak FLOP/s, "
                      f"{eff['bandwidth_efficiency']:.3f} of peak bandwidth")
-    worst = 0.0
     for run in data.get("design", []):
         error = (run["predicted_step_s"] - run["measured_step_s"]) / run["measured_step_s"]
-        worst = max(worst, abs(error))
         busy = ""
         if run.get("measured_busy_s"):  # costs files from before it was kept have none
             busy = ", busy per stage " + "/".join(f"{(p - m) / m * 100:+.1f}%" for p, m in
                                                   zip(run["predicted_busy_s"], run["measured_busy_s"]))
         lines.append(f"  fitted on {run['run']}: measured {run['measured_step_s'] * 1e3:.2f} ms, "
                      f"predicted {run['predicted_step_s'] * 1e3:.2f} ms ({error * 100:+.1f}%{busy})")
-    if worst > NOISY_DESIGN_RESIDUAL:
-        lines.append(f"warning: the fit misses a design run by {worst * 100:.0f}%, more than "
-                     f"{NOISY_DESIGN_RESIDUAL * 100:.0f}%: the machine was likely busy or drifting while it was "
-                     "measured, and predictions will be off by as much; run gpipe calibrate --force again "
-                     "(more --rounds average more of the drift out)")
+    quality = data.get("fit_quality")
+    if quality and "speed_factor_range" in quality:
+        low, high = quality["speed_factor_range"]
+        lines.append(f"fit quality: worst design run {quality['worst_step_error'] * 100:+.1f}% "
+                     f"({quality['worst_run']}), goal {quality['goal'] * 100:.0f}%; speed corrections "
+                     f"x{low:.2f}..x{high:.2f}")
+    warning = fit_quality_warning(data)
+    if warning:
+        lines.append(warning)
     return "\n".join(lines)
 
 

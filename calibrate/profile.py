@@ -84,6 +84,8 @@ class Profile:
     memory: list[LayerMemory] = field(default_factory=list)
     repetitions: dict[int, int] = field(default_factory=dict)  # threads -> total timed runs
     speed_reference_s: dict[int, float] = field(default_factory=dict)  # threads -> reference pace
+    # threads -> each round's speed factor, as applied: bounded (calibrate.design_checks)
+    speed_factors: dict[int, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +94,7 @@ class Profile:
             "memory": [vars(m) for m in self.memory],
             "repetitions": {str(t): n for t, n in self.repetitions.items()},
             "speed_reference_s": {str(t): v for t, v in self.speed_reference_s.items()},
+            "speed_factors": {str(t): v for t, v in self.speed_factors.items()},
         }
 
     @classmethod
@@ -100,7 +103,8 @@ class Profile:
                    times_s={int(t): kinds for t, kinds in data["times_s"].items()},
                    memory=[LayerMemory(**m) for m in data["memory"]],
                    repetitions={int(t): n for t, n in data.get("repetitions", {}).items()},
-                   speed_reference_s={int(t): v for t, v in data.get("speed_reference_s", {}).items()})
+                   speed_reference_s={int(t): v for t, v in data.get("speed_reference_s", {}).items()},
+                   speed_factors={int(t): v for t, v in data.get("speed_factors", {}).items()})
 
 
 class _SavedSet:
@@ -316,7 +320,7 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
         for t in thread_counts:
             if device.type == "cpu":
                 torch.set_num_threads(t)
-            times, profile.repetitions[t], profile.speed_reference_s[t] = _time_rounds(
+            times, profile.repetitions[t], profile.speed_reference_s[t], profile.speed_factors[t] = _time_rounds(
                 model, runners, data, profile.rows, repeats, progress, t, probe, bar)
             profile.times_s[t] = pool_identical(times, layer_signatures(model, data, profile.rows))
     return profile
@@ -324,13 +328,16 @@ def profile_model(model: nn.Sequential, batch: Callable[[int], tuple[Any, Any]],
 
 def _time_rounds(model: nn.Sequential, runners: dict[int, list[LayerRunner]], data: dict[int, Any],
                  rows: list[int], repeats: Repeats, progress: Callable[[str], None] | None,
-                 threads: int, probe: Any, bar: Any = None) -> tuple[dict, int, float]:
+                 threads: int, probe: Any, bar: Any = None) -> tuple[dict, int, float, list[float]]:
     """Every (layer, rows) timed in ``repeats.rounds`` rounds, each bracketed by speed probes.
 
     Each round's medians are divided by that round's speed factor (:mod:`calibrate.speed`) and the
     table keeps the median over rounds: the profile is at the reference pace (the median probe),
     and a slow moment of the machine touches one round of every layer instead of every round of one.
+    A factor is held inside :data:`calibrate.design_checks.SPEED_FACTOR_BOUNDS` (a probe tens of
+    times off would otherwise scale a whole round by as much); the factors applied come back last.
     """
+    from calibrate.design_checks import SPEED_FACTOR_BOUNDS
     from calibrate.speed import speed_factor
 
     rounds: list[dict[str, list[list[float]]]] = []
@@ -355,10 +362,11 @@ def _time_rounds(model: nn.Sequential, runners: dict[int, list[LayerRunner]], da
         if progress is not None:
             progress(f"round {number + 1}/{repeats.rounds}: {len(model)} layers timed at {threads} thread(s)")
     reference = statistics.median(p for pair in paces for p in pair)
-    factors = [speed_factor(pair, reference) for pair in paces]
+    low, high = SPEED_FACTOR_BOUNDS
+    factors = [min(max(speed_factor(pair, reference), low), high) for pair in paces]
     merged = {kind: [[statistics.median(table[kind][i][j] / f for table, f in zip(rounds, factors))
                       for j in range(len(rows))] for i in range(len(model))] for kind in repeats.kinds}
-    return merged, total, reference
+    return merged, total, reference, factors
 
 
 def layer_signatures(model: nn.Sequential, data: dict[int, Any], rows: list[int]) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sim.timeline import Record, Timeline
+from sim.timeline import Timeline
 
 
 def one_step(report: dict[str, Any]) -> Timeline:
@@ -25,7 +25,7 @@ def one_step(report: dict[str, Any]) -> Timeline:
     records = [r for r in timeline.records if r.step == median]
     start = min(r.start_s for r in records)
     end = max(r.end_s for r in records)
-    shifted = [Record(r.stage, r.kind, r.microbatch, r.start_s - start, r.end_s - start, 0) for r in records]
+    shifted = [r._replace(start_s=r.start_s - start, end_s=r.end_s - start, step=0) for r in records]  # chunk kept
     memory = [type(s)(s.stage, s.time_s - start, s.bytes) for s in timeline.memory if start <= s.time_s <= end]
     return Timeline(records=shifted, memory=memory, source="measured", meta=dict(timeline.meta))
 
@@ -82,8 +82,9 @@ def error_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
 
 
 def write_report(path: str, title: str, intro: str, timelines: go.Figure, summary: go.Figure,
-                 table_html: str, notes: Sequence[str], loss: go.Figure | None = None) -> None:
-    """Assemble the page: heading, timelines, the loss curve, bubble beside memory, error table, notes."""
+                 table_html: str, notes: Sequence[str], loss: go.Figure | None = None, verdict: str = "") -> None:
+    """Assemble the page: heading, the verdict line, timelines, the loss curve, bubble beside memory,
+    error table, notes."""
     config = {"responsive": True}
     parts = [timelines.to_html(full_html=False, include_plotlyjs=True, config=config),
              summary.to_html(full_html=False, include_plotlyjs=False, config=config),
@@ -98,6 +99,7 @@ td, th {{ border: 1px solid #ccc; padding: 0.3em 0.8em; text-align: right; }}
 td:first-child, th:first-child {{ text-align: left; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
+{f'<p class="verdict"><strong>{html.escape(verdict)}</strong></p>' if verdict else ""}
 <p>{html.escape(intro)}</p>
 <h2>Predicted and measured step, same time axis</h2>
 {parts[0]}

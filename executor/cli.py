@@ -109,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("outputs and checkpoints")
     out.add_argument("--report", help="write the measured report JSON here")
     out.add_argument("--trace", help="write a Chrome trace (Perfetto) of the merged timeline here")
+    out.add_argument("--html", metavar="FILE",
+                     help="with --plan: write the report of this run against the plan's prediction (both "
+                          "timelines on one axis, busy, bubble and memory per stage, losses, one verdict line)")
     out.add_argument("--save-every", type=int, default=0, help="save training state every N steps")
     out.add_argument("--checkpoint-dir", help="directory for --save-every and --resume")
     out.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -309,10 +312,18 @@ def run(args: argparse.Namespace) -> int:
                                   "exist; create it first")
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
+    if args.html:
+        from sim.cli_options import check_output_path
+
+        check_output_path(args.html, "--html")
+        if not args.plan:
+            raise GpipeInputError("--html compares the run with its plan's prediction; give --plan FILE (written "
+                                  "by gpipe plan --out or gpipe demo)")
     # it imports the executor (and a Hugging Face model's code) for the ranks while this process checks the model
     start_fork_server(rank_imports(config.model, config.options) if is_hf(config.model) else ())
     prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
+    comparison = plan_comparison(args, config) if args.plan and args.node_rank == 0 else None
     from executor.shm_transport import SHM_DIR_ENV, shared_directory
 
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
@@ -324,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
                 config.factory_weights = save_factory_weights(config.model, config.options, config.seed,
                                                               prepared.model, os.path.join(workdir, "factory-weights"))
             del prepared
+            if comparison is not None and not config.report:  # the comparison reads the run's report
+                config.report = os.path.join(workdir, "report.json")
             config_path = os.path.join(workdir, "config.json")
             config.save(config_path)
             error_dir = os.path.join(workdir, "errors")
@@ -335,6 +348,28 @@ def run(args: argparse.Namespace) -> int:
             code, message = run_ranks("executor.worker", [config_path], config.world_size, env, error_dir, args)
             if code != 0:
                 print(message, file=sys.stderr)
+            elif comparison is not None:
+                print(comparison.finish(read_report(config.report, args.data)), flush=True)
             return code
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def plan_comparison(args: argparse.Namespace, config):
+    """What compares the run with its plan's prediction afterwards (:mod:`calibrate.run_report`); made
+    before any worker starts, so a missing costs file with --html is one line then."""
+    from calibrate.run_report import PlanComparison
+    from executor.models import model_ref
+
+    trained = config.plan(model_ref(config.model, config.options, config.seed))
+    return PlanComparison(args.plan, load_plan(args.plan), trained, config.device, args.html)
+
+
+def read_report(path: str, data: str | None) -> dict[str, Any]:
+    """The run's report as rank 0 wrote it, with what it trained on (for the report's loss curve)."""
+    import json
+
+    with open(path) as handle:
+        report = json.load(handle)
+    report["data"] = "text" if data == "text" else ("synthetic" if not data or data == "synthetic" else data)
+    return report

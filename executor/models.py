@@ -24,7 +24,7 @@ from torch import nn
 from executor import hf
 from executor.materialize import build_meta
 from executor.selective import AttentionCore, attention_core, recomputing_attention_core
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, did_you_mean
 from sim import models as sim_models
 from sim.model_defaults import DEFAULT_OPTIONS
 from sim.plan import ModelRef
@@ -45,8 +45,11 @@ def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[st
         return dict(options or {})
     if not is_builtin(name):
         if ":" not in name:
-            raise GpipeInputError(f"unknown model {name!r}; choose one of {', '.join(BUILTIN_MODELS)} "
-                                  "or name a factory as package.module:function")
+            from sim.named_models import named_models
+
+            known = [*BUILTIN_MODELS, *named_models()]
+            raise GpipeInputError(f"unknown model {name!r}{did_you_mean(name, known)}; choose one of "
+                                  f"{', '.join(known)} or name a factory as package.module:function")
         return dict(options or {})
     merged: dict[str, Any] = dict(DEFAULT_OPTIONS[name])
     for key, value in (options or {}).items():

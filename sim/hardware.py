@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, did_you_mean
 from sim.kernel_model import KernelEfficiency, read_efficiencies
 from sim.precision import PRECISIONS
 
@@ -371,7 +371,8 @@ def get_system(name: str, nodes: int = 1, kernels: KernelEfficiency | None = Non
     replaces its device's fitted fractions (what ``gpipe fit-gpu`` tries), and ``fitted=False``
     drops them: the roofline at the catalog's assumed efficiency, links at their peak."""
     if name not in SYSTEMS:
-        raise GpipeInputError(f"unknown hardware {name!r}; choose one of {', '.join(SYSTEMS)}")
+        raise GpipeInputError(f"unknown hardware {name!r}{did_you_mean(name, SYSTEMS)}; choose one of "
+                              f"{', '.join(SYSTEMS)}")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes <= 0:
         raise GpipeInputError(f"nodes must be a positive integer, got {nodes!r}; use --nodes 1 or more")
     system = SYSTEMS[name]

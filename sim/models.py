@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from sim.allreduce import ring_allreduce_s
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, did_you_mean
 from sim.hardware import Device, Link
 from sim.kernel_model import layer_times, ring_exposed_s
 from sim.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTIONS
@@ -524,7 +524,8 @@ def get_workload(name: str, options: dict[str, Any] | None = None) -> Workload:
     Raises GpipeInputError, one line naming the value and the fix, for anything invalid.
     """
     if name not in BUILTIN_MODELS:
-        raise GpipeInputError(f"unknown model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+        raise GpipeInputError(f"unknown model {name!r}{did_you_mean(name, BUILTIN_MODELS)}; choose one of "
+                              f"{', '.join(BUILTIN_MODELS)}")
     merged = resolve_options(name, options or {})
     if name == "uniform":
         return UniformWorkload(num_layers=merged["layers"], optimizer_slots=merged["optimizer_slots"])

@@ -4,6 +4,13 @@ A versioned JSON document. It is validated when loaded, so a hand-edited plan fa
 naming the bad field before any process starts. ``precision`` (:mod:`sim.precision`) is what the
 prediction assumed and what ``gpipe train --plan`` trains at; plans without one are fp32.
 
+A plan priced with measured costs (``gpipe plan --costs FILE``) records that file (``costs``: the
+path as given, its absolute path, the sha256 of its bytes), so ``gpipe simulate --plan`` prices it
+with the same numbers or says in one line that the file is missing or changed; plans without
+``costs`` were priced with the catalog. ``hardware`` holds the system, its nodes and any efficiency
+the plan was priced at (``--efficiency``, ``--efficiency-from``). Both are optional fields of
+version 1, so older plan files load as before.
+
 Example::
 
     {"version": 1,
@@ -12,11 +19,14 @@ Example::
      "partition": [3, 3], "batch_size": 32, "microbatches": 8,
      "checkpoint": "except_last", "schedule": "gpipe", "optimizer": "adamw", "precision": "bf16",
      "hardware": {"system": "cpu", "nodes": 1},
+     "costs": {"path": "out/costs.json", "absolute_path": "/home/me/out/costs.json", "sha256": "9f2c..."},
      "predicted": {"step_time_s": 0.12, "bubble_fraction": 0.11}}
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,7 +38,41 @@ from sim.precision import DEFAULT_PRECISION, check_precision
 from sim.schedule import check_checkpoint_policy, check_schedule_name
 from sim.timeline import read_json, write_json_atomic
 
-PLAN_VERSION = 1
+PLAN_VERSION = 1  # its optional fields (costs, hardware's efficiencies) keep it 1: files without them load
+
+
+@dataclass(frozen=True)
+class CostsRef:
+    """The costs file a plan was priced with: without it, the plan cannot be re-predicted."""
+
+    path: str  # as given to gpipe plan --costs
+    absolute_path: str
+    sha256: str  # of the file's bytes
+
+
+def costs_ref(path: str | os.PathLike[str]) -> CostsRef:
+    return CostsRef(path=str(path), absolute_path=os.path.abspath(path), sha256=file_sha256(path))
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def recorded_costs_path(ref: CostsRef, what: str, fix: str) -> str:
+    """Where the costs file ``ref`` names is now, with the bytes it was priced with: its absolute
+    path, else its path as given (from the current directory, for a plan moved with its costs).
+    Missing or changed, one line naming it, then ``fix`` with ``{path}`` filled in."""
+    found = [p for p in dict.fromkeys((ref.absolute_path, ref.path)) if os.path.isfile(p)]
+    for path in found:
+        if file_sha256(path) == ref.sha256:
+            return path
+    if not found:
+        raise GpipeInputError(f"{what} was priced with costs file {ref.path} ({ref.absolute_path}), which is "
+                              f"missing; {fix.replace('{path}', 'FILE')}")
+    now = file_sha256(found[0])
+    raise GpipeInputError(f"costs file {found[0]} changed since {what} was priced with it (sha256 "
+                          f"{ref.sha256[:12]}..., now {now[:12]}...); {fix.replace('{path}', ref.path)}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +94,7 @@ class Plan:
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
     optimizer: str = DEFAULT_OPTIMIZER  # what gpipe train trains with; its state is in the memory
+    # system, nodes; efficiency, bandwidth_efficiency and efficiency_from (a CostsRef's fields) where given
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
@@ -62,6 +107,7 @@ class Plan:
     sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
     context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
     dp_overlap: bool = False  # timed with the data-parallel reduction inside the last backward (Megatron's)
+    costs: CostsRef | None = None  # the measured costs it was priced with; None: the catalog's models
 
     @property
     def stages(self) -> int:
@@ -84,6 +130,7 @@ class Plan:
         if self.zero not in (0, 1):
             raise GpipeInputError(f"zero must be 0 or 1, got {self.zero!r}")
         check_placement(self.placement)
+        check_hardware(self.hardware)
         require_positive("batch size", self.batch_size, "use --batch 1 or more")
         require_positive("micro-batches (M)", self.microbatches, "use --microbatches 1 or more")
         check_checkpoint_policy(self.checkpoint)
@@ -101,6 +148,22 @@ class Plan:
         data = asdict(self)
         data["partition"] = list(self.partition)
         return data
+
+
+def check_hardware(hardware: dict[str, Any]) -> None:
+    """One line for a plan's hardware whose nodes or efficiencies could not be what it was priced at."""
+    nodes = hardware.get("nodes", 1)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise GpipeInputError(f"plan's hardware nodes {nodes!r} is not a count of nodes; re-create it with "
+                              "gpipe plan --out")
+    for name in ("efficiency", "bandwidth_efficiency"):
+        value = hardware.get(name)
+        # up to 1.5 as sim.whatif.with_efficiency: a roofline fit may put a CPU above its nominal peak
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not (math.isfinite(value) and 0.0 < value <= 1.5)):
+            raise GpipeInputError(f"plan's hardware {name} {value!r} is not a fraction of peak; re-create it "
+                                  "with gpipe plan --out")
+    costs_ref_from_dict(hardware.get("efficiency_from"), "hardware efficiency_from")
 
 
 def validate_partition(partition: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
@@ -162,9 +225,21 @@ def plan_from_dict(data: Any) -> Plan:
             sequence_parallel=data.get("sequence_parallel", False),
             context_parallel=data.get("context_parallel", 1),
             dp_overlap=data.get("dp_overlap", False),
+            costs=costs_ref_from_dict(data.get("costs"), "costs"),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None
+
+
+def costs_ref_from_dict(data: Any, field_name: str) -> CostsRef | None:
+    """A plan's recorded costs file (None: priced without one), checked field by field."""
+    if data is None:
+        return None
+    keys = ("path", "absolute_path", "sha256")
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) and data[k] for k in keys):
+        raise GpipeInputError(f"plan's {field_name} must be an object with path, absolute_path and sha256; "
+                              "re-create it with gpipe plan --out")
+    return CostsRef(**{k: data[k] for k in keys})
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

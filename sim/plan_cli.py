@@ -18,9 +18,13 @@ from sim.plan import ModelRef, Plan, save_plan
 from sim.placement import PLACEMENTS, check_placement
 from sim.planner import PlanOption, SearchResult, default_replica_options, default_stage_options, search
 from sim.microbatch import split_rows
+from sim.efficiency_note import ASSUMED_EFFICIENCY_RANGE, efficiency_kind, efficiency_text
+from sim.efficiency_range import RangeEnds
+from sim.plan_notes import dollars, layout_text, note_lines
+from sim.plan_rows import PlanRow, best_rows, fold_placements
+from sim.plan_table import format_table
 from sim.precision import check_precision
 from sim.progress import bars_shown, phase
-from sim.report import describe_precision, gib
 from sim.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, PLANNED_SCHEDULES, SCHEDULES,
                           V_SHAPED_SCHEDULES, check_checkpoint_policy, check_schedule_name)
 from sim.training_cost import SECONDS_PER_DAY, format_token_count
@@ -165,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     placements = [check_placement(p) for p in args.placements.split(",")]
     inputs = [planning_inputs(args, name) for name in hardware]  # every system's precision checked first
     progress = _SearchBar() if bars_shown() else None
-    planned = [_plan_on(args, *given, checkpoints, schedules, placements, costing, progress) for given in inputs]
+    wide = _wide_enough_to_fold(args, inputs, placements)
+    planned = [_plan_on(wide, *given, checkpoints, schedules, placements, costing, progress) for given in inputs]
     if progress:
         progress.finish()
     fitting = [p for p in planned if p.result.best is not None]
@@ -177,15 +182,18 @@ def run(args: argparse.Namespace) -> int:
                                             first.stage_options, first.microbatch_options, checkpoints,
                                             first.schedules))
     ranked = sorted((o for p in fitting for o in p.result.ranked),
-                    key=lambda o: (o.score, o.max_peak_memory_bytes, o.candidate.stages))[:args.top]
+                    key=lambda o: (o.score, o.max_peak_memory_bytes, o.candidate.stages))
+    rows = fold_placements(ranked, {p.system.name: p.system for p in planned})[:args.top]
+    ranked = ranked[:args.top]
     best = ranked[0]
     fastest, cheapest = _fastest_and_cheapest(args, inputs, ranked, planned, checkpoints, schedules, placements,
                                               costing)
     home = next(p for p in planned if p.system.name == best.hardware)
     description = home.workload.describe()
     if args.out:
-        save_plan(to_plan(best, description, home.batch, home.system.name, home.system.nodes,
-                          planned_optimizer(args, home.workload), home.precision, args.dp_overlap), args.out)
+        plan = to_plan(best, description, home.batch, home.system.name, home.system.nodes,
+                       planned_optimizer(args, home.workload), home.precision, args.dp_overlap)
+        save_plan(replace(plan, **priced_with(args, plan.hardware)), args.out)
     if args.schedule_csv_out:
         from sim.schedule import build_schedule
         from sim.torch_schedule import write_schedule_csv
@@ -208,23 +216,12 @@ def run(args: argparse.Namespace) -> int:
                    "ranked": [_option_dict(o) for o in ranked],
                    "fastest": _option_dict(fastest) if fastest else None,
                    "cheapest": _option_dict(cheapest) if cheapest else None,
-                   "hardware": {p.system.name: {"nodes": p.system.nodes, "efficiency": efficiency_kind(p.system),
-                                                "price_per_device_hour": price_of(p.system, costing),
-                                                "price_source": price_source(p.system, costing)}
+                   "hardware": {p.system.name: _hardware_dict(p, args, costing, _range_ends(args, planned, costing))
                                 for p in planned},
                    "planned_from": getattr(home.workload, "planned_from", None)}, sys.stdout)
         print()
     else:
-        systems = ",".join(p.system.name for p in planned)
-        print(format_table(searched, description, systems, home.batch, home.precision, costing.active))
-        notes = [home.attention_note, planned_from_note(home.workload)]
-        if costing.active:
-            notes += [_summary("fastest", fastest), _summary("cheapest", cheapest)]
-            notes += [_hardware_note(p, costing) for p in planned]
-            notes.append(COST_NOTE)
-        for note in notes:
-            if note:
-                print(note)
+        _print_plans(args, planned, rows, searched, description, home, costing, fastest, cheapest)
         if args.out:
             print(f"plan written to {args.out}")
         if args.schedule_csv_out:
@@ -241,16 +238,73 @@ def run(args: argparse.Namespace) -> int:
 
 def _fastest_and_cheapest(args: argparse.Namespace, inputs: list, ranked: list[PlanOption], planned: list,
                           checkpoints: list[str], schedules: list[str], placements: list[str], costing: "Costing"):
-    """With --train-tokens and every system priced, the fastest and the cheapest plan of all: the
-    ranking gives one, a second search (its best only) under the other objective the other."""
-    if costing.train_tokens is None or any(price_of(p.system, costing) is None for p in planned):
+    """With --train-tokens, the fastest plan of all and the cheapest of the priced systems' (ranking by
+    cost has them all priced, :func:`costing_of`): the ranking gives one, a second search (its best
+    only) under the other objective the other."""
+    priced = [given for given in inputs if price_of(given[0], costing) is not None]
+    if costing.train_tokens is None or not priced:
         return (ranked[0], None) if costing.rank_by == "time" else (None, ranked[0])
     flipped = replace(costing, rank_by="cost" if costing.rank_by == "time" else "time")
     one = argparse.Namespace(**{**vars(args), "top": 1})
-    again = [o for given in inputs
+    again = [o for given in (priced if flipped.rank_by == "cost" else inputs)
              for o in _plan_on(one, *given, checkpoints, schedules, placements, flipped, None).result.ranked]
     other = min(again, key=lambda o: o.score) if again else None
     return (ranked[0], other) if costing.rank_by == "time" else (other, ranked[0])
+
+
+def _wide_enough_to_fold(args: argparse.Namespace, inputs: list, placements: list[str]) -> argparse.Namespace:
+    """``args`` asking each search for enough plans that, once plans equal but for placement share a
+    row (:mod:`sim.plan_rows`), ``--top`` rows are left: placements differ only over several nodes."""
+    if len(placements) < 2 or all(given[0].nodes == 1 for given in inputs):
+        return args
+    return argparse.Namespace(**{**vars(args), "top": args.top * len(placements)})
+
+
+def _print_plans(args: argparse.Namespace, planned: list, rows: list[PlanRow], searched: SearchResult,
+                 description: dict, home, costing: "Costing", fastest: PlanOption | None,
+                 cheapest: PlanOption | None) -> None:
+    """The ranked table, with several hardware kinds the best plan of each, then the notes
+    (:mod:`sim.plan_notes`)."""
+    days = costing.train_tokens is not None
+    systems = ",".join(p.system.name for p in planned)
+    bests = best_rows(planned, rows) if len(planned) > 1 else []
+    print(format_table(rows, searched, description, systems, home.batch, home.precision, costing.active, days, bests))
+
+    def efficiency(system) -> tuple[str, str]:
+        kind = efficiency_kind(system, args.efficiency, args.efficiency_from, args.costs)
+        return kind, efficiency_text(system, kind, args.efficiency_from)
+
+    notes = [home.attention_note, planned_from_note(home.workload),
+             *note_lines(planned, fastest, cheapest, costing.active, days, _range_ends(args, planned, costing),
+                         efficiency, lambda system: (price_of(system, costing), price_source(system, costing)),
+                         args.costs)]
+    for note in notes:
+        if note:
+            print(note)
+
+
+def _range_ends(args: argparse.Namespace, planned: list, costing: "Costing") -> RangeEnds:
+    """A plan's days and dollars at both ends of an assumed efficiency's range (:mod:`sim.efficiency_range`)."""
+    def assumed(system) -> bool:
+        return efficiency_kind(system, args.efficiency, args.efficiency_from, args.costs) == "assumed"
+
+    return RangeEnds(planned, assumed,
+                     lambda option, p: plan_cost(option, p.workload, p.system, p.batch, p.precision, costing),
+                     args.dp_overlap)
+
+
+def _hardware_dict(planned, args: argparse.Namespace, costing: "Costing", ends: RangeEnds) -> dict:
+    """``--json``'s entry for one hardware kind: what its efficiency and price rest on, its best plan
+    and, for an assumed efficiency, that plan's days and dollars at both ends of the range."""
+    system = planned.system
+    kind = efficiency_kind(system, args.efficiency, args.efficiency_from, args.costs)
+    best = planned.result.best
+    at_ends = ends(best)
+    return {"nodes": system.nodes, "efficiency": kind, "efficiency_fraction": system.device.efficiency,
+            "efficiency_range": list(ASSUMED_EFFICIENCY_RANGE) if kind == "assumed" else None,
+            "price_per_device_hour": price_of(system, costing), "price_source": price_source(system, costing),
+            "best": _option_dict(best) if best is not None else None,
+            "best_at_efficiency_range": [o.cost.to_dict() for _, o in at_ends] if at_ends else None}
 
 
 def _nothing_within_limits(args: argparse.Namespace, inputs: list, checkpoints: list[str], schedules: list[str],
@@ -259,7 +313,7 @@ def _nothing_within_limits(args: argparse.Namespace, inputs: list, checkpoints: 
     free = replace(costing, max_cost=None, max_days=None)
     one = argparse.Namespace(**{**vars(args), "top": 1})
     asked = " and ".join(text for text in (f"at most {costing.max_days:g} days" if costing.max_days else "",
-                                           f"at most {_dollars(costing.max_cost)}" if costing.max_cost else "") if text)
+                                           f"at most {dollars(costing.max_cost)}" if costing.max_cost else "") if text)
     best = {}
     for rank_by in ("time", "cost") if costing.max_cost else ("time",):
         found = [o for given in inputs for o in _plan_on(one, *given, checkpoints, schedules, placements,
@@ -268,32 +322,13 @@ def _nothing_within_limits(args: argparse.Namespace, inputs: list, checkpoints: 
             best[rank_by] = min(found, key=lambda o: o.score)
     said = []
     if "time" in best:
-        said.append(f"the fastest, {_layout(best['time'])} on {best['time'].hardware}, takes "
+        said.append(f"the fastest, {layout_text(best['time'])} on {best['time'].hardware}, takes "
                     f"{best['time'].cost.days:.3g} days")
     if "cost" in best:
-        said.append(f"the cheapest, {_layout(best['cost'])} on {best['cost'].hardware}, costs "
-                    f"{_dollars(best['cost'].cost.cost)}")
+        said.append(f"the cheapest, {layout_text(best['cost'])} on {best['cost'].hardware}, costs "
+                    f"{dollars(best['cost'].cost.cost)}")
     return (f"no plan trains {format_token_count(costing.train_tokens)} tokens in {asked}: " + "; ".join(said or ["none fits"]) +
             "; raise the limits, allow more devices (--max-devices) or try other --hardware")
-
-
-def _dollars(amount: float) -> str:
-    return f"${amount:,.0f}" if amount >= 100 else f"${amount:.3g}"
-
-
-def _summary(label: str, option: PlanOption | None) -> str | None:
-    if option is None or option.cost is None:
-        return None
-    cost = option.cost
-    dollars = f", ${cost.cost:,.0f}" if cost.cost is not None else ""
-    days = f": {cost.days:.1f} days" if cost.days is not None else ""
-    return (f"{label}: {option.hardware}, {_layout(option)} {option.candidate.checkpoint} {option.candidate.schedule}, "
-            f"{cost.devices} devices, MFU {cost.mfu:.1%}{days}{dollars}")
-
-
-COST_NOTE = ("tokens/s from the predicted step; MFU: PaLM's model FLOPs (6N + 12 L d s per token) over the devices' "
-             "dense peak at the matmuls' precision; days, device-hours and cost at the on-demand list price, "
-             "nothing for failures, restarts or evaluation")
 
 
 @dataclass
@@ -452,21 +487,6 @@ def price_source(system, costing: Costing) -> str:
     return system.price_source or "no list price in the catalog"
 
 
-def efficiency_kind(system) -> str:
-    """``fitted`` where published runs fixed the device's kernel fractions (A100, H100), else ``assumed``."""
-    return "fitted" if system.device.kernels is not None else "assumed"
-
-
-def _hardware_note(planned: _Planned, costing: Costing) -> str:
-    system = planned.system
-    price = price_of(system, costing)
-    priced = f"${price:.2f} per device-hour ({price_source(system, costing)})" if price is not None else "no price"
-    kind = efficiency_kind(system)
-    how = ("fitted on published runs" if kind == "fitted"
-           else f"assumed ({system.device.efficiency:.0%} of peak FLOP/s; no published run of it has been fitted)")
-    return f"{system.name} x{system.nodes} node(s): efficiency {how}; {priced}"
-
-
 def plan_cost(option: PlanOption, workload, system, batch: int, precision: str, costing: Costing):
     """The :class:`sim.training_cost.TrainingCost` of a ranked plan."""
     from sim.precision import precision_of
@@ -483,11 +503,6 @@ def plan_cost(option: PlanOption, workload, system, batch: int, precision: str, 
     return training_cost(option.step_time_s, batch * o["seq"], devices,
                          model_flops_per_token(o, described["parameter_count"]), peak, costing.train_tokens,
                          price_of(system, costing))
-
-
-def _layout(option: PlanOption) -> str:
-    c = option.candidate
-    return f"T={c.tensor_parallel} D={c.replicas} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
 
 
 def default_schedules(args: argparse.Namespace) -> str:
@@ -705,6 +720,26 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
     )
 
 
+def priced_with(args: argparse.Namespace, hardware: dict) -> dict:
+    """The plan's fields that say what it was priced with, so gpipe simulate --plan prices it alike:
+    the costs file (path and hash) and the efficiencies given, applied as :func:`planning_inputs` does."""
+    from dataclasses import asdict
+
+    from sim.plan import costs_ref
+    from sim.whatif import efficiency_from_costs
+
+    hardware = dict(hardware)
+    efficiency, bandwidth = args.efficiency, None
+    if args.efficiency_from:
+        fitted, bandwidth = efficiency_from_costs(args.efficiency_from)
+        efficiency = fitted if efficiency is None else efficiency
+        hardware["efficiency_from"] = asdict(costs_ref(args.efficiency_from))  # its tensor-parallel link too
+    for name, value in (("efficiency", efficiency), ("bandwidth_efficiency", bandwidth)):
+        if value is not None:
+            hardware[name] = value
+    return {"hardware": hardware, "costs": costs_ref(args.costs) if args.costs else None}
+
+
 def _option_dict(option: PlanOption) -> dict:
     c = option.candidate
     assert option.result is not None
@@ -717,45 +752,6 @@ def _option_dict(option: PlanOption) -> dict:
             "training": option.cost.to_dict() if getattr(option, "cost", None) is not None else None, **{
                 k: v for k, v in option.result.to_dict().items()
                 if k not in ("partition", "schedule", "checkpoint", "replicas", "virtual_stages", "zero", "placement")}}
-
-
-def format_table(result: SearchResult, description: dict, system: str, batch: int, precision: str,
-                 costed: bool = False) -> str:
-    head = (f"model {description['name']} ({description['num_layers']} layers, "
-            f"{description['parameter_count'] / 1e6:.1f}M parameters), batch {batch}, on {system}, "
-            f"precision {describe_precision(precision)}: "
-            f"{result.candidates} candidates, {result.simulated} simulated, {result.not_fitting} do not fit, "
-            + (f"{result.over_limit} over the days or cost limit, " if result.over_limit else "")
-            + f"{result.elapsed_s:.2f} s")
-    rows = [head, f"{'rank':>4} {'T':>3} {'D':>3} {'K':>3} {'V':>2} {'M':>3} {'checkpoint':<11} {'schedule':<11} "
-                  f"{'zero':>4} {'placement':<17} {'step ms':>10} {'bubble':>7} {'samples/s':>10} {'peak mem':>10}  "
-                  + (f"{'hardware':<14} {'devices':>7} {'tokens/s':>10} {'MFU':>6} {'days':>8} {'cost $':>12}  "
-                     if costed else "") + "partition"]
-    for rank, option in enumerate(result.ranked, 1):
-        c = option.candidate
-        r = option.result
-        assert r is not None
-        tensor = f"{c.tensor_parallel}{'s' if c.sequence_parallel else ''}"
-        if c.context_parallel > 1:
-            tensor += f"x{c.context_parallel}"
-        rows.append(f"{rank:>4} {tensor:>3} {c.replicas:>3} {c.stages:>3} {c.virtual_stages:>2} {c.microbatches:>3} "
-                    f"{c.checkpoint:<11} {c.schedule:<11} {c.zero:>4} {c.placement:<17} "
-                    f"{r.step_time_s * 1e3:>10.3f} {r.bubble_fraction:>7.1%} "
-                    f"{r.throughput_samples_per_s:>10.1f} {gib(option.max_peak_memory_bytes):>10}  "
-                    + (_cost_cells(option) if costed else "") + f"{','.join(map(str, option.partition or []))}")
-    if any(o.candidate.tensor_parallel > 1 or o.candidate.context_parallel > 1 for o in result.ranked):
-        rows.append("T: devices of one node per stage, each layer split over them (s: sequence parallel; xC: times "
-                    "C context-parallel devices sharing each sequence); D x K x T x C devices in all; memory is one "
-                    "device's")
-    return "\n".join(rows)
-
-
-def _cost_cells(option: PlanOption) -> str:
-    cost = option.cost
-    days = f"{cost.days:>8.1f}" if cost.days is not None else f"{'-':>8}"
-    dollars = f"{cost.cost:>12,.0f}" if cost.cost is not None else f"{'-':>12}"
-    return (f"{option.hardware:<14} {cost.devices:>7} {cost.tokens_per_s:>10,.0f} {cost.mfu:>6.1%} {days} "
-            f"{dollars}  ")
 
 
 def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_options: list[int],

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sim.costs import load_costs_workload
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, did_you_mean
 from sim.models import BUILTIN_MODELS, get_workload
 from sim.named_models import is_named, named_models, named_options
 from sim.workload import Workload
@@ -40,5 +40,6 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
                                   "run it through gpipe simulate or gpipe plan")
         return analyse(model, options)
     raise GpipeInputError(
-        f"unknown model {model!r}; choose one of {', '.join(BUILTIN_MODELS)}, a named model "
+        f"unknown model {model!r}{did_you_mean(model, [*BUILTIN_MODELS, *named_models()])}; choose one of "
+        f"{', '.join(BUILTIN_MODELS)}, a named model "
         f"({', '.join(named_models())}: gpipe plan --list-models) or give package.module:factory")

@@ -5,23 +5,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
                              add_pipeline_arguments, add_precision_argument, add_scale_out_arguments,
                              check_output_path, simulation_options, virtual_stages_of)
 from sim.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import System, get_system
+from sim.hardware import Link, System, get_system
 from sim.optimizers import optimizer_slots
 from sim.placement import check_placement
-from sim.plan import load_plan, parse_partition
+from sim.plan import Plan, costs_ref, costs_ref_from_dict, load_plan, parse_partition, recorded_costs_path
 from sim.planner import Candidate, default_partition
-from sim.precision import check_precision
+from sim.costs import measured_precision, read_costs
+from sim.precision import check_precision, choose_precision
 from sim.schedule import (build_schedule, check_checkpoint_policy, check_interleaving, check_schedule_name,
                           check_v_schedule, check_virtual_stages, format_grid)
+from sim.efficiency_note import efficiency_kind, efficiency_text, uncalibrated_note
 from sim.report import fit_advice, format_summary
 from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                  with_tensor_parallel)
+from sim.whatif import with_efficiency
 from sim.workload import Workload, check_checkpoint_for
 from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
                               resolve_workload, with_attention_default, with_precision, workload_and_batch)
@@ -31,7 +35,9 @@ DEFAULT_STAGES = 4  # K when neither --stages nor --partition gives it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan file (other flags ignored)")
+    parser.add_argument("--plan", default=None, metavar="FILE",
+                        help="simulate this plan file, priced with the costs file it records (--costs FILE "
+                             "overrides it; the model and layout flags are ignored)")
     add_model_arguments(parser)
     add_optimizer_argument(parser)
     add_pipeline_arguments(parser, stages_default=None)  # None: not given (DEFAULT_STAGES, or the partition's)
@@ -60,34 +66,92 @@ def run(args: argparse.Namespace) -> int:
         check_precision(args.precision)
     check_output_path(args.trace, "--trace")
     check_output_path(args.html, "--html")
-    attention_note = None
-    if args.plan:
-        plan = load_plan(args.plan)
-        system = get_system(plan.hardware.get("system", "ideal"), int(plan.hardware.get("nodes", 1)))
-        precision = chosen_precision(args, system.device, args.precision or plan.precision)
-        options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
-        workload = resolve_workload(plan.model.name,
-                                    with_precision(plan.model.name, options, precision, args.costs),
-                                    args.costs)
-        if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
-            workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches, plan.replicas)
-        check_tensor_parallel(plan.tensor_parallel, workload, system)
-        check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
-        system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel * plan.context_parallel)
-        workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel,
-                                                plan.context_parallel)
-        check_checkpoint_for(workload, plan.checkpoint)
-        result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
-                          plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
-                          replicas=plan.replicas, zero=plan.zero, placement=plan.placement,
-                          allreduce_link=calibrated_allreduce(workload, system),
-                          dp_overlap=args.dp_overlap or plan.dp_overlap)
-    else:
-        result, system, workload, precision, attention_note = simulate_from_flags(args)
+    simulated = simulate_plan(args) if args.plan else simulate_from_flags(args)
+    result, system, workload, precision, note = simulated
     if not result.fits and not args.allow_overflow:
         raise GpipeInputError(fit_advice(result, system))
-    emit(result, system, workload, precision, args, attention_note)
+    emit(result, system, workload, precision, args, note)
     return 0
+
+
+def simulate_plan(args: argparse.Namespace) -> tuple[SimResult, System, Workload, str, str | None]:
+    """``gpipe simulate --plan``: :func:`predict_plan` with the command's --costs, --precision and
+    --dp-overlap."""
+    plan = load_plan(args.plan)
+    args.costs = plan_costs_path(plan, args.plan, args.costs)  # what priced it, for --json as for the plan
+    return predict_plan(plan, args.plan, args.costs, args.precision, args.dp_overlap)
+
+
+def plan_costs_path(plan: Plan, plan_path: str, costs: str | None) -> str | None:
+    """``costs`` where given, else where the costs file the plan records is now (one line when it is
+    missing or changed), else None: the plan was priced with the catalog."""
+    if costs is not None or plan.costs is None:
+        return costs
+    fix = (f"re-plan (gpipe plan --costs {{path}} ... --out {plan_path}), or pass --costs {{path}} to simulate "
+           "with those costs instead (the step may then differ from the plan's)")
+    return recorded_costs_path(plan.costs, f"plan {plan_path}", fix)
+
+
+def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision: str | None = None,
+                 dp_overlap: bool = False) -> tuple[SimResult, System, Workload, str, str | None]:
+    """The plan's run (read from ``plan_path``), priced as the plan was: with the costs file it
+    records (checked to be the same bytes) and its hardware's efficiencies, so the step is the
+    plan's. An explicit ``costs`` wins, and the note returned says where the step differs from the
+    plan's."""
+    costs = plan_costs_path(plan, plan_path, costs)
+    hardware = plan.hardware
+    system = with_efficiency(get_system(hardware.get("system", "ideal"), int(hardware.get("nodes", 1))),
+                             hardware.get("efficiency"), hardware.get("bandwidth_efficiency"))
+    measured = measured_precision(read_costs(costs)) if costs else None
+    precision = choose_precision(precision or plan.precision, system.device, measured)
+    options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
+    workload = resolve_workload(plan.model.name, with_precision(plan.model.name, options, precision, costs),
+                                costs)
+    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
+        workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches, plan.replicas)
+    check_tensor_parallel(plan.tensor_parallel, workload, system)
+    check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
+    system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel * plan.context_parallel)
+    tp_link = plan_tensor_parallel_link(plan, system, plan_path)
+    workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel,
+                                            plan.context_parallel, tp_link)
+    check_checkpoint_for(workload, plan.checkpoint)
+    result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
+                      plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
+                      replicas=plan.replicas, zero=plan.zero, placement=plan.placement,
+                      allreduce_link=calibrated_allreduce(workload, system),
+                      dp_overlap=dp_overlap or plan.dp_overlap)
+    return result, system, workload, precision, plan_step_note(plan, result.step_time_s, costs)
+
+
+def plan_tensor_parallel_link(plan: Plan, system: System, plan_path: str) -> Link | None:
+    """The tensor-parallel collectives the plan's ``--efficiency-from`` costs file measured, where
+    they priced it (T > 1 on the system they were measured on); else None, the catalog's node link."""
+    recorded = costs_ref_from_dict(plan.hardware.get("efficiency_from"), "hardware efficiency_from")
+    if plan.tensor_parallel == 1 or recorded is None:
+        return None
+    from sim.costs import read_costs, tensor_parallel_link
+
+    path = recorded_costs_path(recorded, f"plan {plan_path} (--efficiency-from)",
+                               f"re-plan (gpipe plan --efficiency-from {{path}} ... --out {plan_path})")
+    data = read_costs(path)
+    return tensor_parallel_link(data, plan.sequence_parallel) if system.name == data.get("system", "cpu") else None
+
+
+def plan_step_note(plan: Plan, step_time_s: float, costs_path: str | None) -> str | None:
+    """One line where this simulation is not priced like the plan: --costs in place of the costs
+    file it records, or a step that differs from its predicted one by half a microsecond or more."""
+    planned_s = plan.predicted.get("step_time_s")
+    used = costs_ref(costs_path) if costs_path else None
+    overridden = plan.costs is not None and (used is None or used.sha256 != plan.costs.sha256)
+    if planned_s is None or (not overridden and abs(step_time_s - planned_s) < 0.5e-6):
+        return None
+    priced = f"costs file {plan.costs.path}" if plan.costs else "no costs file recorded"
+    here = f"--costs {used.path}" if used else "the catalog's models"
+    advice = ("; if it was priced with a costs file, pass it with --costs or re-plan"
+              if plan.costs is None and used is None else "")
+    return (f"note: the plan predicted {planned_s * 1e3:.3f} ms ({priced}); this simulation, with {here}, gives "
+            f"{step_time_s * 1e3:.3f} ms{advice}")
 
 
 def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Workload, str, str | None]:
@@ -169,8 +233,17 @@ def assumed_efficiency_note(system: System) -> str | None:
             f"{system.device.bandwidth_efficiency:.0%} of its memory bandwidth (no published run of it has been fitted)")
 
 
+def recorded_efficiency(args: argparse.Namespace) -> tuple[float | None, str | None]:
+    """(efficiency, the costs file it was calibrated from) a simulated plan file was priced at; (None,
+    None) without a plan or where the plan used the catalog's."""
+    if not args.plan:
+        return None, None
+    hardware = load_plan(args.plan).hardware
+    return hardware.get("efficiency"), (hardware.get("efficiency_from") or {}).get("path")
+
+
 def emit(result: SimResult, system: System, workload: Workload, precision: str,
-         args: argparse.Namespace, attention_note: str | None = None) -> None:
+         args: argparse.Namespace, note: str | None = None) -> None:
     if args.trace:
         result.timeline.write_chrome_trace(args.trace)
     if args.html:
@@ -188,7 +261,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
         data["planned_from"] = getattr(workload, "planned_from", None)
-        data["efficiency"] = "fitted" if system.device.kernels is not None else "assumed"
+        data["efficiency"] = efficiency_kind(system, *recorded_efficiency(args), args.costs)
+        data["costs"] = asdict(costs_ref(args.costs)) if args.costs else None  # what priced it, as a plan records
+        if args.plan:
+            data["plan_note"] = note  # None where the step is the plan's, priced alike
         json.dump(data, sys.stdout)
         print()
     else:
@@ -205,9 +281,14 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
                 print(format_grid(build_schedule(devices, args.microbatches, args.schedule, args.checkpoint,
                                                  result.virtual_stages)))
         print(format_summary(result, system, precision))
-        for note in (attention_note, planned_from_note(workload), assumed_efficiency_note(system)):
-            if note:
-                print(note)
+        given, calibrated_from = recorded_efficiency(args)
+        kind = efficiency_kind(system, given, calibrated_from, args.costs)
+        efficiency = (assumed_efficiency_note(system) if kind == "assumed" else
+                      efficiency_text(system, kind, calibrated_from) if kind in ("given", "calibrated") else
+                      uncalibrated_note(system, workload, result.batch_size, args.costs))
+        for line in (note, planned_from_note(workload), efficiency):
+            if line:
+                print(line)
         tensor_parallel = getattr(workload, "tensor_parallel", 1)
         if tensor_parallel > 1:
             sequence = "on" if workload.sequence_parallel else "off"  # type: ignore[attr-defined]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from calibrate.after_wait_probe import AfterWaitProbe, run_after_wait_probes, warm_up_factor
-from calibrate.calibration import RunSpec, run_speed_reference
+from calibrate.calibration import RunSpec
+from calibrate.design_checks import run_speed_reference
 from calibrate.speed import SpeedProbe
 from calibrate.validate import Comparison, format_table, summarize
 

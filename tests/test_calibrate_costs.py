@@ -482,7 +482,7 @@ def test_calibration_summary_warns_when_the_fit_misses_a_design_run_by_much():
 
     assert "warning" not in summary_text(_design([0.02, -0.05]))
     noisy = summary_text(_design([0.02, -0.26]))
-    assert "warning: the fit misses a design run by 26%" in noisy and "--force" in noisy
+    assert "misses its own design run" in noisy and "by -26% (goal 12%)" in noisy and "--force" in noisy
 
 
 def test_calibration_summary_gives_each_design_runs_busy_error_and_the_gap_between_actions():

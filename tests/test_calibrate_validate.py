@@ -433,7 +433,7 @@ def test_each_kind_of_action_is_compared_at_the_reference_speed():
 def test_a_runs_gaps_per_kind_are_the_medians_calibration_fits_on():
     from sim.timeline import Record, Timeline
 
-    from calibrate.demo import gap_rows
+    from calibrate.run_report import gap_rows
     from calibrate.step_components import measured_gap_medians_s
 
     records = []

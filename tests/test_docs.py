@@ -103,6 +103,13 @@ COVERED: dict[str, str] = {
         "tests/test_calibrate_validate.py::test_calibrate_then_validate_end_to_end",
     "gpipe simulate --costs costs.json --model transformer --layers 4 --d-model 128 --ff 512 --seq 32 --batch 32 "
     "--hardware cpu --stages 2 --microbatches 4": "tests/test_calibrate_costs.py::test_gpipe_simulate_takes_costs",
+    # a plan priced with a costs file, simulated with it and with another (a costs file written by the test)
+    "gpipe plan --costs costs.json --out priced.json":
+        "tests/test_plan_costs.py::test_a_plan_priced_with_costs_is_simulated_with_them_to_the_microsecond",
+    "gpipe simulate --plan priced.json":
+        "tests/test_plan_costs.py::test_a_plan_priced_with_costs_is_simulated_with_them_to_the_microsecond",
+    "gpipe simulate --plan priced.json --costs costs_b.json":
+        "tests/test_plan_costs.py::test_explicit_costs_win_over_the_recorded_ones_with_a_note",
     "gpipe train --model mlp --option width=16 --batch 10 --microbatches 4 --stages 4 --steps 3 --nnodes 2 "
     "--node-rank 0 --rdzv-endpoint 127.0.0.1:29500 --report report.json --trace trace.json":
         "tests/test_executor_nodes.py::test_two_nodes_train_as_one_whichever_starts_first",
