@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         if progress.bars_shown():
             say("    " + message)
 
-    say(f"1/5 calibrating {DEMO_MODEL} {DEMO_OPTIONS} batch {DEMO_BATCH} on this machine")
+    options = ", ".join(f"{key}={value}" for key, value in DEMO_OPTIONS.items())
+    say(f"1/5 calibrating {DEMO_MODEL} ({options}), batch {DEMO_BATCH}, on this machine")
     costs_path = os.path.join(args.out_dir, "costs.json")
     data = calibrate_cached(costs_path, DEMO_MODEL, DEMO_OPTIONS, DEMO_BATCH, quick=True, force=args.force,
                             progress=note, announce=lambda m: say("    " + m))

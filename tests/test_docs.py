@@ -55,6 +55,9 @@ SMALLER: dict[str, list[str]] = {
 # minutes of calibration, two nodes, or one more torchrun launch each: the tests named run these
 # commands (or the same run through the same code) and compare what they print or train
 COVERED: dict[str, str] = {
+    # a plan priced with a real calibration, trained and compared, its report written
+    "gpipe train --plan plan.json --steps 20 --html run.html":
+        "tests/test_train_compare.py::test_train_plan_prints_the_plans_prediction_beside_the_measured_step_and_writes_the_report",
     # a plan trained over torchrun with --report and --trace, compared with the in-process pipeline
     "gpipe train --plan plan.json --steps 20 --report report.json --trace trace.json":
         "tests/test_executor_worker.py::test_two_processes_match_the_in_process_pipeline",
