@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_timed_steps(args.steps)  # before torch is imported
     from calibrate.cli import calibrate_cached
+    from calibrate.design_checks import CalibrationRefused
     from calibrate.run_report import write_run_report
     from calibrate.runs import train_report
     from executor.models import model_ref
@@ -114,8 +115,14 @@ def run(args: argparse.Namespace) -> int:
     options = ", ".join(f"{key}={value}" for key, value in DEMO_OPTIONS.items())
     say(f"1/5 calibrating {DEMO_MODEL} ({options}), batch {DEMO_BATCH}, on this machine")
     costs_path = os.path.join(args.out_dir, "costs.json")
-    data = calibrate_cached(costs_path, DEMO_MODEL, DEMO_OPTIONS, DEMO_BATCH, quick=True, force=args.force,
-                            progress=note, announce=lambda m: say("    " + m))
+    try:
+        data = calibrate_cached(costs_path, DEMO_MODEL, DEMO_OPTIONS, DEMO_BATCH, quick=True, force=args.force,
+                                progress=note, announce=lambda m: say("    " + m))
+    except CalibrationRefused as refused:  # its runs were measured twice; a whole new calibration once more
+        say(f"    {refused}")
+        say("    calibrating once more from the start")
+        data = calibrate_cached(costs_path, DEMO_MODEL, DEMO_OPTIONS, DEMO_BATCH, quick=True, force=True,
+                                progress=note)
     max_stages = max((int(k) for k in data.get("pipeline", {})), default=1)
     say(f"2/5 planning over K=1..{max_stages}, M in {list(MICROBATCH_OPTIONS)}, every policy and schedule")
     per_k = plan_best(data, DEMO_BATCH, max_stages)

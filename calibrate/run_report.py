@@ -48,9 +48,9 @@ def step_verdict(predicted_s: float, measured_s: float, pricing: Pricing, pace: 
     figures = f"predicted {predicted_s * 1e3:.2f} ms, measured {measured_s * 1e3:.2f} ms per step ({error * 100:+.1f}%)"
     drift = ""
     if pace is not None:
-        drift = (f"; the machine ran {pace:.2f}x {'slower' if pace >= 1 else 'faster'} while training than "
-                 "while calibrating (speed probe)" if abs(pace - 1) >= 0.005 else "; the machine ran at its "
-                 "calibration's speed (speed probe)")
+        drift = (f"; the machine ran {abs(pace - 1) * 100:.0f}% {'slower' if pace >= 1 else 'faster'} while "
+                 "training than while calibrating (speed probe)" if abs(pace - 1) >= 0.005 else
+                 "; the machine ran at its calibration's speed (speed probe)")
     if not pricing.calibrated:
         return f"Not judged: {figures}, {pricing.says}{drift}"
     if abs(error) <= goal:
