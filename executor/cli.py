@@ -319,11 +319,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.plan:
             raise GpipeInputError("--html compares the run with its plan's prediction; give --plan FILE (written "
                                   "by gpipe plan --out or gpipe demo)")
+    # before the fork server, whose imports would load the machine while the speed probe times it
+    comparison = plan_comparison(args, config) if args.plan and args.node_rank == 0 else None
     # it imports the executor (and a Hugging Face model's code) for the ranks while this process checks the model
     start_fork_server(rank_imports(config.model, config.options) if is_hf(config.model) else ())
     prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
-    comparison = plan_comparison(args, config) if args.plan and args.node_rank == 0 else None
     from executor.shm_transport import SHM_DIR_ENV, shared_directory
 
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
