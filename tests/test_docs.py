@@ -209,7 +209,9 @@ def test_every_command_that_is_not_gpipe_is_accounted_for():
 def test_the_readme_is_a_front_door():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) < 200
-    assert readme.splitlines()[3:5] == [
+    lines = readme.splitlines()
+    assert lines[2].startswith("`gpipe` ")  # what it is, in one sentence, above the two commands
+    assert lines[lines.index("```sh") + 1:lines.index("```sh") + 3] == [
         "make demo   # sets up .venv, then calibrates, plans, simulates and trains on this machine; writes "
         "out/report.html",
         "make test   # sets up .venv, then runs the whole test suite"]
