@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "catalog_question.json")
 HARDWARE = "a100-nvlink,h100-nvlink,h200-nvlink,b200-nvlink,mi300x,mi325x"  # the priced 8-GPU systems

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--model", "transformer", "--layers", "4", "--d-model", "128", "--ff", "512", "--heads", "4",

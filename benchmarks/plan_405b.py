@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "plan_405b.json")
 SHAPE = {"num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128,

@@ -17,15 +17,15 @@ from typing import Any
 
 from sim.cli_options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
                              check_output_path, model_options)
-from sim.progress import note
-from sim.warm_up import IDLE_S
-from calibrate.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
-from calibrate.calibration import check_timed_steps
+from sim.views.progress import note
+from sim.engine.warm_up import IDLE_S
+from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
+from calibrate.fit.calibration import check_timed_steps
 from sim.errors import GpipeInputError, require_positive
-from sim.model_defaults import DEFAULT_BATCH
-from sim.optimizers import DEFAULT_OPTIMIZER, check_optimizer
-from sim.precision import DEFAULT_PRECISION, check_precision
-from sim.stragglers import straggle_fraction
+from sim.workloads.model_defaults import DEFAULT_BATCH
+from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer
+from sim.workloads.precision import DEFAULT_PRECISION, check_precision
+from sim.engine.stragglers import straggle_fraction
 
 DEFAULT_MODEL = "transformer"
 
@@ -61,8 +61,8 @@ def cached(path: str, model: str, options: dict[str, Any], batch: int, device: s
            optimizer: str = DEFAULT_OPTIMIZER, precision: str = DEFAULT_PRECISION) -> dict[str, Any] | None:
     """The costs at ``path`` if they were measured here, with these versions, for this model, with
     this optimizer and at this precision, and their fit holds its own design runs."""
-    from sim.costs import fit_quality_warning, measured_precision, read_costs, requested_options
-    from calibrate.machine import machine_stamp, same_machine
+    from sim.formats.costs import fit_quality_warning, measured_precision, read_costs, requested_options
+    from calibrate.measure.machine import machine_stamp, same_machine
 
     if not os.path.exists(path):
         return None
@@ -89,8 +89,8 @@ def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int,
     """Reuse the costs at ``path`` when valid (see :func:`cached`) and holding the tensor-parallel
     profile asked for, else calibrate and write them. ``progress`` takes calibration's progress
     lines, ``announce`` (default ``progress``) the line saying the file was reused."""
-    from calibrate.calibration import calibrate
-    from sim.costs import read_costs, write_costs
+    from calibrate.fit.calibration import calibrate
+    from sim.formats.costs import read_costs, write_costs
 
     if not force:
         data = cached(path, model, options, batch, device, optimizer, precision)
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                             args.quick, args.force, note, args.rounds, optimizer, precision,
                             args.tensor_parallel, announce=None if getattr(args, "quiet", False) else announce)
     if args.json:
-        from sim.costs import costs_summary
+        from sim.formats.costs import costs_summary
 
         json.dump(costs_summary(data), sys.stdout)
         print()
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary_text(data: dict[str, Any]) -> str:
-    from sim.costs import fit_quality_warning
+    from sim.formats.costs import fit_quality_warning
 
     lines = [f"model {data['model']['name']} {data['model']['options']} batch {data['batch_size']}, "
              f"optimizer {data.get('optimizer', 'sgd')}, precision {data.get('precision', DEFAULT_PRECISION)}"]

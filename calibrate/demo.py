@@ -56,9 +56,9 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tu
 
     ``{K: (option, workload, system)}``, the workload bound to the plan's K, policy and M.
     """
-    from sim.costs import MeasuredWorkload
-    from sim.hardware import get_system
-    from sim.planner import search
+    from sim.formats.costs import MeasuredWorkload
+    from sim.catalog.hardware import get_system
+    from sim.planner.search import search
 
     best = {}
     for k in range(1, max_stages + 1):
@@ -75,20 +75,20 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tu
 
 
 def run(args: argparse.Namespace) -> int:
-    from calibrate.calibration import check_timed_steps
+    from calibrate.fit.calibration import check_timed_steps
 
     check_timed_steps(args.steps)  # before torch is imported
     from calibrate.cli import calibrate_cached
-    from calibrate.run_report import write_run_report
-    from calibrate.runs import train_report
-    from executor.models import model_ref
-    from sim.planner import simulate_candidate
-    from calibrate.run_report import MachinePace, pricing_of, step_verdict
-    from sim.plan import Plan, costs_ref, save_plan
-    from sim import progress
+    from calibrate.report.run_report import write_run_report
+    from calibrate.measure.runs import train_report
+    from executor.models.build import model_ref
+    from sim.planner.search import simulate_candidate
+    from calibrate.report.run_report import MachinePace, pricing_of, step_verdict
+    from sim.formats.plan import Plan, costs_ref, save_plan
+    from sim.views import progress
 
     if args.picture:
-        from calibrate.report_picture import kaleido_major_version
+        from calibrate.report.report_picture import kaleido_major_version
         from sim.cli_options import check_output_path
 
         check_output_path(args.picture, "--picture")

@@ -6,8 +6,8 @@ import argparse
 import json
 
 from sim.cli_options import check_output_path
-from sim.kernel_model import EFFICIENCY_FILE
-from sim.timeline import write_atomic
+from sim.catalog.kernel_model import EFFICIENCY_FILE
+from sim.formats.timeline import write_atomic
 from sim.workload_cli import resolve_workload
 
 
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from calibrate.gpu_fit import fit
+    from calibrate.fit.gpu_fit import fit
 
     check_output_path(args.out, "--out")
     result = fit(args.file, lambda model, options: resolve_workload(model, options))

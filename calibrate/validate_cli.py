@@ -7,7 +7,7 @@ import json
 import sys
 
 from sim.cli_options import check_output_path
-from calibrate.calibration import check_timed_steps
+from calibrate.fit.calibration import check_timed_steps
 from sim.errors import GpipeInputError, require_positive
 
 
@@ -25,16 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.costs import read_costs
-    from calibrate.machine import machine_stamp, same_machine
-    from calibrate.validate import format_table, validate
+    from sim.formats.costs import read_costs
+    from calibrate.measure.machine import machine_stamp, same_machine
+    from calibrate.validate.held_out import format_table, validate
 
     check_output_path(args.out, "--out")
     check_timed_steps(args.steps)
     require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.limit is not None:
         require_positive("--limit", args.limit, "use --limit 1 or more")
-    from calibrate.across_calibrations import check_same_calibration
+    from calibrate.validate.across_calibrations import check_same_calibration
 
     if len(set(args.costs)) != len(args.costs):
         raise GpipeInputError(f"--costs names a file twice ({' '.join(args.costs)}); give each calibration once")
@@ -46,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
             raise GpipeInputError(f"costs file {path!r} was measured on another machine or library version; "
                                   "run gpipe calibrate here first")
         check_same_calibration(data, each, path)
-    from sim.progress import note
+    from sim.views.progress import note
 
     result = validate(data, args.steps, args.limit, note, args.rounds, everything[1:])
     if args.out:
-        from sim.timeline import write_json_atomic
+        from sim.formats.timeline import write_json_atomic
 
         write_json_atomic(args.out, result)
     if args.json:

@@ -3,10 +3,10 @@
 Takes a plan file (``--plan``) or the flags ``gpipe simulate`` takes (model, stages or partition,
 batch, micro-batches, schedule, checkpoint policy). The model is built and dry-run here first, so a
 bad plan fails with one line before any process starts. On one machine its ranks are what
-``python -m torch.distributed.run --standalone --nproc-per-node K -m executor.worker CONFIG`` would
+``python -m torch.distributed.run --standalone --nproc-per-node K -m executor.launch.worker CONFIG`` would
 start, from torchrun's agent run in this process; with ``--nnodes N`` every node runs ``gpipe
 train`` with the same flags, its ``--node-rank`` and node 0's address as ``--rdzv-endpoint
-HOST:PORT``, each starting K/N workers (:mod:`executor.launch` says how, and why the static
+HOST:PORT``, each starting K/N workers (:mod:`executor.launch.agent` says how, and why the static
 rendezvous).
 
 torch is imported inside :func:`run` only, so ``gpipe --help`` stays fast.
@@ -22,18 +22,18 @@ import sys
 import tempfile
 from typing import Any
 
-from executor.launch import check_capacity, check_nodes, run_ranks, start_fork_server
+from executor.launch.agent import check_capacity, check_nodes, run_ranks, start_fork_server
 from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
                              add_precision_argument, model_options)
 from sim.errors import GpipeInputError, require_positive
-from sim.named_models import is_named, named_models
-from sim.partition import even_partition
-from sim.placement import PLACEMENTS
-from sim.plan import load_plan, parse_partition
-from sim.precision import check_precision
-from sim.progress import bars_shown
-from sim.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, SCHEDULES, check_interleaving,
-                          check_virtual_stages, default_virtual_stages)
+from sim.workloads.named_models import is_named, named_models
+from sim.planner.partition import even_partition
+from sim.engine.placement import PLACEMENTS
+from sim.formats.plan import load_plan, parse_partition
+from sim.workloads.precision import check_precision
+from sim.views.progress import bars_shown
+from sim.schedules.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, SCHEDULES, check_interleaving,
+                                    check_virtual_stages, default_virtual_stages)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,7 +172,7 @@ def config_from_args(args: argparse.Namespace):
     """A validated :class:`RunConfig` from a plan file and/or flags (flags override the plan)."""
     check_flags(args)
     from executor.config import RunConfig
-    from executor.models import model_ref
+    from executor.models.build import model_ref
 
     extra = dict(steps=args.steps, seed=args.seed, loss=args.loss or "", lr=args.lr,
                  weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm,
@@ -240,15 +240,15 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     """The partition ``gpipe simulate`` picks for the same flags, so predicted and measured runs
     split the model the same way; an even split for models the simulator has no analytic form of.
     Under the interleaved schedule the layers are split into V x K chunks."""
-    from sim.models import BUILTIN_MODELS, get_workload
+    from sim.workloads.models import BUILTIN_MODELS, get_workload
 
     stages = (args.stages or 1) * config.virtual_stages
     partition = even_partition(num_layers, stages)  # also rejects more stages than layers
     if config.model not in BUILTIN_MODELS:
         return partition
-    from sim.hardware import get_system
-    from sim.planner import Candidate
-    from sim.planner import default_partition as simulator_partition
+    from sim.catalog.hardware import get_system
+    from sim.planner.search import Candidate
+    from sim.planner.search import default_partition as simulator_partition
 
     batch = args.batch if args.batch is not None else (config.batch_size or _default_batch(config.model))
     microbatches = args.microbatches or config.microbatches
@@ -267,7 +267,7 @@ def check_checkpoint_dir(config) -> None:
     step 0: the user asked to continue a run, and a wrong path would otherwise train from scratch.
     A torchrun restart (``--max-restarts``) that finds no checkpoint yet does start from step 0.
     """
-    from executor import checkpoint
+    from executor.state import checkpoint
 
     root = config.checkpoint_dir
     if config.save_every:
@@ -291,7 +291,7 @@ def check_checkpoint_dir(config) -> None:
 
 def _default_batch(model: str) -> int:
     try:
-        from sim.model_defaults import DEFAULT_BATCH
+        from sim.workloads.model_defaults import DEFAULT_BATCH
         return int(DEFAULT_BATCH.get(model, 32))
     except ImportError:
         return 32
@@ -300,8 +300,8 @@ def _default_batch(model: str) -> int:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # the flags first, then the model (torch)
     from executor.device import device_api
-    from executor.hf import is_hf, rank_imports
-    from executor.pipeline import prepare
+    from executor.models.hf import is_hf, rank_imports
+    from executor.runtime.pipeline import prepare
 
     check_nodes(args, config.world_size, config.tensor_parallel)
     check_capacity(config.world_size, args.nnodes, config.device, os.cpu_count() or 1,
@@ -324,13 +324,13 @@ def run(args: argparse.Namespace) -> int:
     prepared = prepare(config)  # a bad model or partition fails here, before any process starts
     check_checkpoint_dir(config)
     comparison = plan_comparison(args, config) if args.plan and args.node_rank == 0 else None
-    from executor.shm_transport import SHM_DIR_ENV, shared_directory
+    from executor.transport.shm_transport import SHM_DIR_ENV, shared_directory
 
     workdir = tempfile.mkdtemp(prefix="gpipe-train-")
-    with shared_directory() as shared:  # the ranks' message files (executor.shm_transport)
+    with shared_directory() as shared:  # the ranks' message files (executor.transport.shm_transport)
         try:
             if config.init == "factory" and not config.init_from:
-                from executor.initial_weights import save_factory_weights
+                from executor.models.initial_weights import save_factory_weights
 
                 config.factory_weights = save_factory_weights(config.model, config.options, config.seed,
                                                               prepared.model, os.path.join(workdir, "factory-weights"))
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
             per_node = config.world_size // args.nnodes
             env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
-            code, message = run_ranks("executor.worker", [config_path], config.world_size, env, error_dir, args)
+            code, message = run_ranks("executor.launch.worker", [config_path], config.world_size, env, error_dir, args)
             if code != 0:
                 print(message, file=sys.stderr)
             elif comparison is not None:
@@ -356,10 +356,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_comparison(args: argparse.Namespace, config):
-    """What compares the run with its plan's prediction afterwards (:mod:`calibrate.run_report`); made
+    """What compares the run with its plan's prediction afterwards (:mod:`calibrate.report.run_report`); made
     before any worker starts, so a missing costs file with --html is one line then."""
-    from calibrate.run_report import PlanComparison
-    from executor.models import model_ref
+    from calibrate.report.run_report import PlanComparison
+    from executor.models.build import model_ref
 
     trained = config.plan(model_ref(config.model, config.options, config.seed))
     return PlanComparison(args.plan, load_plan(args.plan), trained, config.device, args.html)

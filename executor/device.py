@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from executor.host_allocator import keep_freed_memory
+from executor.transport.host_allocator import keep_freed_memory
 from sim.errors import GpipeInputError
 
 
@@ -44,7 +44,7 @@ class CpuDevice:
 
     def prepare_process(self) -> bool:
         """Process-wide settings a rank computes with, set once before its first tensor: the host
-        allocator keeps freed blocks for the next step (:mod:`executor.host_allocator`). Profiling
+        allocator keeps freed blocks for the next step (:mod:`executor.transport.host_allocator`). Profiling
         processes set the same, so that calibrated costs are those of the executor's processes."""
         return keep_freed_memory()
 

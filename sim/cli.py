@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from sim import progress
+    from sim.views import progress
 
     progress.configure(quiet=getattr(args, "quiet", False), json_output=getattr(args, "json", False))
     try:

@@ -6,10 +6,10 @@ import argparse
 from typing import Any
 
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import SYSTEMS
-from sim.model_defaults import DEFAULT_OPTIONS
-from sim.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
-from sim.schedule import CHECKPOINT_POLICIES, SCHEDULES, default_virtual_stages
+from sim.catalog.hardware import SYSTEMS
+from sim.workloads.model_defaults import DEFAULT_OPTIONS
+from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
+from sim.schedules.schedule import CHECKPOINT_POLICIES, SCHEDULES, default_virtual_stages
 
 # flag -> (option name in the model's options, type, help)
 MODEL_FLAGS = {
@@ -28,8 +28,8 @@ MODEL_FLAGS = {
 
 
 # Options of the simulator's models that describe the training, not the torch model: optimizer
-# state tensors per parameter (set from --optimizer, see sim.optimizers). The precision is a flag
-# and a plan field of its own (sim.precision).
+# state tensors per parameter (set from --optimizer, see sim.workloads.optimizers). The precision is a flag
+# and a plan field of its own (sim.workloads.precision).
 ANALYTIC_ONLY_OPTIONS = ("optimizer_slots",)
 
 
@@ -58,7 +58,7 @@ def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or co
 
     ``parser`` is a parser or an argument group. Not given, it is the one the plan or costs file
     records (``recorded`` says which, for the help), else the default; checked by
-    :func:`sim.optimizers.check_optimizer` (one-line error) rather than by argparse.
+    :func:`sim.workloads.optimizers.check_optimizer` (one-line error) rather than by argparse.
     """
     default = f"{recorded}, else {DEFAULT_OPTIMIZER}" if recorded else DEFAULT_OPTIMIZER
     parser.add_argument("--optimizer", default=None, metavar="NAME",
@@ -67,8 +67,8 @@ def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or co
 
 
 def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -> None:
-    """``--precision``: one flag, one meaning on every command (:mod:`sim.precision`); None when not
-    given, so each command applies its own default. Checked by :func:`sim.precision.check_precision`
+    """``--precision``: one flag, one meaning on every command (:mod:`sim.workloads.precision`); None when not
+    given, so each command applies its own default. Checked by :func:`sim.workloads.precision.check_precision`
     (one line, exit 2) rather than argparse choices (a usage block)."""
     parser.add_argument("--precision", default=None, metavar="PRECISION",
                         help="fp32, or bf16: autocast compute with fp32 master weights and optimizer state; "
@@ -90,7 +90,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int 
 
 def add_scale_out_arguments(parser: argparse.ArgumentParser) -> None:
     """``gpipe simulate``'s data-parallel replicas, virtual stages, ZeRO and placement of one plan."""
-    from sim.placement import DEFAULT_PLACEMENT, PLACEMENTS
+    from sim.engine.placement import DEFAULT_PLACEMENT, PLACEMENTS
 
     group = parser.add_argument_group("replicas and interleaving")
     group.add_argument("--replicas", "-D", type=int, default=1,

@@ -1,6 +1,6 @@
 """``gpipe plan --max-layers``: the deepest model that fits per K, as a table or JSON.
 
-The command-line half of :mod:`sim.max_layers`: it reads the flags, builds a workload of each depth
+The command-line half of :mod:`sim.planner.max_layers`: it reads the flags, builds a workload of each depth
 (torch models through the meta-device analysis, see :mod:`sim.workload_cli`) and prints.
 """
 
@@ -11,10 +11,10 @@ import sys
 
 from sim.cli_options import parse_int_list
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import System
-from sim.max_layers import depth_limits, format_limits
-from sim.model_defaults import DEFAULT_BATCH
-from sim.workload import Workload
+from sim.catalog.hardware import System
+from sim.planner.max_layers import depth_limits, format_limits
+from sim.workloads.model_defaults import DEFAULT_BATCH
+from sim.workloads.workload import Workload
 from sim.workload_cli import model_name, resolve_workload, with_precision
 
 

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.paper import NOT_CAPTURED, TRANSFORMER_48, bubble_points, cells_to_dicts, format_table, replay
+    from sim.evidence.paper import NOT_CAPTURED, TRANSFORMER_48, bubble_points, cells_to_dicts, format_table, replay
 
     check_output_path(args.html, "--html")
     cells = replay()
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(cells))
     if args.html:
-        from sim.figures import bubble_figure, paper_figure, write_html_many
+        from sim.views.figures import bubble_figure, paper_figure, write_html_many
 
         figures = [paper_figure(cells),
                    bubble_figure(bubble_points(), title="Transformer-48 on TPUv3: simulated bubble "

@@ -13,24 +13,24 @@ from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_op
                              add_sequence_parallel_argument, check_output_path,
                              parse_int_list, simulation_options)
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import get_system
-from sim.plan import ModelRef, Plan, save_plan
-from sim.placement import PLACEMENTS, check_placement
-from sim.planner import PlanOption, SearchResult, default_replica_options, default_stage_options, search
-from sim.microbatch import split_rows
-from sim.efficiency_note import ASSUMED_EFFICIENCY_RANGE, efficiency_kind, efficiency_text
-from sim.efficiency_range import RangeEnds
+from sim.catalog.hardware import get_system
+from sim.formats.plan import ModelRef, Plan, save_plan
+from sim.engine.placement import PLACEMENTS, check_placement
+from sim.planner.search import PlanOption, SearchResult, default_replica_options, default_stage_options, search
+from sim.schedules.microbatch import split_rows
+from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE, efficiency_kind, efficiency_text
+from sim.planner.efficiency_range import RangeEnds
 from sim.plan_notes import dollars, layout_text, note_lines
 from sim.plan_rows import PlanRow, best_rows, fold_placements
 from sim.plan_table import format_table
-from sim.precision import check_precision
-from sim.progress import bars_shown, phase
-from sim.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, PLANNED_SCHEDULES, SCHEDULES,
-                          V_SHAPED_SCHEDULES, check_checkpoint_policy, check_schedule_name)
-from sim.training_cost import SECONDS_PER_DAY, format_token_count
-from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
-                                 with_tensor_parallel)
-from sim.workload import check_checkpoint_for
+from sim.workloads.precision import check_precision
+from sim.views.progress import bars_shown, phase
+from sim.schedules.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, PLANNED_SCHEDULES, SCHEDULES,
+                                    V_SHAPED_SCHEDULES, check_checkpoint_policy, check_schedule_name)
+from sim.planner.training_cost import SECONDS_PER_DAY, format_token_count
+from sim.workloads.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
+                                           with_tensor_parallel)
+from sim.workloads.workload import check_checkpoint_for
 from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
                               with_attention_default, workload_and_batch)
 
@@ -111,8 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_named_models() -> str:
     """One line per named model: its shape, parameters and where the figures come from."""
-    from sim.models import get_workload
-    from sim.named_models import named_models, named_options
+    from sim.workloads.models import get_workload
+    from sim.workloads.named_models import named_models, named_options
 
     lines = [f"{'model':16} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>9} {'ff':>6} {'seq':>6}  source"]
     for name, model in named_models().items():
@@ -129,7 +129,7 @@ def format_named_models() -> str:
 def planning_inputs(args: argparse.Namespace, hardware: str | None = None):
     """The system (with any efficiency override), the model options and the precision, shared by
     both modes; ``hardware`` is one of the ``--hardware`` list (default the only one)."""
-    from sim.whatif import efficiency_from_costs, with_efficiency
+    from sim.planner.whatif import efficiency_from_costs, with_efficiency
 
     efficiency, bandwidth = args.efficiency, None
     if efficiency is not None and not 0.0 < efficiency <= 1.0:  # nan too
@@ -195,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
                        planned_optimizer(args, home.workload), home.precision, args.dp_overlap)
         save_plan(replace(plan, **priced_with(args, plan.hardware)), args.out)
     if args.schedule_csv_out:
-        from sim.schedule import build_schedule
-        from sim.torch_schedule import write_schedule_csv
+        from sim.schedules.schedule import build_schedule
+        from sim.schedules.torch_schedule import write_schedule_csv
 
         c = best.candidate
         write_schedule_csv(build_schedule(c.stages, c.microbatches, c.schedule, c.checkpoint, c.virtual_stages),
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         if args.schedule_csv_out:
             print(f"schedule written to {args.schedule_csv_out} (torch.distributed.pipelining's CSV)")
     if args.html:
-        from sim.whatif import write_whatif_html
+        from sim.planner.whatif import write_whatif_html
 
         write_whatif_html(home.workload, home.system, home.batch, home.stage_options, home.microbatch_options, best,
                           args.html)
@@ -284,7 +284,7 @@ def _print_plans(args: argparse.Namespace, planned: list, rows: list[PlanRow], s
 
 
 def _range_ends(args: argparse.Namespace, planned: list, costing: "Costing") -> RangeEnds:
-    """A plan's days and dollars at both ends of an assumed efficiency's range (:mod:`sim.efficiency_range`)."""
+    """A plan's days and dollars at both ends of an assumed efficiency's range (:mod:`sim.planner.efficiency_range`)."""
     def assumed(system) -> bool:
         return efficiency_kind(system, args.efficiency, args.efficiency_from, args.costs) == "assumed"
 
@@ -349,7 +349,7 @@ class _Planned:
 def _plan_on(args: argparse.Namespace, system, options: dict, precision: str, attention_note: str | None,
              checkpoints: list[str], schedules: list[str], placements: list[str], costing: "Costing",
              progress) -> _Planned:
-    """The search on one system, its ranked plans costed (:mod:`sim.training_cost`)."""
+    """The search on one system, its ranked plans costed (:mod:`sim.planner.training_cost`)."""
     space = search_space(args, system, schedules)
     by_shape = costing.train_tokens is not None or args.context_parallel > 1 or any(
         t > 1 for t in parse_int_list(args.tensor_parallel_options or "1", "--tensor-parallel-options"))
@@ -367,7 +367,7 @@ def _plan_on(args: argparse.Namespace, system, options: dict, precision: str, at
         stage_options = default_stage_options(system, workload.num_layers)
     microbatch_options = parse_int_list(args.microbatch_options, "--microbatch-options")
     check_space_fits(space, stage_options, microbatch_options, system, workload.num_layers)
-    if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (sim.costs)
+    if hasattr(workload, "bind"):  # measured costs hold one fit per stage count (sim.formats.costs)
         if costing.active:
             raise GpipeInputError("--train-tokens, --rank-by cost, --max-devices and several --hardware plan the "
                                   "analytic models; drop --costs (use --efficiency-from COSTS for its fit)")
@@ -439,7 +439,7 @@ def hardware_list(text: str) -> list[str]:
 
 def costing_of(args: argparse.Namespace, hardware: list[str]) -> Costing:
     """The days-and-dollars flags, checked before any work."""
-    from sim.training_cost import parse_token_count
+    from sim.planner.training_cost import parse_token_count
 
     tokens = parse_token_count(args.train_tokens) if args.train_tokens is not None else None
     if args.max_devices is not None:
@@ -488,9 +488,9 @@ def price_source(system, costing: Costing) -> str:
 
 
 def plan_cost(option: PlanOption, workload, system, batch: int, precision: str, costing: Costing):
-    """The :class:`sim.training_cost.TrainingCost` of a ranked plan."""
-    from sim.precision import precision_of
-    from sim.training_cost import model_flops_per_token, training_cost
+    """The :class:`sim.planner.training_cost.TrainingCost` of a ranked plan."""
+    from sim.workloads.precision import precision_of
+    from sim.planner.training_cost import model_flops_per_token, training_cost
 
     c = option.candidate
     described = workload.describe()
@@ -519,7 +519,7 @@ def splits_measured(costs_path: str | None) -> bool:
     """Whether the costs file at ``costs_path`` profiled each layer's I and W (False without one)."""
     if not costs_path:
         return False
-    from sim.costs import read_costs
+    from sim.formats.costs import read_costs
 
     times = read_costs(costs_path).get("profile", {}).get("times_s", {})
     return bool(times) and all("W" in kinds for kinds in times.values())
@@ -598,7 +598,7 @@ def _search_each_stage_count(workload, system, batch: int, stage_options: list[i
 
 def policies_for(workload, checkpoints: list[str], asked: bool) -> list[str]:
     """The policies to search; ``selective`` asked for explicitly where the model has no attention
-    core to recompute is refused in one line (by default :func:`sim.planner.search` leaves it out)."""
+    core to recompute is refused in one line (by default :func:`sim.planner.search.search` leaves it out)."""
     if asked:
         for checkpoint in checkpoints:
             check_checkpoint_for(workload, checkpoint)
@@ -677,7 +677,7 @@ def calibrated_tensor_parallel_link(args: argparse.Namespace, system, sequence_p
     path = getattr(args, "efficiency_from", None)
     if not path:
         return None
-    from sim.costs import read_costs, tensor_parallel_link
+    from sim.formats.costs import read_costs, tensor_parallel_link
 
     data = read_costs(path)
     return tensor_parallel_link(data, sequence_parallel) if system.name == data.get("system", "cpu") else None
@@ -695,7 +695,7 @@ def _merged(parts: list[SearchResult], top: int) -> SearchResult:
 
 def planned_optimizer(args: argparse.Namespace, workload) -> str:
     """``--optimizer``, else the one a costs file measured with, else the default."""
-    from sim.optimizers import DEFAULT_OPTIMIZER
+    from sim.workloads.optimizers import DEFAULT_OPTIMIZER
 
     return args.optimizer or getattr(workload, "optimizer", None) or DEFAULT_OPTIMIZER
 
@@ -725,8 +725,8 @@ def priced_with(args: argparse.Namespace, hardware: dict) -> dict:
     the costs file (path and hash) and the efficiencies given, applied as :func:`planning_inputs` does."""
     from dataclasses import asdict
 
-    from sim.plan import costs_ref
-    from sim.whatif import efficiency_from_costs
+    from sim.formats.plan import costs_ref
+    from sim.planner.whatif import efficiency_from_costs
 
     hardware = dict(hardware)
     efficiency, bandwidth = args.efficiency, None
@@ -758,9 +758,9 @@ def _nothing_fits(result: SearchResult, workload, system, batch: int, stage_opti
                   microbatch_options: list[int], checkpoints: list[str], schedules: list[str]) -> str:
     """Why nothing fits, told on the candidate that needs the least memory: most stages, most
     micro-batches, the most re-materialization searched."""
-    from sim.engine import simulate
-    from sim.planner import Candidate, default_partition
-    from sim.report import fit_advice
+    from sim.engine.engine import simulate
+    from sim.planner.search import Candidate, default_partition
+    from sim.views.report import fit_advice
 
     order = ["full", "always", "selective", "except_last", "never"]  # the leanest first, as large models run
     policy = min(checkpoints, key=order.index)

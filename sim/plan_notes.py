@@ -2,7 +2,7 @@
 hardware kind's figures rest on (its efficiency, its price), so no figure reads surer than it is.
 
 Where an efficiency is assumed, a plan's days and dollars come with the same plan's at both ends of
-:data:`sim.efficiency_note.ASSUMED_EFFICIENCY_RANGE` (:mod:`sim.efficiency_range` prices them);
+:data:`sim.catalog.efficiency_note.ASSUMED_EFFICIENCY_RANGE` (:mod:`sim.planner.efficiency_range` prices them);
 where some hardware has no price, the cheapest line says which it left out.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from sim.efficiency_note import uncalibrated_note
+from sim.catalog.efficiency_note import uncalibrated_note
 from sim.plan_rows import same_but_placement
-from sim.planner import PlanOption
+from sim.planner.search import PlanOption
 
 if TYPE_CHECKING:
-    from sim.efficiency_range import Ends
+    from sim.planner.efficiency_range import Ends
 
 COST_NOTE = ("tokens/s from the predicted step; MFU: PaLM's model FLOPs (6N + 12 L d s per token) over the devices' "
              "dense peak at the matmuls' precision; days, device-hours and cost at the on-demand list price, "
@@ -94,7 +94,7 @@ def note_lines(planned: Sequence, fastest: PlanOption | None, cheapest: PlanOpti
                efficiency: Callable[[object], tuple[str, str]], price: Callable[[object], tuple[float | None, str]],
                costs_path: str | None) -> list[str]:
     """The lines under the tables. ``planned``: each search (``system``, ``workload``, ``batch``,
-    ``result``); ``efficiency(system)``: its kind and text (:mod:`sim.efficiency_note`);
+    ``result``); ``efficiency(system)``: its kind and text (:mod:`sim.catalog.efficiency_note`);
     ``price(system)``: its price per device-hour and where it comes from; ``ends``: a plan's days
     and dollars across an assumed efficiency's range. With days and dollars (``costed``): the
     fastest and the cheapest plan, then a line per hardware kind; without, only the efficiencies

@@ -3,7 +3,7 @@
 Two plans whose layout, partition, predicted step and peak memory agree and whose placements differ
 are one choice for the reader: they share a row, whose placement says ``any`` (or lists the
 placements it stands for). A layout the placements cannot change (D = 1, K = 1, or every device of
-the plan on one node, :func:`sim.planner.placements_differ`) says ``any`` too, though the planner
+the plan on one node, :func:`sim.planner.search.placements_differ`) says ``any`` too, though the planner
 searched it once. A partition is written run-length encoded: ``8x2`` is eight stages of two layers,
 ``3x9,7`` three stages of nine then one of seven; a list still longer than
 :data:`PARTITION_WIDTH` becomes ``64x1-3``, 64 stages of one to three layers (the exact list is in
@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from sim.hardware import System
-from sim.placement import PLACEMENTS
-from sim.planner import PlanOption, placements_differ
-from sim.tensor_parallel import tensor_parallel_system
+from sim.catalog.hardware import System
+from sim.engine.placement import PLACEMENTS
+from sim.planner.search import PlanOption, placements_differ
+from sim.workloads.tensor_parallel import tensor_parallel_system
 
 PARTITION_WIDTH = 24  # characters of the partition column before a list is summarised
 

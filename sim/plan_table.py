@@ -12,8 +12,8 @@ from typing import Sequence
 
 from sim.plan_notes import days_text
 from sim.plan_rows import PlanRow, compact_partition
-from sim.planner import SearchResult
-from sim.report import describe_precision, gib
+from sim.planner.search import SearchResult
+from sim.views.report import describe_precision, gib
 
 # (header, alignment, narrowest width): the layout's numbers keep their widths, so the columns line up
 _LAYOUT = [("rank", ">", 4), ("T", ">", 3), ("D", ">", 3), ("K", ">", 3), ("V", ">", 2), ("M", ">", 3),

@@ -7,8 +7,8 @@ import json
 import sys
 
 from sim.cli_options import check_output_path
-from sim.progress import phase
-from sim.replay import Replayed, load_runs, replay, summary
+from sim.views.progress import phase
+from sim.evidence.replay import Replayed, load_runs, replay, summary
 from sim.workload_cli import resolve_workload
 
 
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(results, report))
     if args.html:
-        from sim.figures import replay_figure, write_html
+        from sim.views.figures import replay_figure, write_html
 
         write_html(replay_figure(results), args.html)
         if not args.json:

@@ -10,23 +10,23 @@ from dataclasses import asdict
 from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
                              add_pipeline_arguments, add_precision_argument, add_scale_out_arguments,
                              check_output_path, simulation_options, virtual_stages_of)
-from sim.engine import SimResult, simulate
+from sim.engine.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import Link, System, get_system
-from sim.optimizers import optimizer_slots
-from sim.placement import check_placement
-from sim.plan import Plan, costs_ref, costs_ref_from_dict, load_plan, parse_partition, recorded_costs_path
-from sim.planner import Candidate, default_partition
-from sim.costs import measured_precision, read_costs
-from sim.precision import check_precision, choose_precision
-from sim.schedule import (build_schedule, check_checkpoint_policy, check_interleaving, check_schedule_name,
-                          check_v_schedule, check_virtual_stages, format_grid)
-from sim.efficiency_note import efficiency_kind, efficiency_text, uncalibrated_note
-from sim.report import fit_advice, format_summary
-from sim.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
-                                 with_tensor_parallel)
-from sim.whatif import with_efficiency
-from sim.workload import Workload, check_checkpoint_for
+from sim.catalog.hardware import Link, System, get_system
+from sim.workloads.optimizers import optimizer_slots
+from sim.engine.placement import check_placement
+from sim.formats.plan import Plan, costs_ref, costs_ref_from_dict, load_plan, parse_partition, recorded_costs_path
+from sim.planner.search import Candidate, default_partition
+from sim.formats.costs import measured_precision, read_costs
+from sim.workloads.precision import check_precision, choose_precision
+from sim.schedules.schedule import (build_schedule, check_checkpoint_policy, check_interleaving, check_schedule_name,
+                                    check_v_schedule, check_virtual_stages, format_grid)
+from sim.catalog.efficiency_note import efficiency_kind, efficiency_text, uncalibrated_note
+from sim.views.report import fit_advice, format_summary
+from sim.workloads.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
+                                           with_tensor_parallel)
+from sim.planner.whatif import with_efficiency
+from sim.workloads.workload import Workload, check_checkpoint_for
 from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
                               resolve_workload, with_attention_default, with_precision, workload_and_batch)
 
@@ -107,7 +107,7 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
     workload = resolve_workload(plan.model.name, with_precision(plan.model.name, options, precision, costs),
                                 costs)
-    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
+    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.formats.costs)
         workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches, plan.replicas)
     check_tensor_parallel(plan.tensor_parallel, workload, system)
     check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
@@ -130,7 +130,7 @@ def plan_tensor_parallel_link(plan: Plan, system: System, plan_path: str) -> Lin
     recorded = costs_ref_from_dict(plan.hardware.get("efficiency_from"), "hardware efficiency_from")
     if plan.tensor_parallel == 1 or recorded is None:
         return None
-    from sim.costs import read_costs, tensor_parallel_link
+    from sim.formats.costs import read_costs, tensor_parallel_link
 
     path = recorded_costs_path(recorded, f"plan {plan_path} (--efficiency-from)",
                                f"re-plan (gpipe plan --efficiency-from {{path}} ... --out {plan_path})")
@@ -158,7 +158,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     """Validate every flag before simulating, then run the simulation."""
     given = None
     if args.schedule_csv:
-        from sim.torch_schedule import read_schedule_csv, schedule_shape
+        from sim.schedules.torch_schedule import read_schedule_csv, schedule_shape
 
         check_checkpoint_policy(args.checkpoint)
         given, args.microbatches, args.virtual_stages = read_schedule_csv(args.schedule_csv, args.checkpoint)
@@ -201,7 +201,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if given is None:
         check_v_schedule(args.schedule, stages, args.microbatches)
-    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.costs)
+    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.formats.costs)
         workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches, args.replicas)
     if partition is None:
         if stages * virtual > workload.num_layers:
@@ -247,7 +247,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
     if args.trace:
         result.timeline.write_chrome_trace(args.trace)
     if args.html:
-        from sim.figures import timeline_figure, write_html
+        from sim.views.figures import timeline_figure, write_html
 
         write_html(timeline_figure(result.timeline, title=f"Simulated step on {system.name}"), args.html)
     if args.json:
@@ -274,7 +274,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         if args.print_schedule:
             devices = len([stage for stage in result.stages if stage.replica == 0])
             if args.schedule_csv:
-                from sim.torch_schedule import read_schedule_csv
+                from sim.schedules.torch_schedule import read_schedule_csv
 
                 print(format_grid(read_schedule_csv(args.schedule_csv, args.checkpoint)[0]))
             else:

@@ -1,14 +1,14 @@
 """The command line's model: which workload and batch the flags of ``gpipe simulate`` and ``plan`` name.
 
 Part of the composition root (with the other ``*cli`` modules): it wires the simulator's
-torch-free resolution (:mod:`sim.resolve`) to calibration's meta-device analysis of torch models
-(:mod:`calibrate.meta_profile`), imported only when a ``package.module:factory`` model is asked
+torch-free resolution (:mod:`sim.workloads.resolve`) to calibration's meta-device analysis of torch models
+(:mod:`calibrate.measure.meta_profile`), imported only when a ``package.module:factory`` model is asked
 for, so built-in models never import torch.
 
 With ``--costs FILE`` and no ``--model``, the model, its options and the batch are the file's: the
 costs describe exactly one model, so asking for it again would only invite a mismatch. So is the
 precision without ``--precision``; without either, the precision is the device's default
-(:func:`sim.precision.choose_precision`).
+(:func:`sim.workloads.precision.choose_precision`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sim import resolve
-from sim.costs import measured_precision, read_costs
+from sim.workloads import resolve
+from sim.formats.costs import measured_precision, read_costs
 from sim.errors import GpipeInputError, require_positive
-from sim.hardware import Device, Link, System
-from sim.model_defaults import DEFAULT_BATCH
-from sim.models import get_workload
-from sim.precision import choose_precision
-from sim.workload import Workload
+from sim.catalog.hardware import Device, Link, System
+from sim.workloads.model_defaults import DEFAULT_BATCH
+from sim.workloads.models import get_workload
+from sim.workloads.precision import choose_precision
+from sim.workloads.workload import Workload
 
 DEFAULT_MODEL = "uniform"  # gpipe simulate and plan without --model or --costs
 
@@ -31,7 +31,7 @@ DEFAULT_MODEL = "uniform"  # gpipe simulate and plan without --model or --costs
 def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
     """``model`` (``package.module:factory``) measured on PyTorch's meta device."""
     try:
-        from calibrate.meta_profile import torch_workload
+        from calibrate.measure.meta_profile import torch_workload
     except ModuleNotFoundError as exc:
         if exc.name != "torch":
             raise
@@ -48,11 +48,11 @@ def is_hf(model: str | None) -> bool:
 
 def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None,
                      by_shape: bool = False) -> Workload:
-    """:func:`sim.resolve.resolve_workload` with torch models measured on the meta device; with
+    """:func:`sim.workloads.resolve.resolve_workload` with torch models measured on the meta device; with
     ``by_shape``, a Hugging Face model is the built-in transformer of its config's shape
-    (:func:`executor.hf.shape_options`), which tensor and context parallelism can split."""
+    (:func:`executor.models.hf.shape_options`), which tensor and context parallelism can split."""
     if by_shape and is_hf(model) and costs_path is None:
-        from executor.hf import shape_options
+        from executor.models.hf import shape_options
 
         config = {k: v for k, v in options.items() if k not in ANALYSIS_KEYS}
         shaped = {**shape_options(model, config), **{k: options[k] for k in ANALYSIS_KEYS if k in options}}
@@ -125,6 +125,6 @@ def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
 
 
 def calibrated_allreduce(workload: Workload, system: System) -> Link | None:
-    """The all-reduce a costs file measured on ``system`` (:func:`sim.costs.allreduce_link`), or None,
+    """The all-reduce a costs file measured on ``system`` (:func:`sim.formats.costs.allreduce_link`), or None,
     in which case the simulator prices data-parallel groups on the catalog's links."""
     return workload.allreduce_link(system) if hasattr(workload, "allreduce_link") else None

@@ -7,8 +7,8 @@ from typing import Sequence
 
 import pytest
 
-from sim.hardware import Device
-from sim.workload import LayerCost
+from sim.catalog.hardware import Device
+from sim.workloads.workload import LayerCost
 
 
 @dataclass(frozen=True)

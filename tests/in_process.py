@@ -2,7 +2,7 @@
 
 Why: a new interpreter imports torch again, 2-3 s of a core before ``gpipe train`` checks its
 input and starts its ranks; the test process has torch imported already, and its fork server
-(:mod:`executor.launch`), started by the first launch, serves every later one. The command's exit
+(:mod:`executor.launch.agent`), started by the first launch, serves every later one. The command's exit
 status, and everything it and its ranks write to the two file descriptors, come back as a
 :class:`subprocess.CompletedProcess`, as ``subprocess.run(..., capture_output=True, text=True)``
 returns them.

@@ -22,7 +22,7 @@ class Embed(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Called again on every layer built on the meta device (executor.materialize)."""
+        """Called again on every layer built on the meta device (executor.models.materialize)."""
         with torch.no_grad():
             self.table.normal_(0.0, 0.1)
 
@@ -132,7 +132,7 @@ def tied_lm_data(batch_size: int, step: int, seed: int) -> tuple[torch.Tensor, t
 
 
 class SplitMixer(nn.Module):
-    """A residual MLP with its own tensor-parallel plan (executor.tensor_parallel's hook): the first
+    """A residual MLP with its own tensor-parallel plan (executor.parallel.tensor_parallel's hook): the first
     linear column-parallel, the second row-parallel."""
 
     def __init__(self, d_model: int) -> None:

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from calibrate.after_wait_probe import AfterWaitProbe, run_after_wait_probes, warm_up_factor
-from calibrate.calibration import RunSpec
-from calibrate.design_checks import run_speed_reference
-from calibrate.speed import SpeedProbe
-from calibrate.validate import Comparison, format_table, summarize
+from calibrate.noise.after_wait_probe import AfterWaitProbe, run_after_wait_probes, warm_up_factor
+from calibrate.fit.calibration import RunSpec
+from calibrate.fit.design_checks import run_speed_reference
+from calibrate.noise.speed import SpeedProbe
+from calibrate.validate.held_out import Comparison, format_table, summarize
 
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}
 
@@ -137,7 +137,7 @@ def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up
 
 
 def test_a_stage_beyond_noise_by_every_calibration_shows_its_error_at_the_runs_probe():
-    from calibrate import across_calibrations
+    from calibrate.validate import across_calibrations
 
     run = _run([2.0, 2.0, 2.0], [1.0] * 3).to_dict()
     run["calibrations"] = across_calibrations.run_entry([run, run])

@@ -146,16 +146,16 @@ def test_layers_point_one_way():
 
 
 # what a rank need not import unless its run is tensor-parallel or shards its optimizer: 0.8 s and 1.6 s
-# of a core on top of torch's 2 s, in every rank of every launch (executor.loaded_types)
-HEAVY_AT_START = ("torch.distributed.tensor", "torch.distributed.optim", "executor.tensor_parallel",
-                  "executor.tp_styles")
+# of a core on top of torch's 2 s, in every rank of every launch (executor.models.loaded_types)
+HEAVY_AT_START = ("torch.distributed.tensor", "torch.distributed.optim", "executor.parallel.tensor_parallel",
+                  "executor.parallel.tp_styles")
 
 
 def test_a_rank_starts_without_importing_dtensor_or_zero():
     """Following module-level imports from the worker (what every rank imports at start), none of
     :data:`HEAVY_AT_START` is reached: tensor-parallel and ZeRO code imports them where it runs."""
     modules = project_modules()
-    seen, todo, reached = set(), ["executor.worker"], []
+    seen, todo, reached = set(), ["executor.launch.worker"], []
     while todo:
         name = todo.pop()
         if name in seen:
@@ -166,7 +166,7 @@ def test_a_rank_starts_without_importing_dtensor_or_zero():
                 reached.append(f"{name} imports {imported}")
             elif imported in modules:
                 todo.append(imported)
-    assert "executor.stage" in seen and reached == []
+    assert "executor.runtime.stage" in seen and reached == []
 
 
 # ----------------------------------------------------------------------------- the checker itself
@@ -186,6 +186,6 @@ def test_the_checker_sees_lazy_imports_and_cycles(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name,root", [("sim.plan_cli", True), ("sim.cli", True), ("sim.cli_options", False),
-                                       ("sim.max_layers", False)])
+                                       ("sim.planner.max_layers", False)])
 def test_composition_roots_are_the_cli_modules(name, root):
     assert is_composition_root(name) is root

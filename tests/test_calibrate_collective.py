@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from calibrate.collective import calibrate_allreduce, measure_allreduce, party_counts
-from sim.costs import allreduce_link
+from calibrate.measure.collective import calibrate_allreduce, measure_allreduce, party_counts
+from sim.formats.costs import allreduce_link
 
 
 def test_group_sizes_are_two_and_the_most_the_machine_runs():
@@ -27,7 +27,7 @@ def test_two_ranks_sum_small_gradients_over_gloo_and_through_shared_memory():
 
 
 def test_the_costs_entry_holds_the_points_and_a_fit_the_simulator_reads(monkeypatch):
-    from calibrate import collective
+    from calibrate.measure import collective
 
     calls = []
 

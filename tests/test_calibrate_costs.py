@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from sim.costs import allreduce_link, interpolate, load_costs_workload, read_costs, write_costs
-from sim.engine import simulate
+from sim.formats.costs import allreduce_link, interpolate, load_costs_workload, read_costs, write_costs
+from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
-from sim.hardware import LOCAL_CPU, V100, Link, get_system
-from sim.models import get_workload
+from sim.catalog.hardware import LOCAL_CPU, V100, Link, get_system
+from sim.workloads.models import get_workload
 
 ROWS = [1, 2, 4]
 
@@ -157,7 +157,7 @@ def test_fitted_i_and_w_lines_price_a_split_backward_and_the_first_stage_keeps_t
     stage's W stays the whole backward and its I nothing, or, where calibration fitted them, W the
     whole backward on its own line and I the measured time. Without I and W lines both take the
     backward's factor."""
-    from sim.stage_costs import input_grad_time_s, weight_grad_time_s
+    from sim.engine.stage_costs import input_grad_time_s, weight_grad_time_s
 
     data = synthetic_costs()
     for kinds in data["profile"]["times_s"].values():
@@ -218,8 +218,8 @@ def test_selective_prices_the_attention_core_the_profile_measured():
     """--checkpoint selective from a costs file: the forward as never's, each backward longer by the
     profiled core rerun (at the fitted backward slope), each micro-batch holding the core's bytes less;
     a file whose profile did not measure a core refuses it in one line."""
-    from sim.costs import MeasuredWorkload
-    from sim.workload import check_checkpoint_for
+    from sim.formats.costs import MeasuredWorkload
+    from sim.workloads.workload import check_checkpoint_for
 
     data = synthetic_costs()
     with pytest.raises(GpipeInputError, match="gpipe calibrate --force"):
@@ -261,8 +261,8 @@ def test_a_stage_split_over_t_ranks_is_priced_from_the_split_profile():
     """--tensor-parallel T with measured costs: the file's profile of the layers split over T ranks
     (times, this rank's bytes and parameters), K's pipeline fits, the cores shared by K x T processes;
     the pipeline sees each stage's T ranks as one device."""
-    from sim.costs import MeasuredWorkload
-    from sim.tensor_parallel import with_tensor_parallel
+    from sim.formats.costs import MeasuredWorkload
+    from sim.workloads.tensor_parallel import with_tensor_parallel
 
     data = _with_split_profile(synthetic_costs())
     workload = MeasuredWorkload(data)
@@ -290,8 +290,8 @@ def test_a_stage_split_over_t_ranks_is_priced_from_the_split_profile():
 
 
 def test_a_split_the_costs_file_did_not_profile_is_one_line():
-    from sim.costs import MeasuredWorkload
-    from sim.tensor_parallel import default_sequence_parallel, with_tensor_parallel
+    from sim.formats.costs import MeasuredWorkload
+    from sim.workloads.tensor_parallel import default_sequence_parallel, with_tensor_parallel
 
     plain = MeasuredWorkload(synthetic_costs())
     with pytest.raises(GpipeInputError, match=r"no profile of the layers split over 2 ranks .*--tensor-parallel 2"):
@@ -308,7 +308,7 @@ def test_a_split_the_costs_file_did_not_profile_is_one_line():
 def test_replicas_are_priced_with_the_threads_and_fits_of_d_x_k_processes():
     """D = 2 replicas of one stage on two cores: two processes of one thread each, as the executor
     runs them, so the one-thread profile and the fits of two processes (K = 2's), not K = 1's."""
-    from sim.costs import MeasuredWorkload
+    from sim.formats.costs import MeasuredWorkload
 
     data = json.loads(json.dumps(synthetic_costs()))  # the two fits share their tables in the literal
     data["profile"]["times_s"]["1"] = {kind: [[2 * v for v in row] for row in table]
@@ -513,9 +513,9 @@ def test_plan_searches_the_split_backward_schedules_by_default_only_where_the_pr
     an older file) and the analytic models leave them to --schedules."""
     from types import SimpleNamespace
 
-    from sim.costs import write_costs
+    from sim.formats.costs import write_costs
     from sim.plan_cli import default_schedules
-    from sim.schedule import PLANNED_SCHEDULES, SCHEDULES
+    from sim.schedules.schedule import PLANNED_SCHEDULES, SCHEDULES
 
     plain, split = synthetic_costs(), synthetic_costs()
     for kinds in split["profile"]["times_s"].values():
@@ -534,7 +534,7 @@ def test_a_backward_under_full_takes_the_time_per_layer_calibration_measured_bey
     """--checkpoint full reruns each layer just before its backward: without a measured time per layer
     its backward is the backward's and the recompute's lines summed; with one, that sum plus the time
     for each of the stage's layers after its first; other policies never use it."""
-    from sim.stage_costs import backward_time_s
+    from sim.engine.stage_costs import backward_time_s
 
     options = {"layers": 3, "width": 8}
     data = synthetic_costs()

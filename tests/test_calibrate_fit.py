@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibrate.fit import fit_affine, fit_constant, fit_link, fit_ring_allreduce, fit_roofline
+from calibrate.fit.least_squares import fit_affine, fit_constant, fit_link, fit_ring_allreduce, fit_roofline
 
 
 def test_affine_recovers_slope_and_intercept_exactly():
@@ -110,7 +110,7 @@ def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypat
     the prediction's error. A bound above the misfit leaves the plain fit."""
     from types import SimpleNamespace
 
-    import calibrate.calibration as calibration
+    import calibrate.fit.calibration as calibration
 
     predicted = {1: 0.080, 2: 0.100}  # by M: predicted steps without overhead
     monkeypatch.setattr(calibration, "predict",
@@ -134,7 +134,7 @@ def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypat
 def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measured():
     """A chore done once a step while a message was away (a long gap) does not move the fitted gap;
     a kind no design run had takes the median of all gaps."""
-    from calibrate.calibration import ActionPoints, Observations, fit_pipeline
+    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline
 
     obs = Observations()
     obs.actions[(2, "F")] = ActionPoints([1e-3, 2e-3], [1e-4, 1e-4], [1.1e-3, 2.1e-3], ["a", "b"])
@@ -151,7 +151,7 @@ def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measur
 def test_an_action_measured_in_several_rounds_is_fitted_at_its_median_round():
     """Rounds 15% fast, typical and 15% slow: the line goes through the typical round, as validation
     compares a run's median round; every round's point on relative residuals settles below it."""
-    from calibrate.calibration import ActionPoints, Observations, fit_pipeline
+    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline
 
     def observed(identities: bool) -> Observations:
         obs = Observations()
@@ -184,7 +184,7 @@ def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first
     line of its own (W_first, the backward's profile, B's overhead), and its I is on no line but
     priced at its measured median; the other stages' I and W get lines of their own, and a K
     without a split run has none (the stage's costs then take the backward's factor)."""
-    from calibrate.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind
+    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind
 
     bounds = [(0, 2), (2, 4)]
     assert [fitted_kind({"stage": s, "kind": k, "microbatch": 0}, bounds, "always", 4)
@@ -213,7 +213,7 @@ def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first
 def test_the_action_line_recovers_a_scale_for_each_part_and_the_overhead():
     """Profiled times with a fixed part of 1 ms per call: a pipeline that pays a fifth of it and 1.2x
     the rows' part, plus 0.3 ms an action, is recovered exactly."""
-    from calibrate.fit import fit_action
+    from calibrate.fit.least_squares import fit_action
 
     fixed = [1e-3, 1e-3, 2e-3, 2e-3]
     profiled = [f + work for f, work in zip(fixed, [1e-3, 8e-3, 2e-3, 16e-3])]
@@ -225,7 +225,7 @@ def test_the_action_line_recovers_a_scale_for_each_part_and_the_overhead():
 
 
 def test_the_action_line_keeps_one_slope_where_the_fixed_share_does_not_vary():
-    from calibrate.fit import fit_action
+    from calibrate.fit.least_squares import fit_action
 
     profiled = [2e-3, 4e-3, 8e-3]
     line = fit_action(profiled, [p / 4 for p in profiled], [1.5 * p for p in profiled])
@@ -238,7 +238,7 @@ def test_the_action_line_tells_a_cold_start_from_its_overhead_where_the_points_h
     """Cold actions (the first of their kind on a device, or after another kind) pay 0.3 ms more: the
     line finds it beside the 0.1 ms every action pays; with every point cold the two cannot be told
     apart and the overhead carries it."""
-    from calibrate.fit import fit_action
+    from calibrate.fit.least_squares import fit_action
 
     profiled = [1e-3, 2e-3, 4e-3, 1e-3, 2e-3, 4e-3, 8e-3]
     cold = [1, 1, 1, 0, 0, 0, 0]
@@ -255,7 +255,7 @@ def test_the_action_line_tells_a_cold_start_from_its_overhead_where_the_points_h
 def test_the_calibration_marks_cold_actions_from_the_runs_schedule():
     """The marks calibration fits on come from the schedule the simulator walks: each stage's first
     action of the step, its first forward under GPipe and 1F1B alike."""
-    from calibrate.calibration import RunSpec, cold_marks, starts_cold_in
+    from calibrate.fit.calibration import RunSpec, cold_marks, starts_cold_in
 
     for schedule in ("gpipe", "1f1b"):
         marks = cold_marks(RunSpec((3, 3), 4, "never", schedule, 8))
@@ -267,7 +267,7 @@ def test_the_calibration_marks_cold_actions_from_the_runs_schedule():
 def test_every_run_counts_alike_in_the_action_line_whatever_its_number_of_actions():
     """Eight small actions from one run and one large action from another, the two runs disagreeing:
     weighted by run, the line splits the difference between them instead of following the eight."""
-    from calibrate.fit import fit_action
+    from calibrate.fit.least_squares import fit_action
 
     profiled, fixed = [1e-3] * 8 + [1e-2], [0.0] * 9
     measured = [1.0e-3] * 8 + [1.2e-2]
@@ -283,8 +283,8 @@ def test_the_replica_spread_keeps_a_processs_own_deviation_and_not_the_machines(
     """Two stages slowed together (a machine-wide moment) deviate from each other by nothing; one
     stage alone 20% slow in one step of four leaves a symmetric spread whose slower-of-two excess
     is what two such processes would straggle by."""
-    from calibrate.fit import replica_spread
-    from sim.stragglers import expected_max, straggle_fraction
+    from calibrate.fit.least_squares import replica_spread
+    from sim.engine.stragglers import expected_max, straggle_fraction
 
     together = [[c * 10e-3, c * 20e-3] for c in (0.8, 1.0, 1.2, 1.0)]
     assert replica_spread([together], quantiles=8) == pytest.approx([0.0] * 8)
@@ -301,7 +301,7 @@ def test_the_replica_spread_keeps_a_processs_own_deviation_and_not_the_machines(
 def test_the_halves_of_a_calibration_fit_its_odd_and_its_even_rounds_apart(monkeypatch):
     """The design repeated round after round: one half fits rounds 1, 3, 5, the other 2, 4, 6, each on
     a copy of the measured data; the whole fit's terms are left as they were."""
-    import calibrate.calibration as calibration
+    import calibrate.fit.calibration as calibration
 
     seen = []
 
@@ -325,8 +325,8 @@ def test_a_backward_under_full_takes_a_time_per_layer_beyond_the_backward_and_re
     backward and recompute profiled, its layer count) fit the time per layer it takes beyond the two
     lines summed, whichever way those lines split their fixed part between scale and overhead; its
     forward is a plain forward."""
-    from calibrate.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind, profiled_action_parts
-    from sim.costs import ActionFit, MeasuredWorkload
+    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind, profiled_action_parts
+    from sim.formats.costs import ActionFit, MeasuredWorkload
     from tests.test_calibrate_costs import synthetic_costs
 
     bounds = [(0, 1), (1, 3)]

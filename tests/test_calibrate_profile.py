@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sim.costs import MeasuredWorkload
-from calibrate.profile import Repeats, pool_identical, profile_model
+from sim.formats.costs import MeasuredWorkload
+from calibrate.measure.profile import Repeats, pool_identical, profile_model
 from executor.config import RunConfig
-from executor.models import build_model, example_batch, loss_function
-from executor.pipeline import LocalPipeline
-from sim.engine import simulate
-from sim.hardware import get_system
+from executor.models.build import build_model, example_batch, loss_function
+from executor.runtime.pipeline import LocalPipeline
+from sim.engine.engine import simulate
+from sim.catalog.hardware import get_system
 
 MODEL = "transformer"
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}

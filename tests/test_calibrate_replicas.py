@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from calibrate.calibration import RunSpec, predict
-from sim.hardware import Link
+from calibrate.fit.calibration import RunSpec, predict
+from sim.catalog.hardware import Link
 from tests.test_calibrate_costs import synthetic_costs
 
 
 def test_predict_passes_replicas_and_the_measured_allreduce_link_to_the_simulator(monkeypatch):
-    import sim.engine
+    import sim.engine.engine
 
     calls = []
-    monkeypatch.setattr(sim.engine, "simulate", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(sim.engine.engine, "simulate", lambda *args, **kwargs: calls.append(kwargs))
     data = synthetic_costs()
     predict(data, RunSpec((3,), 2, "never", "gpipe", 8, replicas=2))
     predict(data, RunSpec((3,), 2, "never", "gpipe", 8))
@@ -26,12 +26,12 @@ def test_predict_passes_replicas_and_the_measured_allreduce_link_to_the_simulato
 
 
 def test_a_run_with_more_processes_than_cores_is_predicted_taking_turns_on_them(monkeypatch):
-    """D x K above the cores: the processes share the cores (sim.shared_cores), so each of D + 1
+    """D x K above the cores: the processes share the cores (sim.engine.shared_cores), so each of D + 1
     one-stage replicas on D cores takes longer than it would alone; at most as many as there are
     cores, nothing is shared."""
-    import sim.engine
-    from sim.hardware import get_system
-    from sim.shared_cores import CoreSharing
+    import sim.engine.engine
+    from sim.catalog.hardware import get_system
+    from sim.engine.shared_cores import CoreSharing
 
     cores = get_system("cpu").total_devices
     data = synthetic_costs()
@@ -40,8 +40,8 @@ def test_a_run_with_more_processes_than_cores_is_predicted_taking_turns_on_them(
     shared, alone = predict(data, crowded), predict(data, fitting)
     assert shared.stages[0].busy_s > alone.stages[0].busy_s * (cores + 1) / cores * 0.99
     calls = []
-    real = sim.engine.simulate
-    monkeypatch.setattr(sim.engine, "simulate", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
+    real = sim.engine.engine.simulate
+    monkeypatch.setattr(sim.engine.engine, "simulate", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
     predict(data, crowded)
     predict(data, fitting)
     assert [call["core_sharing"] for call in calls] == [CoreSharing(cores), None]
@@ -66,15 +66,9 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
 def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs):
     """The held-out D = 2 runs and the ZB-V run (two chunks per rank, the backward split) measured and
     predicted, peak activation memory exact."""
-    from calibrate.calibration import run_config
-    from calibrate.runs import run_configs
-    from calibrate.validate import (
-        compare,
-        format_table,
-        machine_processes,
-        summarize,
-        validation_design,
-    )
+    from calibrate.fit.calibration import run_config
+    from calibrate.measure.runs import run_configs
+    from calibrate.validate.held_out import compare, format_table, machine_processes, summarize, validation_design
     costs, _ = tiny_quick_costs
     with open(costs) as handle:
         data = json.load(handle)
@@ -108,7 +102,7 @@ def test_simulate_and_plan_price_replicas_on_the_costs_files_allreduce(tmp_path,
     all-reduce lengthens `gpipe simulate --replicas 2` by the ring model, and `gpipe plan` ranks
     with it."""
     from sim.cli import main
-    from sim.costs import write_costs
+    from sim.formats.costs import write_costs
 
     paths = {}
     for name, latency_s, bandwidth in (("fast", 2e-5, 5e8), ("slow", 1e-3, 1e6)):

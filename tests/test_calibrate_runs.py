@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-from calibrate import runs
-from calibrate.calibration import RunSpec, run_config
-from executor import launch
-from executor.launch import LaunchOutcome
+from calibrate.measure import runs
+from calibrate.fit.calibration import RunSpec, run_config
+from executor.launch import agent as launch
+from executor.launch.agent import LaunchOutcome
 
 
 def _config(partition, replicas=1):
@@ -19,7 +19,7 @@ def test_each_replicas_and_stages_pair_gets_one_launch_of_d_times_k_ranks(monkey
     launches = []
 
     def fake_launch(module, argv, ranks, env, timeout_s):
-        assert module == "calibrate.runs"
+        assert module == "calibrate.measure.runs"
         configs_path, directory = argv
         with open(configs_path) as handle:
             configs = json.load(handle)

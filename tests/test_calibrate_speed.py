@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibrate.speed import SpeedProbe, probe_rows, reference_s, run_probes, speed_factor
-from calibrate.validate import Comparison
+from calibrate.noise.speed import SpeedProbe, probe_rows, reference_s, run_probes, speed_factor
+from calibrate.validate.held_out import Comparison
 
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from calibrate import tp_collectives
-from calibrate.tp_collectives import OPS, calibrate_tensor_parallel, fit_tensor_parallel_links
-from sim.costs import tensor_parallel_link
+from calibrate.measure import tp_collectives
+from calibrate.measure.tp_collectives import OPS, calibrate_tensor_parallel, fit_tensor_parallel_links
+from sim.formats.costs import tensor_parallel_link
 
 
 def ring_points(parties, sizes, latency_s, bandwidth, pair_factor):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibrate.calibration import RunSpec, predict, run_config
-from calibrate.profile import Repeats, profile_model
-from calibrate.runs import run_configs
-from calibrate.tp_profile import profile_tensor_parallel, thread_counts
-from executor.models import build_model, example_batch, loss_function
+from calibrate.fit.calibration import RunSpec, predict, run_config
+from calibrate.measure.profile import Repeats, profile_model
+from calibrate.measure.runs import run_configs
+from calibrate.measure.tp_profile import profile_tensor_parallel, thread_counts
+from executor.models.build import build_model, example_batch, loss_function
 
 MODEL = "transformer"
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}
@@ -75,7 +75,7 @@ def test_threads_per_rank_share_the_cores_among_k_x_t_processes():
 def test_which_split_a_calibration_profiles(monkeypatch):
     """Asked for: checked against the model's plan in one line. By default: T = 2 in a full
     calibration where two ranks fit and the model has a plan; none with --quick."""
-    from calibrate.calibration import split_profile_parts
+    from calibrate.fit.calibration import split_profile_parts
     from executor.device import CpuDevice
     from sim.errors import GpipeInputError
 

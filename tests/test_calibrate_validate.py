@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from calibrate.calibration import RunSpec, calibration_design, run_config
-from calibrate.validate import Comparison, format_table, summarize, validation_design
+from calibrate.fit.calibration import RunSpec, calibration_design, run_config
+from calibrate.validate.held_out import Comparison, format_table, summarize, validation_design
 from sim.cli import main
 
 TINY = ["--model", "transformer", "--layers", "2", "--d-model", "16", "--ff", "32", "--heads", "2",
@@ -111,7 +111,7 @@ def test_the_table_shows_d_and_keeps_oversubscribed_runs_out_of_the_errors():
 
 def test_the_table_names_the_worst_stage_and_how_much_of_its_busy_time_is_after_waits():
     """The busy error's worst stage, with the share of its predicted busy time the warm-up after long
-    waits makes up (sim.warm_up): the component this machine moves most from one moment to the next."""
+    waits makes up (sim.engine.warm_up): the component this machine moves most from one moment to the next."""
     small = Comparison("K=2 M=6 [1,5]", 1.0, 1.0, [100, 100], [100, 100], [1.0], [1.0],
                        predicted_busy_s=[0.010, 0.50], measured_busy_s=[0.008, 0.50],
                        busy_rounds_at_reference_s=[[0.008], [0.50]], predicted_warm_up_s=[0.004, 0.0])
@@ -186,13 +186,13 @@ def test_validate_refuses_a_missing_costs_file(tmp_path, capsys):
 
 def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
     """D x K beyond the system's devices: predicted on a node with a device per process."""
-    import sim.engine
-    from calibrate.calibration import predict
-    from sim.hardware import get_system
+    import sim.engine.engine
+    from calibrate.fit.calibration import predict
+    from sim.catalog.hardware import get_system
     from tests.test_calibrate_costs import synthetic_costs
 
     systems = []
-    monkeypatch.setattr(sim.engine, "simulate", lambda workload, system, *args, **kwargs: systems.append(system))
+    monkeypatch.setattr(sim.engine.engine, "simulate", lambda workload, system, *args, **kwargs: systems.append(system))
     devices = get_system("cpu").total_devices
     predict(synthetic_costs(), RunSpec((2, 1), 2, "never", "gpipe", 8, replicas=devices))
     predict(synthetic_costs(), RunSpec((3,), 2, "never", "gpipe", 8))
@@ -204,7 +204,7 @@ def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
 def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
     from types import SimpleNamespace
 
-    from calibrate.validate import replica_zero_peak_bytes
+    from calibrate.validate.held_out import replica_zero_peak_bytes
 
     def device(replica, stage, peak):
         return SimpleNamespace(replica=replica, stage=stage, peak_activation_bytes=peak)
@@ -216,10 +216,10 @@ def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
 
 
 def test_components_bubble_and_end_of_step_span_from_literal_spans():
-    from sim.timeline import Record
+    from sim.formats.timeline import Record
 
-    from calibrate.step_components import end_of_step_span_s
-    from calibrate.validate import bubble
+    from calibrate.fit.step_components import end_of_step_span_s
+    from calibrate.validate.held_out import bubble
 
     assert bubble([0.6, 0.8], 1.0) == pytest.approx(0.3)  # 1 - mean busy / step
     records = [Record(0, "F", 0, 0.0, 1.0, step=3), Record(1, "B", 0, 2.0, 4.0, step=3),
@@ -233,9 +233,9 @@ def test_a_measured_steps_start_span_joins_its_end_of_step_span():
     """The measured step runs from the previous step's end to its own: the time before its first
     action counts with its end-of-step span (the simulator puts both at its one step's end), and a
     stage that begins a step before the last one ended shortens it."""
-    from sim.timeline import Record, Timeline
+    from sim.formats.timeline import Record, Timeline
 
-    from calibrate.step_components import measured_end_span_s, start_of_step_span_s
+    from calibrate.fit.step_components import measured_end_span_s, start_of_step_span_s
 
     def step(n, begin):  # F on stage 0 for 2 s, B on stage 1 for 3 s, the optimizer 0.5 s
         return [Record(0, "F", 0, begin, begin + 2.0, step=n), Record(1, "B", 0, begin + 2.0, begin + 5.0, step=n),
@@ -257,9 +257,9 @@ def test_a_measured_steps_start_span_joins_its_end_of_step_span():
 def test_replica_zeros_wait_for_the_slowest_replica_measured_and_simulated():
     from types import SimpleNamespace
 
-    from sim.timeline import Record
+    from sim.formats.timeline import Record
 
-    from calibrate.step_components import predicted_replica_waits_s, replica_waits
+    from calibrate.fit.step_components import predicted_replica_waits_s, replica_waits
 
     def record(replica, step, start, end, kind="F"):
         return {"stage": 0, "kind": kind, "microbatch": 0, "start_s": start, "end_s": end, "step": step,
@@ -299,9 +299,9 @@ def test_the_gap_between_actions_is_device_time_outside_every_span_where_the_inp
     """Between two actions of a device: from the end of the first or its send to the second's start,
     where no wait for its input came between (the chores done while it was away are time the model
     spends waiting); other replicas, tensor-parallel ranks and steps not asked for are left out."""
-    from sim.timeline import Record
+    from sim.formats.timeline import Record
 
-    from calibrate.step_components import action_gaps_s
+    from calibrate.fit.step_components import action_gaps_s
 
     records = [Record(0, "F", 0, 0.0, 1.0, step=3), Record(0, "send_act", 0, 1.0, 1.25, step=3),
                Record(0, "F", 1, 1.5, 2.5, step=3),  # 0.25 after the send
@@ -322,7 +322,7 @@ def test_the_gap_between_actions_is_device_time_outside_every_span_where_the_inp
 def test_split_runs_fit_the_split_stages_in_pipeline_factor():
     """Per kind, the ratio of a split run's measured actions (less K's per-action overhead, at the
     reference speed) to the split profile's times; the whole-stage runs leave it alone."""
-    from calibrate.calibration import fit_tensor_parallel
+    from calibrate.fit.calibration import fit_tensor_parallel
     from test_calibrate_costs import _with_split_profile, synthetic_costs
 
     data = _with_split_profile(synthetic_costs())
@@ -350,9 +350,9 @@ def test_a_split_stages_optimizer_step_is_scaled_by_the_factor_its_runs_measured
     """The optimizer spans of a split run's rank 0 (its measured steps, at the reference speed)
     against K's optimizer line on the shard's bytes: a ratio through the origin, which prices
     the split stage's optimizer step; whole stages keep K's line."""
-    from calibrate.calibration import fit_tensor_parallel
-    from sim.costs import MeasuredWorkload
-    from sim.hardware import LOCAL_CPU
+    from calibrate.fit.calibration import fit_tensor_parallel
+    from sim.formats.costs import MeasuredWorkload
+    from sim.catalog.hardware import LOCAL_CPU
     from test_calibrate_costs import _with_split_profile, synthetic_costs
 
     data = _with_split_profile(synthetic_costs())
@@ -377,7 +377,7 @@ def test_a_split_stages_optimizer_step_is_scaled_by_the_factor_its_runs_measured
 def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
     """Two rounds that computed 10% and 30% slow than the calibration's pace: the busy error at the
     reference speed compares the prediction with each round's busy time divided by its speed."""
-    from calibrate.validate import Comparison
+    from calibrate.validate.held_out import Comparison
 
     comparison = Comparison("K=1 M=2 [4] never gpipe", 0.10, 0.12, [1], [1], [0.11, 0.13], [1.1, 1.3],
                             predicted_busy_s=[0.10], measured_busy_s=[0.12], busy_rounds_at_reference_s=[[0.10, 0.10]])
@@ -388,7 +388,7 @@ def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
 def test_the_busy_errors_noise_stands_beside_them_in_the_table():
     """Each run's widest stage's interquartile range of its rounds' busy time over their median, and
     the summary's median of it, beside the busy errors: how much of an error one round's noise is."""
-    from calibrate.validate import format_table, relative_spread, summarize
+    from calibrate.validate.held_out import format_table, relative_spread, summarize
 
     assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2.0 / 3.0)
     assert relative_spread([1.0]) == 0.0
@@ -407,9 +407,9 @@ def test_each_kind_of_action_is_compared_at_the_reference_speed():
     median signed error per kind."""
     from types import SimpleNamespace
 
-    from sim.timeline import Record
+    from sim.formats.timeline import Record
 
-    from calibrate.validate import format_table, measured_kind_s, predicted_kind_s, summarize
+    from calibrate.validate.held_out import format_table, measured_kind_s, predicted_kind_s, summarize
 
     def report(f0, b1):
         return {"actions": [{"stage": 0, "kind": "F", "microbatch": m, "rows": 2, "duration_s": f0} for m in (0, 1)]
@@ -431,10 +431,10 @@ def test_each_kind_of_action_is_compared_at_the_reference_speed():
 
 
 def test_a_runs_gaps_per_kind_are_the_medians_calibration_fits_on():
-    from sim.timeline import Record, Timeline
+    from sim.formats.timeline import Record, Timeline
 
-    from calibrate.run_report import gap_rows
-    from calibrate.step_components import measured_gap_medians_s
+    from calibrate.report.run_report import gap_rows
+    from calibrate.fit.step_components import measured_gap_medians_s
 
     records = []
     for step, after_f, after_b in ((1, 0.125, 0.25), (2, 0.375, 0.75)):
@@ -454,7 +454,7 @@ def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
     """The measured median's distribution-free interval (with 15 rounds the 4th and 12th, 96.5%
     coverage) turned into an interval of the error; the summary counts the runs whose interval does
     not reach zero and gives the worst run's, and the table prints both beside the errors."""
-    from calibrate.validate import Comparison, format_table, median_interval, summarize
+    from calibrate.validate.held_out import Comparison, format_table, median_interval, summarize
 
     assert median_interval([float(v) for v in range(15, 0, -1)]) == (4.0, 12.0)
     assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few rounds for 90%: the whole range
@@ -491,7 +491,7 @@ def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
 def test_the_half_calibrations_errors_stand_beside_the_whole_fits():
     """A run predicted at 0.9 and 1.1 s by the fits on the odd and the even design rounds, measured at
     1.0 s: its error by the halves is -10..+10%, 20 points apart, in the table and the summary."""
-    from calibrate.validate import Comparison, format_table, summarize
+    from calibrate.validate.held_out import Comparison, format_table, summarize
 
     run = Comparison("K=2 M=4", 1.0, 1.0, [1], [1], [1.0], [1.0], predicted_step_halves_s=[1.1, 0.9])
     without = Comparison("K=2 M=5", 1.0, 1.0, [1], [1], [1.0], [1.0])
@@ -506,7 +506,7 @@ def test_the_half_calibrations_errors_stand_beside_the_whole_fits():
 
 
 def test_a_costs_file_with_malformed_halves_is_refused_before_any_run():
-    from calibrate.validate import check_fit_halves, validate
+    from calibrate.validate.held_out import check_fit_halves, validate
     from sim.errors import GpipeInputError
 
     check_fit_halves({})  # a quick calibration's file has none
@@ -522,7 +522,7 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     """One run measured once, judged by three calibrations at -10%, +6% and +2%: the range -10..+6%,
     16 points apart, the median +2%; per stage the median of the busy errors; the table's calibs column
     and summary line show them."""
-    from calibrate import across_calibrations
+    from calibrate.validate import across_calibrations
 
     def judged(step, busy, bubble, run="K=2 M=4"):
         return {"run": run, "step_error_at_reference": step, "busy_errors_at_reference": busy,
@@ -584,7 +584,7 @@ def test_an_error_past_its_goal_by_one_calibration_only_is_the_moment_of_calibra
     inside 10%) is not, -14% and -18% with both intervals beyond -10% is; a stage +8% and +6.5%
     (intervals +7..+11 and +5.5..+9.5) is, +8% and +3% is not; a bubble of 4 and 5 points (both
     intervals beyond 3) is, 1 and 4 is not."""
-    from calibrate import across_calibrations
+    from calibrate.validate import across_calibrations
 
     def judged(step, busy, bubble, run, width=0.03):
         return {"run": run, "step_error_at_reference": step, "busy_errors_at_reference": busy,
@@ -612,9 +612,9 @@ def test_an_error_past_its_goal_by_one_calibration_only_is_the_moment_of_calibra
 
 def test_other_calibrations_must_be_of_the_same_model_and_process_counts(tmp_path, capsys):
     """Refused in one line, before any run: another model, batch or fitted K, or one file named twice."""
-    from calibrate.across_calibrations import check_same_calibration
-    from calibrate.machine import machine_stamp
-    from sim.costs import write_costs
+    from calibrate.validate.across_calibrations import check_same_calibration
+    from calibrate.measure.machine import machine_stamp
+    from sim.formats.costs import write_costs
     from sim.errors import GpipeInputError
     from tests.test_calibrate_costs import synthetic_costs
 
@@ -649,7 +649,7 @@ def test_the_measured_bubble_is_the_median_rounds_not_the_bubble_of_medians_from
 
 
 def test_errors_past_their_goal_beyond_their_own_rounds_noise_are_named():
-    from calibrate.validate import beyond_goals
+    from calibrate.validate.held_out import beyond_goals
 
     # the step 1.18-1.22 s, predicted 1.0 (-16.7% at the median); busy 1.12-1.16 s, predicted 0.96 (-15.8%);
     # each round's bubble 4.4-5.1% against 4% predicted

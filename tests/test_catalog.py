@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from sim.hardware import DEFAULT_EFFICIENCY, GB, INFINITY_FABRIC, NVLINK5, SYSTEMS, TERA, get_system
-from sim.allreduce import ring_allreduce_s
-from sim.engine import simulate
-from sim.models import get_workload
+from sim.catalog.hardware import DEFAULT_EFFICIENCY, GB, INFINITY_FABRIC, NVLINK5, SYSTEMS, TERA, get_system
+from sim.engine.allreduce import ring_allreduce_s
+from sim.engine.engine import simulate
+from sim.workloads.models import get_workload
 from sim.plan_cli import efficiency_kind
 
 # Systems without an on-demand list price in the catalog (users pass --price-per-device-hour).

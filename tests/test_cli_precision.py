@@ -9,10 +9,10 @@ import json
 import pytest
 
 from sim.cli import main
-from sim.costs import write_costs
-from sim.hardware import SYSTEMS
-from sim.plan import Plan, load_plan, save_plan
-from sim.precision import choose_precision
+from sim.formats.costs import write_costs
+from sim.catalog.hardware import SYSTEMS
+from sim.formats.plan import Plan, load_plan, save_plan
+from sim.workloads.precision import choose_precision
 from tests.in_process import gpipe
 
 TRANSFORMER = ["--model", "transformer", "--layers", "4", "--d-model", "256", "--ff", "1024", "--heads", "4",
@@ -140,7 +140,7 @@ def test_a_precision_that_contradicts_the_costs_file_is_one_line(tmp_path):
 def test_calibration_cache_tells_precisions_apart(tmp_path, monkeypatch):
     from calibrate import cli
 
-    monkeypatch.setattr("calibrate.machine.same_machine", lambda a, b: True)
+    monkeypatch.setattr("calibrate.measure.machine.same_machine", lambda a, b: True)
     path = tmp_path / "costs.json"
     write_costs({**_costs("bf16"), "batch_size": 4}, path)
     options = {"layers": 2, "width": 4}

@@ -163,7 +163,7 @@ def test_output_piped_into_head_ends_quietly():
 
 def test_the_simulator_alone_refuses_a_torch_model_it_was_not_given_a_way_to_measure():
     from sim.errors import GpipeInputError
-    from sim.resolve import resolve_workload
+    from sim.workloads.resolve import resolve_workload
 
     with pytest.raises(GpipeInputError, match="is a torch model and needs measuring"):
         resolve_workload("my_pkg.models:net", {})

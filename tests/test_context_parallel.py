@@ -7,11 +7,11 @@ import pytest
 
 from sim.cli import main
 from sim.errors import GpipeInputError
-from sim.hardware import get_system
-from sim.kernel_model import ring_exposed_s
-from sim.models import get_workload
-from sim.plan import load_plan
-from sim.tensor_parallel import with_tensor_parallel
+from sim.catalog.hardware import get_system
+from sim.catalog.kernel_model import ring_exposed_s
+from sim.workloads.models import get_workload
+from sim.formats.plan import load_plan
+from sim.workloads.tensor_parallel import with_tensor_parallel
 from tests import in_process
 
 LONG = {"layers": 2, "d_model": 512, "ff": 2048, "heads": 8, "kv_heads": 2, "seq": 4096, "vocab": 8000,

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from calibrate.calibration import RunSpec
-from calibrate.design_checks import (SPEED_FACTOR_BOUNDS, CalibrationRefused, corrected_within_bounds,
-                                     missed_design_runs, out_of_bounds, refuse_missed)
-from sim.costs import DESIGN_FIT_GOAL, fit_quality, fit_quality_warning, read_costs, write_costs
+from calibrate.fit.calibration import RunSpec
+from calibrate.fit.design_checks import (SPEED_FACTOR_BOUNDS, CalibrationRefused, corrected_within_bounds,
+                                         missed_design_runs, out_of_bounds, refuse_missed)
+from sim.formats.costs import DESIGN_FIT_GOAL, fit_quality, fit_quality_warning, read_costs, write_costs
 
 SPECS = [RunSpec((4,), 2, "never", "gpipe", 8), RunSpec((4,), 8, "always", "gpipe", 8)]
 
@@ -86,7 +86,7 @@ def test_the_costs_file_carries_its_fit_quality_and_every_reader_warns_when_it_i
 
 def test_gpipe_calibrate_refuses_a_run_whose_speed_probe_stays_40x_off_and_writes_nothing(tmp_path, monkeypatch):
     """End to end: the executor's real reports, with one design run's probe planted 40x slow each time."""
-    import calibrate.runs as runs
+    import calibrate.measure.runs as runs
     from sim.cli import main
     from tests.test_calibrate_validate import TINY
 

@@ -30,7 +30,7 @@ def device_specific_uses(path: pathlib.Path) -> list[str]:
 
 
 def test_only_the_device_module_calls_the_device():
-    paths = [p for folder in ("executor", "calibrate") for p in sorted((ROOT / folder).glob("*.py"))]
+    paths = [p for folder in ("executor", "calibrate") for p in sorted((ROOT / folder).rglob("*.py"))]
     assert DEVICE_MODULE in paths
     uses = [use for path in paths if path != DEVICE_MODULE for use in device_specific_uses(path)]
     assert uses == []

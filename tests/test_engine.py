@@ -2,11 +2,11 @@
 
 import pytest
 
-from sim.engine import simulate
-from sim.hardware import FREE_LINK, Link, System, get_system
-from sim.memory import peak_activation_bytes
-from sim.stage_costs import CostTable
-from sim.workload import UniformWorkload
+from sim.engine.engine import simulate
+from sim.catalog.hardware import FREE_LINK, Link, System, get_system
+from sim.engine.memory import peak_activation_bytes
+from sim.engine.stage_costs import CostTable
+from sim.workloads.workload import UniformWorkload
 
 IDEAL = get_system("ideal")
 
@@ -137,9 +137,9 @@ def test_memory_that_does_not_fit_is_reported():
 
 @pytest.mark.parametrize("hardware,nodes", [("a100-nvlink", 2), ("ideal", 1)])
 def test_the_walk_without_spans_equals_the_simpy_processes(hardware, nodes):
-    """record=False walks the action lists in closed form (sim.replica_run.ReplicaRun.walk); it must
+    """record=False walks the action lists in closed form (sim.engine.replica_run.ReplicaRun.walk); it must
     give SimPy's step, busy times and peaks exactly, links and recompute included."""
-    from sim.models import get_workload
+    from sim.workloads.models import get_workload
 
     system = get_system(hardware, nodes)
     workload = get_workload("transformer", {"layers": 6, "d_model": 64, "ff": 256, "heads": 4, "seq": 32,
@@ -169,7 +169,7 @@ class GappedWorkload(UniformWorkload):
     def __init__(self, layers: int, gap_s: float, send_s: float = 0.0, backward_gap_s: float | None = None,
                  cold_s: tuple[float, ...] = (), warm_s: float = 0.0) -> None:
         super().__init__(layers)
-        self.warm_s = warm_s  # what a device loses after a long wait (sim.warm_up)
+        self.warm_s = warm_s  # what a device loses after a long wait (sim.engine.warm_up)
         self.send_s = send_s
         after_backward = gap_s if backward_gap_s is None else backward_gap_s
         self.gaps = (gap_s, gap_s, after_backward, gap_s, gap_s)  # after F, R, B, I, W
@@ -178,7 +178,7 @@ class GappedWorkload(UniformWorkload):
     def stage_cost(self, rows, first, end, device):
         from dataclasses import replace
 
-        from sim.stage_costs import sum_stage
+        from sim.engine.stage_costs import sum_stage
 
         return replace(sum_stage(self.layer_costs(rows, device)[first:end]), gap_after_s=self.gaps,
                        cold_start_s=self.cold, warm_up_s=self.warm_s, activation_send_s=self.send_s if end < self.num_layers else 0.0,
@@ -223,7 +223,7 @@ def test_the_steps_first_action_on_a_device_pays_its_kinds_cold_start_as_busy_ti
 
 def test_after_a_long_wait_a_device_runs_at_half_speed_until_its_warm_up_is_paid():
     """Two stages of 1 ms forwards and 2 ms backwards under GPipe: stage 1's F0 waits 1 ms (under
-    sim.warm_up.IDLE_S: nothing), stage 0's B1 waits 3 ms for its gradient and pays the warm-up; a
+    sim.engine.warm_up.IDLE_S: nothing), stage 0's B1 waits 3 ms for its gradient and pays the warm-up; a
     warm-up longer than B1's work is paid at half speed into B0, which did not wait. Busy time."""
     for warm_s, b1_end, b0_end in ((0.5e-3, 7.5, 9.5), (3e-3, 9, 12)):
         result = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2, microbatches=2,

@@ -4,15 +4,15 @@ from dataclasses import replace
 
 import pytest
 
-from sim.allreduce import group_allreduce_s, ring_allreduce_s
-from sim.engine import simulate
+from sim.engine.allreduce import group_allreduce_s, ring_allreduce_s
+from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
-from sim.hardware import FREE_LINK, Link, System, get_system
-from sim.memory import peak_coefficients, peak_from_coefficients
-from sim.planner import Candidate, Partitions
-from sim.stage_costs import CostTable
-from sim.timeline import DP_ALLREDUCE, RECV_WAIT, SEND_ACTIVATION
-from sim.workload import UniformWorkload
+from sim.catalog.hardware import FREE_LINK, Link, System, get_system
+from sim.engine.memory import peak_coefficients, peak_from_coefficients
+from sim.planner.search import Candidate, Partitions
+from sim.engine.stage_costs import CostTable
+from sim.formats.timeline import DP_ALLREDUCE, RECV_WAIT, SEND_ACTIVATION
+from sim.workloads.workload import UniformWorkload
 
 IDEAL = get_system("ideal")
 MIB = 1 << 20

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from executor import checkpoint
+from executor.state import checkpoint
 from executor.config import RunConfig
-from executor.pipeline import LocalPipeline
+from executor.runtime.pipeline import LocalPipeline
 from sim.errors import GpipeInputError
 
 ADAMW = dict(model="mlp", options={"width": 32}, partition=(3, 5), batch_size=10, microbatches=3,
@@ -124,7 +124,7 @@ def test_a_checkpoint_whose_shards_do_not_name_their_parameters_refuses_another_
     first = LocalPipeline(config)
     losses = [first.run_step(0)]
     _save(first, config, tmp_path, 0, losses)
-    from executor import state_file
+    from executor.state import state_file
 
     directory = tmp_path / "step-000000"
     for path in directory.iterdir():  # as written before the names were recorded

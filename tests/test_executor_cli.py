@@ -3,10 +3,10 @@ import argparse
 import pytest
 
 from executor.cli import add_arguments, config_from_args, even_partition
-from executor.launch import launch_config
+from executor.launch.agent import launch_config
 from sim.errors import GpipeInputError
-from sim.plan import ModelRef, Plan, save_plan
-from executor.models import model_ref
+from sim.formats.plan import ModelRef, Plan, save_plan
+from executor.models.build import model_ref
 
 
 def parse(*argv):
@@ -82,7 +82,7 @@ def test_several_nodes_need_an_endpoint():
 
 
 def test_an_ipv6_endpoint_is_split_at_the_last_colon():
-    from executor.launch import endpoint
+    from executor.launch.agent import endpoint
 
     assert endpoint("[::1]:29500") == ("::1", 29500) and endpoint("node0:1") == ("node0", 1)
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.models import build_model
-from executor.pipeline import LocalPipeline
+from executor.models.build import build_model
+from executor.runtime.pipeline import LocalPipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.cuda,

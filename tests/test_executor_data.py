@@ -2,7 +2,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor.data import batch_for_step, mix_seed, split, split_rows
+from executor.runtime.data import batch_for_step, mix_seed, split, split_rows
 
 
 @given(st.integers(1, 200), st.integers(1, 40))

@@ -1,5 +1,5 @@
 """Failure records, how gpipe train picks the one it prints, the watchdog on a real store, and the
-settings and outputs the nodes of one run share (executor.failures, executor.launch, executor.nodes)."""
+settings and outputs the nodes of one run share (executor.launch.failures, executor.launch.agent, executor.launch.nodes)."""
 
 import socket
 import threading
@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from executor import failures, nodes
+from executor.launch import failures, nodes
 from executor.config import RunConfig
-from executor.failures import PEER, RAISED, REMOTE, FailureRecord, Watchdog, pick_failure
-from executor.launch import LaunchOutcome, killed_by_signal
+from executor.launch.failures import PEER, RAISED, REMOTE, FailureRecord, Watchdog, pick_failure
+from executor.launch.agent import LaunchOutcome, killed_by_signal
 from sim.errors import GpipeInputError
 
 GLOO_PEER_GONE = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "

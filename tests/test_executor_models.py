@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from executor.models import build_model, default_loss, example_batch, loss_function, model_ref
+from executor.models.build import build_model, default_loss, example_batch, loss_function, model_ref
 from sim.errors import GpipeInputError
-from sim.model_defaults import DEFAULT_OPTIONS
+from sim.workloads.model_defaults import DEFAULT_OPTIONS
 
 
 @pytest.mark.parametrize("name,layers", [("mlp", 8), ("transformer", 6), ("cnn", 6)])

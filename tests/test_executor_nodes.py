@@ -15,7 +15,7 @@ import time
 import pytest
 
 from executor.config import RunConfig
-from executor.pipeline import LocalPipeline
+from executor.runtime.pipeline import LocalPipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = ["--model", "mlp", "--option", "width=16", "--batch", "10", "--microbatches", "4"]

@@ -1,4 +1,4 @@
-"""Optimizers, the learning-rate schedule and clipping of executor.optim, against torch's own."""
+"""Optimizers, the learning-rate schedule and clipping of executor.runtime.optim, against torch's own."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
-from executor.optim import OptimSettings, clip_coefficient, make_optimizer, make_scheduler, scale_, squared_norm
+from executor.runtime.optim import OptimSettings, clip_coefficient, make_optimizer, make_scheduler, scale_, squared_norm
 from sim.errors import GpipeInputError
 
 

@@ -15,11 +15,11 @@ import os
 import pytest
 import torch
 
-from executor import state_file
-from executor.data import batch_for_step
-from executor.models import build_model, default_loss, loss_function
-from executor.optim import OptimSettings, make_optimizer, make_scheduler
-from executor.replicas import replica_rows
+from executor.state import state_file
+from executor.runtime.data import batch_for_step
+from executor.models.build import build_model, default_loss, loss_function
+from executor.runtime.optim import OptimSettings, make_optimizer, make_scheduler
+from executor.parallel.replicas import replica_rows
 from sim.cli import main
 from tests.in_process import gpipe
 
@@ -200,8 +200,8 @@ def test_a_plan_file_carries_replicas_zero_and_placement(tmp_path):
     import argparse
 
     from executor.cli import add_arguments, config_from_args
-    from executor.models import model_ref
-    from sim.plan import Plan, save_plan
+    from executor.models.build import model_ref
+    from sim.formats.plan import Plan, save_plan
 
     plan = Plan(model=model_ref("mlp", OPTIONS), partition=(4, 4), batch_size=12, microbatches=2, replicas=2,
                 zero=1, placement="replicas_adjacent")

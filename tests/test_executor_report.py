@@ -1,5 +1,5 @@
-from executor.report import build_report, step_times_s
-from sim.timeline import Record, Timeline
+from executor.runtime.report import build_report, step_times_s
+from sim.formats.timeline import Record, Timeline
 
 
 def timeline():

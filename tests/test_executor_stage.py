@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from executor.config import RunConfig
-from executor.memory import ActivationCounter
-from executor.pipeline import LocalPipeline, prepare
+from executor.runtime.memory import ActivationCounter
+from executor.runtime.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
 
 DROPOUT = {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64, "dropout": 0.3}
@@ -99,7 +99,7 @@ def test_the_running_count_equals_the_union_of_what_each_microbatch_holds(monkey
     """The counter keeps its total as entries come and go; after every action it must equal the union
     of the entries' storages. The split backward frees part of a micro-batch's graph at I and keeps
     the rest to W, so another micro-batch's forward reuses those addresses at other sizes."""
-    from executor import memory
+    from executor.runtime import memory
 
     sample = memory.ActivationCounter.sample
     checked = []

@@ -23,10 +23,10 @@ import sys
 import pytest
 import torch
 
-from executor import state_file
+from executor.state import state_file
 from executor.config import RunConfig
-from executor.pipeline import LocalPipeline
-from sim.plan import load_plan
+from executor.runtime.pipeline import LocalPipeline
+from sim.formats.plan import load_plan
 from sim.cli import main
 from tests.in_process import gpipe
 

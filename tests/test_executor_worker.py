@@ -12,7 +12,7 @@ import time
 import pytest
 
 from executor.config import RunConfig
-from executor.pipeline import LocalPipeline
+from executor.runtime.pipeline import LocalPipeline
 from tests import in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,14 +87,14 @@ def test_wrong_number_of_processes_fails_on_every_rank(tmp_path):
     path = tmp_path / "config.json"
     config.save(path)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             "3", "-m", "executor.worker", str(path)], cwd=ROOT, capture_output=True, text=True,
+                             "3", "-m", "executor.launch.worker", str(path)], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     message = "the plan has 2 stages but torchrun started 3 processes"
     assert result.returncode != 0
     # torchrun ends the others once one rank exits, possibly before they print: at least one says why
     assert result.stderr.count(message) >= 1
     # each rank refuses on its own, before any communication: started as torchrun would, none waits
-    ranks = [subprocess.Popen([sys.executable, "-m", "executor.worker", str(path)], cwd=ROOT, text=True,
+    ranks = [subprocess.Popen([sys.executable, "-m", "executor.launch.worker", str(path)], cwd=ROOT, text=True,
                               stderr=subprocess.PIPE,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r),
                                        LOCAL_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"))

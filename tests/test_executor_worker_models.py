@@ -5,7 +5,7 @@ import json
 import pytest
 
 from executor.config import RunConfig
-from executor.pipeline import LocalPipeline
+from executor.runtime.pipeline import LocalPipeline
 from tests import in_process
 
 pytestmark = pytest.mark.slow

@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 
-from sim.allreduce import exposed_allreduce_s, ring_allreduce_s
-from sim.engine import simulate
+from sim.engine.allreduce import exposed_allreduce_s, ring_allreduce_s
+from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
-from sim.hardware import get_system
-from sim.kernel_model import EFFICIENCY_FILE, KernelEfficiency, read_efficiencies
-from sim.models import get_workload
-from sim.planner import search
-from sim.tensor_parallel import with_tensor_parallel
+from sim.catalog.hardware import get_system
+from sim.catalog.kernel_model import EFFICIENCY_FILE, KernelEfficiency, read_efficiencies
+from sim.workloads.models import get_workload
+from sim.planner.search import search
+from sim.workloads.tensor_parallel import with_tensor_parallel
 from tests import in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def test_sequence_parallel_backward_waits_for_one_all_reduce_volume_and_hides_th
 
 
 def test_a_small_matmul_runs_further_from_peak():
-    from sim.kernel_model import achieved_matmul_fraction
+    from sim.catalog.kernel_model import achieved_matmul_fraction
 
     big, small = (achieved_matmul_fraction(KERNELS, flops, 312e12) for flops in (1e12, 1e9))
     assert big == pytest.approx(0.7 * 1e12 / (1e12 + 312e12 * 0.7 * 8e-6))

@@ -14,8 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from executor.config import RunConfig  # noqa: E402
-from executor.models import checkpoint_names, model_ref  # noqa: E402
-from executor.pipeline import LocalPipeline, prepare  # noqa: E402
+from executor.models.build import checkpoint_names, model_ref  # noqa: E402
+from executor.runtime.pipeline import LocalPipeline, prepare  # noqa: E402
 from sim.errors import GpipeInputError  # noqa: E402
 from tests import in_process
 
@@ -187,7 +187,7 @@ def test_without_a_file_training_starts_from_what_from_config_gives(family, tie)
 def test_any_decoder_only_type_is_planned_by_its_shape(name, options, expected):
     """Types the executor does not train (nemotron, bloom) as well: the config's shape, read without a
     download, as the built-in transformer's options."""
-    from executor.hf import shape_options
+    from executor.models.hf import shape_options
 
     shaped = shape_options(name, {**options, "seq": 128})
     assert {k: shaped[k] for k in expected} == expected and shaped["seq"] == 128 and shaped["attention"] == "flash"
@@ -225,11 +225,11 @@ def test_the_fork_server_preloads_each_familys_modeling_code(tmp_path):
     read from a config file's model_type as well as from ``hf:TYPE``."""
     import importlib.util
 
-    from executor.hf import FAMILIES, rank_imports
+    from executor.models.hf import FAMILIES, rank_imports
 
     for family in FAMILIES:
         modules = rank_imports(f"hf:{family}", {})
-        assert modules[0] == "executor.hf" and modules[1].endswith(f".modeling_{family}")
+        assert modules[0] == "executor.models.hf" and modules[1].endswith(f".modeling_{family}")
         assert all(importlib.util.find_spec(module) is not None for module in modules)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 32}))
     assert rank_imports(f"hf-config:{tmp_path}", {})[1] == "transformers.models.mistral.modeling_mistral"

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.data import batch_for_step
-from executor.pipeline import LocalPipeline
-from executor.prefetch import StepBatches
-from executor.transport import ACT
+from executor.runtime.data import batch_for_step
+from executor.runtime.pipeline import LocalPipeline
+from executor.runtime.prefetch import StepBatches
+from executor.transport.p2p import ACT
 
 CONFIG = dict(model="mlp", options={"layers": 4, "width": 16}, partition=[2, 2], batch_size=8, microbatches=4,
               schedule="gpipe", checkpoint="never", steps=3)
@@ -149,7 +149,7 @@ def test_a_stale_prefetched_batch_is_dropped():
 def test_the_host_allocator_keeps_freed_blocks_so_a_step_faults_no_pages_in():
     script = textwrap.dedent("""
         import resource, torch
-        from executor.host_allocator import keep_freed_memory
+        from executor.transport.host_allocator import keep_freed_memory
         def faults(steps):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             for _ in range(steps):

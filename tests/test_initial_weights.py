@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from executor import checkpoint, state_file
+from executor.state import checkpoint, state_file
 from executor.config import RunConfig
-from executor.data import mix_seed
-from executor.initial_weights import FromFile, indexed, write_layers
-from executor.models import build_meta_model
-from executor.pipeline import LocalPipeline, prepare
+from executor.runtime.data import mix_seed
+from executor.models.initial_weights import FromFile, indexed, write_layers
+from executor.models.build import build_meta_model
+from executor.runtime.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
 from tests import user_init_models
 from tests.in_process import gpipe
@@ -173,7 +173,7 @@ def test_gpt2_blocks_with_dropout_at_one_stage_equal_the_users_model_on_the_same
 
 
 def test_init_meta_starts_from_the_per_layer_seeded_values():
-    from executor.materialize import materialise
+    from executor.models.materialize import materialise
 
     config = RunConfig(model="mlp", options={"width": 8, "layers": 4}, partition=(2, 2), batch_size=4,
                        microbatches=2, init="meta", seed=2)

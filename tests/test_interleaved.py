@@ -1,7 +1,7 @@
 """The interleaved schedule (V chunks per device) computes exactly what the unpipelined model computes.
 
 One step of the in-process pipeline, each device walking its one action list over its chunks
-(``executor.chunks``), is compared with one plain forward and backward of the whole model, for
+(``executor.runtime.chunks``), is compared with one plain forward and backward of the whole model, for
 K in {1, 2, 3}, V in {2, 3, 4}, M a multiple of K, every re-materialization policy, on batch 11
 (uneven for every M > 1: 6,5 / 4,4,3 / 3,3,3,2 / 2,2,2,2,2,1). Tied weights held by chunks of one
 device and of two devices, several tensors between chunks, bf16, AdamW with clipping and a cosine
@@ -22,15 +22,15 @@ import os
 import pytest
 import torch
 
-from executor import checkpoint
-from executor.chunks import ChunkedDevice
+from executor.state import checkpoint
+from executor.runtime.chunks import ChunkedDevice
 from executor.config import RunConfig
 from executor.cli import add_arguments, config_from_args
-from executor.data import split
-from executor.models import build_model
-from executor.pipeline import LocalPipeline
+from executor.runtime.data import split
+from executor.models.build import build_model
+from executor.runtime.pipeline import LocalPipeline
 from sim.errors import GpipeInputError
-from sim.schedule import Kind, build_schedule
+from sim.schedules.schedule import Kind, build_schedule
 from test_shared_parameters import check_tied_step
 from test_transparency import CLIP, check_adamw_steps, check_step
 from test_transparency_bf16 import check_bf16_step
@@ -183,7 +183,7 @@ def test_tied_weights_across_chunks_match_unpipelined(stages, virtual_stages, ch
 def test_the_worker_sums_copies_on_chunks_of_one_process_before_the_others():
     """``chunk_reducer`` with K = 1: both copies on one process, no process group; each copy ends
     with the sum of the two gradients."""
-    from executor.interleaved import chunk_reducer
+    from executor.runtime.interleaved import chunk_reducer
 
     pipe = LocalPipeline(tied(1, 2, 2))
     embedding = pipe.stages[0].module[0].embedding.weight
@@ -239,10 +239,10 @@ def test_several_tensors_between_chunks_match_unpipelined(stages, virtual_stages
 def test_chunks_in_the_wrong_place_break_the_step(monkeypatch):
     """Adjacent chunks on one device (device d holding virtual stages dV..dV+V-1, the classic mix-up
     of c*K + d) swap virtual stages 1 and 2 for K = V = 2: the transparency check catches it."""
-    import executor.pipeline
+    import executor.runtime.pipeline
 
-    original = executor.pipeline.stage_layers
-    monkeypatch.setattr(executor.pipeline, "stage_layers",
+    original = executor.runtime.pipeline.stage_layers
+    monkeypatch.setattr(executor.runtime.pipeline, "stage_layers",
                         lambda config, prepared, stage: original(config, prepared, {1: 2, 2: 1}.get(stage, stage)))
     with pytest.raises(AssertionError):
         check_step(interleaved("mlp", 2, 2, 4, "never"))

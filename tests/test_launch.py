@@ -1,4 +1,4 @@
-"""The launcher (executor.launch, executor.rank_process): ranks forked from the fork server are what
+"""The launcher (executor.launch.agent, executor.launch.rank_process): ranks forked from the fork server are what
 ``python -u -m MODULE`` under torchrun would start, and their failures come back as the agent saw them."""
 
 import json
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from executor.launch import agent_config, killed_by_signal, launch, launch_captured, start_fork_server
+from executor.launch.agent import agent_config, killed_by_signal, launch, launch_captured, start_fork_server
 
 PROBE = textwrap.dedent('''
     import json, os, sys, time
@@ -126,7 +126,7 @@ def test_a_rendezvous_nobody_comes_to_is_the_agents_own_error(probe, tmp_path):
     import argparse
     import socket
 
-    from executor.launch import run_ranks
+    from executor.launch.agent import run_ranks
 
     _, env = probe
     with socket.socket() as s:

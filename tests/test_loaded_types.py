@@ -1,4 +1,4 @@
-"""isinstance against a class of a module that may never have been imported (executor.loaded_types)."""
+"""isinstance against a class of a module that may never have been imported (executor.models.loaded_types)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 def test_a_class_whose_module_was_never_imported_has_no_instances_and_is_not_imported(monkeypatch):
-    from executor.loaded_types import is_dtensor, is_loaded_instance, is_zero_optimizer
+    from executor.models.loaded_types import is_dtensor, is_loaded_instance, is_zero_optimizer
 
     assert not is_loaded_instance(object(), "gpipe_module_never_imported", "Thing")
     assert "gpipe_module_never_imported" not in sys.modules

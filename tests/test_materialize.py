@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.materialize import materialise
-from executor.models import build_meta_model, build_model
-from executor.pipeline import LocalPipeline, prepare
+from executor.models.materialize import materialise
+from executor.models.build import build_meta_model, build_model
+from executor.runtime.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
 
 TRANSFORMER = {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from sim.cli import main
-from sim.hardware import get_system
-from sim.max_layers import depth_limits, max_depth
-from sim.models import get_workload
-from sim.planner import Candidate, choose_partition
-from sim.stage_costs import CostTable
+from sim.catalog.hardware import get_system
+from sim.planner.max_layers import depth_limits, max_depth
+from sim.workloads.models import get_workload
+from sim.planner.search import Candidate, choose_partition
+from sim.engine.stage_costs import CostTable
 
 
 def _system(capacity_bytes):

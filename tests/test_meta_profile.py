@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from sim.errors import GpipeInputError
-from sim.hardware import get_system
-from calibrate.meta_profile import _measure, fake_mode, parse_sample_shape, profile_layers, sample_of, torch_workload
-from sim.models import get_workload
+from sim.catalog.hardware import get_system
+from calibrate.measure.meta_profile import (_measure, fake_mode, parse_sample_shape, profile_layers, sample_of,
+                                            torch_workload)
+from sim.workloads.models import get_workload
 from sim.workload_cli import resolve_workload
 
 OPTS = {"layers": 2, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 128}
@@ -96,7 +97,7 @@ def _direct(model: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype, r
 @pytest.mark.parametrize("name,options", [("cnn", {"layers": 2}), ("mlp", {"layers": 3}),
                                           ("transformer", {**OPTS, "dropout": 0.1})])
 def test_the_row_line_equals_a_direct_measurement(name, options, precision):
-    from executor.models import build_meta_model, example_batch
+    from executor.models.build import build_meta_model, example_batch
 
     model = build_meta_model(name, options)
     inputs, _ = example_batch(name, options, 1, 0)

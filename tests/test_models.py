@@ -1,8 +1,8 @@
 """Analytic workloads: parameter counts and saved activations against torch references, roofline
 behaviour, option validation, and the paper's Transformer on TPUv3.
 
-The torch references below follow the layer lists in sim/models.py, built from plain torch.nn
-modules; torch is imported here only, never by sim.models.
+The torch references below follow the layer lists in sim/workloads/models.py, built from plain torch.nn
+modules; torch is imported here only, never by sim.workloads.models.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from sim.errors import GpipeInputError
-from sim.hardware import IDEAL_DEVICE, TPU_V3, get_system
-from sim.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
-from sim.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, AnalyticWorkload, get_workload
-from sim.precision import PRECISIONS
+from sim.catalog.hardware import IDEAL_DEVICE, TPU_V3, get_system
+from sim.workloads.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
+from sim.workloads.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, AnalyticWorkload, get_workload
+from sim.workloads.precision import PRECISIONS
 
-H100_SXM = get_system("h100-nvlink", fitted=False).device  # the roofline these tests check (sim.kernel_model fits GPUs)
+H100_SXM = get_system("h100-nvlink", fitted=False).device  # the roofline these tests check (sim.catalog.kernel_model fits GPUs)
 TRAINED = [name for name, p in PRECISIONS.items() if not p.planning_only]  # what the executor's torch models run
-from sim.workload import UniformWorkload
+from sim.workloads.workload import UniformWorkload
 
 
 # --- torch references ------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_executor_models_match(name: str, options: dict, precision: str) -> None
     input and output bytes (what crosses a stage boundary). On CPU, PyTorch's dropout keeps its
     mask in the input's dtype (4 bytes for the embedding's fp32 sum, 2 after a bf16 matmul), not
     1 byte; CPU autocast saves less around softmax (cpu_autocast_less)."""
-    executor_models = pytest.importorskip("executor.models")
+    executor_models = pytest.importorskip("executor.models.build")
     rows = 2
     workload = get_workload(name, {**options, "precision": precision})
     model = executor_models.build_model(name, options)
@@ -370,7 +370,7 @@ def test_bad_rows_and_a_device_without_the_precision() -> None:
 
 
 def test_models_module_does_not_import_torch() -> None:
-    code = "import sys, sim.models; sim.models.get_workload('transformer', {}); print('torch' in sys.modules)"
+    code = "import sys, sim.workloads.models; sim.workloads.models.get_workload('transformer', {}); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -381,8 +381,8 @@ def test_selective_recompute_saves_what_the_model_predicts(precision: str, kv_he
     """Under ``--checkpoint selective`` a block of the executor's transformer saves what the analytic
     model says less its attention core: no probabilities (nor, on CPU, the bf16 ones CUDA would keep
     besides), no causal mask, and with grouped keys and values no repeats."""
-    executor_models = pytest.importorskip("executor.models")
-    from executor.selective import recompute_attention_core
+    executor_models = pytest.importorskip("executor.models.build")
+    from executor.runtime.selective import recompute_attention_core
 
     options = {"layers": 1, "d_model": 32, "ff": 48, "heads": 8, "kv_heads": kv_heads, "seq": 6, "vocab": 30}
     rows = 2

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from executor.hf import shape_options
+from executor.models.hf import shape_options
 from sim.cli import main
 from sim.errors import GpipeInputError
-from sim.models import get_workload
-from sim.named_models import named_models, named_options
+from sim.workloads.models import get_workload
+from sim.workloads.named_models import named_models, named_options
 from tests import in_process
 
 

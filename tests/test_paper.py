@@ -7,9 +7,9 @@ import json
 import pytest
 
 from sim.cli import main
-from sim.hardware import get_system
-from sim.paper import MICROBATCHES, PAPER_TABLE2, STAGES, bubble_points, format_table, replay
-from sim.workload import UniformWorkload
+from sim.catalog.hardware import get_system
+from sim.evidence.paper import MICROBATCHES, PAPER_TABLE2, STAGES, bubble_points, format_table, replay
+from sim.workloads.workload import UniformWorkload
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.errors import GpipeInputError
-from sim.partition import (brute_force_min_max, min_max_partition, min_variance_partition, stage_costs)
+from sim.planner.partition import (brute_force_min_max, min_max_partition, min_variance_partition, stage_costs)
 
 costs_strategy = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=9)
 
@@ -88,7 +88,7 @@ def test_memory_limited_partitions_are_the_exhaustive_optimum():
     upwards from the memory-free bottleneck find the smallest bottleneck any split within memory has."""
     import random
 
-    from sim.partition import _memory_ends, min_max_partition
+    from sim.planner.partition import _memory_ends, min_max_partition
 
     rng = random.Random(3)
     for _ in range(400):

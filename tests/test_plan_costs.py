@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from sim.cli import main
-from sim.costs import write_costs
-from sim.plan import load_plan, plan_from_dict
+from sim.formats.costs import write_costs
+from sim.formats.plan import load_plan, plan_from_dict
 from tests.test_calibrate_costs import synthetic_costs
 
 FAST = ["--microbatch-options", "1,2,4", "--quiet"]

@@ -1,12 +1,12 @@
 import pytest
 from dataclasses import replace
 
-from sim.engine import simulate
-from sim.hardware import get_system
-from sim.models import get_workload
-from sim.planner import (balanced_bound_s, candidates, choose_partition, lower_bound_s, search,
-                         simulate_candidate)
-from sim.stage_costs import CostTable
+from sim.engine.engine import simulate
+from sim.catalog.hardware import get_system
+from sim.workloads.models import get_workload
+from sim.planner.search import (balanced_bound_s, candidates, choose_partition, lower_bound_s, search,
+                                simulate_candidate)
+from sim.engine.stage_costs import CostTable
 
 
 def exhaustive(workload, system, batch, stage_options, microbatch_options, **space):
@@ -92,14 +92,14 @@ def test_duplicate_microbatch_splits_are_searched_once():
     ("mlp", {"layers": 7, "width": 64}),
 ])
 def test_every_ranges_memory_at_once_is_the_range_by_range_sum(model, options):
-    """sim.range_memory's furthest ends equal the sweep over CostTable's stage sums, for every policy,
+    """sim.engine.range_memory's furthest ends equal the sweep over CostTable's stage sums, for every policy,
     with and without ZeRO-1, at capacities from nothing fitting to everything."""
     from dataclasses import replace
 
-    from sim.hardware import get_system
-    from sim.models import get_workload
-    from sim.planner import Candidate, Partitions
-    from sim.stage_costs import CostTable, held_sizes
+    from sim.catalog.hardware import get_system
+    from sim.workloads.models import get_workload
+    from sim.planner.search import Candidate, Partitions
+    from sim.engine.stage_costs import CostTable, held_sizes
 
     workload = get_workload(model, options)
     system = get_system("a100-nvlink")
@@ -128,7 +128,7 @@ def test_every_ranges_memory_at_once_is_the_range_by_range_sum(model, options):
 
 
 def test_zb_h1_is_searched_when_named_with_sound_bounds():
-    from sim.schedule import PLANNED_SCHEDULES, SCHEDULES
+    from sim.schedules.schedule import PLANNED_SCHEDULES, SCHEDULES
 
     assert "zb-h1" in SCHEDULES and "zb-h1" not in PLANNED_SCHEDULES  # named, not searched by default
     workload = get_workload("transformer", {"layers": 6, "d_model": 256, "ff": 1024, "seq": 128, "vocab": 1000})

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from sim import progress
+from sim.views import progress
 from sim.cli import SUBCOMMANDS, TOUR, build_parser, main, version
 
 GPIPE = [sys.executable, "-m", "sim.cli"]

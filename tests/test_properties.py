@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.engine import simulate
-from sim.hardware import FREE_LINK, Link, System, get_system
+from sim.engine.engine import simulate
+from sim.catalog.hardware import FREE_LINK, Link, System, get_system
 
 from conftest import ListWorkload
 
@@ -78,7 +78,7 @@ def test_same_input_gives_the_same_output(scenario):
 @st.composite
 def scaled_scenarios(draw):
     """D replicas of K devices (V chunks each with the interleaved schedule) over 1-4 devices per node."""
-    from sim.placement import PLACEMENTS
+    from sim.engine.placement import PLACEMENTS
 
     schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved"]))
     virtual = draw(st.integers(2, 3)) if schedule == "interleaved" else 1
@@ -94,7 +94,7 @@ def scaled_scenarios(draw):
     else:
         microbatches = draw(st.integers(1, 6))
         batch = draw(st.integers(replicas, 12))
-        from sim.microbatch import split_rows
+        from sim.schedules.microbatch import split_rows
 
         if len(split_rows(batch, replicas)) < replicas:
             batch = replicas
@@ -116,9 +116,9 @@ def scaled_scenarios(draw):
 
 def _check_scaled(result, scenario):
     """No device runs two actions at once; every action follows what it needs, in its own replica."""
-    from sim.microbatch import split_rows
-    from sim.placement import replica_and_stage
-    from sim.schedule import build_schedule
+    from sim.schedules.microbatch import split_rows
+    from sim.engine.placement import replica_and_stage
+    from sim.schedules.schedule import build_schedule
 
     eps = 1e-12
     D, V = scenario["replicas"], scenario["virtual_stages"]
@@ -161,8 +161,8 @@ def test_replicas_and_interleaving_respect_devices_dependencies_and_memory(scena
 @settings(max_examples=150, deadline=None)
 @given(scaled_scenarios())
 def test_the_planners_bounds_never_exceed_the_simulated_step(scenario):
-    from sim.planner import Candidate, balanced_bound_s, lower_bound_s
-    from sim.stage_costs import CostTable
+    from sim.planner.search import Candidate, balanced_bound_s, lower_bound_s
+    from sim.engine.stage_costs import CostTable
 
     result = simulate(**scenario, record=False)
     s = scenario

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from sim.cli import main
-from sim.replay import Replayed, load_runs, replay, summary
+from sim.evidence.replay import Replayed, load_runs, replay, summary
 from sim.errors import GpipeInputError
-from sim.models import get_workload
+from sim.workloads.models import get_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEV = os.path.join(ROOT, "benchmarks", "published_runs", "dev.json")

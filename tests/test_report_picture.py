@@ -4,13 +4,13 @@ import sys
 
 import pytest
 
-from calibrate.report_html import loss_figure
-from calibrate.report_picture import picture_figure, write_png
+from calibrate.report.report_html import loss_figure
+from calibrate.report.report_picture import picture_figure, write_png
 from sim.errors import GpipeInputError
-from sim.figures import compare_figure
-from sim.hardware import get_system
-from sim.models import get_workload
-from sim.planner import Candidate, simulate_candidate
+from sim.views.figures import compare_figure
+from sim.catalog.hardware import get_system
+from sim.workloads.models import get_workload
+from sim.planner.search import Candidate, simulate_candidate
 
 
 def test_the_timelines_go_left_and_the_loss_right():

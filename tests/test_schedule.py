@@ -1,9 +1,8 @@
 import pytest
 
 from sim.errors import GpipeInputError
-from sim.schedule import (Action, Kind, build_schedule, check_interleaving, default_virtual_stages,
-                          device_of_virtual_stage, format_grid,
-                          recomputes, virtual_stages_of_device)
+from sim.schedules.schedule import (Action, Kind, build_schedule, check_interleaving, default_virtual_stages,
+                                    device_of_virtual_stage, format_grid, recomputes, virtual_stages_of_device)
 
 
 def grid(stages, microbatches, schedule, checkpoint):
@@ -306,8 +305,8 @@ def test_the_bubble_figure_orders_the_schedules_as_their_formulas(tmp_path, caps
     import json
 
     from benchmarks.schedule_bubbles import main as write_table
-    from sim.figures import schedules_bubble_figure
-    from sim.schedule_bubbles import schedule_bubbles
+    from sim.views.figures import schedules_bubble_figure
+    from sim.schedules.schedule_bubbles import schedule_bubbles
 
     points = {(p.schedule, p.microbatches): p for p in schedule_bubbles(4, (4, 8, 16))}
     for m in (4, 8, 16):
@@ -329,7 +328,7 @@ def test_the_bubble_figure_orders_the_schedules_as_their_formulas(tmp_path, caps
 def test_only_the_first_action_of_a_devices_step_starts_cold():
     """The step's first action follows the optimizer and the executor's work between steps; an
     action after another kind (1F1B's forward after a backward) or another chunk does not start cold."""
-    from sim.schedule import cold_starts
+    from sim.schedules.schedule import cold_starts
 
     actions = [Action.parse(text) for text in ("0F0", "0F1", "2F0", "2F1", "2B1", "2B0", "0B1", "0R0", "0B0")]
     assert cold_starts(actions) == [True] + [False] * 8

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.pipeline import LocalPipeline, prepare
+from executor.runtime.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
 from test_transparency import check_step
 

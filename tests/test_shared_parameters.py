@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.models import build_model
-from executor.pipeline import LocalPipeline, prepare
+from executor.models.build import build_model
+from executor.runtime.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
 
 MODEL = "tests.sample_models:tied_lm"

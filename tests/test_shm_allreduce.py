@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from executor.shm_allreduce import SharedSum, share_bounds
-from executor.shm_transport import HostLinks, shared_directory
+from executor.transport.shm_allreduce import SharedSum, share_bounds
+from executor.transport.shm_transport import HostLinks, shared_directory
 
 
 @pytest.mark.parametrize("numel,parties", [(1, 2), (16, 2), (100, 3), (4096 + 7, 4)])

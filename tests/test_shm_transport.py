@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from executor.shm_transport import HostLinks, message_sizes, shared_directory
+from executor.transport.shm_transport import HostLinks, message_sizes, shared_directory
 from tests import in_process
 
 

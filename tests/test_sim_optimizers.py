@@ -12,14 +12,14 @@ import textwrap
 
 import pytest
 
-from sim.costs import load_costs_workload, write_costs
-from executor.models import build_meta_model
-from executor.shapes import stage_module
+from sim.formats.costs import load_costs_workload, write_costs
+from executor.models.build import build_meta_model
+from executor.runtime.shapes import stage_module
 from sim.cli import main
 from sim.errors import GpipeInputError
-from sim.hardware import LOCAL_CPU
-from sim.optimizers import OPTIMIZER_SLOTS
-from sim.plan import ModelRef, Plan, load_plan
+from sim.catalog.hardware import LOCAL_CPU
+from sim.workloads.optimizers import OPTIMIZER_SLOTS
+from sim.formats.plan import ModelRef, Plan, load_plan
 
 FP32_BYTES = 4
 MODELS = {
@@ -155,7 +155,7 @@ def test_plan_with_costs_records_the_measured_optimizer(tmp_path, capsys):
 
 def test_calibration_cache_is_per_optimizer(tmp_path):
     from calibrate.cli import cached
-    from calibrate.machine import machine_stamp
+    from calibrate.measure.machine import machine_stamp
 
     path = str(tmp_path / "costs.json")
     write_costs({**costs_data("adamw"), "machine": machine_stamp("cpu")}, path)

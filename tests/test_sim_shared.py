@@ -2,10 +2,10 @@
 
 import pytest
 
-from sim.engine import ring_allreduce_s, simulate
-from sim.hardware import Link, get_system
-from sim.timeline import SHARED_ALLREDUCE
-from sim.workload import LayerCost, SharedParameter
+from sim.engine.engine import ring_allreduce_s, simulate
+from sim.catalog.hardware import Link, get_system
+from sim.formats.timeline import SHARED_ALLREDUCE
+from sim.workloads.workload import LayerCost, SharedParameter
 from sim.workload_cli import resolve_workload
 
 
@@ -69,7 +69,7 @@ def test_a_tied_torch_model_is_found_by_the_meta_analysis():
 def test_measured_costs_carry_the_shared_parameters(tmp_path):
     from test_calibrate_costs import synthetic_costs
 
-    from sim.costs import load_costs_workload, write_costs
+    from sim.formats.costs import load_costs_workload, write_costs
 
     data = synthetic_costs()  # three layers of 1000, 2000 and 3000 parameter bytes, no optimizer state
     data["shared_parameters"] = [{"name": "0.weight", "layers": [0, 2], "param_bytes": 1000}]

@@ -3,10 +3,10 @@
 import pytest
 import simpy
 
-from sim.engine import simulate
+from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
-from sim.shared_cores import CoreSharing, SharedCores
-from sim.workload import UniformWorkload
+from sim.engine.shared_cores import CoreSharing, SharedCores
+from sim.workloads.workload import UniformWorkload
 from tests.test_engine import IDEAL, spans
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from executor.models import build_model
-from executor.split_backward import input_gradients, weight_gradients
+from executor.models.build import build_model
+from executor.runtime.split_backward import input_gradients, weight_gradients
 
 
 class CountingIdentity(torch.autograd.Function):
@@ -154,7 +154,7 @@ def test_a_zb_h1_step_leaves_no_graph_behind():
     import gc
 
     from executor.config import RunConfig
-    from executor.pipeline import LocalPipeline
+    from executor.runtime.pipeline import LocalPipeline
 
     options = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32}
     pipe = LocalPipeline(RunConfig(model="transformer", options=options, partition=(2, 2), batch_size=8,

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from sim.allreduce import ring_allreduce_s
+from sim.engine.allreduce import ring_allreduce_s
 from sim.cli import main
-from sim.engine import simulate
-from sim.hardware import get_system
-from sim.models import get_workload, transformer_layers
-from sim.plan import load_plan
-from sim.precision import FP32_BYTES
-from sim.tensor_parallel import with_tensor_parallel
+from sim.engine.engine import simulate
+from sim.catalog.hardware import get_system
+from sim.workloads.models import get_workload, transformer_layers
+from sim.formats.plan import load_plan
+from sim.workloads.precision import FP32_BYTES
+from sim.workloads.tensor_parallel import with_tensor_parallel
 
 GPT = {"layers": 4, "d_model": 512, "ff": 2048, "heads": 8, "seq": 256, "vocab": 8000}
 ROWS = 4
@@ -50,7 +50,7 @@ def test_one_device_is_todays_prediction():
 def collective_s(tp, sp, layer=1):
     """(forward, backward) seconds a layer's tensor-parallel collectives add: its costs with the
     node's link less its costs with none."""
-    from sim.models import AnalyticWorkload
+    from sim.workloads.models import AnalyticWorkload
 
     system = roofline("a100-nvlink")
     with_link, _ = with_tensor_parallel(get_workload("transformer", options()), system, tp, sp)

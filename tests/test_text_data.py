@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.data import batch_for_step
-from executor.models import build_model
-from executor.pipeline import LocalPipeline
-from executor.text_data import SHIPPED_TEXT, is_text_data, text_path
+from executor.runtime.data import batch_for_step
+from executor.models.build import build_model
+from executor.runtime.pipeline import LocalPipeline
+from executor.runtime.text_data import SHIPPED_TEXT, is_text_data, text_path
 from sim.errors import GpipeInputError
 from test_transparency import NEAR_ZERO_GRADIENT, assert_adam_close
 

@@ -6,10 +6,10 @@ import pytest
 
 from sim.cli import main
 from sim.errors import GpipeInputError
-from sim.hardware import get_system
-from sim.models import get_workload
-from sim.planner import search
-from sim.training_cost import format_token_count, model_flops_per_token, parse_token_count, training_cost
+from sim.catalog.hardware import get_system
+from sim.workloads.models import get_workload
+from sim.planner.search import search
+from sim.planner.training_cost import format_token_count, model_flops_per_token, parse_token_count, training_cost
 
 GPT = {"layers": 8, "d_model": 768, "ff": 3072, "heads": 16, "seq": 512, "vocab": 5000, "precision": "bf16"}
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.models import build_model
-from executor.pipeline import LocalPipeline
+from executor.models.build import build_model
+from executor.runtime.pipeline import LocalPipeline
 
 PARTITIONS = {
     ("mlp", 1): (8,), ("mlp", 2): (3, 5), ("mlp", 4): (2, 2, 2, 2),
@@ -205,9 +205,9 @@ def test_grouped_query_attention_matches_unpipelined(stages, checkpoint, schedul
 
 
 def test_kv_heads_that_do_not_divide_heads_are_one_line_in_both_halves():
-    from executor.models import build_model
+    from executor.models.build import build_model
     from sim.errors import GpipeInputError
-    from sim.models import get_workload
+    from sim.workloads.models import get_workload
 
     for build in (lambda o: get_workload("transformer", o), lambda o: build_model("transformer", o)):
         with pytest.raises(GpipeInputError, match="kv_heads=3 does not divide heads=4"):
@@ -241,9 +241,9 @@ def test_selective_recompute_is_refused_where_there_is_no_attention_core():
 
 
 def test_squared_relu_and_swiglu_match_unpipelined_and_an_unknown_activation_is_one_line():
-    from executor.models import build_model
+    from executor.models.build import build_model
     from sim.errors import GpipeInputError
-    from sim.models import get_workload
+    from sim.workloads.models import get_workload
 
     for activation, checkpoint in (("squared_relu", "full"), ("swiglu", "selective")):
         options = {**OPTIONS["transformer"], "activation": activation}

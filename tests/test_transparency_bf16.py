@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.data import split
-from executor.models import build_model
-from executor.pipeline import LocalPipeline
-from executor.stage import PipelineStage
+from executor.runtime.data import split
+from executor.models.build import build_model
+from executor.runtime.pipeline import LocalPipeline
+from executor.runtime.stage import PipelineStage
 from tests import in_process
 
 PARTITIONS = {

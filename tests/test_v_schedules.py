@@ -19,7 +19,7 @@ import json
 import pytest
 
 from executor.config import RunConfig
-from executor.pipeline import LocalPipeline
+from executor.runtime.pipeline import LocalPipeline
 from test_interleaved import OPTIONS, SEVERAL, TIED, gpipe
 from test_shared_parameters import check_tied_step
 from test_transparency import CLIP, check_adamw_steps, check_step
@@ -127,10 +127,10 @@ def test_the_simulated_peak_is_the_count_of_microbatches_in_flight(schedule, sta
     """On identical layers (one per chunk, checkpoint never) each device's predicted peak activation
     memory is one layer's activations times the most chunk micro-batches it holds between a forward
     and the end of its backward (B, or W)."""
-    from sim.engine import simulate
-    from sim.hardware import get_system
-    from sim.schedule import Kind, build_schedule
-    from sim.workload import UniformWorkload
+    from sim.engine.engine import simulate
+    from sim.catalog.hardware import get_system
+    from sim.schedules.schedule import Kind, build_schedule
+    from sim.workloads.workload import UniformWorkload
 
     workload = UniformWorkload(2 * stages)
     result = simulate(workload, get_system("ideal"), [1] * (2 * stages), microbatches, microbatches, "never",

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from sim.engine import simulate
-from sim.timeline import Record
-from sim.warm_up import IDLE_S, measured_paid_s, owed_s, paid_s
+from sim.engine.engine import simulate
+from sim.formats.timeline import Record
+from sim.engine.warm_up import IDLE_S, measured_paid_s, owed_s, paid_s
 from tests.test_engine import IDEAL, GappedWorkload
 
 
@@ -24,7 +24,7 @@ def test_calibration_reads_back_from_a_timeline_what_each_action_paid():
     """Simulate with a warm-up, then read each action's time since its device's last long wait from
     the timeline, as calibration reads the executor's: what :func:`measured_paid_s` says it paid is
     the time it took beyond the same run without the warm-up, action by action."""
-    from calibrate.step_components import busy_since_wait_s
+    from calibrate.fit.step_components import busy_since_wait_s
 
     for schedule, warm_s in (("gpipe", 1.5e-3), ("1f1b", 0.4e-3), ("1f1b", 5e-3)):
         runs = [simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6, microbatches=6,
@@ -40,7 +40,7 @@ def test_calibration_reads_back_from_a_timeline_what_each_action_paid():
 def test_each_stage_reports_the_warm_up_it_paid_as_part_of_its_busy_time():
     """A stage's ``warm_up_s`` is what the warm-up added to its busy time, in both of the simulator's
     walks (SimPy's with a timeline, the closed form without), and the report shows it."""
-    from sim.report import format_summary
+    from sim.views.report import format_summary
 
     for schedule in ("gpipe", "1f1b"):
         for record in (True, False):
@@ -56,7 +56,7 @@ def test_each_stage_reports_the_warm_up_it_paid_as_part_of_its_busy_time():
 
 
 def test_the_time_since_a_long_wait_counts_compute_only_and_restarts_at_each_long_wait():
-    from calibrate.step_components import busy_since_wait_s
+    from calibrate.fit.step_components import busy_since_wait_s
 
     ms = 1e-3
     records = [Record(0, "F", 0, 0, 1 * ms, step=1), Record(0, "recv_wait", 0, 1 * ms, 4 * ms, step=1),
@@ -77,7 +77,7 @@ def _observed(warm_s: float, with_waits: bool, factors: tuple[float, ...] = (1.0
     """Actions on :func:`_line`, one warm forward and backward per run; on the small stages, a
     backward after a long wait and the forward after it pay a warm-up at half speed: ``warm_s`` times
     the run's after-wait factor (``factors`` in turn), recorded with the points where ``scaled``."""
-    from calibrate.calibration import ActionPoints, Observations
+    from calibrate.fit.calibration import ActionPoints, Observations
 
     obs = Observations()
     forwards = obs.actions[(2, "F")] = ActionPoints()
@@ -111,7 +111,7 @@ def test_the_fit_finds_the_warm_up_the_points_paid_and_the_line_beneath_it():
     at half speed (the backward all its work, the forward the rest). The fit finds the warm-up within
     its grid's step and the line under it; with the warm-up left out of the fit (no waits seen), the
     line tilts to carry it."""
-    from calibrate.calibration import fit_pipeline
+    from calibrate.fit.calibration import fit_pipeline
 
     warm_s = 0.25e-3
     pipeline, residuals = fit_pipeline(_observed(warm_s, True), {2: 1})
@@ -129,7 +129,7 @@ def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_
     """Runs whose after-wait probe stood at half and at one and a half times the calibration's paid
     that much of a 0.25 ms warm-up: with each run's factor the fit finds 0.25 ms and lines that fit;
     without, one warm-up cannot fit both kinds of run."""
-    from calibrate.calibration import fit_pipeline
+    from calibrate.fit.calibration import fit_pipeline
 
     warm_s = 0.25e-3
     scaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5), scaled=True), {2: 1})[0]["2"]
@@ -140,7 +140,7 @@ def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_
 
 
 def test_the_costs_file_carries_the_warm_up_to_every_stage():
-    from sim.costs import PipelineFit
+    from sim.formats.costs import PipelineFit
 
     entry = {"threads": 1, "actions": {k: {"slope": 1.0, "intercept": 0.0} for k in "FRB"},
              "send": {"slope": 0.0, "intercept": 0.0}, "optimizer": {"slope": 0.0, "intercept": 0.0},
