@@ -55,7 +55,7 @@ def ask(command: list[str]) -> dict:
     """One command, timed on one core, and what it answered."""
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     started = time.perf_counter()
-    proc = subprocess.run([*pin, sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True)
+    proc = subprocess.run([*pin, sys.executable, "-m", "gpipe.main", *command], capture_output=True, text=True)
     wall_s = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(proc.stderr)

@@ -38,7 +38,7 @@ CONFIGURATIONS = [("1,5", "gpipe"), ("1,5", "1f1b"), ("3,3", "gpipe"), ("3,3", "
 def train_report(partition: str, schedule: str, microbatches: int, directory: str) -> dict:
     """One ``gpipe train`` of 10 steps; its report."""
     path = os.path.join(directory, "report.json")
-    command = [sys.executable, "-m", "sim.cli", "train", *MODEL, "--partition", partition, "--schedule", schedule,
+    command = [sys.executable, "-m", "gpipe.main", "train", *MODEL, "--partition", partition, "--schedule", schedule,
                "--microbatches", str(microbatches), "--steps", "10", "--report", path, "--quiet"]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(path) as handle:

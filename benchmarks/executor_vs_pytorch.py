@@ -120,13 +120,13 @@ def _env(threads: int) -> dict[str, str]:
 def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int, transport: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report_path = os.path.join(tmp, "report.json")
-        from executor.cli import even_partition
+        from gpipe.train import even_partition
         from executor.models.build import model_ref
 
         replicas, stages, virtual = _shape(cfg)
         layers = model_ref(cfg["model"], cfg["options"]).num_layers
         partition = ",".join(map(str, _partition(cfg, layers, even_partition)))  # as the PyTorch side splits
-        argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--partition", partition,
+        argv = [sys.executable, "-m", "gpipe.main", "train", "--model", cfg["model"], "--partition", partition,
                 "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
                 "--checkpoint", "never", "--optimizer", "sgd", "--steps", str(steps), "--warmup-steps", str(warmup),
                 "--threads", str(threads), "--transport", transport, "--report", report_path]
@@ -189,7 +189,7 @@ def pytorch_worker(path: str) -> None:
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
     from torch.nn.parallel import DistributedDataParallel
 
-    from executor.cli import even_partition
+    from gpipe.train import even_partition
     from executor.runtime.data import batch_for_step
     from executor.models.build import build_model, default_loss, loss_function
     from executor.runtime.shapes import stage_module

@@ -62,7 +62,7 @@ def _status(pid: int) -> tuple[str, int] | None:
 
 def measure(init: str) -> dict:
     """Run ``gpipe train --init INIT`` and sample every process's peak resident set."""
-    command = [sys.executable, "-m", "sim.cli", "train", "--model", "mlp", "--layers", str(LAYERS), "--width",
+    command = [sys.executable, "-m", "gpipe.main", "train", "--model", "mlp", "--layers", str(LAYERS), "--width",
                str(WIDTH), "--stages", str(STAGES), "--batch", "8", "--microbatches", "4", "--steps", "2",
                "--optimizer", "sgd", "--threads", "1", "--init", init]
     started = time.perf_counter()

@@ -34,7 +34,7 @@ def run(top: int, pin: list[str]) -> dict:
     """One timed command: ``--top`` plans ranked (each of them simulated in full)."""
     command = [*COMMAND, "--top", str(top)]
     started = time.perf_counter()
-    proc = subprocess.run([*pin, sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True)
+    proc = subprocess.run([*pin, sys.executable, "-m", "gpipe.main", *command], capture_output=True, text=True)
     wall_s = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(proc.stderr)

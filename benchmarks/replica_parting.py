@@ -57,7 +57,7 @@ def core_speeds() -> list[float] | None:
 def one_run(directory: str, steps: int) -> dict[str, object]:
     """One ``gpipe train`` of the two replicas; each replica's compute and all-reduce span per step."""
     path = os.path.join(directory, "report.json")
-    command = [sys.executable, "-m", "sim.cli", "train", *MODEL, "--stages", "1", "--replicas", "2",
+    command = [sys.executable, "-m", "gpipe.main", "train", *MODEL, "--stages", "1", "--replicas", "2",
                "--microbatches", "3", "--steps", str(steps), "--report", path, "--quiet"]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(path) as handle:

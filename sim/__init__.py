@@ -14,8 +14,8 @@ and calibration too), :mod:`sim.schedules` (per-stage action lists), :mod:`sim.e
 step), :mod:`sim.workloads` (what is trained), :mod:`sim.catalog` (hardware), :mod:`sim.planner`,
 :mod:`sim.evidence` (published runs replayed) and :mod:`sim.views` (figures, reports, progress).
 
-Nothing under ``sim`` imports torch, :mod:`executor` or :mod:`calibrate`, lazily or not, except the
-command-line modules (``*cli``), which are the composition root: :mod:`sim.workload_cli` hands a
+Nothing under ``sim`` imports torch, :mod:`executor`, :mod:`calibrate` or the commands (:mod:`gpipe`),
+lazily or not. The commands are the composition root: :mod:`gpipe.workload_flags` hands a
 ``package.module:factory`` model to :mod:`calibrate.measure.meta_profile` for measuring on the meta
 device, and the results come back as a torch-free :class:`sim.workloads.meta_workload.MetaWorkload`.
 """

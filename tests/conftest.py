@@ -49,7 +49,7 @@ def tiny_quick_costs(tmp_path_factory):
     import contextlib
     import io
 
-    from sim.cli import main
+    from gpipe.main import main
     from tests.test_calibrate_validate import TINY
 
     path = tmp_path_factory.mktemp("tiny_quick") / "costs.json"

@@ -62,7 +62,7 @@ def _captured_descriptors() -> Iterator[tuple[tempfile.TemporaryFile, tempfile.T
 
 def gpipe(*args: str, env: dict[str, str] | None = None, cwd: str | os.PathLike = ROOT) -> subprocess.CompletedProcess:
     """Run ``gpipe ARGS`` here, in ``cwd``: its exit status and its (and its subprocesses') stdout and stderr."""
-    from sim.cli import main
+    from gpipe.main import main
 
     here = os.getcwd()
     with _environment(env), _captured_descriptors() as (out, err):

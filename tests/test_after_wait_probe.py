@@ -125,7 +125,7 @@ def test_the_table_shows_the_probes_range_and_the_busy_errors_at_the_runs_moment
 
 
 def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up():
-    from calibrate.cli import summary_text
+    from gpipe.calibrate import summary_text
     from tests.test_calibrate_costs import _design, synthetic_costs
 
     data = _design([0.0])

@@ -429,7 +429,7 @@ def test_a_malformed_allreduce_entry_is_one_line_before_any_work(entry, says, tm
     assert "\n" not in str(caught.value) and "gpipe calibrate --force" in str(caught.value)
     with pytest.raises(GpipeInputError, match=says):
         load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8})
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main(["simulate", "--costs", str(path), "--hardware", "cpu", "-K", "1", "-M", "1"]) == 2
     err = capsys.readouterr().err.strip()
@@ -437,7 +437,7 @@ def test_a_malformed_allreduce_entry_is_one_line_before_any_work(entry, says, tm
 
 
 def test_gpipe_simulate_takes_costs(costs_file, capsys):
-    from sim.cli import main
+    from gpipe.main import main
 
     code = main(["simulate", "--model", "mlp", "--layers", "3", "--width", "8", "--costs", costs_file,
                  "--hardware", "cpu", "-K", "2", "-M", "2", "--batch", "4", "--json"])
@@ -448,7 +448,7 @@ def test_gpipe_simulate_takes_costs(costs_file, capsys):
 
 def test_simulate_and_plan_take_model_options_and_batch_from_the_costs_file(costs_file, capsys):
     """With --costs and no --model, the file says what was measured (mlp, 3 layers, batch 8)."""
-    from sim.cli import main
+    from gpipe.main import main
 
     explicit = ["--model", "mlp", "--layers", "3", "--width", "8", "--batch", "8"]
     for extra in ([], explicit):
@@ -464,7 +464,7 @@ def test_simulate_and_plan_take_model_options_and_batch_from_the_costs_file(cost
 
 
 def test_a_flag_that_contradicts_the_costs_file_is_one_line(costs_file, capsys):
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main(["simulate", "--costs", costs_file, "--hardware", "cpu", "-K", "2", "--layers", "5"]) == 2
     err = capsys.readouterr().err.strip()
@@ -478,7 +478,7 @@ def _design(errors: list[float]) -> dict:
 
 
 def test_calibration_summary_warns_when_the_fit_misses_a_design_run_by_much():
-    from calibrate.cli import summary_text
+    from gpipe.calibrate import summary_text
 
     assert "warning" not in summary_text(_design([0.02, -0.05]))
     noisy = summary_text(_design([0.02, -0.26]))
@@ -486,7 +486,7 @@ def test_calibration_summary_warns_when_the_fit_misses_a_design_run_by_much():
 
 
 def test_calibration_summary_gives_each_design_runs_busy_error_and_the_gap_between_actions():
-    from calibrate.cli import summary_text
+    from gpipe.calibrate import summary_text
 
     data = _design([0.0])
     data["design"][0].update(measured_busy_s=[0.05, 0.04], predicted_busy_s=[0.045, 0.042])
@@ -499,7 +499,7 @@ def test_calibration_summary_gives_each_design_runs_busy_error_and_the_gap_betwe
 
 
 def test_calibration_summary_publishes_the_allreduce_fit_and_its_points():
-    from calibrate.cli import summary_text
+    from gpipe.calibrate import summary_text
 
     text = summary_text({**_design([0.0]), "allreduce": synthetic_costs()["allreduce"]})
     assert "all-reduce (gloo, ring model): latency 20.0 us, bandwidth 0.50 GB/s" in text
@@ -514,7 +514,7 @@ def test_plan_searches_the_split_backward_schedules_by_default_only_where_the_pr
     from types import SimpleNamespace
 
     from sim.formats.costs import write_costs
-    from sim.plan_cli import default_schedules
+    from gpipe.plan import default_schedules
     from sim.schedules.schedule import PLANNED_SCHEDULES, SCHEDULES
 
     plain, split = synthetic_costs(), synthetic_costs()

@@ -72,7 +72,7 @@ def test_the_chosen_line_says_when_fewer_stages_are_predicted_faster():
     its line says so rather than leave the choice looking like the planner's best."""
     from types import SimpleNamespace
 
-    from calibrate.demo import chosen_line
+    from gpipe.demo import chosen_line
 
     def best(stages: int, step_s: float, virtual: int = 1):
         candidate = SimpleNamespace(stages=stages, virtual_stages=virtual, microbatches=2, checkpoint="never",

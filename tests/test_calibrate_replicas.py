@@ -101,7 +101,7 @@ def test_simulate_and_plan_price_replicas_on_the_costs_files_allreduce(tmp_path,
     """The composition root hands the calibrated all-reduce to the simulator: a slower measured
     all-reduce lengthens `gpipe simulate --replicas 2` by the ring model, and `gpipe plan` ranks
     with it."""
-    from sim.cli import main
+    from gpipe.main import main
     from sim.formats.costs import write_costs
 
     paths = {}

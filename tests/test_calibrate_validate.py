@@ -9,7 +9,7 @@ import pytest
 
 from calibrate.fit.calibration import RunSpec, calibration_design, run_config
 from calibrate.validate.held_out import Comparison, format_table, summarize, validation_design
-from sim.cli import main
+from gpipe.main import main
 
 TINY = ["--model", "transformer", "--layers", "2", "--d-model", "16", "--ff", "32", "--heads", "2",
         "--seq", "8", "--vocab", "32", "--batch", "8"]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sim.cli import main
+from gpipe.main import main
 from sim.formats.costs import write_costs
 from sim.catalog.hardware import SYSTEMS
 from sim.formats.plan import Plan, load_plan, save_plan
@@ -138,7 +138,7 @@ def test_a_precision_that_contradicts_the_costs_file_is_one_line(tmp_path):
 
 
 def test_calibration_cache_tells_precisions_apart(tmp_path, monkeypatch):
-    from calibrate import cli
+    from gpipe import calibrate as cli
 
     monkeypatch.setattr("calibrate.measure.machine.same_machine", lambda a, b: True)
     path = tmp_path / "costs.json"
@@ -152,7 +152,7 @@ def test_calibration_cache_tells_precisions_apart(tmp_path, monkeypatch):
 
 
 def _train_args(*argv):
-    from executor.cli import add_arguments
+    from gpipe.train import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -162,7 +162,7 @@ def _train_args(*argv):
 def test_train_trains_at_the_plans_precision_unless_told_otherwise(tmp_path):
     """A plan written by gpipe plan (its model options include the analysis option
     optimizer_slots) trains at its precision; --precision overrides; the executor's default is fp32."""
-    from executor.cli import config_from_args
+    from gpipe.train import config_from_args
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "mlp", "--layers", "4", "--width", "32", "--batch", "8", "--hardware",

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from sim.cli import main
+from gpipe.main import main
 
-GPIPE = [sys.executable, "-m", "sim.cli"]
+GPIPE = [sys.executable, "-m", "gpipe.main"]
 
 
 def run(*args):
@@ -75,7 +75,7 @@ def test_a_plan_that_does_not_fit_says_which_stage_and_what_to_do():
 
 
 def test_simulate_and_plan_do_not_import_torch(tmp_path):
-    code = ("import sys; from sim.cli import main; "
+    code = ("import sys; from gpipe.main import main; "
             "main(['simulate', '--model', 'transformer', '--json']); "
             f"main(['plan', '--model', 'mlp', '--quiet', '--out', r'{tmp_path / 'p.json'}']); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
@@ -154,7 +154,7 @@ def test_output_piped_into_head_ends_quietly():
     big = ["plan", "--model", "uniform", "--layers", "64", "--hardware", "h100-nvlink", "--nodes", "8",
            "--stages-options", "64", "--microbatch-options", "1-8", "--checkpoints", "never", "--schedules",
            "gpipe", "--top", "8", "--json", "--quiet"]  # about 100 KB of JSON, more than a pipe buffers
-    proc = subprocess.run(f"{sys.executable} -m sim.cli {' '.join(big)} | head -c 200; exit ${{PIPESTATUS[0]}}",
+    proc = subprocess.run(f"{sys.executable} -m gpipe.main {' '.join(big)} | head -c 200; exit ${{PIPESTATUS[0]}}",
                           shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
     assert len(proc.stdout) == 200
     assert proc.stderr == ""
@@ -201,7 +201,7 @@ def test_simulate_prints_the_zb_h1_lists_and_its_smaller_bubble(capsys):
 
 
 def test_the_executable_runs_exit_handlers_flushes_and_keeps_the_status(tmp_path):
-    """``sim.cli.command`` ends with ``os._exit`` to skip torch's teardown: what the teardown is for
+    """``gpipe.main.command`` ends with ``os._exit`` to skip torch's teardown: what the teardown is for
     (exit handlers, buffered output) still happens, and the status is main's."""
     import os
     import subprocess
@@ -210,7 +210,7 @@ def test_the_executable_runs_exit_handlers_flushes_and_keeps_the_status(tmp_path
 
     root = str(Path(__file__).resolve().parents[1])
     script = ("import atexit, sys\n"
-              "from sim import cli\n"
+              "from gpipe import main as cli\n"
               "atexit.register(lambda: print('exit handler ran'))\n"
               "sys.argv = ['gpipe', *sys.argv[1:]]\n"
               "cli.command()\n")

@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from executor.cli import add_arguments, config_from_args, even_partition
+from gpipe.train import add_arguments, config_from_args, even_partition
 from executor.launch.agent import launch_config
 from sim.errors import GpipeInputError
 from sim.formats.plan import ModelRef, Plan, save_plan
@@ -104,7 +104,7 @@ def test_a_plan_of_a_measured_torch_model_trains_without_the_analysis_options():
     (("--lr-warmup", "-1"), "--lr-warmup must be 0 or more steps, got -1"),
 ])
 def test_bad_optimizer_settings_exit_2_with_one_line(argv, message, capsys):
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main(["train", "--model", "mlp", "--stages", "2", "--steps", "3", *argv]) == 2
     assert capsys.readouterr().err.splitlines() == [f"gpipe: error: {message}"]
@@ -112,7 +112,7 @@ def test_bad_optimizer_settings_exit_2_with_one_line(argv, message, capsys):
 
 @pytest.mark.parametrize("command", [["simulate"], ["plan", "--quiet"], ["calibrate", "--out", "unused.json"]])
 def test_an_unknown_optimizer_is_one_line_for_every_command(command, capsys, tmp_path, monkeypatch):
-    from sim.cli import main
+    from gpipe.main import main
 
     monkeypatch.chdir(tmp_path)
     assert main([*command, "--model", "mlp", "--optimizer", "lamb"]) == 2
@@ -132,7 +132,7 @@ def test_optimizer_flags_become_a_config():
 
 
 def test_gpipe_plan_output_trains_with_the_planned_optimizer(tmp_path):
-    from sim.cli import main
+    from gpipe.main import main
 
     path = str(tmp_path / "plan.json")
     assert main(["plan", "--model", "mlp", "--layers", "4", "--width", "16", "--batch", "8", "--optimizer", "sgd",
@@ -144,7 +144,7 @@ def test_gpipe_plan_output_trains_with_the_planned_optimizer(tmp_path):
 
 
 def test_a_report_into_a_missing_directory_is_refused_before_training(tmp_path):
-    from executor.cli import run
+    from gpipe.train import run
 
     missing = tmp_path / "no" / "report.json"
     with pytest.raises(GpipeInputError) as error:
@@ -182,7 +182,7 @@ def test_flags_that_need_no_model_are_refused_before_torch_is_imported(tmp_path)
     from pathlib import Path
 
     script = ("import contextlib, io, json, sys\n"
-              "from sim.cli import main\n"
+              "from gpipe.main import main\n"
               "out = []\n"
               "for argv in json.loads(sys.argv[1]):\n"
               "    err = io.StringIO()\n"

@@ -43,7 +43,7 @@ def test_in_process_pipeline_on_cuda_matches_unpipelined(checkpoint, schedule):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_two_processes(tmp_path):
     report = tmp_path / "r.json"
-    result = subprocess.run([sys.executable, "-m", "sim.cli", "train", "--model", "mlp", "--stages", "2",
+    result = subprocess.run([sys.executable, "-m", "gpipe.main", "train", "--model", "mlp", "--stages", "2",
                              "--batch", "16", "--microbatches", "4", "--steps", "3", "--device", "cuda",
                              "--schedule", "1f1b", "--report", str(report)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)

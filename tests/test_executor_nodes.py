@@ -34,7 +34,7 @@ class Node:
     def __init__(self, tmp_path, rank, port, *flags, env=None):
         self.rank = rank
         self.out, self.err = tmp_path / f"node{rank}.out", tmp_path / f"node{rank}.err"
-        command = [sys.executable, "-m", "sim.cli", "train", *MLP, *flags, "--nnodes", "2", "--node-rank", str(rank),
+        command = [sys.executable, "-m", "gpipe.main", "train", *MLP, *flags, "--nnodes", "2", "--node-rank", str(rank),
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "90"]
         self.started = time.monotonic()
         with open(self.out, "w") as out, open(self.err, "w") as err:

@@ -20,7 +20,7 @@ from executor.runtime.data import batch_for_step
 from executor.models.build import build_model, default_loss, loss_function
 from executor.runtime.optim import OptimSettings, make_optimizer, make_scheduler
 from executor.parallel.replicas import replica_rows
-from sim.cli import main
+from gpipe.main import main
 from tests.in_process import gpipe
 
 OPTIONS = {"width": 16}
@@ -199,7 +199,7 @@ def test_two_nodes_run_one_replica_each(tmp_path):
 def test_a_plan_file_carries_replicas_zero_and_placement(tmp_path):
     import argparse
 
-    from executor.cli import add_arguments, config_from_args
+    from gpipe.train import add_arguments, config_from_args
     from executor.models.build import model_ref
     from sim.formats.plan import Plan, save_plan
 

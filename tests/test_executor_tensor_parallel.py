@@ -27,7 +27,7 @@ from executor.state import state_file
 from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
 from sim.formats.plan import load_plan
-from sim.cli import main
+from gpipe.main import main
 from tests.in_process import gpipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,7 +220,7 @@ def test_two_nodes_each_hold_a_stages_tensor_parallel_ranks(tmp_path):
              "--tensor-parallel", "2", "--batch", "8", "--microbatches", "4", "--steps", str(STEPS), "--nnodes", "2",
              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "90", "--checkpoint", "always",
              "--schedule", "1f1b", "--partition", "3,3", "--save-every", str(STEPS), "--checkpoint-dir", str(root)]
-    nodes = [subprocess.Popen([sys.executable, "-m", "sim.cli", "train", *flags, "--node-rank", str(rank),
+    nodes = [subprocess.Popen([sys.executable, "-m", "gpipe.main", "train", *flags, "--node-rank", str(rank),
                                *(["--report", str(tmp_path / "r.json")] if rank == 0 else [])],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (1, 0)]

@@ -154,7 +154,7 @@ def test_the_committed_fractions_are_the_fit_of_the_development_set_alone(tmp_pa
     copy = tmp_path / "dev.json"
     shutil.copy(DEV, copy)
     out = tmp_path / "efficiency.json"
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main(["fit-gpu", str(copy), "--out", str(out)]) == 0
     refit, committed = read_efficiencies(str(out)), read_efficiencies(EFFICIENCY_FILE)
@@ -186,7 +186,7 @@ def test_a_broken_efficiency_file_is_one_line(tmp_path):
 def test_attention_defaults_to_flash_on_gpus_that_run_it(capsys):
     """The built-in transformer's attention is flash on the A100/H100 unless asked otherwise, and
     the output says so; the TPU, the CPU and an explicit kernel are left as they are."""
-    from sim.cli import main
+    from gpipe.main import main
 
     def simulated(*flags):
         assert main(["simulate", "--model", "transformer", "--stages", "2", "--microbatches", "2", "--batch", "4",

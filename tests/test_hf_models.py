@@ -103,7 +103,7 @@ def test_a_config_file_that_is_not_one_is_one_line(tmp_path):
 
 
 def test_simulate_and_plan_take_a_hugging_face_model(capsys):
-    from sim.cli import main
+    from gpipe.main import main
 
     options = [item for key, value in CONFIGS["llama"].items() for item in ("--option", f"{key}={value}")]
     assert main(["simulate", "--model", "hf:llama", *options, "--option", "seq=8", "--stages", "2",
@@ -140,7 +140,7 @@ def test_training_a_hugging_face_model_with_gpipe_train(tmp_path):
 
 @pytest.mark.parametrize("command", ["simulate", "plan", "train"])
 def test_an_unknown_hugging_face_type_ends_every_command_with_one_line_and_exit_2(command, capsys):
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main([command, "--model", "hf:bert", *(["--stages", "2"] if command == "train" else [])]) == 2
     err = capsys.readouterr().err.strip()
@@ -194,7 +194,7 @@ def test_any_decoder_only_type_is_planned_by_its_shape(name, options, expected):
 
 
 def test_tensor_parallelism_plans_a_hugging_face_model_by_its_shape(capsys):
-    from sim.cli import main
+    from gpipe.main import main
 
     options = ["--option=num_hidden_layers=4", "--option=hidden_size=256", "--option=intermediate_size=688",
                "--option=num_attention_heads=8", "--option=num_key_value_heads=2", "--option=vocab_size=1000",

@@ -25,7 +25,7 @@ import torch
 from executor.state import checkpoint
 from executor.runtime.chunks import ChunkedDevice
 from executor.config import RunConfig
-from executor.cli import add_arguments, config_from_args
+from gpipe.train import add_arguments, config_from_args
 from executor.runtime.data import split
 from executor.models.build import build_model
 from executor.runtime.pipeline import LocalPipeline

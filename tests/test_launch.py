@@ -97,7 +97,7 @@ def test_gpipe_train_stopped_by_sigterm_ends_its_ranks_and_says_so(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     err = tmp_path / "err.txt"
     with open(tmp_path / "out.txt", "w") as out, open(err, "w") as err_file:
-        process = subprocess.Popen([sys.executable, "-m", "sim.cli", "train", "--model", "mlp", "--stages", "2",
+        process = subprocess.Popen([sys.executable, "-m", "gpipe.main", "train", "--model", "mlp", "--stages", "2",
                                     "--steps", "100000"], cwd=root, stdout=out, stderr=err_file,
                                    start_new_session=True)
     try:

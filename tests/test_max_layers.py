@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from sim.cli import main
+from gpipe.main import main
 from sim.catalog.hardware import get_system
 from sim.planner.max_layers import depth_limits, max_depth
 from sim.workloads.models import get_workload

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from executor.models.hf import shape_options
-from sim.cli import main
+from gpipe.main import main
 from sim.errors import GpipeInputError
 from sim.workloads.models import get_workload
 from sim.workloads.named_models import named_models, named_options

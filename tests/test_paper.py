@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sim.cli import main
+from gpipe.main import main
 from sim.catalog.hardware import get_system
 from sim.evidence.paper import MICROBATCHES, PAPER_TABLE2, STAGES, bubble_points, format_table, replay
 from sim.workloads.workload import UniformWorkload

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from sim.cli import main
+from gpipe.main import main
 from sim.formats.costs import write_costs
 from sim.formats.plan import load_plan, plan_from_dict
 from tests.test_calibrate_costs import synthetic_costs

@@ -8,12 +8,12 @@ import shlex
 
 import pytest
 
-from sim.cli import build_parser, main
+from gpipe.main import build_parser, main
 from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE
 from sim.planner.efficiency_range import at_efficiency
 from sim.catalog.hardware import get_system
 from sim.workloads.models import get_workload
-from sim.plan_rows import compact_partition
+from gpipe.plan_rows import compact_partition
 from sim.planner.search import search
 
 GPT = ["--model", "transformer", "--option", "layers=8", "--option", "d_model=768", "--option", "ff=3072",

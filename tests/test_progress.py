@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from sim.views import progress
-from sim.cli import SUBCOMMANDS, TOUR, build_parser, main, version
+from gpipe.main import SUBCOMMANDS, TOUR, build_parser, main, version
 
-GPIPE = [sys.executable, "-m", "sim.cli"]
+GPIPE = [sys.executable, "-m", "gpipe.main"]
 REPLAY = ["replay", "benchmarks/published_runs/dev.json"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

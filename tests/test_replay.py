@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from sim.cli import main
+from gpipe.main import main
 from sim.evidence.replay import Replayed, load_runs, replay, summary
 from sim.errors import GpipeInputError
 from sim.workloads.models import get_workload

@@ -15,7 +15,7 @@ import pytest
 from sim.formats.costs import load_costs_workload, write_costs
 from executor.models.build import build_meta_model
 from executor.runtime.shapes import stage_module
-from sim.cli import main
+from gpipe.main import main
 from sim.errors import GpipeInputError
 from sim.catalog.hardware import LOCAL_CPU
 from sim.workloads.optimizers import OPTIMIZER_SLOTS
@@ -154,7 +154,7 @@ def test_plan_with_costs_records_the_measured_optimizer(tmp_path, capsys):
 
 
 def test_calibration_cache_is_per_optimizer(tmp_path):
-    from calibrate.cli import cached
+    from gpipe.calibrate import cached
     from calibrate.measure.machine import machine_stamp
 
     path = str(tmp_path / "costs.json")

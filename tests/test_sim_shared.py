@@ -6,7 +6,7 @@ from sim.engine.engine import ring_allreduce_s, simulate
 from sim.catalog.hardware import Link, get_system
 from sim.formats.timeline import SHARED_ALLREDUCE
 from sim.workloads.workload import LayerCost, SharedParameter
-from sim.workload_cli import resolve_workload
+from gpipe.workload_flags import resolve_workload
 
 
 class Tied:

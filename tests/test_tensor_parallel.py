@@ -6,7 +6,7 @@ import json
 import pytest
 
 from sim.engine.allreduce import ring_allreduce_s
-from sim.cli import main
+from gpipe.main import main
 from sim.engine.engine import simulate
 from sim.catalog.hardware import get_system
 from sim.workloads.models import get_workload, transformer_layers

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sim.cli import main
+from gpipe.main import main
 from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sim.cli import main
+from gpipe.main import main
 from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system
 from sim.workloads.models import get_workload

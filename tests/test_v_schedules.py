@@ -157,7 +157,7 @@ def test_the_simulated_peak_is_the_count_of_microbatches_in_flight(schedule, sta
       "v100-nvlink"], "gpipe: error: no candidate to search: --schedules zbv cannot run any K of 8 on 8 layers"),
 ])
 def test_bad_v_schedules_are_one_line_and_exit_2(argv, message, capsys):
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()

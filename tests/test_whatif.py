@@ -31,7 +31,7 @@ def test_an_efficiency_that_is_not_a_fraction_is_refused(value):
 def test_gpipe_plan_takes_an_efficiency_of_at_most_the_peak(value, capsys):
     """A user's --efficiency is a fraction of the catalog's peak; 1.5 passed before (the bound a
     roofline fit of a CPU may reach), though the message said (0, 1]."""
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main(["plan", "--model", "mlp", "--hardware", "a100-nvlink", "--quiet", "--efficiency", value]) == 2
     assert capsys.readouterr().err.splitlines() == [f"gpipe: error: --efficiency {float(value)} is not a fraction "
@@ -57,7 +57,7 @@ def test_a_candidate_that_does_not_fit_is_still_simulated_with_a_balanced_split(
 
 
 def _tensor_parallel_plan(capsys, costs, *flags):
-    from sim.cli import main
+    from gpipe.main import main
 
     assert main(["plan", "--model", "transformer", "--layers", "4", "--d-model", "64", "--ff", "256", "--heads", "4",
                  "--seq", "32", "--vocab", "256", "--batch", "8", "--hardware", "cpu", "--efficiency-from", str(costs),

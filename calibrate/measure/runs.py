@@ -107,7 +107,7 @@ def train_report(plan_path: str, steps: int, report_path: str, warmup_steps: int
                  data: str = "") -> dict[str, Any]:
     """Train a plan file with ``gpipe train`` (one process per stage) on ``data`` (its
     ``--data``; "" synthetic); its report. Its steps advance a progress bar as they are printed."""
-    command = [sys.executable, "-m", "sim.cli", "train", "--plan", plan_path, "--steps", str(steps),
+    command = [sys.executable, "-m", "gpipe.main", "train", "--plan", plan_path, "--steps", str(steps),
                "--warmup-steps", str(warmup_steps), "--report", report_path]
     if data:
         command += ["--data", data]

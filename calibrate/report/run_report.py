@@ -14,7 +14,7 @@ device than the one that trained it) gets its error shown and the reason it is n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from calibrate.goals import STEP_GOAL
 from sim.engine.warm_up import IDLE_S
@@ -247,13 +247,16 @@ class PlanComparison:
 
     Made before any worker starts, so a plan whose costs file is missing or changed fails in one line
     when ``--html`` asks for the report, and otherwise says that it will not be compared.
+    ``predict(plan, plan_path, costs_path)`` prices the plan as it was planned, the simulation result
+    first (the command passes :func:`gpipe.simulate.predict_plan`, which resolves any model).
     """
 
-    def __init__(self, plan_path: str, planned: Any, trained: Any, device_type: str, html: str | None) -> None:
+    def __init__(self, plan_path: str, planned: Any, trained: Any, device_type: str, html: str | None,
+                 predict: Callable[[Any, str, str | None], tuple[Any, ...]]) -> None:
         from sim.errors import GpipeInputError
         from sim.formats.plan import recorded_costs_path
 
-        self.plan_path, self.html, self.device_type = plan_path, html, device_type
+        self.plan_path, self.html, self.device_type, self.predict = plan_path, html, device_type, predict
         self.plan, self.changes = trained_plan(planned, trained)
         self.costs_path: str | None = None
         self.skipped = ""
@@ -278,10 +281,8 @@ class PlanComparison:
         """The verdict line (the report written where ``html`` says)."""
         if self.skipped:
             return self.skipped
-        from sim.simulate_cli import predict_plan
-
         pace = self.pace.finish() if self.pace is not None else None
-        predicted = predict_plan(self.plan, self.plan_path, self.costs_path)[0]
+        predicted = self.predict(self.plan, self.plan_path, self.costs_path)[0]
         verdict = step_verdict(predicted.step_time_s, report["step_time_s"],
                                pricing_of(self.plan, self.device_type, self.costs_path), pace)
         if self.changes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from sim.catalog.hardware import SYSTEMS, System
-from sim.workloads.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
+from sim.workloads.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS, MODEL_FLAGS
 
 # The fractions of peak FLOP/s an assumed device is priced at beside its point figure. The top is
 # just above the best matmul fraction fitted on published runs (H100 SXM 73%, A100 66%:
@@ -64,8 +64,6 @@ def efficiency_text(system: System, kind: str, calibrated_from: str | None = Non
 def calibrate_command(workload: Any, batch: int | None = None, out: str = "costs.json") -> str:
     """The ``gpipe calibrate`` command that measures this machine on ``workload``'s model: its name,
     the options that differ from the model's defaults, and the batch where it is not the default."""
-    from sim.cli_options import MODEL_FLAGS
-
     described = workload.describe()
     name, options = described["name"], described["options"]
     defaults = DEFAULT_OPTIONS.get(name, {})

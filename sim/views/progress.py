@@ -3,7 +3,7 @@
 A bar is for a person watching a terminal, so bars are drawn on stderr only when both stdout and
 stderr are terminals, and never with ``--json`` or ``--quiet``: piped, redirected or machine-read
 output stays exactly the command's result. The command line decides once, after parsing its
-arguments (:func:`configure`, called by :mod:`sim.cli`); every phase then asks :func:`phase` for
+arguments (:func:`configure`, called by :mod:`gpipe.main`); every phase then asks :func:`phase` for
 its bar, which is a silent stand-in when bars are off, so the code that counts never branches.
 
 Limits: one bar at a time is assumed (a phase that starts inside another draws below it, as tqdm

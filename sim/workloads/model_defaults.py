@@ -1,4 +1,4 @@
-"""Default options and batch sizes of the built-in models, shared by the simulator and the executor.
+"""Default options, batch sizes and command-line flags of the built-in models, shared by every part.
 
 Torch-free on purpose: ``gpipe simulate`` reads these without importing torch. The analytic
 workloads (:mod:`sim.workloads.models`) and the executor's torch models read the same numbers, so a model
@@ -31,4 +31,20 @@ DEFAULT_BATCH: dict[str, int] = {
     "mlp": 64,  # rows of width features
     "transformer": 16,  # sequences of seq tokens
     "cnn": 32,  # images of 3 x image x image
+}
+
+# The command line's flag of each model option: flag -> (option name in the model's options, type,
+# help). Here, beside the options, so a note can spell out the command that asks for them.
+MODEL_FLAGS = {
+    "--layers": ("layers", int, "number of layers (transformer: blocks; cnn: conv blocks)"),
+    "--width": ("width", int, "mlp: hidden width"),
+    "--d-model": ("d_model", int, "transformer: model dimension"),
+    "--ff": ("ff", int, "transformer: feed-forward dimension"),
+    "--heads": ("heads", int, "transformer: attention heads"),
+    "--seq": ("seq", int, "transformer: sequence length"),
+    "--vocab": ("vocab", int, "transformer: vocabulary size"),
+    "--dropout": ("dropout", float, "transformer: dropout probability"),
+    "--channels": ("channels", int, "cnn: channels"),
+    "--image": ("image", int, "cnn: image side in pixels"),
+    "--classes": ("classes", int, "cnn: classes"),
 }

@@ -151,7 +151,7 @@ class AnalyticWorkload:
         self.sequence_parallel = sequence_parallel
         self.tp_link = tp_link
         self.context_parallel = context_parallel  # C devices share each sequence; weights replicated over them
-        self.planned_from: str | None = None  # a Hugging Face model planned by its shape (sim.workload_cli)
+        self.planned_from: str | None = None  # a Hugging Face model planned by its shape (gpipe.workload_flags)
         self.has_attention_core = name == "transformer"  # what --checkpoint selective recomputes
 
     @property

@@ -3,7 +3,7 @@
 Torch-free. Built-in analytic models and measured costs (:mod:`sim.formats.costs`) are resolved here. A
 user's torch model (``package.module:factory``) has to be measured first, which takes torch: the
 caller passes the function that measures it (``analyse``). The command line wires in
-:func:`calibrate.measure.meta_profile.torch_workload` (see :mod:`sim.workload_cli`); the simulator itself
+:func:`calibrate.measure.meta_profile.torch_workload` (see :mod:`gpipe.workload_flags`); the simulator itself
 never imports it.
 """
 

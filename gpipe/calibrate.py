@@ -15,8 +15,8 @@ import os
 import sys
 from typing import Any
 
-from sim.cli_options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
-                             check_output_path, model_options)
+from gpipe.options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
+                           check_output_path, model_options)
 from sim.views.progress import note
 from sim.engine.warm_up import IDLE_S
 from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s

@@ -7,9 +7,9 @@ import json
 import sys
 from dataclasses import asdict
 
-from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                             add_pipeline_arguments, add_precision_argument, add_scale_out_arguments,
-                             check_output_path, simulation_options, virtual_stages_of)
+from gpipe.options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument, add_pipeline_arguments,
+                           add_precision_argument, add_scale_out_arguments, check_output_path, simulation_options,
+                           virtual_stages_of)
 from sim.engine.engine import SimResult, simulate
 from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import Link, System, get_system
@@ -27,8 +27,8 @@ from sim.workloads.tensor_parallel import (check_context_parallel, check_tensor_
                                            with_tensor_parallel)
 from sim.planner.whatif import with_efficiency
 from sim.workloads.workload import Workload, check_checkpoint_for
-from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
-                              resolve_workload, with_attention_default, with_precision, workload_and_batch)
+from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
+                                  resolve_workload, with_attention_default, with_precision, workload_and_batch)
 
 
 DEFAULT_STAGES = 4  # K when neither --stages nor --partition gives it

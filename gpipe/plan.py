@@ -8,10 +8,9 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sim.cli_options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                             add_context_parallel_arguments, add_precision_argument,
-                             add_sequence_parallel_argument, check_output_path,
-                             parse_int_list, simulation_options)
+from gpipe.options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
+                           add_context_parallel_arguments, add_precision_argument, add_sequence_parallel_argument,
+                           check_output_path, parse_int_list, simulation_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import get_system
 from sim.formats.plan import ModelRef, Plan, save_plan
@@ -20,9 +19,9 @@ from sim.planner.search import PlanOption, SearchResult, default_replica_options
 from sim.schedules.microbatch import split_rows
 from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE, efficiency_kind, efficiency_text
 from sim.planner.efficiency_range import RangeEnds
-from sim.plan_notes import dollars, layout_text, note_lines
-from sim.plan_rows import PlanRow, best_rows, fold_placements
-from sim.plan_table import format_table
+from gpipe.plan_notes import dollars, layout_text, note_lines
+from gpipe.plan_rows import PlanRow, best_rows, fold_placements
+from gpipe.plan_table import format_table
 from sim.workloads.precision import check_precision
 from sim.views.progress import bars_shown, phase
 from sim.schedules.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, PLANNED_SCHEDULES, SCHEDULES,
@@ -31,8 +30,8 @@ from sim.planner.training_cost import SECONDS_PER_DAY, format_token_count
 from sim.workloads.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                            with_tensor_parallel)
 from sim.workloads.workload import check_checkpoint_for
-from sim.workload_cli import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
-                              with_attention_default, workload_and_batch)
+from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
+                                  with_attention_default, workload_and_batch)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_layers:
         if len(hardware) > 1:
             raise GpipeInputError("--max-layers takes one --hardware; give one system")
-        from sim.max_layers_cli import run as run_max_layers
+        from gpipe.max_layers import run as run_max_layers
 
         return run_max_layers(args, *planning_inputs(args))
     require_positive("--top", args.top)
@@ -254,7 +253,7 @@ def _fastest_and_cheapest(args: argparse.Namespace, inputs: list, ranked: list[P
 
 def _wide_enough_to_fold(args: argparse.Namespace, inputs: list, placements: list[str]) -> argparse.Namespace:
     """``args`` asking each search for enough plans that, once plans equal but for placement share a
-    row (:mod:`sim.plan_rows`), ``--top`` rows are left: placements differ only over several nodes."""
+    row (:mod:`gpipe.plan_rows`), ``--top`` rows are left: placements differ only over several nodes."""
     if len(placements) < 2 or all(given[0].nodes == 1 for given in inputs):
         return args
     return argparse.Namespace(**{**vars(args), "top": args.top * len(placements)})
@@ -264,7 +263,7 @@ def _print_plans(args: argparse.Namespace, planned: list, rows: list[PlanRow], s
                  description: dict, home, costing: "Costing", fastest: PlanOption | None,
                  cheapest: PlanOption | None) -> None:
     """The ranked table, with several hardware kinds the best plan of each, then the notes
-    (:mod:`sim.plan_notes`)."""
+    (:mod:`gpipe.plan_notes`)."""
     days = costing.train_tokens is not None
     systems = ",".join(p.system.name for p in planned)
     bests = best_rows(planned, rows) if len(planned) > 1 else []

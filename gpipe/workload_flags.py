@@ -1,6 +1,6 @@
 """The command line's model: which workload and batch the flags of ``gpipe simulate`` and ``plan`` name.
 
-Part of the composition root (with the other ``*cli`` modules): it wires the simulator's
+Part of the composition root (the commands, :mod:`gpipe`): it wires the simulator's
 torch-free resolution (:mod:`sim.workloads.resolve`) to calibration's meta-device analysis of torch models
 (:mod:`calibrate.measure.meta_profile`), imported only when a ``package.module:factory`` model is asked
 for, so built-in models never import torch.

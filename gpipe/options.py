@@ -7,25 +7,9 @@ from typing import Any
 
 from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import SYSTEMS
-from sim.workloads.model_defaults import DEFAULT_OPTIONS
+from sim.workloads.model_defaults import DEFAULT_OPTIONS, MODEL_FLAGS
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
 from sim.schedules.schedule import CHECKPOINT_POLICIES, SCHEDULES, default_virtual_stages
-
-# flag -> (option name in the model's options, type, help)
-MODEL_FLAGS = {
-    "--layers": ("layers", int, "number of layers (transformer: blocks; cnn: conv blocks)"),
-    "--width": ("width", int, "mlp: hidden width"),
-    "--d-model": ("d_model", int, "transformer: model dimension"),
-    "--ff": ("ff", int, "transformer: feed-forward dimension"),
-    "--heads": ("heads", int, "transformer: attention heads"),
-    "--seq": ("seq", int, "transformer: sequence length"),
-    "--vocab": ("vocab", int, "transformer: vocabulary size"),
-    "--dropout": ("dropout", float, "transformer: dropout probability"),
-    "--channels": ("channels", int, "cnn: channels"),
-    "--image": ("image", int, "cnn: image side in pixels"),
-    "--classes": ("classes", int, "cnn: classes"),
-}
-
 
 # Options of the simulator's models that describe the training, not the torch model: optimizer
 # state tensors per parameter (set from --optimizer, see sim.workloads.optimizers). The precision is a flag

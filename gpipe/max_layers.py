@@ -1,7 +1,7 @@
 """``gpipe plan --max-layers``: the deepest model that fits per K, as a table or JSON.
 
 The command-line half of :mod:`sim.planner.max_layers`: it reads the flags, builds a workload of each depth
-(torch models through the meta-device analysis, see :mod:`sim.workload_cli`) and prints.
+(torch models through the meta-device analysis, see :mod:`gpipe.workload_flags`) and prints.
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import sys
 
-from sim.cli_options import parse_int_list
+from gpipe.options import parse_int_list
 from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import System
 from sim.planner.max_layers import depth_limits, format_limits
 from sim.workloads.model_defaults import DEFAULT_BATCH
 from sim.workloads.workload import Workload
-from sim.workload_cli import model_name, resolve_workload, with_precision
+from gpipe.workload_flags import model_name, resolve_workload, with_precision
 
 
 def run(args, system: System, options: dict, precision: str, attention_note: str | None = None) -> int:

@@ -1,7 +1,8 @@
-"""The ``gpipe`` command. Subcommands live beside the code they drive and are imported lazily.
+"""The ``gpipe`` command. Each subcommand is a module of this package, imported lazily.
 
 Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int`` and must not
-import torch at module level, so ``gpipe simulate`` and ``gpipe plan`` stay fast.
+import torch at module level, so ``gpipe simulate`` and ``gpipe plan`` stay fast. Only this package
+wires ``sim``, ``executor`` and ``calibrate`` together (tests/test_architecture.py checks it).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from sim.errors import GpipeInputError
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "simulate": ("sim.simulate_cli", "predict one plan's timeline, bubble and memory"),
-    "plan": ("sim.plan_cli", "search for the fastest plan that fits memory"),
-    "train": ("executor.cli", "train a plan with the real pipeline executor (torchrun)"),
-    "calibrate": ("calibrate.cli", "profile this machine and fit the simulator's costs"),
-    "validate": ("calibrate.validate_cli", "compare predictions with measured runs the fit never saw"),
-    "paper": ("sim.paper_cli", "replay the GPipe paper's Table 2 (Transformer-48 on TPUv3) in simulation"),
-    "replay": ("sim.replay_cli", "predict published GPU runs of a runs file against their measured step times"),
-    "fit-gpu": ("calibrate.gpu_fit_cli", "fit GPU kernel efficiencies on a development set of published runs"),
-    "demo": ("calibrate.demo", "the main job: calibrate, plan, simulate, train and report"),
+    "simulate": ("gpipe.simulate", "predict one plan's timeline, bubble and memory"),
+    "plan": ("gpipe.plan", "search for the fastest plan that fits memory"),
+    "train": ("gpipe.train", "train a plan with the real pipeline executor (torchrun)"),
+    "calibrate": ("gpipe.calibrate", "profile this machine and fit the simulator's costs"),
+    "validate": ("gpipe.validate", "compare predictions with measured runs the fit never saw"),
+    "paper": ("gpipe.paper", "replay the GPipe paper's Table 2 (Transformer-48 on TPUv3) in simulation"),
+    "replay": ("gpipe.replay", "predict published GPU runs of a runs file against their measured step times"),
+    "fit-gpu": ("gpipe.fit_gpu", "fit GPU kernel efficiencies on a development set of published runs"),
+    "demo": ("gpipe.demo", "the main job: calibrate, plan, simulate, train and report"),
 }
 
 

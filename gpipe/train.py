@@ -23,8 +23,8 @@ import tempfile
 from typing import Any
 
 from executor.launch.agent import check_capacity, check_nodes, run_ranks, start_fork_server
-from sim.cli_options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument,
-                             add_precision_argument, model_options)
+from gpipe.options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument, add_precision_argument,
+                           model_options)
 from sim.errors import GpipeInputError, require_positive
 from sim.workloads.named_models import is_named, named_models
 from sim.planner.partition import even_partition
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts and not config.checkpoint_dir:
         raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
     if args.html:
-        from sim.cli_options import check_output_path
+        from gpipe.options import check_output_path
 
         check_output_path(args.html, "--html")
         if not args.plan:
@@ -360,9 +360,10 @@ def plan_comparison(args: argparse.Namespace, config):
     before any worker starts, so a missing costs file with --html is one line then."""
     from calibrate.report.run_report import PlanComparison
     from executor.models.build import model_ref
+    from gpipe.simulate import predict_plan
 
     trained = config.plan(model_ref(config.model, config.options, config.seed))
-    return PlanComparison(args.plan, load_plan(args.plan), trained, config.device, args.html)
+    return PlanComparison(args.plan, load_plan(args.plan), trained, config.device, args.html, predict_plan)
 
 
 def read_report(path: str, data: str | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``gpipe plan``'s tables: the ranked plans, and the best plan of each hardware kind.
 
-One row per :class:`sim.plan_rows.PlanRow` (plans equal but for placement share one); each column
+One row per :class:`gpipe.plan_rows.PlanRow` (plans equal but for placement share one); each column
 is as wide as its widest cell, so a table stays narrow. With days and dollars the throughput shown
 is tokens/s (samples/s without), and where ``--train-tokens`` prices the plans their days and cost
 replace it (the days are the tokens over it).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from sim.plan_notes import days_text
-from sim.plan_rows import PlanRow, compact_partition
+from gpipe.plan_notes import days_text
+from gpipe.plan_rows import PlanRow, compact_partition
 from sim.planner.search import SearchResult
 from sim.views.report import describe_precision, gib
 

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.fit.calibration import check_timed_steps
 
     check_timed_steps(args.steps)  # before torch is imported
-    from calibrate.cli import calibrate_cached
+    from gpipe.calibrate import calibrate_cached
     from calibrate.report.run_report import write_run_report
     from calibrate.measure.runs import train_report
     from executor.models.build import model_ref
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.picture:
         from calibrate.report.report_picture import kaleido_major_version
-        from sim.cli_options import check_output_path
+        from gpipe.options import check_output_path
 
         check_output_path(args.picture, "--picture")
         kaleido_major_version()  # refused now, not after the demo's minute of work

@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from sim.cli_options import check_output_path
+from gpipe.options import check_output_path
 from sim.views.progress import phase
 from sim.evidence.replay import Replayed, load_runs, replay, summary
-from sim.workload_cli import resolve_workload
+from gpipe.workload_flags import resolve_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

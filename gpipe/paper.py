@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from sim.cli_options import check_output_path
+from gpipe.options import check_output_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from sim.catalog.efficiency_note import uncalibrated_note
-from sim.plan_rows import same_but_placement
+from gpipe.plan_rows import same_but_placement
 from sim.planner.search import PlanOption
 
 if TYPE_CHECKING:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from sim.cli_options import check_output_path
+from gpipe.options import check_output_path
 from sim.catalog.kernel_model import EFFICIENCY_FILE
 from sim.formats.timeline import write_atomic
-from sim.workload_cli import resolve_workload
+from gpipe.workload_flags import resolve_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
