@@ -1,7 +1,7 @@
 """Everything device-specific the executor and calibration do, behind one small interface.
 
 ``executor/`` and ``calibrate/`` ask :func:`device_api` for the run's device kind (``cpu`` or
-``cuda``) and call nothing device-specific themselves (``tests/test_device.py`` holds that with an
+``cuda``) and call nothing device-specific themselves (``tests/executor/test_device.py`` holds that with an
 AST check): the collective backend, which device a rank computes on, waiting for queued work,
 timing events, peak allocated memory and its reset, the accelerator's random generators, and how
 many ranks a host runs one device each.

@@ -21,8 +21,6 @@ import ast
 import pathlib
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # each package and the packages it may import from (besides itself): lower layers only
 LAYERS = {"sim": (), "executor": ("sim",), "calibrate": ("sim", "executor"),
