@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from sim.engine.engine import simulate
 from sim.catalog.hardware import get_system
-from sim.workloads.models import get_workload
-from sim.planner.search import default_replica_options, default_stage_options, search
+from sim.engine.engine import simulate
 from sim.formats.timeline import write_json_atomic
+from sim.planner.search import default_replica_options, default_stage_options, search
+from sim.workloads.models import get_workload
 from sim.workloads.workload import UniformWorkload
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "sim_speed.json")

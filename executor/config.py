@@ -11,12 +11,12 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from sim.errors import GpipeInputError, require_positive
-from sim.workloads.optimizers import DEFAULT_OPTIMIZER
 from sim.engine.placement import DEFAULT_PLACEMENT
+from sim.errors import GpipeInputError, require_positive
 from sim.formats.plan import ModelRef, Plan
-from sim.workloads.precision import DEFAULT_PRECISION, check_precision
 from sim.schedules.microbatch import split_rows
+from sim.workloads.optimizers import DEFAULT_OPTIMIZER
+from sim.workloads.precision import DEFAULT_PRECISION, check_precision
 from sim.schedules.schedule import (MULTI_CHUNK_SCHEDULES, check_interleaving, check_split_backward, check_v_schedule,
                                     check_virtual_stages)
 from sim.formats.timeline import write_json_atomic

@@ -17,15 +17,15 @@ from typing import Any
 
 from gpipe.options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
                            check_output_path, model_options)
-from sim.views.progress import note
-from sim.engine.warm_up import IDLE_S
-from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
 from calibrate.fit.calibration import check_timed_steps
+from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
+from sim.engine.stragglers import straggle_fraction
+from sim.engine.warm_up import IDLE_S
 from sim.errors import GpipeInputError, require_positive
+from sim.views.progress import note
 from sim.workloads.model_defaults import DEFAULT_BATCH
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer
 from sim.workloads.precision import DEFAULT_PRECISION, check_precision
-from sim.engine.stragglers import straggle_fraction
 
 DEFAULT_MODEL = "transformer"
 

@@ -6,9 +6,9 @@ import argparse
 import json
 
 from gpipe.options import check_output_path
+from gpipe.workload_flags import resolve_workload
 from sim.catalog.kernel_model import EFFICIENCY_FILE
 from sim.formats.timeline import write_atomic
-from gpipe.workload_flags import resolve_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,12 +10,12 @@ import json
 import sys
 
 from gpipe.options import parse_int_list
-from sim.errors import GpipeInputError, require_positive
+from gpipe.workload_flags import model_name, resolve_workload, with_precision
 from sim.catalog.hardware import System
+from sim.errors import GpipeInputError, require_positive
 from sim.planner.max_layers import depth_limits, format_limits
 from sim.workloads.model_defaults import DEFAULT_BATCH
 from sim.workloads.workload import Workload
-from gpipe.workload_flags import model_name, resolve_workload, with_precision
 
 
 def run(args, system: System, options: dict, precision: str, attention_note: str | None = None) -> int:

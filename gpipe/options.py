@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import SYSTEMS
+from sim.errors import GpipeInputError, require_positive
+from sim.schedules.schedule import CHECKPOINT_POLICIES, SCHEDULES, default_virtual_stages
 from sim.workloads.model_defaults import DEFAULT_OPTIONS, MODEL_FLAGS
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
-from sim.schedules.schedule import CHECKPOINT_POLICIES, SCHEDULES, default_virtual_stages
 
 # Options of the simulator's models that describe the training, not the torch model: optimizer
 # state tensors per parameter (set from --optimizer, see sim.workloads.optimizers). The precision is a flag

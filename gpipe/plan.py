@@ -11,19 +11,19 @@ from typing import Any
 from gpipe.options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
                            add_context_parallel_arguments, add_precision_argument, add_sequence_parallel_argument,
                            check_output_path, parse_int_list, simulation_options)
-from sim.errors import GpipeInputError, require_positive
-from sim.catalog.hardware import get_system
-from sim.formats.plan import ModelRef, Plan, save_plan
-from sim.engine.placement import PLACEMENTS, check_placement
-from sim.planner.search import PlanOption, SearchResult, default_replica_options, default_stage_options, search
-from sim.schedules.microbatch import split_rows
-from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE, efficiency_kind, efficiency_text
-from sim.planner.efficiency_range import RangeEnds
 from gpipe.plan_notes import dollars, layout_text, note_lines
 from gpipe.plan_rows import PlanRow, best_rows, fold_placements
 from gpipe.plan_table import format_table
-from sim.workloads.precision import check_precision
+from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE, efficiency_kind, efficiency_text
+from sim.catalog.hardware import get_system
+from sim.engine.placement import PLACEMENTS, check_placement
+from sim.errors import GpipeInputError, require_positive
+from sim.formats.plan import ModelRef, Plan, save_plan
+from sim.planner.efficiency_range import RangeEnds
+from sim.planner.search import PlanOption, SearchResult, default_replica_options, default_stage_options, search
+from sim.schedules.microbatch import split_rows
 from sim.views.progress import bars_shown, phase
+from sim.workloads.precision import check_precision
 from sim.schedules.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, PLANNED_SCHEDULES, SCHEDULES,
                                     V_SHAPED_SCHEDULES, check_checkpoint_policy, check_schedule_name)
 from sim.planner.training_cost import SECONDS_PER_DAY, format_token_count

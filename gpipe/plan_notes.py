@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from sim.catalog.efficiency_note import uncalibrated_note
 from gpipe.plan_rows import same_but_placement
+from sim.catalog.efficiency_note import uncalibrated_note
 from sim.planner.search import PlanOption
 
 if TYPE_CHECKING:

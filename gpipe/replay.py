@@ -7,9 +7,9 @@ import json
 import sys
 
 from gpipe.options import check_output_path
-from sim.views.progress import phase
-from sim.evidence.replay import Replayed, load_runs, replay, summary
 from gpipe.workload_flags import resolve_workload
+from sim.evidence.replay import Replayed, load_runs, replay, summary
+from sim.views.progress import phase
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

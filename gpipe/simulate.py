@@ -10,14 +10,14 @@ from dataclasses import asdict
 from gpipe.options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument, add_pipeline_arguments,
                            add_precision_argument, add_scale_out_arguments, check_output_path, simulation_options,
                            virtual_stages_of)
-from sim.engine.engine import SimResult, simulate
-from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import Link, System, get_system
-from sim.workloads.optimizers import optimizer_slots
+from sim.engine.engine import SimResult, simulate
 from sim.engine.placement import check_placement
+from sim.errors import GpipeInputError, require_positive
+from sim.formats.costs import measured_precision, read_costs
 from sim.formats.plan import Plan, costs_ref, costs_ref_from_dict, load_plan, parse_partition, recorded_costs_path
 from sim.planner.search import Candidate, default_partition
-from sim.formats.costs import measured_precision, read_costs
+from sim.workloads.optimizers import optimizer_slots
 from sim.workloads.precision import check_precision, choose_precision
 from sim.schedules.schedule import (build_schedule, check_checkpoint_policy, check_interleaving, check_schedule_name,
                                     check_v_schedule, check_virtual_stages, format_grid)

@@ -25,13 +25,13 @@ from typing import Any
 from executor.launch.agent import check_capacity, check_nodes, run_ranks, start_fork_server
 from gpipe.options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument, add_precision_argument,
                            model_options)
-from sim.errors import GpipeInputError, require_positive
-from sim.workloads.named_models import is_named, named_models
-from sim.planner.partition import even_partition
 from sim.engine.placement import PLACEMENTS
+from sim.errors import GpipeInputError, require_positive
 from sim.formats.plan import load_plan, parse_partition
-from sim.workloads.precision import check_precision
+from sim.planner.partition import even_partition
 from sim.views.progress import bars_shown
+from sim.workloads.named_models import is_named, named_models
+from sim.workloads.precision import check_precision
 from sim.schedules.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, SCHEDULES, check_interleaving,
                                     check_virtual_stages, default_virtual_stages)
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from gpipe.options import check_output_path
 from calibrate.fit.calibration import check_timed_steps
+from gpipe.options import check_output_path
 from sim.errors import GpipeInputError, require_positive
 
 

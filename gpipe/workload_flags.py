@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sim.workloads import resolve
-from sim.formats.costs import measured_precision, read_costs
-from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import Device, Link, System
+from sim.errors import GpipeInputError, require_positive
+from sim.formats.costs import measured_precision, read_costs
+from sim.workloads import resolve
 from sim.workloads.model_defaults import DEFAULT_BATCH
 from sim.workloads.models import get_workload
 from sim.workloads.precision import choose_precision

@@ -31,17 +31,17 @@ from sim.formats.costs import (DESIGN_FIT_GOAL, BACKWARD_WITH_RECOMPUTE, fit_qua
                                FORWARD_WITH_GRAPH, ActionFit, MeasuredWorkload)
 from calibrate.fit.least_squares import (AffineFit, fit_action, fit_affine, fit_constant, fit_link, fit_roofline,
                                          fit_warm_up, replica_spread)
-from calibrate.noise.after_wait_probe import report_warm_up_factor
 from calibrate.fit.design_checks import corrected_within_bounds, missed_design_runs, refuse_missed
+from calibrate.noise.after_wait_probe import report_warm_up_factor
 from calibrate.fit.step_components import (action_gaps_s, busy_since_wait_s, compute_per_step_s, measured_end_span_s,
                                            measured_records, predicted_end_span_s)
-from sim.workloads.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
-from sim.planner.partition import even_partition
-from sim.schedules.schedule import COMPUTE_KINDS, build_schedule, cold_starts, recomputes, recomputes_per_layer
-from sim.views.progress import phase
 from sim.engine.stage_costs import stage_bounds
 from sim.engine.stragglers import straggle_fraction
 from sim.engine.warm_up import IDLE_S, measured_paid_s
+from sim.planner.partition import even_partition
+from sim.schedules.schedule import COMPUTE_KINDS, build_schedule, cold_starts, recomputes, recomputes_per_layer
+from sim.views.progress import phase
+from sim.workloads.optimizers import DEFAULT_OPTIMIZER, optimizer_slots
 
 Progress = Callable[[str], None]
 

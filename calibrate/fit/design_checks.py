@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from sim.formats.costs import DESIGN_FIT_GOAL, design_step_errors
-from sim.errors import GpipeInputError
 from calibrate.noise.after_wait_probe import report_warm_up_factor, run_after_wait_probes
 from calibrate.noise.speed import model_probe_description, reference_s, run_probes, speed_factor
+from sim.errors import GpipeInputError
+from sim.formats.costs import DESIGN_FIT_GOAL, design_step_errors
 
 # (machine now) / (reference) outside this range is not drift a probe can be trusted to correct
 SPEED_FACTOR_BOUNDS = (0.5, 2.0)

@@ -33,12 +33,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy.optimize import least_squares
 
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system
 from sim.catalog.kernel_model import KernelEfficiency
+from sim.errors import GpipeInputError
 from sim.evidence.replay import Resolve, replay
-from sim.workloads.tensor_parallel import with_tensor_parallel
 from sim.formats.timeline import read_json
+from sim.workloads.tensor_parallel import with_tensor_parallel
 
 # Starting point and bounds of each fitted term (fractions of peak; seconds per matmul kernel)
 START = {"matmul": 0.7, "memory": 0.7, "collective": 0.7, "optimizer": 0.7, "matmul_launch_s": 10e-6}

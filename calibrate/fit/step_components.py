@@ -18,8 +18,8 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from sim.schedules.schedule import COMPUTE_KINDS
 from sim.formats.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+from sim.schedules.schedule import COMPUTE_KINDS
 
 
 def end_of_step_span_s(records: Sequence[Any], step: int) -> float:

@@ -49,10 +49,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_structure
 from torch.utils.flop_counter import FlopCounterMode
 
-from executor.runtime.boundary import map_tensors, tensors
 from executor.models.fake import fake_mode
-from executor.runtime.precision import autocast
 from executor.parallel.sharing import shared_tensors
+from executor.runtime.boundary import map_tensors, tensors
+from executor.runtime.precision import autocast
 from sim.errors import GpipeInputError
 from sim.workloads.meta_workload import MEASURED_ROWS, LayerMeasure, LayerProfile, MetaWorkload, SharedTensor
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS

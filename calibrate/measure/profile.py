@@ -44,8 +44,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from executor.runtime.boundary import map_tensors, tensors
 from executor.device import device_api
+from executor.runtime.boundary import map_tensors, tensors
 from executor.runtime.memory import local_tensor, storage_key
 from executor.runtime.precision import autocast
 from executor.runtime.selective import recompute_attention_core

@@ -48,9 +48,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from calibrate.noise.after_wait_probe import WAIT_S, after_wait_reference_s, run_after_wait_probes, warm_up_factor
 from calibrate.fit.calibration import RunSpec, calibration_design, predict, run_config, skewed
 from calibrate.goals import BUBBLE_GOAL_POINTS, BUSY_GOAL, STEP_GOAL, past
+from calibrate.noise.after_wait_probe import WAIT_S, after_wait_reference_s, run_after_wait_probes, warm_up_factor
 from calibrate.noise.speed import run_probes, speed_factor
 from calibrate.fit.step_components import (measured_components, predicted_end_span_s, predicted_replica_waits_s,
                                            replica_waits)

@@ -40,22 +40,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from executor.state import checkpoint
-from executor.launch import failures, nodes
-from executor.parallel import replicas
 from executor.config import RunConfig
 from executor.device import device_api
+from executor.launch import failures, nodes
 from executor.models.build import model_ref
+from executor.parallel import replicas
 from executor.runtime.chunks import ChunkedDevice, shards
 from executor.runtime.interleaved import make_dist_chunks
 from executor.runtime.pipeline import make_dist_stage, prepare, step_batches, train_step_with_data
 from executor.runtime.recording import Recorder, shared_origin_s
 from executor.runtime.report import build_report
 from executor.runtime.stage import PipelineStage
+from executor.state import checkpoint
 from sim.errors import GpipeInputError
-from sim.views.progress import phase, say
-from sim.schedules.schedule import Action
 from sim.formats.timeline import Timeline, merge
+from sim.schedules.schedule import Action
+from sim.views.progress import phase, say
 
 
 def _env_int(name: str, default: int) -> int:

@@ -25,9 +25,9 @@ from executor.models import hf
 from executor.models.materialize import build_meta
 from executor.runtime.selective import AttentionCore, attention_core, recomputing_attention_core
 from sim.errors import GpipeInputError, did_you_mean
+from sim.formats.plan import ModelRef
 from sim.workloads import models as sim_models
 from sim.workloads.model_defaults import DEFAULT_OPTIONS
-from sim.formats.plan import ModelRef
 
 BUILTIN_MODELS = ("mlp", "transformer", "cnn")
 DEFAULT_LOSS = {"mlp": "mse", "transformer": "cross_entropy", "cnn": "cross_entropy"}

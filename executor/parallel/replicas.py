@@ -62,22 +62,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from executor.runtime.data import split
 from executor.device import backend_device
 from executor.models.loaded_types import is_dtensor, is_zero_optimizer
+from executor.parallel.sharing import SharedGroup
+from executor.runtime.data import split
 from executor.runtime.optim import make_scheduler, optimizer_class_and_kwargs
 from executor.runtime.recording import Recorder
 from executor.runtime.seeds import mix_seed
-from executor.parallel.sharing import SharedGroup
-from executor.transport.shm_allreduce import SharedSum
-from executor.transport.shm_transport import HostLinks
 from executor.runtime.stage import PipelineStage
 from executor.transport.p2p import ACT, GRAD
-from sim.errors import GpipeInputError
-from sim.schedules.microbatch import split_rows
+from executor.transport.shm_allreduce import SharedSum
+from executor.transport.shm_transport import HostLinks
 from sim.engine.placement import device_of, replica_and_stage
-from sim.schedules.schedule import Action, Kind, device_of_virtual_stage
+from sim.errors import GpipeInputError
 from sim.formats.timeline import DP_ALLREDUCE
+from sim.schedules.microbatch import split_rows
+from sim.schedules.schedule import Action, Kind, device_of_virtual_stage
 
 DP, PP, TP = "dp", "pp", "tp"  # the mesh's dimension names: data-parallel, pipeline, tensor-parallel
 BUCKET_BYTES = 25 * 2**20  # largest all-reduce message, as DDP's bucket_cap_mb default

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sim.errors import GpipeInputError
 from sim.engine.stage_costs import stage_of_layers
+from sim.errors import GpipeInputError
 
 
 @dataclass(frozen=True)

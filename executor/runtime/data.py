@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from executor.runtime.boundary import map_tensors, tensors
 from executor.models.build import example_batch, load_object
+from executor.runtime.boundary import map_tensors, tensors
 from executor.runtime.seeds import mix_seed
 from executor.runtime.text_data import is_text_data, text_batch
 from sim.errors import GpipeInputError

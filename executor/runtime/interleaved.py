@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.runtime.chunks import ChunkedDevice
 from executor.config import RunConfig
+from executor.parallel.sharing import SharedGroup
+from executor.runtime.chunks import ChunkedDevice
 from executor.runtime.pipeline import Prepared, make_stage
 from executor.runtime.recording import Recorder
-from executor.parallel.sharing import SharedGroup
 from executor.runtime.stage import PipelineStage
-from executor.transport.shm_transport import HostLinks, host_links
 from executor.transport.p2p import ACT, GRAD, DistTransport, LocalMailboxes, LocalTransport, Transport
+from executor.transport.shm_transport import HostLinks, host_links
 from sim.schedules.schedule import device_of_virtual_stage, virtual_stages_of_device
 
 if TYPE_CHECKING:

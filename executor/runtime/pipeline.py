@@ -24,23 +24,23 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from executor.runtime.chunks import ChunkedDevice, chunks_of_device, shards
 from executor.config import RunConfig
-from executor.runtime.data import batch_for_step
-from executor.runtime.boundary import Boundary, map_tensors
-from executor.runtime.prefetch import StepBatches
-from executor.models.initial_weights import WeightSource, check_source, weight_source
 from executor.models.build import build_meta_model, check_loss, checkpoint_names, default_loss, loss_function
+from executor.models.initial_weights import WeightSource, check_source, weight_source
+from executor.runtime.boundary import Boundary, map_tensors
+from executor.runtime.chunks import ChunkedDevice, chunks_of_device, shards
+from executor.runtime.data import batch_for_step
+from executor.runtime.prefetch import StepBatches
 from executor.runtime.recording import Recorder
 from executor.runtime.shapes import dry_run
 from executor.parallel.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
                                        reduce_in_process)
 from executor.runtime.stage import PipelineStage, StageConfig
-from executor.transport.shm_transport import host_links
 from executor.transport.p2p import DistTransport, LocalMailboxes, Transport, boundary_groups
+from executor.transport.shm_transport import host_links
+from sim.engine.stage_costs import stage_bounds
 from sim.errors import GpipeInputError
 from sim.formats.plan import validate_partition
-from sim.engine.stage_costs import stage_bounds
 from sim.schedules.schedule import Action, format_grid, walk_in_rounds
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from executor.device import device_api
-from sim.schedules.schedule import COMPUTE_KINDS
 from sim.formats.timeline import MemorySample, Record, Timeline
+from sim.schedules.schedule import COMPUTE_KINDS
 
 
 def host_id() -> str:

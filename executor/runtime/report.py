@@ -29,8 +29,8 @@ from collections import defaultdict
 from typing import Any
 
 from executor.runtime.data import split_rows
-from sim.schedules.schedule import COMPUTE_KINDS, virtual_stages_of_device
 from sim.formats.timeline import OPTIMIZER, Timeline
+from sim.schedules.schedule import COMPUTE_KINDS, virtual_stages_of_device
 
 
 def step_times_s(timeline: Timeline) -> dict[int, float]:

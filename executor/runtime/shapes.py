@@ -25,12 +25,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.runtime.boundary import Boundary, LeafSpec, leaf_paths, map_tensors
 from executor.models.fake import fake_mode
+from executor.runtime.boundary import Boundary, LeafSpec, leaf_paths, map_tensors
 from executor.runtime.precision import autocast
+from sim.engine.stage_costs import stage_bounds, stage_of_layers
 from sim.errors import GpipeInputError
 from sim.formats.plan import validate_partition
-from sim.engine.stage_costs import stage_bounds, stage_of_layers
 
 DRY_ROWS = (2, 3)  # two row counts tell a leaf whose first dimension is the rows from a fixed one
 

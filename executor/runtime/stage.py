@@ -43,18 +43,18 @@ from typing import Any, Callable, Hashable, Protocol
 import torch
 from torch import nn
 
+from executor.device import device_api
 from executor.runtime.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.runtime.boundary import Boundary, map_tensors, tensors
 from executor.runtime.data import MicroBatches, micro_batches, mix_seed, split_rows
-from executor.device import device_api
 from executor.runtime.memory import ActivationCounter
 from executor.runtime.optim import (OptimSettings, clip_coefficient, gradients, make_optimizer, make_scheduler, scale_,
                                     squared_norm)
 from executor.runtime.precision import autocast, check_boundary
 from executor.runtime.recording import Recorder
 from executor.runtime.selective import recompute_attention_core
-from executor.transport.p2p import ACT, GRAD, Transport
 from executor.runtime.split_backward import PendingWeights, WeightEdges, input_gradients, weight_gradients
+from executor.transport.p2p import ACT, GRAD, Transport
 from sim.schedules.schedule import (Action, Kind, build_schedule, device_of_virtual_stage, receives_gradient,
                                     recomputes, recomputes_attention_core, recomputes_per_layer)
 from sim.formats.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE

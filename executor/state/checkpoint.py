@@ -51,10 +51,10 @@ from typing import Any
 
 import torch
 
-from executor.state import state_file
 from executor.device import device_api
 from executor.models.loaded_types import is_sharded
 from executor.runtime.stage import PipelineStage
+from executor.state import state_file
 from sim.errors import GpipeInputError
 from sim.formats.timeline import write_json_atomic
 

@@ -20,8 +20,8 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from sim.errors import GpipeInputError, did_you_mean
 from sim.catalog.kernel_model import KernelEfficiency, read_efficiencies
+from sim.errors import GpipeInputError, did_you_mean
 from sim.workloads.precision import PRECISIONS
 
 GB = 1e9

@@ -51,14 +51,14 @@ from typing import Any, Sequence
 
 import simpy
 
-from sim.engine.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import Link, System
+from sim.engine.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
 from sim.engine.memory import static_bytes
-from sim.schedules.microbatch import split_rows
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement, device_of
-from sim.formats.plan import validate_partition
 from sim.engine.replica_run import ReplicaRun
+from sim.errors import GpipeInputError
+from sim.formats.plan import validate_partition
+from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import (Action, build_schedule, check_interleaving, check_virtual_stages,
                                     device_of_virtual_stage, virtual_stages_of_device)
 from sim.engine.shared_cores import CoreSharing, SharedCores

@@ -19,8 +19,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from sim.schedules.schedule import Kind, recomputes, recomputes_per_layer, stage_actions
 from sim.engine.stage_costs import StageCost, held_sizes
+from sim.schedules.schedule import Kind, recomputes, recomputes_per_layer, stage_actions
 
 Point = tuple[int, ...]  # (stash count, saved count) per chunk, chunk 0 first
 

@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.engine.stage_costs import held_input_bytes, layer_alone_bytes
+from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.workloads.workload import LayerCost, SharedParameter
 
 

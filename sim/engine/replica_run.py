@@ -50,11 +50,11 @@ from typing import Sequence
 import simpy
 
 from sim.catalog.hardware import Link, System
-from sim.schedules.schedule import Action, Kind, cold_starts, device_of_virtual_stage, receives_gradient, recomputes
 from sim.engine.shared_cores import SharedCores
 from sim.engine.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
-from sim.formats.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 from sim.engine.warm_up import owed_s, paid_s
+from sim.formats.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+from sim.schedules.schedule import Action, Kind, cold_starts, device_of_virtual_stage, receives_gradient, recomputes
 
 GAP_INDEX = {kind: i for i, kind in enumerate(Kind)}  # StageCost.gap_after_s is in this order
 

@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from sim.catalog.hardware import System, get_system
-from sim.workloads.models import get_workload
-from sim.planner.search import Candidate
 from sim.engine.stage_costs import CostTable
+from sim.planner.search import Candidate
 from sim.planner.whatif import simulate_candidate
+from sim.workloads.models import get_workload
 from sim.workloads.workload import Workload
 
 # Table 2 of the paper, Transformer-48: normalised throughput by (K, M).

@@ -32,9 +32,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system
 from sim.catalog.kernel_model import KernelEfficiency
+from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
 from sim.workloads.workload import Workload
 

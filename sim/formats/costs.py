@@ -43,12 +43,12 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import LOCAL_CPU, Device, Link, System
-from sim.workloads.precision import DEFAULT_PRECISION, FP32_BYTES
-from sim.schedules.schedule import COMPUTE_KINDS
 from sim.engine.stage_costs import StageCost, layer_weight_grad_s, per_layer_bytes
+from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
+from sim.schedules.schedule import COMPUTE_KINDS
+from sim.workloads.precision import DEFAULT_PRECISION, FP32_BYTES
 from sim.workloads.workload import LayerCost, SharedParameter
 
 COSTS_VERSION = 1

@@ -31,12 +31,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sim.errors import GpipeInputError, require_positive
-from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
-from sim.workloads.precision import DEFAULT_PRECISION, check_precision
-from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name
+from sim.errors import GpipeInputError, require_positive
 from sim.formats.timeline import read_json, write_json_atomic
+from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name
+from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
+from sim.workloads.precision import DEFAULT_PRECISION, check_precision
 
 PLAN_VERSION = 1  # its optional fields (costs, hardware's efficiencies) keep it 1: files without them load
 

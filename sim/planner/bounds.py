@@ -31,11 +31,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from sim.engine.allreduce import data_parallel_group, group_allreduce_s
 from sim.catalog.hardware import Link, System
+from sim.engine.allreduce import data_parallel_group, group_allreduce_s
+from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, recomputes, virtual_stages_of_device
-from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 
 
 def replica_rows(batch_size: int, replicas: int, microbatches: int) -> list[int]:

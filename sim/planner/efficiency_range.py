@@ -19,8 +19,8 @@ from typing import Any, Callable
 from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE
 from sim.catalog.hardware import Link, System
 from sim.planner.search import PlanOption, simulate_candidate
-from sim.workloads.tensor_parallel import with_tensor_parallel
 from sim.planner.whatif import with_efficiency
+from sim.workloads.tensor_parallel import with_tensor_parallel
 from sim.workloads.workload import Workload
 
 

@@ -23,9 +23,9 @@ from typing import Callable, Sequence
 
 from sim.catalog.hardware import System
 from sim.engine.memory import peak_activation_bytes, peak_coefficients
-from sim.schedules.microbatch import split_rows
-from sim.planner.search import Candidate, choose_partition
 from sim.engine.stage_costs import CostTable, held_sizes, stage_bounds
+from sim.planner.search import Candidate, choose_partition
+from sim.schedules.microbatch import split_rows
 from sim.workloads.workload import Workload
 
 WITH_REMAT, WITHOUT_REMAT = "always", "never"

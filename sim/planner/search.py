@@ -24,19 +24,19 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
-from sim.engine.engine import SimResult, simulate
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import Link, System
+from sim.engine.engine import SimResult, simulate
 from sim.engine.memory import chunk_coefficients, peak_coefficients, peak_from_coefficients, static_bytes
-from sim.schedules.microbatch import split_rows
-from sim.planner.partition import min_max_partition, min_variance_partition
 from sim.engine.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from sim.errors import GpipeInputError
 from sim.planner.bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
+from sim.planner.partition import min_max_partition, min_variance_partition
+from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import (CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
                                     V_SHAPED_SCHEDULES, device_of_virtual_stage, recomputes_per_layer,
                                     virtual_stages_of_device)
-from sim.engine.stage_costs import CostTable, held_sizes, stage_bounds
 from sim.engine.range_memory import RangeMemory
+from sim.engine.stage_costs import CostTable, held_sizes, stage_bounds
 from sim.workloads.workload import Workload, shared_parameters
 
 __all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from sim.engine.engine import SimResult, simulate
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import System
-from sim.planner.search import Candidate, default_partition
+from sim.engine.engine import SimResult, simulate
 from sim.engine.stage_costs import CostTable
+from sim.errors import GpipeInputError
+from sim.planner.search import Candidate, default_partition
 from sim.workloads.workload import Workload
 
 

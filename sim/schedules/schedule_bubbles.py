@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from sim.engine.engine import simulate
 from sim.catalog.hardware import get_system
+from sim.engine.engine import simulate
 from sim.schedules.schedule import SCHEDULES, check_v_schedule, default_virtual_stages
 from sim.workloads.workload import UniformWorkload
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from sim.engine.engine import SimResult
 from sim.catalog.hardware import System
+from sim.engine.engine import SimResult
 from sim.engine.warm_up import IDLE_S
 
 GIB = 1 << 30

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import Device
+from sim.errors import GpipeInputError
 from sim.workloads.models import LAYER_OVERHEAD_S
 from sim.workloads.precision import DEFAULT_PRECISION, FP32_BYTES, precision_of
 from sim.workloads.workload import LayerCost, SharedParameter

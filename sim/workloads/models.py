@@ -62,10 +62,10 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from sim.engine.allreduce import ring_allreduce_s
-from sim.errors import GpipeInputError, did_you_mean
 from sim.catalog.hardware import Device, Link
 from sim.catalog.kernel_model import layer_times, ring_exposed_s
+from sim.engine.allreduce import ring_allreduce_s
+from sim.errors import GpipeInputError, did_you_mean
 from sim.workloads.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTIONS
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.workloads.precision import (DEFAULT_PRECISION, FP8_CAST_BYTES, FP32_BYTES, Precision, check_precision,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sim.formats.costs import load_costs_workload
 from sim.errors import GpipeInputError, did_you_mean
+from sim.formats.costs import load_costs_workload
 from sim.workloads.models import BUILTIN_MODELS, get_workload
 from sim.workloads.named_models import is_named, named_models, named_options
 from sim.workloads.workload import Workload

@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from sim.errors import GpipeInputError, require_positive
 from sim.catalog.hardware import Link, System
+from sim.errors import GpipeInputError, require_positive
 from sim.workloads.workload import Workload
 
 

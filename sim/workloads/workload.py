@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import Device
+from sim.errors import GpipeInputError
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sim.formats.costs import MeasuredWorkload
 from calibrate.measure.profile import Repeats, pool_identical, profile_model
 from executor.config import RunConfig
 from executor.models.build import build_model, example_batch, loss_function
 from executor.runtime.pipeline import LocalPipeline
-from sim.engine.engine import simulate
 from sim.catalog.hardware import get_system
+from sim.engine.engine import simulate
+from sim.formats.costs import MeasuredWorkload
 
 MODEL = "transformer"
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system
+from sim.errors import GpipeInputError
 from calibrate.measure.meta_profile import (_measure, fake_mode, parse_sample_shape, profile_layers, sample_of,
                                             torch_workload)
-from sim.workloads.models import get_workload
 from gpipe.workload_flags import resolve_workload
+from sim.workloads.models import get_workload
 
 OPTS = {"layers": 2, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 128}
 

@@ -6,11 +6,11 @@ import pytest
 
 from calibrate.report.report_html import loss_figure
 from calibrate.report.report_picture import picture_figure, write_png
-from sim.errors import GpipeInputError
-from sim.views.figures import compare_figure
 from sim.catalog.hardware import get_system
-from sim.workloads.models import get_workload
+from sim.errors import GpipeInputError
 from sim.planner.search import Candidate, simulate_candidate
+from sim.views.figures import compare_figure
+from sim.workloads.models import get_workload
 
 
 def test_the_timelines_go_left_and_the_loss_right():

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from gpipe.main import main
-from sim.formats.costs import write_costs
 from sim.catalog.hardware import SYSTEMS
+from sim.formats.costs import write_costs
 from sim.formats.plan import Plan, load_plan, save_plan
 from sim.workloads.precision import choose_precision
 from tests.helpers.in_process import gpipe

@@ -2,11 +2,11 @@ import argparse
 
 import pytest
 
-from gpipe.train import add_arguments, config_from_args, even_partition
 from executor.launch.agent import launch_config
+from executor.models.build import model_ref
+from gpipe.train import add_arguments, config_from_args, even_partition
 from sim.errors import GpipeInputError
 from sim.formats.plan import ModelRef, Plan, save_plan
-from executor.models.build import model_ref
 
 
 def parse(*argv):

@@ -9,12 +9,12 @@ import shlex
 import pytest
 
 from gpipe.main import build_parser, main
-from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE
-from sim.planner.efficiency_range import at_efficiency
-from sim.catalog.hardware import get_system
-from sim.workloads.models import get_workload
 from gpipe.plan_rows import compact_partition
+from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE
+from sim.catalog.hardware import get_system
+from sim.planner.efficiency_range import at_efficiency
 from sim.planner.search import search
+from sim.workloads.models import get_workload
 
 GPT = ["--model", "transformer", "--option", "layers=8", "--option", "d_model=768", "--option", "ff=3072",
        "--option", "heads=16", "--option", "seq=512", "--option", "vocab=5000", "--batch", "32", "--quiet"]

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from sim.views import progress
 from gpipe.main import SUBCOMMANDS, TOUR, build_parser, main, version
+from sim.views import progress
 
 GPIPE = [sys.executable, "-m", "gpipe.main"]
 REPLAY = ["replay", "benchmarks/published_runs/dev.json"]

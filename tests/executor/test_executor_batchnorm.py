@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from executor.runtime.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.config import RunConfig
 from executor.models.build import build_model
+from executor.runtime.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.runtime.pipeline import LocalPipeline
 
 CNN = {"layers": 2, "channels": 8, "image": 8}

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from executor.state import checkpoint
 from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
+from executor.state import checkpoint
 from sim.errors import GpipeInputError
 
 ADAMW = dict(model="mlp", options={"width": 32}, partition=(3, 5), batch_size=10, microbatches=3,

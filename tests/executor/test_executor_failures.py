@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from executor.launch import failures, nodes
 from executor.config import RunConfig
-from executor.launch.failures import PEER, RAISED, REMOTE, FailureRecord, Watchdog, pick_failure
+from executor.launch import failures, nodes
 from executor.launch.agent import LaunchOutcome, killed_by_signal
+from executor.launch.failures import PEER, RAISED, REMOTE, FailureRecord, Watchdog, pick_failure
 from sim.errors import GpipeInputError
 
 GLOO_PEER_GONE = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "

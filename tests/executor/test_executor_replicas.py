@@ -15,11 +15,11 @@ import os
 import pytest
 import torch
 
-from executor.state import state_file
-from executor.runtime.data import batch_for_step
 from executor.models.build import build_model, default_loss, loss_function
-from executor.runtime.optim import OptimSettings, make_optimizer, make_scheduler
 from executor.parallel.replicas import replica_rows
+from executor.runtime.data import batch_for_step
+from executor.runtime.optim import OptimSettings, make_optimizer, make_scheduler
+from executor.state import state_file
 from gpipe.main import main
 from tests.helpers.in_process import gpipe
 

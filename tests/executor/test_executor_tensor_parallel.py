@@ -23,11 +23,11 @@ import sys
 import pytest
 import torch
 
-from executor.state import state_file
 from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
-from sim.formats.plan import load_plan
+from executor.state import state_file
 from gpipe.main import main
+from sim.formats.plan import load_plan
 from tests.helpers.in_process import gpipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

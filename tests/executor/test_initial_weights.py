@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from executor.state import checkpoint, state_file
 from executor.config import RunConfig
-from executor.runtime.data import mix_seed
-from executor.models.initial_weights import FromFile, indexed, write_layers
 from executor.models.build import build_meta_model
+from executor.models.initial_weights import FromFile, indexed, write_layers
+from executor.runtime.data import mix_seed
 from executor.runtime.pipeline import LocalPipeline, prepare
+from executor.state import checkpoint, state_file
 from sim.errors import GpipeInputError
 from tests.helpers import user_init_models
 from tests.helpers.in_process import gpipe

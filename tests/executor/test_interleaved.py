@@ -22,13 +22,13 @@ import os
 import pytest
 import torch
 
-from executor.state import checkpoint
-from executor.runtime.chunks import ChunkedDevice
 from executor.config import RunConfig
-from gpipe.train import add_arguments, config_from_args
-from executor.runtime.data import split
 from executor.models.build import build_model
+from executor.runtime.chunks import ChunkedDevice
+from executor.runtime.data import split
 from executor.runtime.pipeline import LocalPipeline
+from executor.state import checkpoint
+from gpipe.train import add_arguments, config_from_args
 from sim.errors import GpipeInputError
 from sim.schedules.schedule import Kind, build_schedule
 from tests.helpers.in_process import gpipe

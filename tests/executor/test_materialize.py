@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.models.materialize import materialise
 from executor.models.build import build_meta_model, build_model
+from executor.models.materialize import materialise
 from executor.runtime.pipeline import LocalPipeline, prepare
 from sim.errors import GpipeInputError
 

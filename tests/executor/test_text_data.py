@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.runtime.data import batch_for_step
 from executor.models.build import build_model
+from executor.runtime.data import batch_for_step
 from executor.runtime.pipeline import LocalPipeline
 from executor.runtime.text_data import SHIPPED_TEXT, is_text_data, text_path
 from sim.errors import GpipeInputError

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from executor.config import RunConfig
-from executor.runtime.data import split
 from executor.models.build import build_model
+from executor.runtime.data import split
 from executor.runtime.pipeline import LocalPipeline
 from executor.runtime.stage import PipelineStage
 from tests.helpers import in_process

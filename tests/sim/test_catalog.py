@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
+from gpipe.plan import efficiency_kind
 from sim.catalog.hardware import DEFAULT_EFFICIENCY, GB, INFINITY_FABRIC, NVLINK5, SYSTEMS, TERA, get_system
 from sim.engine.allreduce import ring_allreduce_s
 from sim.engine.engine import simulate
 from sim.workloads.models import get_workload
-from gpipe.plan import efficiency_kind
 
 # Systems without an on-demand list price in the catalog (users pass --price-per-device-hour).
 UNPRICED = {"ideal", "cpu", "p100-pcie", "v100-nvlink", "gb200-nvl72", "tpu-v2", "tpu-v3", "tpu-v4", "tpu-v5e",

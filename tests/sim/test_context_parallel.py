@@ -6,11 +6,11 @@ import json
 import pytest
 
 from gpipe.main import main
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system
 from sim.catalog.kernel_model import ring_exposed_s
-from sim.workloads.models import get_workload
+from sim.errors import GpipeInputError
 from sim.formats.plan import load_plan
+from sim.workloads.models import get_workload
 from sim.workloads.tensor_parallel import with_tensor_parallel
 from tests.helpers import in_process
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sim.engine.engine import simulate
 from sim.catalog.hardware import FREE_LINK, Link, System, get_system
+from sim.engine.engine import simulate
 from sim.engine.memory import peak_activation_bytes
 from sim.engine.stage_costs import CostTable
 from sim.workloads.workload import UniformWorkload

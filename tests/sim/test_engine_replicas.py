@@ -4,14 +4,14 @@ from dataclasses import replace
 
 import pytest
 
+from sim.catalog.hardware import FREE_LINK, Link, System, get_system
 from sim.engine.allreduce import group_allreduce_s, ring_allreduce_s
 from sim.engine.engine import simulate
-from sim.errors import GpipeInputError
-from sim.catalog.hardware import FREE_LINK, Link, System, get_system
 from sim.engine.memory import peak_coefficients, peak_from_coefficients
-from sim.planner.search import Candidate, Partitions
 from sim.engine.stage_costs import CostTable
+from sim.errors import GpipeInputError
 from sim.formats.timeline import DP_ALLREDUCE, RECV_WAIT, SEND_ACTIVATION
+from sim.planner.search import Candidate, Partitions
 from sim.workloads.workload import UniformWorkload
 
 IDEAL = get_system("ideal")

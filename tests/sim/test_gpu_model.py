@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 
+from sim.catalog.hardware import get_system
+from sim.catalog.kernel_model import EFFICIENCY_FILE, KernelEfficiency, read_efficiencies
 from sim.engine.allreduce import exposed_allreduce_s, ring_allreduce_s
 from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
-from sim.catalog.hardware import get_system
-from sim.catalog.kernel_model import EFFICIENCY_FILE, KernelEfficiency, read_efficiencies
-from sim.workloads.models import get_workload
 from sim.planner.search import search
+from sim.workloads.models import get_workload
 from sim.workloads.tensor_parallel import with_tensor_parallel
 from tests.helpers import in_process
 

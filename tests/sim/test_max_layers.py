@@ -9,10 +9,10 @@ import pytest
 
 from gpipe.main import main
 from sim.catalog.hardware import get_system
-from sim.planner.max_layers import depth_limits, max_depth
-from sim.workloads.models import get_workload
-from sim.planner.search import Candidate, choose_partition
 from sim.engine.stage_costs import CostTable
+from sim.planner.max_layers import depth_limits, max_depth
+from sim.planner.search import Candidate, choose_partition
+from sim.workloads.models import get_workload
 
 
 def _system(capacity_bytes):

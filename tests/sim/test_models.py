@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import IDEAL_DEVICE, TPU_V3, get_system
+from sim.errors import GpipeInputError
 from sim.workloads.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
 from sim.workloads.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, AnalyticWorkload, get_workload
 from sim.workloads.precision import PRECISIONS

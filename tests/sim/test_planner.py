@@ -1,8 +1,8 @@
 import pytest
 from dataclasses import replace
 
-from sim.engine.engine import simulate
 from sim.catalog.hardware import get_system
+from sim.engine.engine import simulate
 from sim.workloads.models import get_workload
 from sim.planner.search import (balanced_bound_s, candidates, choose_partition, lower_bound_s, search,
                                 simulate_candidate)

@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.engine.engine import simulate
 from sim.catalog.hardware import FREE_LINK, Link, System, get_system
+from sim.engine.engine import simulate
 
 from tests.helpers.scenarios import ListWorkload
 

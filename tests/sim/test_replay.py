@@ -6,8 +6,8 @@ import os
 import pytest
 
 from gpipe.main import main
-from sim.evidence.replay import Replayed, load_runs, replay, summary
 from sim.errors import GpipeInputError
+from sim.evidence.replay import Replayed, load_runs, replay, summary
 from sim.workloads.models import get_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,14 +12,14 @@ import textwrap
 
 import pytest
 
-from sim.formats.costs import load_costs_workload, write_costs
 from executor.models.build import build_meta_model
 from executor.runtime.shapes import stage_module
 from gpipe.main import main
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import LOCAL_CPU
-from sim.workloads.optimizers import OPTIMIZER_SLOTS
+from sim.errors import GpipeInputError
+from sim.formats.costs import load_costs_workload, write_costs
 from sim.formats.plan import ModelRef, Plan, load_plan
+from sim.workloads.optimizers import OPTIMIZER_SLOTS
 
 FP32_BYTES = 4
 MODELS = {

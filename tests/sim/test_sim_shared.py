@@ -2,11 +2,11 @@
 
 import pytest
 
-from sim.engine.engine import ring_allreduce_s, simulate
+from gpipe.workload_flags import resolve_workload
 from sim.catalog.hardware import Link, get_system
+from sim.engine.engine import ring_allreduce_s, simulate
 from sim.formats.timeline import SHARED_ALLREDUCE
 from sim.workloads.workload import LayerCost, SharedParameter
-from gpipe.workload_flags import resolve_workload
 
 
 class Tied:

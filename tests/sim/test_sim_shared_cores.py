@@ -4,8 +4,8 @@ import pytest
 import simpy
 
 from sim.engine.engine import simulate
-from sim.errors import GpipeInputError
 from sim.engine.shared_cores import CoreSharing, SharedCores
+from sim.errors import GpipeInputError
 from sim.workloads.workload import UniformWorkload
 from tests.helpers.scenarios import IDEAL, spans
 

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from sim.engine.allreduce import ring_allreduce_s
 from gpipe.main import main
-from sim.engine.engine import simulate
 from sim.catalog.hardware import get_system
-from sim.workloads.models import get_workload, transformer_layers
+from sim.engine.allreduce import ring_allreduce_s
+from sim.engine.engine import simulate
 from sim.formats.plan import load_plan
+from sim.workloads.models import get_workload, transformer_layers
 from sim.workloads.precision import FP32_BYTES
 from sim.workloads.tensor_parallel import with_tensor_parallel
 

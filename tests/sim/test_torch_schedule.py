@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from gpipe.main import main
+from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
-from sim.catalog.hardware import get_system
-from sim.workloads.models import get_workload
-from sim.planner.partition import even_partition
 from sim.formats.plan import load_plan
+from sim.planner.partition import even_partition
 from sim.schedules.schedule import build_schedule
 from sim.schedules.torch_schedule import read_schedule_csv, schedule_shape, write_schedule_csv
+from sim.workloads.models import get_workload
 
 
 def torch_csv(path, schedule_class, stages: int, virtual: int, microbatches: int, v_shaped: bool = False) -> str:

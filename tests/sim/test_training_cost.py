@@ -5,11 +5,11 @@ import json
 import pytest
 
 from gpipe.main import main
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system
-from sim.workloads.models import get_workload
+from sim.errors import GpipeInputError
 from sim.planner.search import search
 from sim.planner.training_cost import format_token_count, model_flops_per_token, parse_token_count, training_cost
+from sim.workloads.models import get_workload
 
 GPT = {"layers": 8, "d_model": 768, "ff": 3072, "heads": 16, "seq": 512, "vocab": 5000, "precision": "bf16"}
 

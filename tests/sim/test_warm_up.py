@@ -8,8 +8,8 @@ import math
 import pytest
 
 from sim.engine.engine import simulate
-from sim.formats.timeline import Record
 from sim.engine.warm_up import IDLE_S, measured_paid_s, owed_s, paid_s
+from sim.formats.timeline import Record
 from tests.helpers.scenarios import IDEAL, GappedWorkload
 
 

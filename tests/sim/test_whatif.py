@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from sim.formats.costs import write_costs
-from sim.errors import GpipeInputError
 from sim.catalog.hardware import get_system
-from sim.workloads.models import get_workload
+from sim.errors import GpipeInputError
+from sim.formats.costs import write_costs
 from sim.planner.search import Candidate
 from sim.planner.whatif import efficiency_from_costs, simulate_candidate, with_efficiency
+from sim.workloads.models import get_workload
 
 SMALL = {"layers": 4, "d_model": 512, "ff": 2048, "heads": 8, "seq": 256, "vocab": 8000}
 
