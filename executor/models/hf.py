@@ -50,7 +50,8 @@ def _transformers():
     try:
         import transformers
     except ModuleNotFoundError:
-        raise GpipeInputError("Hugging Face models need the transformers package; pip install transformers") from None
+        raise GpipeInputError("Hugging Face models (hf:, hf-config:) need the transformers package; install it with "
+                              "pip install -e '.[hf]'") from None
     return transformers
 
 

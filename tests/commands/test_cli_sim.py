@@ -224,3 +224,14 @@ def test_the_executable_runs_exit_handlers_flushes_and_keeps_the_status(tmp_path
     assert refused.returncode == 2
     assert refused.stderr.splitlines() == ["gpipe: error: stages (K) must be a positive integer, got 0; use --stages "
                                            "1 or more"]
+
+
+def test_an_hf_model_without_transformers_says_how_to_install_it(monkeypatch, capsys):
+    """transformers is the optional extra ``hf``: without it, an hf: model is one line naming it."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails as if absent
+    for command in (["simulate", "--model", "hf:llama", "--stages", "2"],
+                    ["simulate", "--model", "hf:llama", "--stages", "2", "--tensor-parallel", "2",
+                     "--hardware", "h100-nvlink"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "transformers" in err[0] and "pip install -e '.[hf]'" in err[0], err
