@@ -8,7 +8,7 @@ there. This script takes the pipeline away to find what makes them slow: one pro
 the calibration's transformer (4 blocks, d_model 128, 2 rows of 32 tokens, as at M=16), a stage of
 the embedding alone, one block, or three blocks. Each repetition runs, for each wait length W, the
 pattern a 1F1B stage runs: a forward, a wait of W (polling with ``os.sched_yield`` as
-:mod:`executor.shm_transport`'s receivers do), its backward, the next forward, that forward's
+:mod:`executor.transport.shm_transport`'s receivers do), its backward, the next forward, that forward's
 backward; and, separately, a forward right after a wait. The wait lengths take turns within each
 repetition, so the machine's drift cancels; each figure is the median over repetitions.
 
@@ -45,8 +45,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from executor.models import build_model  # noqa: E402
-from sim.timeline import write_json_atomic  # noqa: E402
+from executor.models.build import build_model  # noqa: E402
+from sim.formats.timeline import write_json_atomic  # noqa: E402
 
 OPTIONS = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 ROWS = 2  # batch 32 in 16 micro-batches

@@ -7,15 +7,15 @@ held-out runs, so the difference between the variants is the model's, not the ma
 
 * ``affine, no gaps``: one scale and a per-action overhead per kind of action, fitted on every
   action alike (the fit before the gap and two-part terms), and no time between actions;
-* ``affine``: the same, with the measured gap after each kind of action (:mod:`sim.replica_run`);
+* ``affine``: the same, with the measured gap after each kind of action (:mod:`sim.engine.replica_run`);
 * ``two-part, F R B``: the profile's fixed part and the part that grows with rows scaled apart,
-  every design run weighing alike (:func:`calibrate.fit.fit_action`), gaps; one line per kind of
+  every design run weighing alike (:func:`calibrate.fit.least_squares.fit_action`), gaps; one line per kind of
   action of the schedule: every forward on one, a split backward's I and W at the whole backward's
   factor;
 * ``two-part, every round``: the same, and lines of their own for a forward that keeps its graph
   and for I and W (from the design's zb-h1 run), fitted on every round's point of every action;
 * ``two-part``: what ``gpipe calibrate`` fits: the same on one point per action of a design run,
-  its median over the rounds (:meth:`calibrate.calibration.ActionPoints.typical`).
+  its median over the rounds (:meth:`calibrate.fit.calibration.ActionPoints.typical`).
 
 Usage::
 
@@ -53,10 +53,10 @@ VARIANTS = ("affine, no gaps", "affine", "two-part, F R B", "two-part, every rou
 def measure(path: str) -> None:
     """Calibrate as ``gpipe calibrate`` does, keeping the design runs' reports, then run the held-out
     design; everything into ``path``."""
-    import calibrate.calibration as calibration
-    import calibrate.runs as runs
-    from calibrate.validate import validation_design
-    from sim.costs import MeasuredWorkload
+    import calibrate.fit.calibration as calibration
+    import calibrate.measure.runs as runs
+    from calibrate.validate.held_out import validation_design
+    from sim.formats.costs import MeasuredWorkload
 
     design_reports: list = []
     run_configs = runs.run_configs
@@ -87,10 +87,10 @@ def measure(path: str) -> None:
 
 def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -> dict:
     """The costs ``base`` measured, with the pipeline terms fitted as ``variant`` does."""
-    from calibrate.after_wait_probe import report_warm_up_factor
-    from calibrate.calibration import Observations, collect, fit_pipeline, fit_step_overhead
-    from calibrate.fit import fit_affine
-    from sim.costs import MeasuredWorkload
+    from calibrate.noise.after_wait_probe import report_warm_up_factor
+    from calibrate.fit.calibration import Observations, collect, fit_pipeline, fit_step_overhead
+    from calibrate.fit.least_squares import fit_affine
+    from sim.formats.costs import MeasuredWorkload
 
     data = copy.deepcopy(base)
     data.pop("fit_halves", None)  # the halves of the measured calibration's fit are not this variant's
@@ -119,10 +119,10 @@ def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -
 
 
 def compare_variants(path: str) -> dict:
-    from calibrate.calibration import calibration_design, design_entry, fit_halves
-    from calibrate.speed import run_probes, speed_factor
-    from calibrate.validate import compare, format_table, summarize, validation_design
-    from sim.costs import MeasuredWorkload
+    from calibrate.fit.calibration import calibration_design, design_entry, fit_halves
+    from calibrate.noise.speed import run_probes, speed_factor
+    from calibrate.validate.held_out import compare, format_table, summarize, validation_design
+    from sim.formats.costs import MeasuredWorkload
 
     with open(path) as handle:
         measured = json.load(handle)

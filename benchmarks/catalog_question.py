@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "catalog_question.json")
 HARDWARE = "a100-nvlink,h100-nvlink,h200-nvlink,b200-nvlink,mi300x,mi325x"  # the priced 8-GPU systems
@@ -55,7 +55,7 @@ def ask(command: list[str]) -> dict:
     """One command, timed on one core, and what it answered."""
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     started = time.perf_counter()
-    proc = subprocess.run([*pin, sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True)
+    proc = subprocess.run([*pin, sys.executable, "-m", "gpipe.main", *command], capture_output=True, text=True)
     wall_s = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(proc.stderr)

@@ -6,7 +6,7 @@ between two forwards: it copies its output into the message for the next stage (
 shared-memory send), runs its own loop, and waits. On the calibration's transformer the stage of
 the embedding alone forwards 16 rows in the pipeline in 168-234 us, against about 40 us in the
 profile's loop. This script takes the pipeline away and times that stage's forward (no graph, one
-thread, ``executor.host_allocator.keep_freed_memory`` as the executor's ranks set it) right after
+thread, ``executor.transport.host_allocator.keep_freed_memory`` as the executor's ranks set it) right after
 the previous one, after copying its output as a send does, and after streaming a buffer of a few
 MiB (what a larger stage's weights or another process would push through the shared caches), at
 2 to 16 rows. Median microseconds over the repetitions; the cases take turns within each repetition.
@@ -30,9 +30,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from executor.host_allocator import keep_freed_memory  # noqa: E402
-from executor.models import build_model  # noqa: E402
-from sim.timeline import write_json_atomic  # noqa: E402
+from executor.transport.host_allocator import keep_freed_memory  # noqa: E402
+from executor.models.build import build_model  # noqa: E402
+from sim.formats.timeline import write_json_atomic  # noqa: E402
 
 OPTIONS = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 ROWS = (2, 4, 8, 16)

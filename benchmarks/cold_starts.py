@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--model", "transformer", "--layers", "4", "--d-model", "128", "--ff", "512", "--heads", "4",
@@ -38,7 +38,7 @@ CONFIGURATIONS = [("1,5", "gpipe"), ("1,5", "1f1b"), ("3,3", "gpipe"), ("3,3", "
 def train_report(partition: str, schedule: str, microbatches: int, directory: str) -> dict:
     """One ``gpipe train`` of 10 steps; its report."""
     path = os.path.join(directory, "report.json")
-    command = [sys.executable, "-m", "sim.cli", "train", *MODEL, "--partition", partition, "--schedule", schedule,
+    command = [sys.executable, "-m", "gpipe.main", "train", *MODEL, "--partition", partition, "--schedule", schedule,
                "--microbatches", str(microbatches), "--steps", "10", "--report", path, "--quiet"]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(path) as handle:

@@ -2,7 +2,7 @@
 
 ``compute_bound_s``: the step the executor would take if everything but its measured compute were
 free. The step's own F, R and B durations (from the run's report) are placed on the schedule's
-dependency graph (:func:`sim.schedule.build_schedule`: each device runs its list in order; a forward
+dependency graph (:func:`sim.schedules.schedule.build_schedule`: each device runs its list in order; a forward
 needs the previous virtual stage's forward of that micro-batch, a backward the next virtual stage's
 backward), every device starting at 0, with hand-offs taking no time; the bound is the latest
 device's end plus its measured optimizer step. Contention between stages is in it (the durations
@@ -26,7 +26,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from sim.schedule import Action, Kind, build_schedule, walk_in_rounds
+from sim.schedules.schedule import Action, Kind, build_schedule, walk_in_rounds
 
 COMPUTE = {"F", "R", "B", "I", "W"}
 SENDS = {"send_act": Kind.FORWARD, "send_grad": Kind.BACKWARD}  # the span after the action that sends

@@ -2,7 +2,7 @@
 
 Each round clones the repository at HEAD into a new temporary folder and runs `make demo` there
 (set-up included, as a new user would). It records whether the calibration was refused, every
-correction stored in the costs file against its bounds (calibrate/design_checks.py), the fit's
+correction stored in the costs file against its bounds (calibrate/fit/design_checks.py), the fit's
 quality, and the demo's verdict line: one step error, within the step goal or flagged.
 
     .venv/bin/python benchmarks/demo_loop.py --rounds 10 --out benchmarks/results/demo_loop_cpu.json
@@ -22,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from calibrate.design_checks import out_of_bounds  # noqa: E402
+from calibrate.fit.design_checks import out_of_bounds  # noqa: E402
 
 
 def one_round(number: int) -> dict:

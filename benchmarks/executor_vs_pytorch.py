@@ -120,13 +120,13 @@ def _env(threads: int) -> dict[str, str]:
 def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int, transport: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report_path = os.path.join(tmp, "report.json")
-        from executor.cli import even_partition
-        from executor.models import model_ref
+        from gpipe.train import even_partition
+        from executor.models.build import model_ref
 
         replicas, stages, virtual = _shape(cfg)
         layers = model_ref(cfg["model"], cfg["options"]).num_layers
         partition = ",".join(map(str, _partition(cfg, layers, even_partition)))  # as the PyTorch side splits
-        argv = [sys.executable, "-m", "sim.cli", "train", "--model", cfg["model"], "--partition", partition,
+        argv = [sys.executable, "-m", "gpipe.main", "train", "--model", cfg["model"], "--partition", partition,
                 "--batch", str(cfg["batch"]), "--microbatches", str(cfg["microbatches"]), "--schedule", schedule,
                 "--checkpoint", "never", "--optimizer", "sgd", "--steps", str(steps), "--warmup-steps", str(warmup),
                 "--threads", str(threads), "--transport", transport, "--report", report_path]
@@ -189,17 +189,17 @@ def pytorch_worker(path: str) -> None:
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
     from torch.nn.parallel import DistributedDataParallel
 
-    from executor.cli import even_partition
-    from executor.data import batch_for_step
-    from executor.models import build_model, default_loss, loss_function
-    from executor.shapes import stage_module
-    from sim.schedule import virtual_stages_of_device
+    from gpipe.train import even_partition
+    from executor.runtime.data import batch_for_step
+    from executor.models.build import build_model, default_loss, loss_function
+    from executor.runtime.shapes import stage_module
+    from sim.schedules.schedule import virtual_stages_of_device
 
     with open(path) as handle:
         job = json.load(handle)
     torch.set_num_threads(job["threads"])
     if job.get("keep_freed_memory"):  # the host allocator setting gpipe's ranks run with
-        from executor.host_allocator import keep_freed_memory
+        from executor.transport.host_allocator import keep_freed_memory
 
         keep_freed_memory()
     replicas, stages, virtual = _shape(job)
@@ -218,7 +218,7 @@ def pytorch_worker(path: str) -> None:
     for index in indices:
         module = stage_module(model, partition, index)
         if parts > 1:  # the layer plan gpipe train uses, applied by torch's parallelize_module
-            from executor.tensor_parallel import parallelize_stage
+            from executor.parallel.tensor_parallel import parallelize_stage
 
             parallelize_stage(module, mesh["tp"])
         modules.append(module)
@@ -269,8 +269,8 @@ def pytorch_worker(path: str) -> None:
 def run_single(cfg: dict, steps: int, warmup: int, threads: int) -> float:
     import torch
 
-    from executor.data import batch_for_step
-    from executor.models import build_model, default_loss, loss_function
+    from executor.runtime.data import batch_for_step
+    from executor.models.build import build_model, default_loss, loss_function
 
     torch.set_num_threads(threads)
     model = build_model(cfg["model"], cfg["options"], 0)
@@ -299,7 +299,7 @@ def main() -> int:
                         help="alternate executor and PyTorch runs this many times; medians are reported")
     parser.add_argument("--pytorch-keep-freed-memory", action="store_true",
                         help="run PyTorch's workers with the host allocator setting gpipe's ranks use "
-                             "(executor.host_allocator), to see how much of the difference it explains")
+                             "(executor.transport.host_allocator), to see how much of the difference it explains")
     parser.add_argument("--transport", choices=("auto", "dist"), default="auto",
                         help="gpipe train's --transport (auto: shared memory between the ranks of this host)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "executor_vs_pytorch_all.json"))
@@ -346,7 +346,7 @@ def main() -> int:
               "command": "python benchmarks/executor_vs_pytorch.py " + " ".join(sys.argv[1:]),
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
               "pytorch_keep_freed_memory": args.pytorch_keep_freed_memory, "rows": rows}
-    from sim.timeline import write_json_atomic
+    from sim.formats.timeline import write_json_atomic
 
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")

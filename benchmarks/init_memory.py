@@ -2,9 +2,9 @@
 
 An 8-layer, 8192-wide MLP holds 8 x (8192 x 8192 + 8192) fp32 parameters, 2.1 GB; K=4, SGD. With
 ``--init factory`` (the default) the launcher builds ``factory()`` once, writes it to safetensors
-per layer and frees it, and each worker reads its two layers (executor.initial_weights); goals: each
+per layer and frees it, and each worker reads its two layers (executor.models.initial_weights); goals: each
 worker at most 0.8 x the model's bytes, the launcher at most 1.3 x. With ``--init meta`` no process
-builds the whole model (executor.materialize); goal: every process at most 0.8 x. This script runs
+builds the whole model (executor.models.materialize); goal: every process at most 0.8 x. This script runs
 the real command for each, samples the peak resident set (VmHWM in /proc/PID/status) of the
 launcher and every process under it (its fork server and the ranks forked from that) until they
 exit, and writes the figures with the goals.
@@ -22,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sim.timeline import write_json_atomic  # noqa: E402
+from sim.formats.timeline import write_json_atomic  # noqa: E402
 
 LAYERS, WIDTH, STAGES = 8, 8192, 4
 MODEL_BYTES = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
@@ -62,7 +62,7 @@ def _status(pid: int) -> tuple[str, int] | None:
 
 def measure(init: str) -> dict:
     """Run ``gpipe train --init INIT`` and sample every process's peak resident set."""
-    command = [sys.executable, "-m", "sim.cli", "train", "--model", "mlp", "--layers", str(LAYERS), "--width",
+    command = [sys.executable, "-m", "gpipe.main", "train", "--model", "mlp", "--layers", str(LAYERS), "--width",
                str(WIDTH), "--stages", str(STAGES), "--batch", "8", "--microbatches", "4", "--steps", "2",
                "--optimizer", "sgd", "--threads", "1", "--init", init]
     started = time.perf_counter()
@@ -81,7 +81,7 @@ def measure(init: str) -> dict:
         raise RuntimeError(output)
     rows = []
     for pid, (cmd, kib) in sorted(peaks.items()):
-        # the ranks are forked from the launcher's fork server (executor.launch): its command line, its children
+        # the ranks are forked from the launcher's fork server (executor.launch.agent): its command line, its children
         server = "multiprocessing.forkserver" in cmd and parents.get(pid) == launcher.pid
         rank = "multiprocessing.forkserver" in peaks.get(parents.get(pid, 0), ("", 0))[0]
         role = ("launcher" if pid == launcher.pid else "fork server" if server else "worker" if rank else "other")

@@ -28,7 +28,7 @@ STAGES = (1, 2, 4)
 
 def one_run(stages: int) -> dict[str, float]:
     """One ``gpipe train`` of one step: seconds to its first step line, to its exit, and CPU seconds."""
-    command = [sys.executable, "-m", "sim.cli", "train", "--model", "mlp", "--stages", str(stages), "--steps", "1"]
+    command = [sys.executable, "-m", "gpipe.main", "train", "--model", "mlp", "--stages", str(stages), "--steps", "1"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

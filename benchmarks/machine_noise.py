@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "machine_noise.json")
 WINDOWS_S = (0.5, 2.0, 10.0)

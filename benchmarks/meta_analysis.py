@@ -16,12 +16,12 @@ SIZES = {"1.1B": (24, 1792, 14), "81B": (100, 8192, 64)}
 
 
 def measure(layers: int, d_model: int, heads: int) -> dict:
-    from calibrate.meta_profile import torch_workload
+    from calibrate.measure.meta_profile import torch_workload
 
     started = time.perf_counter()
     w = torch_workload("transformer", {"layers": layers, "d_model": d_model, "ff": 4 * d_model,
                                        "heads": heads, "seq": 2048, "vocab": 50304})
-    w.layer_costs(8, __import__("sim.hardware", fromlist=["get_system"]).get_system("h100-nvlink").device)
+    w.layer_costs(8, __import__("sim.catalog.hardware", fromlist=["get_system"]).get_system("h100-nvlink").device)
     return {"parameters": w.parameter_count, "analysis_s": time.perf_counter() - started,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -37,7 +37,7 @@ def main() -> None:
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         print(name, results[name])
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "meta_analysis.json")
-    from sim.timeline import write_json_atomic
+    from sim.formats.timeline import write_json_atomic
 
     write_json_atomic(path, results)
 

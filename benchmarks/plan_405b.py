@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "plan_405b.json")
 SHAPE = {"num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128,
@@ -34,7 +34,7 @@ def run(top: int, pin: list[str]) -> dict:
     """One timed command: ``--top`` plans ranked (each of them simulated in full)."""
     command = [*COMMAND, "--top", str(top)]
     started = time.perf_counter()
-    proc = subprocess.run([*pin, sys.executable, "-m", "sim.cli", *command], capture_output=True, text=True)
+    proc = subprocess.run([*pin, sys.executable, "-m", "gpipe.main", *command], capture_output=True, text=True)
     wall_s = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(proc.stderr)

@@ -13,9 +13,9 @@ import os
 import statistics
 import sys
 
-from calibrate.calibration import RunSpec, run_config
-from calibrate.runs import run_configs
-from sim.timeline import write_json_atomic
+from calibrate.fit.calibration import RunSpec, run_config
+from calibrate.measure.runs import run_configs
+from sim.formats.timeline import write_json_atomic
 
 MODEL = ("transformer", {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256})
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "repeatability.json")

@@ -2,7 +2,7 @@
 
 Why: the simulator starts a data-parallel all-reduce later by the expected slowest of D replicas,
 from the step-to-step deviations calibration measures between the two stages of its K = 2 runs
-(:mod:`sim.stragglers`). Held out, the D = 2, K = 1 run's replicas waited 0.5-1.1 ms a step for
+(:mod:`sim.engine.stragglers`). Held out, the D = 2, K = 1 run's replicas waited 0.5-1.1 ms a step for
 each other in the validations of one VM, 7.4 ms in one of another, against an allowance of
 2.5-4.9 ms. This script measures how much of that is the moment: it trains the calibration's
 transformer (4 blocks, d_model 128, batch 32, SGD, ``--checkpoint except_last``, M = 3) with
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from sim.timeline import write_json_atomic
+from sim.formats.timeline import write_json_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--model", "transformer", "--layers", "4", "--d-model", "128", "--ff", "512", "--heads", "4",
@@ -57,7 +57,7 @@ def core_speeds() -> list[float] | None:
 def one_run(directory: str, steps: int) -> dict[str, object]:
     """One ``gpipe train`` of the two replicas; each replica's compute and all-reduce span per step."""
     path = os.path.join(directory, "report.json")
-    command = [sys.executable, "-m", "sim.cli", "train", *MODEL, "--stages", "1", "--replicas", "2",
+    command = [sys.executable, "-m", "gpipe.main", "train", *MODEL, "--stages", "1", "--replicas", "2",
                "--microbatches", "3", "--steps", str(steps), "--report", path, "--quiet"]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(path) as handle:

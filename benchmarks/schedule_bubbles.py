@@ -1,10 +1,10 @@
 """Every schedule's bubble against M on the textbook model: the table and the figure of docs/training.md.
 
 K = 4 devices with free links, 2K identical layers (forward 1 ms, backward 2 ms of which the weight
-gradients are half), M from 4 to 32 (:mod:`sim.schedule_bubbles`). Writes the points to
+gradients are half), M from 4 to 32 (:mod:`sim.schedules.schedule_bubbles`). Writes the points to
 ``benchmarks/results/schedule_bubbles.json`` and prints them; ``--png FILE`` also renders the plotly
-figure (:func:`sim.figures.schedules_bubble_figure`) through Kaleido, as the demo's picture is
-rendered (``calibrate/report_picture.py``: ``pip install kaleido==0.2.1``).
+figure (:func:`sim.views.figures.schedules_bubble_figure`) through Kaleido, as the demo's picture is
+rendered (``calibrate/report/report_picture.py``: ``pip install kaleido==0.2.1``).
 
     .venv/bin/python benchmarks/schedule_bubbles.py [--png docs/schedule_bubbles.png]
 """
@@ -19,9 +19,9 @@ from dataclasses import asdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sim.figures import schedules_bubble_figure  # noqa: E402
-from sim.schedule_bubbles import DEFAULT_MICROBATCHES, schedule_bubbles  # noqa: E402
-from sim.timeline import write_json_atomic  # noqa: E402
+from sim.views.figures import schedules_bubble_figure  # noqa: E402
+from sim.schedules.schedule_bubbles import DEFAULT_MICROBATCHES, schedule_bubbles  # noqa: E402
+from sim.formats.timeline import write_json_atomic  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "schedule_bubbles.json")
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(args.out, {"stages": args.stages, "points": [asdict(p) for p in points],
                                  "command": "python benchmarks/schedule_bubbles.py " + " ".join(argv or sys.argv[1:])})
     if args.png:
-        from calibrate.report_picture import write_png
+        from calibrate.report.report_picture import write_png
 
         figure = schedules_bubble_figure(points, args.stages)
         figure.update_layout(width=1400, height=560)

@@ -15,12 +15,12 @@ import time
 
 import numpy as np
 
-from sim.engine import simulate
-from sim.hardware import get_system
-from sim.models import get_workload
-from sim.planner import default_replica_options, default_stage_options, search
-from sim.timeline import write_json_atomic
-from sim.workload import UniformWorkload
+from sim.catalog.hardware import get_system
+from sim.engine.engine import simulate
+from sim.formats.timeline import write_json_atomic
+from sim.planner.search import default_replica_options, default_stage_options, search
+from sim.workloads.models import get_workload
+from sim.workloads.workload import UniformWorkload
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "sim_speed.json")
 

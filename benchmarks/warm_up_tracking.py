@@ -2,12 +2,12 @@
 
 Why: a one-layer stage that waits before nearly every backward (the embedding stage of [1,5] under
 1F1B) has a third to nearly half of its predicted busy time in the warm-up after long waits
-(:mod:`sim.warm_up`), and the loss a wait costs moves 3-4x within minutes on this machine. ``gpipe
+(:mod:`sim.engine.warm_up`), and the loss a wait costs moves 3-4x within minutes on this machine. ``gpipe
 validate`` scales each stage's predicted warm-up to the after-wait probe taken around its run
-(:mod:`calibrate.after_wait_probe`). This script checks that the probe carries the information:
+(:mod:`calibrate.noise.after_wait_probe`). This script checks that the probe carries the information:
 it runs three held-out-like configurations of the calibration's transformer (``[1,5]`` 1F1B at M=6
 and M=16, ``[3,3]`` 1F1B at M=6) in interleaved rounds through the same launcher calibration uses
-(:func:`calibrate.runs.run_configs`, every rank probing speed and after-wait loss just before and
+(:func:`calibrate.measure.runs.run_configs`, every rank probing speed and after-wait loss just before and
 after each run), and fits, per stage, its raw busy seconds per step over the rounds two ways: as a
 multiple of the speed factor alone (``busy = c v``, what the reference speed assumes) and as
 compute that follows the speed plus a warm-up that follows the probe (``busy = c v + w f``). Where
@@ -37,12 +37,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from calibrate.after_wait_probe import run_after_wait_probes, warm_up_factor  # noqa: E402
-from calibrate.calibration import RunSpec, predict, run_config  # noqa: E402
-from calibrate.runs import run_configs  # noqa: E402
-from calibrate.speed import run_probes, speed_factor  # noqa: E402
+from calibrate.noise.after_wait_probe import run_after_wait_probes, warm_up_factor  # noqa: E402
+from calibrate.fit.calibration import RunSpec, predict, run_config  # noqa: E402
+from calibrate.measure.runs import run_configs  # noqa: E402
+from calibrate.noise.speed import run_probes, speed_factor  # noqa: E402
 from sim.errors import GpipeInputError  # noqa: E402
-from sim.timeline import write_json_atomic  # noqa: E402
+from sim.formats.timeline import write_json_atomic  # noqa: E402
 
 SPECS = [RunSpec((1, 5), 6, "except_last", "1f1b", 32), RunSpec((1, 5), 16, "never", "1f1b", 32),
          RunSpec((3, 3), 6, "never", "1f1b", 32)]

@@ -2,7 +2,7 @@
 
 The costs file's model (the 4-block transformer of ``benchmarks/calibration_accuracy.sh``) with
 K = 2 stages and M = 8 micro-batches, checkpoint ``never``, trained by the executor with each
-schedule in alternating order inside the same launches (``calibrate.runs``: one torchrun launch
+schedule in alternating order inside the same launches (``calibrate.measure.runs``: one torchrun launch
 runs the configurations one after the other, so all see the same drifts of a shared machine), and
 predicted by the simulator from a calibration's costs file (``--costs``; a profile with I and W
 timed apart prices the split backward as measured, an older one at half the backward of a layer
@@ -24,9 +24,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from calibrate.calibration import RunSpec, predict, run_config  # noqa: E402
-from calibrate.runs import run_configs  # noqa: E402
-from sim.timeline import write_json_atomic  # noqa: E402
+from calibrate.fit.calibration import RunSpec, predict, run_config  # noqa: E402
+from calibrate.measure.runs import run_configs  # noqa: E402
+from sim.formats.timeline import write_json_atomic  # noqa: E402
 
 COSTS = os.path.join(ROOT, "benchmarks", "results", "calibration_costs_cpu.json")
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "zero_bubble.json")

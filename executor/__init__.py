@@ -1,6 +1,9 @@
 """The real GPipe executor: one process per stage on torch.distributed, or all stages in one process.
 
-Modules: models (torch models), data (batches per step, micro-batch split), stage (one stage's
-actions), transport (point-to-point), pipeline (setup and the in-process pipeline), worker (a rank's
-entry point), launch and rank_process (starting the ranks), cli (``gpipe train``). Importing this package does not import torch.
+The rooms: :mod:`executor.runtime` (a stage's actions, the schedule's loop, data, memory, the
+report), :mod:`executor.transport` (point-to-point sends, shared memory), :mod:`executor.parallel`
+(replicas, tensor parallelism, shared parameters), :mod:`executor.models` (the torch models),
+:mod:`executor.state` (checkpoints) and :mod:`executor.launch` (starting the ranks); at the top,
+:mod:`executor.config` (a run's configuration) and :mod:`executor.device` (the one module that
+touches the device). Importing this package does not import torch.
 """

@@ -11,21 +11,21 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from sim.engine.placement import DEFAULT_PLACEMENT
 from sim.errors import GpipeInputError, require_positive
-from sim.optimizers import DEFAULT_OPTIMIZER
-from sim.placement import DEFAULT_PLACEMENT
-from sim.plan import ModelRef, Plan
-from sim.precision import DEFAULT_PRECISION, check_precision
-from sim.microbatch import split_rows
-from sim.schedule import (MULTI_CHUNK_SCHEDULES, check_interleaving, check_split_backward, check_v_schedule,
-                          check_virtual_stages)
-from sim.timeline import write_json_atomic
+from sim.formats.plan import ModelRef, Plan
+from sim.schedules.microbatch import split_rows
+from sim.workloads.optimizers import DEFAULT_OPTIMIZER
+from sim.workloads.precision import DEFAULT_PRECISION, check_precision
+from sim.schedules.schedule import (MULTI_CHUNK_SCHEDULES, check_interleaving, check_split_backward, check_v_schedule,
+                                    check_virtual_stages)
+from sim.formats.timeline import write_json_atomic
 
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
 ANALYSIS_OPTIONS = ("dtype", "precision", "optimizer_slots", "optimizer", "input_shape")
 
 if TYPE_CHECKING:
-    from executor.optim import OptimSettings
+    from executor.runtime.optim import OptimSettings
 
 DEVICES = ("cpu", "cuda")
 
@@ -44,7 +44,7 @@ class RunConfig:
     checkpoint: str = "except_last"
     seed: int = 0
     loss: str = ""  # "" = the model's default
-    optimizer: str = DEFAULT_OPTIMIZER  # sgd | adam | adamw (torch.optim); see executor.optim
+    optimizer: str = DEFAULT_OPTIMIZER  # sgd | adam | adamw (torch.optim); see executor.runtime.optim
     lr: float = 0.01  # peak learning rate
     weight_decay: float = 0.0  # torch.optim's: L2 for sgd and adam, decoupled for adamw
     clip_grad_norm: float | None = None  # max L2 norm over all stages' gradients; None: no clipping
@@ -66,12 +66,12 @@ class RunConfig:
     timeout_s: float = 300.0  # process-group timeout: a stuck receive fails after this
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
-    precision: str = DEFAULT_PRECISION  # fp32, or bf16: autocast compute, fp32 weights (executor.precision)
+    precision: str = DEFAULT_PRECISION  # fp32, or bf16: autocast compute, fp32 weights (executor.runtime.precision)
     replicas: int = 1  # D data-parallel copies of the pipeline; batch_size is the global batch
     virtual_stages: int = 1  # V chunks per device (interleaved schedule); partition has V*K entries
     zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
-    placement: str = DEFAULT_PLACEMENT  # sim.placement: which rank runs which replica's stage
-    tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.tensor_parallel)
+    placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which rank runs which replica's stage
+    tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.parallel.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
     transport: str = "auto"  # stage messages: auto (shared memory between CPU ranks of one host), or dist (gloo/NCCL)
     progress: bool = False  # set by gpipe train: the reporting rank draws a bar over the steps (a terminal watches)
@@ -99,7 +99,7 @@ class RunConfig:
         check_precision(self.precision, trained=True)
         if self.transport not in TRANSPORTS:
             raise GpipeInputError(f"unknown --transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
-        from executor.initial_weights import check_init
+        from executor.models.initial_weights import check_init
 
         check_init(self.init)
         if self.checkpoint == "selective" and self.model != "transformer":
@@ -108,7 +108,7 @@ class RunConfig:
         if self.model == "transformer" and self.options.get("attention") == "fused":
             raise GpipeInputError("attention=fused is Megatron-LM's fused softmax kernel, a planning option: the "
                                   "executor trains attention=eager (the same arithmetic) or attention=flash")
-        from executor.replicas import check_data_parallel
+        from executor.parallel.replicas import check_data_parallel
 
         check_data_parallel(self)
         self.check_virtual_stages()
@@ -147,7 +147,7 @@ class RunConfig:
         return [len(split_rows(rows, self.microbatches)) for rows in split_rows(self.batch_size, self.replicas)]
 
     def optim_settings(self) -> "OptimSettings":
-        from executor.optim import OptimSettings
+        from executor.runtime.optim import OptimSettings
 
         return OptimSettings(optimizer=self.optimizer, lr=self.lr, weight_decay=self.weight_decay,
                              clip_grad_norm=self.clip_grad_norm, lr_schedule=self.lr_schedule,

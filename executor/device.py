@@ -1,7 +1,7 @@
 """Everything device-specific the executor and calibration do, behind one small interface.
 
 ``executor/`` and ``calibrate/`` ask :func:`device_api` for the run's device kind (``cpu`` or
-``cuda``) and call nothing device-specific themselves (``tests/test_device.py`` holds that with an
+``cuda``) and call nothing device-specific themselves (``tests/executor/test_device.py`` holds that with an
 AST check): the collective backend, which device a rank computes on, waiting for queued work,
 timing events, peak allocated memory and its reset, the accelerator's random generators, and how
 many ranks a host runs one device each.
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from executor.host_allocator import keep_freed_memory
+from executor.transport.host_allocator import keep_freed_memory
 from sim.errors import GpipeInputError
 
 
@@ -44,7 +44,7 @@ class CpuDevice:
 
     def prepare_process(self) -> bool:
         """Process-wide settings a rank computes with, set once before its first tensor: the host
-        allocator keeps freed blocks for the next step (:mod:`executor.host_allocator`). Profiling
+        allocator keeps freed blocks for the next step (:mod:`executor.transport.host_allocator`). Profiling
         processes set the same, so that calibrated costs are those of the executor's processes."""
         return keep_freed_memory()
 

@@ -1,0 +1,1 @@
+"""Fitting the simulator's costs on what was measured: least squares, the calibration, checks."""

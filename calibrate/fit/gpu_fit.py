@@ -1,0 +1,167 @@
+"""Fit each GPU's kernel fractions (:mod:`sim.catalog.kernel_model`) on the development set of published runs.
+
+The development set (``benchmarks/published_runs/dev.json``) is the only GPU truth a fit may see:
+whole-step times of runs (``runs``, replayed as ``gpipe replay`` does) and one transformer layer's
+forward and backward times (``layer_times``). Every other published run is kept for validation, and
+this module reads no file but the one it is given.
+
+Per device, the fractions a development row constrains are fitted by least squares on the log of
+predicted over measured (a relative error, symmetric in over- and under-prediction), within bounds
+that keep each a physical fraction. A fraction no row of a device constrains is tied, and the file
+says to what:
+
+- the A100 rows (Korthikanti et al. 2022, Narayanan et al. 2021) fit its matmul, memory-bound,
+  collective and optimizer fractions and the per-matmul launch time (the per-layer times constrain
+  the first four terms, the step times what lies outside the layers, chiefly the optimizer step);
+  they run no flash attention, so its attention fraction is tied to its matmul fraction;
+- the one H100 row (Nemotron-4 15B) fits the H100's matmul fraction alone, which a single step time
+  determines exactly; its flash attention is tied to that fraction and its memory-bound, collective,
+  optimizer and launch terms to the A100's fit. Its development error is therefore zero by construction; only
+  the validation set says how well the H100 is modelled.
+
+Limits: three configurations of two devices; the fractions absorb whatever the kernel model leaves
+out (concurrent streams, wave quantisation, Megatron's bf16 residual stream, which the simulator
+keeps in fp32 as torch autocast does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from sim.catalog.hardware import get_system
+from sim.catalog.kernel_model import KernelEfficiency
+from sim.errors import GpipeInputError
+from sim.evidence.replay import Resolve, replay
+from sim.formats.timeline import read_json
+from sim.workloads.tensor_parallel import with_tensor_parallel
+
+# Starting point and bounds of each fitted term (fractions of peak; seconds per matmul kernel)
+START = {"matmul": 0.7, "memory": 0.7, "collective": 0.7, "optimizer": 0.7, "matmul_launch_s": 10e-6}
+BOUNDS = {"matmul": (0.05, 1.0), "memory": (0.05, 1.0), "collective": (0.05, 1.0), "optimizer": (0.05, 1.0),
+          "matmul_launch_s": (0.0, 100e-6)}
+LAYER_KEYS = ("id", "hardware", "model", "options", "tensor_parallel", "sequence_parallel", "microbatch_size",
+              "precision", "checkpoint", "forward_ms", "backward_ms")
+
+
+@dataclass
+class Target:
+    """One measured figure of the development set and how to predict it from a device's fractions."""
+
+    id: str
+    hardware: str
+    measured_s: float
+    predict: Callable[[KernelEfficiency], float]
+
+
+def load_development_set(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The runs and layer times of a development file; one line naming what is missing."""
+    from sim.evidence.replay import load_runs
+
+    runs = load_runs(path)
+    data = read_json(path, "development set", "give benchmarks/published_runs/dev.json")
+    layers = data.get("layer_times", [])
+    for index, row in enumerate(layers):
+        missing = [key for key in LAYER_KEYS if key not in row]
+        if missing:
+            raise GpipeInputError(f"layer_times[{index}] of {path!r} has no {', '.join(missing)}")
+    return runs, layers
+
+
+def layer_seconds(row: dict[str, Any], kernels: KernelEfficiency) -> tuple[float, float]:
+    """One transformer block's forward and backward (with its policy's recompute) for ``row``."""
+    from sim.workloads.models import get_workload
+
+    system = get_system(row["hardware"], 1, kernels)
+    workload = get_workload(row["model"], {**row["options"], "precision": row["precision"]})
+    workload, groups = with_tensor_parallel(workload, system, int(row["tensor_parallel"]),
+                                            bool(row["sequence_parallel"]))
+    block = workload.layer_costs(int(row["microbatch_size"]), groups.device)[1]
+    backward_s = block.backward_s
+    if row["checkpoint"] == "full":
+        backward_s += block.recompute_s
+    elif row["checkpoint"] == "selective":
+        backward_s += block.core_recompute_s
+    return block.forward_s, backward_s
+
+
+def targets(runs: Sequence[dict[str, Any]], layers: Sequence[dict[str, Any]], resolve: Resolve) -> list[Target]:
+    out = []
+    for run in runs:
+        def whole(kernels: KernelEfficiency, run=run) -> float:
+            result = replay(run, resolve, {run["hardware"]: kernels})
+            if not result.modelled:
+                raise GpipeInputError(f"development run {run['id']!r} is not modelled: {result.reason}")
+            return float(result.predicted_step_s)  # type: ignore[arg-type]
+        out.append(Target(run["id"], run["hardware"], float(run["measured_step_s"]), whole))
+    for row in layers:
+        out.append(Target(row["id"] + ":forward", row["hardware"], row["forward_ms"] / 1e3,
+                          lambda k, row=row: layer_seconds(row, k)[0]))
+        out.append(Target(row["id"] + ":backward", row["hardware"], row["backward_ms"] / 1e3,
+                          lambda k, row=row: layer_seconds(row, k)[1]))
+    return out
+
+
+def fit_device(device_targets: Sequence[Target], free: Sequence[str], base: KernelEfficiency) -> KernelEfficiency:
+    """``base`` with the ``free`` terms fitted on ``device_targets``; attention follows matmul."""
+    def kernels_of(x: np.ndarray) -> KernelEfficiency:
+        values = dict(zip(free, (float(v) for v in x)))
+        kernels = replace(base, **values)
+        return replace(kernels, attention=kernels.matmul)
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        kernels = kernels_of(x)
+        return np.array([math.log(t.predict(kernels) / t.measured_s) for t in device_targets])
+
+    x0 = np.array([getattr(base, key) for key in free])
+    lower = np.array([BOUNDS[key][0] for key in free])
+    upper = np.array([BOUNDS[key][1] for key in free])
+    scale = np.array([1e-5 if key == "matmul_launch_s" else 0.1 for key in free])
+    solution = least_squares(residuals, x0, bounds=(lower, upper), x_scale=scale, diff_step=1e-3)
+    return kernels_of(solution.x)
+
+
+def fit(path: str, resolve: Resolve) -> dict[str, Any]:
+    """The efficiency file's content: per device its fractions, and every development row's error."""
+    runs, layers = load_development_set(path)
+    all_targets = targets(runs, layers, resolve)
+    by_hardware: dict[str, list[Target]] = {}
+    for t in all_targets:
+        by_hardware.setdefault(t.hardware, []).append(t)
+    unknown = set(by_hardware) - {"a100-nvlink", "h100-nvlink"}
+    if unknown:
+        raise GpipeInputError(f"no fitting rule for {', '.join(sorted(unknown))}: the development set's hardware is "
+                              "a100-nvlink and h100-nvlink")
+    start = KernelEfficiency(attention=START["matmul"], **START)
+    a100 = fit_device(by_hardware["a100-nvlink"], ("matmul", "memory", "collective", "optimizer", "matmul_launch_s"),
+                      start)
+    a100 = replace(a100, source=f"fitted on {_ids(by_hardware['a100-nvlink'])} of {path}",
+                   tied=("attention = matmul (no flash attention among the A100 rows)",))
+    fitted = {"a100-nvlink": a100}
+    if "h100-nvlink" in by_hardware:
+        h100 = fit_device(by_hardware["h100-nvlink"], ("matmul",), replace(a100, matmul=START["matmul"]))
+        fitted["h100-nvlink"] = replace(
+            h100, source=f"fitted on {_ids(by_hardware['h100-nvlink'])} of {path}",
+            tied=("attention = matmul", "memory, collective, optimizer and matmul_launch_s = the A100's fit (one H100 row "
+                  "determines one fraction)"))
+    rows = [{"id": t.id, "hardware": t.hardware, "measured_s": t.measured_s,
+             "predicted_s": t.predict(fitted[t.hardware]),
+             "error": t.predict(fitted[t.hardware]) / t.measured_s - 1} for t in all_targets]
+    devices = {get_system(name).device.name: kernels.to_dict() for name, kernels in fitted.items()}
+    return {"about": "Achieved fractions of peak by kind of kernel (sim/catalog/kernel_model.py), fitted by gpipe fit-gpu "
+                     "on the development set alone; regenerate with: gpipe fit-gpu benchmarks/published_runs/dev.json "
+                     "--out sim/catalog/gpu_efficiency.json",
+            "devices": devices, "development_rows": rows}
+
+
+def _ids(device_targets: Sequence[Target]) -> str:
+    seen: list[str] = []
+    for t in device_targets:
+        name = t.id.split(":")[0]
+        if name not in seen:
+            seen.append(name)
+    return ", ".join(seen)

@@ -1,0 +1,1 @@
+"""Measuring torch models and this machine: layer profiles, links, collectives, executor runs."""

@@ -1,0 +1,1 @@
+"""Predictions against measured runs the fit never saw, and the spread across calibrations."""

@@ -1,0 +1,1 @@
+"""Data and tensor parallelism: replicas and their all-reduce, tensor-parallel styles, sharing."""

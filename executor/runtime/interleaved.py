@@ -1,0 +1,191 @@
+"""Multi-chunk schedules over ``torch.distributed``: one process per device, V chunks in each.
+
+Rank d builds its chunks, virtual stages d, d+K, ..., d+(V-1)K under the interleaved schedule and
+d, 2K-1-d under the V-shaped ones (:mod:`executor.runtime.chunks`, :func:`sim.schedules.schedule.device_of_virtual_stage`),
+and joins them with the chunks of the other ranks:
+
+* activations of virtual stage s go to the rank of s+1 and gradients to the rank of s-1 (in a loop,
+  from rank K-1 the activations wrap to rank 0 between chunks; in a V they turn on rank K-1). Every
+  virtual boundary b (s = b to b+1) between two ranks gets two process groups of its two ranks, one
+  per direction, as the boundaries of one chunk per device do
+  (:func:`executor.transport.p2p.boundary_groups`): on every communicator messages flow one way, in the
+  order both ends' lists put them, and a message's tensors are tagged (micro-batch x tensors +
+  index), so (group, tag) is unique per (virtual boundary, micro-batch, tensor).
+* a boundary whose two virtual stages are on one rank (every boundary with K = 1; the turn of a V)
+  hands over through in-process mailboxes, never through a process group.
+* a parameter several chunks share (a tied embedding and head) is summed over the rank's own
+  copies first, then over the ranks that hold a copy (one group per shared parameter, reduced in
+  the order of its first layer on every rank, as :mod:`executor.parallel.sharing` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from executor.config import RunConfig
+from executor.parallel.sharing import SharedGroup
+from executor.runtime.chunks import ChunkedDevice
+from executor.runtime.pipeline import Prepared, make_stage
+from executor.runtime.recording import Recorder
+from executor.runtime.stage import PipelineStage
+from executor.transport.p2p import ACT, GRAD, DistTransport, LocalMailboxes, LocalTransport, Transport
+from executor.transport.shm_transport import HostLinks, host_links
+from sim.schedules.schedule import device_of_virtual_stage, virtual_stages_of_device
+
+if TYPE_CHECKING:
+    from executor.parallel.replicas import Layout
+
+
+def virtual_boundary_groups(devices: int, virtual_stages: int,
+                            schedule: str = "interleaved") -> dict[tuple[int, str], dist.ProcessGroup]:
+    """Two groups per virtual boundary b between two ranks (those of virtual stages b and b+1).
+
+    Every rank must call this, in the same order, since ``new_group`` is collective. Needs K > 1.
+    """
+    groups = {}
+    for b in range(devices * virtual_stages - 1):
+        ranks = sorted({device_of_virtual_stage(b, devices, schedule), device_of_virtual_stage(b + 1, devices, schedule)})
+        if len(ranks) == 1:
+            continue  # the turn of a V: in process
+        for channel in (ACT, GRAD):
+            groups[(b, channel)] = dist.new_group(ranks)
+    return groups
+
+
+class ChunkTransport(DistTransport):
+    """Point-to-point for one chunk: ``stage`` is its virtual stage, its peers the ranks of the
+    neighbouring virtual stages, over the groups of :func:`virtual_boundary_groups` (or of
+    :func:`executor.parallel.replicas.build_layout` for one of several replicas, ``ranks`` then giving the
+    global rank of each device of the replica). A neighbour on this rank (the turn of a V) is
+    reached through ``local``, the rank's in-process mailboxes."""
+
+    def __init__(self, virtual_stage: int, devices: int, groups: dict[tuple[int, str], dist.ProcessGroup],
+                 device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
+                 ranks: Sequence[int] | None = None, links: "HostLinks | None" = None,
+                 schedule: str = "interleaved", local: LocalTransport | None = None) -> None:
+        super().__init__(virtual_stage, groups, device, pipeline_group, ranks, links)
+        self.devices = devices
+        self.schedule = schedule
+        self.local = local
+        # (channel, incoming) whose neighbouring virtual stage runs on this rank: fixed, so found once
+        # (only neighbours that exist are ever asked for)
+        here = device_of_virtual_stage(virtual_stage, devices, schedule)
+        self._on_this_rank = {
+            (channel, incoming) for channel in (ACT, GRAD) for incoming in (True, False)
+            if device_of_virtual_stage(self._peer_stage(channel, incoming), devices, schedule) == here}
+
+    def _peer_stage(self, channel: str, incoming: bool) -> int:
+        # act flows s -> s+1 over virtual boundary s; grad flows s+1 -> s over virtual boundary s.
+        if channel == ACT:
+            return self.stage - 1 if incoming else self.stage + 1
+        return self.stage + 1 if incoming else self.stage - 1
+
+    def _in_process(self, channel: str, incoming: bool) -> bool:
+        return (channel, incoming) in self._on_this_rank
+
+    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
+        peer = self._peer_stage(channel, incoming)
+        position = device_of_virtual_stage(peer, self.devices, self.schedule)
+        rank = self.ranks[position] if self.ranks is not None else position
+        boundary = min(peer, self.stage)
+        return rank, self.groups[(boundary, channel)], boundary
+
+    def expect(self, channel: str, microbatch: int, shapes) -> None:
+        if not self._in_process(channel, incoming=True):
+            super().expect(channel, microbatch, shapes)
+
+    def ready(self, channel: str, microbatch: int) -> bool:
+        if self._in_process(channel, incoming=True):
+            return self.local.ready(channel, microbatch)  # type: ignore[union-attr]
+        return super().ready(channel, microbatch)
+
+    def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
+        if self._in_process(channel, incoming=True):
+            return self.local.recv(channel, microbatch)  # type: ignore[union-attr]
+        return super().recv(channel, microbatch)
+
+    def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
+        if self._in_process(channel, incoming=False):
+            self.local.send(channel, microbatch, tensors)  # type: ignore[union-attr]
+        else:
+            super().send(channel, microbatch, tensors)
+
+
+def shared_process_groups(groups: Sequence[SharedGroup], devices: int,
+                          schedule: str = "interleaved") -> list[dist.ProcessGroup | None]:
+    """One group of the ranks holding a copy, per shared parameter (None: one rank holds them all).
+
+    Every rank must call this, in the same order, since ``new_group`` is collective.
+    """
+    result: list[dist.ProcessGroup | None] = []
+    for group in groups:
+        ranks = sorted({device_of_virtual_stage(owner, devices, schedule) for owner in group.owners})
+        result.append(dist.new_group(ranks) if len(ranks) > 1 else None)
+    return result
+
+
+def _grad_or_zeros(parameter: nn.Parameter) -> torch.Tensor:
+    if parameter.grad is None:
+        parameter.grad = torch.zeros_like(parameter)
+    return parameter.grad
+
+
+def chunk_reducer(chunks: Sequence[PipelineStage], groups: Sequence[SharedGroup],
+                  process_groups: Sequence[dist.ProcessGroup | None]) -> Callable[[], None] | None:
+    """Sum each shared parameter's gradient over this rank's copies, then over the other ranks';
+    None when this rank holds no shared parameter."""
+    mine = []
+    for group, process_group in zip(groups, process_groups):
+        copies = [chunk.module.get_parameter(group.names[chunk.config.stage]) for chunk in chunks
+                  if chunk.config.stage in group.owners]
+        if copies:
+            mine.append((copies, process_group))
+    if not mine:
+        return None
+
+    def reduce() -> None:
+        for copies, process_group in mine:
+            grads = [_grad_or_zeros(p) for p in copies]
+            total = torch.stack(grads).sum(dim=0) if len(grads) > 1 else grads[0]
+            if process_group is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
+            for grad in grads:
+                grad.copy_(total)
+
+    return reduce
+
+
+def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: torch.device,
+                     recorder: Recorder | None = None, layout: "Layout | None" = None) -> ChunkedDevice:
+    """Rank ``rank``'s chunks over ``torch.distributed``. Collective: every rank calls it at the
+    same point. With ``layout`` (:mod:`executor.parallel.replicas`) the rank is device ``layout.stage`` of one
+    of D replicas, on that replica's rows, with the replica's groups and neighbours."""
+    devices = config.stages
+    ranks = pipeline_group = None
+    if layout is not None:
+        config = replace(config, batch_size=layout.rows)
+        rank, groups, ranks, pipeline_group = layout.stage, layout.boundary_groups, layout.stage_ranks, layout.pp_group
+        shared = layout.shared_groups
+    else:
+        groups = virtual_boundary_groups(devices, config.virtual_stages, config.schedule) if devices > 1 else {}
+        shared = shared_process_groups(prepared.shared, devices, config.schedule)
+    mailboxes = LocalMailboxes()  # hand-offs between this rank's own chunks
+    links = host_links(device, config.transport, config.timeout_s)
+
+    def transport(virtual_stage: int) -> Transport:
+        if devices == 1:
+            return mailboxes.endpoint(virtual_stage)
+        return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks, links,
+                              config.schedule, mailboxes.endpoint(virtual_stage))
+
+    tp_mesh = layout.tp_mesh if layout is not None else None
+    chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh)
+              for s in virtual_stages_of_device(rank, devices, config.virtual_stages, config.schedule)]
+    chunked = ChunkedDevice(chunks, recorder)
+    chunked.reduce_shared = chunk_reducer(chunks, prepared.shared, shared)
+    return chunked

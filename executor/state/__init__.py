@@ -1,0 +1,1 @@
+"""Checkpoints and the state files a run saves and resumes from."""

@@ -1,0 +1,63 @@
+"""``gpipe replay FILE``: predict every published run of a runs file against its measured step time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gpipe.options import check_output_path
+from gpipe.workload_flags import resolve_workload
+from sim.evidence.replay import Replayed, load_runs, replay, summary
+from sim.views.progress import phase
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="runs file, e.g. benchmarks/published_runs/dev.json")
+    parser.add_argument("--json", action="store_true", help="print the runs, errors and summary as JSON")
+    parser.add_argument("--html", default=None, metavar="FILE", help="write predicted against measured as HTML")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output_path(args.html, "--html")
+    runs = load_runs(args.file)
+    with phase("replaying runs", total=len(runs), unit="run") as bar:
+        results = []
+        for published in runs:
+            results.append(replay(published, lambda model, options: resolve_workload(model, options)))
+            bar.update(1)
+    report = summary(results)
+    if args.json:
+        json.dump(report, sys.stdout)
+        print()
+    else:
+        print(format_table(results, report))
+    if args.html:
+        from sim.views.figures import replay_figure, write_html
+
+        write_html(replay_figure(results), args.html)
+        if not args.json:
+            print(f"predicted against measured written to {args.html}")
+    return 0
+
+
+def format_table(results: list[Replayed], report: dict) -> str:
+    rows = [f"{'run':<28} {'measured s':>10} {'predicted s':>11} {'error':>8}  layout / why not modelled"]
+    for r in results:
+        if r.modelled:
+            layout = r.layout
+            shape = (f"T={layout['tensor_parallel']}{'s' if layout['sequence_parallel'] else ''} "
+                     f"D={layout['replicas']} K={layout['pipeline_stages']} V={layout['virtual_stages']} "
+                     f"M={layout['microbatches']}")
+            rows.append(f"{r.id:<28} {r.measured_step_s:>10.3f} {r.predicted_step_s:>11.3f} {r.error:>+8.1%}  {shape}")
+        else:
+            rows.append(f"{r.id:<28} {r.measured_step_s:>10.3f} {'-':>11} {'-':>8}  not modelled: {r.reason}")
+    modelled = sum(r.modelled for r in results)
+    if report["median_abs_error"] is None:
+        rows.append(f"{modelled} of {len(results)} runs modelled")
+    else:
+        rows.append(f"{modelled} of {len(results)} runs modelled: median |error| {report['median_abs_error']:.1%}, "
+                    f"worst {report['worst_abs_error']:.1%}")
+    assumed = sorted({a for r in results if r.modelled for a in r.assumed})
+    rows += [f"assumed: {a}" for a in assumed]
+    return "\n".join(rows)

@@ -1,0 +1,377 @@
+"""``gpipe train``: validate a plan, then start one worker process per stage under torchrun's agent.
+
+Takes a plan file (``--plan``) or the flags ``gpipe simulate`` takes (model, stages or partition,
+batch, micro-batches, schedule, checkpoint policy). The model is built and dry-run here first, so a
+bad plan fails with one line before any process starts. On one machine its ranks are what
+``python -m torch.distributed.run --standalone --nproc-per-node K -m executor.launch.worker CONFIG`` would
+start, from torchrun's agent run in this process; with ``--nnodes N`` every node runs ``gpipe
+train`` with the same flags, its ``--node-rank`` and node 0's address as ``--rdzv-endpoint
+HOST:PORT``, each starting K/N workers (:mod:`executor.launch.agent` says how, and why the static
+rendezvous).
+
+torch is imported inside :func:`run` only, so ``gpipe --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from executor.launch.agent import check_capacity, check_nodes, run_ranks, start_fork_server
+from gpipe.options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument, add_precision_argument,
+                           model_options)
+from sim.engine.placement import PLACEMENTS
+from sim.errors import GpipeInputError, require_positive
+from sim.formats.plan import load_plan, parse_partition
+from sim.planner.partition import even_partition
+from sim.views.progress import bars_shown
+from sim.workloads.named_models import is_named, named_models
+from sim.workloads.precision import check_precision
+from sim.schedules.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, SCHEDULES, check_interleaving,
+                                    check_virtual_stages, default_virtual_stages)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, costs=False)
+    what = parser.add_argument_group("what to train (a plan file, or the flags of gpipe simulate)")
+    what.add_argument("--plan", help="plan JSON written by gpipe plan --out")
+    what.add_argument("--stages", type=int, help="K: stages; layers split evenly unless --partition")
+    what.add_argument("--partition", help="layers per stage, e.g. 3,5")
+    what.add_argument("--batch", type=int, help="rows per mini-batch (the global batch with --replicas)")
+    what.add_argument("--microbatches", type=int, help="M: micro-batches per mini-batch")
+    what.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, help="re-materialization policy")
+    what.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
+    what.add_argument("--virtual-stages", type=int,
+                      help="V: chunks of layers per process, with --schedule interleaved (2 or more) or zbv "
+                           "and dualpipev (2); --partition then lists V x K chunks in model order")
+    what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
+    what.add_argument("--data", metavar="SOURCE",
+                      help="what to train on: synthetic random data (default; what calibration times), text (the "
+                           "shipped Shakespeare, one token per byte: a language model's loss falls), text:PATH "
+                           "(any file, byte by byte), or package.module:function(batch_size, step=, seed=) -> "
+                           "(inputs, targets)")
+    what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--init", choices=("factory", "meta"),
+                      help="first weights: factory (default: exactly what the model's factory gives after "
+                           "torch.manual_seed(--seed), built once per node by this command) or meta (built on "
+                           "the meta device, each layer from reset_parameters() seeded per layer: for a model "
+                           "larger than this host)")
+    what.add_argument("--init-from", metavar="PATH",
+                      help="start from these weights: a state dict, a safetensors file or a model folder "
+                           "(each process reads only its own stage's tensors)")
+    what.add_argument("--hardware", default="ideal",
+                      help="system whose analytic costs choose the partition when --partition is not given, "
+                           "as gpipe simulate does (default ideal)")
+    data_parallel = parser.add_argument_group("data-parallel replicas of the pipeline")
+    data_parallel.add_argument("--replicas", type=int, metavar="D",
+                               help="D copies of the pipeline, each on its torch.chunk share of --batch; "
+                                    "gradients averaged over them (default: the plan's, else 1)")
+    data_parallel.add_argument("--zero", type=int, choices=(0, 1),
+                               help="1: shard optimizer state over the replicas (ZeroRedundancyOptimizer)")
+    data_parallel.add_argument("--placement", choices=PLACEMENTS,
+                               help="which rank runs which replica's stage: stages_adjacent (rank d*K+k, "
+                                    "the default) or replicas_adjacent (rank k*D+d)")
+    tensor = parser.add_argument_group("tensor parallelism inside each stage")
+    tensor.add_argument("--tensor-parallel", type=int, metavar="T",
+                        help="T ranks per stage, each layer's attention heads and MLP split over them "
+                             "Megatron-style on DTensor (default: the plan's, else 1)")
+    tensor.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="with T > 1, the built-in transformer's norms and residual stream split along the "
+                             "sequence over the T ranks (default: the plan's, else off)")
+    how = parser.add_argument_group("how to train")
+    how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
+    add_optimizer_argument(how, recorded="the plan's")
+    how.add_argument("--lr", type=float, default=0.01, help="peak learning rate (default 0.01)")
+    how.add_argument("--weight-decay", type=float, default=0.0,
+                     help="torch.optim weight decay: L2 for sgd and adam, decoupled for adamw (default 0)")
+    how.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
+                     help="scale gradients so their L2 norm over all stages is at most MAX_NORM (default: off)")
+    how.add_argument("--lr-schedule", default="constant", metavar="NAME",
+                     help="constant (default) or cosine (decays to 0 over --steps after the warm-up)")
+    how.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
+                     help="steps of linear learning-rate warm-up (default 0)")
+    add_precision_argument(how, "the plan's, else fp32")
+    how.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
+    how.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
+    how.add_argument("--transport", choices=("auto", "dist"), default="auto",
+                     help="stage-to-stage messages: auto (shared memory between CPU ranks of one host, "
+                          "torch.distributed otherwise; default) or dist (torch.distributed everywhere)")
+    how.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck receive fails")
+    how.add_argument("--warmup-steps", type=int, default=1, help="steps left out of step_time_s")
+    out = parser.add_argument_group("outputs and checkpoints")
+    out.add_argument("--report", help="write the measured report JSON here")
+    out.add_argument("--trace", help="write a Chrome trace (Perfetto) of the merged timeline here")
+    out.add_argument("--html", metavar="FILE",
+                     help="with --plan: write the report of this run against the plan's prediction (both "
+                          "timelines on one axis, busy, bubble and memory per stage, losses, one verdict line)")
+    out.add_argument("--save-every", type=int, default=0, help="save training state every N steps")
+    out.add_argument("--checkpoint-dir", help="directory for --save-every and --resume")
+    out.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    out.add_argument("--max-restarts", type=int, default=0,
+                     help="torchrun restarts after a failure; each resumes from the last checkpoint")
+    nodes = parser.add_argument_group("several nodes (every node runs gpipe train with the same flags)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes; each starts K / nnodes stages")
+    nodes.add_argument("--node-rank", type=int, default=0,
+                       help="this node, 0 to nnodes-1: node n runs stages n*K/nnodes onwards; node 0 holds "
+                            "stage 0 and hosts the rendezvous")
+    nodes.add_argument("--rdzv-endpoint",
+                       help="node 0's HOST:PORT, reachable from every node (needed with --nnodes > 1)")
+    nodes.add_argument("--rdzv-id", default="gpipe", help="rendezvous id shared by the nodes of one run")
+    nodes.add_argument("--rdzv-timeout", type=int, default=300,
+                       help="seconds the nodes wait for each other to start before giving up (default 300)")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = model_options(args)
+    for name in ANALYTIC_ONLY_OPTIONS:
+        if name in options:
+            flag = "--" + name.replace("_", "-")
+            raise GpipeInputError(f"{flag} describes the simulator's analytic models; the executor trains "
+                                  f"with the optimizer you choose, so drop {flag}")
+    return options
+
+
+def _data_source(data: str | None) -> str:
+    """``--data`` as the workers read it: "" for synthetic, a ``text:PATH`` made absolute."""
+    if not data or data == "synthetic":
+        return ""
+    if data.startswith("text:"):
+        return "text:" + os.path.abspath(data[len("text:"):])
+    return data
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags that need no model, each refused in one line before torch is imported (a tenth of
+    a second rather than two) and before any rank starts (a bad ``--timeout`` or ``--threads`` would
+    otherwise fail inside every rank). A plan file's values are checked with the model."""
+    for flag, name, value in (("--stages", "--stages", args.stages), ("--microbatches", "micro-batches (M)",
+                                                                       args.microbatches),
+                              ("--batch", "batch size", args.batch), ("--replicas", "--replicas", args.replicas),
+                              ("--steps", "steps", args.steps)):
+        if value is not None:
+            require_positive(name, value, f"use {flag} 1 or more")
+    for flag, value, meaning in (("--threads", args.threads, "0 (cores / workers)"),
+                                 ("--warmup-steps", args.warmup_steps, "0 (every step measured)"),
+                                 ("--max-restarts", args.max_restarts, "0 (none)")):
+        if value < 0:
+            raise GpipeInputError(f"{flag} must be {meaning} or more, got {value}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise GpipeInputError(f"--timeout must be a positive number of seconds, got {args.timeout}; a stuck "
+                              "receive fails after it (default 300)")
+
+
+def config_from_args(args: argparse.Namespace):
+    """A validated :class:`RunConfig` from a plan file and/or flags (flags override the plan)."""
+    check_flags(args)
+    from executor.config import RunConfig
+    from executor.models.build import model_ref
+
+    extra = dict(steps=args.steps, seed=args.seed, loss=args.loss or "", lr=args.lr,
+                 weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm,
+                 lr_schedule=args.lr_schedule, lr_warmup_steps=args.lr_warmup,
+                 data=_data_source(args.data), report=args.report or "", trace=args.trace or "",
+                 save_every=args.save_every, checkpoint_dir=args.checkpoint_dir or "", resume=args.resume,
+                 device=args.device, threads=args.threads, timeout_s=args.timeout, transport=args.transport,
+                 warmup_steps=args.warmup_steps, progress=bars_shown(), quiet=bool(getattr(args, "quiet", False)),
+                 init_from=os.path.abspath(args.init_from) if args.init_from else "")
+    if args.optimizer is not None:  # else the plan's, or RunConfig's default
+        extra["optimizer"] = args.optimizer
+    if args.precision is not None:
+        extra["precision"] = check_precision(args.precision, trained=True)
+    if args.init is not None:
+        if args.init_from:
+            raise GpipeInputError(f"--init {args.init} and --init-from both say where the first weights come "
+                                  "from; give one of them")
+        extra["init"] = args.init
+    if args.plan:
+        plan = load_plan(args.plan)
+        config = RunConfig.from_plan(plan, **extra)  # drops the analysis options
+    else:
+        if not args.model:
+            raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")
+        config = RunConfig(model=args.model, **extra)
+    if args.model:
+        config.model = args.model
+    options = _options(args)
+    if options or args.model:
+        config.options = {**(config.options if not args.model else {}), **options}
+    if is_named(config.model):  # a named model trains its own architecture, from its packaged config.json
+        config.model = "hf-config:" + named_models()[config.model].config_path
+    ref = model_ref(config.model, config.options, config.seed)
+    config.options = dict(ref.options)
+    for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "placement",
+                 "tensor_parallel", "sequence_parallel"):
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    if config.tensor_parallel == 1 and args.sequence_parallel is None:
+        config.sequence_parallel = False  # a plan's, dropped with its tensor parallelism
+    if args.virtual_stages is None and config.virtual_stages == 1:
+        config.virtual_stages = default_virtual_stages(config.schedule)  # as gpipe simulate defaults it
+    check_virtual_stages(config.schedule, config.virtual_stages)
+    chunks = config.virtual_stages  # layer groups per process: V under the multi-chunk schedules
+    if args.partition:
+        config.partition = parse_partition(args.partition)
+    elif args.stages or not config.partition:
+        if config.schedule in MULTI_CHUNK_SCHEDULES:  # M is checked once the batch is known (RunConfig.validate)
+            check_interleaving(args.stages or 1, args.stages or 1, chunks, ref.num_layers)
+        config.partition = default_partition(config, ref.num_layers, args)
+    if args.stages and len(config.partition) != args.stages * chunks:
+        if chunks > 1:
+            raise GpipeInputError(f"--partition has {len(config.partition)} chunks but --stages {args.stages} x "
+                                  f"--virtual-stages {chunks} needs {args.stages * chunks}")
+        raise GpipeInputError(f"--partition has {len(config.partition)} stages but --stages is {args.stages}")
+    if args.batch is not None:
+        config.batch_size = args.batch
+    elif not args.plan:
+        config.batch_size = _default_batch(config.model)
+    config.plan(ref)  # validates partition, batch, M, schedule and policy with one-line errors
+    return config.validate()
+
+
+def default_partition(config, num_layers: int, args: argparse.Namespace) -> tuple[int, ...]:
+    """The partition ``gpipe simulate`` picks for the same flags, so predicted and measured runs
+    split the model the same way; an even split for models the simulator has no analytic form of.
+    Under the interleaved schedule the layers are split into V x K chunks."""
+    from sim.workloads.models import BUILTIN_MODELS, get_workload
+
+    stages = (args.stages or 1) * config.virtual_stages
+    partition = even_partition(num_layers, stages)  # also rejects more stages than layers
+    if config.model not in BUILTIN_MODELS:
+        return partition
+    from sim.catalog.hardware import get_system
+    from sim.planner.search import Candidate
+    from sim.planner.search import default_partition as simulator_partition
+
+    batch = args.batch if args.batch is not None else (config.batch_size or _default_batch(config.model))
+    microbatches = args.microbatches or config.microbatches
+    candidate = Candidate(args.stages or 1, microbatches, args.checkpoint or config.checkpoint, config.schedule,
+                          config.replicas, config.virtual_stages, config.zero, config.placement)
+    system = get_system(args.hardware)
+    workload = get_workload(config.model, {**config.options, "precision": config.precision})
+    return tuple(simulator_partition(workload, system, batch, candidate))
+
+
+def check_checkpoint_dir(config) -> None:
+    """Before any worker starts: a ``--checkpoint-dir`` to save to must be writable (a probe file is
+    created and removed in it), and ``--resume`` needs a checkpoint there whose settings match.
+
+    ``--resume`` from a directory with no checkpoint is refused rather than silently starting from
+    step 0: the user asked to continue a run, and a wrong path would otherwise train from scratch.
+    A torchrun restart (``--max-restarts``) that finds no checkpoint yet does start from step 0.
+    """
+    from executor.state import checkpoint
+
+    root = config.checkpoint_dir
+    if config.save_every:
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".gpipe-probe-", dir=root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise GpipeInputError(f"--checkpoint-dir {root} cannot be written ({exc.strerror or exc}); give a "
+                                  "directory this user can create and write") from None
+    if config.resume:
+        manifest = checkpoint.read_manifest(root) if os.path.isdir(root) else None
+        if manifest is None:
+            raise GpipeInputError(f"--resume but --checkpoint-dir {root} holds no checkpoint ({checkpoint.MANIFEST}); "
+                                  "give the directory a run saved to with --save-every, or drop --resume to start "
+                                  "from step 0")
+        checkpoint.check_resumable(manifest, config.to_dict())
+        checkpoint.check_shards(root, manifest)
+
+
+def _default_batch(model: str) -> int:
+    try:
+        from sim.workloads.model_defaults import DEFAULT_BATCH
+        return int(DEFAULT_BATCH.get(model, 32))
+    except ImportError:
+        return 32
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)  # the flags first, then the model (torch)
+    from executor.device import device_api
+    from executor.models.hf import is_hf, rank_imports
+    from executor.runtime.pipeline import prepare
+
+    check_nodes(args, config.world_size, config.tensor_parallel)
+    check_capacity(config.world_size, args.nnodes, config.device, os.cpu_count() or 1,
+                   device_api(config.device).ranks_per_host())
+    for flag, path in (("--report", config.report), ("--trace", config.trace)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise GpipeInputError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not "
+                                  "exist; create it first")
+    if args.max_restarts and not config.checkpoint_dir:
+        raise GpipeInputError("--max-restarts resumes from checkpoints; add --checkpoint-dir and --save-every")
+    if args.html:
+        from gpipe.options import check_output_path
+
+        check_output_path(args.html, "--html")
+        if not args.plan:
+            raise GpipeInputError("--html compares the run with its plan's prediction; give --plan FILE (written "
+                                  "by gpipe plan --out or gpipe demo)")
+    # before the fork server, whose imports would load the machine while the speed probe times it
+    comparison = plan_comparison(args, config) if args.plan and args.node_rank == 0 else None
+    # it imports the executor (and a Hugging Face model's code) for the ranks while this process checks the model
+    start_fork_server(rank_imports(config.model, config.options) if is_hf(config.model) else ())
+    prepared = prepare(config)  # a bad model or partition fails here, before any process starts
+    check_checkpoint_dir(config)
+    from executor.transport.shm_transport import SHM_DIR_ENV, shared_directory
+
+    workdir = tempfile.mkdtemp(prefix="gpipe-train-")
+    with shared_directory() as shared:  # the ranks' message files (executor.transport.shm_transport)
+        try:
+            if config.init == "factory" and not config.init_from:
+                from executor.models.initial_weights import save_factory_weights
+
+                config.factory_weights = save_factory_weights(config.model, config.options, config.seed,
+                                                              prepared.model, os.path.join(workdir, "factory-weights"))
+            del prepared
+            if comparison is not None and not config.report:  # the comparison reads the run's report
+                config.report = os.path.join(workdir, "report.json")
+            config_path = os.path.join(workdir, "config.json")
+            config.save(config_path)
+            error_dir = os.path.join(workdir, "errors")
+            os.makedirs(error_dir)
+            env = dict(os.environ, GPIPE_ERROR_DIR=error_dir, **{SHM_DIR_ENV: shared})
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
+            per_node = config.world_size // args.nnodes
+            env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
+            code, message = run_ranks("executor.launch.worker", [config_path], config.world_size, env, error_dir, args)
+            if code != 0:
+                print(message, file=sys.stderr)
+            elif comparison is not None:
+                print(comparison.finish(read_report(config.report, args.data)), flush=True)
+            return code
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def plan_comparison(args: argparse.Namespace, config):
+    """What compares the run with its plan's prediction afterwards (:mod:`calibrate.report.run_report`); made
+    before any worker starts, so a missing costs file with --html is one line then."""
+    from calibrate.report.run_report import PlanComparison
+    from executor.models.build import model_ref
+    from gpipe.simulate import predict_plan
+
+    trained = config.plan(model_ref(config.model, config.options, config.seed))
+    return PlanComparison(args.plan, load_plan(args.plan), trained, config.device, args.html, predict_plan)
+
+
+def read_report(path: str, data: str | None) -> dict[str, Any]:
+    """The run's report as rank 0 wrote it, with what it trained on (for the report's loss curve)."""
+    import json
+
+    with open(path) as handle:
+        report = json.load(handle)
+    report["data"] = "text" if data == "text" else ("synthetic" if not data or data == "synthetic" else data)
+    return report

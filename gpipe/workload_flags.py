@@ -1,0 +1,130 @@
+"""The command line's model: which workload and batch the flags of ``gpipe simulate`` and ``plan`` name.
+
+Part of the composition root (the commands, :mod:`gpipe`): it wires the simulator's
+torch-free resolution (:mod:`sim.workloads.resolve`) to calibration's meta-device analysis of torch models
+(:mod:`calibrate.measure.meta_profile`), imported only when a ``package.module:factory`` model is asked
+for, so built-in models never import torch.
+
+With ``--costs FILE`` and no ``--model``, the model, its options and the batch are the file's: the
+costs describe exactly one model, so asking for it again would only invite a mismatch. So is the
+precision without ``--precision``; without either, the precision is the device's default
+(:func:`sim.workloads.precision.choose_precision`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sim.catalog.hardware import Device, Link, System
+from sim.errors import GpipeInputError, require_positive
+from sim.formats.costs import measured_precision, read_costs
+from sim.workloads import resolve
+from sim.workloads.model_defaults import DEFAULT_BATCH
+from sim.workloads.models import get_workload
+from sim.workloads.precision import choose_precision
+from sim.workloads.workload import Workload
+
+DEFAULT_MODEL = "uniform"  # gpipe simulate and plan without --model or --costs
+
+
+def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
+    """``model`` (``package.module:factory``) measured on PyTorch's meta device."""
+    try:
+        from calibrate.measure.meta_profile import torch_workload
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise GpipeInputError(f"model {model!r} needs torch; install it with pip install torch") from None
+    return torch_workload(model, options)
+
+
+ANALYSIS_KEYS = ("precision", "optimizer_slots")  # options of the analysis, not of the model's config
+
+
+def is_hf(model: str | None) -> bool:
+    return bool(model) and model.startswith(("hf:", "hf-config:"))  # type: ignore[union-attr]
+
+
+def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None,
+                     by_shape: bool = False) -> Workload:
+    """:func:`sim.workloads.resolve.resolve_workload` with torch models measured on the meta device; with
+    ``by_shape``, a Hugging Face model is the built-in transformer of its config's shape
+    (:func:`executor.models.hf.shape_options`), which tensor and context parallelism can split."""
+    if by_shape and is_hf(model) and costs_path is None:
+        from executor.models.hf import shape_options
+
+        config = {k: v for k, v in options.items() if k not in ANALYSIS_KEYS}
+        shaped = {**shape_options(model, config), **{k: options[k] for k in ANALYSIS_KEYS if k in options}}
+        workload = get_workload("transformer", shaped)
+        workload.planned_from = model  # type: ignore[union-attr]
+        return workload
+    return resolve.resolve_workload(model, options, costs_path, analyse_torch_model)
+
+
+def planned_from_note(workload: Workload) -> str | None:
+    """One line saying a Hugging Face model was planned by its shape, or None."""
+    source = getattr(workload, "planned_from", None)
+    if source is None:
+        return None
+    o = workload.describe()["options"]
+    return (f"{source} planned by its shape as the built-in transformer ({o['layers']} layers, d_model {o['d_model']}, "
+            f"ff {o['ff']} {o['activation']}, {o['heads']} heads, {o['kv_heads'] or o['heads']} key/value heads, "
+            f"vocab {o['vocab']}, flash attention): its norms, biases, positions and any tied embedding are the "
+            "built-in transformer's")
+
+
+def model_name(args: argparse.Namespace) -> str | None:
+    """The model the flags name: ``--model``, else the costs file's (None), else the default."""
+    if args.model is not None:
+        return args.model
+    return None if getattr(args, "costs", None) else DEFAULT_MODEL
+
+
+def chosen_precision(args: argparse.Namespace, device: Device, given: str | None = None) -> str:
+    """``given`` (default ``--precision``), else the costs file's precision, else ``device``'s default."""
+    costs = getattr(args, "costs", None)
+    measured = measured_precision(read_costs(costs)) if costs else None
+    return choose_precision(given if given is not None else args.precision, device, measured)
+
+
+def with_precision(model: str | None, options: dict[str, Any], precision: str,
+                   costs: str | None = None) -> dict[str, Any]:
+    """``options`` with the precision for models whose costs follow it: the analytic and torch
+    models. Measured costs carry their own, and the uniform model's costs are nominal."""
+    if costs or model in (None, "uniform"):
+        return dict(options)
+    return {**options, "precision": precision}
+
+
+def with_attention_default(model: str | None, options: dict[str, Any], device: Device,
+                           costs: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """``options`` with the built-in transformer's attention kernel defaulted to ``flash`` on GPUs
+    trainers run flash attention on (``Device.flash_attention``), and the line that says so;
+    ``--option attention=eager`` (or ``fused``) asks for another. Elsewhere, and for measured
+    costs, the options unchanged and no line."""
+    if costs or model != "transformer" or "attention" in options or not device.flash_attention:
+        return dict(options), None
+    return ({**options, "attention": "flash"},
+            f"attention: flash, the default on {device.name} (--option attention=eager for the quadratic kernel)")
+
+
+def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
+                       precision: str, by_shape: bool = False) -> tuple[Workload, int]:
+    """The workload at ``precision`` and the mini-batch rows the flags name (``--batch``, else the
+    costs file's batch, else the model's default)."""
+    if args.batch is not None:
+        require_positive("batch size", args.batch, "use --batch 1 or more")
+    costs = getattr(args, "costs", None)
+    model = model_name(args)
+    workload = resolve_workload(model, with_precision(model, options, precision, costs), costs, by_shape)
+    batch = args.batch
+    if batch is None:
+        batch = getattr(workload, "batch_size", None) or DEFAULT_BATCH.get(workload.describe()["name"], 32)
+    return workload, int(batch)
+
+
+def calibrated_allreduce(workload: Workload, system: System) -> Link | None:
+    """The all-reduce a costs file measured on ``system`` (:func:`sim.formats.costs.allreduce_link`), or None,
+    in which case the simulator prices data-parallel groups on the catalog's links."""
+    return workload.allreduce_link(system) if hasattr(workload, "allreduce_link") else None

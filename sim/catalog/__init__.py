@@ -1,0 +1,1 @@
+"""The hardware catalog: devices, links and systems, the GPU kernel model and its efficiencies."""

@@ -1,0 +1,101 @@
+"""What every contiguous range of layers holds as one chunk, for all ranges at once (numpy).
+
+The planner's memory-constrained partition asks, for each first layer, how far a chunk may reach and
+still fit a device: thousands of times for a large search. Each answer is static bytes plus a peak of
+activation counts times the chunk's (stash, saved, transient) sizes (:func:`sim.engine.stage_costs.held_sizes`),
+and all of them are sums or range maxima over the layers. Here they are computed for every range
+[first, end) in one pass from per-layer figures, exactly as :class:`sim.engine.stage_costs.CostTable` sums
+them (integers throughout), so the planner's answers do not change, only their cost.
+
+Not for workloads that know their stages better than a sum of layers (measured costs, which supply
+``stage_cost``): the planner checks those range by range.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from sim.engine.stage_costs import held_input_bytes, layer_alone_bytes
+from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
+from sim.workloads.workload import LayerCost, SharedParameter
+
+
+def _prefix(values: Sequence[int]) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(np.asarray(values, dtype=np.int64))))
+
+
+def _range(prefix: np.ndarray) -> np.ndarray:
+    """[first, end] -> prefix[end] - prefix[first], an (L, L + 1) matrix."""
+    return prefix[None, :] - prefix[:-1, None]
+
+
+class RangeMemory:
+    """Per range [first, end) of ``layers``: static bytes (weights, gradients, optimizer state, a
+    shared parameter once, ZeRO-1's shard) and the (stash, saved, transient) sizes of ``checkpoint``."""
+
+    def __init__(self, layers: Sequence[LayerCost], shared: Sequence[SharedParameter], checkpoint: str,
+                 replicas: int, zero: int) -> None:
+        n = len(layers)
+        static = _range(_prefix([c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in layers]))
+        optimizer = _range(_prefix([c.optimizer_bytes for c in layers]))
+        for parameter in shared:
+            uses = np.zeros(n, dtype=np.int64)
+            uses[list(parameter.layers)] = 1
+            extra = np.maximum(_range(_prefix(uses)) - 1, 0)
+            static = static - extra * parameter.static_bytes
+            optimizer = optimizer - extra * max(0, parameter.static_bytes - 2 * parameter.param_bytes)
+        optimizer = np.maximum(optimizer, 0)
+        if zero and replicas > 1:  # sim.engine.memory.static_bytes
+            static = static - optimizer + (-(-optimizer // replicas))
+        inputs = np.array([c.input_bytes for c in layers], dtype=np.int64)
+        zeros = np.zeros((n, n + 1), dtype=np.int64)
+        if recomputes_per_layer(checkpoint):  # sim.engine.stage_costs.per_layer_bytes, for all ranges
+            running = _prefix(inputs)
+            alone = np.array([layer_alone_bytes(c) for c in layers], dtype=np.int64)
+            peaks = running[1:] + alone - inputs  # Q[l]: the backward's peak at layer l, less running[first]
+            tops = np.full((n, n + 1), np.iinfo(np.int64).min, dtype=np.int64)
+            for first in range(n):
+                tops[first, first + 1:] = np.maximum.accumulate(peaks[first:])
+            self.stash = zeros
+            self.saved = _range(running)
+            self.transient = np.maximum(tops - running[None, :], 0)
+        else:
+            held = np.array([held_input_bytes(c) for c in layers], dtype=np.int64)
+            saved = _range(_prefix([c.saved_bytes for c in layers])) + held[:, None]
+            if recomputes_attention_core(checkpoint):
+                saved = saved - _range(_prefix([c.core_saved_bytes for c in layers]))
+            self.stash = np.broadcast_to(inputs[:, None], (n, n + 1))
+            self.saved = saved
+            self.transient = zeros
+        self.static = static
+        self.layers = n
+        self._upper = np.arange(n + 1)[None, :] >= np.arange(n)[:, None]  # [first, e] with e >= first
+
+    def furthest_ends(self, counts: Sequence[tuple[int, int, int]], capacity: float) -> list[int]:
+        """For each first layer, the furthest end whose chunk fits ``capacity`` holding the largest of
+        ``counts`` (stash, saved, transient) micro-batches; the two-pointer sweep of
+        :func:`sim.planner.partition._memory_ends` over the precomputed answers."""
+        peak = None
+        for a, b, t in counts:
+            held = b * self.saved
+            if a:
+                held = held + a * self.stash
+            if t:
+                held = held + t * self.transient
+            peak = held if peak is None else np.maximum(peak, held)
+        n = self.layers
+        fits = (self.static + peak) <= capacity  # fits[first, end]
+        # stop[first, e]: a sweep along the row stops at end e (e = n, or [first, e + 1) does not fit)
+        stop = np.ones((n, n + 1), dtype=bool)
+        np.logical_not(fits[:, 1:], out=stop[:, :n])
+        stop &= self._upper  # from e = first on
+        first_stop = stop.argmax(axis=1).tolist()
+        ends, j = [], 0
+        for i in range(n):
+            j = max(j, i)
+            # the previous row's end is past this row's first stop only where fitting is not monotone
+            j = first_stop[i] if j <= first_stop[i] else j + int(stop[i, j:].argmax())
+            ends.append(j)
+        return ends

@@ -1,0 +1,1 @@
+"""Published runs replayed in simulation: the GPipe paper's table and measured GPU steps."""

@@ -1,0 +1,1 @@
+"""The data formats every part shares: the plan file, the timeline and the costs file."""

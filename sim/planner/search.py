@@ -1,0 +1,460 @@
+"""Searching D, K, V, M, checkpoint policy, schedule, placement and partition for the fastest plan that fits.
+
+On a system of N devices the search covers D data-parallel replicas of a K-stage pipeline with
+D x K <= N, V chunks per device for the interleaved schedule (V x K <= layers, M a multiple of K),
+each placement that differs (:mod:`sim.engine.placement`: on one node, or with D = 1 or K = 1, both
+layouts are the same devices) and, when asked, ZeRO-1. ``batch_size`` is the global batch.
+
+Every candidate gets a partition (min-max by default, respecting per-device memory through
+:mod:`sim.engine.memory`) and a cheap lower bound on its step time (:mod:`sim.planner.bounds`). Candidates
+are then simulated in order of their lower bound, and the search stops once the bound of the next
+candidate exceeds the ``top``-th best simulated step time: the ranking it returns is exact, yet most
+candidates are never partitioned, let alone simulated.
+
+Partitions are cached: without a memory limit that binds, a partition depends on the micro-batch
+rows, the checkpoint policy and V x K alone, so the placements, D and M of a candidate share it.
+With the interleaved schedule the partitioner balances the V x K chunks checking each chunk's own
+memory, then the whole device is checked; a plan that fits only by unbalancing chunks is not found.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Sequence
+
+from sim.catalog.hardware import Link, System
+from sim.engine.engine import SimResult, simulate
+from sim.engine.memory import chunk_coefficients, peak_coefficients, peak_from_coefficients, static_bytes
+from sim.engine.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from sim.errors import GpipeInputError
+from sim.planner.bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
+from sim.planner.partition import min_max_partition, min_variance_partition
+from sim.schedules.microbatch import split_rows
+from sim.schedules.schedule import (CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
+                                    V_SHAPED_SCHEDULES, device_of_virtual_stage, recomputes_per_layer,
+                                    virtual_stages_of_device)
+from sim.engine.range_memory import RangeMemory
+from sim.engine.stage_costs import CostTable, held_sizes, stage_bounds
+from sim.workloads.workload import Workload, shared_parameters
+
+__all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",
+           "default_partition", "default_stage_options", "lower_bound_s", "placements_differ", "search", "simulate_candidate"]
+
+PARTITIONERS = {"min_max": min_max_partition, "variance": min_variance_partition}
+Progress = Callable[[int, int, "PlanOption | None"], None]
+# schedules, in the order they are searched; the non-interleaved ones run V = 1
+NON_INTERLEAVED = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    stages: int  # K: devices of one pipeline
+    microbatches: int  # M as asked (torch.chunk may make fewer); the candidates differ in their splits
+    checkpoint: str
+    schedule: str
+    replicas: int = 1  # D
+    virtual_stages: int = 1  # V
+    zero: int = 0
+    placement: str = DEFAULT_PLACEMENT
+    tensor_parallel: int = 1  # T devices per stage (sim.workloads.tensor_parallel); the search of one T leaves it 1
+    sequence_parallel: bool = False
+    context_parallel: int = 1  # C more devices per stage sharing each sequence (sim.workloads.tensor_parallel)
+
+
+@dataclass
+class PlanOption:
+    candidate: Candidate
+    partition: list[int] | None  # V x K entries; None: no partition fits memory
+    lower_bound_s: float
+    result: SimResult | None = None
+    weight: float = 1.0  # what a second of its step costs in the ranking (1: rank by time)
+    hardware: str = ""  # the system it was planned on (gpipe plan over several)
+    cost: Any = None  # its days and dollars (sim.planner.training_cost.TrainingCost), where asked for
+
+    @property
+    def step_time_s(self) -> float:
+        return self.result.step_time_s if self.result else float("inf")
+
+    @property
+    def score(self) -> float:
+        """What the search ranks by: the step time, times ``weight`` (devices x price to rank by cost)."""
+        return self.step_time_s * self.weight
+
+    @property
+    def max_peak_memory_bytes(self) -> int:
+        return max(s.peak_memory_bytes for s in self.result.stages) if self.result else 0
+
+
+@dataclass
+class SearchResult:
+    ranked: list[PlanOption]  # fitting plans, fastest first
+    candidates: int
+    simulated: int
+    not_fitting: int
+    elapsed_s: float
+    unfit_examples: list[PlanOption] = field(default_factory=list)
+    partitioned: int = 0  # candidates whose partition was computed; the rest were bounded out
+    over_limit: int = 0  # candidates whose step (or its lower bound) exceeds ``step_limit_s``
+
+    @property
+    def best(self) -> PlanOption | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def default_stage_options(system: System, num_layers: int) -> list[int]:
+    """Powers of two up to the number of devices and layers."""
+    return _powers_of_two(min(system.total_devices, num_layers))
+
+
+def default_replica_options(system: System) -> list[int]:
+    """Powers of two up to the number of devices."""
+    return _powers_of_two(system.total_devices)
+
+
+def _powers_of_two(limit: int, start: int = 1) -> list[int]:
+    options, k = [], start
+    while k <= limit:
+        options.append(k)
+        k *= 2
+    return options
+
+
+def placements_differ(system: System | None, replicas: int, stages: int) -> bool:
+    """Whether the placements put some stage on other devices' links: only when D > 1, K > 1 and
+    the D x K devices span more than one node (on one node every link is the intra-node link)."""
+    if system is None:
+        return replicas > 1 and stages > 1
+    return replicas > 1 and stages > 1 and replicas * stages > system.devices_per_node
+
+
+def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], batch_size: int,
+               checkpoints: Sequence[str] = CHECKPOINT_POLICIES, schedules: Sequence[str] = PLANNED_SCHEDULES,
+               replica_options: Iterable[int] = (1,), virtual_options: Iterable[int] = (2,),
+               zero_options: Iterable[int] = (0,), placements: Sequence[str] = PLACEMENTS,
+               system: System | None = None, num_layers: int | None = None) -> list[Candidate]:
+    """Every combination worth simulating: M values that torch.chunk would turn into the same
+    splits appear once, D x K beyond the system's devices, placements that are the same devices,
+    ZeRO with one replica, and interleaving that cannot run (V x K over the layers, M not a multiple
+    of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule."""
+    stage_options, microbatch_options = list(stage_options), list(microbatch_options)
+    virtual_options = [v for v in virtual_options if v >= 2]
+    out = []
+    for d in replica_options:
+        parts = split_rows(batch_size, d)
+        if len(parts) < d:
+            continue  # torch.chunk gives fewer parts than replicas
+        distinct = sorted(set(parts), reverse=True)
+        for k in stage_options:
+            if system is not None and d * k > system.total_devices:
+                continue
+            where = list(placements) if placements_differ(system, d, k) else [placements[0]]
+            zeros = [z for z in zero_options if z == 0 or d > 1]
+            seen_splits = set()
+            for m in microbatch_options:
+                splits = tuple(tuple(split_rows(r, m)) for r in distinct)
+                if splits in seen_splits:
+                    continue
+                seen_splits.add(splits)
+                counts = {len(split) for split in splits}
+                for checkpoint in checkpoints:
+                    if checkpoint == "except_last" and counts == {1}:
+                        continue  # identical to never with one micro-batch
+                    for schedule, v in _schedule_options(schedules, virtual_options, k, counts, num_layers):
+                        if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
+                            continue  # refused: a per-layer recompute's backward is not split
+                        for zero in zeros:
+                            for placement in where:
+                                out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement))
+    return out
+
+
+def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], stages: int, counts: set[int],
+                      num_layers: int | None) -> list[tuple[str, int]]:
+    out = []
+    for schedule in schedules:
+        if schedule == "gpipe":
+            out.append((schedule, 1))
+        elif schedule == "1f1b" and (stages > 1 or max(counts) > 1):
+            # on one stage as fast as gpipe, but holding one micro-batch at a time, not all of them
+            out.append((schedule, 1))
+        elif schedule == "interleaved" and stages > 1 and all(c % stages == 0 for c in counts):
+            out.extend((schedule, v) for v in virtual_options if num_layers is None or v * stages <= num_layers)
+        elif schedule in V_SHAPED_SCHEDULES:
+            # two chunks per device, in a V; on one device no better than 1f1b, with the split's cost
+            if stages > 1 and (num_layers is None or 2 * stages <= num_layers) and (
+                    schedule != "dualpipev" or min(counts) >= 2 * stages):
+                out.append((schedule, 2))
+        elif schedule in SPLIT_BACKWARD_SCHEDULES and stages > 1:
+            out.append((schedule, 1))  # on one stage the same work as 1f1b's, in the same order
+    return out
+
+
+def _layer_weights(table: CostTable, rows: int, checkpoint: str) -> list[float]:
+    layers = table.layers(rows)
+    recompute = checkpoint != "never"
+    return [c.forward_s + c.backward_s + (c.recompute_s if recompute else 0.0) for c in layers]
+
+
+class Partitions:
+    """:func:`choose_partition` with the memory-free partitions cached across candidates."""
+
+    def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max") -> None:
+        self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
+        self._free: dict[tuple, list[int] | None] = {}
+        self._ends: dict[tuple, list[int]] = {}
+        self._ranges: dict[tuple, RangeMemory] = {}
+
+    def __call__(self, candidate: Candidate) -> list[int] | None:
+        c = candidate
+        rows = replica_rows(self.batch_size, c.replicas, c.microbatches)
+        parts = c.stages * c.virtual_stages
+        if parts > self.table.workload.num_layers:
+            return None
+        key = (rows[0], c.checkpoint != "never", parts)
+        if key not in self._free:
+            weights = _layer_weights(self.table, rows[0], c.checkpoint)
+            self._free[key] = PARTITIONERS[self.partitioner](weights, parts, None)
+        free = self._free[key]
+        capacity = self.system.device.memory_bytes
+        if capacity == float("inf"):
+            return free
+        if self._static_share(rows[0], c) > capacity:  # some device holds at least its share of the weights
+            return None
+        if free is not None and self._fits_holding_everything(free, rows[0], len(rows), c):
+            return free
+        held = [peak_coefficients(c.stages, len(rows), c.schedule, c.checkpoint, k, c.virtual_stages)
+                for k in range(c.stages)]
+        if free is not None and self._devices_fit(free, rows[0], held, c):
+            return free
+        return self._constrained(rows[0], held, c)
+
+    def _static_share(self, rows: int, c: Candidate) -> float:
+        """The K devices' static bytes (weights, gradients, optimizer state) averaged: the fullest
+        holds at least this much, whatever the partition, so above capacity nothing fits."""
+        layers = self.table.workload.num_layers
+        whole = self.table.stage(rows, 0, layers).static_bytes
+        optimizer = self.table.gradient_and_optimizer_bytes(rows, 0, layers)[1]
+        return static_bytes(whole, optimizer, c.replicas, c.zero) / c.stages
+
+    def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:
+        """For each first layer, the furthest end whose layers fit one chunk holding ``counts`` (a
+        two-pointer sweep: fitting is monotone in the range); all ranges at once where the stages
+        are sums of layers (:mod:`sim.engine.range_memory`)."""
+        capacity = self.system.device.memory_bytes
+        layers = self.table.workload.num_layers
+        if getattr(self.table.workload, "stage_cost", None) is None:
+            key = (rows, c.checkpoint, *_sharding(c))
+            if key not in self._ranges:
+                self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
+                                                c.checkpoint, *_sharding(c))
+            return self._ranges[key].furthest_ends(counts, capacity)
+
+        def fits(first: int, end: int) -> bool:
+            stash, saved, transient = held_sizes(self.table.stage(rows, first, end), c.checkpoint)
+            peak = max(a * stash + b * saved + t * transient for a, b, t in counts)
+            return self._chunk_static(rows, first, end, c) + peak <= capacity
+
+        ends, j = [], 0
+        for i in range(layers):
+            j = max(j, i)
+            while j < layers and fits(i, j + 1):
+                j += 1
+            ends.append(j)
+        return ends
+
+    def _fits_holding_everything(self, partition: Sequence[int], rows: int, microbatches: int, c: Candidate) -> bool:
+        """Whether each device fits even holding every micro-batch's largest of stash and saved
+        activations on every chunk at once: more than any schedule holds, and cheap to check."""
+        bounds = stage_bounds(partition)
+        capacity = self.system.device.memory_bytes
+        for k in range(c.stages):
+            total = 0
+            for a, b in (bounds[s] for s in virtual_stages_of_device(k, c.stages, c.virtual_stages, c.schedule)):
+                stash, saved, transient = held_sizes(self.table.stage(rows, a, b), c.checkpoint)
+                total += self._chunk_static(rows, a, b, c) + microbatches * max(stash, saved) + transient
+            if total > capacity:
+                return False
+        return True
+
+    def _chunk_static(self, rows: int, first: int, end: int, c: Candidate) -> int:
+        cost = self.table.stage(rows, first, end)
+        optimizer_bytes = self.table.gradient_and_optimizer_bytes(rows, first, end)[1]
+        return static_bytes(cost.static_bytes, optimizer_bytes, c.replicas, c.zero)
+
+    def _devices_fit(self, partition: Sequence[int], rows: int, held, c: Candidate) -> bool:
+        bounds = stage_bounds(partition)
+        capacity = self.system.device.memory_bytes
+        for k in range(c.stages):
+            chunks = [bounds[s] for s in virtual_stages_of_device(k, c.stages, c.virtual_stages, c.schedule)]
+            total = sum(self._chunk_static(rows, a, b, c) for a, b in chunks)
+            total += peak_from_coefficients([self.table.stage(rows, a, b) for a, b in chunks], held[k], c.checkpoint)
+            if total > capacity:
+                return False
+        return True
+
+    def _constrained(self, rows: int, held, c: Candidate) -> list[int] | None:
+        # Each part's furthest fitting end per first layer depends only on its chunk's activation counts
+        # (and the rows, policy and state sharding), which many parts and candidates share: swept once each
+        ends = []
+        for part in range(c.stages * c.virtual_stages):
+            device, chunk = device_of_virtual_stage(part, c.stages, c.schedule), part // c.stages
+            key = (rows, c.checkpoint, *_sharding(c), chunk_coefficients(held[device], chunk, c.checkpoint))
+            if key not in self._ends:
+                self._ends[key] = self._memory_ends(rows, key[-1], c)
+            ends.append(self._ends[key])
+
+        def fits(part: int, first: int, end: int) -> bool:
+            return end <= ends[part][first]
+
+        weights = _layer_weights(self.table, rows, c.checkpoint)
+        if self.partitioner == "min_max":
+            partition = min_max_partition(weights, c.stages * c.virtual_stages, memory_ends=ends)
+        else:
+            partition = PARTITIONERS[self.partitioner](weights, c.stages * c.virtual_stages, fits)
+        if partition is None or (c.virtual_stages > 1 and not self._devices_fit(partition, rows, held, c)):
+            return None
+        return partition
+
+
+def _sharding(c: Candidate) -> tuple[int, int]:
+    """(replicas, zero) as far as a device's memory depends on them: only ZeRO-1 over D > 1 replicas
+    shards the optimizer state, so every other D holds what one replica does."""
+    return (c.replicas, c.zero) if c.zero and c.replicas > 1 else (1, 0)
+
+
+def choose_partition(table: CostTable, system: System, batch_size: int, candidate: Candidate,
+                     partitioner: str = "min_max") -> list[int] | None:
+    """The partition of ``candidate`` (V x K entries) under ``partitioner``, or None if nothing fits memory."""
+    return Partitions(table, system, batch_size, partitioner)(candidate)
+
+
+def default_partition(workload: Workload, system: System, batch_size: int, candidate: Candidate,
+                      partitioner: str = "min_max", table: CostTable | None = None) -> list[int]:
+    """The partition ``gpipe simulate`` and ``gpipe train`` use when none is given.
+
+    The best partition that fits memory; if none fits, the best one ignoring memory, so that the
+    simulation can report which stage overflows and by how much.
+    """
+    table = table if table is not None else CostTable(workload, system.device)
+    partition = choose_partition(table, system, batch_size, candidate, partitioner)
+    if partition is None:
+        unlimited = replace(system, name="unlimited", device=replace(system.device, memory_bytes=float("inf")))
+        partition = choose_partition(table, unlimited, batch_size, candidate, partitioner)
+    assert partition is not None  # without memory limits some partition always exists
+    return partition
+
+
+def simulate_candidate(workload: Workload, system: System, partition: Sequence[int], batch_size: int,
+                       candidate: Candidate, table: CostTable | None = None, record: bool = False,
+                       allreduce_link: Link | None = None, dp_overlap: bool = False) -> SimResult:
+    """:func:`sim.engine.engine.simulate` of ``candidate`` with ``partition``."""
+    c = candidate
+    return simulate(workload, system, partition, batch_size, c.microbatches, c.checkpoint, c.schedule, costs=table,
+                    record=record, virtual_stages=c.virtual_stages, replicas=c.replicas, zero=c.zero,
+                    placement=c.placement, allreduce_link=allreduce_link, dp_overlap=dp_overlap)
+
+
+def distinct_policies(workload: Workload, checkpoints: Sequence[str]) -> list[str]:
+    """``selective`` only where it is a plan of its own: where the workload has an attention core to
+    recompute, and not beside ``never`` under flash attention, which keeps no attention probabilities
+    to drop (the two would be the same plan twice)."""
+    flash = getattr(workload, "options", {}).get("attention") == "flash"
+    return [c for c in checkpoints
+            if c != "selective" or (getattr(workload, "has_attention_core", False) and not (flash and "never" in checkpoints))]
+
+
+def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],
+           microbatch_options: Sequence[int], checkpoints: Sequence[str] = CHECKPOINT_POLICIES,
+           schedules: Sequence[str] = PLANNED_SCHEDULES, partitioner: str = "min_max", top: int = 10,
+           progress: Progress | None = None, replica_options: Sequence[int] = (1,),
+           virtual_options: Sequence[int] = (2,), zero_options: Sequence[int] = (0,),
+           placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,
+           dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
+           max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None) -> SearchResult:
+    """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
+
+    Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
+    partition is needed; partitioned ones wait, ordered by :func:`lower_bound_s`, until their
+    simulation is. A candidate is simulated only when no other can have a smaller bound, and the
+    search ends when the smallest bound left exceeds the ``top``-th best simulated step.
+    ``selective`` is searched only where it is a plan of its own (:func:`distinct_policies`).
+    ``dp_overlap`` (:func:`sim.engine.engine.simulate`) leaves the all-reduce out of the bounds, which stay
+    bounds: an overlapped all-reduce adds nothing or more.
+
+    ``weight`` ranks by step time times a per-candidate factor instead (its devices times their
+    price, to rank by cost): the bounds scale with it and stay bounds. ``max_groups`` drops
+    candidates of more than that many D x K stage devices. ``step_limit_s`` gives each candidate the
+    longest step it may take (what a limit on days or dollars allows it): a candidate is dropped as
+    soon as a lower bound of its step exceeds it, and after its simulation if the step does, so the
+    ranking stays exact among the plans within the limits.
+    """
+    if partitioner not in PARTITIONERS:
+        raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
+    checkpoints = distinct_policies(workload, checkpoints)
+    started = time.perf_counter()
+    table = CostTable(workload, system.device)
+    unfit: list[PlanOption] = []
+    all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
+                                replica_options, virtual_options, zero_options, placements, system,
+                                workload.num_layers)
+    if max_groups is not None:
+        all_candidates = [c for c in all_candidates if c.stages * c.replicas <= max_groups]
+    weigh = weight or (lambda _candidate: 1.0)
+    limit = step_limit_s or (lambda _candidate: float("inf"))
+    bound_system = None if dp_overlap else system
+    balanced = BalancedBounds(table, batch_size, bound_system, allreduce_link)
+    bounded = [(balanced(c), i, c) for i, c in enumerate(all_candidates)]
+    within = [(bound, i, c) for bound, i, c in bounded if bound <= limit(c)]
+    over_limit = len(bounded) - len(within)
+    waiting = sorted(((bound * weigh(c), i, c) for bound, i, c in within), key=lambda entry: entry[:2])
+    partitions = Partitions(table, system, batch_size, partitioner)
+    partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
+    kept: list[tuple[float, int, PlanOption]] = []  # max-heap of the top fitting, by -step time
+    simulated = examined = 0
+    next_waiting = 0
+    while True:
+        worst_kept = -kept[0][0] if len(kept) >= top else float("inf")
+        cheapest_waiting = waiting[next_waiting][0] if next_waiting < len(waiting) else float("inf")
+        if partitioned and partitioned[0][0] <= cheapest_waiting:
+            bound, index, option = heapq.heappop(partitioned)
+            if bound > worst_kept:
+                break
+            option.result = simulate_candidate(workload, system, option.partition, batch_size, option.candidate, table,
+                                               allreduce_link=allreduce_link, dp_overlap=dp_overlap)
+            simulated += 1
+            if option.result.step_time_s > limit(option.candidate):
+                over_limit += 1
+            elif option.result.fits:
+                heapq.heappush(kept, (-option.score, index, option))
+                if len(kept) > top:
+                    heapq.heappop(kept)
+            else:
+                unfit.append(option)
+            if progress is not None:
+                progress(examined, len(all_candidates), max(kept, key=lambda entry: entry[0])[2] if kept else None)
+        elif next_waiting < len(waiting):
+            if cheapest_waiting > worst_kept:
+                break
+            _, index, candidate = waiting[next_waiting]
+            next_waiting += 1
+            examined += 1
+            partition = partitions(candidate)
+            if partition is None:
+                unfit.append(PlanOption(candidate, None, float("inf")))
+                continue
+            bound = lower_bound_s(table, batch_size, candidate, partition, bound_system, allreduce_link)
+            if bound > limit(candidate):
+                over_limit += 1
+                continue
+            factor = weigh(candidate)
+            heapq.heappush(partitioned, (bound * factor, index, PlanOption(candidate, partition, bound, weight=factor)))
+        else:
+            break
+    ranked = sorted((entry[2] for entry in kept), key=lambda o: (o.score, o.max_peak_memory_bytes,
+                                                                  o.candidate.stages * o.candidate.replicas,
+                                                                  o.candidate.stages))
+    return SearchResult(ranked=ranked, candidates=len(all_candidates), simulated=simulated,
+                        not_fitting=len(unfit), elapsed_s=time.perf_counter() - started,
+                        unfit_examples=unfit[:5], partitioned=examined, over_limit=over_limit)

@@ -1,0 +1,1 @@
+"""What the user sees: timeline figures, the text report and progress lines."""

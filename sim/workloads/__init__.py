@@ -1,0 +1,1 @@
+"""What is trained: analytic, torch and named models, precision, optimizers, tensor parallelism."""

@@ -1,0 +1,122 @@
+"""What the simulator needs to know about a model: per-layer costs at a given micro-batch size.
+
+A :class:`Workload` answers ``layer_costs(rows, device)``: one :class:`LayerCost` per layer for a
+micro-batch of ``rows`` samples on ``device``. The analytic models (:mod:`sim.workloads.models`) derive these
+from FLOPs and bytes against the device's roofline; calibration supplies measured costs through the
+same interface, so the engine never knows which it is running.
+
+Memory terms follow the GPipe paper: a stage keeps its boundary input per micro-batch (the stash);
+activations saved for backward are held from a micro-batch's forward (or its recompute) until its
+backward. Parameters, gradients and optimizer state are held throughout the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from sim.catalog.hardware import Device
+from sim.errors import GpipeInputError
+from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one layer for one micro-batch of a given size on one device."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    recompute_s: float  # a forward run again before backward; usually equal to forward_s
+    saved_bytes: int  # tensors autograd keeps for this layer's backward (its input included)
+    output_bytes: int  # the layer's output: what crosses to the next stage at a boundary
+    param_bytes: int  # weights
+    grad_bytes: int  # weight gradients, held for the whole step
+    optimizer_bytes: int  # optimizer state (e.g. two slots for Adam or RMSProp)
+    input_bytes: int = 0  # the layer's input: what a stage starting here stashes per micro-batch
+    optimizer_s: float = 0.0  # this layer's share of the once-per-step optimizer update
+    # whether saved_bytes holds the input's own storage; when not (a bf16 cast of it is saved
+    # instead, or nothing), a stage starting here holds its stashed input besides saved_bytes
+    saves_input: bool = True
+    # --checkpoint selective: what the attention core saves (dropped and recomputed inside the backward)
+    # and the time to recompute it; 0 for a layer without attention
+    core_saved_bytes: int = 0
+    core_recompute_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    """One parameter that several layers use (a tied embedding and output head).
+
+    Each layer's :class:`LayerCost` counts it, as each layer holds it. A stage holding several of
+    ``layers`` keeps one copy; stages on different devices each keep one, and after the step's last
+    backward they sum their gradients (an all-reduce among the owners) before the optimizer step.
+    """
+
+    name: str
+    layers: tuple[int, ...]  # the layers using it, ascending
+    param_bytes: int  # its weights
+    static_bytes: int  # weights, gradient and optimizer state: what a stage saves by not holding a copy
+
+
+def check_checkpoint_for(workload: "Workload", checkpoint: str) -> str:
+    """``selective`` recomputes an attention core, which the built-in transformer's analytic model
+    and a costs file that profiled one know of (``has_attention_core``); refused in one line elsewhere."""
+    if checkpoint == "selective" and not getattr(workload, "has_attention_core", False):
+        name = getattr(workload, "name", "this model")
+        raise GpipeInputError(f"--checkpoint selective recomputes the attention core, which {name} has none of "
+                              "(the built-in transformer has one; a costs file must profile it: gpipe calibrate "
+                              "--force); use full")
+    return checkpoint
+
+
+def shared_parameters(workload: "Workload") -> tuple[SharedParameter, ...]:
+    """The workload's shared parameters (none unless it declares ``shared_parameters``)."""
+    return tuple(getattr(workload, "shared_parameters", ()))
+
+
+class Workload(Protocol):
+    """A model as the simulator sees it (optionally with ``shared_parameters``, see above)."""
+
+    name: str
+    num_layers: int
+
+    def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
+        """Costs of every layer, in order, for a micro-batch of ``rows`` samples on ``device``."""
+        ...
+
+    def describe(self) -> dict:
+        """Name, options and parameter count, for the plan file and reports."""
+        ...
+
+
+@dataclass(frozen=True)
+class UniformWorkload:
+    """The textbook case: L identical layers, fixed forward and backward time whatever the device.
+
+    Times are per micro-batch and do not depend on its size, so with free links the bubble is
+    exactly (K-1)/(M+K-1). Memory terms are nominal (1 MiB of activation per layer and micro-batch).
+    """
+
+    num_layers: int
+    forward_s: float = 1e-3
+    backward_s: float = 2e-3
+    activation_bytes: int = 1 << 20
+    param_bytes: int = 4 << 20
+    optimizer_slots: int = OPTIMIZER_SLOTS[DEFAULT_OPTIMIZER]  # state tensors per parameter
+    name: str = "uniform"
+
+    def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
+        layer = LayerCost(
+            name="layer", forward_s=self.forward_s, backward_s=self.backward_s,
+            recompute_s=self.forward_s, saved_bytes=self.activation_bytes,
+            output_bytes=self.activation_bytes, input_bytes=self.activation_bytes,
+            param_bytes=self.param_bytes, grad_bytes=self.param_bytes,
+            optimizer_bytes=self.optimizer_slots * self.param_bytes,
+        )
+        return [layer] * self.num_layers
+
+    def describe(self) -> dict:
+        return {"name": self.name, "options": {"layers": self.num_layers, "optimizer_slots": self.optimizer_slots},
+                "num_layers": self.num_layers,
+                "parameter_count": self.num_layers * self.param_bytes // 4}

@@ -1,0 +1,237 @@
+"""The command-line interface other tools script against."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from gpipe.main import main
+
+GPIPE = [sys.executable, "-m", "gpipe.main"]
+
+
+def run(*args):
+    return subprocess.run([*GPIPE, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_simulate_json_interface():
+    proc = run("simulate", "--model", "uniform", "--layers", "16", "--stages", "4", "--microbatches", "8",
+               "--checkpoint", "never", "--hardware", "ideal", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["bubble_fraction"] == pytest.approx(3 / 11, abs=1e-9)
+    assert data["partition"] == [4, 4, 4, 4]
+    assert data["step_time_s"] == pytest.approx(11 * 4 * 3e-3)
+    assert data["throughput_samples_per_s"] > 0
+    assert [set(s) >= {"peak_memory_bytes", "busy_s"} for s in data["stages"]] == [True] * 4
+
+
+def test_simulate_writes_trace_and_html(tmp_path):
+    trace, html = tmp_path / "t.json", tmp_path / "t.html"
+    assert main(["simulate", "--model", "transformer", "--stages", "2", "--microbatches", "4", "--partition",
+                 "2,4", "--schedule", "1f1b", "--batch", "8", "--hardware", "h100-nvlink",
+                 "--trace", str(trace), "--html", str(html)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"forward 0", "backward 3"}
+    assert "plotly" in html.read_text()[:100000].lower()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stages", "0"], "stages (K) must be a positive integer, got 0"),
+    (["--microbatches", "-2"], "micro-batches (M) must be a positive integer, got -2"),
+    (["--batch", "0"], "batch size must be a positive integer, got 0"),
+    (["--stages", "17"], "17 stages for a model of 16 layers"),
+    (["--partition", "3,5"], "partition 3,5 sums to 8 layers but the model has 16"),
+    (["--partition", "8,8", "--stages", "3"], "--partition has 2 entries but --stages 3 x --virtual-stages 1 needs 3"),
+    (["--model", "resnet"], "unknown model 'resnet'"),
+    (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    (["--hardware", "h100-nvlink", "--replicas", "4", "--stages", "4"],
+     "4 replicas x 4 stages need 16 devices but h100-nvlink with 1 node"),
+    (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
+    (["--schedule", "interleaved", "--virtual-stages", "8", "--stages", "4"], "32 chunks but the model has 16 layers"),
+    (["--schedule", "interleaved", "--stages", "4", "--microbatches", "6"], "multiple of stages"),
+    (["--zero", "1"], "--zero 1 shards optimizer state"),
+    (["--placement", "scattered"], "unknown placement 'scattered'"),
+    (["--checkpoint", "sometimes"], "unknown checkpoint policy 'sometimes'"),
+    (["--hardware", "h100-nvlink", "--stages", "16", "--partition", "1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"],
+     "16 stages need 16 devices"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = run("simulate", "--model", "uniform", "--layers", "16", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
+def test_a_plan_that_does_not_fit_says_which_stage_and_what_to_do():
+    proc = run("simulate", "--model", "transformer", "--layers", "48", "--d-model", "2048", "--ff", "8192",
+               "--heads", "32", "--seq", "1024", "--vocab", "32000", "--batch", "32", "--stages", "2",
+               "--microbatches", "4", "--hardware", "tpu-v3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "does not fit in memory: stage" in proc.stderr and "over by" in proc.stderr
+
+
+def test_simulate_and_plan_do_not_import_torch(tmp_path):
+    code = ("import sys; from gpipe.main import main; "
+            "main(['simulate', '--model', 'transformer', '--json']); "
+            f"main(['plan', '--model', 'mlp', '--quiet', '--out', r'{tmp_path / 'p.json'}']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_plan_writes_a_plan_that_simulate_reads_back(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run("plan", "--model", "transformer", "--hardware", "a100-nvlink", "--batch", "32",
+               "--microbatch-options", "1-32", "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "rank" in proc.stdout and "plan written to" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert plan["version"] == 1 and sum(plan["partition"]) == plan["model"]["num_layers"]
+    again = run("simulate", "--plan", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--microbatch-options", "1-x"], "--microbatch-options '1-x' is not a list of integers"),
+    (["--stages-options", "0,2"], "every value of --stages-options must be a positive integer, got 0"),
+    (["--stages-options", "64"], "--stages-options 64 exceeds the model's 6 layers"),
+    (["--batch", "-4"], "batch size must be a positive integer, got -4"),
+    (["--hardware", "h100-nvlink", "--replicas", "16"], "16 replicas x 1 stages need 16 devices but h100-nvlink with 1 node(s) has 8"),
+    (["--virtual-stages", "2", "--schedules", "gpipe"], "--virtual-stages 2 needs the interleaved schedule"),
+    (["--virtual-stages", "4", "--schedules", "interleaved", "--stages-options", "2"], "8 chunks but the model has 6 layers"),
+    (["--schedules", "interleaved", "--stages-options", "2", "--microbatch-options", "3,5"], "a multiple of stages (K)"),
+    (["--zero", "1", "--replicas", "1"], "--zero 1 shards optimizer state"),
+    (["--zero", "0,2"], "each value must be 0 or 1"),
+])
+def test_plan_bad_input(args, message):
+    proc = run("plan", "--model", "transformer", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
+def test_plan_searches_replicas_and_interleaving_and_writes_them(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run("plan", "--model", "transformer", "--layers", "8", "--hardware", "h100-nvlink", "--nodes", "2",
+               "--batch", "64", "--microbatch-options", "1,2,4,8", "--zero", "0,1", "--out", str(out), "--json",
+               "--quiet", "--top", "40")
+    assert proc.returncode == 0, proc.stderr
+    ranked = json.loads(proc.stdout)["ranked"]
+    assert all({"replicas", "virtual_stages", "zero", "placement"} <= set(entry) for entry in ranked)
+    assert len({e["replicas"] for e in ranked}) > 1
+    assert all(e["replicas"] * len(e["partition"]) // e["virtual_stages"] <= 16 for e in ranked)
+    assert all(e["pipeline_stages"] == len(e["partition"]) // e["virtual_stages"] == len(e["stages"]) // e["replicas"]
+               for e in ranked)
+    times = [e["step_time_s"] for e in ranked]
+    assert times == sorted(times)
+    plan = json.loads(out.read_text())
+    best = ranked[0]
+    assert [plan[k] for k in ("replicas", "virtual_stages", "zero", "placement")] == \
+        [best[k] for k in ("replicas", "virtual_stages", "zero", "placement")]
+    again = run("simulate", "--plan", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"])
+    table = run("plan", "--model", "transformer", "--layers", "8", "--hardware", "h100-nvlink", "--nodes", "2",
+                "--batch", "64", "--microbatch-options", "1,2,4,8", "--quiet")
+    assert "   D   K  V   M" in table.stdout and "placement" in table.stdout
+
+
+def test_plan_that_nothing_fits_names_the_overflowing_stage():
+    proc = run("plan", "--model", "transformer", "--layers", "48", "--d-model", "2048", "--ff", "8192",
+               "--heads", "32", "--seq", "1024", "--vocab", "32000", "--batch", "32", "--hardware", "tpu-v3",
+               "--stages-options", "1,2", "--tensor-parallel-options", "1", "--quiet")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert "no plan among" in proc.stderr and "more stages" in proc.stderr
+    assert re.search(r"stage \d+ needs [\d.]+ GiB", proc.stderr)
+
+
+def test_output_piped_into_head_ends_quietly():
+    """``gpipe plan ... --json | head -c 200``: no BrokenPipeError traceback, the SIGPIPE status."""
+    big = ["plan", "--model", "uniform", "--layers", "64", "--hardware", "h100-nvlink", "--nodes", "8",
+           "--stages-options", "64", "--microbatch-options", "1-8", "--checkpoints", "never", "--schedules",
+           "gpipe", "--top", "8", "--json", "--quiet"]  # about 100 KB of JSON, more than a pipe buffers
+    proc = subprocess.run(f"{sys.executable} -m gpipe.main {' '.join(big)} | head -c 200; exit ${{PIPESTATUS[0]}}",
+                          shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert len(proc.stdout) == 200
+    assert proc.stderr == ""
+    assert proc.returncode == 141
+
+
+def test_the_simulator_alone_refuses_a_torch_model_it_was_not_given_a_way_to_measure():
+    from sim.errors import GpipeInputError
+    from sim.workloads.resolve import resolve_workload
+
+    with pytest.raises(GpipeInputError, match="is a torch model and needs measuring"):
+        resolve_workload("my_pkg.models:net", {})
+    with pytest.raises(GpipeInputError, match="no model"):
+        resolve_workload(None, {})
+
+
+def test_the_planner_searches_selective_recompute_where_there_is_an_attention_core():
+    transformer = run("plan", "--model", "transformer", "--hardware", "a100-nvlink", "--microbatch-options", "4",
+                      "--checkpoints", "selective,full", "--tensor-parallel-options", "1", "--json", "--quiet",
+                      "--top", "50")
+    assert transformer.returncode == 0, transformer.stderr
+    assert {o["checkpoint"] for o in json.loads(transformer.stdout)["ranked"]} == {"selective", "full"}
+    mlp = run("plan", "--model", "mlp", "--hardware", "a100-nvlink", "--microbatch-options", "4", "--json", "--quiet",
+              "--top", "100")
+    assert "selective" not in {o["checkpoint"] for o in json.loads(mlp.stdout)["ranked"]}
+    refused = run("plan", "--model", "mlp", "--hardware", "a100-nvlink", "--checkpoints", "selective", "--quiet")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "--checkpoint selective recomputes the attention core" in refused.stderr
+
+
+def test_simulate_prints_the_zb_h1_lists_and_its_smaller_bubble(capsys):
+    common = ["simulate", "--model", "uniform", "--layers", "4", "--stages", "4", "--microbatches", "8",
+              "--checkpoint", "never", "--hardware", "ideal"]
+    assert main([*common, "--schedule", "zb-h1", "--print-schedule", "--json"]) == 0
+    zb = json.loads(capsys.readouterr().out)  # --json: the result alone
+    assert main([*common, "--schedule", "1f1b", "--json"]) == 0
+    one_f_one_b = json.loads(capsys.readouterr().out)
+    # uniform layers: F 1 ms, B 2 ms, W half of it; bubble (K-1)(F+I-W) against (K-1)(F+B)
+    assert zb["step_time_s"] == pytest.approx(8 * 3e-3 + 3 * 1e-3)
+    assert one_f_one_b["step_time_s"] == pytest.approx(8 * 3e-3 + 3 * 3e-3)
+    assert main([*common, "--schedule", "zb-h1", "--print-schedule"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].startswith("stage 3: 3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0")
+
+
+def test_the_executable_runs_exit_handlers_flushes_and_keeps_the_status(tmp_path):
+    """``gpipe.main.command`` ends with ``os._exit`` to skip torch's teardown: what the teardown is for
+    (exit handlers, buffered output) still happens, and the status is main's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    script = ("import atexit, sys\n"
+              "from gpipe import main as cli\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "sys.argv = ['gpipe', *sys.argv[1:]]\n"
+              "cli.command()\n")
+    env = {**os.environ, "PYTHONPATH": root}
+    ok = subprocess.run([sys.executable, "-c", script, "simulate", "--model", "mlp", "--stages", "2"],
+                        capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert ok.returncode == 0
+    assert ok.stdout.splitlines()[-1] == "exit handler ran" and "bubble" in ok.stdout
+    refused = subprocess.run([sys.executable, "-c", script, "simulate", "--model", "mlp", "--stages", "0"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == ["gpipe: error: stages (K) must be a positive integer, got 0; use --stages "
+                                           "1 or more"]
+
+
+def test_an_hf_model_without_transformers_says_how_to_install_it(monkeypatch, capsys):
+    """transformers is the optional extra ``hf``: without it, an hf: model is one line naming it."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails as if absent
+    for command in (["simulate", "--model", "hf:llama", "--stages", "2"],
+                    ["simulate", "--model", "hf:llama", "--stages", "2", "--tensor-parallel", "2",
+                     "--hardware", "h100-nvlink"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "transformers" in err[0] and "pip install -e '.[hf]'" in err[0], err

@@ -1,0 +1,1 @@
+"""What the tests share: commands run in-process, sample models, synthetic costs and tiny scenarios."""

@@ -1,0 +1,77 @@
+"""``gpipe replay``: the runs file's schema, the error arithmetic, runs not modelled, the dev set."""
+
+import json
+import os
+
+import pytest
+
+from gpipe.main import main
+from sim.errors import GpipeInputError
+from sim.evidence.replay import Replayed, load_runs, replay, summary
+from sim.workloads.models import get_workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEV = os.path.join(ROOT, "benchmarks", "published_runs", "dev.json")
+RUN = {"id": "small", "source": "a test", "hardware": "a100-nvlink", "nodes": 1, "model": "transformer",
+       "options": {"layers": 4, "d_model": 256, "ff": 1024, "heads": 8, "seq": 128, "vocab": 1000},
+       "tensor_parallel": 2, "pipeline_stages": 2, "replicas": 2, "context_parallel": 1, "virtual_stages": None,
+       "microbatch_size": 2, "global_batch": 16, "checkpoint": "full", "sequence_parallel": True,
+       "precision": "bf16", "measured_step_s": 0.01, "note": "unknown keys are ignored"}
+
+
+def resolve(model, options):
+    return get_workload(model, options)
+
+
+def test_the_error_is_predicted_over_measured_less_one():
+    done = replay(dict(RUN), resolve)
+    assert done.modelled and done.predicted_step_s > 0
+    assert done.error == pytest.approx(done.predicted_step_s / 0.01 - 1, rel=1e-12)
+    assert done.layout["microbatches"] == 4 and done.layout["tensor_parallel"] == 2  # 16 / D=2 / 2 rows
+    assert any("virtual stages not given" in a for a in done.assumed)
+    results = [Replayed("a", True, 1.0, 1.1, 0.1), Replayed("b", True, 2.0, 1.5, -0.25), Replayed("c", False, 3.0),
+               Replayed("d", True, 1.0, 0.98, -0.02)]
+    report = summary(results)
+    assert report["median_abs_error"] == pytest.approx(0.1) and report["worst_abs_error"] == pytest.approx(0.25)
+    assert [r["id"] for r in report["runs"]] == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"context_parallel": 2}, "runs ring attention on flash kernels"),
+    ({"options": {**RUN["options"], "positions": "rotary"}}, "unknown option(s) positions"),
+    ({"tensor_parallel": 16}, "spans more than a node"),
+    ({"model": "mlp", "options": {}, "checkpoint": "selective"}, "--checkpoint selective recomputes"),
+])
+def test_a_run_that_cannot_be_modelled_is_listed_with_why(change, reason):
+    done = replay({**RUN, **change}, resolve)
+    assert not done.modelled and done.predicted_step_s is None and reason in done.reason
+
+
+def test_an_unstated_microbatch_size_is_the_planners_best():
+    done = replay({**RUN, "microbatch_size": None}, resolve)
+    assert done.modelled and any("micro-batch size not given" in a for a in done.assumed)
+    assert done.layout["microbatches"] in (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"nope": []}, "has no \"runs\" list"),
+    ({"runs": [{"id": "x"}]}, "run 'x' of"),
+    ({"runs": [{**RUN, "measured_step_s": 0}]}, "measured_step_s must be a positive number"),
+])
+def test_a_bad_runs_file_is_one_line(tmp_path, data, message):
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(GpipeInputError, match=message.replace("(", r"\(")):
+        load_runs(str(path))
+
+
+def test_the_development_set_replays(capsys, tmp_path):
+    code = main(["replay", DEV, "--json", "--html", str(tmp_path / "r.html")])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    by_id = {r["id"]: r for r in report["runs"]}
+    assert set(by_id) == {"korth-22b-full", "korth-22b-selective-sp", "narayanan-1.7b-dp32", "nemotron4-15b-h100"}
+    assert all(run["modelled"] for run in report["runs"])
+    assert by_id["nemotron4-15b-h100"]["layout"]["tensor_parallel"] == 4  # kv_heads 8 and squared ReLU modelled
+    assert report["worst_abs_error"] >= report["median_abs_error"] > 0
+    assert (tmp_path / "r.html").stat().st_size > 1000
