@@ -16,7 +16,8 @@ def list_workload():
 def tiny_quick_costs(tmp_path_factory):
     """One quick calibration of the tiny transformer (``tests.helpers.costs.TINY``), shared
     by the tests that validate against it (a calibration is the slowest launch there is): the costs
-    file's path and what the command printed."""
+    file's path and what the command printed. A calibration the machine's drift got refused
+    (calibrate.fit.design_checks) is taken once more from the start, as ``gpipe demo`` does."""
     import contextlib
     import io
 
@@ -24,7 +25,11 @@ def tiny_quick_costs(tmp_path_factory):
     from tests.helpers.costs import TINY
 
     path = tmp_path_factory.mktemp("tiny_quick") / "costs.json"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main(["calibrate", *TINY, "--out", str(path), "--quick", "--steps", "3"]) == 0
+    for attempt in (1, 2):
+        printed, errors = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+            status = main(["calibrate", *TINY, "--out", str(path), "--quick", "--steps", "3"])
+        if status == 0 or "calibration refused" not in errors.getvalue() or attempt == 2:
+            break
+    assert status == 0, errors.getvalue()
     return str(path), printed.getvalue()

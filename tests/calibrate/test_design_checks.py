@@ -106,9 +106,11 @@ def test_gpipe_calibrate_refuses_a_run_whose_speed_probe_stays_40x_off_and_write
         status = main(["calibrate", *TINY, "--out", str(out), "--quick", "--steps", "3", "--max-stages", "1"])
     assert status == 2 and not out.exists()
     last = errors.getvalue().strip().splitlines()[-1]
-    # two K = 1 runs share one reference: with one planted, either may be the one outside the bounds
-    assert "calibration refused: design run K=1 M=" in last and ": speed x" in last, last
-    assert "measured twice" in last and "Traceback" not in errors.getvalue()
+    # two K = 1 runs share one reference: with one planted, either may be the one outside the bounds,
+    # or, where the machine's own noise moved the probes, the fit on the corrected runs misses one
+    assert last.startswith("gpipe: error: calibration refused: ") and "K=1 M=" in last, last
+    assert ("speed x" in last and "measured twice" in last) or "after measuring it again" in last, last
+    assert "Traceback" not in errors.getvalue()
 
 
 def test_the_stored_design_runs_record_their_corrections_within_bounds(tiny_quick_costs):
