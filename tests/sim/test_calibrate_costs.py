@@ -7,12 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from sim.catalog.hardware import LOCAL_CPU, V100, Link, get_system
+from sim.catalog.hardware import LOCAL_CPU, Link, get_system
 from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
 from sim.formats.costs import allreduce_link, interpolate, load_costs_workload, read_costs, write_costs
 from sim.workloads.models import get_workload
 from tests.helpers.costs import ROWS, affine_times, design_runs, synthetic_costs, with_split_profile
+
+V100 = get_system("v100-nvlink").device  # a what-if device
+
 
 @pytest.fixture
 def costs_file(tmp_path):

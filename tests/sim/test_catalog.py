@@ -1,12 +1,16 @@
 """The 2026 hardware catalog: every entry sourced, priced or said to be unpriced, the datasheet figures
-as published, and the full-mesh and rack-scale layouts the planner relies on."""
+as published, and the full-mesh and rack-scale layouts the planner relies on; the catalog's files give
+exactly the figures the catalog had in code."""
 
-from dataclasses import replace
+import json
+import os
+from dataclasses import asdict, replace
 
 import pytest
 
 from gpipe.plan import efficiency_kind
-from sim.catalog.hardware import DEFAULT_EFFICIENCY, GB, INFINITY_FABRIC, NVLINK5, SYSTEMS, TERA, get_system
+from sim.catalog.hardware import (CATALOG_FILES, DEFAULT_EFFICIENCY, GB, LINKS, LINKS_FILE, SYSTEMS, SYSTEMS_DIR, TERA,
+                                  get_system)
 from sim.engine.allreduce import ring_allreduce_s
 from sim.engine.engine import simulate
 from sim.workloads.models import get_workload
@@ -16,6 +20,40 @@ UNPRICED = {"ideal", "cpu", "p100-pcie", "v100-nvlink", "gb200-nvl72", "tpu-v2",
             "tpu-v5p", "tpu-v6e"}
 FP8 = {"h100-nvlink", "h100-pcie", "h200-nvlink", "b200-nvlink", "gb200-nvl72", "mi300x", "mi325x"}
 NEW_2026 = ["b200-nvlink", "gb200-nvl72", "mi300x", "mi325x", "tpu-v5e", "tpu-v5p", "tpu-v6e"]
+NVLINK5, INFINITY_FABRIC = LINKS["NVLink5"], LINKS["InfinityFabric"]
+SNAPSHOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "catalog_snapshot.json")
+
+
+def _figures(system) -> dict:
+    """A system's fields as JSON has them, without the device's and the system's source texts."""
+    data = json.loads(json.dumps(asdict(system)))  # tuples as lists, inf as JSON's Infinity
+    del data["source"], data["device"]["source"]
+    return data
+
+
+@pytest.mark.parametrize("name", [name for name in SYSTEMS if name != "cpu"])  # cpu: this machine's counts
+def test_every_system_has_the_figures_the_catalog_had_in_code(name):
+    with open(SNAPSHOT) as handle:
+        expected = json.load(handle)["systems"][name]
+    assert _figures(get_system(name, fitted=False)) == expected
+
+
+def test_every_system_file_is_listed_in_order_and_names_itself():
+    with open(os.path.join(SYSTEMS_DIR, "index.json")) as handle:
+        listed = json.load(handle)["systems"]
+    files = sorted(name[:-5] for name in os.listdir(SYSTEMS_DIR) if name.endswith(".json") and name != "index.json")
+    assert sorted(listed) == files and list(CATALOG_FILES) == listed
+    assert list(SYSTEMS) == ["ideal", "cpu", *listed]  # the order --hardware lists them in
+    assert all(data["name"] == name for name, data in CATALOG_FILES.items())
+
+
+@pytest.mark.parametrize("name", list(CATALOG_FILES))
+def test_every_file_cites_the_device_the_system_and_any_price(name):
+    sources = CATALOG_FILES[name]["sources"]
+    assert sources["device"] and sources["system"]
+    assert ("price_per_device_hour" in sources) == (CATALOG_FILES[name]["price_per_device_hour"] is not None)
+    with open(LINKS_FILE) as handle:
+        assert all(link["source"] for link in json.load(handle)["links"])
 
 
 def test_the_catalog_has_todays_accelerators():

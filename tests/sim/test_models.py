@@ -15,12 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from sim.catalog.hardware import IDEAL_DEVICE, TPU_V3, get_system
+from sim.catalog.hardware import IDEAL_DEVICE, get_system
 from sim.errors import GpipeInputError
 from sim.workloads.model_defaults import DEFAULT_BATCH, DEFAULT_OPTIONS
 from sim.workloads.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, AnalyticWorkload, get_workload
 from sim.workloads.precision import PRECISIONS
 
+TPU_V3 = get_system("tpu-v3").device
 H100_SXM = get_system("h100-nvlink", fitted=False).device  # the roofline these tests check (sim.catalog.kernel_model fits GPUs)
 TRAINED = [name for name, p in PRECISIONS.items() if not p.planning_only]  # what the executor's torch models run
 from sim.workloads.workload import UniformWorkload
