@@ -116,7 +116,9 @@ def virtual_stages_of(args: argparse.Namespace) -> int:
 
 def add_hardware_arguments(parser: argparse.ArgumentParser, default: str = "ideal") -> None:
     group = parser.add_argument_group("hardware")
-    group.add_argument("--hardware", default=default, help=f"one of {', '.join(SYSTEMS)} (default {default})")
+    group.add_argument("--hardware", default=default,
+                       help=f"one of {', '.join(SYSTEMS)}, or a system file FILE.json (docs/planning.md, "
+                            f"'Your own cluster') (default {default})")
     group.add_argument("--nodes", type=int, default=1, help="nodes joined over InfiniBand (default 1)")
 
 

@@ -15,7 +15,7 @@ from gpipe.plan_notes import dollars, layout_text, note_lines
 from gpipe.plan_rows import PlanRow, best_rows, fold_placements
 from gpipe.plan_table import format_table
 from sim.catalog.efficiency_note import ASSUMED_EFFICIENCY_RANGE, efficiency_kind, efficiency_text
-from sim.catalog.hardware import get_system
+from sim.catalog.user_systems import resolve_system, system_record
 from sim.engine.placement import PLACEMENTS, check_placement
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.plan import ModelRef, Plan, save_plan
@@ -137,7 +137,7 @@ def planning_inputs(args: argparse.Namespace, hardware: str | None = None):
         fitted, bandwidth = efficiency_from_costs(args.efficiency_from)
         efficiency = fitted if efficiency is None else efficiency
     hardware = hardware or args.hardware
-    system = with_efficiency(get_system(hardware, nodes_for(args, hardware)), efficiency, bandwidth)
+    system = with_efficiency(resolve_system(hardware, nodes_for(args, hardware)), efficiency, bandwidth)
     options = simulation_options(args)
     if args.input_shape:
         options["input_shape"] = args.input_shape
@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         plan = to_plan(best, description, home.batch, home.system.name, home.system.nodes,
                        planned_optimizer(args, home.workload), home.precision, args.dp_overlap)
-        save_plan(replace(plan, **priced_with(args, plan.hardware)), args.out)
+        defined = system_record(hardware[[p.system.name for p in planned].index(home.system.name)])
+        save_plan(replace(plan, **priced_with(args, {**plan.hardware, **defined})), args.out)
     if args.schedule_csv_out:
         from sim.schedules.schedule import build_schedule
         from sim.schedules.torch_schedule import write_schedule_csv
@@ -429,9 +430,8 @@ def hardware_list(text: str) -> list[str]:
     names = [name.strip() for name in str(text).split(",") if name.strip()]
     if not names:
         raise GpipeInputError("--hardware is empty; give a system such as h100-nvlink, or several separated by commas")
-    for name in names:
-        get_system(name)
-    if len(set(names)) != len(names):
+    systems = [resolve_system(name).name for name in names]
+    if len(set(systems)) != len(systems):
         raise GpipeInputError(f"--hardware {text!r} names a system twice; give each once")
     return names
 
@@ -459,7 +459,7 @@ def costing_of(args: argparse.Namespace, hardware: list[str]) -> Costing:
     costing = Costing(tokens, args.rank_by, args.price_per_device_hour, args.max_devices, args.max_cost,
                       len(hardware) > 1, args.max_days)
     if args.rank_by == "cost" or args.max_cost is not None:
-        unpriced = [name for name in hardware if price_of(get_system(name), costing) is None]
+        unpriced = [name for name in hardware if price_of(resolve_system(name), costing) is None]
         if unpriced:
             raise GpipeInputError(f"{unpriced[0]} has no list price in the catalog; give --price-per-device-hour "
                                   "or drop it from --hardware")
@@ -471,7 +471,7 @@ def nodes_for(args: argparse.Namespace, hardware: str) -> int:
     if args.nodes is not None:
         return args.nodes
     if getattr(args, "max_devices", None):
-        per_node = get_system(hardware).devices_per_node
+        per_node = resolve_system(hardware).devices_per_node
         return max(1, -(-args.max_devices // per_node))
     return 1
 

@@ -10,7 +10,8 @@ from dataclasses import asdict
 from gpipe.options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument, add_pipeline_arguments,
                            add_precision_argument, add_scale_out_arguments, check_output_path, simulation_options,
                            virtual_stages_of)
-from sim.catalog.hardware import Link, System, get_system
+from sim.catalog.hardware import Link, System
+from sim.catalog.user_systems import resolve_system
 from sim.engine.engine import SimResult, simulate
 from sim.engine.placement import check_placement
 from sim.errors import GpipeInputError, require_positive
@@ -100,7 +101,8 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     plan's."""
     costs = plan_costs_path(plan, plan_path, costs)
     hardware = plan.hardware
-    system = with_efficiency(get_system(hardware.get("system", "ideal"), int(hardware.get("nodes", 1))),
+    system = with_efficiency(resolve_system(hardware.get("definition") or hardware.get("system", "ideal"),
+                                            int(hardware.get("nodes", 1)), where="plan's hardware"),
                              hardware.get("efficiency"), hardware.get("bandwidth_efficiency"))
     measured = measured_precision(read_costs(costs)) if costs else None
     precision = choose_precision(precision or plan.precision, system.device, measured)
@@ -184,7 +186,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                               f"--virtual-stages {virtual} needs {stages_given * virtual}; drop --stages or make "
                               "them agree")
     stages = len(partition) // virtual if partition is not None else args.stages
-    system = get_system(args.hardware, args.nodes)
+    system = resolve_system(args.hardware, args.nodes)
     precision = chosen_precision(args, system.device)
     by_shape = args.tensor_parallel > 1 or args.context_parallel > 1  # hf: models split by their shape
     options, attention_note = with_attention_default(model_name(args), simulation_options(args), system.device,

@@ -246,7 +246,7 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     partition = even_partition(num_layers, stages)  # also rejects more stages than layers
     if config.model not in BUILTIN_MODELS:
         return partition
-    from sim.catalog.hardware import get_system
+    from sim.catalog.user_systems import resolve_system
     from sim.planner.search import Candidate
     from sim.planner.search import default_partition as simulator_partition
 
@@ -254,7 +254,7 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     microbatches = args.microbatches or config.microbatches
     candidate = Candidate(args.stages or 1, microbatches, args.checkpoint or config.checkpoint, config.schedule,
                           config.replicas, config.virtual_stages, config.zero, config.placement)
-    system = get_system(args.hardware)
+    system = resolve_system(args.hardware)
     workload = get_workload(config.model, {**config.options, "precision": config.precision})
     return tuple(simulator_partition(workload, system, batch, candidate))
 

@@ -34,6 +34,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from sim.catalog.hardware import get_system
+from sim.catalog.user_systems import catalog_name, resolve_system
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.errors import GpipeInputError
 from sim.evidence.replay import Resolve, replay
@@ -76,7 +77,7 @@ def layer_seconds(row: dict[str, Any], kernels: KernelEfficiency) -> tuple[float
     """One transformer block's forward and backward (with its policy's recompute) for ``row``."""
     from sim.workloads.models import get_workload
 
-    system = get_system(row["hardware"], 1, kernels)
+    system = resolve_system(row["hardware"], 1, kernels, where=f"layer_times row {row['id']!r}'s hardware")
     workload = get_workload(row["model"], {**row["options"], "precision": row["precision"]})
     workload, groups = with_tensor_parallel(workload, system, int(row["tensor_parallel"]),
                                             bool(row["sequence_parallel"]))
@@ -93,15 +94,15 @@ def targets(runs: Sequence[dict[str, Any]], layers: Sequence[dict[str, Any]], re
     out = []
     for run in runs:
         def whole(kernels: KernelEfficiency, run=run) -> float:
-            result = replay(run, resolve, {run["hardware"]: kernels})
+            result = replay(run, resolve, {catalog_name(run["hardware"]): kernels})
             if not result.modelled:
                 raise GpipeInputError(f"development run {run['id']!r} is not modelled: {result.reason}")
             return float(result.predicted_step_s)  # type: ignore[arg-type]
-        out.append(Target(run["id"], run["hardware"], float(run["measured_step_s"]), whole))
+        out.append(Target(run["id"], catalog_name(run["hardware"]), float(run["measured_step_s"]), whole))
     for row in layers:
-        out.append(Target(row["id"] + ":forward", row["hardware"], row["forward_ms"] / 1e3,
+        out.append(Target(row["id"] + ":forward", catalog_name(row["hardware"]), row["forward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[0]))
-        out.append(Target(row["id"] + ":backward", row["hardware"], row["backward_ms"] / 1e3,
+        out.append(Target(row["id"] + ":backward", catalog_name(row["hardware"]), row["backward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[1]))
     return out
 

@@ -84,8 +84,6 @@ def system_fields(data: Any, where: str, link_names: Iterable[str]) -> dict[str,
     check_keys(data, KEYS, where)
     for pair in ONE_OF:
         given = [key for key in pair if key in data]
-        if len(given) == 2:
-            raise GpipeInputError(f"{where} gives both {pair[0]} and {pair[1]}; keep one")
         if not given:
             raise GpipeInputError(f"{where} has no {pair[0]} ({KEYS[pair[0]][0]}) nor {pair[1]}; add one, or "
                                   "give \"base\": a catalog system whose figures the file overrides")
@@ -154,7 +152,8 @@ def link_fields(data: Any, where: str) -> dict[str, Any]:
 
 
 def check_keys(data: dict[str, Any], keys: dict[str, tuple[str, tuple[type, ...]]], where: str) -> None:
-    """One line for the first unknown key (with the keys it most resembles) or value of a wrong type."""
+    """One line for the first unknown key (with the keys it most resembles), value of a wrong type,
+    figure given in two units, or source of no key."""
     for key, value in data.items():
         if key not in keys:
             hint = did_you_mean(key, keys)
@@ -164,6 +163,12 @@ def check_keys(data: dict[str, Any], keys: dict[str, tuple[str, tuple[type, ...]
         what, types = keys[key]
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
             raise GpipeInputError(f"{where}: {key} must be {_type_names(types)} ({what}), got {value!r}")
+    if keys is not KEYS:
+        return
+    for pair in ONE_OF:
+        if all(key in data for key in pair):
+            raise GpipeInputError(f"{where} gives both {pair[0]} and {pair[1]}; keep one")
+    _sources(data, where)
 
 
 def _type_names(types: tuple[type, ...]) -> str:
@@ -225,7 +230,7 @@ def _cited(sources: dict[str, str], group: str, keys: Iterable[str]) -> str:
 def _link(value: Any, where: str, link_names: set[str]) -> Any:
     if isinstance(value, str):
         if value not in link_names:
-            raise GpipeInputError(f"{where}: no catalog link {value!r}{did_you_mean(value, link_names)}; name one of "
+            raise GpipeInputError(f"{where}: no catalog link {value!r}{did_you_mean(value, sorted(link_names))}; name one of "
                                   f"{', '.join(sorted(link_names))} or give a link object with "
                                   f"{', '.join(LINK_REQUIRED)}")
         return value

@@ -32,8 +32,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from sim.catalog.hardware import get_system
 from sim.catalog.kernel_model import KernelEfficiency
+from sim.catalog.user_systems import catalog_name, run_system
 from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
 from sim.workloads.workload import Workload
@@ -88,7 +88,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
     fractions, as ``gpipe fit-gpu`` does while it fits."""
     out = Replayed(run["id"], False, float(run["measured_step_s"]), assumed=list(ALWAYS_ASSUMED))
     try:
-        _predict(run, resolve, out, (kernels or {}).get(run["hardware"]))
+        _predict(run, resolve, out, (kernels or {}).get(catalog_name(run["hardware"])))
     except GpipeInputError as exc:
         out.reason = str(exc)
         return out
@@ -106,7 +106,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
 
     tensor, stages, replicas, context = (int(run[key] or 1) for key in ("tensor_parallel", "pipeline_stages",
                                                                          "replicas", "context_parallel"))
-    system = get_system(run["hardware"], int(run["nodes"] or 1), kernels)
+    system = run_system(run["hardware"], run["nodes"], run.get("gpus"), kernels, f"run {run['id']!r}")
     fitted = system.device.kernels
     out.assumed.append(f"{system.device.name}: kernels timed by kind at fractions fitted on the development set"
                        if fitted is not None else

@@ -1,0 +1,63 @@
+"""``--hardware FILE.json``: a file equal to a catalog entry predicts what the entry does, a plan keeps
+the file's system, a runs file's hardware object is modelled, and a malformed file is one line."""
+
+import json
+
+from sim.catalog.hardware import CATALOG_FILES
+from tests.helpers.in_process import gpipe
+
+SIMULATE = ("simulate", "--model", "transformer", "--layers", "8", "--stages", "2", "--microbatches", "4",
+            "--batch", "8")
+PLAN = ("plan", "--model", "transformer", "--layers", "8", "--batch", "16", "--top", "3")
+
+
+def test_a_file_equal_to_a_catalog_entry_gives_the_same_predictions(tmp_path):
+    path = tmp_path / "h100.json"
+    path.write_text(json.dumps(CATALOG_FILES["h100-nvlink"]))
+    for command in (SIMULATE, PLAN):
+        by_name, by_file = (gpipe(*command, "--hardware", hardware, "--nodes", "2")
+                            for hardware in ("h100-nvlink", str(path)))
+        assert by_name.returncode == by_file.returncode == 0, by_file.stderr
+        assert by_file.stdout == by_name.stdout
+
+
+def test_a_plan_on_a_file_keeps_its_system_and_simulates_without_it(tmp_path):
+    path = tmp_path / "h100-96gb.json"
+    path.write_text(json.dumps({"base": "h100-nvlink", "name": "h100-96gb", "memory_gib": 96,
+                                "memory_bandwidth_tb_s": 2.4}))
+    planned = gpipe(*PLAN, "--hardware", str(path), "--out", str(tmp_path / "plan.json"))
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["hardware"]["system"] == "h100-96gb" and plan["hardware"]["definition"]["memory_gib"] == 96
+    path.unlink()  # the plan is priced from what it keeps
+    simulated = gpipe("simulate", "--plan", str(tmp_path / "plan.json"), "--json")
+    assert simulated.returncode == 0, simulated.stderr
+    result = json.loads(simulated.stdout)
+    assert result["step_time_s"] == plan["predicted"]["step_time_s"]
+    assert result["hardware"]["system"] == "h100-96gb"
+
+
+def test_a_malformed_file_is_one_line_naming_the_bad_key(tmp_path):
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps({"base": "h100-nvlink", "memory_gibs": 96}))
+    for command in (SIMULATE, PLAN):
+        proc = gpipe(*command, "--hardware", str(path))
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == (f"gpipe: error: hardware file {str(path)!r}: unknown key 'memory_gibs' (did you mean "
+                               "memory_gib?)\n")
+
+
+def test_a_runs_file_with_a_hardware_object_is_modelled(tmp_path):
+    run = {"id": "titan", "hardware": {"base": "h100-nvlink", "name": "h100-96gb", "memory_gib": 96,
+                                       "memory_bandwidth_tb_s": 2.4},
+           "nodes": 1, "model": "transformer",
+           "options": {"layers": 4, "d_model": 256, "ff": 1024, "heads": 8, "seq": 128, "vocab": 1000},
+           "tensor_parallel": 2, "pipeline_stages": 2, "replicas": 2, "context_parallel": 1, "virtual_stages": 1,
+           "microbatch_size": 2, "global_batch": 16, "checkpoint": "full", "sequence_parallel": True,
+           "precision": "bf16", "measured_step_s": 0.01}
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [run]}))
+    proc = gpipe("replay", str(tmp_path / "runs.json"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    (replayed,) = json.loads(proc.stdout)["runs"]
+    assert replayed["modelled"] and replayed["predicted_step_s"] > 0
+    assert any(line.startswith("H100-SXM-80GB with memory_gib 96") for line in replayed["assumed"])
