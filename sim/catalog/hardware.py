@@ -1,15 +1,27 @@
 """The hardware catalog: accelerators, links, and the systems users name with ``--hardware``.
 
-The catalog is data: one JSON file per system in ``sim/catalog/systems/`` (the schema, and how a
-user's own file is read: :mod:`sim.catalog.system_schema`), the links they name in
-``sim/catalog/links.json``; this module holds the types and reads them. Only ``ideal`` (a bound)
-and ``cpu`` (this machine, counted when imported) are built here. Every public figure cites its source. Vendor peaks are not what training achieves, so a device keeps
-its peak and an achieved efficiency apart: ``efficiency`` (fraction of peak FLOP/s) and
-``bandwidth_efficiency`` (fraction of peak memory bandwidth). The defaults below are stated
-assumptions, not measurements; ``gpipe calibrate`` fits them on a real machine. The development
-set's GPUs (A100 80 GB, H100 SXM) carry fractions fitted on published runs by ``gpipe fit-gpu``
-(``sim/catalog/gpu_efficiency.json``, :mod:`sim.catalog.kernel_model`): their layers are timed kernel by kind and
-their links run at the fitted collective fraction; every other device keeps the assumed figures.
+The catalog is data: one JSON file per system in ``sim/catalog/systems/`` (their schema, also the
+schema of a user's own file: :mod:`sim.catalog.system_schema`) and the links they name in
+``sim/catalog/links.json``; this module holds the types and reads the files. Only ``ideal`` (a
+bound) and ``cpu`` (this machine, counted when imported) are built here.
+
+How the files are written: every public figure cites its source. Peaks are dense, per accelerator
+(datasheets' sparse figures halved); fp8 where the datasheet lists fp8 tensor cores (Hopper,
+Blackwell, CDNA3); TPU v2 and v3 per core, later TPUs per chip, their fp32 peaks assumed (a
+quarter of bf16). ``default_precision`` is bf16 where the device has bf16 matrix units (A100 and
+later, CDNA3, every TPU), fp32 on P100 and V100 (fp16 only). ``flash_attention`` on NVIDIA Ampere
+and later and AMD CDNA3, where FlashAttention-2 and PyTorch's flash kernel run; not on TPUs, whose
+attention XLA fuses by its own rules. Link latencies are typical end-to-end figures, an assumption.
+A price is one cloud's on-demand list price with who lists it and when it was seen; a system with
+none is priced with ``--price-per-device-hour``.
+
+Vendor peaks are not what training achieves, so a device keeps its peak and an achieved efficiency
+apart: ``efficiency`` (fraction of peak FLOP/s) and ``bandwidth_efficiency`` (fraction of peak
+memory bandwidth). The defaults below are stated assumptions, not measurements; ``gpipe
+calibrate`` fits them on a real machine. The development set's GPUs (A100 80 GB, H100 SXM) carry
+fractions fitted on published runs by ``gpipe fit-gpu`` (``sim/catalog/gpu_efficiency.json``,
+:mod:`sim.catalog.kernel_model`): their layers are timed kernel by kind and their links run at the
+fitted collective fraction; every other device keeps the assumed figures.
 
 Limits of the model: one device per stage; a link is characterised by latency plus bytes over a
 per-direction bandwidth (no congestion control, no protocol overheads beyond that); PCIe traffic

@@ -18,6 +18,10 @@ confidence) are ignored. A run the simulator cannot model yet (context paralleli
 model does not know, more devices than the hardware has) is listed as not modelled, with the
 reason, never dropped. ``error`` is predicted / measured - 1.
 
+``hardware`` is a catalog name or a system object, ``{"base": "h100-nvlink", "memory_gib": 96, ...}``
+(:mod:`sim.catalog.user_systems`); an optional ``gpus`` counts the devices the run used where
+``nodes`` x devices per node would count more (a partial NVL72 rack), spread evenly over the nodes.
+
 The data-parallel all-reduce is bucketed inside each stage's last backward, as Megatron-LM runs it
 (``dp_overlap`` of :func:`sim.engine.engine.simulate`). A device with fractions fitted on the development
 set (:mod:`sim.catalog.kernel_model`, ``gpipe fit-gpu``) is timed kernel by kind; any other keeps the

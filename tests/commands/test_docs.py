@@ -119,6 +119,11 @@ COVERED: dict[str, str] = {
     "gpipe train --model mlp --option width=16 --batch 10 --microbatches 4 --stages 4 --steps 3 --nnodes 2 "
     "--node-rank 1 --rdzv-endpoint 127.0.0.1:29500":
         "tests/executor/test_executor_nodes.py::test_two_nodes_train_as_one_whichever_starts_first",
+    # docs/planning.md: a user's system file, written by the test from the page's own example
+    "gpipe simulate --model llama3-8b --stages 4 --microbatches 32 --batch 64 --hardware h100-96gb.json":
+        "tests/commands/test_hardware_files.py::test_the_documented_files_and_commands_run",
+    "gpipe plan --model llama3-8b --hardware h100-nvlink,h100-96gb.json --nodes 2 --batch 256 --top 3 --out plan.json":
+        "tests/commands/test_hardware_files.py::test_the_documented_files_and_commands_run",
     "gpipe fit-gpu benchmarks/published_runs/dev.json": "tests/sim/test_gpu_model.py::test_the_committed_fractions_are_the_fit_of_the_development_set_alone",
     ".venv/bin/python -m pytest -q tests/sim/test_notebooks.py": "tests/sim/test_notebooks.py::test_notebook_runs_top_to_bottom",
 }

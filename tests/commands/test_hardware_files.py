@@ -2,9 +2,13 @@
 the file's system, a runs file's hardware object is modelled, and a malformed file is one line."""
 
 import json
+import pathlib
+import re
+import shlex
 
 from sim.catalog.hardware import CATALOG_FILES
-from tests.helpers.in_process import gpipe
+from sim.catalog.user_systems import resolve_system
+from tests.helpers.in_process import ROOT, gpipe
 
 SIMULATE = ("simulate", "--model", "transformer", "--layers", "8", "--stages", "2", "--microbatches", "4",
             "--batch", "8")
@@ -61,3 +65,20 @@ def test_a_runs_file_with_a_hardware_object_is_modelled(tmp_path):
     (replayed,) = json.loads(proc.stdout)["runs"]
     assert replayed["modelled"] and replayed["predicted_step_s"] > 0
     assert any(line.startswith("H100-SXM-80GB with memory_gib 96") for line in replayed["assumed"])
+
+
+def test_the_documented_files_and_commands_run(tmp_path):
+    """docs/planning.md's "Your own cluster": its first file written where its commands read it,
+    its second read as a whole system, its commands run."""
+    page = (pathlib.Path(ROOT) / "docs" / "planning.md").read_text()
+    section = page[page.index("## Your own cluster"):page.index("## Bad input")]
+    files = re.findall(r"```json\n(.*?)```", section, re.S)
+    (commands,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (tmp_path / "h100-96gb.json").write_text(files[0])
+    assert resolve_system(json.loads(files[1])).name == "a100-pcie-cluster"
+    for command in commands.strip().splitlines():
+        args = shlex.split(command)
+        assert args[0] == ".venv/bin/gpipe"
+        done = gpipe(*args[1:], cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["hardware"]["system"] in ("h100-nvlink", "h100-96gb")
