@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="start from these weights: a state dict, a safetensors file or a model folder "
                            "(each process reads only its own stage's tensors)")
     what.add_argument("--hardware", default="ideal",
-                      help="system whose analytic costs choose the partition when --partition is not given, "
-                           "as gpipe simulate does (default ideal)")
+                      help="system (a catalog name or a system file FILE.json) whose analytic costs choose the "
+                           "partition when --partition is not given, as gpipe simulate does (default ideal)")
     data_parallel = parser.add_argument_group("data-parallel replicas of the pipeline")
     data_parallel.add_argument("--replicas", type=int, metavar="D",
                                help="D copies of the pipeline, each on its torch.chunk share of --batch; "

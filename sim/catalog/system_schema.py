@@ -82,15 +82,14 @@ def system_fields(data: Any, where: str, link_names: Iterable[str]) -> dict[str,
     if not isinstance(data, dict):
         raise GpipeInputError(f"{where} is not a JSON object of a system's keys; {_FIX}")
     check_keys(data, KEYS, where)
-    for pair in ONE_OF:
-        given = [key for key in pair if key in data]
-        if not given:
-            raise GpipeInputError(f"{where} has no {pair[0]} ({KEYS[pair[0]][0]}) nor {pair[1]}; add one, or "
-                                  "give \"base\": a catalog system whose figures the file overrides")
     for key in REQUIRED:
         if key not in data:
             raise GpipeInputError(f"{where} has no {key!r} ({KEYS[key][0]}); add it, or give \"base\": a catalog "
                                   "system whose figures the file overrides")
+    for pair in ONE_OF:
+        if not any(key in data for key in pair):
+            raise GpipeInputError(f"{where} has no {pair[0]} ({KEYS[pair[0]][0]}) nor {pair[1]}; add one, or "
+                                  "give \"base\": a catalog system whose figures the file overrides")
     peaks = {key[len(PEAK_PREFIX):]: _positive(data, key, where) * TERA for key in data if key.startswith(PEAK_PREFIX)}
     if not peaks:
         raise GpipeInputError(f"{where} has no peak: give peak_tflops_bf16 (or another of {', '.join(PEAK_DTYPES)})")

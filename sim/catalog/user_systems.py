@@ -122,8 +122,8 @@ def _over_base(base: dict[str, Any], override: dict[str, Any], base_device: str,
     base's), each overridden figure cited with the override's source or as given; unnamed, the
     system and its device are named after the base and what changed."""
     merged = {key: value for key, value in base.items() if key != "sources"}
-    sources = dict(base.get("sources", {}))
     given = override.get("sources", {})
+    sources = {**base.get("sources", {}), **given}
     changed = [key for key in override if key not in ("base", "sources", "name", "description", "device")]
     for key in changed:
         for pair in ONE_OF:
@@ -132,9 +132,6 @@ def _over_base(base: dict[str, Any], override: dict[str, Any], base_device: str,
                     merged.pop(other, None)
         merged[key] = override[key]
         sources[key] = given.get(key, f"given in {where}")
-    for key in ("device", "system", "price_per_device_hour"):
-        if key in given:
-            sources[key] = given[key]
     what = ", ".join(f"{key} {override[key]}" for key in changed if not isinstance(override[key], dict))
     merged["name"] = override.get("name", f"{override['base']} with {what}" if what else override["base"])
     merged["description"] = override.get("description", f"{base.get('description', override['base'])}, with {what}"

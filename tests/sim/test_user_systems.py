@@ -110,7 +110,7 @@ def test_a_malformed_system_is_one_line_naming_the_key(tmp_path, data, message):
 
 
 def test_a_missing_or_broken_file_is_one_line(tmp_path):
-    for ref, message in ((str(tmp_path / "none.json"), "does not exist"), (write(tmp_path, {}), "has no memory_gib")):
+    for ref, message in ((str(tmp_path / "none.json"), "does not exist"), (write(tmp_path, {}), "has no 'name'")):
         with pytest.raises(GpipeInputError, match=message):
             resolve_system(ref)
     (tmp_path / "bad.json").write_text("{")
