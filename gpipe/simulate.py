@@ -103,7 +103,9 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     system = with_efficiency(get_system(hardware.get("system", "ideal"), int(hardware.get("nodes", 1))),
                              hardware.get("efficiency"), hardware.get("bandwidth_efficiency"))
     measured = measured_precision(read_costs(costs)) if costs else None
-    precision = choose_precision(precision or plan.precision, system.device, measured)
+    # a plan records the precision it priced; a --precision given here means what it means for the model
+    precision = (choose_precision(precision, system.device, measured, plan.model.name) if precision else
+                 choose_precision(plan.precision, system.device, measured))
     options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
     workload = resolve_workload(plan.model.name, with_precision(plan.model.name, options, precision, costs),
                                 costs)

@@ -82,10 +82,11 @@ def model_name(args: argparse.Namespace) -> str | None:
 
 
 def chosen_precision(args: argparse.Namespace, device: Device, given: str | None = None) -> str:
-    """``given`` (default ``--precision``), else the costs file's precision, else ``device``'s default."""
+    """``given`` (default ``--precision``), else the costs file's precision, else ``device``'s default;
+    ``bf16`` in the meaning it has for the model on ``device`` (:func:`sim.workloads.precision.planned_precision`)."""
     costs = getattr(args, "costs", None)
     measured = measured_precision(read_costs(costs)) if costs else None
-    return choose_precision(given if given is not None else args.precision, device, measured)
+    return choose_precision(given if given is not None else args.precision, device, measured, model_name(args))
 
 
 def with_precision(model: str | None, options: dict[str, Any], precision: str,
