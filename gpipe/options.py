@@ -60,6 +60,14 @@ def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -
                              f"(Transformer Engine's fp8 matmuls in it) (default: {default_help})")
 
 
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """``--compile`` on ``simulate`` and ``plan``: the model as torch.compile runs it (the option ``compile``)."""
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="price torch.compile's fused elementwise regions, each region's memory traffic once "
+                             "(the built-in transformer and models planned by its shape; the same as --option "
+                             "compile=true)")
+
+
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
                            microbatches_default: int | None = 8) -> None:
     group = parser.add_argument_group("pipeline")
@@ -162,8 +170,11 @@ def parse_int_list(text: str, flag: str) -> list[int]:
 
 def simulation_options(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`model_options` plus the optimizer's state per parameter when ``--optimizer`` is given
-    (the simulator's models otherwise hold two state tensors, adamw's, or what the costs file measured)."""
+    (the simulator's models otherwise hold two state tensors, adamw's, or what the costs file measured)
+    and ``compile`` with ``--compile``."""
     options = model_options(args)
+    if getattr(args, "compile", None):
+        options["compile"] = True
     if getattr(args, "optimizer", None) is not None:
         options["optimizer_slots"] = optimizer_slots(args.optimizer)
     return options

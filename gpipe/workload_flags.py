@@ -29,7 +29,11 @@ DEFAULT_MODEL = "uniform"  # gpipe simulate and plan without --model or --costs
 
 
 def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
-    """``model`` (``package.module:factory``) measured on PyTorch's meta device."""
+    """``model`` (``package.module:factory``) measured on PyTorch's meta device, as its own code runs:
+    ``compile`` is priced for the built-in transformer's shape only."""
+    if options.get("compile"):
+        raise GpipeInputError(f"compile is modelled for the built-in transformer and the models planned by its "
+                              f"shape, not {model!r} as measured on the meta device; drop compile")
     try:
         from calibrate.measure.meta_profile import torch_workload
     except ModuleNotFoundError as exc:
@@ -39,7 +43,8 @@ def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
     return torch_workload(model, options)
 
 
-ANALYSIS_KEYS = ("precision", "optimizer_slots")  # options of the analysis, not of the model's config
+# options of the analysis (how the model is run), not of the model's config
+ANALYSIS_KEYS = ("precision", "optimizer_slots", "attention", "compile")
 
 
 def is_hf(model: str | None) -> bool:
@@ -72,6 +77,14 @@ def planned_from_note(workload: Workload) -> str | None:
             f"ff {o['ff']} {o['activation']}, {o['heads']} heads, {o['kv_heads'] or o['heads']} key/value heads, "
             f"vocab {o['vocab']}, flash attention): its norms, biases, positions and any tied embedding are the "
             "built-in transformer's")
+
+
+def compiled_note(workload: Workload) -> str | None:
+    """One line saying the model is priced as torch.compile runs it, or None."""
+    if not getattr(workload, "options", {}).get("compile"):
+        return None
+    return ("compile: torch.compile's fused elementwise regions, each region's memory traffic counted once "
+            "(memory as eager autograd saves it)")
 
 
 def model_name(args: argparse.Namespace) -> str | None:
