@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-from gpipe.options import check_output_path
 from typing import Any
 
+from gpipe.options import check_output_path
 from gpipe.workload_flags import resolve_workload
 from sim.evidence.replay import Replayed, load_runs, replay, summary
-from sim.workloads.workload import Workload
 from sim.views.progress import phase
+from sim.workloads.workload import Workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

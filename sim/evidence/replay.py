@@ -58,6 +58,7 @@ from sim.workloads.workload import Workload
 REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "pipeline_stages", "replicas",
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
+OPTIONAL = ("attention", "compile", "zero")  # keys a run may leave out, which then mean null
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -89,7 +90,8 @@ def load_runs(path: str) -> list[dict[str, Any]]:
         missing = [key for key in REQUIRED if key not in run]
         if missing:
             raise GpipeInputError(f"run {run.get('id', index)!r} of {path!r} has no {', '.join(missing)}; every run "
-                                  f"gives {', '.join(REQUIRED)} (null where the source does not say)")
+                                  f"gives {', '.join(REQUIRED)} (null where the source does not say; "
+                                  f"{', '.join(OPTIONAL)} may be left out)")
         if not isinstance(run["measured_step_s"], (int, float)) or run["measured_step_s"] <= 0:
             raise GpipeInputError(f"run {run['id']!r}: measured_step_s must be a positive number of seconds, got "
                                   f"{run['measured_step_s']!r}")

@@ -118,7 +118,7 @@ def check_precision(value: Any, trained: bool = False) -> str:
     if name not in choices:
         if name in PRECISIONS:
             raise GpipeInputError(f"precision {value} is a planning option ({PRECISIONS[name].about}); the executor "
-                                  f"trains {', '.join(choices)} (bf16 as torch's autocast): plan with --precision "
+                                  f"trains {' and '.join(choices)} (torch's autocast): plan with --precision "
                                   "bf16-autocast to price what it runs")
         named = choices if trained else [choices[0], choices[1], *SYNONYMS, *choices[2:]]
         raise GpipeInputError(f"unknown precision {value!r}; choose one of {', '.join(named)}")
@@ -179,7 +179,7 @@ def choose_precision(given: str | None, device: Any, measured: str | None = None
     precision = precision_of(chosen)
     if measured is None and precision.fp8_casts and "fp8" not in device.peak_flops:
         raise GpipeInputError(f"device {device.name} has no fp8 units in the catalog (Hopper, Blackwell and "
-                              f"MI300-class GPUs do); use --precision bf16 there")
+                              f"MI300-class GPUs do); use --precision {device.default_precision} there")
     if measured is None and precision.peak not in device.peak_flops:
         raise GpipeInputError(
             f"device {device.name} has no {chosen} units in the catalog; use --precision "
