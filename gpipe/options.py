@@ -55,9 +55,11 @@ def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -
     given, so each command applies its own default. Checked by :func:`sim.workloads.precision.check_precision`
     (one line, exit 2) rather than argparse choices (a usage block)."""
     parser.add_argument("--precision", default=None, metavar="PRECISION",
-                        help="fp32, or bf16: autocast compute with fp32 master weights and optimizer state; "
-                             "for planning also bf16-model (Megatron-LM's bf16 model, fp32 master weights) and fp8 "
-                             f"(Transformer Engine's fp8 matmuls in it) (default: {default_help})")
+                        help="fp32, or bf16: on the GPUs trainers train on, for the transformer and the named "
+                             "models, their mixed precision (bf16 weights and activations, fp32 master weights and "
+                             "gradients; also bf16-model), elsewhere and in train torch's autocast (also "
+                             "bf16-autocast, on any device); for planning also fp8 (Transformer Engine's fp8 matmuls "
+                             f"in the trainers' scheme) (default: {default_help})")
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:

@@ -60,7 +60,8 @@ def describe_precision(precision: str) -> str:
     if precision == "bf16":
         return "bf16 (autocast compute; fp32 master weights, gradients and optimizer state)"
     if precision == "bf16-model":
-        return "bf16-model (the trainers' mixed precision: bf16 weights, activations and compute; fp32 master weights and gradients)"
+        return ("bf16-model (the trainers' mixed precision: bf16 weights, activations and compute; fp32 master "
+                "weights and gradients)")
     return precision
 
 
