@@ -268,3 +268,16 @@ def test_compile_where_it_is_not_modelled_is_one_line(args, message):
 
     proc = gpipe(*args)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_a_costs_file_from_before_an_option_existed_matches_the_options_default(capsys):
+    """benchmarks/results/calibration_costs_cpu.json predates ``compile``: it was measured eager."""
+    import os
+
+    costs = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "calibration_costs_cpu.json")
+    model = ["--model", "transformer", "--layers", "4", "--d-model", "128", "--ff", "512", "--heads", "4", "--seq",
+             "32", "--vocab", "256", "-K", "2", "--costs", costs, "--json"]
+    assert "compile" not in json.load(open(costs))["model"]["options"]
+    assert main(["simulate", *model]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
+    assert main(["simulate", *model, "--compile"]) == 2  # measured eager, not compiled
