@@ -92,6 +92,9 @@ def load_runs(path: str) -> list[dict[str, Any]]:
             raise GpipeInputError(f"run {run.get('id', index)!r} of {path!r} has no {', '.join(missing)}; every run "
                                   f"gives {', '.join(REQUIRED)} (null where the source does not say; "
                                   f"{', '.join(OPTIONAL)} may be left out)")
+        if not isinstance(run["options"], dict):
+            raise GpipeInputError(f"run {run['id']!r}: options must be an object of the model's options, got "
+                                  f"{run['options']!r}")
         if not isinstance(run["measured_step_s"], (int, float)) or run["measured_step_s"] <= 0:
             raise GpipeInputError(f"run {run['id']!r}: measured_step_s must be a positive number of seconds, got "
                                   f"{run['measured_step_s']!r}")
@@ -183,7 +186,7 @@ def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str,
                            else f"attention null: eager, {device.name} runs no flash kernel")
     if compiled is None:
         out.assumed.append("compile null: not compiled, every elementwise op's memory traffic counted")
-    return {**options, "attention": attention, "compile": bool(compiled)}
+    return {**options, "attention": attention, "compile": False if compiled is None else compiled}
 
 
 def _one_of(run: dict[str, Any], key: str) -> Any:

@@ -58,6 +58,7 @@ def test_an_unstated_microbatch_size_is_the_planners_best():
     ({"nope": []}, "has no \"runs\" list"),
     ({"runs": [{"id": "x"}]}, "run 'x' of"),
     ({"runs": [{**RUN, "measured_step_s": 0}]}, "measured_step_s must be a positive number"),
+    ({"runs": [{**RUN, "options": None}]}, "options must be an object"),
 ])
 def test_a_bad_runs_file_is_one_line(tmp_path, data, message):
     path = tmp_path / "runs.json"
