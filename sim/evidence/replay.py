@@ -120,13 +120,17 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
-    from sim.evidence.replay_search import chosen_lines, fastest_fitting, space_of
+    from sim.evidence.replay_search import chosen_lines, count_of, fastest_fitting, space_of
     from sim.schedules.microbatch import split_rows
     from sim.workloads.tensor_parallel import check_context_parallel, check_tensor_parallel
 
-    tensor, stages, replicas, context = (int(run[key] or 1) for key in ("tensor_parallel", "pipeline_stages",
-                                                                         "replicas", "context_parallel"))
-    system = get_system(run["hardware"], int(run["nodes"] or 1), kernels)
+    # the stated layout; a null degree is 1 (as before nulls were searched: not a field the replay tunes)
+    tensor, stages, replicas, context, nodes = (count_of(run, key) or 1 for key in (
+        "tensor_parallel", "pipeline_stages", "replicas", "context_parallel", "nodes"))
+    batch = count_of(run, "global_batch")
+    if batch is None:
+        raise GpipeInputError("global_batch null: the replay needs the batch the run trained on")
+    system = get_system(run["hardware"], nodes, kernels)
     fitted = system.device.kernels
     out.assumed.append(f"{system.device.name}: kernels timed by kind at fractions fitted on the development set"
                        if fitted is not None else
@@ -141,7 +145,6 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     check_tensor_parallel(tensor, workload, system)
     check_context_parallel(context, workload, system, tensor)
     system.check_fits(stages, replicas, tensor * context)
-    batch = int(run["global_batch"])
     found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space)
     out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
     if not found.fits:

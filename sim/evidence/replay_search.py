@@ -70,7 +70,7 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
                               "where the source does not say")
     sequence = run["sequence_parallel"]
     sequence_options = (False, True) if sequence is None and tensor > 1 else (bool(sequence),)
-    virtual = _count(run, "virtual_stages")
+    virtual = count_of(run, "virtual_stages")
     if virtual is not None and virtual > 1:
         schedules, virtual_options = ("interleaved",), (virtual,)
     elif virtual == 1 or stages == 1:
@@ -78,7 +78,7 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     else:
         schedules, virtual_options = ("gpipe", "1f1b", "interleaved"), VIRTUAL_OPTIONS
     per_replica = int(run["global_batch"]) // replicas
-    size = _count(run, "microbatch_size")
+    size = count_of(run, "microbatch_size")
     if size is not None:
         microbatches: tuple[int, ...] = (max(1, per_replica // size),)
     else:
@@ -91,7 +91,8 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros)
 
 
-def _count(run: dict[str, Any], key: str) -> int | None:
+def count_of(run: dict[str, Any], key: str) -> int | None:
+    """``run[key]``, a positive integer or None (null); one line if it is neither."""
     value = run[key]
     if value is None:
         return None

@@ -146,6 +146,8 @@ def test_bf16_in_a_runs_file_is_the_trainers_mixed_precision(tmp_path, capsys):
     ({"zero": 2}, "zero 2; give 0, 1"),
     ({"microbatch_size": 0}, "microbatch_size 0; give a positive integer"),
     ({"compile": "yes"}, "compile='yes' for model transformer; use true"),
+    ({"tensor_parallel": "two"}, "tensor_parallel 'two'; give a positive integer"),
+    ({"global_batch": None}, "global_batch null: the replay needs the batch"),
     ({"tensor_parallel": 2, "replicas": 16}, "need 64 devices"),
 ])
 def test_a_stated_value_the_replay_cannot_take_is_one_line(tmp_path, capsys, change, message):
