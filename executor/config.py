@@ -108,6 +108,9 @@ class RunConfig:
         if self.model == "transformer" and self.options.get("attention") == "fused":
             raise GpipeInputError("attention=fused is Megatron-LM's fused softmax kernel, a planning option: the "
                                   "executor trains attention=eager (the same arithmetic) or attention=flash")
+        if self.model == "transformer" and self.options.get("compile"):
+            raise GpipeInputError("compile=true prices torch.compile's fused elementwise regions, a planning option: "
+                                  "the executor trains eager kernels (drop compile)")
         from executor.parallel.replicas import check_data_parallel
 
         check_data_parallel(self)

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from gpipe.options import check_output_path
-from gpipe.workload_flags import resolve_workload
+from gpipe.replay import resolve_run_model
 from sim.catalog.kernel_model import EFFICIENCY_FILE
 from sim.formats.timeline import write_atomic
 
@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from calibrate.fit.gpu_fit import fit
 
     check_output_path(args.out, "--out")
-    result = fit(args.file, lambda model, options: resolve_workload(model, options))
+    result = fit(args.file, resolve_run_model)  # the runs priced as gpipe replay prices them
     text = json.dumps(result, indent=1) + "\n"
 
     def write(tmp: str) -> None:

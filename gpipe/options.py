@@ -55,9 +55,19 @@ def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -
     given, so each command applies its own default. Checked by :func:`sim.workloads.precision.check_precision`
     (one line, exit 2) rather than argparse choices (a usage block)."""
     parser.add_argument("--precision", default=None, metavar="PRECISION",
-                        help="fp32, or bf16: autocast compute with fp32 master weights and optimizer state; "
-                             "for planning also bf16-model (Megatron-LM's bf16 model, fp32 master weights) and fp8 "
-                             f"(Transformer Engine's fp8 matmuls in it) (default: {default_help})")
+                        help="fp32, or bf16: on the GPUs trainers train on, for the transformer and the named "
+                             "models, their mixed precision (bf16 weights and activations, fp32 master weights and "
+                             "gradients; also bf16-model), elsewhere and in train torch's autocast (also "
+                             "bf16-autocast, on any device); for planning also fp8 (Transformer Engine's fp8 matmuls "
+                             f"in the trainers' scheme) (default: {default_help})")
+
+
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """``--compile`` on ``simulate`` and ``plan``: the model as torch.compile runs it (the option ``compile``)."""
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="price torch.compile's fused elementwise regions, each region's memory traffic once "
+                             "(the built-in transformer and models planned by its shape; the same as --option "
+                             "compile=true)")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
@@ -164,8 +174,11 @@ def parse_int_list(text: str, flag: str) -> list[int]:
 
 def simulation_options(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`model_options` plus the optimizer's state per parameter when ``--optimizer`` is given
-    (the simulator's models otherwise hold two state tensors, adamw's, or what the costs file measured)."""
+    (the simulator's models otherwise hold two state tensors, adamw's, or what the costs file measured)
+    and ``compile`` with ``--compile``."""
     options = model_options(args)
+    if getattr(args, "compile", None):
+        options["compile"] = True
     if getattr(args, "optimizer", None) is not None:
         options["optimizer_slots"] = optimizer_slots(args.optimizer)
     return options

@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpipe.options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                           add_context_parallel_arguments, add_precision_argument, add_sequence_parallel_argument,
-                           check_output_path, parse_int_list, simulation_options)
+                           add_context_parallel_arguments, add_compile_argument, add_precision_argument,
+                           add_sequence_parallel_argument, check_output_path, parse_int_list, simulation_options)
 from gpipe.plan_notes import dollars, layout_text, note_lines
 from gpipe.plan_rows import PlanRow, best_rows, fold_placements
 from gpipe.plan_table import format_table
@@ -30,7 +30,7 @@ from sim.planner.training_cost import SECONDS_PER_DAY, format_token_count
 from sim.workloads.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                            with_tensor_parallel)
 from sim.workloads.workload import check_checkpoint_for
-from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
+from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, compiled_note, model_name, planned_from_note,
                                   with_attention_default, workload_and_batch)
 
 
@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(nodes=None)  # one, or as many as --max-devices needs (nodes_for)
     add_precision_argument(parser, "the costs file's; else the device's: bf16 on A100, H100, H200 and "
                                    "TPUs, fp32 elsewhere")
+    add_compile_argument(parser)
     parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
     parser.add_argument("--stages-options", default=None, metavar="LIST",
                         help="K values to try, e.g. 1,2,4,8 (default: powers of two up to devices and layers)")
@@ -274,7 +275,7 @@ def _print_plans(args: argparse.Namespace, planned: list, rows: list[PlanRow], s
         kind = efficiency_kind(system, args.efficiency, args.efficiency_from, args.costs)
         return kind, efficiency_text(system, kind, args.efficiency_from)
 
-    notes = [home.attention_note, planned_from_note(home.workload),
+    notes = [home.attention_note, planned_from_note(home.workload), compiled_note(home.workload),
              *note_lines(planned, fastest, cheapest, costing.active, days, _range_ends(args, planned, costing),
                          efficiency, lambda system: (price_of(system, costing), price_source(system, costing)),
                          args.costs)]

@@ -1,15 +1,21 @@
-"""``gpipe replay FILE``: predict every published run of a runs file against its measured step time."""
+"""``gpipe replay FILE``: predict every published run of a runs file against its measured step time.
+
+The table lists each run, then what the replay assumed: a line every modelled run shares once, any
+other followed by the runs it holds for.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
 from gpipe.options import check_output_path
 from gpipe.workload_flags import resolve_workload
 from sim.evidence.replay import Replayed, load_runs, replay, summary
 from sim.views.progress import phase
+from sim.workloads.workload import Workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     with phase("replaying runs", total=len(runs), unit="run") as bar:
         results = []
         for published in runs:
-            results.append(replay(published, lambda model, options: resolve_workload(model, options)))
+            results.append(replay(published, resolve_run_model))
             bar.update(1)
     report = summary(results)
     if args.json:
@@ -39,6 +45,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"predicted against measured written to {args.html}")
     return 0
+
+
+def resolve_run_model(model: str, options: dict[str, Any]) -> Workload:
+    """A run's workload: a Hugging Face model planned by its config's shape, as the built-in
+    transformer (which prices every precision, attention kernel, compilation and split a published
+    run names); anything else as ``gpipe simulate`` resolves it."""
+    return resolve_workload(model, options, by_shape=True)
 
 
 def format_table(results: list[Replayed], report: dict) -> str:
@@ -58,6 +71,15 @@ def format_table(results: list[Replayed], report: dict) -> str:
     else:
         rows.append(f"{modelled} of {len(results)} runs modelled: median |error| {report['median_abs_error']:.1%}, "
                     f"worst {report['worst_abs_error']:.1%}")
-    assumed = sorted({a for r in results if r.modelled for a in r.assumed})
-    rows += [f"assumed: {a}" for a in assumed]
+    rows += assumed_lines([r for r in results if r.modelled])
     return "\n".join(rows)
+
+
+def assumed_lines(results: list[Replayed]) -> list[str]:
+    """Each assumption once: alone where every run holds it, else with the runs that do."""
+    holders: dict[str, list[str]] = {}
+    for r in results:
+        for line in dict.fromkeys(r.assumed):
+            holders.setdefault(line, []).append(r.id)
+    return [f"assumed: {line}" if len(ids) == len(results) else f"assumed: {line} ({', '.join(ids)})"
+            for line, ids in sorted(holders.items())]

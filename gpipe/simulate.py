@@ -7,9 +7,9 @@ import json
 import sys
 from dataclasses import asdict
 
-from gpipe.options import (add_hardware_arguments, add_model_arguments, add_optimizer_argument, add_pipeline_arguments,
-                           add_precision_argument, add_scale_out_arguments, check_output_path, simulation_options,
-                           virtual_stages_of)
+from gpipe.options import (add_compile_argument, add_hardware_arguments, add_model_arguments, add_optimizer_argument,
+                           add_pipeline_arguments, add_precision_argument, add_scale_out_arguments, check_output_path,
+                           simulation_options, virtual_stages_of)
 from sim.catalog.hardware import Link, System
 from sim.catalog.user_systems import resolve_system
 from sim.engine.engine import SimResult, simulate
@@ -28,7 +28,7 @@ from sim.workloads.tensor_parallel import (check_context_parallel, check_tensor_
                                            with_tensor_parallel)
 from sim.planner.whatif import with_efficiency
 from sim.workloads.workload import Workload, check_checkpoint_for
-from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, model_name, planned_from_note,
+from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, compiled_note, model_name, planned_from_note,
                                   resolve_workload, with_attention_default, with_precision, workload_and_batch)
 
 
@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_hardware_arguments(parser)
     add_precision_argument(parser, "the plan's; else the costs file's; else the device's: bf16 on "
                                    "A100, H100, H200 and TPUs, fp32 elsewhere")
+    add_compile_argument(parser)
     parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"),
                         help="how to split layers when --partition is not given")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -105,7 +106,9 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
                                             int(hardware.get("nodes", 1)), where="plan's hardware"),
                              hardware.get("efficiency"), hardware.get("bandwidth_efficiency"))
     measured = measured_precision(read_costs(costs)) if costs else None
-    precision = choose_precision(precision or plan.precision, system.device, measured)
+    # a plan records the precision it priced; a --precision given here means what it means for the model
+    precision = (choose_precision(precision, system.device, measured, plan.model.name) if precision else
+                 choose_precision(plan.precision, system.device, measured))
     options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
     workload = resolve_workload(plan.model.name, with_precision(plan.model.name, options, precision, costs),
                                 costs)
@@ -288,7 +291,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         efficiency = (assumed_efficiency_note(system) if kind == "assumed" else
                       efficiency_text(system, kind, calibrated_from) if kind in ("given", "calibrated") else
                       uncalibrated_note(system, workload, result.batch_size, args.costs))
-        for line in (note, planned_from_note(workload), efficiency):
+        for line in (note, planned_from_note(workload), compiled_note(workload), efficiency):
             if line:
                 print(line)
         tensor_parallel = getattr(workload, "tensor_parallel", 1)

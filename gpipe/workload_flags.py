@@ -29,7 +29,11 @@ DEFAULT_MODEL = "uniform"  # gpipe simulate and plan without --model or --costs
 
 
 def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
-    """``model`` (``package.module:factory``) measured on PyTorch's meta device."""
+    """``model`` (``package.module:factory``) measured on PyTorch's meta device, as its own code runs:
+    ``compile`` is priced for the built-in transformer's shape only."""
+    if options.get("compile"):
+        raise GpipeInputError(f"compile is modelled for the built-in transformer and the models planned by its "
+                              f"shape, not {model!r} as measured on the meta device; drop compile")
     try:
         from calibrate.measure.meta_profile import torch_workload
     except ModuleNotFoundError as exc:
@@ -39,7 +43,8 @@ def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
     return torch_workload(model, options)
 
 
-ANALYSIS_KEYS = ("precision", "optimizer_slots")  # options of the analysis, not of the model's config
+# options of the analysis (how the model is run), not of the model's config
+ANALYSIS_KEYS = ("precision", "optimizer_slots", "attention", "compile")
 
 
 def is_hf(model: str | None) -> bool:
@@ -74,6 +79,14 @@ def planned_from_note(workload: Workload) -> str | None:
             "built-in transformer's")
 
 
+def compiled_note(workload: Workload) -> str | None:
+    """One line saying the model is priced as torch.compile runs it, or None."""
+    if not getattr(workload, "options", {}).get("compile"):
+        return None
+    return ("compile: torch.compile's fused elementwise regions, each region's memory traffic counted once "
+            "(memory as eager autograd saves it)")
+
+
 def model_name(args: argparse.Namespace) -> str | None:
     """The model the flags name: ``--model``, else the costs file's (None), else the default."""
     if args.model is not None:
@@ -82,10 +95,11 @@ def model_name(args: argparse.Namespace) -> str | None:
 
 
 def chosen_precision(args: argparse.Namespace, device: Device, given: str | None = None) -> str:
-    """``given`` (default ``--precision``), else the costs file's precision, else ``device``'s default."""
+    """``given`` (default ``--precision``), else the costs file's precision, else ``device``'s default;
+    ``bf16`` in the meaning it has for the model on ``device`` (:func:`sim.workloads.precision.planned_precision`)."""
     costs = getattr(args, "costs", None)
     measured = measured_precision(read_costs(costs)) if costs else None
-    return choose_precision(given if given is not None else args.precision, device, measured)
+    return choose_precision(given if given is not None else args.precision, device, measured, model_name(args))
 
 
 def with_precision(model: str | None, options: dict[str, Any], precision: str,

@@ -9,14 +9,32 @@ schema, so that other files can be fed to the same command::
       "options": {"layers": 48, "d_model": 6144, "ff": 24576, "heads": 64, "seq": 2048, "vocab": 51200},
       "tensor_parallel": 8, "pipeline_stages": 1, "replicas": 1, "context_parallel": 1,
       "virtual_stages": null, "microbatch_size": 4, "global_batch": 4, "checkpoint": "full",
-      "sequence_parallel": false, "precision": "bf16", "measured_step_s": 1.42}]}
+      "sequence_parallel": false, "precision": "bf16", "attention": "fused", "compile": null, "zero": null,
+      "measured_step_s": 1.42}]}
 
-``model`` is any ``--model`` value and ``options`` its ``--option`` keys. ``null`` means the source
-does not say: the replay then takes the fastest fitting plan the planner finds within the stated
-layout (micro-batches, virtual stages) and says so in ``assumed``. Unknown keys (a note, a
-confidence) are ignored. A run the simulator cannot model yet (context parallelism on eager attention, an option the
-model does not know, more devices than the hardware has) is listed as not modelled, with the
-reason, never dropped. ``error`` is predicted / measured - 1.
+``model`` is any ``--model`` value and ``options`` its ``--option`` keys. The words mean what the
+trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan):
+
+- ``precision``: ``bf16`` is their mixed precision (bf16 weights, activations and compute; fp32 master
+  weights and gradient reduction; ``bf16-model`` is a synonym), ``fp8`` Transformer Engine's fp8
+  matmuls in it, ``bf16-autocast`` torch's autocast as ``gpipe train`` runs it
+  (:mod:`sim.workloads.precision`).
+- ``attention`` (optional): ``flash``, ``fused`` (a fused softmax over materialised scores, as
+  Megatron-LM's) or ``eager``, for any model with attention (the built-in transformer and the models
+  planned by its shape; the transformer's option of the same name may say it instead).
+- ``compile`` (optional): true prices torch.compile's fused elementwise regions
+  (:func:`sim.workloads.models.transformer_layers`), false or null eager kernels.
+- ``zero`` (optional): 0, or 1 for a distributed optimizer (ZeRO-1).
+
+``null`` (or a left-out optional key) means the source does not say. ``attention`` is then flash
+on a GPU trainers run it on (eager elsewhere), ``compile`` false, and ``checkpoint``,
+``sequence_parallel``, ``virtual_stages``, ``microbatch_size`` and ``zero`` are searched within
+the stated layout, the fastest plan that fits memory taken as the trainer would have tuned it
+(:mod:`sim.evidence.replay_search`); ``assumed`` names every value chosen. Unknown keys (a note, a
+confidence) are ignored. A run the simulator cannot model (a layout more devices than the hardware
+has, an option the model does not know) is listed as not modelled, with the reason in one line,
+never dropped; a run without a key of the schema refuses the file in one line. ``error`` is
+predicted / measured - 1.
 
 ``hardware`` is a catalog name or a system object, ``{"base": "h100-nvlink", "memory_gib": 96, ...}``
 (:mod:`sim.catalog.user_systems`); an optional ``gpus`` counts the devices the run used where
@@ -25,9 +43,7 @@ reason, never dropped. ``error`` is predicted / measured - 1.
 The data-parallel all-reduce is bucketed inside each stage's last backward, as Megatron-LM runs it
 (``dp_overlap`` of :func:`sim.engine.engine.simulate`). A device with fractions fitted on the development
 set (:mod:`sim.catalog.kernel_model`, ``gpipe fit-gpu``) is timed kernel by kind; any other keeps the
-catalog's assumed efficiency, and ``assumed`` says which. Limits, stated in every run's
-``assumed``: a distributed optimizer is ZeRO-1; a transformer run whose options do not name its
-attention kernel is timed with torch's unfused materialised scores (``attention: eager``).
+catalog's assumed efficiency, and ``assumed`` says which.
 """
 
 from __future__ import annotations
@@ -40,14 +56,16 @@ from sim.catalog.kernel_model import KernelEfficiency
 from sim.catalog.user_systems import catalog_name, run_system
 from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
+from sim.workloads.precision import trainers_precision
 from sim.workloads.workload import Workload
 
 REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "pipeline_stages", "replicas",
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
+OPTIONAL = ("attention", "compile", "zero")  # keys a run may leave out, which then mean null
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
-                  "a distributed optimizer taken as ZeRO-1, searched beside none",)
+                  "a distributed optimizer taken as ZeRO-1",)
 
 
 @dataclass
@@ -76,7 +94,11 @@ def load_runs(path: str) -> list[dict[str, Any]]:
         missing = [key for key in REQUIRED if key not in run]
         if missing:
             raise GpipeInputError(f"run {run.get('id', index)!r} of {path!r} has no {', '.join(missing)}; every run "
-                                  f"gives {', '.join(REQUIRED)} (null where the source does not say)")
+                                  f"gives {', '.join(REQUIRED)} (null where the source does not say; "
+                                  f"{', '.join(OPTIONAL)} may be left out)")
+        if not isinstance(run["options"], dict):
+            raise GpipeInputError(f"run {run['id']!r}: options must be an object of the model's options, got "
+                                  f"{run['options']!r}")
         if not isinstance(run["measured_step_s"], (int, float)) or run["measured_step_s"] <= 0:
             raise GpipeInputError(f"run {run['id']!r}: measured_step_s must be a positive number of seconds, got "
                                   f"{run['measured_step_s']!r}")
@@ -102,72 +124,84 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
-    from sim.engine.engine import simulate
+    from sim.evidence.replay_search import chosen_lines, count_of, fastest_fitting, space_of
     from sim.schedules.microbatch import split_rows
-    from sim.planner.search import Candidate, default_partition, search
-    from sim.workloads.tensor_parallel import check_context_parallel, check_tensor_parallel, with_tensor_parallel
-    from sim.workloads.workload import check_checkpoint_for
+    from sim.workloads.tensor_parallel import check_context_parallel, check_tensor_parallel
 
-    tensor, stages, replicas, context = (int(run[key] or 1) for key in ("tensor_parallel", "pipeline_stages",
-                                                                         "replicas", "context_parallel"))
+    # the stated layout; a null degree is 1 (as before nulls were searched: not a field the replay tunes)
+    tensor, stages, replicas, context = (count_of(run, key) or 1 for key in (
+        "tensor_parallel", "pipeline_stages", "replicas", "context_parallel"))
+    batch = count_of(run, "global_batch")
+    if batch is None:
+        raise GpipeInputError("global_batch null: the replay needs the batch the run trained on")
     system = run_system(run["hardware"], run["nodes"], run.get("gpus"), kernels, f"run {run['id']!r}")
     fitted = system.device.kernels
     out.assumed.append(f"{system.device.name}: kernels timed by kind at fractions fitted on the development set"
                        if fitted is not None else
                        f"{system.device.name}: efficiency assumed ({system.device.efficiency:.0%} of peak FLOP/s), "
                        "not fitted")
-    workload = resolve(run["model"], {**run["options"], "precision": run["precision"]})
-    if run["model"] == "transformer" and "attention" not in run["options"]:
-        out.assumed.append("attention as torch's unfused ops run it (its (heads, seq, seq) scores saved and moved): "
-                           "the run's options do not name the kernel (eager, fused or flash)")
-    checkpoint = check_checkpoint_for(workload, run["checkpoint"])
-    sequence = bool(run["sequence_parallel"])
+    workload = resolve(run["model"], _model_options(run, system.device, out))
+    source = getattr(workload, "planned_from", None)
+    if source is not None:
+        out.assumed.append(f"{source}: planned by its config's shape as the built-in transformer (its norms, "
+                           "biases and positions the built-in's)")
+    space = space_of(run, workload, stages, replicas, tensor)
     check_tensor_parallel(tensor, workload, system)
     check_context_parallel(context, workload, system, tensor)
     system.check_fits(stages, replicas, tensor * context)
-    workload, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
-    batch = int(run["global_batch"])
-    virtual = run["virtual_stages"]
-    if virtual is None and stages > 1:
-        out.assumed.append("virtual stages not given: the best of 1, 2 and 4 found by the planner")
-    schedules = ["interleaved"] if virtual and virtual > 1 else ["gpipe", "1f1b"] if virtual == 1 or stages == 1 \
-        else ["gpipe", "1f1b", "interleaved"]
-    virtual_options = [virtual] if virtual else [2, 4]
-    if run["microbatch_size"]:
-        per_replica = batch // replicas
-        microbatches = max(1, per_replica // int(run["microbatch_size"]))
-        microbatch_options = [microbatches]
-    else:
-        per_replica = batch // replicas
-        microbatch_options = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
-        out.assumed.append("micro-batch size not given: the fastest fitting one the planner finds")
-    zero_options = [0, 1] if replicas > 1 else [0]  # Megatron's distributed optimizer shards as ZeRO-1 does
-    found = search(workload, groups, batch, [stages], microbatch_options, [checkpoint], schedules, top=1,
-                   replica_options=[replicas], virtual_options=virtual_options, zero_options=zero_options,
-                   dp_overlap=True)
-    best = found.best
-    if best is None:
-        schedule = "1f1b" if "1f1b" in schedules else schedules[0]  # the fewest micro-batches in flight
-        candidate = Candidate(stages, microbatch_options[-1], checkpoint, schedule, replicas,
-                              virtual_options[0] if schedule == "interleaved" else 1, zero_options[-1])
-        partition = default_partition(workload, groups, batch, candidate)
-        result = simulate(workload, groups, partition, batch, candidate.microbatches, checkpoint, candidate.schedule,
-                          record=False, virtual_stages=candidate.virtual_stages, replicas=replicas,
-                          zero=candidate.zero, dp_overlap=True)
-        peak = max(s.peak_memory_bytes for s in result.stages)
-        if not all(s.fits for s in result.stages):
-            out.assumed.append(f"{run['id']} does not fit the simulated memory ({peak / 2**30:.1f} GiB on the "
-                               "fullest device): timed all the same")
-    else:
-        candidate, partition, result = best.candidate, best.partition, best.result
-        assert result is not None
-    out.predicted_step_s = result.step_time_s
-    out.layout = {"tensor_parallel": tensor, "sequence_parallel": sequence, "context_parallel": context,
-                  "replicas": replicas,
-                  "pipeline_stages": stages, "virtual_stages": candidate.virtual_stages,
-                  "microbatches": candidate.microbatches, "zero": candidate.zero, "microbatch_rows": split_rows(batch // replicas,
-                                                                                        candidate.microbatches)[0],
-                  "schedule": candidate.schedule, "partition": list(partition or [])}
+    found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space)
+    out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
+    if not found.fits:
+        peak = max(s.peak_memory_bytes for s in found.result.stages)
+        out.assumed.append(f"does not fit the simulated memory ({peak / 2**30:.1f} GiB on the fullest device): "
+                           "timed all the same")
+    candidate = found.candidate
+    out.predicted_step_s = found.result.step_time_s
+    out.layout = {"tensor_parallel": tensor, "sequence_parallel": found.sequence_parallel and tensor > 1,
+                  "context_parallel": context, "replicas": replicas, "pipeline_stages": stages,
+                  "virtual_stages": candidate.virtual_stages, "microbatches": candidate.microbatches,
+                  "zero": candidate.zero, "microbatch_rows": split_rows(batch // replicas, candidate.microbatches)[0],
+                  "checkpoint": candidate.checkpoint, "schedule": candidate.schedule,
+                  "partition": list(found.partition)}
+
+
+def chooses_kernels(model: str) -> bool:
+    """Whether ``model`` is priced with an attention kernel and compilation to choose: the built-in
+    transformer and the models planned by its shape (named and Hugging Face ones)."""
+    from sim.workloads.named_models import is_named
+
+    return model == "transformer" or is_named(model) or model.startswith(("hf:", "hf-config:"))
+
+
+def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str, Any]:
+    """The run's model options with its precision, attention kernel and compilation as its trainer
+    meant them (see the module); what a null took is said in ``out.assumed``."""
+    options = {**run["options"], "precision": trainers_precision(run["precision"])}
+    model = run["model"]
+    attention = _one_of(run, "attention")
+    compiled = _one_of(run, "compile")
+    if not chooses_kernels(model):
+        if compiled:
+            raise GpipeInputError(f"compile is modelled for the built-in transformer and the models planned by its "
+                                  f"shape, not {model}")
+        if attention is not None:
+            out.assumed.append(f"attention {attention} not applied: {model} is priced as its own layers run")
+        return options
+    if attention is None:
+        attention = "flash" if device.flash_attention else "eager"
+        out.assumed.append(f"attention null: flash, as trainers run it on {device.name}" if device.flash_attention
+                           else f"attention null: eager, {device.name} runs no flash kernel")
+    if compiled is None:
+        out.assumed.append("compile null: not compiled, every elementwise op's memory traffic counted")
+    return {**options, "attention": attention, "compile": False if compiled is None else compiled}
+
+
+def _one_of(run: dict[str, Any], key: str) -> Any:
+    """The run's ``key`` at its top level or among its options; one line if the two disagree."""
+    top, inner = run.get(key), run["options"].get(key)
+    if top is not None and inner is not None and top != inner:
+        raise GpipeInputError(f"{key} is {top!r} at the top of the run but {inner!r} in its options; give one")
+    return top if top is not None else inner
 
 
 def summary(results: list[Replayed]) -> dict[str, Any]:

@@ -649,7 +649,9 @@ def check_model(data: dict[str, Any], model: str | None, options: dict[str, Any]
         wanted = {k: v for k, v in options.items() if k not in ANALYSIS_OPTIONS}
     else:
         wanted = requested_options(model, options)
-    same = stored["name"] == model and all(stored["options"].get(k) == v for k, v in wanted.items())
+    # a file from before an option existed was measured at the option's default
+    measured = {**requested_options(stored["name"], {}), **stored["options"]}
+    same = stored["name"] == model and all(measured.get(k) == v for k, v in wanted.items())
     if not same:
         raise GpipeInputError(
             f"costs file {path!r} was measured for {stored['name']} {stored['options']}, not {model} "

@@ -59,6 +59,9 @@ def describe_precision(precision: str) -> str:
     """``precision`` as a reader needs it: what computes in which dtype."""
     if precision == "bf16":
         return "bf16 (autocast compute; fp32 master weights, gradients and optimizer state)"
+    if precision == "bf16-model":
+        return ("bf16-model (the trainers' mixed precision: bf16 weights, activations and compute; fp32 master "
+                "weights and gradients)")
     return precision
 
 

@@ -14,7 +14,8 @@ DEFAULT_OPTIONS: dict[str, dict[str, int | float]] = {
     "transformer": {"layers": 4, "d_model": 64, "ff": 256, "heads": 4, "seq": 32, "vocab": 256,
                     "dropout": 0.0, "kv_heads": 0,  # kv_heads 0: one key/value head per head
                     "activation": "gelu",  # the MLP's: gelu, squared_relu (Nemotron-4's) or swiglu (Llama's gated MLP)
-                    "attention": "eager"},  # eager, fused (scores materialised) or flash (a kernel keeping none)
+                    "attention": "eager",  # eager, fused (scores materialised) or flash (a kernel keeping none)
+                    "compile": False},  # true: torch.compile's fused elementwise regions (planning only)
     "cnn": {"layers": 4, "channels": 16, "image": 16, "classes": 10},
 }
 

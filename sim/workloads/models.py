@@ -46,7 +46,7 @@ s*b*h*(34 + 5*a*s/h) bytes, less their dropout on the attention probabilities (3
 executor's model does not have.
 
 Limits: no kernel fusion beyond the transformer's attention kernels (``attention`` eager, fused or
-flash), the causal mask saves no FLOPs, the transformer's loss is counted as traffic (its fp32
+flash) and, with ``compile``, its elementwise regions (:func:`transformer_layers`), the causal mask saves no FLOPs, the transformer's loss is counted as traffic (its fp32
 passes over the logits) but not as memory (its fp32 log-probabilities kept for backward; the other
 models' losses not at all), one fixed launch overhead per layer, transient workspace not counted.
 bf16 follows CUDA's autocast op lists; CPU autocast runs softmax in bf16 and saves only its bf16
@@ -315,6 +315,26 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     moves 8 elements (fc1 writes 2, silu reads and writes 1 each, the product reads 2 and writes 1,
     fc2 reads 1) in place of 4.
 
+    ``compile`` (torch.compile of the whole model, as torchtitan's ``--compile`` compiles its blocks
+    and loss; for planning: the executor trains eager kernels): TorchInductor fuses the elementwise
+    ops between two matmuls into one kernel, so each region's traffic is counted once: what enters it
+    is read once and what leaves it (including what autograd saves) written once, in place of every
+    op reading and writing its own input and output. The regions: the embedding's gather, position
+    add and dropout; LN1 with its cast; the attention's dropout, residual add and LN2 with its cast;
+    the MLP's activation (swiglu's silu and product together: 3 elements per sf in place of 5; a GELU
+    or squared ReLU moves what it did); the MLP's dropout and residual add; under eager attention the
+    scale, mask and softmax with their casts (the scores read once, the probabilities written once,
+    in fp32 too under autocast, which the softmax's backward reads); the head's norm with its cast,
+    and the loss's reductions over the logits (read twice, no fp32 copy or log-probabilities
+    written). Per sd, forward, 5 fp32 and 4 compute-dtype elements in place of 8, 2 casts and 2;
+    the dropouts' masks alone. Limits: the backward is priced at twice the forward's bytes as
+    without compiling, the memory saved for it is eager autograd's (Inductor's partitioner may
+    recompute cheap elementwise ops and save less), a region reads its inputs once (a looped
+    reduction over a wide row may read them twice), a block's last residual add is not fused with
+    the next block's LN1 (per-block compilation), matmuls, flash and fused attention, Transformer
+    Engine's fp8 casts and the collectives are unchanged, and the launches saved are not counted
+    (one fixed overhead per layer).
+
     Grouped-query attention (``kv_heads`` < ``heads``; 0 means one key/value head per head): QKV
     projects to d + 2e, e = kv_heads * d / heads, so the block has 2d(d - e) fewer QKV weights and
     2s*2d(d - e) fewer FLOPs; keys and values are repeated to their query heads before the
@@ -371,10 +391,13 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     qkv_written = d + 2 * e + grouped * (2 * e + 2 * d)
     split_seq = t if sp else 1  # what sequence parallelism splits: the residual stream and the norms
     vocab = -(-V // t)  # vocabulary rows per device
+    compiled = bool(o.get("compile"))  # torch.compile's fused elementwise regions (see the docstring)
     embed = LayerSpec(
         "embedding", params=vocab * d + seq * d, flops_per_row=0.0,
-        # read ids; gather reads/writes sd; add reads sd (+ position table once), writes sd
-        traffic_bytes_per_row=INDEX_BYTES * s + 4 * s * d * F + drop * (2 * s * d * F + s * d),
+        # read ids; gather reads/writes sd; add reads sd (+ position table once), writes sd; compiled, the
+        # gather, the add and the dropout are one region: the rows read once, the sum written once
+        traffic_bytes_per_row=INDEX_BYTES * s + (
+            2 * s * d * F + drop * MASK_BYTES * s * d if compiled else 4 * s * d * F + drop * (2 * s * d * F + s * d)),
         fixed_traffic_bytes=s * d * F,
         saved_bytes_per_row=INDEX_BYTES * s + drop * MASK_BYTES * s * d / split_seq,
         input_bytes_per_row=INDEX_BYTES * s, output_bytes_per_row=s * d * F / split_seq,
@@ -406,14 +429,21 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     elif fused:
         scores_traffic = h * s * s * (4 * c + drop * (2 * c + MASK_BYTES))
         scores_saved = h * s * s * (c + drop * (MASK_BYTES + c))
-    else:
-        scores_traffic = h * s * s * (6 * c + 2 * FP32_BYTES + 2 * x)
+    else:  # compiled, scale, mask, softmax and their casts are one region: the scores read once, the
+        # probabilities written once in the dtype p.v reads (under autocast in fp32 too, for the softmax's backward)
+        scores_traffic = h * s * s * ((4 * c + (FP32_BYTES if p.casts else 0)) if compiled
+                                      else (6 * c + 2 * FP32_BYTES + 2 * x))
         scores_saved = h * s * s * (FP32_BYTES + (c if p.casts else 0))
     scores_matmul_traffic = 0.0 if flash else 2 * c * h * s * s  # QK^T writes the scores, attention over V reads them
-    block_traffic = (s * d * ((8 * F + 2 * x + 2 * c) / split_seq + 4 * c) + s * (7 * d + qkv_written) * c / t
-                     + 4 * g * s * f * c / t
-                     + scores_traffic / t + 4 * STAT_BYTES * s / split_seq
-                     + drop * (2 * c + MASK_BYTES) * 2 * s * d / split_seq)
+    # compiled: per sd 5 fp32 elements and 4 in the compute dtype (LN1 with its cast reads x, writes its
+    # output; the first dropout, residual add and LN2 read the branch and x, write x' and LN2's output; the
+    # second dropout and add read the branch and x', write the output), the dropouts' masks alone; per sf
+    # swiglu's silu and product one region (reads 2, writes 1)
+    stream = 5 * F + 4 * c if compiled else 8 * F + 2 * x + 2 * c
+    dropouts = drop * (MASK_BYTES if compiled else 2 * c + MASK_BYTES) * 2 * s * d / split_seq
+    block_traffic = (s * d * (stream / split_seq + 4 * c) + s * (7 * d + qkv_written) * c / t
+                     + (2 + 2 * g if compiled else 4 * g) * s * f * c / t
+                     + scores_traffic / t + 4 * STAT_BYTES * s / split_seq + dropouts)
     if p.fp8_casts:  # the four projections' inputs cast to fp8 (the output gradients' casts: the backward's share)
         block_traffic += FP8_CAST_BYTES * (2 * s * d + s * d / t + g * s * f / t)
     block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * g * s * f * c / t
@@ -448,8 +478,11 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
         # LN reads and writes sd in fp32; cast; Linear reads sd, writes sV; the loss (cross entropy in fp32, as
         # autocast and Megatron's vocabulary-parallel one run it) reads the logits and writes them in fp32, reads
         # those twice (the row maximum, the sum of exponentials) and writes the log-probabilities
-        traffic_bytes_per_row=(s * d * ((2 * F + x) / split_seq + c) + c * s * vocab + 2 * STAT_BYTES * s / split_seq
-                               + (c + LOSS_FP32_PASSES * FP32_BYTES) * s * vocab),
+        # compiled: LN with its cast one region, and the loss's reductions read the logits twice (row maximum,
+        # sum of exponentials with the target's gather), no fp32 copy or log-probabilities written
+        traffic_bytes_per_row=(s * d * (((F + c) if compiled else (2 * F + x)) / split_seq + c) + c * s * vocab
+                               + 2 * STAT_BYTES * s / split_seq
+                               + (2 * c if compiled else c + LOSS_FP32_PASSES * FP32_BYTES) * s * vocab),
         fixed_traffic_bytes=_weights_read(p, vocab * d + vocab, 2 * d),
         saved_bytes_per_row=s * d * (F + c) / split_seq + 2 * STAT_BYTES * s / split_seq,
         input_bytes_per_row=s * d * F / split_seq, output_bytes_per_row=s * vocab * c,
@@ -550,7 +583,7 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         merged[key] = _check_option(name, key, value)
     if name != "transformer" and precision_of(merged.get("precision", DEFAULT_PRECISION)).planning_only:
         raise GpipeInputError(f"precision {merged['precision']} ({precision_of(merged['precision']).about}) is "
-                              f"modelled for the built-in transformer only, not {name}; use bf16 (autocast)")
+                              f"modelled for the built-in transformer only, not {name}; use bf16-autocast")
     if name == "transformer" and merged["d_model"] % merged["heads"]:
         raise GpipeInputError(
             f"heads={merged['heads']} does not divide d_model={merged['d_model']}; "
@@ -565,6 +598,13 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
 def _check_option(model: str, key: str, value: Any) -> Any:
     if key == "precision":
         return check_precision(value)
+    if key == "compile":
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if not isinstance(value, bool):
+            raise GpipeInputError(f"compile={value!r} for model {model}; use true (torch.compile's fused elementwise "
+                                  "regions) or false")
+        return value
     if key in ("activation", "attention"):
         choices = ACTIVATIONS if key == "activation" else ATTENTIONS
         if value not in choices:

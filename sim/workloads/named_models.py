@@ -29,7 +29,8 @@ NAMED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "named_mode
 # The config's activation -> the built-in transformer's MLP of the same shape
 SHAPE_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu2": "squared_relu", "gelu": "gelu",
                      "gelu_new": "gelu", "gelu_fast": "gelu", "gelu_pytorch_tanh": "gelu"}
-ANALYSIS_KEYS = ("precision", "optimizer_slots")  # options of the analysis, not of the config
+# options of the analysis (how the model is run), not of the config
+ANALYSIS_KEYS = ("precision", "optimizer_slots", "attention", "compile")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def test_unknown_precision_is_one_line_and_exit_2_on_every_command(command, tmp_
     proc = gpipe(*command, "--precision", "fp16")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     trained = command[0] in ("train", "calibrate")  # bf16-model is a planning option
-    choices = "fp32, bf16" if trained else "fp32, bf16, bf16-model, fp8"
+    choices = "fp32, bf16" if trained else "fp32, bf16, bf16-autocast, bf16-model, fp8"
     assert proc.stderr == f"gpipe: error: unknown precision 'fp16'; choose one of {choices}\n"
     assert proc.stdout == ""
 
@@ -46,7 +46,8 @@ def test_the_what_if_default_is_the_precision_people_train_in_on_that_device():
         assert choose_precision(None, system.device) == system.device.default_precision
 
 
-@pytest.mark.parametrize("hardware,precision", [("a100-nvlink", "bf16"), ("v100-nvlink", "fp32")])
+# on an A100 the transformer's bf16 is the trainers' mixed precision (sim.workloads.precision)
+@pytest.mark.parametrize("hardware,precision", [("a100-nvlink", "bf16-model"), ("v100-nvlink", "fp32")])
 def test_simulate_prints_and_reports_the_chosen_precision(hardware, precision, capsys):
     args = ["simulate", *TRANSFORMER, "-K", "2", "-M", "4", "--hardware", hardware]
     assert main(args) == 0
@@ -56,20 +57,46 @@ def test_simulate_prints_and_reports_the_chosen_precision(hardware, precision, c
     assert data["precision"] == precision and data["model"]["options"]["precision"] == precision
 
 
-def test_bf16_is_faster_and_keeps_fp32_weights_on_an_a100(capsys):
+def test_bf16_autocast_is_faster_and_keeps_fp32_weights_on_an_a100(capsys):
     """Compute at the bf16 peak (16x the fp32 one on an A100); fp32 weights, gradients and optimizer
     state either way, so the static bytes are equal."""
     results = {}
     large = ["--model", "transformer", "--layers", "8", "--d-model", "1024", "--ff", "4096", "--heads", "16",
              "--seq", "512", "--vocab", "32000", "--batch", "32"]
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16-autocast"):
         assert main(["simulate", *large, "-K", "2", "-M", "4", "--partition", "5,5", "--hardware", "a100-nvlink",
                      "--precision", precision, "--json"]) == 0
         results[precision] = json.loads(capsys.readouterr().out)
+    assert results["bf16-autocast"]["precision"] == "bf16"  # autocast's own name
     # mostly compute-bound: ~12x here (the memory-bound ops, layer norms, softmax, casts, do not speed up)
-    assert results["bf16"]["step_time_s"] < results["fp32"]["step_time_s"] / 8
-    assert [s["static_bytes"] for s in results["bf16"]["stages"]] == \
+    assert results["bf16-autocast"]["step_time_s"] < results["fp32"]["step_time_s"] / 8
+    assert [s["static_bytes"] for s in results["bf16-autocast"]["stages"]] == \
         [s["static_bytes"] for s in results["fp32"]["stages"]]
+
+
+@pytest.mark.parametrize("model,hardware,expected", [
+    ("transformer", "a100-nvlink", "bf16-model"),  # a GPU the trainers train on: their mixed precision
+    ("llama3-8b", "h100-nvlink", "bf16-model"),  # a named model is the transformer of its shape
+    ("mlp", "a100-nvlink", "bf16"),  # autocast, the only bf16 modelled for the mlp
+    ("transformer", "tpu-v4", "bf16"),  # not a GPU
+])
+def test_bf16_means_the_trainers_mixed_precision_on_their_gpus(model, hardware, expected, capsys):
+    assert main(["simulate", "--model", model, "--hardware", hardware, "--precision", "bf16", "-K", "1", "-M", "1",
+                 "--batch", "1", *(["--option", "seq=128", "--option", "num_hidden_layers=2"] if model == "llama3-8b" else []), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == expected
+
+
+def test_the_trainers_bf16_keeps_bf16_weights_and_fp32_master_weights(capsys):
+    """18 bytes a parameter with Adam (bf16 weights, fp32 gradients, master weights and two moments)
+    against autocast's 16 (fp32 weights, gradients and two moments)."""
+    static = {}
+    for precision in ("bf16", "bf16-autocast", "bf16-model"):
+        assert main(["simulate", *TRANSFORMER, "-K", "1", "-M", "1", "--hardware", "h100-nvlink", "--precision",
+                     precision, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        static[precision] = data["stages"][0]["static_bytes"] / data["parameter_count"]
+    assert static["bf16"] == static["bf16-model"] == pytest.approx(18, rel=1e-3)
+    assert static["bf16-autocast"] == pytest.approx(16, rel=1e-3)
 
 
 def test_plan_header_json_and_plan_file_carry_the_precision(tmp_path, capsys):
@@ -77,22 +104,22 @@ def test_plan_header_json_and_plan_file_carry_the_precision(tmp_path, capsys):
     assert main(["plan", *TRANSFORMER, "--hardware", "h100-nvlink", "--microbatch-options", "1,2,4",
                  "--out", str(out), "--quiet"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
-    assert "on h100-nvlink, precision bf16" in head
+    assert "on h100-nvlink, precision bf16-model" in head  # bf16 as the trainers run it on an H100
     plan = load_plan(out)
-    assert plan.precision == "bf16" and "precision" not in plan.model.options
+    assert plan.precision == "bf16-model" and "precision" not in plan.model.options
     assert main(["plan", *TRANSFORMER, "--hardware", "h100-nvlink", "--microbatch-options", "1,2",
                  "--precision", "fp32", "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["precision"] == "fp32"
     # simulate --plan predicts at the plan's precision, and says so
     assert main(["simulate", "--plan", str(out), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert again["precision"] == "bf16"
+    assert again["precision"] == "bf16-model"
     assert again["step_time_s"] == pytest.approx(plan.predicted["step_time_s"])
     # a model of a GPU's size: the depth search stays short (a 256-wide one fits tens of thousands of layers)
     assert main(["plan", "--model", "transformer", "--layers", "4", "--d-model", "4096", "--ff", "16384", "--heads",
                  "32", "--seq", "2048", "--vocab", "32000", "--batch", "8", "--hardware", "h100-nvlink", "--max-layers",
                  "--stages-options", "2", "--microbatch-options", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["precision"] == "bf16"
+    assert json.loads(capsys.readouterr().out)["precision"] == "bf16-model"
 
 
 def test_a_device_without_bf16_units_refuses_bf16_in_one_line():

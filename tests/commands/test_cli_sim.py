@@ -235,3 +235,49 @@ def test_an_hf_model_without_transformers_says_how_to_install_it(monkeypatch, ca
         assert main(command) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "transformers" in err[0] and "pip install -e '.[hf]'" in err[0], err
+
+
+def test_compile_prices_torch_compiles_fused_regions_on_simulate_and_plan(capsys, tmp_path):
+    from sim.formats.plan import load_plan
+
+    model = ["--model", "transformer", "--layers", "4", "--d-model", "512", "--ff", "2048", "--heads", "8", "--seq",
+             "512", "--vocab", "8000", "--batch", "8", "--hardware", "h100-nvlink", "--option", "attention=eager"]
+    steps = {}
+    for name, flags in (("eager", []), ("flag", ["--compile"]), ("option", ["--option", "compile=true"])):
+        assert main(["simulate", *model, "-K", "2", "-M", "4", *flags, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        steps[name] = data["step_time_s"]
+        assert data["model"]["options"]["compile"] is (name != "eager")
+    assert steps["flag"] == steps["option"] < steps["eager"]
+    assert main(["simulate", *model, "-K", "2", "-M", "4", "--compile"]) == 0
+    assert "compile: torch.compile's fused elementwise regions, each region's memory traffic counted once" in \
+        capsys.readouterr().out
+    out = tmp_path / "plan.json"
+    assert main(["plan", *model, "--compile", "--microbatch-options", "1,2", "--out", str(out), "--quiet"]) == 0
+    assert "compile: torch.compile's" in capsys.readouterr().out
+    assert load_plan(out).model.options["compile"] is True
+
+
+@pytest.mark.parametrize("args,message", [
+    (["simulate", "--model", "mlp", "--compile"], "unknown option(s) compile for model mlp"),
+    (["train", "--model", "transformer", "--stages", "2", "--option", "compile=true"],
+     "compile=true prices torch.compile's fused elementwise regions, a planning option"),
+])
+def test_compile_where_it_is_not_modelled_is_one_line(args, message):
+    from tests.helpers.in_process import gpipe
+
+    proc = gpipe(*args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_a_costs_file_from_before_an_option_existed_matches_the_options_default(capsys):
+    """benchmarks/results/calibration_costs_cpu.json predates ``compile``: it was measured eager."""
+    import os
+
+    costs = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "calibration_costs_cpu.json")
+    model = ["--model", "transformer", "--layers", "4", "--d-model", "128", "--ff", "512", "--heads", "4", "--seq",
+             "32", "--vocab", "256", "-K", "2", "--costs", costs, "--json"]
+    assert "compile" not in json.load(open(costs))["model"]["options"]
+    assert main(["simulate", *model]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
+    assert main(["simulate", *model, "--compile"]) == 2  # measured eager, not compiled

@@ -395,3 +395,34 @@ def test_selective_recompute_saves_what_the_model_predicts(precision: str, kv_he
         measured, _ = measured_saved_bytes(block, x, precision)
     assert cost.core_saved_bytes > 0
     assert measured == cost.saved_bytes - cost.core_saved_bytes
+
+
+# --- compile: torch.compile's fused elementwise regions ----------------------------------------------
+@pytest.mark.parametrize("activation,mlp_bytes", [("gelu", 0), ("swiglu", 2 * 2)])
+def test_compile_counts_each_elementwise_region_once(activation, mlp_bytes):
+    """Autocast, eager attention: per sd, 8 fp32 elements, 2 casts and 2 bf16 ones (48 bytes) become
+    5 fp32 and 4 bf16 (28); per h*s^2, 6 bf16, 2 fp32 and 2 casts (32) become 4 bf16 and the fp32
+    probabilities (12); swiglu's silu and product move 2 bf16 elements per sf fewer. The embedding
+    moves 2 fp32 elements per sd fewer; the head's norm 8 bytes per sd and its loss 14 per logit (an fp32
+    copy and the log-probabilities written, read twice in fp32 and the logits once, against the logits read twice).
+    FLOPs, what the matmuls move and what is saved do not change."""
+    s, d, f, h, vocab = 32, 64, 256, 4, 100
+    o = {"layers": 1, "d_model": d, "ff": f, "heads": h, "seq": s, "vocab": vocab, "precision": "bf16",
+         "attention": "eager", "activation": activation}
+    eager, compiled = (get_workload("transformer", {**o, "compile": on}).layers for on in (False, True))
+    saved = [eager[i].traffic_bytes_per_row - compiled[i].traffic_bytes_per_row for i in range(3)]
+    assert saved == pytest.approx([2 * s * d * 4, 20 * s * d + 20 * h * s * s + mlp_bytes * s * f,
+                                   8 * s * d + 14 * s * vocab])
+    for before, after in zip(eager, compiled):
+        assert (after.flops_per_row, after.saved_bytes_per_row, after.matmul_traffic_bytes_per_row) == \
+            (before.flops_per_row, before.saved_bytes_per_row, before.matmul_traffic_bytes_per_row)
+    # the trainers' bf16 casts nothing: per sd LN2's read of the stream (2 bytes) is all compiling saves there
+    model = {**o, "precision": "bf16-model", "attention": "flash", "activation": "gelu"}
+    plain, fused = (get_workload("transformer", {**model, "compile": on}).layers[1] for on in (False, True))
+    assert plain.traffic_bytes_per_row - fused.traffic_bytes_per_row == pytest.approx(2 * s * d)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_compile_is_true_or_false(value):
+    with pytest.raises(GpipeInputError, match="compile=.* for model transformer; use true"):
+        get_workload("transformer", {"compile": value})

@@ -28,7 +28,7 @@ def test_the_error_is_predicted_over_measured_less_one():
     assert done.modelled and done.predicted_step_s > 0
     assert done.error == pytest.approx(done.predicted_step_s / 0.01 - 1, rel=1e-12)
     assert done.layout["microbatches"] == 4 and done.layout["tensor_parallel"] == 2  # 16 / D=2 / 2 rows
-    assert any("virtual stages not given" in a for a in done.assumed)
+    assert any(a.startswith("virtual_stages null: ") for a in done.assumed)
     results = [Replayed("a", True, 1.0, 1.1, 0.1), Replayed("b", True, 2.0, 1.5, -0.25), Replayed("c", False, 3.0),
                Replayed("d", True, 1.0, 0.98, -0.02)]
     report = summary(results)
@@ -37,10 +37,11 @@ def test_the_error_is_predicted_over_measured_less_one():
 
 
 @pytest.mark.parametrize("change,reason", [
-    ({"context_parallel": 2}, "runs ring attention on flash kernels"),
+    ({"context_parallel": 2, "attention": "eager"}, "runs ring attention on flash kernels"),
     ({"options": {**RUN["options"], "positions": "rotary"}}, "unknown option(s) positions"),
     ({"tensor_parallel": 16}, "spans more than a node"),
-    ({"model": "mlp", "options": {}, "checkpoint": "selective"}, "--checkpoint selective recomputes"),
+    ({"model": "mlp", "options": {}, "checkpoint": "selective", "precision": "bf16-autocast"},
+     "--checkpoint selective recomputes"),
 ])
 def test_a_run_that_cannot_be_modelled_is_listed_with_why(change, reason):
     done = replay({**RUN, **change}, resolve)
@@ -49,7 +50,7 @@ def test_a_run_that_cannot_be_modelled_is_listed_with_why(change, reason):
 
 def test_an_unstated_microbatch_size_is_the_planners_best():
     done = replay({**RUN, "microbatch_size": None}, resolve)
-    assert done.modelled and any("micro-batch size not given" in a for a in done.assumed)
+    assert done.modelled and any(a.startswith("microbatch_size null: ") for a in done.assumed)
     assert done.layout["microbatches"] in (1, 2, 4, 8)
 
 
@@ -57,6 +58,7 @@ def test_an_unstated_microbatch_size_is_the_planners_best():
     ({"nope": []}, "has no \"runs\" list"),
     ({"runs": [{"id": "x"}]}, "run 'x' of"),
     ({"runs": [{**RUN, "measured_step_s": 0}]}, "measured_step_s must be a positive number"),
+    ({"runs": [{**RUN, "options": None}]}, "options must be an object"),
 ])
 def test_a_bad_runs_file_is_one_line(tmp_path, data, message):
     path = tmp_path / "runs.json"

@@ -1,0 +1,158 @@
+"""What a published run leaves unsaid, searched as its trainer would have tuned it.
+
+A runs file states the layout, D, K, T and C; ``null`` in ``checkpoint``, ``sequence_parallel``,
+``virtual_stages``, ``microbatch_size`` or ``zero`` means the source does not say. Whoever ran it
+tuned those for speed within the memory they had, so the replay takes the fastest plan that fits
+memory among the values each unsaid field can take, the stated fields fixed, through the planner's
+own search (:func:`sim.planner.search.search`), and names every value it chose.
+
+The values searched: the policies trainers offer (``never``, ``selective``, ``full``: Megatron-LM's
+none, selective and full recompute; GPipe's stage re-materialization is no trainer's), sequence
+parallelism off and on where T > 1, 1, 2 or 4 virtual stages per device where K > 1 (the schedule
+following: gpipe or 1f1b with one, interleaved with more), every micro-batch size that divides a
+replica's share of the batch, and ZeRO 0 or 1 (a distributed optimizer as ZeRO-1) where D > 1.
+
+Limits: a run whose trainer did not tune is predicted as if it had (too fast, where its choices
+were slower); a plan that fits nowhere is timed all the same, at the values that hold least memory
+(the last of each list above, the most micro-batches), and the replay says it does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sim.catalog.hardware import System
+from sim.engine.engine import SimResult, simulate
+from sim.errors import GpipeInputError
+from sim.planner.search import Candidate, default_partition, search
+from sim.schedules.microbatch import split_rows
+from sim.schedules.schedule import CHECKPOINT_POLICIES
+from sim.workloads.tensor_parallel import with_tensor_parallel
+from sim.workloads.workload import Workload, check_checkpoint_for
+
+TRAINER_POLICIES = ("never", "selective", "full")  # what a null checkpoint searches, least memory last
+VIRTUAL_OPTIONS = (2, 4)  # the interleaved schedule's V a null virtual_stages searches beside 1
+
+
+@dataclass(frozen=True)
+class Space:
+    """The values each field of a run may take: the stated one alone, or what a null searches."""
+
+    checkpoints: tuple[str, ...]
+    sequence_parallel: tuple[bool, ...]
+    schedules: tuple[str, ...]
+    virtual_options: tuple[int, ...]
+    microbatch_options: tuple[int, ...]  # M per replica
+    zero_options: tuple[int, ...]
+
+
+@dataclass
+class Found:
+    """The plan the replay times: the fastest that fits, or the one holding least if none fits."""
+
+    candidate: Candidate
+    partition: list[int]
+    result: SimResult
+    sequence_parallel: bool
+    fits: bool
+
+
+def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int, tensor: int) -> Space:
+    """The search space of ``run``; one line naming a stated value the replay cannot take."""
+    checkpoint = run["checkpoint"]
+    if checkpoint is None:
+        checkpoints = TRAINER_POLICIES
+    elif checkpoint in CHECKPOINT_POLICIES:
+        checkpoints = (check_checkpoint_for(workload, checkpoint),)
+    else:
+        raise GpipeInputError(f"checkpoint {checkpoint!r}; give one of {', '.join(CHECKPOINT_POLICIES)}, or null "
+                              "where the source does not say")
+    sequence = run["sequence_parallel"]
+    sequence_options = (False, True) if sequence is None and tensor > 1 else (bool(sequence),)
+    virtual = count_of(run, "virtual_stages")
+    if virtual is not None and virtual > 1:
+        schedules, virtual_options = ("interleaved",), (virtual,)
+    elif virtual == 1 or stages == 1:
+        schedules, virtual_options = ("gpipe", "1f1b"), VIRTUAL_OPTIONS
+    else:
+        schedules, virtual_options = ("gpipe", "1f1b", "interleaved"), VIRTUAL_OPTIONS
+    per_replica = int(run["global_batch"]) // replicas
+    size = count_of(run, "microbatch_size")
+    if size is not None:
+        microbatches: tuple[int, ...] = (max(1, per_replica // size),)
+    else:
+        microbatches = tuple(m for m in range(1, per_replica + 1) if per_replica % m == 0)
+    zero = run.get("zero")
+    if zero is not None and zero not in (0, 1):
+        raise GpipeInputError(f"zero {zero!r}; give 0, 1 (a distributed optimizer), or null where the source "
+                              "does not say")
+    zeros = (0, 1) if zero is None and replicas > 1 else (int(bool(zero)) if replicas > 1 else 0,)
+    return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros)
+
+
+def count_of(run: dict[str, Any], key: str) -> int | None:
+    """``run[key]``, a positive integer or None (null); one line if it is neither."""
+    value = run[key]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GpipeInputError(f"{key} {value!r}; give a positive integer, or null where the source does not say")
+    return value
+
+
+def fastest_fitting(workload: Workload, system: System, batch: int, stages: int, replicas: int, tensor: int,
+                    context: int, space: Space) -> Found:
+    """The fastest plan of ``space`` that fits memory, each value of sequence parallelism searched on
+    its own split workload as ``gpipe plan`` searches them; else the one holding least, timed."""
+    best: Found | None = None
+    for sequence in space.sequence_parallel:
+        split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
+        found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
+                       list(space.schedules), top=1, replica_options=[replicas],
+                       virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
+                       dp_overlap=True).best
+        if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
+            assert found.result is not None and found.partition is not None
+            best = Found(found.candidate, found.partition, found.result, sequence, True)
+    return best if best is not None else _holding_least(workload, system, batch, stages, replicas, tensor,
+                                                          context, space)
+
+
+def _holding_least(workload: Workload, system: System, batch: int, stages: int, replicas: int, tensor: int,
+                   context: int, space: Space) -> Found:
+    sequence = space.sequence_parallel[-1]
+    split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
+    schedule = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the fewest micro-batches in flight
+    candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,
+                          space.virtual_options[0] if schedule == "interleaved" else 1, space.zero_options[-1])
+    partition = default_partition(split, groups, batch, candidate)
+    result = simulate(split, groups, partition, batch, candidate.microbatches, candidate.checkpoint, schedule,
+                      record=False, virtual_stages=candidate.virtual_stages, replicas=replicas, zero=candidate.zero,
+                      dp_overlap=True)
+    return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages))
+
+
+def chosen_lines(run: dict[str, Any], found: Found, batch: int, stages: int, replicas: int, tensor: int) -> list[str]:
+    """One line per null field of ``run``: the value the replay took and among what."""
+    c = found.candidate
+
+    def chosen(field: str, value: Any, among: str) -> str:
+        how = f"the fastest of {among} that fits" if found.fits else f"of {among} the one holding least (none fits)"
+        return f"{field} null: {value}, {how}"
+
+    lines = []
+    if run["checkpoint"] is None:
+        lines.append(chosen("checkpoint", c.checkpoint, "never, selective and full"))
+    if run["sequence_parallel"] is None:
+        lines.append(chosen("sequence_parallel", "on" if found.sequence_parallel else "off", "off and on")
+                     if tensor > 1 else "sequence_parallel null: off (no tensor parallelism)")
+    if run["virtual_stages"] is None:
+        lines.append(chosen("virtual_stages", f"{c.virtual_stages} ({c.schedule})", "1, 2 and 4")
+                     if stages > 1 else "virtual_stages null: 1 (one pipeline stage)")
+    if run["microbatch_size"] is None:
+        rows = split_rows(batch // replicas, c.microbatches)[0]
+        lines.append(chosen("microbatch_size", rows, "the sizes dividing a replica's batch"))
+    if run.get("zero") is None:
+        lines.append(chosen("zero", c.zero, "0 and 1") if replicas > 1 else "zero null: 0 (one replica)")
+    return lines

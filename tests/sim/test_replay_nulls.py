@@ -1,0 +1,165 @@
+"""``gpipe replay`` on a runs file of the cases a published run leaves unsaid or names in the trainers'
+words: every null searched within the stated layout and named with the value chosen, ``attention``
+and ``compile`` at the top of a run, ``bf16`` as the trainers mean it; a run without a key of the
+schema refuses the file in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpipe.main import main
+from tests.helpers.in_process import gpipe
+
+SMALL = {"layers": 4, "d_model": 256, "ff": 1024, "heads": 8, "seq": 256, "vocab": 1000}
+BASE = {"source": "a test", "hardware": "a100-nvlink", "nodes": 1, "model": "transformer", "options": SMALL,
+        "tensor_parallel": 2, "pipeline_stages": 2, "replicas": 2, "context_parallel": 1, "virtual_stages": 1,
+        "microbatch_size": 2, "global_batch": 16, "checkpoint": "full", "sequence_parallel": True,
+        "precision": "bf16", "attention": "flash", "compile": False, "zero": 1, "measured_step_s": 0.01}
+LLAMA = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "vocab_size": 1000, "seq": 256}
+STATED = ("checkpoint", "sequence_parallel", "virtual_stages", "microbatch_size", "zero", "attention", "compile")
+
+
+def row(run_id: str, **change) -> dict:
+    return {"id": run_id, **BASE, **change}
+
+
+def replayed(tmp_path, runs: list[dict], capsys) -> dict[str, dict]:
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    assert main(["replay", str(path), "--json"]) == 0
+    return {r["id"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+
+
+def nulls(run: dict) -> list[str]:
+    """The run's lines about its unsaid fields."""
+    return [a for a in run["assumed"] if a.split(" ", 1)[0] in STATED]
+
+
+def test_every_null_is_searched_within_the_layout_and_named_with_the_value_chosen(tmp_path, capsys):
+    runs = replayed(tmp_path, [
+        row("stated"),
+        row("checkpoint", checkpoint=None),
+        row("microbatch", microbatch_size=None),
+        row("sequence", sequence_parallel=None),
+        row("zero", zero=None),
+        row("virtual", virtual_stages=None),
+        row("attention", attention=None),
+        row("compile", compile=None),
+        row("left-out", **{key: None for key in ("attention", "compile", "zero")}),
+    ], capsys)
+    assert all(r["modelled"] for r in runs.values()), [r["reason"] for r in runs.values()]
+    assert nulls(runs["stated"]) == []
+    layout = {name: r["layout"] for name, r in runs.items()}
+    # the stated layout is kept: T, D, K and C never move
+    assert {(l["tensor_parallel"], l["replicas"], l["pipeline_stages"], l["context_parallel"])
+            for l in layout.values()} == {(2, 2, 2, 1)}
+    checkpoint = layout["checkpoint"]["checkpoint"]
+    assert checkpoint in ("never", "selective", "full")
+    assert nulls(runs["checkpoint"]) == [f"checkpoint null: {checkpoint}, the fastest of never, selective and "
+                                         "full that fits"]
+    rows = layout["microbatch"]["microbatch_rows"]
+    assert nulls(runs["microbatch"]) == [f"microbatch_size null: {rows}, the fastest of the sizes dividing a "
+                                         "replica's batch that fits"]
+    sequence = "on" if layout["sequence"]["sequence_parallel"] else "off"
+    assert nulls(runs["sequence"]) == [f"sequence_parallel null: {sequence}, the fastest of off and on that fits"]
+    assert nulls(runs["zero"]) == [f"zero null: {layout['zero']['zero']}, the fastest of 0 and 1 that fits"]
+    virtual = layout["virtual"]
+    assert nulls(runs["virtual"]) == [f"virtual_stages null: {virtual['virtual_stages']} ({virtual['schedule']}), "
+                                      "the fastest of 1, 2 and 4 that fits"]
+    # a null kernel is flash on an A100, as its trainers run it; a null compile is eager's
+    assert nulls(runs["attention"]) == ["attention null: flash, as trainers run it on A100-SXM-80GB"]
+    assert runs["attention"]["predicted_step_s"] == runs["stated"]["predicted_step_s"]
+    assert nulls(runs["compile"]) == ["compile null: not compiled, every elementwise op's memory traffic counted"]
+    assert runs["compile"]["predicted_step_s"] == runs["stated"]["predicted_step_s"]
+    # a left-out optional key is null
+    assert sorted(nulls(runs["left-out"])) == sorted(nulls(runs["attention"]) + nulls(runs["compile"])
+                                                     + nulls(runs["zero"]))
+    # searching never loses to the stated values it could have chosen
+    for name in ("checkpoint", "microbatch", "sequence", "zero", "virtual"):
+        assert runs[name]["predicted_step_s"] <= runs["stated"]["predicted_step_s"] * (1 + 1e-12)
+
+
+def test_nulls_with_nothing_to_choose_say_so(tmp_path, capsys):
+    runs = replayed(tmp_path, [row("one", tensor_parallel=1, pipeline_stages=1, replicas=1, sequence_parallel=None,
+                                   virtual_stages=None, zero=None)], capsys)
+    assert sorted(nulls(runs["one"])) == ["sequence_parallel null: off (no tensor parallelism)",
+                                          "virtual_stages null: 1 (one pipeline stage)",
+                                          "zero null: 0 (one replica)"]
+
+
+def test_attention_and_compile_at_the_top_of_a_run(tmp_path, capsys):
+    runs = replayed(tmp_path, [
+        row("eager", attention="eager"),
+        row("fused", attention="fused"),
+        row("fused-in-options", attention=None, options={**SMALL, "attention": "fused"}),
+        row("eager-compiled", attention="eager", compile=True),
+        row("both", attention="flash", options={**SMALL, "attention": "fused"}),
+        row("mlp", model="mlp", options={"layers": 4, "width": 64}, tensor_parallel=1, sequence_parallel=False,
+            precision="bf16-autocast", attention="fused"),
+        row("mlp-compiled", model="mlp", options={"layers": 4, "width": 64}, tensor_parallel=1,
+            sequence_parallel=False, precision="bf16-autocast", attention=None, compile=True),
+    ], capsys)
+    assert runs["fused"]["predicted_step_s"] == runs["fused-in-options"]["predicted_step_s"]
+    assert runs["fused"]["predicted_step_s"] != runs["eager"]["predicted_step_s"]
+    # compiled, the eager softmax's and the residual stream's elementwise traffic is counted once per region
+    assert runs["eager-compiled"]["predicted_step_s"] < runs["eager"]["predicted_step_s"]
+    assert nulls(runs["eager-compiled"]) == []
+    assert not runs["both"]["modelled"]
+    assert runs["both"]["reason"] == "attention is 'flash' at the top of the run but 'fused' in its options; give one"
+    assert runs["mlp"]["modelled"]
+    assert "attention fused not applied: mlp is priced as its own layers run" in runs["mlp"]["assumed"]
+    assert not runs["mlp-compiled"]["modelled"] and "compile is modelled for the built-in transformer" in \
+        runs["mlp-compiled"]["reason"]
+
+
+def test_a_hugging_face_model_takes_the_runs_attention_tensor_parallelism_and_nulls(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    hf = {"model": "hf:llama", "options": LLAMA}
+    shaped = {"layers": 4, "d_model": 256, "ff": 688, "heads": 8, "kv_heads": 2, "vocab": 1000, "seq": 256,
+              "activation": "swiglu", "dropout": 0.0}
+    runs = replayed(tmp_path, [row("hf-fused", **hf, attention="fused", checkpoint=None),
+                               row("hf-flash", **hf, checkpoint=None),
+                               row("shape-fused", options=shaped, attention="fused", checkpoint=None)], capsys)
+    fused, flash = runs["hf-fused"], runs["hf-flash"]
+    assert fused["modelled"] and flash["modelled"], (fused["reason"], flash["reason"])
+    assert "hf:llama: planned by its config's shape as the built-in transformer (its norms, biases and positions " \
+           "the built-in's)" in fused["assumed"]
+    assert fused["layout"]["tensor_parallel"] == 2
+    assert [a for a in nulls(fused) if a.startswith("attention")] == []
+    assert fused["predicted_step_s"] == runs["shape-fused"]["predicted_step_s"]  # the transformer of its shape
+    assert fused["predicted_step_s"] > flash["predicted_step_s"]  # materialised scores cost what flash saves
+    assert [a.split(",")[0] for a in nulls(fused)] == [f"checkpoint null: {fused['layout']['checkpoint']}"]
+
+
+def test_bf16_in_a_runs_file_is_the_trainers_mixed_precision(tmp_path, capsys):
+    runs = replayed(tmp_path, [row("bf16"), row("bf16-model", precision="bf16-model"),
+                               row("autocast", precision="bf16-autocast")], capsys)
+    assert runs["bf16"]["predicted_step_s"] == runs["bf16-model"]["predicted_step_s"]
+    assert runs["autocast"]["predicted_step_s"] > runs["bf16"]["predicted_step_s"]  # fp32 activations and casts
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"checkpoint": "sometimes"}, "checkpoint 'sometimes'; give one of"),
+    ({"zero": 2}, "zero 2; give 0, 1"),
+    ({"microbatch_size": 0}, "microbatch_size 0; give a positive integer"),
+    ({"compile": "yes"}, "compile='yes' for model transformer; use true"),
+    ({"tensor_parallel": "two"}, "tensor_parallel 'two'; give a positive integer"),
+    ({"global_batch": None}, "global_batch null: the replay needs the batch"),
+    ({"tensor_parallel": 2, "replicas": 16}, "need 64 devices"),
+])
+def test_a_stated_value_the_replay_cannot_take_is_one_line(tmp_path, capsys, change, message):
+    run = replayed(tmp_path, [row("bad", **change)], capsys)["bad"]
+    assert not run["modelled"] and message in run["reason"] and "\n" not in run["reason"]
+
+
+def test_a_run_without_a_key_of_the_schema_is_one_line(tmp_path):
+    bad = row("no-checkpoint")
+    del bad["checkpoint"]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": [row("fine"), bad]}))
+    proc = gpipe("replay", str(path))
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("gpipe: error: run 'no-checkpoint' of ") and "has no checkpoint;" in proc.stderr
