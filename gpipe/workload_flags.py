@@ -20,8 +20,8 @@ from sim.catalog.hardware import Device, Link, System
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.costs import measured_precision, read_costs
 from sim.workloads import resolve
+from sim.workloads.decoder_shape import ANALYSES, HF_OPTIONS, ShapedWorkload
 from sim.workloads.model_defaults import DEFAULT_BATCH
-from sim.workloads.models import get_workload
 from sim.workloads.precision import choose_precision
 from sim.workloads.workload import Workload
 
@@ -48,22 +48,28 @@ def is_hf(model: str | None) -> bool:
 
 def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None,
                      by_shape: bool = False) -> Workload:
-    """:func:`sim.workloads.resolve.resolve_workload` with torch models measured on the meta device; with
-    ``by_shape``, a Hugging Face model is the built-in transformer of its config's shape
-    (:func:`executor.models.hf.shape_options`), which tensor and context parallelism can split."""
-    if by_shape and is_hf(model) and costs_path is None:
-        from executor.models.hf import shape_options
+    """:func:`sim.workloads.resolve.resolve_workload` with torch models measured on the meta device and
+    Hugging Face models priced as the transformer of their structure's shape
+    (:mod:`sim.workloads.decoder_shape`, read by :mod:`executor.models.hf_shape`), unless
+    ``--option analysis=meta`` asks for them measured op by op as other torch models are (``by_shape``,
+    for tensor or context parallelism, which only the shape splits, overrides that)."""
+    if is_hf(model) and costs_path is None:
+        analysis = options.get("analysis", HF_OPTIONS["analysis"])
+        if analysis not in ANALYSES:
+            raise GpipeInputError(f"--option analysis={analysis}: choose shape (the transformer of the model's "
+                                  "structure) or meta (measured op by op on the meta device)")
+        if analysis == "shape" or by_shape:
+            from executor.models.hf_shape import decoder_shape
 
-        config = {k: v for k, v in options.items() if k not in ANALYSIS_KEYS}
-        shaped = {**shape_options(model, config), **{k: options[k] for k in ANALYSIS_KEYS if k in options}}
-        workload = get_workload("transformer", shaped)
-        workload.planned_from = model  # type: ignore[union-attr]
-        return workload
+            return ShapedWorkload(model, options, decoder_shape(model, options))  # type: ignore[arg-type]
     return resolve.resolve_workload(model, options, costs_path, analyse_torch_model)
 
 
 def planned_from_note(workload: Workload) -> str | None:
-    """One line saying a Hugging Face model was planned by its shape, or None."""
+    """One line saying a Hugging Face or named model was planned by its shape, then what that
+    assumes, or None."""
+    if isinstance(workload, ShapedWorkload):
+        return "\n".join([workload.shape_line, *(f"assumed: {line}" for line in workload.assumed)])
     source = getattr(workload, "planned_from", None)
     if source is None:
         return None

@@ -113,6 +113,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
                        f"{system.device.name}: efficiency assumed ({system.device.efficiency:.0%} of peak FLOP/s), "
                        "not fitted")
     workload = resolve(run["model"], {**run["options"], "precision": run["precision"]})
+    out.assumed.extend(getattr(workload, "assumed", ()))  # what a model priced by its shape leaves out
     if run["model"] == "transformer" and "attention" not in run["options"]:
         out.assumed.append("attention as torch's unfused ops run it (its (heads, seq, seq) scores saved and moved): "
                            "the run's options do not name the kernel (eager, fused or flash)")

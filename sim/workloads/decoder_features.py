@@ -34,7 +34,7 @@ line), which :mod:`sim.workloads.decoder_shape` sets from a Hugging Face model's
   outside the window, so its queries attend to ``min(window, seq)`` keys; eager and fused
   attention compute every score and are priced as without it.
 - ``extra_params`` and ``extra_block_params``: parameters the shape has no term for (the embedding
-  layer's and each block's): memory, not work.
+  layer's and each block's): memory, not work; negative where the shape counts one the model lacks.
 
 Torch-free, like the rest of the simulator's model.
 """
@@ -127,11 +127,13 @@ def check_feature(key: str, value: Any, model: str = "transformer") -> Any:
         if isinstance(value, bool) or not 0.0 < fraction <= 1.0:
             raise GpipeInputError(f"rotary_fraction={value!r} for model {model}; use a number in (0, 1]")
         return fraction
-    least, most = (0, 2) if key == "norm_weights" else (0, None)
-    number = int(value) if isinstance(value, str) and value.strip().isdigit() else value
-    if isinstance(number, bool) or not isinstance(number, int) or number < least or (most and number > most):
-        raise GpipeInputError(f"{key}={value!r} for model {model}; use an integer from {least}"
-                              f"{f' to {most}' if most else ' up'}")
+    # extra parameters may be negative: terms the shape counts that a model does not have (a final norm)
+    least, most = (0, 2) if key == "norm_weights" else (None, None) if key.startswith("extra") else (0, None)
+    number = int(value) if isinstance(value, str) and value.strip().lstrip("+-").isdigit() else value
+    if (isinstance(number, bool) or not isinstance(number, int) or (least is not None and number < least)
+            or (most and number > most)):
+        bounds = f" from {least}{f' to {most}' if most else ' up'}" if least is not None else ""
+        raise GpipeInputError(f"{key}={value!r} for model {model}; use an integer{bounds}")
     return number
 
 
