@@ -76,6 +76,9 @@ def _cached_shape(name: str, fields_json: str) -> DecoderShape:
         raise GpipeInputError(f"{name!r} is a mixture of {experts} experts; expert parallelism is not modelled")
     if getattr(config, "num_key_value_heads", 0) is None:  # None: one key/value head per head, as configs mean it
         config.num_key_value_heads = config.num_attention_heads
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and isinstance(getattr(config, "pad_token_id", None), int) and config.pad_token_id >= vocab:
+        config.pad_token_id = None  # a default padding id of the config's own vocabulary, beyond a smaller one
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
@@ -160,8 +163,13 @@ def _block(layer: nn.Module, d: int, config: Any, where: str) -> dict[str, Any]:
         names = ", ".join(n for n, (a, _, _) in attn if a != d)
         raise GpipeInputError(f"{where}: attention projections of other widths ({names}: low-rank or latent "
                               "attention?) are not modelled; planning by shape takes q, k, v (or fused) and an output")
-    heads = int(next((getattr(attention, k) for k in ("num_heads", "num_attention_heads", "n_heads", "n_head")
-                      if isinstance(getattr(attention, k, None), int)), getattr(config, "num_attention_heads", 0)))
+    heads = next((getattr(attention, k) for k in ("num_heads", "num_attention_heads", "n_heads", "n_head")
+                  if isinstance(getattr(attention, k, None), int)), None)
+    if heads is None and isinstance(getattr(attention, "head_dim", None), int) and attention.head_dim:
+        heads = dq // attention.head_dim
+    if heads is None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(getattr(text, "num_attention_heads", 0) or 0)
     if not heads or dq % heads:
         raise GpipeInputError(f"{where}: {heads} heads do not divide the attention's width {dq}")
     head_dim = dq // heads
@@ -223,20 +231,31 @@ def read_shape(model: nn.Module, config: Any, model_type: str, name: str) -> Dec
     """The :class:`DecoderShape` of a meta-device ``model`` built from ``config``."""
     embedding = model.get_input_embeddings()
     vocab, d = (int(n) for n in embedding.weight.shape)
+    layers = _decoder_layers(model, config)
+    # the stream's width is the blocks' (what their linear layers read and write): the embedding's, or, for
+    # an embedding projected in and out, one of their norms'
+    widths = [d] + [int(m.weight.shape[0]) for m in layers[0].modules() if _is_norm(m)
+                    and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 1]
+    linears = [lin for lin in map(_linear, layers[0].modules()) if lin]
+    d = next((w for w in widths if any(a == w for a, _, _ in linears) and any(b == w for _, b, _ in linears)), d)
     head = model.get_output_embeddings()
     if head is None or _linear(head) is None:
         raise GpipeInputError(f"{name!r} has no linear head over the vocabulary; planning by shape takes causal "
                               "language models")
     tied = head.weight is embedding.weight
-    layers = _decoder_layers(model, config)
     blocks = [_block(layer, d, config, f"{name} layer {i}") for i, layer in enumerate(layers)]
     first = blocks[0]
-    same = ("heads", "kv_heads", "head_dim", "ffn", "gated", "norms", "biases", "extra")
+    same = ("heads", "kv_heads", "head_dim", "ffn", "gated", "biases")
     differing = next((i for i, b in enumerate(blocks) if any(b[k] != first[k] for k in same)), None)
     if differing is not None:
         raise GpipeInputError(f"{name!r}: layer {differing} differs in shape from layer 0 "
                               f"({', '.join(k for k in same if blocks[differing][k] != first[k])}); planning by "
                               "shape takes layers of one shape")
+    # norms as most layers have them; what a layer has beyond is memory (extra parameters, below)
+    norms = max({b["norms"] for b in blocks}, key=[b["norms"] for b in blocks].count)
+    norm_weights = first["norm_weights"]
+    priced_block = [_numel(layer) - b["extra"] + (norms - b["norms"]) * norm_weights * d
+                    for layer, b in zip(layers, blocks)]
     in_layers = {id(m) for m in layers.modules()}
     outer = [m for m in model.modules() if id(m) not in in_layers]
     tables = [m for m in outer if isinstance(m, nn.Embedding) and m is not embedding and m.embedding_dim == d]
@@ -253,16 +272,16 @@ def read_shape(model: nn.Module, config: Any, model_type: str, name: str) -> Dec
     if dropout:
         notes.append(f"dropout (p={dropout:g}) not priced")
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    norm_weights, extra_block = first["norm_weights"], first["extra"]
+    extra_block = min(_numel(layer) - p for layer, p in zip(layers, priced_block))
     head_bias = _linear(head)[2]  # type: ignore[index]
     embedding_norm = len(outer_norms) > 1
     # what the transformer counts besides the blocks (the final norm always); the rest is extra
     priced = (vocab * d * (1 if tied else 2) + head_bias * vocab + rows * d + (1 + embedding_norm) * norm_weights * d
-              + len(blocks) * (_numel(layers[0]) - extra_block))
+              + sum(priced_block))
     return DecoderShape(
         model_type=model_type, layers=len(blocks), hidden=d, heads=first["heads"], kv_heads=first["kv_heads"],
         head_dim=first["head_dim"], ffn=first["ffn"], gated=first["gated"], activation=first["activation"],
-        vocab=vocab, norm=first["norm"], norm_weights=norm_weights, norms=first["norms"],
+        vocab=vocab, norm=first["norm"], norm_weights=norm_weights, norms=norms,
         parallel_block=_parallel(model, layers, first, config), qk_norm=first["qk_norm"],
         embedding_norm=embedding_norm,
         biases=first["biases"] + (("head",) if head_bias else ()), positions=positions, position_rows=rows,

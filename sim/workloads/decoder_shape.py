@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.errors import GpipeInputError
 from sim.workloads.decoder_features import BIASES, FEATURE_DEFAULTS
 from sim.workloads.models import AnalyticWorkload, resolve_options, transformer_layers
 
@@ -158,7 +159,10 @@ class ShapedWorkload(AnalyticWorkload):
     the transformer's options that price it."""
 
     def __init__(self, name: str, given: dict[str, Any], shape: DecoderShape) -> None:
-        priced = priced_options(shape, given)
+        try:
+            priced = priced_options(shape, given)
+        except GpipeInputError as exc:
+            raise GpipeInputError(f"{name}: {exc}") from None
         super().__init__(name, priced, transformer_layers(priced))
         self.given = dict(given)
         self.shape = shape
