@@ -3,7 +3,9 @@
 Part of the composition root (the commands, :mod:`gpipe`): it wires the simulator's
 torch-free resolution (:mod:`sim.workloads.resolve`) to calibration's meta-device analysis of torch models
 (:mod:`calibrate.measure.meta_profile`), imported only when a ``package.module:factory`` model is asked
-for, so built-in models never import torch.
+for, so built-in models never import torch; and a Hugging Face model (``hf:<type>``) to the reading of
+its structure on the meta device (:mod:`executor.models.hf_shape`), which the simulator prices as the
+transformer of that shape (:mod:`sim.workloads.decoder_shape`).
 
 With ``--costs FILE`` and no ``--model``, the model, its options and the batch are the file's: the
 costs describe exactly one model, so asking for it again would only invite a mismatch. So is the
@@ -39,9 +41,6 @@ def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
     return torch_workload(model, options)
 
 
-ANALYSIS_KEYS = ("precision", "optimizer_slots")  # options of the analysis, not of the model's config
-
-
 def is_hf(model: str | None) -> bool:
     return bool(model) and model.startswith(("hf:", "hf-config:"))  # type: ignore[union-attr]
 
@@ -59,8 +58,12 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
             raise GpipeInputError(f"--option analysis={analysis}: choose shape (the transformer of the model's "
                                   "structure) or meta (measured op by op on the meta device)")
         if analysis == "shape" or by_shape:
-            from executor.models.hf_shape import decoder_shape
-
+            try:
+                from executor.models.hf_shape import decoder_shape
+            except ModuleNotFoundError as exc:
+                if exc.name != "torch":
+                    raise
+                raise GpipeInputError(f"model {model!r} needs torch; install it with pip install torch") from None
             return ShapedWorkload(model, options, decoder_shape(model, options))  # type: ignore[arg-type]
     return resolve.resolve_workload(model, options, costs_path, analyse_torch_model)
 
