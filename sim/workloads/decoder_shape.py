@@ -102,10 +102,14 @@ def priced_options(shape: DecoderShape, given: dict[str, Any]) -> dict[str, Any]
     return resolve_options("transformer", o)
 
 
-def assumed_lines(shape: DecoderShape, o: dict[str, Any]) -> list[str]:
-    """What pricing ``shape`` with options ``o`` takes that the model does differently, one line each."""
+def assumed_lines(shape: DecoderShape, o: dict[str, Any], given: dict[str, Any] | None = None) -> list[str]:
+    """What pricing ``shape`` with options ``o`` (from the ``given`` ones) takes that the model may do
+    differently, one line each."""
     seq, flash = o["seq"], o["attention"] == "flash"
     lines = []
+    if given is not None and "attention" not in given:
+        lines.append("attention not named: a flash kernel, as Hugging Face models run scaled_dot_product_attention "
+                     "on GPUs (--option attention=eager or fused for a kernel that keeps the scores)")
     if shape.positions == "alibi":
         lines.append("ALiBi positions: the bias on the attention scores taken as free (added inside the attention "
                      "kernel or the scores' matmul)")
@@ -140,14 +144,14 @@ def shape_line(name: str, shape: DecoderShape, o: dict[str, Any]) -> str:
     """One line saying how ``name`` is priced: its shape as the transformer's."""
     mlp = f"{'gated ' if shape.gated else ''}{shape.activation}"
     kv = f", {shape.kv_heads} key/value heads" if shape.kv_heads != shape.heads else ""
-    positions = (f"rotary over {shape.rotary_fraction:.0%} of each head" if shape.positions == "rotary"
-                 and shape.rotary_fraction < 1 else shape.positions)
+    positions = (f"rotary positions over {shape.rotary_fraction:.0%} of each head" if shape.positions == "rotary"
+                 and shape.rotary_fraction < 1 else f"{shape.positions} positions")
     biases = ("no biases" if not shape.biases else "biases on " + ", ".join(shape.biases)
               if set(shape.biases) != set(BIASES) else "biases")
     layout = ", parallel attention and MLP" if shape.parallel_block else ""
     return (f"{name} priced by its structure as a transformer: {shape.layers} layers, d_model {shape.hidden}, ff "
             f"{shape.ffn} {mlp}, {shape.heads} heads of {shape.head_dim}{kv}, vocab {shape.vocab}, {shape.norm}, "
-            f"{positions} positions, {biases}{', tied embedding and head' if shape.tied else ''}{layout}; "
+            f"{positions}, {biases}{', tied embedding and head' if shape.tied else ''}{layout}; "
             f"{o['attention']} attention")
 
 
@@ -169,7 +173,7 @@ class ShapedWorkload(AnalyticWorkload):
         self.is_transformer = True
         self.has_attention_core = True
         self.planned_from = name
-        self.assumed = assumed_lines(shape, priced)
+        self.assumed = assumed_lines(shape, priced, given)
         self.shape_line = shape_line(name, shape, priced)
 
     def describe(self) -> dict:

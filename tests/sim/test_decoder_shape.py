@@ -104,7 +104,8 @@ def test_what_the_shape_cannot_price_is_said_in_assumed(family, fields, line, ca
                  "--hardware", "h100-nvlink", "--batch", "4", "--microbatches", "2"]) == 0
     out = capsys.readouterr().out
     assert f"hf:{family} priced by its structure as a transformer" in out and f"assumed: {line}" in out
-    assert not resolve_workload("hf:llama", {**SIZES, "seq": SEQ}).assumed  # nothing left out of Llama
+    assert not resolve_workload("hf:llama", {**SIZES, "seq": SEQ, "attention": "flash"}).assumed  # nothing of Llama
+    assert resolve_workload("hf:llama", {**SIZES, "seq": SEQ}).assumed[0].startswith("attention not named: a flash")
 
 
 def test_a_sliding_window_is_priced_on_a_flash_kernel():
