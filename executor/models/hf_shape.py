@@ -152,12 +152,35 @@ def _block(layer: nn.Module, d: int, config: Any, where: str) -> dict[str, Any]:
     if attention is None:
         raise GpipeInputError(f"{where} has no attention ({type(layer).__name__}: a state-space or recurrent "
                               "layer?); planning by shape takes attention blocks")
-    inside = {id(m) for m in attention.modules()}
+    a = _attention(attention, d, config, where)
+    m = _mlp(layer, a["inside"], d, where)
+    stream_norms = [n for n in layer.modules() if _is_norm(n) and id(n) not in a["inside"]
+                    and _numel(n) in (0, d, 2 * d)]
+    kinds = {"rmsnorm" if "rms" in type(n).__name__.lower() else "layernorm" for n in stream_norms}
+    norm_weights = max((_numel(n) // d for n in stream_norms), default=0)
+    dq, kv_width, width, ffn = a["dq"], a["kv_width"], m["width"], m["ffn"]
+    # what the transformer's block counts (sim.workloads.models.transformer_layers); the rest is extra
+    priced = (d * (dq + kv_width) + dq * d + (width + ffn) * d + len(stream_norms) * norm_weights * d
+              + a["proj"] * d + m["fc2"] * d + a["qkv"] * (dq + kv_width) + m["fc1"] * width)
+    return {"heads": a["heads"], "kv_heads": kv_width // (2 * a["head_dim"]), "head_dim": a["head_dim"], "ffn": ffn,
+            "gated": width == 2 * ffn, "activation": _activation(layer, config),
+            "norm": kinds.pop() if len(kinds) == 1 else "layernorm",
+            "norm_weights": norm_weights, "norms": len(stream_norms), "qk_norm": bool(a["qk_norms"]),
+            "biases": tuple(b for b in ("qkv", "proj", "fc1", "fc2") if {**a, **m}[b]),
+            "window": _window(attention, config), "extra": _numel(layer) - priced,
+            "qk_norm_params": sum(_numel(n) for n in a["qk_norms"]),
+            "softcap": getattr(attention, "attn_logit_softcapping", None),
+            "parallel_attribute": any(bool(getattr(layer, f, False)) for f in _PARALLEL_FIELDS)}
+
+
+def _attention(attention: nn.Module, d: int, config: Any, where: str) -> dict[str, Any]:
+    """The attention's widths: its input projections (q, k and v, or fused) and the output one, the
+    last projection back to the stream's width ``d``; heads from the module, else the config."""
     attn = [(n, _linear(m)) for n, m in attention.named_modules() if _linear(m)]
-    outs = [i for i, (_, (a, b, _)) in enumerate(attn) if b == d]
+    outs = [i for i, (_, (_, b, _)) in enumerate(attn) if b == d]
     if not outs:
         raise GpipeInputError(f"{where}: no attention projection back to the stream's width {d}")
-    o_name, (dq, _, o_bias) = attn[outs[-1]]
+    dq, _, proj_bias = attn[outs[-1]][1]
     projections = [lin for i, (_, lin) in enumerate(attn) if i != outs[-1]]
     if any(a != d for a, _, _ in projections):
         names = ", ".join(n for n, (a, _, _) in attn if a != d)
@@ -178,12 +201,20 @@ def _block(layer: nn.Module, d: int, config: Any, where: str) -> dict[str, Any]:
         raise GpipeInputError(f"{where}: attention projections of {sum(b for _, b, _ in projections)} outputs are "
                               f"not queries of {dq} and keys and values of whole {head_dim}-wide heads")
     # a norm beside an input projection normalises queries or keys; one beside only the output
-    # projection (a post-norm layer's) normalises the stream
+    # projection (a post-norm layer's) normalises the stream, and counts with the block's norms
     owners = {n.rpartition(".")[0] for i, (n, _) in enumerate(attn) if i != outs[-1]}
     qk_norms = [m for n, m in attention.named_modules() if _is_norm(m) and n.rpartition(".")[0] in owners]
-    inside -= {id(m) for n, m in attention.named_modules() if _is_norm(m) and m not in qk_norms}
+    inside = {id(m) for m in attention.modules()} - {id(m) for m in attention.modules()
+                                                      if _is_norm(m) and m not in qk_norms}
+    return {"dq": dq, "kv_width": kv_width, "heads": heads, "head_dim": head_dim, "qk_norms": qk_norms,
+            "qkv": any(lin[2] for lin in projections), "proj": proj_bias, "inside": inside}
+
+
+def _mlp(layer: nn.Module, inside: set[int], d: int, where: str) -> dict[str, Any]:
+    """The MLP's widths: the layer's linear layers outside the attention, fc2 the last one back to ``d``
+    and fc1 the rest (one, or a gate and a value: gated when they add up to twice fc2's input)."""
     mlp = [(n, _linear(m)) for n, m in layer.named_modules() if id(m) not in inside and _linear(m)]
-    down = [i for i, (_, (a, b, _)) in enumerate(mlp) if b == d]
+    down = [i for i, (_, (_, b, _)) in enumerate(mlp) if b == d]
     if not down:
         raise GpipeInputError(f"{where}: no MLP projection back to the stream's width {d}")
     ffn, _, fc2_bias = mlp[down[-1]][1]
@@ -192,27 +223,11 @@ def _block(layer: nn.Module, d: int, config: Any, where: str) -> dict[str, Any]:
     if any(a != d for a, _, _ in ups) or width not in (ffn, 2 * ffn):
         raise GpipeInputError(f"{where}: an MLP of widths {[lin[:2] for _, lin in mlp]} is not modelled; planning by "
                               f"shape takes fc1 to ff (or a gate and a value, 2 ff) and fc2 back to {d}")
-    norms = [m for m in layer.modules() if _is_norm(m) and id(m) not in inside]
-    stream_norms = [m for m in norms if _numel(m) in (0, d, 2 * d)]
-    kinds = {"rmsnorm" if "rms" in type(m).__name__.lower() else "layernorm" for m in stream_norms}
-    norm_weights = max((_numel(m) // d for m in stream_norms), default=0)
-    qkv_bias, fc1_bias = any(lin[2] for lin in projections), any(lin[2] for lin in ups)
-    # what the transformer's block counts (sim.workloads.models.transformer_layers); the rest is extra
-    priced = (d * (dq + kv_width) + dq * d + (width + ffn) * d + len(stream_norms) * norm_weights * d
-              + o_bias * d + fc2_bias * d + qkv_bias * (dq + kv_width) + fc1_bias * width)
-    return {"heads": heads, "kv_heads": kv_width // (2 * head_dim), "head_dim": head_dim, "ffn": ffn,
-            "gated": width == 2 * ffn, "activation": _activation(layer, config),
-            "norm": kinds.pop() if len(kinds) == 1 else "layernorm",
-            "norm_weights": norm_weights, "norms": len(stream_norms), "qk_norm": bool(qk_norms),
-            "biases": tuple(b for b, on in (("qkv", qkv_bias), ("proj", o_bias), ("fc1", fc1_bias),
-                                           ("fc2", fc2_bias)) if on),
-            "window": _window(attention, config, where), "extra": _numel(layer) - priced,
-            "qk_norm_params": sum(_numel(m) for m in qk_norms),
-            "softcap": getattr(attention, "attn_logit_softcapping", None),
-            "parallel_attribute": any(bool(getattr(layer, f, False)) for f in _PARALLEL_FIELDS)}
+    return {"ffn": ffn, "width": width, "fc1": any(lin[2] for lin in ups), "fc2": fc2_bias}
 
 
-def _window(attention: nn.Module, config: Any, where: str) -> int:
+def _window(attention: nn.Module, config: Any) -> int:
+    """The layer's sliding window (0: full attention): its attention's own, else the config's."""
     if hasattr(attention, "sliding_window"):
         return int(attention.sliding_window or 0)
     window = getattr(config, "sliding_window", None)

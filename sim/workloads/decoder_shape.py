@@ -134,7 +134,7 @@ def assumed_lines(shape: DecoderShape, o: dict[str, Any], given: dict[str, Any] 
         else:
             lines.append(f"sliding window of {sizes} tokens on {layers} of {shape.layers} layers not priced: "
                          f"{o['attention']} attention computes every score")
-    if shape.unknown_params:
+    if shape.unknown_params > 0:
         lines.append(f"{shape.unknown_params:,} parameters of modules the shape has no term for: counted as memory, "
                      "not as work")
     return lines + list(shape.notes)
