@@ -494,7 +494,7 @@ def plan_cost(option: PlanOption, workload, system, batch: int, precision: str, 
 
     c = option.candidate
     described = workload.describe()
-    o = described["options"]
+    o = described.get("shape") or described["options"]  # a Hugging Face model's: the transformer's that prices it
     if "seq" not in o or "d_model" not in o:
         raise GpipeInputError(f"days and dollars count tokens: the model {described['name']} has no sequences; plan "
                               "the transformer, a named model (gpipe plan --list-models) or an hf: model")

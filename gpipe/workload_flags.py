@@ -3,7 +3,9 @@
 Part of the composition root (the commands, :mod:`gpipe`): it wires the simulator's
 torch-free resolution (:mod:`sim.workloads.resolve`) to calibration's meta-device analysis of torch models
 (:mod:`calibrate.measure.meta_profile`), imported only when a ``package.module:factory`` model is asked
-for, so built-in models never import torch.
+for, so built-in models never import torch; and a Hugging Face model (``hf:<type>``) to the reading of
+its structure on the meta device (:mod:`executor.models.hf_shape`), which the simulator prices as the
+transformer of that shape (:mod:`sim.workloads.decoder_shape`).
 
 With ``--costs FILE`` and no ``--model``, the model, its options and the batch are the file's: the
 costs describe exactly one model, so asking for it again would only invite a mismatch. So is the
@@ -20,8 +22,8 @@ from sim.catalog.hardware import Device, Link, System
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.costs import measured_precision, read_costs
 from sim.workloads import resolve
+from sim.workloads.decoder_shape import ANALYSES, HF_OPTIONS, ShapedWorkload
 from sim.workloads.model_defaults import DEFAULT_BATCH
-from sim.workloads.models import get_workload
 from sim.workloads.precision import choose_precision
 from sim.workloads.workload import Workload
 
@@ -43,32 +45,38 @@ def analyse_torch_model(model: str, options: dict[str, Any]) -> Workload:
     return torch_workload(model, options)
 
 
-# options of the analysis (how the model is run), not of the model's config
-ANALYSIS_KEYS = ("precision", "optimizer_slots", "attention", "compile")
-
-
 def is_hf(model: str | None) -> bool:
     return bool(model) and model.startswith(("hf:", "hf-config:"))  # type: ignore[union-attr]
 
 
 def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str | None = None,
                      by_shape: bool = False) -> Workload:
-    """:func:`sim.workloads.resolve.resolve_workload` with torch models measured on the meta device; with
-    ``by_shape``, a Hugging Face model is the built-in transformer of its config's shape
-    (:func:`executor.models.hf.shape_options`), which tensor and context parallelism can split."""
-    if by_shape and is_hf(model) and costs_path is None:
-        from executor.models.hf import shape_options
-
-        config = {k: v for k, v in options.items() if k not in ANALYSIS_KEYS}
-        shaped = {**shape_options(model, config), **{k: options[k] for k in ANALYSIS_KEYS if k in options}}
-        workload = get_workload("transformer", shaped)
-        workload.planned_from = model  # type: ignore[union-attr]
-        return workload
+    """:func:`sim.workloads.resolve.resolve_workload` with torch models measured on the meta device and
+    Hugging Face models priced as the transformer of their structure's shape
+    (:mod:`sim.workloads.decoder_shape`, read by :mod:`executor.models.hf_shape`), unless
+    ``--option analysis=meta`` asks for them measured op by op as other torch models are (``by_shape``,
+    for tensor or context parallelism, which only the shape splits, overrides that)."""
+    if is_hf(model) and costs_path is None:
+        analysis = options.get("analysis", HF_OPTIONS["analysis"])
+        if analysis not in ANALYSES:
+            raise GpipeInputError(f"--option analysis={analysis}: choose shape (the transformer of the model's "
+                                  "structure) or meta (measured op by op on the meta device)")
+        if analysis == "shape" or by_shape:
+            try:
+                from executor.models.hf_shape import decoder_shape
+            except ModuleNotFoundError as exc:
+                if exc.name != "torch":
+                    raise
+                raise GpipeInputError(f"model {model!r} needs torch; install it with pip install torch") from None
+            return ShapedWorkload(model, options, decoder_shape(model, options))  # type: ignore[arg-type]
     return resolve.resolve_workload(model, options, costs_path, analyse_torch_model)
 
 
 def planned_from_note(workload: Workload) -> str | None:
-    """One line saying a Hugging Face model was planned by its shape, or None."""
+    """One line saying a Hugging Face or named model was planned by its shape, then what that
+    assumes, or None."""
+    if isinstance(workload, ShapedWorkload):
+        return "\n".join([workload.shape_line, *(f"assumed: {line}" for line in workload.assumed)])
     source = getattr(workload, "planned_from", None)
     if source is None:
         return None

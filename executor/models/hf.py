@@ -6,14 +6,16 @@ folder holding one) on the meta device, then cut into the layers a pipeline part
 
     0          embedding: token ids (rows, seq) -> {hidden states, position ids, rotary cos and sin}
     1 .. L     one decoder layer each: the same dict, hidden states updated
-    L + 1      final norm: -> hidden states (rows, seq, d_model)
-    L + 2      head: -> logits (rows, seq, vocab); its weight is the embedding's when the config ties them
+    L + 1      head: final norm, then -> logits (rows, seq, vocab); its weight is the embedding's when the
+               config ties them
 
 The dict crosses stage boundaries as several tensors (:mod:`executor.runtime.boundary`): the hidden states
 per row, the position ids and rotary tables at a fixed shape. Attention runs as ``sdpa`` with no
 mask tensor: without padding the model itself builds none and lets ``is_causal`` mask the future,
-and nothing of (seq x seq) has to be sent between stages. Supported families: GPT-2 and Llama (Mistral and Qwen2
-share Llama's layout). Data: random token ids of ``seq`` tokens (an option of ours, default 64),
+and nothing of (seq x seq) has to be sent between stages. The layers are those of the built-in
+transformer (embedding, blocks, head with its norm), so a plan of the model's shape
+(:mod:`sim.workloads.decoder_shape`, any decoder-only type) partitions them alike. Trained families:
+GPT-2 and Llama (Mistral and Qwen2 share Llama's layout); the others are planned, not trained. Data: random token ids of ``seq`` tokens (an option of ours, default 64),
 targets the next token with the last position ignored (-100), so the mean cross entropy equals the
 loss ``transformers`` computes from ``labels=ids``.
 
@@ -36,10 +38,10 @@ import torch
 from torch import nn
 
 from sim.errors import GpipeInputError
-from sim.workloads.named_models import transformer_shape
+from sim.workloads.decoder_shape import HF_OPTIONS
 
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
-OUR_OPTIONS = {"seq": 64}  # options that describe the data, not the config
+OUR_OPTIONS = HF_OPTIONS  # options that describe the data and the pricing, not the config
 
 
 def is_hf(name: str) -> bool:
@@ -207,22 +209,16 @@ class DecoderLayer(_Layer):
         return {**value, "hidden_states": hidden}
 
 
-class FinalNorm(_Layer):
-    def __init__(self, norm: nn.Module, initialiser: _Initialiser) -> None:
+class Head(_Layer):
+    """The final norm and the head over the vocabulary, one layer as the built-in transformer's head."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, initialiser: _Initialiser) -> None:
         super().__init__(initialiser)
         self.norm = norm
-
-    def forward(self, value: dict[str, Any]) -> torch.Tensor:
-        return self.norm(value["hidden_states"])
-
-
-class Head(_Layer):
-    def __init__(self, lm_head: nn.Module, initialiser: _Initialiser) -> None:
-        super().__init__(initialiser)
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def forward(self, value: dict[str, Any]) -> torch.Tensor:
+        return self.lm_head(self.norm(value["hidden_states"]))
 
 
 def check_tensor_parallel(family: str, config: Any, parts: int) -> None:
@@ -259,7 +255,7 @@ def build(name: str, options: dict[str, Any]) -> nn.Sequential:
     norm = model.transformer.ln_f if family == "gpt2" else model.model.norm
     return nn.Sequential(Embedding(family, model, initialiser),
                          *[DecoderLayer(family, layer, config, initialiser) for layer in decoder],
-                         FinalNorm(norm, initialiser), Head(model.lm_head, initialiser))
+                         Head(norm, model.lm_head, initialiser))
 
 
 def checkpoint_names(name: str, options: dict[str, Any]) -> Callable[[str], str]:
@@ -269,7 +265,7 @@ def checkpoint_names(name: str, options: dict[str, Any]) -> Callable[[str], str]
     layers = config.num_hidden_layers if family != "gpt2" else config.n_layer
     base = "transformer" if family == "gpt2" else "model"
     prefixes = {"0.": f"{base}.", f"{layers + 1}.norm.": f"{base}.{'ln_f' if family == 'gpt2' else 'norm'}.",
-                f"{layers + 2}.lm_head.": "lm_head."}
+                f"{layers + 1}.lm_head.": "lm_head."}
     prefixes.update({f"{i + 1}.layer.": f"{base}.{'h' if family == 'gpt2' else 'layers'}.{i}." for i in range(layers)})
 
     def rename(ours: str) -> str:
@@ -290,32 +286,3 @@ def example_batch(name: str, options: dict[str, Any], rows: int, seed: int) -> t
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     return ids, targets
-
-
-# ----------------------------------------------------------------------------- planning by shape
-
-def shape_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The built-in transformer's options for the shape of any decoder-only ``transformers`` config.
-
-    What the simulator plans for ``hf:<type>`` with tensor or context parallelism: the config's
-    layers, widths, heads, key/value heads, FFN width, vocabulary and MLP (gated silu as swiglu,
-    Nemotron's relu2 as squared_relu, GELUs as gelu), ``seq`` tokens, flash attention, no dropout.
-    Any ``model_type`` ``transformers`` knows as a causal language model works, not only the
-    families ``gpipe train`` runs; nothing is downloaded. Left out, and said in the output: the
-    config's norms (RMSNorm, LayerNorm without bias), biases, rotary or ALiBi positions (the built-in
-    transformer has biases, LayerNorms and a learned position table: under 0.1% of a large model's
-    parameters) and tied embeddings. Mixtures of experts and encoder-decoders are refused.
-    """
-    transformers = _transformers()
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type, data = _type_and_fields(name, options)
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise GpipeInputError(f"Hugging Face model type {model_type!r} is not a causal language model transformers "
-                              "knows; give a decoder-only type such as llama, nemotron, bloom or qwen2")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **data)
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()[-1].strip()
-        raise GpipeInputError(f"{name!r}: the config refuses the options {data} ({reason})") from None
-    return transformer_shape(config.to_dict(), int(options.get("seq", OUR_OPTIONS["seq"])), name)

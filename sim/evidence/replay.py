@@ -141,8 +141,11 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
                        f"{system.device.name}: efficiency assumed ({system.device.efficiency:.0%} of peak FLOP/s), "
                        "not fitted")
     workload = resolve(run["model"], _model_options(run, system.device, out))
+    shaped = getattr(workload, "assumed", None)  # a Hugging Face model priced by its structure: what it leaves out
     source = getattr(workload, "planned_from", None)
-    if source is not None:
+    if shaped is not None:
+        out.assumed.extend(shaped)
+    elif source is not None:
         out.assumed.append(f"{source}: planned by its config's shape as the built-in transformer (its norms, "
                            "biases and positions the built-in's)")
     space = space_of(run, workload, stages, replicas, tensor)

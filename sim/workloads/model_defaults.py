@@ -19,8 +19,9 @@ DEFAULT_OPTIONS: dict[str, dict[str, int | float]] = {
     "cnn": {"layers": 4, "channels": 16, "image": 16, "classes": 10},
 }
 
-# The transformer MLP's activations, by option value
-ACTIVATIONS = ("gelu", "squared_relu", "swiglu")
+# The transformer MLP's activations, by option value; relu (OPT's MLP, which saves one (seq, ff) tensor
+# where GELU saves two) is for planning: the executor trains the others
+ACTIVATIONS = ("gelu", "squared_relu", "swiglu", "relu")
 # The transformer's attention kernels: eager materialises the (heads, seq, seq) scores as torch's
 # unfused ops do, fused as Megatron-LM's scale-mask-softmax kernel does (planning only: the executor
 # trains eager and flash), flash keeps none

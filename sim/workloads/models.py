@@ -57,6 +57,7 @@ where a matmul saves the cast.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 from dataclasses import dataclass
@@ -66,11 +67,12 @@ from sim.catalog.hardware import Device, Link
 from sim.catalog.kernel_model import layer_times, ring_exposed_s
 from sim.engine.allreduce import ring_allreduce_s
 from sim.errors import GpipeInputError, did_you_mean
+from sim.workloads.decoder_features import FEATURE_DEFAULTS, Features, check_feature
 from sim.workloads.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTIONS
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.workloads.precision import (DEFAULT_PRECISION, FP8_CAST_BYTES, FP32_BYTES, Precision, check_precision,
                                      precision_of)
-from sim.workloads.workload import LayerCost, UniformWorkload, Workload
+from sim.workloads.workload import LayerCost, SharedParameter, UniformWorkload, Workload
 
 BUILTIN_MODELS = ("uniform", "mlp", "transformer", "cnn")
 
@@ -152,14 +154,44 @@ class AnalyticWorkload:
         self.tp_link = tp_link
         self.context_parallel = context_parallel  # C devices share each sequence; weights replicated over them
         self.planned_from: str | None = None  # a Hugging Face model planned by its shape (gpipe.workload_flags)
-        self.has_attention_core = name == "transformer"  # what --checkpoint selective recomputes
+        # its layers are transformer_layers(options), which tensor and context parallelism split
+        self.is_transformer = name == "transformer"
+        self.has_attention_core = self.is_transformer  # what --checkpoint selective recomputes
 
     @property
     def parameter_count(self) -> int:
-        """The whole model's parameters (a tensor-parallel layer's whole, not one device's share)."""
+        """The whole model's parameters (a tensor-parallel layer's whole, not one device's share; a
+        tied embedding and head's weight once)."""
         if self.tensor_parallel > 1 or self.sequence_parallel or self.context_parallel > 1:
-            return AnalyticWorkload(self.name, self.options, _BUILDERS[self.name](self.options)).parameter_count
-        return sum(spec.params for spec in self.layers)
+            layers = (transformer_layers if self.is_transformer else _BUILDERS[self.name])(self.options)
+        else:
+            layers = list(self.layers)
+        tied = self.options["vocab"] * self.options["d_model"] if self._tied else 0  # the head's, counted twice
+        return sum(spec.params for spec in layers) - tied
+
+    @property
+    def _tied(self) -> bool:
+        return self.is_transformer and bool(self.options.get("tied"))
+
+    @property
+    def shared_parameters(self) -> tuple[SharedParameter, ...]:
+        """A tied embedding and head (``tied``): one token table, on the first and last layer."""
+        if not self._tied:
+            return ()
+        numel = -(-self.options["vocab"] // self.tensor_parallel) * self.options["d_model"]
+        p = precision_of(self.precision)
+        static = numel * (p.weight_bytes + FP32_BYTES + (self.optimizer_slots + p.master_copy) * FP32_BYTES)
+        return (SharedParameter("embedding.weight", (0, self.num_layers - 1), numel * p.weight_bytes, static),)
+
+    def split_over(self, tensor_parallel: int, sequence_parallel: bool, tp_link: Link | None,
+                   context_parallel: int = 1) -> "AnalyticWorkload":
+        """The transformer split over T x C devices (:mod:`sim.workloads.tensor_parallel`): one
+        member's layers, the same model otherwise."""
+        split = copy.copy(self)
+        split.layers = tuple(transformer_layers(self.options, tensor_parallel, sequence_parallel, context_parallel))
+        split.tensor_parallel, split.sequence_parallel = tensor_parallel, sequence_parallel
+        split.tp_link, split.context_parallel = tp_link, context_parallel
+        return split
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
         if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows <= 0:
@@ -340,6 +372,14 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     2s*2d(d - e) fewer FLOPs; keys and values are repeated to their query heads before the
     attention matmuls (as the executor runs it), which then save as much as without grouping.
 
+    How other decoders differ (:mod:`sim.workloads.decoder_features`, options for planning that a
+    Hugging Face model's structure sets): ``head_dim`` makes the attention dq = heads x head_dim wide
+    in place of d (QKV d(dq + 2e) weights, proj dq*d, every split attention term above dq wide);
+    ``norm``, ``norm_weights`` and ``norms`` the norms' statistics, parameters and count;
+    ``parallel_block``, ``qk_norm``, ``embedding_norm``, ``biases``, ``positions`` (a learned table,
+    rotary, ALiBi or none), ``tied`` and ``window`` (a flash kernel's keys per query) what their
+    names say; ``relu`` as the activation saves one (s, f) tensor where GELU saves two.
+
     Selective recompute (Korthikanti et al. 2022) drops the attention core's saved tensors (the
     probabilities, fp32, and in bf16 their cast; with grouped keys and values their repeats, the
     core keeping q, k and v as QKV wrote them) and reruns the core (QK^T, softmax, attention over V:
@@ -382,40 +422,58 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     # for a bf16 model); the eager softmax runs in fp32 either way
     c, F, x = p.compute_bytes, p.activation_bytes, p.cast_bytes
     t = tp
+    z = Features.of(o)  # how the decoder differs from GPT's layout (sim.workloads.decoder_features); none by default
+    hd = z.head_dim or d // h
+    dq = h * hd  # the queries' (and the attention output's) width: d unless head_dim says otherwise
     kv = o.get("kv_heads") or h
-    e = kv * (d // h)  # the key (and the value) width: d with one key/value head per head
+    e = kv * hd  # the key (and the value) width: dq with one key/value head per head
     grouped = kv != h
-    # QKV writes d + 2e per token; grouped keys and values are repeated to every head of their group
-    # (read 2e, write 2d); the attention matmuls save q and the (repeated) k and v, 3d per token as
+    # QKV writes dq + 2e per token; grouped keys and values are repeated to every head of their group
+    # (read 2e, write 2dq); the attention matmuls save q and the (repeated) k and v, 3dq per token as
     # without grouping: grouping saves weights and QKV FLOPs, not activations, in this eager form
-    qkv_written = d + 2 * e + grouped * (2 * e + 2 * d)
+    qkv_written = dq + 2 * e + grouped * (2 * e + 2 * dq)
     split_seq = t if sp else 1  # what sequence parallelism splits: the residual stream and the norms
     vocab = -(-V // t)  # vocabulary rows per device
     compiled = bool(o.get("compile"))  # torch.compile's fused elementwise regions (see the docstring)
+    learned = z.positions == "learned"
+    rows = (z.position_rows or seq) if learned else 0  # the position table's
+    # a norm right after the embedding (embedding_norm): reads and writes the stream, saves its input and statistics
+    norm_weights = z.norm_weights * d
+    embedding_norm_traffic = z.embedding_norm * (2 * s * d * F / split_seq + z.stats * STAT_BYTES * s / split_seq)
     embed = LayerSpec(
-        "embedding", params=vocab * d + seq * d, flops_per_row=0.0,
+        "embedding", params=vocab * d + rows * d + z.embedding_norm * norm_weights + z.extra_params,
+        flops_per_row=0.0,
         # read ids; gather reads/writes sd; add reads sd (+ position table once), writes sd; compiled, the
         # gather, the add and the dropout are one region: the rows read once, the sum written once
-        traffic_bytes_per_row=INDEX_BYTES * s + (
-            2 * s * d * F + drop * MASK_BYTES * s * d if compiled else 4 * s * d * F + drop * (2 * s * d * F + s * d)),
-        fixed_traffic_bytes=s * d * F,
-        saved_bytes_per_row=INDEX_BYTES * s + drop * MASK_BYTES * s * d / split_seq,
+        traffic_bytes_per_row=(INDEX_BYTES * s + (2 * s * d * F + drop * MASK_BYTES * s * d if compiled else
+                                                  (4 if learned else 2) * s * d * F + drop * (2 * s * d * F + s * d))
+                               + embedding_norm_traffic),
+        fixed_traffic_bytes=s * d * F * learned + z.embedding_norm * norm_weights * FP32_BYTES,
+        saved_bytes_per_row=(INDEX_BYTES * s + drop * MASK_BYTES * s * d / split_seq
+                             + z.embedding_norm * (s * d * F + z.stats * STAT_BYTES * s) / split_seq),
         input_bytes_per_row=INDEX_BYTES * s, output_bytes_per_row=s * d * F / split_seq,
         tp_allreduce_bytes_per_row=s * d * F, tp_allreduces_forward=0.5 if sp else 1.0,
         tp_allreduces_backward=0.5 if sp else 0.0,
     )
-    # a gated MLP (swiglu) projects to 2f, the gate and the value, before fc2 brings f back to d
+    # a gated MLP (swiglu) projects to 2f, the gate and the value, before fc2 brings f back to d; relu
+    # saves its output (fc2's input) only, where GELU and the squared ReLU save their input besides
     g = 2 if o.get("activation") == "swiglu" else 1
-    split_weights = d * (d + 2 * e) + d * d + (g + 1) * d * f  # QKV, proj, fc1, fc2 weights: split over T
-    matmul_weights = split_weights // t  # T divides heads and kv heads, so d and e, and ff (sim.workloads.tensor_parallel)
-    block_params = (split_weights + d + 2 * e + g * f) // t + 6 * d  # QKV and fc1 biases split; LNs, proj/fc2 biases not
+    mlp_saved = 2 * g - (o.get("activation") == "relu")  # (s, f) tensors the MLP saves
+    split_weights = d * (dq + 2 * e) + dq * d + (g + 1) * d * f  # QKV, proj, fc1, fc2 weights: split over T
+    matmul_weights = split_weights // t  # T divides heads and kv heads, so dq and e, and ff (sim.workloads.tensor_parallel)
+    b = z.biases
+    norms_params = z.norms * norm_weights
+    # QKV and fc1 biases split; norms, proj/fc2 biases and what has no term here not
+    block_params = ((split_weights + ("qkv" in b) * (dq + 2 * e) + ("fc1" in b) * g * f) // t + norms_params
+                    + ("proj" in b) * d + ("fc2" in b) * d + z.extra_block_params)
     # Forward traffic per sd: 8 fp32 elements (LN 2+2, residual adds read x and write 2+2) and 16 in
     # the compute dtype (QKV 1+3, q.k^T 2, p.v 1+1, transpose 2, proj 1+1, adds read the branch 1+1,
     # fc1 1, fc2 1), plus 2 casts (LN outputs); per sf 4 (fc1 out, GELU 2, fc2 in); per h*s^2 6 in the
     # compute dtype (scores written, scale 2, mask 2, read by p.v), 2 in fp32 (softmax) and 2 casts
     # (to fp32 and back); each dropout reads and writes sd plus its mask. Over T devices: of the 16,
     # QKV's and fc1's inputs and proj's and fc2's outputs are whole tensors on each, the adds' 2 follow
-    # the residual stream, the other 10 are split; the sf and h*s^2 terms are split.
+    # the residual stream, the other 10 are split; the sf and h*s^2 terms are split. With head_dim, the
+    # split attention terms are dq wide.
     kernel = o.get("attention", "eager")
     flash, fused = kernel == "flash", kernel == "fused"
     # eager keeps the probabilities; flash keeps one fp32 log-sum-exp per head and token (its output, laid
@@ -441,38 +499,60 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
     # swiglu's silu and product one region (reads 2, writes 1)
     stream = 5 * F + 4 * c if compiled else 8 * F + 2 * x + 2 * c
     dropouts = drop * (MASK_BYTES if compiled else 2 * c + MASK_BYTES) * 2 * s * d / split_seq
-    block_traffic = (s * d * (stream / split_seq + 4 * c) + s * (7 * d + qkv_written) * c / t
+    # norms beyond the block's two each read and write the stream and save their input (fewer: one norm
+    # and its output, which QKV and fc1 then share, gone); a parallel block's MLP norm reads the block
+    # input, so the stream after attention is never saved; rotary positions read and write q and k once
+    # more; norms over q and k read and write them and save their inputs (eager, compiled or not)
+    more = z.norms - 2
+    norms_traffic = (2 * F if more > 0 else 2 * F + x) * more * s * d / split_seq
+    norms_saved = ((F if more > 0 else F + c) * more - z.parallel_block * (more >= 0) * F) * s * d / split_seq
+    qk_traffic = (2 * z.qk_norm + 2 * (z.positions == "rotary") * z.rotary_fraction) * c * s * (dq + e) / t
+    block_traffic = (s * d * (stream / split_seq + 4 * c) + s * (7 * dq + qkv_written) * c / t
                      + (2 + 2 * g if compiled else 4 * g) * s * f * c / t
-                     + scores_traffic / t + 4 * STAT_BYTES * s / split_seq + dropouts)
+                     + scores_traffic / t + z.norms * z.stats * STAT_BYTES * s / split_seq
+                     + dropouts + norms_traffic + qk_traffic)
     if p.fp8_casts:  # the four projections' inputs cast to fp8 (the output gradients' casts: the backward's share)
-        block_traffic += FP8_CAST_BYTES * (2 * s * d + s * d / t + g * s * f / t)
-    block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * d * 4 * c / t + 2 * g * s * f * c / t
+        block_traffic += FP8_CAST_BYTES * (2 * s * d + s * dq / t + g * s * f / t)
+    block_saved = (s * d * (2 * F + 2 * c) / split_seq + s * dq * 4 * c / t + mlp_saved * s * f * c / t
                    + scores_saved / t
-                   + 4 * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq)
-    block = LayerSpec(
-        "block", params=block_params,
-        flops_per_row=(2.0 * s * (d * (d + 2 * e) + d * d + (g + 1) * d * f) + 4.0 * s * seq * d) / t,
-        traffic_bytes_per_row=block_traffic,
-        fixed_traffic_bytes=_weights_read(p, block_params - 4 * d, 4 * d),
-        saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F / split_seq,
-        output_bytes_per_row=s * d * F / split_seq,
-        fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
-        tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=3.0 if sp else 2.0,
-        tp_allreduces_backward_waited=1.0 if sp else 0.0,
-        core_saved_bytes_per_row=0.0 if flash else (scores_saved + grouped * 2 * s * (d - e) * c) / t,
-        core_flops_per_row=0.0 if flash else 4.0 * s * s * d / t,
-        core_traffic_bytes_per_row=0.0 if flash else (scores_traffic + grouped * s * (2 * e + 2 * d) * c) / t,
-        backward_extra_flops_per_row=2.0 * s * seq * d / t if flash else 0.0,  # flash recomputes QK^T
-        attention_flops_per_row=4.0 * s * seq * d / t,
-        cp_exchange_bytes_per_row=2.0 * s * e * c / t if cp > 1 else 0.0, cp_steps=cp - 1,
-        # whole on each device (QKV's and fc1's inputs, proj's and fc2's outputs), split (QKV's output, q, k,
-        # v and the attention's output read and written, proj's input, fc1's output, fc2's input), the scores
-        matmul_traffic_bytes_per_row=(c * (4 * s * d + s * (6 * d + 2 * e) / t + (g + 1) * s * f / t)
-                                      + scores_matmul_traffic / t),
-        matmuls=4 + (1 if flash else 2), fp8_matmuls=p.fp8_casts,
-        core_matmul_traffic_bytes_per_row=scores_matmul_traffic / t,
-    )
-    head_params = 2 * d + vocab * d + vocab
+                   + z.norms * z.stats * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq
+                   + norms_saved + z.qk_norm * c * s * (dq + e) / t)
+    norm_params = norms_params + z.extra_block_params  # read in fp32 where the matmul weights are cast
+
+    def block(keys: int) -> LayerSpec:
+        """The block whose queries attend to ``keys`` keys each (a flash kernel's sliding window)."""
+        return LayerSpec(
+            "block", params=block_params,
+            flops_per_row=(2.0 * s * (d * (dq + 2 * e) + dq * d + (g + 1) * d * f) + 4.0 * s * keys * dq) / t,
+            traffic_bytes_per_row=block_traffic,
+            fixed_traffic_bytes=_weights_read(p, block_params - norm_params, norm_params),
+            saved_bytes_per_row=block_saved, input_bytes_per_row=s * d * F / split_seq,
+            output_bytes_per_row=s * d * F / split_seq,
+            fixed_saved_bytes=p.weight_copy_bytes * matmul_weights,
+            tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=2.0, tp_allreduces_backward=3.0 if sp else 2.0,
+            tp_allreduces_backward_waited=1.0 if sp else 0.0,
+            core_saved_bytes_per_row=0.0 if flash else (scores_saved + grouped * 2 * s * (dq - e) * c) / t,
+            core_flops_per_row=0.0 if flash else 4.0 * s * s * dq / t,
+            core_traffic_bytes_per_row=0.0 if flash else (scores_traffic + grouped * s * (2 * e + 2 * dq) * c) / t,
+            backward_extra_flops_per_row=2.0 * s * keys * dq / t if flash else 0.0,  # flash recomputes QK^T
+            attention_flops_per_row=4.0 * s * keys * dq / t,
+            cp_exchange_bytes_per_row=2.0 * s * e * c / t if cp > 1 else 0.0, cp_steps=cp - 1,
+            # whole on each device (QKV's and fc1's inputs, proj's and fc2's outputs), split (QKV's output, q, k,
+            # v and the attention's output read and written, proj's input, fc1's output, fc2's input), the scores
+            matmul_traffic_bytes_per_row=(c * (4 * s * d + s * (6 * dq + 2 * e) / t + (g + 1) * s * f / t)
+                                          + scores_matmul_traffic / t),
+            matmuls=4 + (1 if flash else 2), fp8_matmuls=p.fp8_casts,
+            core_matmul_traffic_bytes_per_row=scores_matmul_traffic / t,
+        )
+
+    # a flash kernel skips the blocks outside a sliding window; with context parallelism the ring passes
+    # every block, and eager and fused attention compute every score
+    windowed = flash and cp == 1
+    blocks = {keys: block(keys) for keys in {min(z.window(i), seq) if windowed and z.window(i) else seq
+                                             for i in range(L)}}
+    block_of = [blocks[min(z.window(i), seq) if windowed and z.window(i) else seq] for i in range(L)]
+    head_weights = vocab * d + ("head" in b) * vocab
+    head_params = norm_weights + head_weights
     head = LayerSpec(
         "head", params=head_params, flops_per_row=2.0 * s * d * vocab,
         # LN reads and writes sd in fp32; cast; Linear reads sd, writes sV; the loss (cross entropy in fp32, as
@@ -481,16 +561,16 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
         # compiled: LN with its cast one region, and the loss's reductions read the logits twice (row maximum,
         # sum of exponentials with the target's gather), no fp32 copy or log-probabilities written
         traffic_bytes_per_row=(s * d * (((F + c) if compiled else (2 * F + x)) / split_seq + c) + c * s * vocab
-                               + 2 * STAT_BYTES * s / split_seq
+                               + z.stats * STAT_BYTES * s / split_seq
                                + (2 * c if compiled else c + LOSS_FP32_PASSES * FP32_BYTES) * s * vocab),
-        fixed_traffic_bytes=_weights_read(p, vocab * d + vocab, 2 * d),
-        saved_bytes_per_row=s * d * (F + c) / split_seq + 2 * STAT_BYTES * s / split_seq,
+        fixed_traffic_bytes=_weights_read(p, head_weights, norm_weights),
+        saved_bytes_per_row=s * d * (F + c) / split_seq + z.stats * STAT_BYTES * s / split_seq,
         input_bytes_per_row=s * d * F / split_seq, output_bytes_per_row=s * vocab * c,
         fixed_saved_bytes=p.weight_copy_bytes * d * vocab,
         tp_allreduce_bytes_per_row=s * d * c, tp_allreduces_forward=0.5 if sp else 0.0, tp_allreduces_backward=1.0,
         matmul_traffic_bytes_per_row=c * (s * d + s * vocab), matmuls=1,
     )
-    return [embed] + [block] * L + [head]
+    return [embed] + block_of + [head]
 
 
 # --- cnn -----------------------------------------------------------------------------------------
@@ -573,7 +653,9 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         defaults.update(COMMON_DEFAULTS)
     else:
         defaults["optimizer_slots"] = COMMON_DEFAULTS["optimizer_slots"]
-    unknown = sorted(set(options) - set(defaults))
+    # the transformer's planning features (sim.workloads.decoder_features): taken when given, else absent
+    features = FEATURE_DEFAULTS if name == "transformer" else {}
+    unknown = sorted(set(options) - set(defaults) - set(features))
     if unknown:
         raise GpipeInputError(
             f"unknown option(s) {', '.join(unknown)} for model {name}; "
@@ -584,7 +666,7 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     if name != "transformer" and precision_of(merged.get("precision", DEFAULT_PRECISION)).planning_only:
         raise GpipeInputError(f"precision {merged['precision']} ({precision_of(merged['precision']).about}) is "
                               f"modelled for the built-in transformer only, not {name}; use bf16-autocast")
-    if name == "transformer" and merged["d_model"] % merged["heads"]:
+    if name == "transformer" and merged["d_model"] % merged["heads"] and not merged.get("head_dim"):
         raise GpipeInputError(
             f"heads={merged['heads']} does not divide d_model={merged['d_model']}; "
             "choose heads that divide d_model")
@@ -596,6 +678,8 @@ def resolve_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_option(model: str, key: str, value: Any) -> Any:
+    if key in FEATURE_DEFAULTS:
+        return check_feature(key, value, model)
     if key == "precision":
         return check_precision(value)
     if key == "compile":

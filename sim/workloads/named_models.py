@@ -1,4 +1,4 @@
-"""Well-known models by name (``--model llama3-70b``), and any decoder-only config by its shape.
+"""Well-known models by name (``--model llama3-70b``), planned torch-free by their configs' shape.
 
 Each named model ships inside the package as a Hugging Face ``config.json`` (``sim/workloads/named_models/``,
 no weights, nothing downloaded) with the sequence length it was pre-trained at and the source of
@@ -12,7 +12,8 @@ where the executor has it (``hf-config:`` of the packaged file).
 Limits of the shape: the config's norms (RMSNorm, LayerNorm without bias), biases, rotary or ALiBi
 positions and tied embeddings are the built-in transformer's (biases, LayerNorms and a learned
 position table: well under 1% of a large model's parameters). Mixtures of experts and
-encoder-decoders are refused.
+encoder-decoders are refused. ``--model hf-config:PATH`` of the same file prices those too, read
+from the model's structure (:mod:`sim.workloads.decoder_shape`; it takes torch and transformers).
 """
 
 from __future__ import annotations

@@ -137,12 +137,13 @@ def trainers_gpu(device: Any) -> bool:
 
 
 def prices_trainers_precision(model: str | None) -> bool:
-    """Whether ``model`` is priced in the trainers' mixed precision: the built-in transformer and the
-    named models planned as it (:mod:`sim.workloads.named_models`). The mlp, the cnn and models measured
-    on the meta device are priced under autocast only."""
+    """Whether ``model`` is priced in the trainers' mixed precision: the built-in transformer, the
+    named models planned as it (:mod:`sim.workloads.named_models`) and Hugging Face models priced by
+    their structure (:mod:`sim.workloads.decoder_shape`). The mlp, the cnn and models measured on the
+    meta device are priced under autocast only."""
     from sim.workloads.named_models import is_named
 
-    return model == "transformer" or is_named(model)
+    return model == "transformer" or is_named(model) or bool(model) and model.startswith(("hf:", "hf-config:"))
 
 
 def trainers_precision(name: Any) -> str:

@@ -26,7 +26,8 @@ parallelism (not profiled) and other hardware than the measured one are refused 
 
 Refused in one line: T that does not divide the heads, the key/value heads and the FFN width (every
 head and hidden unit whole on one device), T larger than a node's devices (the collectives need the node's NVLink), and
-T > 1 for models other than the built-in transformer (no split is modelled for them yet).
+T > 1 for models other than the transformer (the built-in one, or a Hugging Face decoder priced as one
+of its shape: :mod:`sim.workloads.decoder_shape`); no split is modelled for the others yet.
 
 Limits: stage-to-stage sends carry the full activation on each member without sequence parallelism
 (Megatron's scatter-gather of the send is not modelled); the head's cross-entropy statistics over
@@ -56,10 +57,11 @@ def _measured(workload: Workload | None) -> bool:
 
 
 def _require_builtin_transformer(flag: str, degree: int, kind: str, workload: Workload) -> None:
-    """Only the built-in transformer has a split modelled; anything else is refused in one line."""
+    """Only the transformer's layers (the built-in one's, or a Hugging Face model priced as one of its
+    shape) have a split modelled; anything else is refused in one line."""
     from sim.workloads.models import AnalyticWorkload
 
-    if not isinstance(workload, AnalyticWorkload) or workload.name != "transformer":
+    if not isinstance(workload, AnalyticWorkload) or not workload.is_transformer:
         raise GpipeInputError(f"{flag} {degree}: {kind} parallelism is modelled for the built-in transformer only, "
                               f"not {getattr(workload, 'name', 'this model')}; use {flag} 1")
 
@@ -145,12 +147,9 @@ def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: in
             raise GpipeInputError(f"--sequence-parallel with --costs: the costs file profiled the layers split over "
                                   f"{tensor_parallel} ranks without it; drop --sequence-parallel")
         return workload.split(tensor_parallel), tensor_parallel_system(system, tensor_parallel)
-    from sim.workloads.models import AnalyticWorkload, transformer_layers
+    from sim.workloads.models import AnalyticWorkload
 
     assert isinstance(workload, AnalyticWorkload)
     sequence_parallel = sequence_parallel and tensor_parallel > 1
-    layers = transformer_layers(workload.options, tensor_parallel, sequence_parallel, context_parallel)
-    split = AnalyticWorkload(workload.name, workload.options, layers, tensor_parallel, sequence_parallel,
-                             tp_link or system.intra_link, context_parallel)
-    split.planned_from = workload.planned_from
+    split = workload.split_over(tensor_parallel, sequence_parallel, tp_link or system.intra_link, context_parallel)
     return split, tensor_parallel_system(system, tensor_parallel * context_parallel)

@@ -79,7 +79,7 @@ def test_tensor_parallel_trains_what_one_process_trains(tmp_path, stages, replic
                                                         optim, sequence):
     builtin = model == "transformer"
     options = {"transformer": OPTIONS, "hf:llama": LLAMA, "hf:gpt2": GPT2}.get(model, {})
-    layers = {"transformer": 6, "hf:llama": 5, "hf:gpt2": 5}.get(model, 4)  # embedding, blocks (final norm), head
+    layers = {"transformer": 6, "hf:llama": 4, "hf:gpt2": 4}.get(model, 4)  # embedding, blocks, head (final norm)
     builtin = builtin or model.startswith("hf:")  # its own data
     chunks = 2 * stages if schedule == "interleaved" else stages
     partition = tuple([layers // chunks + (1 if i < layers % chunks else 0) for i in range(chunks)])

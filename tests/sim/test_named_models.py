@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from executor.models.hf import shape_options
 from gpipe.main import main
 from sim.errors import GpipeInputError
 from sim.workloads.models import get_workload
@@ -14,9 +13,14 @@ from tests.helpers import in_process
 
 def test_every_named_model_is_the_shape_transformers_reads_from_its_config():
     """The torch-free reader and transformers' own config classes agree on every packaged config."""
+    transformers = pytest.importorskip("transformers")
+    from sim.workloads.named_models import transformer_shape
+
     for name, model in named_models().items():
         assert model.source and model.seq > 0
-        assert named_options(name, {}) == shape_options(f"hf-config:{model.config_path}", {"seq": model.seq}), name
+        fields = json.loads(open(model.config_path).read())
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        assert named_options(name, {}) == transformer_shape(config.to_dict(), model.seq, name), name
 
 
 @pytest.mark.parametrize("name,layers,d_model,kv_heads,activation,billions", [

@@ -38,7 +38,7 @@ def test_the_error_is_predicted_over_measured_less_one():
 
 @pytest.mark.parametrize("change,reason", [
     ({"context_parallel": 2, "attention": "eager"}, "runs ring attention on flash kernels"),
-    ({"options": {**RUN["options"], "positions": "rotary"}}, "unknown option(s) positions"),
+    ({"options": {**RUN["options"], "rope_scaling": "yarn"}}, "unknown option(s) rope_scaling"),
     ({"tensor_parallel": 16}, "spans more than a node"),
     ({"model": "mlp", "options": {}, "checkpoint": "selective", "precision": "bf16-autocast"},
      "--checkpoint selective recomputes"),
