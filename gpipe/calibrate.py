@@ -20,7 +20,7 @@ from gpipe.options import (MODEL_FLAGS, add_option_argument, add_optimizer_argum
 from calibrate.fit.calibration import check_timed_steps
 from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
 from sim.engine.stragglers import straggle_fraction
-from sim.engine.warm_up import IDLE_S
+from sim.engine.host import IDLE_S
 from sim.errors import GpipeInputError, require_positive
 from sim.views.progress import note
 from sim.workloads.model_defaults import DEFAULT_BATCH

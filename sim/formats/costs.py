@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from sim.catalog.hardware import LOCAL_CPU, Device, Link, System
+from sim.engine.host import NO_HOST_EFFECTS, HostEffects
 from sim.engine.stage_costs import StageCost, layer_weight_grad_s, per_layer_bytes
 from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
@@ -137,9 +138,9 @@ class PipelineFit:
     # without a full design run: the sum as it is; files that kept a factor over the sum instead are read
     # as the sum)
     full_backward_per_layer_s: float = 0.0
-    # what a device loses after a long wait for its input (:mod:`sim.engine.warm_up`); 0 in costs files written
-    # before it was fitted, or for a K whose design runs never waited that long
-    warm_up_s: float = 0.0
+    # what a CPU host adds to the actions (:mod:`sim.engine.host`: the warm-up after a long wait); off
+    # where the file measured none
+    host: HostEffects = NO_HOST_EFFECTS
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PipelineFit":
@@ -150,7 +151,7 @@ class PipelineFit:
                    tuple(float(v) for v in data.get("replica_spread", ())),
                    float(data.get("first_input_s", 0.0)),
                    float(data.get("full_backward_per_layer_s", 0.0)),
-                   float(data.get("warm_up_s", 0.0)))
+                   HostEffects.from_dict({"warm_up_s": data.get("warm_up_s", 0.0)}))
 
 
 # the fitted line of a forward that keeps its graph for the backward (the pipeline fits' other lines are
@@ -449,7 +450,7 @@ class MeasuredWorkload:
             static_bytes=params * (2 + self.optimizer_slots),
             optimizer_s=_positive(fit.optimizer(params), 0.0), step_overhead_s=_positive(fit.step_overhead_s, 0.0),
             gap_after_s=tuple(_positive(fit.gap_after_s.get(kind, 0.0), 0.0) for kind in COMPUTE_KINDS)
-            if fit.gap_after_s else (), cold_start_s=self._cold_start_s(fit), warm_up_s=_positive(fit.warm_up_s, 0.0),
+            if fit.gap_after_s else (), cold_start_s=self._cold_start_s(fit), host=fit.host,
             layer_inputs_bytes=held, layer_transient_bytes=transient,
             weight_grad_s=weight_grad, split_overhead_s=split_overhead,
             first_weight_grad_s=first_weight, first_input_s=first_input, full_backward_s=full_backward,

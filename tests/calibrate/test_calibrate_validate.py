@@ -110,7 +110,7 @@ def test_the_table_shows_d_and_keeps_oversubscribed_runs_out_of_the_errors():
 
 def test_the_table_names_the_worst_stage_and_how_much_of_its_busy_time_is_after_waits():
     """The busy error's worst stage, with the share of its predicted busy time the warm-up after long
-    waits makes up (sim.engine.warm_up): the component this machine moves most from one moment to the next."""
+    waits makes up (sim.engine.host): the component this machine moves most from one moment to the next."""
     small = Comparison("K=2 M=6 [1,5]", 1.0, 1.0, [100, 100], [100, 100], [1.0], [1.0],
                        predicted_busy_s=[0.010, 0.50], measured_busy_s=[0.008, 0.50],
                        busy_rounds_at_reference_s=[[0.008], [0.50]], predicted_warm_up_s=[0.004, 0.0])
