@@ -452,9 +452,11 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry: dict[str, Any] = {"threads": threads_of[k]}
         typical = {kind: points.typical() for (at, kind), points in obs.actions.items() if at == k}
         waited = any(not math.isinf(since) for points in typical.values() for since in points.since_wait)
-        # the warm-up after a long wait (sim.engine.host), fitted with the lines: the one whose lines fit best
-        entry["warm_up_s"] = fit_warm_up(lambda w: fit_lines(typical, w)[1]) if waited else 0.0
-        entry["actions"] = fit_lines(typical, entry["warm_up_s"])[0]
+        # the warm-up after a long wait (a CPU host's effect, sim.engine.host), fitted with the lines: the one
+        # whose lines fit best
+        warm_up_s = fit_warm_up(lambda w: fit_lines(typical, w)[1]) if waited else 0.0
+        entry["host"] = {"warm_up_s": warm_up_s}
+        entry["actions"] = fit_lines(typical, warm_up_s)[0]
         entry["send"] = (fit_affine(*obs.sends[k], slope_bounds=(0.0, 1.0), intercept_bounds=(0.0, 1.0))
                          if k in obs.sends else AffineFit(0.0, 0.0)).to_dict()
         entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))
@@ -464,7 +466,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
             entry["first_input_s"] = statistics.median(obs.first_input[k])
         full = None
         if (k, BACKWARD_WITH_RECOMPUTE) in obs.actions:
-            full = fit_full_backward(typical[BACKWARD_WITH_RECOMPUTE].less_warm_up(entry["warm_up_s"]),
+            full = fit_full_backward(typical[BACKWARD_WITH_RECOMPUTE].less_warm_up(warm_up_s),
                                      ActionFit.from_dict(entry["actions"]["B"]), ActionFit.from_dict(entry["actions"]["R"]))
             entry["full_backward_per_layer_s"] = full.slope
         # per kind of the action before, the median: a gap in which the executor did a chore while its
@@ -482,7 +484,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", line) for kind, line in entry["actions"].items()]}
-        residuals[str(k)]["warm up"] = {"warm_up_s": entry["warm_up_s"], "idle_s": IDLE_S}
+        residuals[str(k)]["warm up"] = {"warm_up_s": warm_up_s, "idle_s": IDLE_S}
         if full is not None:
             residuals[str(k)][f"action {BACKWARD_WITH_RECOMPUTE}"] = {key: v for key, v in full.to_dict().items()
                                                                        if key != "slope"}

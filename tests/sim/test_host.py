@@ -137,14 +137,14 @@ def test_the_fit_finds_the_warm_up_the_points_paid_and_the_line_beneath_it():
 
     warm_s = 0.25e-3
     pipeline, residuals = fit_pipeline(_observed(warm_s, True), {2: 1})
-    assert pipeline["2"]["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
-    assert residuals["2"]["warm up"]["warm_up_s"] == pipeline["2"]["warm_up_s"]
+    assert pipeline["2"]["host"]["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
+    assert residuals["2"]["warm up"]["warm_up_s"] == pipeline["2"]["host"]["warm_up_s"]
     for kind in ("F", "B"):
         fitted = pipeline["2"]["actions"][kind]
         assert fitted["slope"] == pytest.approx(1.1, rel=2e-2) and fitted["intercept"] == pytest.approx(1e-4, rel=0.1)
         assert fitted["worst_relative"] < 0.03
     unseen = fit_pipeline(_observed(warm_s, False), {2: 1})[0]["2"]
-    assert unseen["warm_up_s"] == 0.0 and unseen["actions"]["F"]["worst_relative"] > 0.1
+    assert unseen["host"]["warm_up_s"] == 0.0 and unseen["actions"]["F"]["worst_relative"] > 0.1
 
 
 def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_moments():
@@ -155,17 +155,37 @@ def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_
 
     warm_s = 0.25e-3
     scaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5), scaled=True), {2: 1})[0]["2"]
-    assert scaled["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
+    assert scaled["host"]["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
     assert scaled["actions"]["F"]["worst_relative"] < 0.03 and scaled["actions"]["B"]["worst_relative"] < 0.03
     unscaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5)), {2: 1})[0]["2"]
     assert max(unscaled["actions"][kind]["worst_relative"] for kind in "FB") > 0.1
 
 
 def test_the_costs_file_carries_the_warm_up_to_every_stage():
-    from sim.formats.costs import PipelineFit
+    """A costs record's host entry (a CPU host's, sim.engine.host) reaches the fit; without one, and in
+    a version 1 file that had none, the effects are off; version 1's warm_up_s becomes the host entry."""
+    from sim.formats.costs import MeasuredWorkload, PipelineFit
+    from sim.formats.costs_v1 import upgrade
+    from tests.helpers.costs import synthetic_costs
 
-    entry = {"threads": 1, "actions": {k: {"slope": 1.0, "intercept": 0.0} for k in "FRB"},
+    entry = {"threads": 1, "actions": {k: {"slope": 1.0, "intercept": 0.0, "cold_start_s": 0.0} for k in "FRB"},
              "send": {"slope": 0.0, "intercept": 0.0}, "optimizer": {"slope": 0.0, "intercept": 0.0},
-             "step_overhead_s": 0.0}
-    assert PipelineFit.from_dict(entry).host == NO_HOST_EFFECTS  # files from before it
-    assert PipelineFit.from_dict({**entry, "warm_up_s": 2e-4}).host == HostEffects(2e-4)
+             "step_overhead_s": 0.0, "gap_after_s": {}}
+    assert PipelineFit.from_dict(entry).host == NO_HOST_EFFECTS  # measured on no CPU host
+    assert PipelineFit.from_dict({**entry, "host": {"warm_up_s": 2e-4}}).host == HostEffects(2e-4)
+    old = {**synthetic_costs(), "version": 1}
+    old["pipeline"] = {"2": {**old["pipeline"]["2"], "warm_up_s": 2e-4}, "1": old["pipeline"]["1"]}
+    upgraded = upgrade(old)
+    assert upgraded["pipeline"]["2"]["host"] == {"warm_up_s": 2e-4} and "warm_up_s" not in upgraded["pipeline"]["2"]
+    assert upgraded["pipeline"]["1"]["host"] == {"warm_up_s": 0.0}  # files from before it: off
+    workload = MeasuredWorkload(upgraded, stages=2)
+    assert all(workload.stage_cost(2, a, b, workload_device(workload)).host == HostEffects(2e-4)
+               for a, b in ((0, 1), (1, 3)))
+    assert MeasuredWorkload(upgraded, stages=1).stage_cost(2, 0, 3, workload_device(workload)).host == NO_HOST_EFFECTS
+
+
+def workload_device(workload):
+    from sim.catalog.hardware import LOCAL_CPU
+
+    assert workload.device_name == LOCAL_CPU.name
+    return LOCAL_CPU
