@@ -31,7 +31,7 @@ on its odd and on its even design rounds predict the run (:func:`calibrate.fit.c
 costs files from a quick calibration have none): what a calibration from the other half of the same
 minutes would have predicted. An error inside both is one this machine cannot tell from noise. A
 third, ``calibs``, where other costs files are given: the error as calibrations taken at other
-moments predict the same measurement (:mod:`calibrate.validate.across_calibrations`), the noise neither of
+moments predict the same measurement (:mod:`calibrate.noise.across_calibrations`), the noise neither of
 the first two sees.
 
 The warm-up after long waits (:mod:`sim.engine.host`) moves more between moments than the speed does, so
@@ -606,7 +606,7 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     once, then all again), and compared by its median: on a shared machine whose speed drifts by
     tens of percent over seconds, one measurement of a run says more about the moment than the run.
     The costs files in ``others`` (other calibrations of the same model, checked by
-    :func:`calibrate.validate.across_calibrations.check_same_calibration`) judge the same measurements: each
+    :func:`calibrate.noise.across_calibrations.check_same_calibration`) judge the same measurements: each
     run's ``calibrations`` entry and the summary's ``across_calibrations``.
     """
     from calibrate.measure.runs import run_configs
@@ -631,7 +631,7 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     comparisons = [compare(data, s, reports[i::len(specs)], available) for i, s in enumerate(specs)]
     summary, runs = summarize(comparisons), [c.to_dict() for c in comparisons]
     if others:
-        from calibrate.validate import across_calibrations
+        from calibrate.noise import across_calibrations
 
         judged = [[compare(other, s, reports[i::len(specs)], available).to_dict() for i, s in enumerate(specs)]
                   for other in others]
@@ -684,7 +684,7 @@ def _beyond_goals_line(goals: dict[str, Any], runs: int) -> str:
 
 
 def _past_goals_by_every_calibration_line(goals: dict[str, Any], runs: int, probed: bool) -> str:
-    """The summary's :func:`calibrate.validate.across_calibrations.past_goals` as one line of the table."""
+    """The summary's :func:`calibrate.noise.across_calibrations.past_goals` as one line of the table."""
     return ("past the goals by more than their own rounds allow by every calibration (neither the machine's "
             "round-to-round noise nor the moment of calibration explains these; the median over the "
             "calibrations shown): " + _goals_tally(goals, runs, probed))

@@ -137,7 +137,7 @@ def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up
 
 
 def test_a_stage_beyond_noise_by_every_calibration_shows_its_error_at_the_runs_probe():
-    from calibrate.validate import across_calibrations
+    from calibrate.noise import across_calibrations
 
     run = _run([2.0, 2.0, 2.0], [1.0] * 3).to_dict()
     run["calibrations"] = across_calibrations.run_entry([run, run])
