@@ -156,6 +156,7 @@ class ReplicaRun:
         position = [0] * stages
         lengths = [len(actions) for actions in per_device_actions]
         cold = [cold_starts(actions) for actions in per_device_actions]
+        sizes = {rows: [held_sizes(cost, self.checkpoint) for cost in row] for rows, row in self.costs.items()}
         remaining = sum(lengths)
         while remaining:
             advanced = 0
@@ -176,12 +177,13 @@ class ReplicaRun:
                         break
                     duration = self.action_s(device, cost, kind, s, cold[device][i], ready_s - free_s)
                     t = ready_s if ready_s > free_s else free_s
-                    self._hold_before(device, kind, cost)
+                    held = sizes[self.rows[m]][s]
+                    if kind is Kind.BACKWARD and held[2]:
+                        self._hold(device, held[2])
                     if duration > 0:
                         t += duration
                     self.busy_s[device] += duration
-                    self._hold_after(device, kind, cost, m)
-                    message = self._message(device, kind, s, cost)
+                    message = self._finish(device, kind, s, cost, held, m)
                     if message is not None:
                         target, nbytes, forward, own_s = message
                         if own_s:
@@ -216,42 +218,37 @@ class ReplicaRun:
         seconds = self._work_s(cost, kind, virtual_stage)
         if cold and cost.cold_start_s:
             seconds += cost.cold_start_s[GAP_INDEX[kind]]
-        if cost.host.on:
-            seconds = self.host.action_s(device, cost.host, wait_s, seconds)  # type: ignore[union-attr]
+        if self.host is not None and cost.host.on:  # (no ledger: no stage's costs turn any on)
+            seconds = self.host.action_s(device, cost.host, wait_s, seconds)
         return seconds
 
-    def _message(self, device: int, kind: Kind, virtual_stage: int,
-                 cost: StageCost) -> tuple[int, int, bool, float] | None:
-        """What an action of ``kind`` sends when done: (the virtual stage it goes to, its bytes,
-        whether it is an activation, the sender's own seconds before it leaves: 0 within a device);
-        None for an action that sends nothing."""
+    def _finish(self, device: int, kind: Kind, virtual_stage: int, cost: StageCost, held: tuple[int, int, int],
+                microbatch: int) -> tuple[int, int, bool, float] | None:
+        """What an action leaves held, and what it sends: both walks' end of an action.
+
+        Held, of its stage's (stash, saved, transient) bytes (:func:`sim.engine.stage_costs.held_sizes`):
+        a forward its saved tensors (or only its stash, where the micro-batch is recomputed), a
+        recompute the rest, a backward (or W) frees them all (while a backward runs it also holds its
+        ``transient``: under ``full``, the layer it recomputes). Sent: (the virtual stage it goes to,
+        its bytes, whether it is an activation, the sender's own seconds before it leaves: 0 within a
+        device); None for an action that sends nothing."""
+        stash, saved, transient = held
         if kind is Kind.FORWARD:
+            self._hold(device, stash if recomputes(self.checkpoint, microbatch, len(self.rows)) else saved)
             if virtual_stage == self.virtual - 1:
                 return None
             target, nbytes, forward, own_s = virtual_stage + 1, cost.output_bytes, True, cost.activation_send_s
-        elif kind is Kind.RECOMPUTE or kind is Kind.WEIGHT or virtual_stage == 0:
-            return None
-        else:  # B, or I: the gradient of the stage's input
-            target, nbytes, forward, own_s = virtual_stage - 1, cost.stash_bytes, False, cost.gradient_send_s
-        return target, nbytes, forward, own_s if self.position[target] != device else 0.0
-
-    def _hold_before(self, device: int, kind: Kind, cost: StageCost) -> None:
-        """What an action holds while it runs: a backward under ``full`` the layer it recomputes."""
-        if kind is Kind.BACKWARD:
-            transient = held_sizes(cost, self.checkpoint)[2]
-            if transient:
-                self._hold(device, transient)
-
-    def _hold_after(self, device: int, kind: Kind, cost: StageCost, microbatch: int) -> None:
-        """What an action leaves held: a forward its saved tensors (or only its stash, where the
-        micro-batch is recomputed), a recompute the rest, a backward (or W) frees them all."""
-        stash, saved, transient = held_sizes(cost, self.checkpoint)
-        if kind is Kind.FORWARD:
-            self._hold(device, stash if recomputes(self.checkpoint, microbatch, len(self.rows)) else saved)
         elif kind is Kind.RECOMPUTE:
             self._hold(device, saved - stash)
-        elif kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
-            self._hold(device, -saved - transient)
+            return None
+        else:
+            if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
+                self._hold(device, -saved - transient)
+            if kind is Kind.WEIGHT or virtual_stage == 0:
+                return None
+            # B, or I: the gradient of the stage's input
+            target, nbytes, forward, own_s = virtual_stage - 1, cost.stash_bytes, False, cost.gradient_send_s
+        return target, nbytes, forward, own_s if self.position[target] != device else 0.0
 
     def _work_s(self, cost, kind, virtual_stage: int) -> float:
         """Seconds one action of ``kind`` takes on a stage of ``cost``, warm."""
@@ -295,15 +292,16 @@ class ReplicaRun:
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
             duration = self.action_s(device, cost, kind, s, cold[i], env.now - wait_start)
-            self._hold_before(device, kind, cost)
+            held = held_sizes(cost, self.checkpoint)
+            if kind is Kind.BACKWARD and held[2]:
+                self._hold(device, held[2])  # the layer being recomputed, on top of what is held
             start = env.now
             if duration > 0:
                 yield env.timeout(duration)
             self.busy_s[device] += duration
             if self.record:
                 self.records.append((device, kind.value, m, start, env.now, s))
-            self._hold_after(device, kind, cost, m)
-            message = self._message(device, kind, s, cost)
+            message = self._finish(device, kind, s, cost, held, m)
             if message is not None:
                 target, nbytes, forward, own_s = message
                 if own_s:
