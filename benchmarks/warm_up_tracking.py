@@ -2,7 +2,7 @@
 
 Why: a one-layer stage that waits before nearly every backward (the embedding stage of [1,5] under
 1F1B) has a third to nearly half of its predicted busy time in the warm-up after long waits
-(:mod:`sim.engine.warm_up`), and the loss a wait costs moves 3-4x within minutes on this machine. ``gpipe
+(:mod:`sim.engine.host`), and the loss a wait costs moves 3-4x within minutes on this machine. ``gpipe
 validate`` scales each stage's predicted warm-up to the after-wait probe taken around its run
 (:mod:`calibrate.noise.after_wait_probe`). This script checks that the probe carries the information:
 it runs three held-out-like configurations of the calibration's transformer (``[1,5]`` 1F1B at M=6
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for stage, expected in enumerate(predicted):
             busy = [r["stages"][stage]["busy_s"] for r in rounds]
             rows.append({"run": spec.label(), "stage": stage, "predicted_busy_s": expected.busy_s,
-                         "predicted_warm_up_s": expected.warm_up_s, "speeds": speeds, "factors": factors,
+                         "predicted_warm_up_s": expected.host.warm_up_s if expected.host else 0.0, "speeds": speeds, "factors": factors,
                          "busy_s": busy, **fits(speeds, factors, busy)})
     result = {"costs": os.path.basename(args.costs), "started": started, "rounds": args.rounds, "steps": STEPS,
               "cores": os.cpu_count(), "after_wait_reference_s": loss_reference, "rows": rows}

@@ -20,7 +20,7 @@ from gpipe.options import (MODEL_FLAGS, add_option_argument, add_optimizer_argum
 from calibrate.fit.calibration import check_timed_steps
 from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
 from sim.engine.stragglers import straggle_fraction
-from sim.engine.warm_up import IDLE_S
+from sim.engine.host import IDLE_S
 from sim.errors import GpipeInputError, require_positive
 from sim.views.progress import note
 from sim.workloads.model_defaults import DEFAULT_BATCH
@@ -150,6 +150,7 @@ def summary_text(data: dict[str, Any]) -> str:
     lines += allreduce_lines(data.get("allreduce"))
     for k, fit in sorted(data.get("pipeline", {}).items()):
         loss = after_wait_reference_s(data, int(k))  # per process count, K here
+        warm_up_s = fit.get("host", {}).get("warm_up_s")  # a CPU host's effect (sim.engine.host), where measured
         acts = ", ".join(f"{kind} x{a['slope']:.3f}"
                          + (f" (fixed part x{a['fixed_slope']:.3f})" if a.get("fixed_slope") is not None else "")
                          + f"{a['intercept'] * 1e6:+.0f}us"
@@ -163,10 +164,10 @@ def summary_text(data: dict[str, Any]) -> str:
                      + (f"between actions, after {gaps} us; " if gaps else "")
                      + f"step overhead {fit['step_overhead_s'] * 1e3:.2f} ms"
                      + (f"; after a wait of {IDLE_S * 1e3:.0f} ms or more, half speed until "
-                        f"{fit['warm_up_s'] * 1e6:.0f} us are lost" if fit.get("warm_up_s") else "")
+                        f"{warm_up_s * 1e6:.0f} us are lost" if warm_up_s else "")
                      + (f" (meanwhile the after-wait probe, the first layer's forward after a "
                         f"{AFTER_WAIT_S * 1e3:.0f} ms wait, lost {loss * 1e6:.0f} us)"
-                        if fit.get("warm_up_s") and loss is not None else "")
+                        if warm_up_s and loss is not None else "")
                      + (f"; the slowest of 2 replicas {straggle_fraction(spread, 2) * 100:+.1f}% of their compute"
                         if spread else ""))
     for parts, factors in sorted(data.get("tensor_parallel_fit", {}).items()):

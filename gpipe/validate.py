@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     require_positive("--rounds", args.rounds, "use --rounds 1 or more")
     if args.limit is not None:
         require_positive("--limit", args.limit, "use --limit 1 or more")
-    from calibrate.validate.across_calibrations import check_same_calibration
+    from calibrate.noise.across_calibrations import check_same_calibration
 
     if len(set(args.costs)) != len(args.costs):
         raise GpipeInputError(f"--costs names a file twice ({' '.join(args.costs)}); give each calibration once")

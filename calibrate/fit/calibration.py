@@ -37,7 +37,7 @@ from calibrate.fit.step_components import (action_gaps_s, busy_since_wait_s, com
                                            measured_records, predicted_end_span_s)
 from sim.engine.stage_costs import stage_bounds
 from sim.engine.stragglers import straggle_fraction
-from sim.engine.warm_up import IDLE_S, measured_paid_s
+from sim.engine.host import IDLE_S, measured_paid_s
 from sim.planner.partition import even_partition
 from sim.schedules.schedule import COMPUTE_KINDS, build_schedule, cold_starts, recomputes, recomputes_per_layer
 from sim.views.progress import phase
@@ -218,7 +218,7 @@ class ActionPoints:
 
     def warm_up_paid(self, warm_up_s: float) -> list[float]:
         """Per point, what it paid of a warm-up of ``warm_up_s`` at the calibration's after-wait probe,
-        scaled to its run's (:func:`sim.engine.warm_up.measured_paid_s`)."""
+        scaled to its run's (:func:`sim.engine.host.measured_paid_s`)."""
         if not self.since_wait:
             return [0.0] * len(self.measured)
         scales = self.warm_up_scale or [1.0] * len(self.measured)
@@ -415,7 +415,7 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
 
 def fit_lines(typical: dict[str, ActionPoints], warm_up_s: float) -> tuple[dict[str, Any], float]:
     """One K's action lines on its points (each action's median over the rounds), with what each point
-    paid of a warm-up of ``warm_up_s`` taken out (:mod:`sim.engine.warm_up`); and their summed weighted squares.
+    paid of a warm-up of ``warm_up_s`` taken out (:mod:`sim.engine.host`); and their summed weighted squares.
 
     I and W only where a design run split its backward (the stage's costs otherwise scale their
     profile by the whole backward's factor, sim.formats.costs.MeasuredWorkload.stage_cost), a forward
@@ -452,9 +452,11 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         entry: dict[str, Any] = {"threads": threads_of[k]}
         typical = {kind: points.typical() for (at, kind), points in obs.actions.items() if at == k}
         waited = any(not math.isinf(since) for points in typical.values() for since in points.since_wait)
-        # the warm-up after a long wait (sim.engine.warm_up), fitted with the lines: the one whose lines fit best
-        entry["warm_up_s"] = fit_warm_up(lambda w: fit_lines(typical, w)[1]) if waited else 0.0
-        entry["actions"] = fit_lines(typical, entry["warm_up_s"])[0]
+        # the warm-up after a long wait (a CPU host's effect, sim.engine.host), fitted with the lines: the one
+        # whose lines fit best
+        warm_up_s = fit_warm_up(lambda w: fit_lines(typical, w)[1]) if waited else 0.0
+        entry["host"] = {"warm_up_s": warm_up_s}
+        entry["actions"] = fit_lines(typical, warm_up_s)[0]
         entry["send"] = (fit_affine(*obs.sends[k], slope_bounds=(0.0, 1.0), intercept_bounds=(0.0, 1.0))
                          if k in obs.sends else AffineFit(0.0, 0.0)).to_dict()
         entry["optimizer"] = (fit_affine(*obs.optimizer[k], slope_bounds=(0.0, 1.0))
@@ -464,7 +466,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
             entry["first_input_s"] = statistics.median(obs.first_input[k])
         full = None
         if (k, BACKWARD_WITH_RECOMPUTE) in obs.actions:
-            full = fit_full_backward(typical[BACKWARD_WITH_RECOMPUTE].less_warm_up(entry["warm_up_s"]),
+            full = fit_full_backward(typical[BACKWARD_WITH_RECOMPUTE].less_warm_up(warm_up_s),
                                      ActionFit.from_dict(entry["actions"]["B"]), ActionFit.from_dict(entry["actions"]["R"]))
             entry["full_backward_per_layer_s"] = full.slope
         # per kind of the action before, the median: a gap in which the executor did a chore while its
@@ -482,7 +484,7 @@ def fit_pipeline(obs: Observations, threads_of: dict[int, int]) -> tuple[dict[st
         residuals[str(k)] = {name: {key: value for key, value in fit.items() if key != "slope"}
                              for name, fit in [("send", entry["send"]), ("optimizer", entry["optimizer"])]
                              + [(f"action {kind}", line) for kind, line in entry["actions"].items()]}
-        residuals[str(k)]["warm up"] = {"warm_up_s": entry["warm_up_s"], "idle_s": IDLE_S}
+        residuals[str(k)]["warm up"] = {"warm_up_s": warm_up_s, "idle_s": IDLE_S}
         if full is not None:
             residuals[str(k)][f"action {BACKWARD_WITH_RECOMPUTE}"] = {key: v for key, v in full.to_dict().items()
                                                                        if key != "slope"}
@@ -505,19 +507,16 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     the measured all-reduce link where the costs file has one (:func:`sim.formats.costs.allreduce_link`).
     With T > 1 each stage is priced from the costs file's profile of the layers split over T ranks
     (:mod:`calibrate.measure.tp_profile`). A run with more processes than the system has devices (D x K = 4
-    on two cores) has its processes take turns on the cores (:mod:`sim.engine.shared_cores`), each priced
-    with the fits of the nearest fitted process count: a calibration fits no more processes than
-    the machine has cores, so this is a machine fully busy, each process on a core of its own.
+    on two cores) is predicted as if each process had a core of its own, with the fits of the nearest
+    fitted process count (a calibration fits no more processes than the machine has cores): the
+    cores' sharing is a CPU host's effect the simulator does not model (:mod:`sim.engine.host`).
     """
     from sim.engine.engine import simulate
     from sim.catalog.hardware import get_system
-    from sim.engine.shared_cores import CoreSharing
     from sim.workloads.tensor_parallel import with_tensor_parallel
 
     system = get_system(system_name)
-    sharing = None
     if spec.processes > system.total_devices:
-        sharing = CoreSharing(system.total_devices, spec.tensor_parallel)
         system = replace(system, devices_per_node=spec.processes, nodes=1)
     workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.tensor_parallel)
     workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches, spec.replicas)
@@ -525,7 +524,7 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
                 if spec.replicas > 1 else {})
     return simulate(workload, system, spec.partition, spec.batch_size, spec.microbatches, spec.checkpoint,
-                    spec.schedule, virtual_stages=spec.virtual_stages, core_sharing=sharing, **replicas)
+                    spec.schedule, virtual_stages=spec.virtual_stages, **replicas)
 
 
 def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],

@@ -21,7 +21,7 @@ goal is a relative error. The models, each affine in what was measured:
   after the optimizer: within one run on this 2-core machine the step's first forward took
   230-560 us longer than the forwards after it (``benchmarks/cold_starts.py``). A line without the
   term spreads that time over every action, so a run of few micro-batches is priced short.
-  Beside the lines, per K, the warm-up after a long wait (:mod:`sim.engine.warm_up`): the amount whose
+  Beside the lines, per K, the warm-up after a long wait (:mod:`sim.engine.host`): the amount whose
   payments, taken out of the points, leave the lines fitting best (:func:`fit_warm_up`). Without it
   the per-action overhead carried it: on one calibration's design here, K = 2's forward line missed
   its worst point by 78% (rms 15%) and its overhead was 108 us; with the fitted 250 us warm-up, 18%
@@ -151,7 +151,7 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     overhead cannot be told from it). Only forwards hold cold points: every schedule opens a
     device's step with one, so a line's cold start is fitted, never shared as its overhead is.
     ``extra`` (seconds per point, 0 where empty) is time the points are known to hold beyond the
-    line (the warm-up after a long wait, :mod:`sim.engine.warm_up`): the line is fitted to the rest, the
+    line (the warm-up after a long wait, :mod:`sim.engine.host`): the line is fitted to the rest, the
     residuals stay relative to the whole measured time."""
     p, f, m = (np.asarray(v, dtype=float) for v in (profiled, fixed, measured))
     if not len(p) == len(f) == len(m) or len(p) == 0:
@@ -194,7 +194,7 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
 
 
 def fit_warm_up(cost_of: Callable[[float], float], most_s: float = 2e-3, step_s: float = 5e-6) -> float:
-    """The warm-up after a long wait (:mod:`sim.engine.warm_up`) whose action lines fit the measured
+    """The warm-up after a long wait (:mod:`sim.engine.host`) whose action lines fit the measured
     actions best: ``cost_of(warm_up_s)`` fits every line with that warm-up taken out of the points
     and returns their summed weighted squares; the smallest over a grid from 0 to ``most_s`` by
     ``step_s`` wins (the cost is piecewise smooth in the warm-up, as each point's share of it is

@@ -88,7 +88,7 @@ def busy_since_wait_s(records: Sequence[Any], steps: Sequence[int], idle_s: floa
     """Per action (stage, virtual stage or None, kind, micro-batch), the median over ``steps`` of the
     compute seconds its device ran in the step since its last wait of at least ``idle_s`` for an
     input before it (0 for the action right after one; inf where no such wait came before it in the
-    step): what calibration reads of the warm-up each action paid (:func:`sim.engine.warm_up.measured_paid_s`).
+    step): what calibration reads of the warm-up each action paid (:func:`sim.engine.host.measured_paid_s`).
     Replica 0's first tensor-parallel ranks; the waits are the timeline's ``recv_wait`` spans between
     two compute actions, summed."""
     seen: dict[tuple, list[float]] = {}

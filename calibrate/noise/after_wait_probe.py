@@ -1,6 +1,6 @@
 """How much a device loses right after a wait, probed beside the speed: the warm-up at a run's moment.
 
-Why: the costs file holds one warm-up per K (:mod:`sim.engine.warm_up`), fitted on the calibration's
+Why: the costs file holds one warm-up per K (:mod:`sim.engine.host`), fitted on the calibration's
 minutes, but what a device loses after a wait moves more than its speed does. Within four minutes
 the embedding's forward after a 9 ms wait lost 114-368 us on this 2-core machine while its warm time
 moved by a fraction of that (``benchmarks/after_wait.py --probes``), and a third to nearly half of
@@ -33,7 +33,7 @@ import statistics
 import time
 from typing import Any, Sequence
 
-WAIT_S = 9e-3  # the wait before the timed forward: a 1F1B stage's wait for a gradient, well past sim.engine.warm_up.IDLE_S
+WAIT_S = 9e-3  # the wait before the timed forward: a 1F1B stage's wait for a gradient, well past sim.engine.host.IDLE_S
 REPEATS = 15  # pairs per probe
 SMALLEST_REFERENCE_S = 5e-6  # a calibration's median loss below this: nothing to scale (factor 1)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from calibrate.goals import STEP_GOAL
-from sim.engine.warm_up import IDLE_S
+from sim.engine.host import IDLE_S
 
 
 @dataclass(frozen=True)
@@ -119,13 +119,13 @@ def gap_rows(report: dict[str, Any], gap_after_s: dict[str, float]) -> list[tupl
 
 def busy_rows(stages: Any, measured_busy_s: list[float]) -> list[tuple[str, str, str, str]]:
     """Error-table rows of each stage's busy time a step, predicted against measured, and under each the
-    part of the prediction that is the warm-up after long waits (:mod:`sim.engine.warm_up`) where it has one."""
+    part of the prediction that is the warm-up after long waits (a CPU host's effect, :mod:`sim.engine.host`) where it has one."""
     rows = []
     for k, (s, m) in enumerate(zip(stages, measured_busy_s)):
         rows.append((f"stage {k} busy per step", f"{s.busy_s * 1e3:.2f} ms", f"{m * 1e3:.2f} ms", _rel(s.busy_s, m)))
-        if s.warm_up_s:
+        if s.host and s.host.warm_up_s:
             rows.append((f"of it, running slow after waits of {IDLE_S * 1e3:g} ms or more for its input (the "
-                         "fitted warm-up)", f"{s.warm_up_s * 1e3:.2f} ms", "-", "-"))
+                         "fitted warm-up)", f"{s.host.warm_up_s * 1e3:.2f} ms", "-", "-"))
     return rows
 
 

@@ -10,10 +10,10 @@ configuration that is also in the calibration design is dropped, so no predictio
 fit learned from.
 
 A run with more processes (D x K x T) than the machine has cores (CPU) or GPUs is still measured and
-its error shown, marked ``oversubscribed``: the simulator has its processes take turns on the cores
-(:mod:`sim.engine.shared_cores`), but not what else crowding does (its gloo sends wait while the cores are
-taken: 13-18 ms a send measured in the D = 2 x K = 2 run on two cores, against 0.1-0.4 ms with a core
-per process), so its error stays out of the summary.
+its error shown, marked ``oversubscribed``: the simulator predicts it as if each process had a core
+of its own, so its error is what crowding cost (processes taking turns on the cores, and gloo sends
+waiting while the cores are taken), a CPU host's effect the simulator does not model; it stays out
+of the summary.
 
 Errors are relative to the measurement: ``(predicted - measured) / measured``. Step times compare
 the simulator's step with the executor's median step (warm-up excluded); memory compares each
@@ -31,10 +31,10 @@ on its odd and on its even design rounds predict the run (:func:`calibrate.fit.c
 costs files from a quick calibration have none): what a calibration from the other half of the same
 minutes would have predicted. An error inside both is one this machine cannot tell from noise. A
 third, ``calibs``, where other costs files are given: the error as calibrations taken at other
-moments predict the same measurement (:mod:`calibrate.validate.across_calibrations`), the noise neither of
+moments predict the same measurement (:mod:`calibrate.noise.across_calibrations`), the noise neither of
 the first two sees.
 
-The warm-up after long waits (:mod:`sim.engine.warm_up`) moves more between moments than the speed does, so
+The warm-up after long waits (:mod:`sim.engine.host`) moves more between moments than the speed does, so
 each round is also bracketed by an after-wait probe (:mod:`calibrate.noise.after_wait_probe`): the busy
 errors with each stage's predicted warm-up scaled to its run's probe stand beside the others
 (``busy_errors_at_probed_warm_up``), and the table gives how far the probes ranged against the
@@ -160,7 +160,7 @@ class Comparison:
     predicted_replica_wait_s: list[float] = field(default_factory=list)
     replica_busy_spread: float = 0.0
     # per stage (replica 0), the part of the predicted busy time the device runs slow after long
-    # waits (sim.engine.warm_up): the component whose size this machine moves most from moment to moment
+    # waits (sim.engine.host): the component whose size this machine moves most from moment to moment
     predicted_warm_up_s: list[float] = field(default_factory=list)
     # each round's after-wait probe against the calibration's (calibrate.noise.after_wait_probe.warm_up_factor)
     round_warm_up_factors: list[float] = field(default_factory=list)
@@ -437,7 +437,7 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       [statistics.median(w[0][k] for w in waits) for k in range(len(busy))] if spec.replicas > 1
                       else [], predicted_replica_waits_s(result, len(busy)) if spec.replicas > 1 else [],
                       statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0,
-                      [s.warm_up_s for s in replica_zero],
+                      [s.host.warm_up_s if s.host else 0.0 for s in replica_zero],
                       [warm_up_factor(run_after_wait_probes(r), loss_reference) for r in reports]
                       if loss_reference is not None else [])
 
@@ -606,7 +606,7 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     once, then all again), and compared by its median: on a shared machine whose speed drifts by
     tens of percent over seconds, one measurement of a run says more about the moment than the run.
     The costs files in ``others`` (other calibrations of the same model, checked by
-    :func:`calibrate.validate.across_calibrations.check_same_calibration`) judge the same measurements: each
+    :func:`calibrate.noise.across_calibrations.check_same_calibration`) judge the same measurements: each
     run's ``calibrations`` entry and the summary's ``across_calibrations``.
     """
     from calibrate.measure.runs import run_configs
@@ -631,7 +631,7 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     comparisons = [compare(data, s, reports[i::len(specs)], available) for i, s in enumerate(specs)]
     summary, runs = summarize(comparisons), [c.to_dict() for c in comparisons]
     if others:
-        from calibrate.validate import across_calibrations
+        from calibrate.noise import across_calibrations
 
         judged = [[compare(other, s, reports[i::len(specs)], available).to_dict() for i, s in enumerate(specs)]
                   for other in others]
@@ -645,7 +645,7 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
 
 def _after_waits(share: float) -> str:
     """``n% after waits``: a stage's share of predicted busy time that is the warm-up after long waits
-    (:mod:`sim.engine.warm_up`)."""
+    (:mod:`sim.engine.host`)."""
     return f"{share * 100:.0f}% after waits"
 
 
@@ -684,7 +684,7 @@ def _beyond_goals_line(goals: dict[str, Any], runs: int) -> str:
 
 
 def _past_goals_by_every_calibration_line(goals: dict[str, Any], runs: int, probed: bool) -> str:
-    """The summary's :func:`calibrate.validate.across_calibrations.past_goals` as one line of the table."""
+    """The summary's :func:`calibrate.noise.across_calibrations.past_goals` as one line of the table."""
     return ("past the goals by more than their own rounds allow by every calibration (neither the machine's "
             "round-to-round noise nor the moment of calibration explains these; the median over the "
             "calibrations shown): " + _goals_tally(goals, runs, probed))

@@ -33,8 +33,9 @@ from executor.runtime.chunks import ChunkedDevice
 from executor.runtime.pipeline import Prepared, make_stage
 from executor.runtime.recording import Recorder
 from executor.runtime.stage import PipelineStage
-from executor.transport.p2p import ACT, GRAD, DistTransport, LocalMailboxes, LocalTransport, Transport
-from executor.transport.shm_transport import HostLinks, host_links
+from executor.transport.p2p import ACT, GRAD, LocalMailboxes, Peers, Transport
+from executor.transport.shm_transport import host_links
+from executor.transport.stage_transport import stage_transport
 from sim.schedules.schedule import device_of_virtual_stage, virtual_stages_of_device
 
 if TYPE_CHECKING:
@@ -57,63 +58,16 @@ def virtual_boundary_groups(devices: int, virtual_stages: int,
     return groups
 
 
-class ChunkTransport(DistTransport):
-    """Point-to-point for one chunk: ``stage`` is its virtual stage, its peers the ranks of the
-    neighbouring virtual stages, over the groups of :func:`virtual_boundary_groups` (or of
-    :func:`executor.parallel.replicas.build_layout` for one of several replicas, ``ranks`` then giving the
-    global rank of each device of the replica). A neighbour on this rank (the turn of a V) is
-    reached through ``local``, the rank's in-process mailboxes."""
-
-    def __init__(self, virtual_stage: int, devices: int, groups: dict[tuple[int, str], dist.ProcessGroup],
-                 device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
-                 ranks: Sequence[int] | None = None, links: "HostLinks | None" = None,
-                 schedule: str = "interleaved", local: LocalTransport | None = None) -> None:
-        super().__init__(virtual_stage, groups, device, pipeline_group, ranks, links)
-        self.devices = devices
-        self.schedule = schedule
-        self.local = local
-        # (channel, incoming) whose neighbouring virtual stage runs on this rank: fixed, so found once
-        # (only neighbours that exist are ever asked for)
-        here = device_of_virtual_stage(virtual_stage, devices, schedule)
-        self._on_this_rank = {
-            (channel, incoming) for channel in (ACT, GRAD) for incoming in (True, False)
-            if device_of_virtual_stage(self._peer_stage(channel, incoming), devices, schedule) == here}
-
-    def _peer_stage(self, channel: str, incoming: bool) -> int:
-        # act flows s -> s+1 over virtual boundary s; grad flows s+1 -> s over virtual boundary s.
-        if channel == ACT:
-            return self.stage - 1 if incoming else self.stage + 1
-        return self.stage + 1 if incoming else self.stage - 1
-
-    def _in_process(self, channel: str, incoming: bool) -> bool:
-        return (channel, incoming) in self._on_this_rank
-
-    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
-        peer = self._peer_stage(channel, incoming)
-        position = device_of_virtual_stage(peer, self.devices, self.schedule)
-        rank = self.ranks[position] if self.ranks is not None else position
-        boundary = min(peer, self.stage)
-        return rank, self.groups[(boundary, channel)], boundary
-
-    def expect(self, channel: str, microbatch: int, shapes) -> None:
-        if not self._in_process(channel, incoming=True):
-            super().expect(channel, microbatch, shapes)
-
-    def ready(self, channel: str, microbatch: int) -> bool:
-        if self._in_process(channel, incoming=True):
-            return self.local.ready(channel, microbatch)  # type: ignore[union-attr]
-        return super().ready(channel, microbatch)
-
-    def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
-        if self._in_process(channel, incoming=True):
-            return self.local.recv(channel, microbatch)  # type: ignore[union-attr]
-        return super().recv(channel, microbatch)
-
-    def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
-        if self._in_process(channel, incoming=False):
-            self.local.send(channel, microbatch, tensors)  # type: ignore[union-attr]
-        else:
-            super().send(channel, microbatch, tensors)
+def chunk_peers(virtual_stage: int, devices: int, virtual_stages: int,
+                groups: dict[tuple[int, str], dist.ProcessGroup], ranks: Sequence[int] | None = None,
+                schedule: str = "interleaved") -> Peers:
+    """The neighbours of one chunk: ``virtual_stage``'s, on the ranks of the neighbouring virtual
+    stages' devices, over the groups of :func:`virtual_boundary_groups` (or of
+    :func:`executor.parallel.replicas.build_layout` for one of several replicas, ``ranks`` then giving
+    the global rank of each device of the replica). A neighbour on this rank (the turn of a V) is
+    reached through the rank's in-process mailboxes (:func:`executor.transport.stage_transport.routes`)."""
+    return Peers(virtual_stage, devices * virtual_stages, groups, ranks,
+                 lambda s: device_of_virtual_stage(s, devices, schedule))
 
 
 def shared_process_groups(groups: Sequence[SharedGroup], devices: int,
@@ -180,8 +134,8 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
     def transport(virtual_stage: int) -> Transport:
         if devices == 1:
             return mailboxes.endpoint(virtual_stage)
-        return ChunkTransport(virtual_stage, devices, groups, device, pipeline_group, ranks, links,
-                              config.schedule, mailboxes.endpoint(virtual_stage))
+        peers = chunk_peers(virtual_stage, devices, config.virtual_stages, groups, ranks, config.schedule)
+        return stage_transport(peers, device, pipeline_group, links, mailboxes.endpoint(virtual_stage))
 
     tp_mesh = layout.tp_mesh if layout is not None else None
     chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh)

@@ -36,8 +36,9 @@ from executor.runtime.shapes import dry_run
 from executor.parallel.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
                                        reduce_in_process)
 from executor.runtime.stage import PipelineStage, StageConfig
-from executor.transport.p2p import DistTransport, LocalMailboxes, Transport, boundary_groups
+from executor.transport.p2p import LocalMailboxes, Peers, Transport, boundary_groups
 from executor.transport.shm_transport import host_links
+from executor.transport.stage_transport import stage_transport
 from sim.engine.stage_costs import stage_bounds
 from sim.errors import GpipeInputError
 from sim.formats.plan import validate_partition
@@ -135,7 +136,7 @@ def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: to
     groups = groups if groups is not None else boundary_groups(config.stages)
     shared_groups = layout.shared_groups if layout is not None else process_groups(prepared.shared)
     links = host_links(device, config.transport, config.timeout_s)
-    transport = DistTransport(rank, groups, device, pipeline_group, ranks, links)
+    transport = stage_transport(Peers(rank, config.stages, groups, ranks), device, pipeline_group, links)
     stage = make_stage(config, prepared, rank, transport, device, recorder,
                        layout.tp_mesh if layout is not None else None)
     if any(rank in group.owners for group in prepared.shared):

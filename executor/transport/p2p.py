@@ -1,31 +1,33 @@
-"""How boundary tensors move between neighbouring stages: one small interface, two implementations.
+"""How boundary tensors move between neighbouring stages: one small interface, its implementations.
 
 A message is the list of tensors one micro-batch sends across a boundary in one direction (the
 leaves of a tuple or dict of tensors, see :mod:`executor.runtime.boundary`; usually one tensor). A stage
 announces every message it will receive in a step with :meth:`Transport.expect` (in the order its
 own schedule consumes them), then takes each with :meth:`Transport.recv`, and hands its outputs to
 :meth:`Transport.send`. Channels are ``"act"`` (activations, from stage k-1) and ``"grad"``
-(gradients, from stage k+1); the neighbour is implied by the channel.
+(gradients, from stage k+1); the neighbour is implied by the channel (:class:`Peers`). Once per
+step, :meth:`Transport.all_reduce_sum` adds a scalar over every stage of the pipeline (the squared
+gradient norms that global clipping needs).
 
 * :class:`LocalTransport` passes tensors through in-process mailboxes, so the whole pipeline can run
   in one process (tests, debugging) with the same schedule walk.
-Once per step, :meth:`Transport.all_reduce_sum` adds a scalar over every stage of the pipeline (the
-squared gradient norms that global clipping needs).
+* :class:`DistTransport` uses ``torch.distributed`` point-to-point ops (gloo or NCCL). Each boundary
+  gets two process groups, one per direction, so on every communicator messages flow one way and in
+  the same order on both ends: deadlock-free on NCCL (where a pair's sends and receives share a
+  stream) and on gloo. Receives are posted as early as announced, so data lands while the stage
+  computes. Each tensor of a message has its own tag (micro-batch x tensors + index), so the
+  tensors of one message never match another's receive. The sum over stages is one ``all_reduce``
+  over the pipeline's ranks (every rank of the run).
+* :class:`executor.transport.shm_p2p.SharedMemoryTransport` hands CPU messages to peers on the same
+  host through shared memory (:mod:`executor.transport.shm_transport`).
 
-* :class:`DistTransport` uses ``torch.distributed`` point-to-point ops. Each boundary gets two
-  process groups, one per direction, so on every communicator messages flow one way and in the
-  same order on both ends: deadlock-free on NCCL (where a pair's sends and receives share a stream)
-  and on gloo. Receives are posted as early as announced, so data lands while the stage computes.
-  Each tensor of a message has its own tag (micro-batch x tensors + index), so the tensors of one
-  message never match another's receive.
-  The sum over stages is one ``all_reduce`` over the pipeline's ranks (every rank of the run).
-  Peers on the same host exchange CPU messages through shared memory instead
-  (:mod:`executor.transport.shm_transport`), behind the same methods.
+Which one a stage uses, for each neighbour, is chosen once when the stage is set up
+(:func:`executor.transport.stage_transport.stage_transport`); no call asks again.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,10 +35,11 @@ import torch.distributed as dist
 from executor.transport.shm_transport import Layout
 
 if TYPE_CHECKING:
-    from executor.transport.shm_transport import HostLinks, Link
+    from executor.transport.shm_transport import HostLinks
 
 ACT = "act"
 GRAD = "grad"
+DIRECTIONS = ((ACT, True), (ACT, False), (GRAD, True), (GRAD, False))  # (channel, incoming)
 
 
 Shapes = Layout  # (shape, dtype) of each tensor of a message
@@ -116,46 +119,68 @@ def boundary_groups(stages: int) -> dict[tuple[int, str], dist.ProcessGroup]:
     return groups
 
 
-class DistTransport:
-    """Point-to-point over ``torch.distributed``; rank == stage, or ``ranks[stage]`` for one of several
-    replicas of the pipeline. Works with gloo and NCCL."""
+class Peers:
+    """Where one stage's messages go: for each channel and direction, the neighbouring (virtual)
+    stage, its process's global rank and the boundary between them.
 
-    def __init__(self, stage: int, groups: dict[tuple[int, str], dist.ProcessGroup],
-                 device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
-                 ranks: Sequence[int] | None = None, links: "HostLinks | None" = None) -> None:
-        self.stage = stage
-        self.links = links  # shared-memory links to the ranks of this host (executor.transport.shm_transport)
-        # by shared memory (executor.transport.shm_transport), (channel, micro-batch) -> its link: the receives
-        # announced this step, and every key sent so far (the same each step: found once)
-        self._incoming: dict[tuple[str, int], "Link"] = {}
-        self._outgoing: dict[tuple[str, int], "Link"] = {}
-        # global rank of each stage of this pipeline (one of several replicas, executor.parallel.replicas); None: rank == stage
+    ``stage`` is the stage's index among ``stages``; ``position(s)`` the pipeline position (device) of
+    stage s (itself, unless several chunks share a device); ``ranks[position]`` its global rank (one of
+    several replicas, :mod:`executor.parallel.replicas`; None: rank == position). ``groups`` holds
+    two process groups per boundary between two processes, one per direction (:func:`boundary_groups`)."""
+
+    def __init__(self, stage: int, stages: int, groups: dict[tuple[int, str], dist.ProcessGroup],
+                 ranks: Sequence[int] | None = None, position: Callable[[int], int] | None = None) -> None:
+        self.stage, self.stages, self.groups = stage, stages, groups
         self.ranks = tuple(ranks) if ranks is not None else None
-        self.groups = groups
+        self.position = position if position is not None else (lambda s: s)
+
+    def stage_of(self, channel: str, incoming: bool) -> int:
+        """The neighbouring stage: act flows s -> s+1 over boundary s, grad s+1 -> s over boundary s."""
+        if channel == ACT:
+            return self.stage - 1 if incoming else self.stage + 1
+        return self.stage + 1 if incoming else self.stage - 1
+
+    def exists(self, channel: str, incoming: bool) -> bool:
+        return 0 <= self.stage_of(channel, incoming) < self.stages
+
+    def rank(self, channel: str, incoming: bool) -> int:
+        """The neighbour's global rank."""
+        position = self.position(self.stage_of(channel, incoming))
+        return self.ranks[position] if self.ranks is not None else position
+
+    def boundary(self, channel: str, incoming: bool) -> int:
+        return min(self.stage_of(channel, incoming), self.stage)
+
+    def group(self, channel: str, incoming: bool) -> dist.ProcessGroup:
+        """The process group of the boundary's direction ``channel`` flows in."""
+        return self.groups[(self.boundary(channel, incoming), channel)]
+
+
+def pipeline_sum(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``value`` summed over the pipeline's ranks (``group``; None: the whole world)."""
+    total = value.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
+
+
+class DistTransport:
+    """Point-to-point over ``torch.distributed`` (gloo or NCCL) to the neighbours of ``peers``.
+
+    ``links``, this process's shared-memory links to its host's ranks where it has them, are not
+    used here: the stage's data-parallel gradient sum takes them (:mod:`executor.parallel.replicas`)."""
+
+    def __init__(self, peers: Peers, device: torch.device, pipeline_group: dist.ProcessGroup | None = None,
+                 links: "HostLinks | None" = None) -> None:
+        self.peers = peers
+        self.stage = peers.stage
         self.device = device
         self.pipeline_group = pipeline_group  # every stage of this pipeline; None: the whole world
+        self.links = links
         self._pending: dict[tuple[str, int], list[tuple[dist.Work, torch.Tensor]]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def _peer_and_group(self, channel: str, incoming: bool) -> tuple[int, dist.ProcessGroup, int]:
-        """The peer's global rank, the boundary's process group and the boundary's index."""
-        # act flows k -> k+1 over boundary k; grad flows k+1 -> k over boundary k.
-        if channel == ACT:
-            peer = self.stage - 1 if incoming else self.stage + 1
-        else:
-            peer = self.stage + 1 if incoming else self.stage - 1
-        boundary = min(peer, self.stage)
-        return (self.ranks[peer] if self.ranks is not None else peer), self.groups[(boundary, channel)], boundary
-
-    def _shared(self, peer: int) -> bool:
-        return self.links is not None and self.links.covers(peer)
-
     def expect(self, channel: str, microbatch: int, shapes: Shapes) -> None:
-        peer, group, boundary = self._peer_and_group(channel, incoming=True)
-        if self._shared(peer):
-            self._incoming[(channel, microbatch)] = self.links.link(  # type: ignore[union-attr]
-                peer, self.links.rank, boundary, channel, microbatch, shapes)  # type: ignore[union-attr]
-            return
+        peer, group = self.peers.rank(channel, True), self.peers.group(channel, True)
         posted = []
         for index, (shape, dtype) in enumerate(shapes):
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
@@ -164,16 +189,10 @@ class DistTransport:
         self._pending[(channel, microbatch)] = posted
 
     def ready(self, channel: str, microbatch: int) -> bool:
-        link = self._incoming.get((channel, microbatch))
-        if link is not None:
-            return link.arrived()
         return all(work.is_completed() for work, _ in self._pending[(channel, microbatch)])
 
     def recv(self, channel: str, microbatch: int) -> list[torch.Tensor]:
         key = (channel, microbatch)
-        link = self._incoming.pop(key, None)
-        if link is not None:  # the message's tensors in the shared pages, until the step ends
-            return link.take()
         if key not in self._pending:
             raise RuntimeError(f"stage {self.stage} did not expect {channel} of micro-batch {microbatch}")
         buffers = []
@@ -183,17 +202,7 @@ class DistTransport:
         return buffers
 
     def send(self, channel: str, microbatch: int, tensors: Sequence[torch.Tensor]) -> None:
-        link = self._outgoing.get((channel, microbatch))
-        if link is not None and link.fits(tensors):
-            link.send(tensors)
-            return
-        peer, group, boundary = self._peer_and_group(channel, incoming=False)
-        if self._shared(peer):
-            link = self._outgoing[(channel, microbatch)] = self.links.link(  # type: ignore[union-attr]
-                self.links.rank, peer, boundary, channel, microbatch,  # type: ignore[union-attr]
-                [(tuple(t.shape), t.dtype) for t in tensors])
-            link.send(tensors)
-            return
+        peer, group = self.peers.rank(channel, False), self.peers.group(channel, False)
         for index, tensor in enumerate(tensors):
             tensor = tensor.detach().contiguous()
             tag = microbatch * len(tensors) + index
@@ -203,13 +212,8 @@ class DistTransport:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-        if self.links is not None:
-            self.links.release()  # this step's received tensors are no longer used
-        if self._pending or self._incoming:
-            raise RuntimeError(f"stage {self.stage} ended a step with unreceived tensors "
-                               f"{sorted([*self._pending, *self._incoming])}")
+        if self._pending:
+            raise RuntimeError(f"stage {self.stage} ended a step with unreceived tensors {sorted(self._pending)}")
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        total = value.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pipeline_group)
-        return total
+        return pipeline_sum(value, self.pipeline_group)

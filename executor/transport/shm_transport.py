@@ -25,7 +25,9 @@ How:
   (:func:`host_links`, collective), for CPU tensors, where the host has a core for each of them;
   other hosts, CUDA, more ranks than cores (polling would take turns with compute: 6% slower than
   gloo on D = 2 x K = 2 over two cores) and workers started without the directory use
-  ``torch.distributed`` as before. ``--transport dist`` forces that everywhere.
+  ``torch.distributed``. ``--transport dist`` forces that everywhere. A stage's transport to such a
+  neighbour is :class:`executor.transport.shm_p2p.SharedMemoryTransport`, chosen once at set-up
+  (:mod:`executor.transport.stage_transport`).
 
 Limits: Linux only (abstract sockets); a receiver waits at most the run's timeout for a message and
 then raises; a rank that dies is noticed by torchrun's agent, which ends the others.

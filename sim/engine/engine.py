@@ -34,9 +34,9 @@ backward finishes last).
 Limits of the model: compute and communication overlap perfectly (sends are asynchronous, as with
 copy engines and non-blocking NCCL calls); a device runs one action at a time and never stalls for
 other reasons than a calibrated gap between two actions (:mod:`sim.engine.replica_run`): no kernel-launch
-jitter, no thermal throttling, no interference from other processes but the cores' sharing where a
-run's processes outnumber them (``core_sharing``); a transfer holds its channel for bytes / bandwidth and arrives a latency later, with no
-protocol or congestion effects. Replicas are simulated apart: their transfers never queue behind
+jitter, no thermal throttling, no interference from other processes (a CPU host's effects, where a
+costs file measured them, are fenced off in :mod:`sim.engine.host`); a transfer holds its channel for
+bytes / bandwidth and arrives a latency later, with no protocol or congestion effects. Replicas are simulated apart: their transfers never queue behind
 each other on a shared PCIe channel, and all-reduces are not contended by anything. ZeRO-1 is
 modelled in memory alone (each device keeps 1/D of its optimizer state): the step on 1/D of the
 parameters and the parameter broadcast after it are taken to cancel, and neither is timed.
@@ -49,10 +49,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Sequence
 
-import simpy
-
 from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
+from sim.engine.host import HostPaid
 from sim.engine.memory import static_bytes
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement, device_of
 from sim.engine.replica_run import ReplicaRun
@@ -61,7 +60,6 @@ from sim.formats.plan import validate_partition
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import (Action, build_schedule, check_interleaving, check_virtual_stages,
                                     device_of_virtual_stage, virtual_stages_of_device)
-from sim.engine.shared_cores import CoreSharing, SharedCores
 from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
 from sim.engine.stragglers import straggle_fraction
 from sim.formats.timeline import (DP_ALLREDUCE, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
@@ -85,21 +83,24 @@ class StageResult:
     fits: bool
     replica: int = 0
     device: int = 0
-    # of busy_s, what the device ran slow after long waits for its input (sim.engine.warm_up): 0 on costs
-    # without a fitted warm-up (the analytic and GPU models); work seconds, as if its cores were its own
-    warm_up_s: float = 0.0
+    # of busy_s, what a CPU host's effects added (sim.engine.host: the warm-up after waits); None where
+    # the costs turn none on (the analytic and GPU models)
+    host: HostPaid | None = None
 
     def to_dict(self) -> dict[str, Any]:
         capacity = self.memory_capacity_bytes
-        return {
+        entry = {
             "stage": self.stage, "replica": self.replica, "device": self.device, "layers": self.layers,
-            "busy_s": self.busy_s, "warm_up_s": self.warm_up_s,
+            "busy_s": self.busy_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_activation_bytes": self.peak_activation_bytes,
             "static_bytes": self.static_bytes,
             "memory_capacity_bytes": None if math.isinf(capacity) else int(capacity),
             "fits": self.fits,
         }
+        if self.host is not None:
+            entry["host"] = self.host.to_dict()
+        return entry
 
 
 @dataclass
@@ -238,8 +239,7 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
              microbatches: int, checkpoint: str = "except_last", schedule: str = "gpipe",
              costs: CostTable | None = None, record: bool = True, virtual_stages: int = 1, replicas: int = 1,
              zero: int = 0, placement: str = DEFAULT_PLACEMENT, allreduce_link: Link | None = None,
-             dp_overlap: bool = False, actions: Sequence[Sequence[Action]] | None = None,
-             core_sharing: CoreSharing | None = None) -> SimResult:
+             dp_overlap: bool = False, actions: Sequence[Sequence[Action]] | None = None) -> SimResult:
     """Simulate one step of ``workload`` split by ``partition`` (V x K entries) on ``system``.
 
     ``batch_size`` is the global mini-batch, which the ``replicas`` split like torch.chunk.
@@ -250,10 +250,6 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
     trainers do (:func:`sim.engine.allreduce.exposed_allreduce_s`), instead of after it as the executor does.
     ``actions``, when given, are each device's list to walk in place of ``schedule``'s (a schedule
     read from a file, :mod:`sim.schedules.torch_schedule`; ``schedule`` then only names its shape).
-    ``core_sharing``, when the run's processes outnumber its cores, has them take turns on the
-    cores (:mod:`sim.engine.shared_cores`): all replicas walk together, each compute at its share of the
-    cores, and the all-reduce and optimizer step after the last backward, which every process
-    runs at about the same time, at the share of all of them.
     """
     partition, layout = check_layout(workload, system, partition, schedule, virtual_stages, replicas, zero, placement)
     per_replica_rows = replica_microbatch_rows(batch_size, replicas, microbatches)
@@ -267,12 +263,9 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
             check_interleaving(layout.stages, len(rows), virtual_stages, workload.num_layers)
     table = costs if costs is not None else CostTable(workload, system.device)
     given = tuple(tuple(device) for device in actions) if actions is not None else None
-    devices_total = layout.replicas * layout.stages
-    sharing = core_sharing if core_sharing is not None and core_sharing.oversubscribed(devices_total) else None
-    runs = _run_replicas(system, layout, partition, per_replica_rows, table, schedule, checkpoint, record, given,
-                         sharing)
+    runs = _run_replicas(system, layout, partition, per_replica_rows, table, schedule, checkpoint, record, given)
     step = _Step(workload, system, layout, partition, table, per_replica_rows, runs, zero, allreduce_link, record,
-                 checkpoint if dp_overlap else None, sharing)
+                 checkpoint if dp_overlap else None)
     return step.result(batch_size, schedule, checkpoint, zero)
 
 
@@ -293,27 +286,21 @@ def _schedule(stages: int, microbatches: int, schedule: str, checkpoint: str,
 
 def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], per_replica_rows: list[list[int]],
                   table: CostTable, schedule: str, checkpoint: str, record: bool,
-                  given: tuple[tuple[Action, ...], ...] | None = None,
-                  sharing: CoreSharing | None = None) -> list[ReplicaRun]:
-    """One :class:`ReplicaRun` per replica; replicas with the same signature share one, unless
-    they share cores (``sharing``), when all walk in one environment, each slowing the others."""
+                  given: tuple[tuple[Action, ...], ...] | None = None) -> list[ReplicaRun]:
+    """One :class:`ReplicaRun` per replica; replicas with the same signature share one."""
     bounds = stage_bounds(partition)
     done: dict[tuple, ReplicaRun] = {}
     runs = []
-    shared = SharedCores(simpy.Environment(), sharing.cores) if sharing is not None else None
     for d, rows in enumerate(per_replica_rows):
         devices = layout.devices(d)
-        key = _signature(system, devices, rows) if shared is None else d
+        key = _signature(system, devices, rows)
         if key not in done:
             stage_costs = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
             actions = given if given is not None else _schedule(layout.stages, len(rows), schedule, checkpoint,
                                                                  layout.virtual_stages)
             done[key] = ReplicaRun(system, devices, layout.virtual_stages, rows, stage_costs, checkpoint,
-                                   record, layout.positions(), shared,
-                                   sharing.processes_per_device if sharing is not None else 1).run(actions)
+                                   record, layout.positions()).run(actions)
         runs.append(done[key])
-    if shared is not None:
-        shared.env.run()
     return runs
 
 
@@ -323,10 +310,8 @@ class _Step:
 
     def __init__(self, workload: Workload, system: System, layout: Layout, partition: tuple[int, ...],
                  table: CostTable, per_replica_rows: list[list[int]], runs: list[ReplicaRun], zero: int,
-                 allreduce_link: Link | None, record: bool, overlap_checkpoint: str | None = None,
-                 sharing: CoreSharing | None = None) -> None:
+                 allreduce_link: Link | None, record: bool, overlap_checkpoint: str | None = None) -> None:
         self.system, self.layout, self.partition, self.runs = system, layout, partition, runs
-        self.sharing = sharing
         self.per_replica_rows = per_replica_rows
         self.record = record
         self.records: list[tuple] = []
@@ -349,7 +334,7 @@ class _Step:
                 last = self.chunk_costs[k][0]
                 layers = sum(partition[s] for s in layout.chunks(k))
                 allreduce_s = exposed_allreduce_s(allreduce_s, backward_time_s(last, overlap_checkpoint), layers)
-            self.allreduce_s.append(self._everyone_s(allreduce_s))
+            self.allreduce_s.append(allreduce_s)
         self.reductions = shared_reductions(workload, partition, system, layout.virtual_stages,
                                             schedule=layout.schedule)
         self.end_s, self.busy_s = self._tail()
@@ -379,7 +364,7 @@ class _Step:
                     t[k] = finish
             replica_busy = list(run.busy_s)
             for k in range(K):
-                optimizer_s = self._everyone_s(sum(c.optimizer_s for c in self.chunk_costs[k]))
+                optimizer_s = sum(c.optimizer_s for c in self.chunk_costs[k])
                 overhead_s = max(c.step_overhead_s for c in self.chunk_costs[k])
                 self._span(d, k, OPTIMIZER, t[k], t[k] + optimizer_s)
                 replica_busy[k] += optimizer_s
@@ -389,13 +374,6 @@ class _Step:
             ends.append(t)
             busy.append(replica_busy)
         return ends, busy
-
-    def _everyone_s(self, seconds: float) -> float:
-        """``seconds`` of a device's work after its last backward, when every process runs its own
-        beside it on shared cores (as it is, unshared)."""
-        if self.sharing is None:
-            return seconds
-        return self.sharing.everyone_s(seconds, self.layout.replicas * self.layout.stages)
 
     def _span(self, replica: int, stage: int, kind: str, start_s: float, end_s: float) -> None:
         if self.record and end_s > start_s:
@@ -418,7 +396,7 @@ class _Step:
                     stage=k, layers=layers[k], busy_s=self.busy_s[d][k], peak_memory_bytes=peak,
                     peak_activation_bytes=run.peak_bytes[k], static_bytes=self.static[k],
                     memory_capacity_bytes=capacity, fits=peak <= capacity, replica=d, device=device,
-                    warm_up_s=run.warm_up_paid_s[k]))
+                    host=run.host_paid(k)))
         stage_results.sort(key=lambda s: s.device)
         rows0 = self.per_replica_rows[0]
         return SimResult(

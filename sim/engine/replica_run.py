@@ -10,9 +10,9 @@ back up the devices (:func:`sim.schedules.schedule.device_of_virtual_stage`): th
 stays on device K-1, in memory, and every other hop joins neighbouring devices.
 
 An action that starts cold (:func:`sim.schedules.schedule.cold_starts`: the first of its device's list, the
-step's first) takes the stage's ``cold_start_s`` for its kind on top of its work, as busy time. After
-a long wait for its input a device runs at half speed until it has lost the stage's ``warm_up_s``
-(:mod:`sim.engine.warm_up`), also busy time.
+step's first) takes the stage's ``cold_start_s`` for its kind on top of its work, as busy time. One
+function prices every action (:meth:`ReplicaRun.action_s`), whichever walk asks: its work, its cold
+start, and, only where the stage's costs turn them on, a CPU host's effects (:mod:`sim.engine.host`).
 
 Between two of its actions a device spends the stage's ``gap_after_s`` for the kind of the first:
 the executor's own time (its loop, freeing a backward's graph, posting receives, unpacking the next
@@ -33,11 +33,6 @@ without the event loop (:meth:`ReplicaRun.walk`): each channel then has one send
 its own program order, so every figure follows from the action lists alone; a test holds the two
 equal to the bit.
 
-Where the run's processes outnumber the cores they share (:mod:`sim.engine.shared_cores`), every compute
-(an action, a gap, a sender's own time) takes its share of the cores rather than a device of its
-own, and all replicas walk in one environment, since each slows the others; busy time is then the
-actions' elapsed time, as the executor measures it.
-
 This module stops at each device's last backward: what follows (the data-parallel all-reduce, the
 shared-parameter reduction, the optimizer step) is a closed form in :mod:`sim.engine.engine`.
 """
@@ -50,9 +45,8 @@ from typing import Sequence
 import simpy
 
 from sim.catalog.hardware import Link, System
-from sim.engine.shared_cores import SharedCores
+from sim.engine.host import HostLedger, HostPaid
 from sim.engine.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
-from sim.engine.warm_up import owed_s, paid_s
 from sim.formats.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 from sim.schedules.schedule import Action, Kind, cold_starts, device_of_virtual_stage, receives_gradient, recomputes
 
@@ -104,11 +98,8 @@ class ReplicaRun:
 
     def __init__(self, system: System, devices: Sequence[int], virtual_stages: int, rows: list[int],
                  costs: dict[int, list[StageCost]], checkpoint: str, record: bool,
-                 positions: Sequence[int] | None = None, shared: SharedCores | None = None,
-                 processes_per_device: int = 1) -> None:
+                 positions: Sequence[int] | None = None) -> None:
         self.stages = len(devices)
-        self.shared = shared  # cores shared with every replica's processes (run() then only starts the walk)
-        self.processes_per_device = processes_per_device
         self.virtual = virtual_stages * self.stages
         # the pipeline position of each virtual stage (sim.schedules.schedule.device_of_virtual_stage); loop placement by default
         self.position = (list(positions) if positions is not None
@@ -125,32 +116,28 @@ class ReplicaRun:
         self.records: list[tuple] = []
         self.memory: list[tuple] = []  # MemorySample fields
         self.last_backward_s = [0.0] * self.stages
-        self.owed_s = [0.0] * self.stages  # per device, the warm-up it still owes (sim.engine.warm_up)
-        self.warm_up_paid_s = [0.0] * self.stages  # per device, the part of busy_s that was warm-up
+        # what a CPU host's effects add, where the costs turn them on (sim.engine.host); None: off
+        self.host = (HostLedger(self.stages)
+                     if any(cost.host.on for row in costs.values() for cost in row) else None)
 
     def run(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
         """Walk every device's list: as SimPy processes, or, where no spans are recorded and no link
-        or core is shared, in the closed form of :meth:`walk`, which gives the same figures. With
-        ``shared`` cores the processes are only started: the caller runs their environment."""
-        if (self.shared is None and not self.record
-                and not any(link.shared for link, _key, _free in self.links.hop.values())):
+        is shared, in the closed form of :meth:`walk`, which gives the same figures."""
+        if not self.record and not any(link.shared for link, _key, _free in self.links.hop.values()):
             return self.walk(per_device_actions)
-        self.env = self.shared.env if self.shared is not None else simpy.Environment()
+        self.env = simpy.Environment()
         m = len(self.rows)
         # activation_in[s][m]: virtual stage s has micro-batch m's input; gradient_in[s][m]: its output grad
         self.activation_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
         self.gradient_in = [[self.env.event() for _ in range(m)] for _ in range(self.virtual)]
         for k in range(self.stages):
             self.env.process(self.device_process(k, per_device_actions[k]))
-        if self.shared is None:
-            self.env.run()
+        self.env.run()
         return self
 
-    def _compute(self, seconds: float):
-        """The event of ``seconds`` of this process's own work: alone, or sharing the cores."""
-        if self.shared is not None:
-            return self.shared.compute(seconds, self.processes_per_device)
-        return self.env.timeout(seconds)
+    def host_paid(self, device: int) -> HostPaid | None:
+        """What the host effects added to ``device``'s busy time; None where they are off."""
+        return self.host.paid(device) if self.host is not None else None
 
     def walk(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
         """The SimPy processes' busy time, peak memory and last backward without the event loop.
@@ -169,6 +156,7 @@ class ReplicaRun:
         position = [0] * stages
         lengths = [len(actions) for actions in per_device_actions]
         cold = [cold_starts(actions) for actions in per_device_actions]
+        sizes = {rows: [held_sizes(cost, self.checkpoint) for cost in row] for rows, row in self.costs.items()}
         remaining = sum(lengths)
         while remaining:
             advanced = 0
@@ -187,31 +175,20 @@ class ReplicaRun:
                         ready_s = free_s
                     if ready_s is None:
                         break
-                    duration = self._action_s(cost, kind, s, cold[device][i])
-                    if cost.warm_up_s:
-                        duration = self._warmed_s(device, cost, ready_s - free_s, duration)
+                    duration = self.action_s(device, cost, kind, s, cold[device][i], ready_s - free_s)
                     t = ready_s if ready_s > free_s else free_s
-                    stash, saved, transient = held_sizes(cost, self.checkpoint)
-                    if kind is Kind.BACKWARD and transient:
-                        self._hold(device, transient)
+                    held = sizes[self.rows[m]][s]
+                    if kind is Kind.BACKWARD and held[2]:
+                        self._hold(device, held[2])
                     if duration > 0:
                         t += duration
                     self.busy_s[device] += duration
-                    if kind is Kind.FORWARD:
-                        self._hold(device, stash if recomputes(self.checkpoint, m, m_count) else saved)
-                        if s < last:
-                            if cost.activation_send_s and self.position[s + 1] != device:
-                                t += cost.activation_send_s
-                            arrival_s[True][s + 1][m] = self._arrival_s(device, s + 1, t, cost.output_bytes)
-                    elif kind is Kind.RECOMPUTE:
-                        self._hold(device, saved - stash)
-                    else:
-                        if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
-                            self._hold(device, -saved - transient)
-                        if kind is not Kind.WEIGHT and s > 0:
-                            if cost.gradient_send_s and self.position[s - 1] != device:
-                                t += cost.gradient_send_s
-                            arrival_s[False][s - 1][m] = self._arrival_s(device, s - 1, t, cost.stash_bytes)
+                    message = self._finish(device, kind, s, cost, held, m)
+                    if message is not None:
+                        target, nbytes, forward, own_s = message
+                        if own_s:
+                            t += own_s
+                        arrival_s[forward][target][m] = self._arrival_s(device, target, t, nbytes)
                     i += 1
                 advanced += i - position[device]
                 position[device], now_s[device] = i, t
@@ -232,22 +209,46 @@ class ReplicaRun:
         arrival_s = self.links.reserve(link, key, now_s, nbytes)[1]
         return now_s + (arrival_s - now_s)  # as SimPy times the arrival: a timeout of the difference
 
-    def _action_s(self, cost, kind, virtual_stage: int, cold: bool = False) -> float:
-        """Seconds one action of ``kind`` takes on a stage of ``cost``; one that starts ``cold``
-        (:func:`sim.schedules.schedule.cold_starts`) adds the stage's ``cold_start_s`` for its kind."""
+    def action_s(self, device: int, cost: StageCost, kind: Kind, virtual_stage: int, cold: bool,
+                 wait_s: float) -> float:
+        """Seconds one action of ``kind`` takes on ``device``, a stage of ``cost``: the one price
+        both walks use. Its work; its stage's ``cold_start_s`` for its kind when it starts ``cold``
+        (:func:`sim.schedules.schedule.cold_starts`); and, only where the stage's costs turn them on,
+        what the host adds after its device waited ``wait_s`` for its input (:mod:`sim.engine.host`)."""
         seconds = self._work_s(cost, kind, virtual_stage)
         if cold and cost.cold_start_s:
             seconds += cost.cold_start_s[GAP_INDEX[kind]]
+        if self.host is not None and cost.host.on:  # (no ledger: no stage's costs turn any on)
+            seconds = self.host.action_s(device, cost.host, wait_s, seconds)
         return seconds
 
-    def _warmed_s(self, device: int, cost, wait_s: float, seconds: float) -> float:
-        """``seconds`` of an action its device waited ``wait_s`` for its input before, with what it
-        pays of the warm-up it owes after a long wait (:mod:`sim.engine.warm_up`)."""
-        owed = owed_s(wait_s, self.owed_s[device], cost.warm_up_s)
-        paid = paid_s(seconds, owed) if owed else 0.0
-        self.owed_s[device] = owed - paid
-        self.warm_up_paid_s[device] += paid
-        return seconds + paid
+    def _finish(self, device: int, kind: Kind, virtual_stage: int, cost: StageCost, held: tuple[int, int, int],
+                microbatch: int) -> tuple[int, int, bool, float] | None:
+        """What an action leaves held, and what it sends: both walks' end of an action.
+
+        Held, of its stage's (stash, saved, transient) bytes (:func:`sim.engine.stage_costs.held_sizes`):
+        a forward its saved tensors (or only its stash, where the micro-batch is recomputed), a
+        recompute the rest, a backward (or W) frees them all (while a backward runs it also holds its
+        ``transient``: under ``full``, the layer it recomputes). Sent: (the virtual stage it goes to,
+        its bytes, whether it is an activation, the sender's own seconds before it leaves: 0 within a
+        device); None for an action that sends nothing."""
+        stash, saved, transient = held
+        if kind is Kind.FORWARD:
+            self._hold(device, stash if recomputes(self.checkpoint, microbatch, len(self.rows)) else saved)
+            if virtual_stage == self.virtual - 1:
+                return None
+            target, nbytes, forward, own_s = virtual_stage + 1, cost.output_bytes, True, cost.activation_send_s
+        elif kind is Kind.RECOMPUTE:
+            self._hold(device, saved - stash)
+            return None
+        else:
+            if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
+                self._hold(device, -saved - transient)
+            if kind is Kind.WEIGHT or virtual_stage == 0:
+                return None
+            # B, or I: the gradient of the stage's input
+            target, nbytes, forward, own_s = virtual_stage - 1, cost.stash_bytes, False, cost.gradient_send_s
+        return target, nbytes, forward, own_s if self.position[target] != device else 0.0
 
     def _work_s(self, cost, kind, virtual_stage: int) -> float:
         """Seconds one action of ``kind`` takes on a stage of ``cost``, warm."""
@@ -269,8 +270,8 @@ class ReplicaRun:
             self.memory.append((device, self.env.now, self.held_bytes[device]))
 
     def device_process(self, device: int, actions: Sequence[Action]):
+        """The SimPy process of ``device`` walking ``actions``: the twin of :meth:`walk` that records spans."""
         env = self.env
-        microbatches = len(self.rows)
         last = self.virtual - 1
         if self.record:
             self.memory.append((device, 0.0, 0))
@@ -279,7 +280,7 @@ class ReplicaRun:
             m, s, kind = action.microbatch, action.stage, action.kind
             cost = self.costs[self.rows[m]][s]
             if i and cost.gap_after_s:  # the executor's own time between two actions
-                yield self._compute(cost.gap_after_s[GAP_INDEX[actions[i - 1].kind]])
+                yield env.timeout(cost.gap_after_s[GAP_INDEX[actions[i - 1].kind]])
             waiting_on = None
             if kind is Kind.FORWARD and s > 0:
                 waiting_on = self.activation_in[s][m]
@@ -290,34 +291,22 @@ class ReplicaRun:
                 yield waiting_on
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
-            duration = self._action_s(cost, kind, s, cold[i])
-            if cost.warm_up_s:
-                duration = self._warmed_s(device, cost, env.now - wait_start, duration)
-            stash, saved, transient = held_sizes(cost, self.checkpoint)
-            if kind is Kind.BACKWARD and transient:
-                self._hold(device, transient)  # the layer being recomputed, on top of what is held
+            duration = self.action_s(device, cost, kind, s, cold[i], env.now - wait_start)
+            held = held_sizes(cost, self.checkpoint)
+            if kind is Kind.BACKWARD and held[2]:
+                self._hold(device, held[2])  # the layer being recomputed, on top of what is held
             start = env.now
             if duration > 0:
-                yield self._compute(duration)
-            self.busy_s[device] += duration if self.shared is None else env.now - start
+                yield env.timeout(duration)
+            self.busy_s[device] += duration
             if self.record:
                 self.records.append((device, kind.value, m, start, env.now, s))
-            if kind is Kind.FORWARD:
-                stashed = recomputes(self.checkpoint, m, microbatches)
-                self._hold(device, stash if stashed else saved)
-                if s < last:
-                    if cost.activation_send_s and self.position[s + 1] != device:
-                        yield self._compute(cost.activation_send_s)  # the sender's own time
-                    self._send(device, s + 1, m, cost.output_bytes, forward=True)
-            elif kind is Kind.RECOMPUTE:
-                self._hold(device, saved - stash)
-            else:
-                if kind is not Kind.INPUT:  # B, or W: the micro-batch's tensors are freed
-                    self._hold(device, -saved - transient)
-                if kind is not Kind.WEIGHT and s > 0:
-                    if cost.gradient_send_s and self.position[s - 1] != device:
-                        yield self._compute(cost.gradient_send_s)
-                    self._send(device, s - 1, m, cost.stash_bytes, forward=False)
+            message = self._finish(device, kind, s, cost, held, m)
+            if message is not None:
+                target, nbytes, forward, own_s = message
+                if own_s:
+                    yield env.timeout(own_s)  # the sender's own time
+                self._send(device, target, m, nbytes, forward)
         self.last_backward_s[device] = env.now
 
     def _send(self, device: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from sim.catalog.hardware import Device
+from sim.engine.host import NO_HOST_EFFECTS, HostEffects
 from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.workloads.workload import LayerCost, SharedParameter, Workload, shared_parameters
 
@@ -44,9 +45,9 @@ class StageCost:
     # (sim.schedules.schedule.cold_starts: the first of a device's list, the step's first): busy time; fitted by
     # calibration, none (empty) in the analytic models
     cold_start_s: tuple[float, ...] = ()
-    # what a device loses after a wait of at least sim.engine.warm_up.IDLE_S for its input, running at half
-    # speed until it is paid: busy time; fitted by calibration, 0 in the analytic models
-    warm_up_s: float = 0.0
+    # what a CPU host adds to the stage's actions (sim.engine.host: the warm-up after waits); off
+    # (NO_HOST_EFFECTS) unless a costs file measured on a CPU host turns it on
+    host: HostEffects = NO_HOST_EFFECTS
     # the sender's own time in a send to another device, after a forward (its output) and after a
     # backward or I (its input's gradient): device time, not busy; measured by calibration, 0 in the
     # analytic models, whose sends are asynchronous

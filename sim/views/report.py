@@ -6,7 +6,7 @@ import math
 
 from sim.catalog.hardware import System
 from sim.engine.engine import SimResult
-from sim.engine.warm_up import IDLE_S
+from sim.engine.host import IDLE_S
 
 GIB = 1 << 30
 
@@ -27,13 +27,13 @@ def format_summary(result: SimResult, system: System, precision: str) -> str:
         f"bubble       {result.bubble_fraction:.1%}",
         f"throughput   {result.throughput_samples_per_s:.2f} samples/s",
     ]
-    # the warm-up after long waits (sim.engine.warm_up), part of busy time: shown where the costs fitted one
-    waits = any(s.warm_up_s for s in result.stages)
+    # the warm-up after long waits (a CPU host's effect, sim.engine.host), part of busy time: shown where paid
+    waits = any(s.host and s.host.warm_up_s for s in result.stages)
     lines.append(("device replica " if result.replicas > 1 else "") + "stage  layers  busy ms   "
                  + ("of it after waits   " if waits else "") + "activations   peak memory   capacity   fits")
     for s in result.stages:
         where = f"{s.device:>6} {s.replica:>7} " if result.replicas > 1 else ""
-        after_waits = f"{s.warm_up_s * 1e3:>17.3f}   " if waits else ""
+        after_waits = f"{(s.host.warm_up_s if s.host else 0.0) * 1e3:>17.3f}   " if waits else ""
         lines.append(f"{where}{s.stage:>5}  {s.layers:>6}  {s.busy_s * 1e3:>7.3f}   {after_waits}"
                      f"{gib(s.peak_activation_bytes):>11}   {gib(s.peak_memory_bytes):>11}   "
                      f"{gib(s.memory_capacity_bytes):>9}   {'yes' if s.fits else 'NO'}")

@@ -129,7 +129,7 @@ def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up
     from tests.helpers.costs import design_runs, synthetic_costs
 
     data = design_runs([0.0])
-    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "warm_up_s": 4.15e-4}}
+    data["pipeline"] = {"2": {**synthetic_costs()["pipeline"]["2"], "host": {"warm_up_s": 4.15e-4}}}
     assert "after-wait probe" not in summary_text(data)  # a costs file from before the probe
     data["speed"] = {"reference_s": {"2": 0.018}, "after_wait_reference_s": {"2": 2.44e-4}}
     assert ("half speed until 415 us are lost (meanwhile the after-wait probe, the first layer's forward "
@@ -137,7 +137,7 @@ def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up
 
 
 def test_a_stage_beyond_noise_by_every_calibration_shows_its_error_at_the_runs_probe():
-    from calibrate.validate import across_calibrations
+    from calibrate.noise import across_calibrations
 
     run = _run([2.0, 2.0, 2.0], [1.0] * 3).to_dict()
     run["calibrations"] = across_calibrations.run_entry([run, run])

@@ -12,6 +12,7 @@ from executor.runtime.pipeline import LocalPipeline
 from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
 from sim.formats.costs import MeasuredWorkload
+from tests.helpers.costs import profile_record
 
 MODEL = "transformer"
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}
@@ -42,9 +43,9 @@ def profile_bf16():
 
 
 def _costs(profile, precision: str = "fp32") -> dict:
-    return {"machine": {"cpu_cores": 1, "device": "cpu"}, "system": "cpu",
-            "model": {"name": MODEL, "options": OPTIONS, "num_layers": 4}, "batch_size": BATCH,
-            "precision": precision, "profile": profile.to_dict(), "pipeline": {}}
+    return profile_record(machine={"cpu_cores": 1, "device": "cpu"},
+                          model={"name": MODEL, "options": OPTIONS, "num_layers": 4}, batch_size=BATCH,
+                          precision=precision, profile=profile.to_dict())
 
 
 def test_every_layer_pass_and_row_count_is_timed(profile):

@@ -10,6 +10,7 @@ from calibrate.fit.calibration import RunSpec, predict, run_config
 from calibrate.measure.profile import Repeats, profile_model
 from calibrate.measure.runs import run_configs
 from calibrate.measure.tp_profile import profile_tensor_parallel, thread_counts
+from tests.helpers.costs import profile_record
 from executor.models.build import build_model, example_batch, loss_function
 
 MODEL = "transformer"
@@ -54,9 +55,8 @@ def test_the_split_profile_predicts_the_executors_t2_activation_memory_exactly(p
     """Every checkpoint policy, one stage of two tensor-parallel ranks, run by calibration's own
     launcher (one torchrun of two processes, as gpipe validate runs them)."""
     whole, split = profiles
-    data = {"machine": {"cpu_cores": 2, "device": "cpu"}, "system": "cpu",
-            "model": {"name": MODEL, "options": OPTIONS, "num_layers": 4}, "batch_size": BATCH,
-            "profile": whole, "tensor_parallel_profile": {"2": split}, "pipeline": {}}
+    data = profile_record(model={"name": MODEL, "options": OPTIONS, "num_layers": 4}, batch_size=BATCH,
+                          profile=whole, tensor_parallel_profile={"2": split})
     specs = [RunSpec((4,), 2, checkpoint, schedule, BATCH, 1, 2)
              for checkpoint, schedule in [("never", "gpipe"), ("always", "1f1b"), ("except_last", "gpipe"),
                                           ("full", "gpipe"), ("selective", "1f1b")]]

@@ -110,7 +110,7 @@ def test_the_table_shows_d_and_keeps_oversubscribed_runs_out_of_the_errors():
 
 def test_the_table_names_the_worst_stage_and_how_much_of_its_busy_time_is_after_waits():
     """The busy error's worst stage, with the share of its predicted busy time the warm-up after long
-    waits makes up (sim.engine.warm_up): the component this machine moves most from one moment to the next."""
+    waits makes up (sim.engine.host): the component this machine moves most from one moment to the next."""
     small = Comparison("K=2 M=6 [1,5]", 1.0, 1.0, [100, 100], [100, 100], [1.0], [1.0],
                        predicted_busy_s=[0.010, 0.50], measured_busy_s=[0.008, 0.50],
                        busy_rounds_at_reference_s=[[0.008], [0.50]], predicted_warm_up_s=[0.004, 0.0])
@@ -521,7 +521,7 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     """One run measured once, judged by three calibrations at -10%, +6% and +2%: the range -10..+6%,
     16 points apart, the median +2%; per stage the median of the busy errors; the table's calibs column
     and summary line show them."""
-    from calibrate.validate import across_calibrations
+    from calibrate.noise import across_calibrations
 
     def judged(step, busy, bubble, run="K=2 M=4"):
         return {"run": run, "step_error_at_reference": step, "busy_errors_at_reference": busy,
@@ -583,7 +583,7 @@ def test_an_error_past_its_goal_by_one_calibration_only_is_the_moment_of_calibra
     inside 10%) is not, -14% and -18% with both intervals beyond -10% is; a stage +8% and +6.5%
     (intervals +7..+11 and +5.5..+9.5) is, +8% and +3% is not; a bubble of 4 and 5 points (both
     intervals beyond 3) is, 1 and 4 is not."""
-    from calibrate.validate import across_calibrations
+    from calibrate.noise import across_calibrations
 
     def judged(step, busy, bubble, run, width=0.03):
         return {"run": run, "step_error_at_reference": step, "busy_errors_at_reference": busy,
@@ -611,7 +611,7 @@ def test_an_error_past_its_goal_by_one_calibration_only_is_the_moment_of_calibra
 
 def test_other_calibrations_must_be_of_the_same_model_and_process_counts(tmp_path, capsys):
     """Refused in one line, before any run: another model, batch or fitted K, or one file named twice."""
-    from calibrate.validate.across_calibrations import check_same_calibration
+    from calibrate.noise.across_calibrations import check_same_calibration
     from calibrate.measure.machine import machine_stamp
     from sim.formats.costs import write_costs
     from sim.errors import GpipeInputError

@@ -10,6 +10,7 @@ from calibrate.fit.calibration import RunSpec
 from calibrate.fit.design_checks import (SPEED_FACTOR_BOUNDS, CalibrationRefused, corrected_within_bounds,
                                          missed_design_runs, out_of_bounds, refuse_missed)
 from sim.formats.costs import DESIGN_FIT_GOAL, fit_quality, fit_quality_warning, read_costs, write_costs
+from tests.helpers.costs import synthetic_costs
 
 SPECS = [RunSpec((4,), 2, "never", "gpipe", 8), RunSpec((4,), 8, "always", "gpipe", 8)]
 
@@ -67,7 +68,7 @@ def test_a_fit_missing_a_design_run_past_its_goal_is_refused_in_one_line_naming_
 
 
 def test_the_costs_file_carries_its_fit_quality_and_every_reader_warns_when_it_is_past_its_goal(tmp_path, capsys):
-    good = {**_design([0.02, -0.04]), "model": {"name": "transformer"}}
+    good = {**synthetic_costs(), **_design([0.02, -0.04])}
     good["fit_quality"] = fit_quality(good, [{"speed": 0.9, "warm_up": 1.0}, {"speed": 1.2, "warm_up": 0.5}])
     assert good["fit_quality"]["within_goal"] and good["fit_quality"]["worst_run"] == "run 1"
     assert good["fit_quality"]["speed_factor_range"] == [0.9, 1.2]

@@ -89,8 +89,9 @@ def test_the_chosen_line_says_when_fewer_stages_are_predicted_faster():
 def test_the_busy_rows_show_the_warm_up_part_of_a_stage_s_busy_time():
     from calibrate.report.run_report import busy_rows
     from sim.engine.engine import StageResult
+    from sim.engine.host import HostPaid
 
-    stages = [StageResult(k, 3, 0.05, 0, 0, 0, 1e9, True, warm_up_s=w) for k, w in enumerate((0.002, 0.0))]
+    stages = [StageResult(k, 3, 0.05, 0, 0, 0, 1e9, True, host=HostPaid(w)) for k, w in enumerate((0.002, 0.0))]
     rows = busy_rows(stages, [0.04, 0.05])
     assert [row[0] for row in rows] == ["stage 0 busy per step",
                                         "of it, running slow after waits of 2 ms or more for its input (the fitted "

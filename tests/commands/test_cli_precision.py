@@ -10,9 +10,9 @@ import pytest
 
 from gpipe.main import main
 from sim.catalog.hardware import SYSTEMS
-from sim.formats.costs import write_costs
 from sim.formats.plan import Plan, load_plan, save_plan
 from sim.workloads.precision import choose_precision
+from tests.helpers.costs import write_v1_costs
 from tests.helpers.in_process import gpipe
 
 TRANSFORMER = ["--model", "transformer", "--layers", "4", "--d-model", "256", "--ff", "1024", "--heads", "4",
@@ -129,7 +129,8 @@ def test_a_device_without_bf16_units_refuses_bf16_in_one_line():
 
 
 def _costs(precision: str | None) -> dict:
-    """A minimal measured mlp (2 layers, batch 4) at ``precision`` (None: a file from before)."""
+    """A minimal measured mlp (2 layers, batch 4) at ``precision`` (None: a file from before), as a
+    version 1 file held it (read with that version's defaults)."""
     layer = {"name": "Sequential", "param_bytes": 80, "own_bytes": [0, 0], "input_bytes": [16, 32],
              "output_bytes": [16, 32], "saves_input": True, "saves_output": True}
     data = {"machine": {"cpu_cores": 1, "device": "cpu"}, "system": "cpu",
@@ -147,7 +148,7 @@ def _costs(precision: str | None) -> dict:
 ])
 def test_measured_costs_predict_at_their_own_precision(tmp_path, capsys, stored, given, expected):
     path = tmp_path / "costs.json"
-    write_costs(_costs(stored), path)
+    write_v1_costs(_costs(stored), path)
     flags = [] if given is None else ["--precision", given]
     # the h100 would default to bf16: the file decides, not the device
     assert main(["simulate", "--costs", str(path), "--hardware", "cpu", "-K", "2", "-M", "2", "--json",
@@ -157,7 +158,7 @@ def test_measured_costs_predict_at_their_own_precision(tmp_path, capsys, stored,
 
 def test_a_precision_that_contradicts_the_costs_file_is_one_line(tmp_path):
     path = tmp_path / "costs.json"
-    write_costs(_costs("bf16"), path)
+    write_v1_costs(_costs("bf16"), path)
     for command in (["simulate", "-K", "2"], ["plan", "--quiet"]):
         proc = gpipe(*command, "--costs", str(path), "--hardware", "cpu", "--precision", "fp32")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1
@@ -169,11 +170,11 @@ def test_calibration_cache_tells_precisions_apart(tmp_path, monkeypatch):
 
     monkeypatch.setattr("calibrate.measure.machine.same_machine", lambda a, b: True)
     path = tmp_path / "costs.json"
-    write_costs({**_costs("bf16"), "batch_size": 4}, path)
+    write_v1_costs({**_costs("bf16"), "batch_size": 4}, path)
     options = {"layers": 2, "width": 4}
     assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd", "bf16") is not None
     assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd", "fp32") is None
-    write_costs(_costs(None), path)  # written before precisions were recorded: fp32
+    write_v1_costs(_costs(None), path)  # written before precisions were recorded: fp32
     assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd") is not None
     assert cli.cached(str(path), "mlp", options, 4, "cpu", "sgd", "bf16") is None
 

@@ -19,7 +19,8 @@ def affine_times(per_row_s: float, fixed_s: float) -> list[float]:
 
 
 def synthetic_costs() -> dict:
-    """Three mlp layers whose times and bytes are affine in rows (so interpolation is exact)."""
+    """Three mlp layers whose times and bytes are affine in rows (so interpolation is exact), as a
+    costs record of the current version (sim.formats.costs_v2)."""
     memory = [
         {"name": "a", "param_bytes": 1000, "own_bytes": [10 * r for r in ROWS], "input_bytes": [4 * r for r in ROWS],
          "output_bytes": [8 * r for r in ROWS], "saves_input": True, "saves_output": True},
@@ -30,12 +31,12 @@ def synthetic_costs() -> dict:
     ]
     times = {kind: [affine_times(1e-3 * (i + 1), 1e-4) for i in range(3)] for kind in "FRB"}
     times["B"] = [affine_times(2e-3 * (i + 1), 2e-4) for i in range(3)]
-    fit = {"threads": 1, "actions": {k: {"slope": 1.5, "intercept": 1e-4} for k in "FRB"},
+    fit = {"threads": 1, "actions": {k: {"slope": 1.5, "intercept": 1e-4, "cold_start_s": 0.0} for k in "FRB"},
            "send": {"slope": 1e-9, "intercept": 2e-5}, "optimizer": {"slope": 1e-8, "intercept": 1e-5},
-           "step_overhead_s": 5e-4}
+           "step_overhead_s": 5e-4, "gap_after_s": {}}
     return {"machine": {"cpu_cores": 2, "device": "cpu"}, "system": "cpu", "catalog_device": LOCAL_CPU.name,
             "model": {"name": "mlp", "options": {"layers": 3, "width": 8}, "num_layers": 3},
-            "batch_size": 8, "optimizer_slots": 0,
+            "batch_size": 8, "precision": "fp32", "optimizer": "sgd", "optimizer_slots": 0, "shared_parameters": [],
             "profile": {"rows": ROWS, "times_s": {"1": times, "2": times}, "memory": memory},
             "pipeline": {"1": {**fit, "threads": 2}, "2": fit},
             "link": {"name": "gloo", "latency_s": 3e-5, "bandwidth_bytes_per_s": 1e9},
@@ -62,3 +63,17 @@ def with_split_profile(data: dict) -> dict:
     split["times_s"] = {"1": {kind: [[3 * v for v in row] for row in table]
                               for kind, table in data["profile"]["times_s"]["1"].items()}}
     return {**data, "tensor_parallel_profile": {"2": split}}
+
+
+def profile_record(**fields) -> dict:
+    """A costs record of the current version that holds ``fields`` (a model and its profile, say) and
+    what a calibration that fitted nothing else writes beside them: no pipeline fits, fp32, SGD."""
+    return {"machine": {"cpu_cores": 2, "device": "cpu"}, "system": "cpu", "catalog_device": LOCAL_CPU.name,
+            "batch_size": 8, "precision": "fp32", "optimizer": "sgd", "optimizer_slots": 0, "shared_parameters": [],
+            "pipeline": {}, **fields}
+
+
+def write_v1_costs(data: dict, path) -> None:
+    """``data`` as a version 1 costs file, the format written before version 2 (read with its defaults)."""
+    with open(path, "w") as handle:
+        json.dump({"kind": "gpipe-costs", "version": 1, **data}, handle)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sim.catalog.hardware import Device, get_system
+from sim.engine.host import HostEffects
 from sim.workloads.workload import LayerCost, UniformWorkload
 
 IDEAL = get_system("ideal")
@@ -24,7 +25,7 @@ class GappedWorkload(UniformWorkload):
     def __init__(self, layers: int, gap_s: float, send_s: float = 0.0, backward_gap_s: float | None = None,
                  cold_s: tuple[float, ...] = (), warm_s: float = 0.0) -> None:
         super().__init__(layers)
-        self.warm_s = warm_s  # what a device loses after a long wait (sim.engine.warm_up)
+        self.warm_s = warm_s  # what a device loses after a long wait (sim.engine.host)
         self.send_s = send_s
         after_backward = gap_s if backward_gap_s is None else backward_gap_s
         self.gaps = (gap_s, gap_s, after_backward, gap_s, gap_s)  # after F, R, B, I, W
@@ -36,7 +37,7 @@ class GappedWorkload(UniformWorkload):
         from sim.engine.stage_costs import sum_stage
 
         return replace(sum_stage(self.layer_costs(rows, device)[first:end]), gap_after_s=self.gaps,
-                       cold_start_s=self.cold, warm_up_s=self.warm_s, activation_send_s=self.send_s if end < self.num_layers else 0.0,
+                       cold_start_s=self.cold, host=HostEffects(self.warm_s), activation_send_s=self.send_s if end < self.num_layers else 0.0,
                        gradient_send_s=self.send_s if first > 0 else 0.0)
 
 

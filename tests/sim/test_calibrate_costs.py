@@ -26,7 +26,7 @@ def costs_file(tmp_path):
 
 def test_round_trip(costs_file):
     data = read_costs(costs_file)
-    assert data["kind"] == "gpipe-costs" and data["version"] == 1
+    assert data["kind"] == "gpipe-costs" and data["version"] == 2
     assert {k: v for k, v in data.items() if k not in ("kind", "version")} == synthetic_costs()
 
 
@@ -59,8 +59,8 @@ def test_stage_cost_adds_fitted_constants(costs_file):
     assert last.optimizer_s == pytest.approx(1e-8 * 3000 + 1e-5)
     assert last.step_overhead_s == pytest.approx(5e-4)  # kept apart, drawn as its own span
     assert cost.stash_bytes == 8 and last.stash_bytes == 32
-    assert cost.gap_after_s == ()  # a costs file written before the gaps were measured has none
-    assert cost.cold_start_s == ()  # nor cold starts
+    assert cost.gap_after_s == ()  # a costs file whose design runs had no gap has none
+    assert cost.cold_start_s == ()  # nor cold starts where the lines fitted none
 
 
 def test_the_fitted_cold_starts_reach_every_kind_i_and_w_taking_the_backwards(tmp_path):
@@ -86,7 +86,7 @@ def test_an_action_scales_the_profiles_fixed_part_apart_from_the_part_that_grows
     rows' work: with the fixed part scaled by 0.2 and the rest by 1.5, a two-layer stage's forward at
     2 rows is 1.5 x work + 0.2 x 0.2 ms + the overhead; W takes the backward's factor at those rows."""
     data = synthetic_costs()
-    data["pipeline"]["2"]["actions"] = {k: {"slope": 1.5, "fixed_slope": 0.2, "intercept": 1e-4} for k in "FRB"}
+    data["pipeline"]["2"]["actions"] = {k: {"slope": 1.5, "fixed_slope": 0.2, "intercept": 1e-4, "cold_start_s": 0.0} for k in "FRB"}
     path = tmp_path / "costs.json"
     write_costs(data, path)
     w, _ = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 2, "always")
@@ -104,7 +104,7 @@ def test_a_forward_that_keeps_its_graph_is_priced_on_its_own_line_where_calibrat
     data = synthetic_costs()
     data["profile"]["times_s"] = {t: {**kinds, "R": [affine_times(1.5e-3 * (i + 1), 1e-4) for i in range(3)]}
                                   for t, kinds in data["profile"]["times_s"].items()}
-    data["pipeline"]["2"]["actions"]["F_graph"] = {"slope": 1.8, "intercept": 3e-4}
+    data["pipeline"]["2"]["actions"]["F_graph"] = {"slope": 1.8, "intercept": 3e-4, "cold_start_s": 0.0}
     path = tmp_path / "costs.json"
     write_costs(data, path)
     workload = load_costs_workload(str(path), "mlp", {"layers": 3, "width": 8})
@@ -135,8 +135,8 @@ def test_fitted_i_and_w_lines_price_a_split_backward_and_the_first_stage_keeps_t
         kinds["W"] = [affine_times(0.9e-3 * (i + 1), 1e-4) for i in range(3)]
     plain_path, split_path = tmp_path / "plain.json", tmp_path / "split.json"
     write_costs(data, plain_path)
-    data["pipeline"]["2"]["actions"]["I"] = {"slope": 1.25, "intercept": 2e-4}
-    data["pipeline"]["2"]["actions"]["W"] = {"slope": 2.0, "intercept": 3e-4}
+    data["pipeline"]["2"]["actions"]["I"] = {"slope": 1.25, "intercept": 2e-4, "cold_start_s": 0.0}
+    data["pipeline"]["2"]["actions"]["W"] = {"slope": 2.0, "intercept": 3e-4, "cold_start_s": 0.0}
     write_costs(data, split_path)
     options = {"layers": 3, "width": 8}
     split, _ = load_costs_workload(str(split_path), "mlp", options).bind(get_system("cpu"), 2, "never")
@@ -149,7 +149,7 @@ def test_fitted_i_and_w_lines_price_a_split_backward_and_the_first_stage_keeps_t
     first = split.stage_cost(2, 0, 1, LOCAL_CPU)
     assert weight_grad_time_s(first, "never", first=True) == pytest.approx(first.backward_s)
     assert input_grad_time_s(first, "never", first=True) == 0.0
-    data["pipeline"]["2"]["actions"]["W_first"] = {"slope": 1.5, "intercept": 3e-4}
+    data["pipeline"]["2"]["actions"]["W_first"] = {"slope": 1.5, "intercept": 3e-4, "cold_start_s": 0.0}
     data["pipeline"]["2"]["first_input_s"] = 4e-5
     measured_path = tmp_path / "measured_first.json"
     write_costs(data, measured_path)
@@ -271,7 +271,7 @@ def test_replicas_are_priced_with_the_threads_and_fits_of_d_x_k_processes():
     data = json.loads(json.dumps(synthetic_costs()))  # the two fits share their tables in the literal
     data["profile"]["times_s"]["1"] = {kind: [[2 * v for v in row] for row in table]
                                        for kind, table in data["profile"]["times_s"]["2"].items()}
-    data["pipeline"]["2"]["actions"]["F"] = {"slope": 2.0, "intercept": 1e-4}
+    data["pipeline"]["2"]["actions"]["F"] = {"slope": 2.0, "intercept": 1e-4, "cold_start_s": 0.0}
     forward = sum(1e-4 + 1e-3 * (i + 1) * 2 for i in range(3))
     one, _ = MeasuredWorkload(data).bind(get_system("cpu"), 1, "never", 2)
     two, _ = MeasuredWorkload(data).bind(get_system("cpu"), 1, "never", 2, replicas=2)

@@ -195,7 +195,7 @@ def test_the_steps_first_action_on_a_device_pays_its_kinds_cold_start_as_busy_ti
 
 def test_after_a_long_wait_a_device_runs_at_half_speed_until_its_warm_up_is_paid():
     """Two stages of 1 ms forwards and 2 ms backwards under GPipe: stage 1's F0 waits 1 ms (under
-    sim.engine.warm_up.IDLE_S: nothing), stage 0's B1 waits 3 ms for its gradient and pays the warm-up; a
+    sim.engine.host.IDLE_S: nothing), stage 0's B1 waits 3 ms for its gradient and pays the warm-up; a
     warm-up longer than B1's work is paid at half speed into B0, which did not wait. Busy time."""
     for warm_s, b1_end, b0_end in ((0.5e-3, 7.5, 9.5), (3e-3, 9, 12)):
         result = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2, microbatches=2,

@@ -122,12 +122,13 @@ def costs_data(optimizer: str) -> dict:
     memory = [{"name": f"l{i}", "param_bytes": 1000 * (i + 1), "own_bytes": [8, 16], "input_bytes": [4, 8],
                "output_bytes": [4, 8], "saves_input": True, "saves_output": False} for i in range(2)]
     times = {kind: [[1e-3, 2e-3], [1e-3, 2e-3]] for kind in "FRB"}
-    fit = {"threads": 1, "actions": {k: {"slope": 1.0, "intercept": 0.0} for k in "FRB"},
+    fit = {"threads": 1, "actions": {k: {"slope": 1.0, "intercept": 0.0, "cold_start_s": 0.0} for k in "FRB"},
            "send": {"slope": 0.0, "intercept": 0.0}, "optimizer": {"slope": 1e-8, "intercept": 0.0},
-           "step_overhead_s": 0.0}
+           "step_overhead_s": 0.0, "gap_after_s": {}}
     return {"machine": {"cpu_cores": 2, "device": "cpu"}, "system": "cpu", "catalog_device": LOCAL_CPU.name,
             "model": {"name": "mlp", "options": {"layers": 2, "width": 8}, "num_layers": 2}, "batch_size": 4,
-            "optimizer": optimizer, "optimizer_slots": OPTIMIZER_SLOTS[optimizer],
+            "precision": "fp32", "optimizer": optimizer, "optimizer_slots": OPTIMIZER_SLOTS[optimizer],
+            "shared_parameters": [],
             "profile": {"rows": rows, "times_s": {"1": times}, "memory": memory}, "pipeline": {"1": fit}}
 
 

@@ -5,6 +5,7 @@ import pytest
 from sim.catalog.hardware import get_system
 from sim.errors import GpipeInputError
 from sim.formats.costs import write_costs
+from tests.helpers.costs import synthetic_costs
 from sim.planner.search import Candidate
 from sim.planner.whatif import efficiency_from_costs, simulate_candidate, with_efficiency
 from sim.workloads.models import get_workload
@@ -40,9 +41,9 @@ def test_gpipe_plan_takes_an_efficiency_of_at_most_the_peak(value, capsys):
 
 def test_efficiency_is_read_from_a_costs_file(tmp_path):
     path = tmp_path / "costs.json"
-    write_costs({"efficiency": {"efficiency": 0.37, "bandwidth_efficiency": 0.21}}, path)
+    write_costs({**synthetic_costs(), "efficiency": {"efficiency": 0.37, "bandwidth_efficiency": 0.21}}, path)
     assert efficiency_from_costs(str(path)) == (0.37, 0.21)
-    write_costs({"efficiency": None}, path)
+    write_costs({**synthetic_costs(), "efficiency": None}, path)
     with pytest.raises(GpipeInputError, match="no fitted efficiency"):
         efficiency_from_costs(str(path))
     with pytest.raises(GpipeInputError, match="does not exist"):
@@ -73,7 +74,7 @@ def test_measured_tensor_parallel_collectives_price_a_split_layer_on_this_system
     a second of latency per ring step on that link shows in the step, on the other one it does not."""
     def costs(all_reduce_latency_s, pair_latency_s):
         path = tmp_path / f"costs-{all_reduce_latency_s}-{pair_latency_s}.json"
-        write_costs({"system": "cpu", "efficiency": {"efficiency": 0.5, "bandwidth_efficiency": 0.5},
+        write_costs({**synthetic_costs(), "efficiency": {"efficiency": 0.5, "bandwidth_efficiency": 0.5},
                      "tensor_parallel": {"backend": "gloo", "parties": 2,
                                          "all_reduce": {"latency_s": all_reduce_latency_s, "bandwidth_bytes_per_s": 1e9},
                                          "sequence_parallel": {"latency_s": pair_latency_s,

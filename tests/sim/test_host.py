@@ -1,5 +1,6 @@
-"""The warm-up after a long wait: what the simulator charges, calibration reads back from a
-timeline, and the fit recovers from points that paid it."""
+"""A CPU host's effects (sim.engine.host), off unless costs turn them on; the warm-up after a long
+wait: what the simulator charges, calibration reads back from a timeline, and the fit recovers from
+points that paid it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,29 @@ import math
 import pytest
 
 from sim.engine.engine import simulate
-from sim.engine.warm_up import IDLE_S, measured_paid_s, owed_s, paid_s
+from sim.engine.host import IDLE_S, NO_HOST_EFFECTS, HostEffects, measured_paid_s, owed_s, paid_s
 from sim.formats.timeline import Record
 from tests.helpers.scenarios import IDEAL, GappedWorkload
+
+
+def test_host_effects_are_off_unless_costs_turn_them_on():
+    """The analytic and GPU models carry no host effects: every stage's costs have the empty record,
+    no stage reports any, and a record of zeros is off too."""
+    from sim.engine.stage_costs import CostTable
+    from sim.workloads.models import get_workload
+
+    workload = get_workload("transformer", {"layers": 4})
+    assert CostTable(workload, get_system_device("h100-nvlink")).stage(4, 0, 2).host == NO_HOST_EFFECTS
+    result = simulate(workload, IDEAL, [3, 3], batch_size=8, microbatches=4)
+    assert all(s.host is None and "host" not in s.to_dict() for s in result.stages)
+    assert not NO_HOST_EFFECTS.on and not HostEffects(0.0).on and HostEffects(1e-4).on
+    assert HostEffects.from_dict({"warm_up_s": -1e-5}) == NO_HOST_EFFECTS  # a negative fit is none
+
+
+def get_system_device(name: str):
+    from sim.catalog.hardware import get_system
+
+    return get_system(name).device
 
 
 def test_a_long_wait_sets_the_debt_a_short_one_keeps_it_and_work_pays_it_at_half_speed():
@@ -38,7 +59,7 @@ def test_calibration_reads_back_from_a_timeline_what_each_action_paid():
 
 
 def test_each_stage_reports_the_warm_up_it_paid_as_part_of_its_busy_time():
-    """A stage's ``warm_up_s`` is what the warm-up added to its busy time, in both of the simulator's
+    """A stage's ``host.warm_up_s`` is what the warm-up added to its busy time, in both of the simulator's
     walks (SimPy's with a timeline, the closed form without), and the report shows it."""
     from sim.views.report import format_summary
 
@@ -47,10 +68,11 @@ def test_each_stage_reports_the_warm_up_it_paid_as_part_of_its_busy_time():
             warm, unwarmed = (simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6,
                                        microbatches=6, checkpoint="except_last", schedule=schedule, record=record)
                               for w in (1.5e-3, 0.0))
-            paid = [s.warm_up_s for s in warm.stages]
+            paid = [s.host.warm_up_s for s in warm.stages]
             assert paid == pytest.approx([w.busy_s - u.busy_s for w, u in zip(warm.stages, unwarmed.stages)], abs=1e-12)
-            assert sum(paid) > 1.5e-3 and all(s.warm_up_s == 0.0 for s in unwarmed.stages)
-            assert warm.stages[0].to_dict()["warm_up_s"] == paid[0]
+            assert sum(paid) > 1.5e-3 and all(s.host is None for s in unwarmed.stages)  # off: no record
+            assert warm.stages[0].to_dict()["host"] == {"warm_up_s": paid[0]}
+            assert "host" not in unwarmed.stages[0].to_dict()
     assert "of it after waits" in format_summary(warm, IDEAL, "fp32")
     assert "of it after waits" not in format_summary(unwarmed, IDEAL, "fp32")
 
@@ -115,14 +137,14 @@ def test_the_fit_finds_the_warm_up_the_points_paid_and_the_line_beneath_it():
 
     warm_s = 0.25e-3
     pipeline, residuals = fit_pipeline(_observed(warm_s, True), {2: 1})
-    assert pipeline["2"]["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
-    assert residuals["2"]["warm up"]["warm_up_s"] == pipeline["2"]["warm_up_s"]
+    assert pipeline["2"]["host"]["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
+    assert residuals["2"]["warm up"]["warm_up_s"] == pipeline["2"]["host"]["warm_up_s"]
     for kind in ("F", "B"):
         fitted = pipeline["2"]["actions"][kind]
         assert fitted["slope"] == pytest.approx(1.1, rel=2e-2) and fitted["intercept"] == pytest.approx(1e-4, rel=0.1)
         assert fitted["worst_relative"] < 0.03
     unseen = fit_pipeline(_observed(warm_s, False), {2: 1})[0]["2"]
-    assert unseen["warm_up_s"] == 0.0 and unseen["actions"]["F"]["worst_relative"] > 0.1
+    assert unseen["host"]["warm_up_s"] == 0.0 and unseen["actions"]["F"]["worst_relative"] > 0.1
 
 
 def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_moments():
@@ -133,17 +155,37 @@ def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_
 
     warm_s = 0.25e-3
     scaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5), scaled=True), {2: 1})[0]["2"]
-    assert scaled["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
+    assert scaled["host"]["warm_up_s"] == pytest.approx(warm_s, abs=5e-6)
     assert scaled["actions"]["F"]["worst_relative"] < 0.03 and scaled["actions"]["B"]["worst_relative"] < 0.03
     unscaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5)), {2: 1})[0]["2"]
     assert max(unscaled["actions"][kind]["worst_relative"] for kind in "FB") > 0.1
 
 
 def test_the_costs_file_carries_the_warm_up_to_every_stage():
-    from sim.formats.costs import PipelineFit
+    """A costs record's host entry (a CPU host's, sim.engine.host) reaches the fit; without one, and in
+    a version 1 file that had none, the effects are off; version 1's warm_up_s becomes the host entry."""
+    from sim.formats.costs import MeasuredWorkload, PipelineFit
+    from sim.formats.costs_v1 import upgrade
+    from tests.helpers.costs import synthetic_costs
 
-    entry = {"threads": 1, "actions": {k: {"slope": 1.0, "intercept": 0.0} for k in "FRB"},
+    entry = {"threads": 1, "actions": {k: {"slope": 1.0, "intercept": 0.0, "cold_start_s": 0.0} for k in "FRB"},
              "send": {"slope": 0.0, "intercept": 0.0}, "optimizer": {"slope": 0.0, "intercept": 0.0},
-             "step_overhead_s": 0.0}
-    assert PipelineFit.from_dict(entry).warm_up_s == 0.0  # files from before it
-    assert PipelineFit.from_dict({**entry, "warm_up_s": 2e-4}).warm_up_s == 2e-4
+             "step_overhead_s": 0.0, "gap_after_s": {}}
+    assert PipelineFit.from_dict(entry).host == NO_HOST_EFFECTS  # measured on no CPU host
+    assert PipelineFit.from_dict({**entry, "host": {"warm_up_s": 2e-4}}).host == HostEffects(2e-4)
+    old = {**synthetic_costs(), "version": 1}
+    old["pipeline"] = {"2": {**old["pipeline"]["2"], "warm_up_s": 2e-4}, "1": old["pipeline"]["1"]}
+    upgraded = upgrade(old)
+    assert upgraded["pipeline"]["2"]["host"] == {"warm_up_s": 2e-4} and "warm_up_s" not in upgraded["pipeline"]["2"]
+    assert upgraded["pipeline"]["1"]["host"] == {"warm_up_s": 0.0}  # files from before it: off
+    workload = MeasuredWorkload(upgraded, stages=2)
+    assert all(workload.stage_cost(2, a, b, workload_device(workload)).host == HostEffects(2e-4)
+               for a, b in ((0, 1), (1, 3)))
+    assert MeasuredWorkload(upgraded, stages=1).stage_cost(2, 0, 3, workload_device(workload)).host == NO_HOST_EFFECTS
+
+
+def workload_device(workload):
+    from sim.catalog.hardware import LOCAL_CPU
+
+    assert workload.device_name == LOCAL_CPU.name
+    return LOCAL_CPU

@@ -1,0 +1,77 @@
+"""The links a costs file measured, as the simulator prices them: the all-reduce and the tensor-parallel collectives.
+
+Each is fitted as a ring (latency, bandwidth) by calibration (:mod:`calibrate.measure.collective`,
+:mod:`calibrate.measure.tp_collectives`); an entry that is not a link is refused with one line.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sim.catalog.hardware import Link
+from sim.errors import GpipeInputError
+
+
+def tensor_parallel_link(data: dict[str, Any], sequence_parallel: bool) -> Link | None:
+    """The tensor-parallel collectives the costs file measured (``calibrate.measure.tp_collectives``) as a
+    ring :class:`Link`: the all-reduce's, or with ``sequence_parallel`` the reduce-scatter plus
+    all-gather pair's; None when it has none. Limits: measured idle among T ranks on one host."""
+    entry = data.get("tensor_parallel")
+    if not entry:
+        return None
+    kind = "sequence_parallel" if sequence_parallel else "all_reduce"
+    try:
+        fit = entry[kind]
+        latency_s, bandwidth = float(fit["latency_s"]), float(fit["bandwidth_bytes_per_s"])
+    except (KeyError, TypeError, ValueError):
+        raise GpipeInputError(f"the costs file's tensor_parallel entry has no usable {kind} fit; re-run gpipe "
+                              "calibrate --force to measure it again") from None
+    if not (math.isfinite(latency_s) and latency_s >= 0 and bandwidth > 0):
+        raise GpipeInputError(f"the costs file's tensor_parallel {kind} fit (latency {latency_s!r} s, bandwidth "
+                              f"{bandwidth!r} B/s) is not a link; re-run gpipe calibrate --force")
+    what = "reduce-scatter + all-gather" if sequence_parallel else "all-reduce"
+    return Link(f"calibrated {what} ({entry.get('backend', '?')})", bandwidth, latency_s)
+
+
+def allreduce_link(data: dict[str, Any], shared_memory: bool = False) -> Link | None:
+    """The all-reduce the costs file measured as a :class:`Link` for the ring model, or None when
+    it has none (a one-core machine, or a file from before it was measured). ``shared_memory``: the
+    shared-memory route's fit (:mod:`calibrate.measure.collective`) where the file has one, else the backend's.
+
+    The simulator prices a data-parallel group of D ranks as ``2(D-1)/D * bytes / bandwidth +
+    2(D-1) * latency`` on this link instead of the slowest link the group crosses. Limits: it was
+    measured idle on one host (:mod:`calibrate.measure.collective`); across nodes the catalog's links apply.
+    """
+    entry = data.get("allreduce")
+    if entry is None:
+        return None
+    latency_s, bandwidth = _fitted_ring(entry, "allreduce")
+    shared = entry.get("shared_memory")  # checked whichever is asked for: a bad file fails before any work
+    if shared is not None:
+        shared_latency_s, shared_bandwidth = _fitted_ring(shared, "allreduce shared_memory")
+        if shared_memory:
+            return Link("fitted shared-memory all-reduce", shared_bandwidth, shared_latency_s)
+    return Link(f"fitted {entry.get('backend', 'all-reduce')} all-reduce", bandwidth, latency_s)
+
+
+def _fitted_ring(entry: Any, what: str) -> tuple[float, float]:
+    """(latency_s, bandwidth_bytes_per_s) of a costs file's fitted ring link; ``what`` names the
+    entry in the one-line error a malformed one gets."""
+    fix = "re-run gpipe calibrate --force to measure it again"
+    if not isinstance(entry, dict):
+        raise GpipeInputError(f"the costs file's {what} entry is {type(entry).__name__}, not an object; {fix}")
+    try:
+        latency_s = float(entry["latency_s"])
+        bandwidth = float(entry["bandwidth_bytes_per_s"])
+    except KeyError as exc:
+        raise GpipeInputError(f"the costs file's {what} entry has no {exc.args[0]}; {fix}") from None
+    except (TypeError, ValueError):
+        raise GpipeInputError(f"the costs file's {what} latency_s {entry['latency_s']!r} or bandwidth_bytes_per_s "
+                              f"{entry['bandwidth_bytes_per_s']!r} is not a number; {fix}") from None
+    if not (math.isfinite(latency_s) and latency_s >= 0):
+        raise GpipeInputError(f"the costs file's {what} latency_s {latency_s!r} is not a finite time of 0 s or "
+                              f"more; {fix}")
+    if not bandwidth > 0:
+        raise GpipeInputError(f"the costs file's {what} bandwidth_bytes_per_s {bandwidth!r} is not positive; {fix}")
+    return latency_s, bandwidth
