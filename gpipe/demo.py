@@ -75,7 +75,7 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tu
 
 
 def run(args: argparse.Namespace) -> int:
-    from calibrate.fit.calibration import check_timed_steps
+    from calibrate.fit.design import check_timed_steps
 
     check_timed_steps(args.steps)  # before torch is imported
     from gpipe.calibrate import calibrate_cached

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from calibrate.fit.calibration import check_timed_steps
+from calibrate.fit.design import check_timed_steps
 from gpipe.options import check_output_path
 from sim.errors import GpipeInputError, require_positive
 

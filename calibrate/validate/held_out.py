@@ -48,7 +48,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from calibrate.fit.calibration import RunSpec, calibration_design, predict, run_config, skewed
+from calibrate.fit.design import RunSpec, calibration_design, run_config, skewed
+from calibrate.fit.step_fit import predict
 from calibrate.goals import BUBBLE_GOAL_POINTS, BUSY_GOAL, STEP_GOAL, past
 from calibrate.noise.after_wait_probe import WAIT_S, after_wait_reference_s, run_after_wait_probes, warm_up_factor
 from calibrate.noise.speed import run_probes, speed_factor

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from calibrate.fit.calibration import RunSpec
+from calibrate.fit.design import RunSpec
 from calibrate.fit.design_checks import run_speed_reference
 from calibrate.noise.after_wait_probe import AfterWaitProbe, run_after_wait_probes, warm_up_factor
 from calibrate.noise.speed import SpeedProbe

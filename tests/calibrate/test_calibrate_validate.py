@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from calibrate.fit.calibration import RunSpec, calibration_design, run_config
+from calibrate.fit.design import RunSpec, calibration_design, run_config
 from calibrate.validate.held_out import Comparison, format_table, summarize, validation_design
 from gpipe.main import main
 from tests.helpers.costs import TINY
@@ -186,7 +186,7 @@ def test_validate_refuses_a_missing_costs_file(tmp_path, capsys):
 def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
     """D x K beyond the system's devices: predicted on a node with a device per process."""
     import sim.engine.engine
-    from calibrate.fit.calibration import predict
+    from calibrate.fit.step_fit import predict
     from sim.catalog.hardware import get_system
     from tests.helpers.costs import synthetic_costs
 
@@ -321,7 +321,7 @@ def test_the_gap_between_actions_is_device_time_outside_every_span_where_the_inp
 def test_split_runs_fit_the_split_stages_in_pipeline_factor():
     """Per kind, the ratio of a split run's measured actions (less K's per-action overhead, at the
     reference speed) to the split profile's times; the whole-stage runs leave it alone."""
-    from calibrate.fit.calibration import fit_tensor_parallel
+    from calibrate.fit.design_fit import fit_tensor_parallel
     from tests.helpers.costs import synthetic_costs, with_split_profile
 
     data = with_split_profile(synthetic_costs())
@@ -349,7 +349,7 @@ def test_a_split_stages_optimizer_step_is_scaled_by_the_factor_its_runs_measured
     """The optimizer spans of a split run's rank 0 (its measured steps, at the reference speed)
     against K's optimizer line on the shard's bytes: a ratio through the origin, which prices
     the split stage's optimizer step; whole stages keep K's line."""
-    from calibrate.fit.calibration import fit_tensor_parallel
+    from calibrate.fit.design_fit import fit_tensor_parallel
     from sim.formats.costs import MeasuredWorkload
     from sim.catalog.hardware import LOCAL_CPU
     from tests.helpers.costs import synthetic_costs, with_split_profile
