@@ -56,7 +56,7 @@ def measure(path: str) -> None:
     import calibrate.measure.runs as runs
     from calibrate.fit.calibration import calibrate
     from calibrate.fit.design import calibration_design, run_config
-    from calibrate.validate.held_out import validation_design
+    from calibrate.validate.held_out_design import validation_design
     from sim.formats.costs import MeasuredWorkload
 
     design_reports: list = []
@@ -125,7 +125,10 @@ def compare_variants(path: str) -> dict:
     from calibrate.fit.design_fit import fit_halves
     from calibrate.fit.step_fit import design_entry
     from calibrate.noise.speed import run_probes, speed_factor
-    from calibrate.validate.held_out import compare, format_table, summarize, validation_design
+    from calibrate.validate.comparison import compare
+    from calibrate.validate.held_out_design import validation_design
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
     from sim.formats.costs import MeasuredWorkload
 
     with open(path) as handle:

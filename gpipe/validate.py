@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sim.formats.costs import read_costs
     from calibrate.measure.machine import machine_stamp, same_machine
-    from calibrate.validate.held_out import format_table, validate
+    from calibrate.validate.held_out import validate
+    from calibrate.validate.table import format_table
 
     check_output_path(args.out, "--out")
     check_timed_steps(args.steps)

@@ -91,14 +91,15 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
               precision: str = "fp32", tensor_parallel: int | None = None) -> dict[str, Any]:
     """Measure and fit everything for ``model``; the costs file's content (see :mod:`sim.formats.costs`).
 
-    The design runs are measured ``rounds`` times, interleaved, and each action enters the fits at
-    its median over the rounds (:meth:`calibrate.fit.observations.ActionPoints.typical`), so a moment
-    when the machine ran slow weighs less; with two rounds or more (not ``quick``) the fits on the odd
-    and on the even rounds are kept beside the whole one (:func:`calibrate.fit.design_fit.fit_halves`). They train with ``optimizer``, which
-    the costs file records with its state per parameter. Layers are profiled and the design runs
-    trained at ``precision`` (:mod:`executor.runtime.precision`), which the costs file records too.
-    ``tensor_parallel`` T > 1 also profiles the layers split over T ranks (:mod:`calibrate.measure.tp_profile`);
-    None does so with T = 2 in a full calibration where two ranks fit and the model has a plan.
+    The design runs are measured ``rounds`` times, interleaved, and each action enters the fits at its
+    median over the rounds (:meth:`calibrate.fit.observations.ActionPoints.typical`), so a moment when
+    the machine ran slow weighs less; with two rounds or more (not ``quick``) the fits on the odd and on
+    the even rounds are kept beside the whole one (:func:`calibrate.fit.design_fit.fit_halves`). They
+    train with ``optimizer``, which the costs file records with its state per parameter. Layers are
+    profiled and the design runs trained at ``precision`` (:mod:`executor.runtime.precision`), which the
+    costs file records too. ``tensor_parallel`` T > 1 also profiles the layers split over T ranks
+    (:mod:`calibrate.measure.tp_profile`); None does so with T = 2 in a full calibration where two ranks
+    fit and the model has a plan.
     """
     import torch
 

@@ -45,7 +45,7 @@ def fit_halves(data: dict[str, Any], design_size: int, specs: Sequence[RunSpec],
     """The calibration's own noise: the same fit on the odd and on the even design rounds
     (``specs`` is the design repeated round after round), each half's :data:`FITTED_TERMS`.
 
-    Validation predicts every held-out run with both halves too (:func:`calibrate.validate.held_out.compare`):
+    Validation predicts every held-out run with both halves too (:func:`calibrate.validate.comparison.compare`):
     how far two calibrations taken minutes apart on this machine place the same run. Each half has
     half the rounds, so two whole calibrations would lie about 1/sqrt(2) as far apart (where the
     noise falls as the square root of the rounds)."""

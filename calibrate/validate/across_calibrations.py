@@ -51,7 +51,7 @@ def check_same_calibration(first: dict[str, Any], other: dict[str, Any], other_n
 def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One held-out run as each calibration judged it (``runs``: its result dicts, one per costs
     file, the first file's first): each one's errors and step error interval
-    (:func:`calibrate.validate.held_out.median_interval`), their range and their median, and whether every
+    (:func:`calibrate.validate.intervals.median_interval`), their range and their median, and whether every
     calibration's interval lies on one side of zero (``beyond_noise``; per stage for the busy time,
     ``busy_beyond_noise``; for the bubble, in points, ``bubble_beyond_noise``)."""
     step = [run["step_error_at_reference"] for run in runs]

@@ -12,7 +12,9 @@ from calibrate.fit.design import RunSpec
 from calibrate.fit.design_checks import run_speed_reference
 from calibrate.noise.after_wait_probe import AfterWaitProbe, run_after_wait_probes, warm_up_factor
 from calibrate.noise.speed import SpeedProbe
-from calibrate.validate.held_out import Comparison, format_table, summarize
+from calibrate.validate.comparison import Comparison
+from calibrate.validate.summary import summarize
+from calibrate.validate.table import format_table
 
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}
 

@@ -69,7 +69,10 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs)
     predicted, peak activation memory exact."""
     from calibrate.fit.design import run_config
     from calibrate.measure.runs import run_configs
-    from calibrate.validate.held_out import compare, format_table, machine_processes, summarize, validation_design
+    from calibrate.validate.comparison import compare
+    from calibrate.validate.held_out_design import machine_processes, validation_design
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
     costs, _ = tiny_quick_costs
     with open(costs) as handle:
         data = json.load(handle)

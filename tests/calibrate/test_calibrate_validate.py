@@ -8,7 +8,10 @@ import shutil
 import pytest
 
 from calibrate.fit.design import RunSpec, calibration_design, run_config
-from calibrate.validate.held_out import Comparison, format_table, summarize, validation_design
+from calibrate.validate.comparison import Comparison
+from calibrate.validate.held_out_design import validation_design
+from calibrate.validate.summary import summarize
+from calibrate.validate.table import format_table
 from gpipe.main import main
 from tests.helpers.costs import TINY
 
@@ -203,7 +206,7 @@ def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
 def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
     from types import SimpleNamespace
 
-    from calibrate.validate.held_out import replica_zero_peak_bytes
+    from calibrate.validate.comparison import replica_zero_peak_bytes
 
     def device(replica, stage, peak):
         return SimpleNamespace(replica=replica, stage=stage, peak_activation_bytes=peak)
@@ -218,7 +221,7 @@ def test_components_bubble_and_end_of_step_span_from_literal_spans():
     from sim.formats.timeline import Record
 
     from calibrate.fit.step_components import end_of_step_span_s
-    from calibrate.validate.held_out import bubble
+    from calibrate.validate.comparison import bubble
 
     assert bubble([0.6, 0.8], 1.0) == pytest.approx(0.3)  # 1 - mean busy / step
     records = [Record(0, "F", 0, 0.0, 1.0, step=3), Record(1, "B", 0, 2.0, 4.0, step=3),
@@ -376,7 +379,7 @@ def test_a_split_stages_optimizer_step_is_scaled_by_the_factor_its_runs_measured
 def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
     """Two rounds that computed 10% and 30% slow than the calibration's pace: the busy error at the
     reference speed compares the prediction with each round's busy time divided by its speed."""
-    from calibrate.validate.held_out import Comparison
+    from calibrate.validate.comparison import Comparison
 
     comparison = Comparison("K=1 M=2 [4] never gpipe", 0.10, 0.12, [1], [1], [0.11, 0.13], [1.1, 1.3],
                             predicted_busy_s=[0.10], measured_busy_s=[0.12], busy_rounds_at_reference_s=[[0.10, 0.10]])
@@ -387,7 +390,9 @@ def test_busy_time_at_the_reference_speed_takes_the_rounds_drift_out():
 def test_the_busy_errors_noise_stands_beside_them_in_the_table():
     """Each run's widest stage's interquartile range of its rounds' busy time over their median, and
     the summary's median of it, beside the busy errors: how much of an error one round's noise is."""
-    from calibrate.validate.held_out import format_table, relative_spread, summarize
+    from calibrate.validate.intervals import relative_spread
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
 
     assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2.0 / 3.0)
     assert relative_spread([1.0]) == 0.0
@@ -408,7 +413,9 @@ def test_each_kind_of_action_is_compared_at_the_reference_speed():
 
     from sim.formats.timeline import Record
 
-    from calibrate.validate.held_out import format_table, measured_kind_s, predicted_kind_s, summarize
+    from calibrate.validate.comparison import measured_kind_s, predicted_kind_s
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
 
     def report(f0, b1):
         return {"actions": [{"stage": 0, "kind": "F", "microbatch": m, "rows": 2, "duration_s": f0} for m in (0, 1)]
@@ -453,7 +460,10 @@ def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
     """The measured median's distribution-free interval (with 15 rounds the 4th and 12th, 96.5%
     coverage) turned into an interval of the error; the summary counts the runs whose interval does
     not reach zero and gives the worst run's, and the table prints both beside the errors."""
-    from calibrate.validate.held_out import Comparison, format_table, median_interval, summarize
+    from calibrate.validate.comparison import Comparison
+    from calibrate.validate.intervals import median_interval
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
 
     assert median_interval([float(v) for v in range(15, 0, -1)]) == (4.0, 12.0)
     assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few rounds for 90%: the whole range
@@ -490,7 +500,9 @@ def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
 def test_the_half_calibrations_errors_stand_beside_the_whole_fits():
     """A run predicted at 0.9 and 1.1 s by the fits on the odd and the even design rounds, measured at
     1.0 s: its error by the halves is -10..+10%, 20 points apart, in the table and the summary."""
-    from calibrate.validate.held_out import Comparison, format_table, summarize
+    from calibrate.validate.comparison import Comparison
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
 
     run = Comparison("K=2 M=4", 1.0, 1.0, [1], [1], [1.0], [1.0], predicted_step_halves_s=[1.1, 0.9])
     without = Comparison("K=2 M=5", 1.0, 1.0, [1], [1], [1.0], [1.0])
@@ -648,7 +660,7 @@ def test_the_measured_bubble_is_the_median_rounds_not_the_bubble_of_medians_from
 
 
 def test_errors_past_their_goal_beyond_their_own_rounds_noise_are_named():
-    from calibrate.validate.held_out import beyond_goals
+    from calibrate.validate.summary import beyond_goals
 
     # the step 1.18-1.22 s, predicted 1.0 (-16.7% at the median); busy 1.12-1.16 s, predicted 0.96 (-15.8%);
     # each round's bubble 4.4-5.1% against 4% predicted
