@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="run only the first N held-out configurations")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the results JSON here")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--verbose", action="store_true",
+                        help="add this machine's noise to the table: each run's round spread and interval, the "
+                             "calibration's halves, the spread across calibrations and the after-wait probes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout)
         print()
     else:
-        print(format_table(result))
+        print(format_table(result, verbose=args.verbose))
         if args.out:
             print(f"results written to {args.out}")
     return 0

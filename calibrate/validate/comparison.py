@@ -59,6 +59,9 @@ class Comparison:
     predicted_warm_up_s: list[float] = field(default_factory=list)
     # each round's after-wait probe against the calibration's (calibrate.noise.after_wait_probe.warm_up_factor)
     round_warm_up_factors: list[float] = field(default_factory=list)
+    # why the run is not judged (a round's speed correction out of bounds after it was measured again,
+    # calibrate.validate.held_out.speeds_within_bounds); None for a run judged
+    not_judged: str | None = None
 
     @property
     def replica_wait_points(self) -> tuple[float, float]:
@@ -258,7 +261,8 @@ class Comparison:
                 "predicted_replica_wait_s": self.predicted_replica_wait_s,
                 "replica_wait_points": list(self.replica_wait_points), "replica_busy_spread": self.replica_busy_spread,
                 "step_error_halves_at_reference": (list(self.step_error_halves_at_reference)
-                                                   if self.step_error_halves_at_reference else None)}
+                                                   if self.step_error_halves_at_reference else None),
+                "not_judged": self.not_judged}
 
 
 
@@ -267,22 +271,28 @@ def bubble(busy_s: Sequence[float], step_s: float) -> float:
     return 1.0 - statistics.fmean(busy_s) / step_s if busy_s and step_s > 0 else 0.0
 
 
+def round_speed_factor(data: dict[str, Any], spec: RunSpec, report: dict[str, Any]) -> float:
+    """One round's speed factor: the probes its ranks took around it against the calibration's
+    reference pace with as many processes sharing the machine as the run has (D x K x T)."""
+    reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
+    return speed_factor(run_probes(report), reference)
+
+
 def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any]],
-            processes_available: int | None = None) -> Comparison:
+            processes_available: int | None = None, not_judged: str | None = None) -> Comparison:
     """Prediction against the median step time over ``reports`` (one per round) of one run.
 
-    ``processes_available`` (None: no limit) marks the run oversubscribed when D x K exceeds it.
+    ``processes_available`` (None: no limit) marks the run oversubscribed when D x K exceeds it;
+    ``not_judged`` says why the run is left out of the summary (None: it is judged).
     """
     result = predict(data, spec, data.get("system", "cpu"))
     halves = [predict({**data, **half}, spec, data.get("system", "cpu")).step_time_s
               for half in data.get("fit_halves", [])]
     measured = statistics.median(r["step_time_s"] for r in reports)
-    # the pace probed with as many processes sharing the machine as this run has (D x K)
-    reference = data.get("speed", {}).get("reference_s", {}).get(str(spec.processes))
     busy, span = measured_components(reports)
     replica_zero = sorted((s for s in result.stages if s.replica == 0), key=lambda s: s.stage)
     predicted_busy = [s.busy_s for s in replica_zero]
-    speeds = [speed_factor(run_probes(r), reference) for r in reports]
+    speeds = [round_speed_factor(data, spec, r) for r in reports]
     loss_reference = after_wait_reference_s(data, spec.processes)
     rounds_busy = [[r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds)] for k in range(len(busy))]
     waits = [replica_waits(r, spec.replicas) for r in reports]
@@ -298,7 +308,7 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0,
                       [s.warm_up_s for s in replica_zero],
                       [warm_up_factor(run_after_wait_probes(r), loss_reference) for r in reports]
-                      if loss_reference is not None else [])
+                      if loss_reference is not None else [], not_judged)
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:

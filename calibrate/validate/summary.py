@@ -14,8 +14,8 @@ from calibrate.validate.comparison import Comparison
 
 
 def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
-    """Median and worst errors over the runs that fit the machine; oversubscribed ones are counted."""
-    comparisons = [c for c in all_comparisons if not c.oversubscribed]
+    """Median and worst errors over the runs judged; oversubscribed ones and ones not judged are counted."""
+    comparisons = [c for c in all_comparisons if not c.oversubscribed and not c.not_judged]
     steps = [abs(c.step_error) for c in comparisons]
     at_reference = [abs(c.step_error_at_reference) for c in comparisons]
     memory = [abs(e) for c in comparisons for e in c.memory_errors]
@@ -32,7 +32,8 @@ def summarize(all_comparisons: Sequence[Comparison]) -> dict[str, Any]:
     for c in comparisons:
         for kind, errors in c.kind_errors_at_reference.items():
             kinds.setdefault(kind, []).extend(e for e in errors if e is not None)
-    return {"runs": len(comparisons), "oversubscribed_runs": len(all_comparisons) - len(comparisons),
+    return {"runs": len(comparisons), "oversubscribed_runs": sum(1 for c in all_comparisons if c.oversubscribed),
+            "not_judged_runs": sum(1 for c in all_comparisons if c.not_judged),
             "median_busy_error": statistics.median(busy) if busy else 0.0, "worst_busy_error": max(busy, default=0.0),
             "median_busy_error_at_reference": statistics.median(busy_at_reference) if busy_at_reference else 0.0,
             "worst_busy_error_at_reference": max(busy_at_reference, default=0.0),

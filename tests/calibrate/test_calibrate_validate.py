@@ -120,9 +120,9 @@ def test_the_table_names_the_worst_stage_and_how_much_of_its_busy_time_is_after_
     even = Comparison("K=2 M=6 [3,3]", 1.0, 1.0, [100, 100], [100, 100], [1.0], [1.0],
                       predicted_busy_s=[0.5, 0.5], measured_busy_s=[0.5, 0.51], busy_rounds_at_reference_s=[[0.5], [0.51]])
     assert small.to_dict()["predicted_warm_up_s"] == [0.004, 0.0]
-    table = format_table({"runs": [even.to_dict(), small.to_dict()], "summary": summarize([even, small])})
+    table = format_table({"runs": [even.to_dict(), small.to_dict()], "summary": summarize([even, small])}, verbose=True)
     assert "worst 25.0%, by K=2 M=6 [1,5] stage 0 (40% after waits)" in table
-    alone = format_table({"runs": [even.to_dict()], "summary": summarize([even])})
+    alone = format_table({"runs": [even.to_dict()], "summary": summarize([even])}, verbose=True)
     assert "by K=2 M=6 [3,3] stage 1;" in alone and "after waits" not in alone
 
 
@@ -178,7 +178,7 @@ def test_calibrate_then_validate_end_to_end(tmp_path, capsys, tiny_quick_costs):
         assert (low, high) == (pytest.approx((1 + run["step_error_interval_at_reference"][0]) / 1.25 - 1),
                                pytest.approx((1 + run["step_error_interval_at_reference"][1]) / 1.25 - 1))
     assert printed["summary"]["across_calibrations"]["calibrations"] == 2
-    assert "the moment of calibration (calibs: the step error as each of 2 costs files" in format_table(printed)
+    assert "the moment of calibration (calibs: the step error as each of 2 costs files" in format_table(printed, verbose=True)
 
 
 def test_validate_refuses_a_missing_costs_file(tmp_path, capsys):
@@ -401,7 +401,7 @@ def test_the_busy_errors_noise_stands_beside_them_in_the_table():
     summary = summarize([run])
     assert run.busy_round_spread == pytest.approx(0.2 / 1.1)
     assert summary["median_busy_round_spread"] == pytest.approx(0.2 / 1.1)
-    table = format_table({"runs": [run.to_dict()], "summary": summary})
+    table = format_table({"runs": [run.to_dict()], "summary": summary}, verbose=True)
     assert "  18.2% " in table.splitlines()[2] and "rounds spread a stage's busy time by 18.2%" in table
 
 
@@ -491,7 +491,7 @@ def test_each_error_stands_beside_the_interval_its_own_rounds_allow():
     assert summary["worst_step_error_interval_at_reference"] == [pytest.approx(0.8 / 1.01 - 1.0),
                                                                   pytest.approx(0.8 / 0.93 - 1.0)]
     assert summary["median_step_error_half_width_at_reference"] == pytest.approx((1.0 / 0.93 - 1.0 / 1.01) / 2 * 0.9)
-    table = format_table({"runs": [near.to_dict(), far.to_dict()], "summary": summary})
+    table = format_table({"runs": [near.to_dict(), far.to_dict()], "summary": summary}, verbose=True)
     assert "-1..+8%" in table.splitlines()[2] and "-21..-14%" in table.splitlines()[3]
     assert "1 of 2 runs' step errors beyond" in table and "the worst run's in -21..-14%" in table
     assert "0 of 2 runs' bubble errors beyond their interval's reach of zero" in table
@@ -510,10 +510,10 @@ def test_the_half_calibrations_errors_stand_beside_the_whole_fits():
     assert without.step_error_halves_at_reference is None
     summary = summarize([run, without])
     assert summary["median_halves_apart"] == summary["worst_halves_apart"] == pytest.approx(0.2)
-    table = format_table({"runs": [run.to_dict(), without.to_dict()], "summary": summary})
+    table = format_table({"runs": [run.to_dict(), without.to_dict()], "summary": summary}, verbose=True)
     assert "-10..+10%" in table.splitlines()[2] and "20.0 points apart (median)" in table
     assert "the calibration's own noise" not in format_table({"runs": [without.to_dict()],
-                                                              "summary": summarize([without])})
+                                                              "summary": summarize([without])}, verbose=True)
 
 
 def test_a_costs_file_with_malformed_halves_is_refused_before_any_run():
@@ -579,7 +579,7 @@ def test_other_calibrations_judge_the_same_run_beside_the_first():
     run["calibrations"] = entry
     result = {"runs": [run], "summary": {**summarize([Comparison("K=2 M=4", 1.0, 1.0, [1], [1], [1.0], [1.0])]),
                                          "across_calibrations": summary}}
-    table = format_table(result)
+    table = format_table(result, verbose=True)
     assert "-10..+6%" in table.splitlines()[2] and "calibs" in table.splitlines()[0]
     assert "each of 3 costs files" in table and "12.0 points apart (median), 16.0 at worst" in table
     assert "0 of 1 runs' step errors beyond their interval's reach of zero, on the same side, by every" in table
