@@ -65,7 +65,7 @@ def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
 def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
                        tensor_parallel: Sequence[int] = (), split_backward: bool = False,
                        row_span: bool = True, per_layer_recompute: bool = True) -> list[RunSpec]:
-    """The runs the fit learns from (small: every run costs a few seconds on 2 cores); for each T in
+    """The runs the fit learns from (few and small: they are most of a calibration's time); for each T in
     ``tensor_parallel`` (the splits the profile measured) two one-stage runs split over T ranks,
     whose actions fit the split stages' in-pipeline factor (:func:`fit_tensor_parallel`). With
     ``split_backward`` (a profile that timed I and W apart) a zb-h1 run, whose I and W actions get
@@ -77,8 +77,8 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     batch in one micro-batch (K = 1 and 2, every kind of action at the batch's rows) and K = 1 with
     16 micro-batches keeping their graphs (the fewest rows a forward that keeps its graph has).
     Without them the lines rest on 4 to 16 rows at K = 1 and 2 to 16 at K = 2, and the held-out
-    runs with the whole batch in one micro-batch came out low in each of five calibrations (K = 1 by
-    6-20%, K = 2 by 2-20%).
+    runs with the whole batch in one micro-batch came out low in every calibration
+    (docs/notes/2026-11-26-fit-variants.md, docs/notes/2026-11-27-figures-behind-the-code.md).
 
     ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at
     K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the time each

@@ -72,8 +72,10 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
     (``tensor_parallel_fit`` in the costs file; :class:`sim.formats.costs.MeasuredWorkload` uses it in
     place of K's slopes). The optimizer step gets a factor the same way, on K's optimizer
     line for the stage's shard (``optimizer``): the step over a split stage's DTensor shards pays
-    their dispatch per parameter, which K's line, fitted on plain tensors, does not (21 ms against
-    3.7 ms predicted for the demo model's T=2 stage with AdamW). Limits: one factor per kind
+    their dispatch per parameter, which K's line, fitted on plain tensors, does not (several times K's
+    line for the demo model's T=2 stage with AdamW:
+    docs/notes/2026-11-27-figures-behind-the-code.md).
+    Limits: one factor per kind
     whatever the rows; fitted on one-stage runs."""
     def ratio(xs: Sequence[float], ys: Sequence[float]) -> float:
         return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)

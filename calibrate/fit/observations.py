@@ -51,9 +51,9 @@ class ActionPoints:
         Validation compares a run's median round, and a fit on relative residuals of every round's
         point settles below that median wherever rounds scatter (minimising ``sum((p - m) / m)^2``
         weighs each point by 1/m^2, so a round 15% fast pulls the line down more than one 15% slow
-        pulls it up). On two sets of reports whose rounds spread by 12%, the held-out step's median
-        error at the reference speed went from 7.0% to 4.8% and from 6.1% to 4.0%
-        (benchmarks/README.md). Points without an action identity stay as they are."""
+        pulls it up). On both sets of reports tried, the median point lowered the held-out step's
+        median error at the reference speed (docs/notes/2026-11-26-fit-variants.md). Points without
+        an action identity stay as they are."""
         if not self.actions:
             return self
         groups: dict[tuple[str, tuple[int, int, int]], list[int]] = {}

@@ -33,14 +33,14 @@ def fit_full_backward(points: ActionPoints, backward: ActionFit, recompute: Acti
     The executor's ``full`` backward restores each layer's random state, reruns its forward and calls
     autograd on it, one layer at a time: work per layer, not per row. The lines' per-action overheads
     hold one such call (a stage's recompute, then its backward); each further layer pays its own. A
-    factor over the two lines (fitted before) put the held-out K = 1 ``full`` run at 8 rows 8.6% high
-    where the design's run, at 4 rows, sat on it; a time for every layer put the one-layer embedding
-    stage of a K = 2 ``full`` run 15-51% high. Not a line of its own: a full design run's backwards all
-    have the same rows, and at K = 1, where every stage holds every layer, a line's per-action overhead
-    cannot be told from its scale of the profile's fixed part (one calibration here fitted the backward
-    5.9 ms of overhead and none of the fixed part, the next the reverse; a line sharing that overhead
-    put the held-out K = 1 ``full`` run -14.9% and +0.5% off). The two lines' sum is known at every row
-    count, whichever way they split it. At least 0: the work it stands for takes time."""
+    factor over the two lines (fitted before) put the held-out K = 1 ``full`` run at 8 rows high where
+    the design's run, at 4 rows, sat on it; a time for every layer put the one-layer embedding stage of
+    a K = 2 ``full`` run far too high. Not a line of its own: a full design run's backwards all have the
+    same rows, and at K = 1, where every stage holds every layer, a line's per-action overhead cannot be
+    told from its scale of the profile's fixed part (two calibrations split it opposite ways, and a line
+    sharing that overhead put the held-out K = 1 ``full`` run far apart by the two). The two lines' sum
+    is known at every row count, whichever way they split it. At least 0: the work it stands for takes
+    time. The figures: docs/notes/2026-11-26-full-backward.md."""
     combined = [backward(p, f) + recompute(*r) for p, f, r in zip(points.profiled, points.fixed, points.recompute)]
     further = [n - 1 for n in points.layers]
     per_layer = [n / m for n, m in zip(further, points.measured)]
@@ -72,7 +72,8 @@ def fit_lines(typical: dict[str, ActionPoints], warm_up_s: float) -> tuple[dict[
         # keeping its graph takes the forward's, I and W the backward's (the executor's work
         # around the action is the same; their design runs' stages are all of one size at
         # one or two row counts, which cannot tell an overhead from a scale: one zb-h1 run's
-        # 5- and 6-row actions fitted W an overhead of 3 ms, 30% too much on the zbv's chunks)
+        # 5- and 6-row actions fitted W an overhead that priced the zbv's chunks far too long;
+        # docs/notes/2026-11-27-figures-behind-the-code.md)
         shares = OVERHEAD_OF.get(kind)
         overhead = lines[shares]["intercept"] if shares else None
         line = fit_action(points.profiled, points.fixed, points.measured, points.runs,

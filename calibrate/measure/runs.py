@@ -171,12 +171,12 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, afte
 def _gather_through_files(payload: dict[str, Any], rank: int, world: int, directory: str) -> list[Any] | None:
     """Every rank's payload on rank 0 (None elsewhere), through files in the launch's directory.
 
-    Not ``dist.gather_object``: gloo starts a thread of its own for each new size of message it
-    carries, and once a gather of a few hundred KiB (a timeline) has started them, the same process
-    computes on two threads a third slower for the rest of its life (a 256x256 matmul loop, 32 -> 46
-    ms here; a 1-thread loop is unchanged). The launch runs its configurations one after another in
-    the same processes, so every configuration after the first large timeline ran slow. The ranks of
-    a launch share one host (a standalone launch)."""
+    Not ``dist.gather_object``: gloo starts a thread of its own for each new size of message it carries,
+    and once a gather of a few hundred KiB (a timeline) has started them, the same process computes on
+    two threads slower for the rest of its life (a 1-thread loop is unchanged;
+    docs/notes/2026-11-27-figures-behind-the-code.md). The launch runs its configurations one after
+    another in the same processes, so every configuration after the first large timeline ran slow. The
+    ranks of a launch share one host (a standalone launch)."""
     import torch.distributed as dist
 
     from sim.formats.timeline import write_json_atomic

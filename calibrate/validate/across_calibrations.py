@@ -4,10 +4,8 @@ moves a run's error.
 ``gpipe validate --costs A B ...`` measures the held-out runs once and predicts each with every
 costs file. The two measures of noise a single calibration carries (a run's own rounds, the
 calibration's odd and even design rounds) both come from a few minutes of one machine; on a shared
-VM the next calibration, taken at another stretch of minutes, moves every fit together (on a 2-core
-VM two calibrations five minutes apart put one validation's held-out runs 1.7-3.2 points apart,
-median, and 15-16 at worst; two an hour apart, each with its own validation, 8 points, median;
-``benchmarks/README.md``). Judging
+machine the next calibration, taken at another stretch of minutes, moves every fit together, by more
+than either of those shows (docs/notes/2026-11-26-moment-of-calibration.md). Judging
 one measurement by several calibrations shows that third noise beside each error, without the
 validation's own noise mixed in; the median over the calibrations' errors is the error with the
 moment of calibration averaged out.

@@ -145,10 +145,10 @@ class Comparison:
     def measured_bubble(self) -> float:
         """The median over rounds of each round's bubble (:attr:`bubble_rounds`), the value its interval
         is about; from the median busy times and the median step where rounds were not kept. Not the
-        bubble of the medians: those come from different rounds, and where busy time and step do not
-        move together (D > 1, whose step waits for the slower replica while replica 0's busy time does
-        not grow) the bubble of the medians misses every round's (D=2 K=1: -7.9 points against -1.4
-        for the median round in one validation)."""
+        bubble of the medians: those come from different rounds, and where busy time and step do not move
+        together (D > 1, whose step waits for the slower replica while replica 0's busy time does not
+        grow) the bubble of the medians misses every round's (a D=2 K=1 run:
+        docs/notes/2026-11-27-figures-behind-the-code.md)."""
         rounds = self.bubble_rounds
         return statistics.median(rounds) if rounds else bubble(self.measured_busy_s, self.measured_step_s)
 

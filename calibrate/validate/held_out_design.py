@@ -9,11 +9,11 @@ the costs file profiled the layers split over T ranks, runs whose stages are spl
 configuration that is also in the calibration design is dropped, so no prediction is of a run the
 fit learned from.
 
-A run with more processes (D x K x T) than the machine has cores (CPU) or GPUs is still measured and
-its error shown, marked ``oversubscribed``: the simulator has its processes take turns on the cores
+A run with more processes (D x K x T) than the machine has cores (CPU) or GPUs is still measured and its
+error shown, marked ``oversubscribed``: the simulator has its processes take turns on the cores
 (:mod:`sim.engine.shared_cores`), but not what else crowding does (its gloo sends wait while the cores
-are taken, many times longer than with a core per process; the measured rows: benchmarks/README.md,
-"Calibration accuracy on held-out runs"), so its error stays out of the summary.
+are taken, many times longer than with a core per process:
+docs/notes/2026-11-27-figures-behind-the-code.md), so its error stays out of the summary.
 """
 
 from __future__ import annotations

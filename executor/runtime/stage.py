@@ -189,10 +189,11 @@ class PipelineStage(StepPhases):
         return self._receive_order
 
     def _drop_gradients(self) -> None:
-        """The optimizer's ``zero_grad`` (to None) for the step begun, once: at the stage's first wait
-        on a receive, or before its first action that adds to ``.grad``, whichever comes first. At the
+        """The optimizer's ``zero_grad`` (to None) for the step begun, once: at the stage's first wait on
+        a receive, or before its first action that adds to ``.grad``, whichever comes first. At the
         step's start it would sit on the pipeline's critical path, right after the optimizer step
-        (the chores moved into waits: docs/notes/2026-11-25-executor-overhead.md)."""
+        (docs/notes/2026-11-27-figures-behind-the-code.md; the chores moved into waits:
+        docs/notes/2026-11-25-executor-overhead.md)."""
         if self._gradients_stale:
             self._gradients_stale = False
             self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
@@ -200,10 +201,10 @@ class PipelineStage(StepPhases):
     def _post_through(self, key: tuple[str, int] | None) -> None:
         """Post the announced receives in consumption order up to and including ``key`` (None: all).
 
-        Why not all at the step's start: posting one costs this rank's time (a gloo receive is posted
-        by the rank itself), and at the start of a step the first stage is on the pipeline's critical
-        path; at its first wait the time is free (docs/notes/2026-11-25-executor-overhead.md). Order is kept, so each
-        direction's messages are posted in the order they are sent (what NCCL needs).
+        Why not all at the step's start: posting one costs this rank's time (a gloo receive is posted by
+        the rank itself), and at the start of a step the first stage is on the pipeline's critical path;
+        at its first wait the time is free (docs/notes/2026-11-27-figures-behind-the-code.md). Order is
+        kept, so each direction's messages are posted in the order they are sent (what NCCL needs).
         """
         if key is not None and key not in self._unposted:
             return  # posted already
