@@ -67,7 +67,7 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
                        row_span: bool = True, per_layer_recompute: bool = True) -> list[RunSpec]:
     """The runs the fit learns from (few and small: they are most of a calibration's time); for each T in
     ``tensor_parallel`` (the splits the profile measured) two one-stage runs split over T ranks,
-    whose actions fit the split stages' in-pipeline factor (:func:`fit_tensor_parallel`). With
+    whose actions fit the split stages' in-pipeline factor (:func:`calibrate.fit.design_fit.fit_tensor_parallel`). With
     ``split_backward`` (a profile that timed I and W apart) a zb-h1 run, whose I and W actions get
     in-pipeline factors of their own: a backward split in two pays its dispatch twice and keeps
     its graph between the halves, which the whole backward's factor does not see. It keeps every
@@ -82,7 +82,7 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
 
     ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at
     K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the time each
-    layer after a stage's first adds beyond the backward's and the recompute's lines (:func:`fit_full_backward`)."""
+    layer after a stage's first adds beyond the backward's and the recompute's lines (:func:`calibrate.fit.pipeline_fit.fit_full_backward`)."""
     single = even_partition(num_layers, 1)
     specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
              RunSpec(single, 8, "always", "gpipe", batch_size)]

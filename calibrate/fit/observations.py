@@ -202,7 +202,7 @@ def fitted_kind(action: dict[str, Any], bounds: Sequence[tuple[int, int]], check
     :func:`sim.engine.stage_costs.weight_grad_time_s` and :func:`~sim.engine.stage_costs.input_grad_time_s` predict them;
     a backward under ``full`` (each layer recomputed just before its own backward) apart
     (:data:`sim.formats.costs.BACKWARD_WITH_RECOMPUTE`): its time per layer (after a stage's first) beyond the
-    backward's and the recompute's lines summed (:func:`fit_full_backward`)."""
+    backward's and the recompute's lines summed (:func:`calibrate.fit.pipeline_fit.fit_full_backward`)."""
     kind = action["kind"]
     if kind == "B" and recomputes_per_layer(checkpoint):
         return BACKWARD_WITH_RECOMPUTE

@@ -57,7 +57,7 @@ def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: S
     end-of-step span less the predicted one without overhead (:mod:`calibrate.fit.step_components`).
     What the bound leaves of a misfit shows as the prediction's error, not as end-of-step time
     that was never measured. Step times and spans are divided by each run's ``speeds`` entry (1.0
-    when not given), as in :func:`collect`.
+    when not given), as in :func:`calibrate.fit.observations.collect`.
     """
     summary = {}
     speeds = list(speeds) if speeds is not None else [1.0] * len(reports)

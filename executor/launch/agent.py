@@ -193,7 +193,7 @@ def launch(config: LaunchConfig, module: str, argv: list[str], env: dict[str, st
            stderr_fd: int = 2, timeout_s: float | None = None) -> LaunchOutcome:
     """Run ``python -u -m module *argv`` as this node's ranks under the agent ``config`` describes,
     with environment ``env``, this process's working directory, and output to ``stdout_fd`` /
-    ``stderr_fd``; each rank ends itself after ``timeout_s`` (see :func:`rank_process.run_module`)."""
+    ``stderr_fd``; each rank ends itself after ``timeout_s`` (see :func:`executor.launch.rank_process.run_module`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
