@@ -80,9 +80,10 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     runs with the whole batch in one micro-batch came out low in every calibration
     (docs/notes/2026-11-26-fit-variants.md, docs/notes/2026-11-27-figures-behind-the-code.md).
 
-    ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at
-    K = 2 (4 rows), whose backwards, each layer recomputed just before its own, measure the time each
-    layer after a stage's first adds beyond the backward's and the recompute's lines (:func:`calibrate.fit.pipeline_fit.fit_full_backward`)."""
+    ``per_layer_recompute`` (a full calibration) adds a ``--checkpoint full`` run at K = 1 and at K = 2
+    (4 rows), whose backwards, each layer recomputed just before its own, measure the time each layer
+    after a stage's first adds beyond the backward's and the recompute's lines
+    (:func:`calibrate.fit.pipeline_fit.fit_full_backward`)."""
     single = even_partition(num_layers, 1)
     specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
              RunSpec(single, 8, "always", "gpipe", batch_size)]

@@ -21,9 +21,9 @@ processes cores/K threads.
 
 Bytes, per layer and row count, exactly as the executor counts them (distinct storages, weights and
 buffers excluded): what the layer saves for backward apart from its input and output storages
-(``own_bytes``), whether it saves its input and its output, the sizes of both, and what it saves
-less with its attention core dropped (``core_bytes``). These are enough
-to compute the exact union a stage of consecutive layers holds (:meth:`sim.formats.costs.MeasuredWorkload.stage_saved_bytes`).
+(``own_bytes``), whether it saves its input and its output, the sizes of both, and what it saves less
+with its attention core dropped (``core_bytes``). These are enough to compute the exact union a stage of
+consecutive layers holds (:meth:`sim.formats.costs.MeasuredWorkload.stage_saved_bytes`).
 
 Every (layer, rows) is timed in several rounds, each round bracketed by the speed probe of
 :mod:`calibrate.noise.speed`; each round is put at the reference pace and the median over rounds kept.

@@ -38,9 +38,9 @@ class StepPhases:
     """One mini-batch of a rank: walk its action list, then the end-of-step phases in order (sends,
     the data-parallel average, shared gradients, the global norm when clipping, the update).
 
-    Shared by a :class:`executor.runtime.stage.PipelineStage` and a device of several chunks (:mod:`executor.runtime.chunks`),
-    which supply the phases themselves and :meth:`pipeline_sum`, the squared norm summed over the
-    pipeline's ranks.
+    Shared by a :class:`executor.runtime.stage.PipelineStage` and a device of several chunks
+    (:mod:`executor.runtime.chunks`), which supply the phases themselves and :meth:`pipeline_sum`, the
+    squared norm summed over the pipeline's ranks.
     """
 
     actions: list[Action]
