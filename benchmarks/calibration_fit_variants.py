@@ -15,7 +15,7 @@ held-out runs, so the difference between the variants is the model's, not the ma
 * ``two-part, every round``: the same, and lines of their own for a forward that keeps its graph
   and for I and W (from the design's zb-h1 run), fitted on every round's point of every action;
 * ``two-part``: what ``gpipe calibrate`` fits: the same on one point per action of a design run,
-  its median over the rounds (:meth:`calibrate.fit.calibration.ActionPoints.typical`).
+  its median over the rounds (:meth:`calibrate.fit.observations.ActionPoints.typical`).
 
 Usage::
 
@@ -53,9 +53,10 @@ VARIANTS = ("affine, no gaps", "affine", "two-part, F R B", "two-part, every rou
 def measure(path: str) -> None:
     """Calibrate as ``gpipe calibrate`` does, keeping the design runs' reports, then run the held-out
     design; everything into ``path``."""
-    import calibrate.fit.calibration as calibration
     import calibrate.measure.runs as runs
-    from calibrate.validate.held_out import validation_design
+    from calibrate.fit.calibration import calibrate
+    from calibrate.fit.design import calibration_design, run_config
+    from calibrate.validate.held_out_design import validation_design
     from sim.formats.costs import MeasuredWorkload
 
     design_reports: list = []
@@ -68,19 +69,18 @@ def measure(path: str) -> None:
 
     runs.run_configs = keeping  # calibrate() looks it up when it runs
     try:
-        data = calibration.calibrate(MODEL, OPTIONS, BATCH, rounds=DESIGN_ROUNDS, progress=print, tensor_parallel=1)
+        data = calibrate(MODEL, OPTIONS, BATCH, rounds=DESIGN_ROUNDS, progress=print, tensor_parallel=1)
     finally:
         runs.run_configs = run_configs
     model = data["model"]
     held_out = validation_design(int(model["num_layers"]), BATCH, 2, attention_core=MeasuredWorkload(data).has_attention_core)
-    configs = [calibration.run_config(model["name"], model["options"], spec, STEPS, "cpu", data["optimizer"], "fp32")
+    configs = [run_config(model["name"], model["options"], spec, STEPS, "cpu", data["optimizer"], "fp32")
                for spec in held_out]
     print(f"{time.strftime('%H:%M:%S')} {len(held_out)} held-out runs x {HELD_OUT_ROUNDS} rounds", flush=True)
     held_out_reports = run_configs(configs * HELD_OUT_ROUNDS)
     with open(path, "w") as handle:
         json.dump({"data": data, "design_reports": design_reports,
-                   "design": [s.label() for s in calibration.calibration_design(int(model["num_layers"]), BATCH, 2,
-                                                                                split_backward=True)],
+                   "design": [s.label() for s in calibration_design(int(model["num_layers"]), BATCH, 2, split_backward=True)],
                    "held_out": [s.label() for s in held_out],
                    "held_out_reports": held_out_reports}, handle)
 
@@ -88,7 +88,9 @@ def measure(path: str) -> None:
 def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -> dict:
     """The costs ``base`` measured, with the pipeline terms fitted as ``variant`` does."""
     from calibrate.noise.after_wait_probe import report_warm_up_factor
-    from calibrate.fit.calibration import Observations, collect, fit_pipeline, fit_step_overhead
+    from calibrate.fit.observations import Observations, collect
+    from calibrate.fit.pipeline_fit import fit_pipeline
+    from calibrate.fit.step_fit import fit_step_overhead
     from calibrate.fit.least_squares import fit_affine
     from sim.formats.costs import MeasuredWorkload
 
@@ -119,9 +121,14 @@ def fitted(base: dict, variant: str, specs: list, reports: list, speeds: list) -
 
 
 def compare_variants(path: str) -> dict:
-    from calibrate.fit.calibration import calibration_design, design_entry, fit_halves
+    from calibrate.fit.design import calibration_design
+    from calibrate.fit.design_fit import fit_halves
+    from calibrate.fit.step_fit import design_entry
     from calibrate.noise.speed import run_probes, speed_factor
-    from calibrate.validate.held_out import compare, format_table, summarize, validation_design
+    from calibrate.validate.comparison import compare
+    from calibrate.validate.held_out_design import validation_design
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
     from sim.formats.costs import MeasuredWorkload
 
     with open(path) as handle:

@@ -56,7 +56,7 @@ def spread(results: list[dict]) -> dict:
     runs: dict[str, list[dict]] = {}
     for result in results:
         for run in result["runs"]:
-            if not run.get("oversubscribed"):
+            if not run.get("oversubscribed") and not run.get("not_judged"):
                 runs.setdefault(run["run"], []).append(run)
     rows = []
     for label, seen in runs.items():
@@ -158,13 +158,13 @@ def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[
 
 
 def goals(results: list[dict]) -> dict:
-    """Every error of the runs in every result (oversubscribed runs left out) pooled over the
+    """Every error of the runs in every result (oversubscribed and unjudged runs left out) pooled over the
     validations against its goal: [run, what ("busy stage k", "step" or "bubble"), the values, their
     mean, the interval's ends], and those whose interval lies wholly past the goal."""
     runs: dict[str, list[dict]] = {}
     for result in results:
         for run in result["runs"]:
-            if not run.get("oversubscribed"):
+            if not run.get("oversubscribed") and not run.get("not_judged"):
                 runs.setdefault(run["run"], []).append(judged(run))
     errors = []
     for label, seen in runs.items():

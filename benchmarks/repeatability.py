@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 
-from calibrate.fit.calibration import RunSpec, run_config
+from calibrate.fit.design import RunSpec, run_config
 from calibrate.measure.runs import run_configs
 from sim.formats.timeline import write_json_atomic
 

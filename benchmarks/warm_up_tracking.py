@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from calibrate.noise.after_wait_probe import run_after_wait_probes, warm_up_factor  # noqa: E402
-from calibrate.fit.calibration import RunSpec, predict, run_config  # noqa: E402
+from calibrate.fit.design import RunSpec, run_config  # noqa: E402
+from calibrate.fit.step_fit import predict  # noqa: E402
 from calibrate.measure.runs import run_configs  # noqa: E402
 from calibrate.noise.speed import run_probes, speed_factor  # noqa: E402
 from sim.errors import GpipeInputError  # noqa: E402

@@ -24,7 +24,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from calibrate.fit.calibration import RunSpec, predict, run_config  # noqa: E402
+from calibrate.fit.design import RunSpec, run_config  # noqa: E402
+from calibrate.fit.step_fit import predict  # noqa: E402
 from calibrate.measure.runs import run_configs  # noqa: E402
 from sim.formats.timeline import write_json_atomic  # noqa: E402
 

@@ -4,7 +4,7 @@ Goals (docs/calibration.md): each stage's busy time within 5%, every run's step 
 median over runs within 5%), every run's bubble within 3 points, all at the reference speed.
 
 An error is *past* a goal beyond noise when its whole interval (where the rounds put it,
-:func:`calibrate.validate.held_out.median_interval`) lies beyond the goal: one that still reaches inside is
+:func:`calibrate.validate.intervals.median_interval`) lies beyond the goal: one that still reaches inside is
 one the machine's round-to-round noise can explain. Several calibrations of one machine judge the
 same measurement (:mod:`calibrate.noise.across_calibrations`); an error past its goal by one calibration
 and not by another is one the moment of calibration explains. Limits: the interval is about the

@@ -17,7 +17,7 @@ from typing import Any
 
 from gpipe.options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
                            check_output_path, model_options)
-from calibrate.fit.calibration import check_timed_steps
+from calibrate.fit.design import check_timed_steps
 from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
 from sim.engine.stragglers import straggle_fraction
 from sim.engine.host import IDLE_S

@@ -32,7 +32,7 @@ DEMO_MODEL = "transformer"
 DEMO_OPTIONS: dict[str, Any] = {"layers": 4, "d_model": 128, "ff": 512, "heads": 4, "seq": 32, "vocab": 256}
 DEMO_BATCH = 32
 # Enough AdamW steps at the default learning rate (0.01) for the byte-level loss to fall from ln(256)
-# = 5.55 to about 2.6 on the shipped text; each step costs tens of milliseconds here.
+# = 5.55 to about 2.6 on the shipped text; each step is short (the demo's times: benchmarks/README.md).
 DEMO_STEPS = 30
 MICROBATCH_OPTIONS = (1, 2, 4, 8, 16)
 
@@ -75,7 +75,7 @@ def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tu
 
 
 def run(args: argparse.Namespace) -> int:
-    from calibrate.fit.calibration import check_timed_steps
+    from calibrate.fit.design import check_timed_steps
 
     check_timed_steps(args.steps)  # before torch is imported
     from gpipe.calibrate import calibrate_cached

@@ -143,8 +143,8 @@ def command() -> None:
     """The ``gpipe`` executable: :func:`main`, then an exit without the interpreter's teardown.
 
     Why: a process that imported torch spends most of a second after its work is done freeing its
-    modules one by one (``gpipe train`` of one step of the MLP here: 1.1-1.4 s from the step's line
-    to the exit, 0.23-0.39 s with this; benchmarks/README.md).
+    modules one by one (most of a short ``gpipe train``'s time from its last step's line to the exit:
+    docs/notes/2026-11-26-launch-time.md).
     What the teardown is for runs first, in its order: other non-daemon threads are joined, the
     exit handlers run (logging's flush, the fork server's shutdown, temporary directories' removal),
     stdout and stderr are flushed; then the process ends with ``os._exit`` and ``main``'s status. An

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from calibrate.fit.calibration import check_timed_steps
+from calibrate.fit.design import check_timed_steps
 from gpipe.options import check_output_path
 from sim.errors import GpipeInputError, require_positive
 
@@ -22,12 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="run only the first N held-out configurations")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the results JSON here")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--verbose", action="store_true",
+                        help="add this machine's noise to the table: each run's round spread and interval, the "
+                             "calibration's halves, the spread across calibrations and the after-wait probes")
 
 
 def run(args: argparse.Namespace) -> int:
     from sim.formats.costs import read_costs
     from calibrate.measure.machine import machine_stamp, same_machine
-    from calibrate.validate.held_out import format_table, validate
+    from calibrate.validate.held_out import validate
+    from calibrate.validate.table import format_table
 
     check_output_path(args.out, "--out")
     check_timed_steps(args.steps)
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout)
         print()
     else:
-        print(format_table(result))
+        print(format_table(result, verbose=args.verbose))
         if args.out:
             print(f"results written to {args.out}")
     return 0

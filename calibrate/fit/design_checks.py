@@ -14,6 +14,10 @@ After the fit, every design run is predicted with the fitted costs; one the fit 
 remains refuses the calibration. The costs file carries the outcome (``fit_quality``,
 :func:`sim.formats.costs.fit_quality`), so a command reading an older or hand-edited file can warn.
 
+``gpipe validate`` holds its held-out rounds to the same speed bounds
+(:func:`calibrate.validate.held_out.speeds_within_bounds`): a round outside is measured once more, and
+a run with a round outside again is shown but not judged.
+
 Limits: the bounds are wide on purpose (a real drift of tens of percent is what the probe is there
 to correct); a correction that is wrong by less than the bound passes, and shows only in the fit's
 residuals and in ``gpipe validate``.
@@ -69,14 +73,19 @@ def run_corrections(report: dict[str, Any], processes: int, speed: dict[str, Any
             "warm_up": report_warm_up_factor(report, {"speed": speed}, processes)}
 
 
+def outside_bounds(name: str, value: float, bounds: tuple[float, float]) -> str | None:
+    """The correction ``name`` as text (``"speed x40.1 outside x0.5..x2"``) if ``value`` falls outside
+    ``bounds``; None inside them."""
+    if bounds[0] <= value <= bounds[1]:
+        return None
+    return f"{name.replace('_', '-')} x{value:.3g} outside x{bounds[0]:g}..x{bounds[1]:g}"
+
+
 def out_of_bounds(corrections: dict[str, float]) -> list[str]:
     """Each correction outside its bounds, as text (``"speed x40.1 outside x0.5..x2"``); [] if none."""
-    said = []
-    for name, bounds in (("speed", SPEED_FACTOR_BOUNDS), ("warm_up", WARM_UP_FACTOR_BOUNDS)):
-        value = corrections[name]
-        if not bounds[0] <= value <= bounds[1]:
-            said.append(f"{name.replace('_', '-')} x{value:.3g} outside x{bounds[0]:g}..x{bounds[1]:g}")
-    return said
+    said = [outside_bounds(name, corrections[name], bounds)
+            for name, bounds in (("speed", SPEED_FACTOR_BOUNDS), ("warm_up", WARM_UP_FACTOR_BOUNDS))]
+    return [text for text in said if text is not None]
 
 
 def corrected_within_bounds(model: str, specs: Sequence[Any], reports: list[dict[str, Any]],

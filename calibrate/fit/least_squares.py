@@ -15,17 +15,16 @@ goal is a relative error. The models, each affine in what was measured:
   rows' work; ``fixed_scale`` how much of an isolated call's fixed cost a stage's one call over its
   layers pays; ``overhead_s`` the executor's per-action work (seeding, recording, memory
   accounting), bounded below by 0, since work cannot take negative time. With one scale for both
-  parts, a fit on this machine's design missed its own 16-row runs by 13-25% and its 2-row runs by
-  +5-14% (benchmarks/README.md).
+  parts, a fit missed its own design's runs at both ends of the rows, low at 16 rows and high at 2
+  (docs/notes/2026-11-27-figures-behind-the-code.md).
   ``cold`` is 1 for the step's first action on its device (:func:`sim.schedules.schedule.cold_starts`),
-  after the optimizer: within one run on this 2-core machine the step's first forward took
-  230-560 us longer than the forwards after it (``benchmarks/cold_starts.py``). A line without the
+  after the optimizer: within one run the step's first forward took longer than the forwards after
+  it (benchmarks/README.md, ``cold_starts.py``). A line without the
   term spreads that time over every action, so a run of few micro-batches is priced short.
   Beside the lines, per K, the warm-up after a long wait (:mod:`sim.engine.host`): the amount whose
   payments, taken out of the points, leave the lines fitting best (:func:`fit_warm_up`). Without it
-  the per-action overhead carried it: on one calibration's design here, K = 2's forward line missed
-  its worst point by 78% (rms 15%) and its overhead was 108 us; with the fitted 250 us warm-up, 18%
-  (rms 5%) and 57 us.
+  the per-action overhead carried it, and K = 2's forward line missed its worst design point several
+  times as far (docs/notes/2026-11-27-warm-up-after-waits.md).
 * sends inside the pipeline, per K: ``send_s = a + bytes * b`` (the sender's own time in isend)
 * optimizer, per K: ``optimizer_s = a + param_bytes * b``
 * step overhead, per K: one constant added to every stage's end of step (data, zero_grad, posting

@@ -9,7 +9,7 @@ action (drawing the batch, zeroing gradients, posting receives). A measured step
 previous step's end to its own, so both spans are in it; the simulator prices one step from its
 first action and puts all of that time in its end-of-step overhead, so the two compare as one sum.
 Validation compares both sides with these; calibration bounds its fitted overhead by the measured
-span (:func:`calibrate.fit.calibration.fit_step_overhead`) and fits the model's gaps on the measured ones.
+span (:func:`calibrate.fit.step_fit.fit_step_overhead`) and fits the model's gaps on the measured ones.
 """
 
 from __future__ import annotations
@@ -60,15 +60,15 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
     one (its send included) to the start of the next, where no wait for a neighbour's tensor came
     between them (the model's :attr:`sim.engine.stage_costs.StageCost.gap_after_s`).
 
-    Per (stage, step) of ``steps``, replica 0's first tensor-parallel ranks, one (kind of the action
-    the gap follows, seconds) per such pair of actions. Where the next input was away, the executor
-    did its chores (posting receives, drawing the next batch) while it waited, and the simulator, which
-    spends the gap before the wait, hides them in the wait as well; counting them made the gaps of a
-    plan of few micro-batches, whose actions mostly wait, look five times the model's (the demo's
-    interleaved M=2 plan: 102 us after a backward on its first stage, every one of them followed by a
-    wait, against 16 us fitted). :func:`calibrate.fit.calibration.fit_pipeline` takes the median, which
-    a chore once a step does not move. Measured timelines only: a simulated send's span is its time
-    on the link, not the sender's."""
+    Per (stage, step) of ``steps``, replica 0's first tensor-parallel ranks, one (kind of the action the
+    gap follows, seconds) per such pair of actions. Where the next input was away, the executor did its
+    chores (posting receives, drawing the next batch) while it waited, and the simulator, which spends
+    the gap before the wait, hides them in the wait as well; counting them made the gaps of a plan of few
+    micro-batches, whose actions mostly wait, look several times the model's (the demo's interleaved M=2
+    plan, every backward on its first stage followed by a wait:
+    docs/notes/2026-11-27-figures-behind-the-code.md). :func:`calibrate.fit.pipeline_fit.fit_pipeline`
+    takes the median, which a chore once a step does not move. Measured timelines only: a simulated
+    send's span is its time on the link, not the sender's."""
     gaps: dict[tuple[int, int], list[tuple[str, float]]] = {}
     for key, spans in sorted(device_spans(records, steps).items()):
         previous_end, previous_kind, waited = None, "", False

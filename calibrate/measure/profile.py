@@ -21,9 +21,9 @@ processes cores/K threads.
 
 Bytes, per layer and row count, exactly as the executor counts them (distinct storages, weights and
 buffers excluded): what the layer saves for backward apart from its input and output storages
-(``own_bytes``), whether it saves its input and its output, the sizes of both, and what it saves
-less with its attention core dropped (``core_bytes``). These are enough
-to compute the exact union a stage of consecutive layers holds (:func:`sim.formats.costs.stage_saved_bytes`).
+(``own_bytes``), whether it saves its input and its output, the sizes of both, and what it saves less
+with its attention core dropped (``core_bytes``). These are enough to compute the exact union a stage of
+consecutive layers holds (:meth:`sim.formats.costs.MeasuredWorkload.stage_saved_bytes`).
 
 Every (layer, rows) is timed in several rounds, each round bracketed by the speed probe of
 :mod:`calibrate.noise.speed`; each round is put at the reference pace and the median over rounds kept.
@@ -385,11 +385,12 @@ def layer_signatures(model: nn.Sequential, data: dict[int, Any], rows: list[int]
 def pool_identical(times: dict[str, list[list[float]]], signatures: list[str]) -> dict[str, list[list[float]]]:
     """Give layers with the same signature the median of their times, per kind and row count.
 
-    The blocks of a transformer are the same work, yet timed one after another on a shared machine
-    they come out 10-20% apart; a stage of blocks 1-2 and one of blocks 3-4 would then be predicted
-    to differ by that much. Pooling gives every copy the same, better-measured time.
-    Limits: two layers that print, hold and take the same yet compute differently (a flag kept as a
-    plain attribute that changes the work) would wrongly be pooled.
+    The blocks of a transformer are the same work, yet timed one after another on a shared machine they
+    come out apart by more than a stage's busy-time goal
+    (docs/notes/2026-11-27-figures-behind-the-code.md); a stage of blocks 1-2 and one of blocks 3-4 would
+    then be predicted to differ by that much. Pooling gives every copy the same, better-measured time.
+    Limits: two layers that print, hold and take the same yet compute differently (a flag kept as a plain
+    attribute that changes the work) would wrongly be pooled.
     """
     groups: dict[str, list[int]] = {}
     for i, key in enumerate(signatures):

@@ -1,23 +1,24 @@
 """Traced executor runs for calibration and validation: many configurations per launch of ranks.
 
 Starting ranks and setting up their process groups costs more than a small run itself, so the
-configurations that share a replica count D, a stage count K and a tensor-parallel degree T run one
-after another inside the same D x K x T worker processes (``calibrate.measure.runs CONFIGS OUTDIR`` as D*K*T
+configurations that share a replica count D, a stage count K and a tensor-parallel degree T run one after
+another inside the same D x K x T worker processes (``calibrate.measure.runs CONFIGS OUTDIR`` as D*K*T
 ranks, started as ``gpipe train`` starts its own: :func:`executor.launch.agent.launch_captured`). Each
-configuration runs exactly as ``gpipe train`` runs it: the executor's own :func:`prepare`,
-:func:`make_dist_stage` (each rank's replica and stage as laid out by :mod:`sim.engine.placement`, its
-layers read from ``factory()``'s values written once by the launching process, as ``gpipe train``
-writes them), :class:`Recorder` and :func:`build_report`, with cores/(D x K) threads per process;
-its first ``warmup_steps`` are left out of the step time as in ``gpipe train``. With D > 1 the
-replicas are made as ``gpipe train`` makes them (:mod:`executor.parallel.replicas`), the losses are the
-global batch's mean, the report's per-stage figures are replica 0's (whose rows ``torch.chunk``
-makes the largest) and step times span every rank. With T tensor-parallel ranks per stage (D x K x T
-processes, cores/(D x K x T) threads each) a stage's figures are its rank 0's. Differences from a
-fresh ``gpipe train`` launch: the process, its allocator and the gloo groups are reused from the
-previous configuration, and every rank times the speed probe of :mod:`calibrate.noise.speed` and the
-after-wait probe of :mod:`calibrate.noise.after_wait_probe` just before and just after the run (all ranks at
-once, outside the timed steps); the report's ``speed_probe_s`` and ``after_wait_probe_s`` hold them,
-per rank.
+configuration runs exactly as ``gpipe train`` runs it: the executor's own
+:func:`executor.runtime.pipeline.prepare`, :func:`executor.runtime.pipeline.make_dist_stage` (each rank's
+replica and stage as laid out by :mod:`sim.engine.placement`, its layers read from ``factory()``'s values
+written once by the launching process, as ``gpipe train`` writes them),
+:class:`executor.runtime.recording.Recorder` and :func:`executor.runtime.report.build_report`, with
+cores/(D x K) threads per process; its first ``warmup_steps`` are left out of the step time as in ``gpipe
+train``. With D > 1 the replicas are made as ``gpipe train`` makes them
+(:mod:`executor.parallel.replicas`), the losses are the global batch's mean, the report's per-stage
+figures are replica 0's (whose rows ``torch.chunk`` makes the largest) and step times span every rank.
+With T tensor-parallel ranks per stage (D x K x T processes, cores/(D x K x T) threads each) a stage's
+figures are its rank 0's. Differences from a fresh ``gpipe train`` launch: the process, its allocator and
+the gloo groups are reused from the previous configuration, and every rank times the speed probe of
+:mod:`calibrate.noise.speed` and the after-wait probe of :mod:`calibrate.noise.after_wait_probe` just
+before and just after the run (all ranks at once, outside the timed steps); the report's
+``speed_probe_s`` and ``after_wait_probe_s`` hold them, per rank.
 
 :func:`train_report` runs one plan through the real ``gpipe train`` command instead (the demo does).
 """
@@ -171,12 +172,12 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, afte
 def _gather_through_files(payload: dict[str, Any], rank: int, world: int, directory: str) -> list[Any] | None:
     """Every rank's payload on rank 0 (None elsewhere), through files in the launch's directory.
 
-    Not ``dist.gather_object``: gloo starts a thread of its own for each new size of message it
-    carries, and once a gather of a few hundred KiB (a timeline) has started them, the same process
-    computes on two threads a third slower for the rest of its life (a 256x256 matmul loop, 32 -> 46
-    ms here; a 1-thread loop is unchanged). The launch runs its configurations one after another in
-    the same processes, so every configuration after the first large timeline ran slow. The ranks of
-    a launch share one host (a standalone launch)."""
+    Not ``dist.gather_object``: gloo starts a thread of its own for each new size of message it carries,
+    and once a gather of a few hundred KiB (a timeline) has started them, the same process computes on
+    two threads slower for the rest of its life (a 1-thread loop is unchanged;
+    docs/notes/2026-11-27-figures-behind-the-code.md). The launch runs its configurations one after
+    another in the same processes, so every configuration after the first large timeline ran slow. The
+    ranks of a launch share one host (a standalone launch)."""
     import torch.distributed as dist
 
     from sim.formats.timeline import write_json_atomic
@@ -220,9 +221,10 @@ def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict
 
 
 def by_replica_and_stage(config: Any, gathered: Sequence[Any]) -> list[Any]:
-    """Every stage's payload in (replica, stage) order, the order :func:`build_report` reads peak
-    bytes in (rank order when D = 1); ranks sit where :mod:`sim.engine.placement` puts them, a stage's
-    tensor-parallel rank 0 standing for the stage (its T ranks hold equal shares)."""
+    """Every stage's payload in (replica, stage) order, the order
+    :func:`executor.runtime.report.build_report` reads peak bytes in (rank order when D = 1); ranks sit
+    where :mod:`sim.engine.placement` puts them, a stage's tensor-parallel rank 0 standing for the stage
+    (its T ranks hold equal shares)."""
     from sim.engine.placement import device_of
 
     parts = config.tensor_parallel

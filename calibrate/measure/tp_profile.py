@@ -2,8 +2,9 @@
 
 A layer split over T ranks does not take 1/T of its time. Each rank runs its shard of the matmuls,
 waits in the all-reduces its row-parallel outputs and column-parallel input gradients need, and pays
-DTensor's dispatch on every operation of a sharded weight: on this project's 2-core CPU a T = 2
-forward took about three times one rank's share of the work. So the split layer is measured, not
+DTensor's dispatch on every operation of a sharded weight: on a CPU a T = 2 forward takes several
+times one rank's share of the work (docs/notes/2026-11-25-calibrating-new-features.md). So the split
+layer is measured, not
 derived: T processes on this host, started by torchrun as the executor's T ranks of a stage are,
 each build the model from the same seed, shard every layer over a one-dimensional mesh exactly as
 the executor does (:func:`executor.parallel.tensor_parallel.parallelize_stage`) and profile it with

@@ -4,10 +4,8 @@ moves a run's error.
 ``gpipe validate --costs A B ...`` measures the held-out runs once and predicts each with every
 costs file. The two measures of noise a single calibration carries (a run's own rounds, the
 calibration's odd and even design rounds) both come from a few minutes of one machine; on a shared
-VM the next calibration, taken at another stretch of minutes, moves every fit together (on a 2-core
-VM two calibrations five minutes apart put one validation's held-out runs 1.7-3.2 points apart,
-median, and 15-16 at worst; two an hour apart, each with its own validation, 8 points, median;
-``benchmarks/README.md``). Judging
+machine the next calibration, taken at another stretch of minutes, moves every fit together, by more
+than either of those shows (docs/notes/2026-11-26-moment-of-calibration.md). Judging
 one measurement by several calibrations shows that third noise beside each error, without the
 validation's own noise mixed in; the median over the calibrations' errors is the error with the
 moment of calibration averaged out.
@@ -51,7 +49,7 @@ def check_same_calibration(first: dict[str, Any], other: dict[str, Any], other_n
 def run_entry(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One held-out run as each calibration judged it (``runs``: its result dicts, one per costs
     file, the first file's first): each one's errors and step error interval
-    (:func:`calibrate.validate.held_out.median_interval`), their range and their median, and whether every
+    (:func:`calibrate.validate.intervals.median_interval`), their range and their median, and whether every
     calibration's interval lies on one side of zero (``beyond_noise``; per stage for the busy time,
     ``busy_beyond_noise``; for the bubble, in points, ``bubble_beyond_noise``)."""
     step = [run["step_error_at_reference"] for run in runs]

@@ -15,7 +15,7 @@ in eval mode so that it draws no random numbers and leaves batch-norm statistics
 (about 0.15 s for 15 pairs here). :func:`warm_up_factor` divides a run's probes by the calibration's
 median, as :func:`calibrate.noise.speed.speed_factor` divides paces. Calibration scales what each design
 run's actions paid of the warm-up by its run's factor, so the fitted warm-up is the one at the
-calibration's median probe (:func:`calibrate.fit.calibration.collect`); ``gpipe validate`` scales each
+calibration's median probe (:func:`calibrate.fit.observations.collect`); ``gpipe validate`` scales each
 stage's predicted warm-up by its run's factor and shows the busy error so corrected beside the one
 without.
 

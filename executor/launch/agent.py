@@ -4,9 +4,9 @@ The agent is torchrun's own (``torch.distributed.launcher.api.elastic_launch``: 
 restarts, failure detection), run here instead of as ``python -m torch.distributed.run``, and it
 forks each rank from a fork server that has imported the executor once (see
 :mod:`executor.launch.rank_process`, which makes the fork the ``python -u -m MODULE`` torchrun would have
-started). A launch thereby skips torchrun's import of torch (about 2 s before any rank starts) and
-each rank's imports (about 3.7 s of a core per rank); a second launch from the same process (a
-calibration, a notebook, the tests) reuses the fork server.
+started). A launch thereby skips torchrun's import of torch before any rank starts and each rank's
+own imports, seconds of a core each (docs/notes/2026-11-26-launch-time.md); a second launch from the
+same process (a calibration, a notebook, the tests) reuses the fork server.
 
 One node: the agent as ``torchrun --standalone --nproc-per-node K``. Several nodes: every node runs
 ``gpipe train`` with its ``--node-rank`` and node 0's address as ``--rdzv-endpoint``, and its agent
@@ -193,7 +193,7 @@ def launch(config: LaunchConfig, module: str, argv: list[str], env: dict[str, st
            stderr_fd: int = 2, timeout_s: float | None = None) -> LaunchOutcome:
     """Run ``python -u -m module *argv`` as this node's ranks under the agent ``config`` describes,
     with environment ``env``, this process's working directory, and output to ``stdout_fd`` /
-    ``stderr_fd``; each rank ends itself after ``timeout_s`` (see :func:`rank_process.run_module`)."""
+    ``stderr_fd``; each rank ends itself after ``timeout_s`` (see :func:`executor.launch.rank_process.run_module`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

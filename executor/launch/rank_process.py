@@ -1,8 +1,9 @@
 """The first thing a rank runs: become what ``python -u -m MODULE ARGV`` started by the launcher would be.
 
 Why: torchrun starts every rank as a new interpreter, and each one imports torch and the executor
-again before it does any work (about 3.7 s of a core each; four ranks on two cores wait about 7 s
-of wall time), after torchrun itself has spent about 2 s importing torch. ``executor.launch.agent`` runs
+again before it does any work (seconds of a core each, which ranks sharing the cores wait out in
+wall time), after torchrun itself has imported torch (docs/notes/2026-11-26-launch-time.md).
+``executor.launch.agent`` runs
 torchrun's agent in the launching process instead and has it fork each rank from a fork server
 that imported the executor once (``multiprocessing``'s ``forkserver``, preloaded). A fork is
 not a new interpreter, so this module restores what a new one would have had:

@@ -94,11 +94,11 @@ def config_of(name: str, options: dict[str, Any]) -> Any:
 
 
 def rank_imports(name: str, options: dict[str, Any]) -> list[str]:
-    """The modules a rank training ``name`` imports on top of the executor: this module and the
-    family's modeling code, which ``AutoModelForCausalLM`` loads at the first build (about 1.9 s of
-    a core for GPT-2 here, beyond what the fork server imports anyway; in every rank unless the fork
-    server has it: :func:`executor.launch.agent.start_fork_server`). Empty for a model type not supported
-    (the model check refuses it with its reason)."""
+    """The modules a rank training ``name`` imports on top of the executor: this module and the family's
+    modeling code, which ``AutoModelForCausalLM`` loads at the first build (seconds of a core for GPT-2
+    beyond what the fork server imports anyway, docs/notes/2026-11-26-launch-time.md; in every rank
+    unless the fork server has it: :func:`executor.launch.agent.start_fork_server`). Empty for a model
+    type not supported (the model check refuses it with its reason)."""
     model_type, _ = _type_and_fields(name, options)
     if model_type not in FAMILIES:
         return []

@@ -1,10 +1,10 @@
 """``isinstance`` against a class of a module that may never have been imported, without importing it.
 
 Why: ``torch.distributed.tensor`` (DTensor) and ``torch.distributed.optim`` (ZeroRedundancyOptimizer)
-take 0.8 s and 1.6 s of a CPU core to import on this project's 2-core machine, on top of torch's own
-2 s, in every rank of every run; only tensor-parallel and ZeRO runs use them. An object of a class
-whose module was never imported cannot exist, so where that module is not loaded the answer is no,
-and where it is, the ordinary ``isinstance``.
+each take a large share of torch's own import time to import
+(docs/notes/2026-11-27-figures-behind-the-code.md), in every rank of every run; only tensor-parallel and
+ZeRO runs use them. An object of a class whose module was never imported cannot exist, so where that
+module is not loaded the answer is no, and where it is, the ordinary ``isinstance``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ asynchronous all-reduce of its gradients over its stage's dp group, in buckets o
 :data:`BUCKET_BYTES` (DDP's default of 25 MiB), and waits for it at the start of the end of the
 step, before the shared-parameter reduction, the gradient norm and the optimizer step; where the
 dp group's ranks share a host and each has a core (the ranks the pipeline's messages reach through
-shared memory), the sum goes through shared memory instead (:mod:`executor.transport.shm_allreduce`: 6.2 ms
-for 16 MiB among two ranks against gloo's 27 over loopback TCP, measured idle on a 2-core VM),
+shared memory), the sum goes through shared memory instead (:mod:`executor.transport.shm_allreduce`:
+several times faster than gloo over loopback TCP, docs/notes/2026-11-25-executor-overhead.md),
 each rank writing its gradients at the launch and summing its share of them in the wait. Each rank
 scales its gradients by ``rows_d / B`` before the sum, so the result is the gradient of the mean
 loss over the whole global batch, exactly what one process training B rows computes, even and
@@ -380,7 +380,7 @@ def shard_optimizer(stage: PipelineStage, layout: Layout) -> None:
     torch.optim class and settings, and its learning-rate schedule by one over the new optimizer."""
     if stage.optimizer is None:
         return
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # 1.6 s to import: ZeRO runs only
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # slow to import (loaded_types): ZeRO runs only
 
     optimizer_class, kwargs = optimizer_class_and_kwargs(stage.optim)
     stage.optimizer = ZeroRedundancyOptimizer(stage.params, optimizer_class=optimizer_class,

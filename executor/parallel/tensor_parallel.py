@@ -27,10 +27,11 @@ be replicated, and adapts the layer's own view of its shapes (heads per rank, sa
 parameters and no such method is refused in one line when T > 1.
 
 Hugging Face llama, mistral and qwen2 layers split the same way (:class:`executor.models.hf.DecoderLayer`
-says how), and GPT-2's: its projections are transformers' ``Conv1D`` (weight stored (in, out), used as
-x @ W + b), which torch's styles do not know, so :class:`Conv1DColwise` and :class:`Conv1DRowwise`
-split a Conv1D's weight along its columns or rows with torch's own input and output handling; the
-fused attention projection's columns [q | k | v] are put in rank order as the built-in QKV's rows are.
+says how), and GPT-2's: its projections are transformers' ``Conv1D`` (weight stored (in, out), used as x
+@ W + b), which torch's styles do not know, so :class:`executor.parallel.tp_styles.Conv1DColwise` and
+:class:`executor.parallel.tp_styles.Conv1DRowwise` split a Conv1D's weight along its columns or rows with
+torch's own input and output handling; the fused attention projection's columns [q | k | v] are put in
+rank order as the built-in QKV's rows are.
 
 Sequence parallelism (``--sequence-parallel``, the built-in transformer, as Korthikanti et al.
 2022): inside a stage's run of blocks the residual stream and the norms hold 1/T of the tokens per

@@ -35,7 +35,8 @@ import torch
 
 from executor.runtime.memory import ActivationCounter
 from executor.runtime.recording import Recorder
-from executor.runtime.stage import PipelineStage, StepPhases
+from executor.runtime.stage import PipelineStage
+from executor.runtime.step_phases import StepPhases
 from sim.formats.timeline import RECV_WAIT
 from sim.schedules.schedule import Action, build_schedule, virtual_stages_of_device
 

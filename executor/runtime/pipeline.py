@@ -71,7 +71,7 @@ def prepare(config: RunConfig) -> Prepared:
                                      config.data or None)
     loss_fn = loss_function(loss)
     validate_partition(tuple(config.partition), len(model))
-    if config.tensor_parallel > 1:  # DTensor takes 0.8 s to import: tensor-parallel runs only
+    if config.tensor_parallel > 1:  # DTensor is slow to import (loaded_types): tensor-parallel runs only
         from executor.parallel.tensor_parallel import check_model
 
         check_model(model, config.tensor_parallel, config.sequence_parallel)

@@ -2,17 +2,17 @@
 this step waits on a receive.
 
 Why: the first stage draws its batch between two steps, and there it is on the pipeline's critical
-path: every other stage waits for the first stage's first forward. Drawing 64 rows of the 1024-wide
-MLP's synthetic data takes about 0.4 ms on this project's 2-core VM, 1% of a 40 ms step, and
-splitting it into micro-batches (a copy each, :func:`executor.runtime.data.split`) 0.2 ms more. Every stage
+path: every other stage waits for the first stage's first forward. Drawing a batch of synthetic
+data and splitting it into micro-batches (a copy each, :func:`executor.runtime.data.split`) is a
+measurable share of a small model's step (docs/notes/2026-11-27-figures-behind-the-code.md). Every stage
 of a pipeline waits on a receive at least once a step (its share of the bubble); drawing the next
 batch then costs nothing. The last stage, which needs the targets, draws during a wait too.
 
 Which wait: the one that was longest in the step before (:meth:`StepBatches.waited` hears how long
 each of the rank's waits lasted, chores included), else, in the first steps, the first. Drawing is
-one piece of work of 0.4-0.6 ms that cannot stop when the awaited message arrives; at the first
-wait it sat on the critical path of the interleaved schedule (the first device's first wait, for
-its second chunk's first forward, lasts a few hundred microseconds).
+one piece of work that cannot stop when the awaited message arrives; at the first wait it sat on the
+critical path of the interleaved schedule (the first device's first wait, for its second chunk's
+first forward, is shorter than the drawing).
 
 A data function (``--data``) is called for step s+1 while step s runs: it must be a pure function of
 ``(batch_size, step, seed)``, as resuming already requires. A stage that never waits (one stage,

@@ -1,14 +1,14 @@
 """Timing of a stage's actions in the shared timeline format (``sim.formats.timeline``), source "measured".
 
-On CPU every span is two ``time.perf_counter`` reads kept as a plain tuple, made a :class:`Record`
-when the timeline is read: a stage opens and closes several spans between two actions, when the
-caches hold the compute's matrices and every object built is a miss (a generator-based span and a
-named tuple cost 15-30 us there). On CUDA a span is a pair of CUDA events on
-the current stream, read once per step in :meth:`Recorder.flush` (after one synchronize), so timing
-never serializes the stream mid-step; event times are placed on the host clock through an event
-recorded at the step's start. Times are seconds since ``origin_s``, a ``perf_counter`` reading
-taken right after a barrier on every rank, so ranks of one run share a time axis to within the
-barrier's skew (on one machine perf_counter is the same monotonic clock in every process).
+On CPU every span is two ``time.perf_counter`` reads kept as a plain tuple, made a :class:`Record` when
+the timeline is read: a stage opens and closes several spans between two actions, when the caches hold
+the compute's matrices and every object built is a miss (a generator-based span and a named tuple cost
+measurably more there: docs/notes/2026-11-27-figures-behind-the-code.md). On CUDA a span is a pair of
+CUDA events on the current stream, read once per step in :meth:`Recorder.flush` (after one synchronize),
+so timing never serializes the stream mid-step; event times are placed on the host clock through an event
+recorded at the step's start. Times are seconds since ``origin_s``, a ``perf_counter`` reading taken
+right after a barrier on every rank, so ranks of one run share a time axis to within the barrier's skew
+(on one machine perf_counter is the same monotonic clock in every process).
 """
 
 from __future__ import annotations

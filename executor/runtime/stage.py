@@ -3,7 +3,8 @@
 The schedule is data (:func:`sim.schedules.schedule.build_schedule`); a :class:`PipelineStage` only knows how
 to run one :class:`~sim.schedules.schedule.Action` at a time, so the same code serves the multi-process
 executor (:meth:`PipelineStage.train_step`, which walks its list in order, blocking on receives) and
-the in-process pipeline (:mod:`executor.local`, which interleaves every stage's list in one process).
+the in-process pipeline (:class:`executor.runtime.pipeline.LocalPipeline`, which interleaves every
+stage's list in one process).
 
 Timing diagram of what one stage does for micro-batch m under re-materialization::
 
@@ -22,23 +23,15 @@ the mini-batch mean whatever M is. Dropout masks are drawn from a seed that is a
 (seed, step, stage, micro-batch), so a recompute replays them exactly and a resumed run draws the
 same ones.
 
-The end of a step runs in phases, so that work across stages can sit between them::
-
-    finish_sends -> reduce_shared_gradients -> grad_sq_norm -> (sum over stages) -> update
-                                                                                   clip, optimizer step,
-                                                                                   scheduler step, BN commit
-
-:meth:`PipelineStage.end_step` runs them all, summing over stages with the transport's all-reduce
-(the multi-process worker); :class:`executor.runtime.pipeline.LocalPipeline` runs each phase on every stage
-in turn and adds the stages' sums itself.
+The end of a step runs in phases (:mod:`executor.runtime.step_phases`), shared with a device of
+several chunks (:mod:`executor.runtime.chunks`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -54,21 +47,11 @@ from executor.runtime.precision import autocast, check_boundary
 from executor.runtime.recording import Recorder
 from executor.runtime.selective import recompute_attention_core
 from executor.runtime.split_backward import PendingWeights, WeightEdges, input_gradients, weight_gradients
+from executor.runtime.step_phases import IdleWork, StepPhases
 from executor.transport.p2p import ACT, GRAD, Transport
 from sim.schedules.schedule import (Action, Kind, build_schedule, device_of_virtual_stage, receives_gradient,
                                     recomputes, recomputes_attention_core, recomputes_per_layer)
-from sim.formats.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT, SHARED_ALLREDUCE
-
-
-class IdleWork(Protocol):
-    """Work a stage can do while it waits (:class:`executor.runtime.prefetch.StepBatches`)."""
-
-    def prefetch(self, wait: Hashable) -> None:
-        """The stage is about to wait at ``wait`` (virtual stage, channel, micro-batch): work now, or not."""
-
-    def waited(self, wait: Hashable, seconds: float) -> None:
-        """How long the stage was idle there, chores included."""
-
+from sim.formats.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 
 # actions whose autograd calls add to the parameters' .grad (a split I computes input gradients only)
 ADDS_TO_GRAD = frozenset({Kind.BACKWARD, Kind.WEIGHT})
@@ -85,59 +68,6 @@ class StageConfig:
     seed: int = 0
     precision: str = "fp32"  # bf16: layers under autocast, loss in fp32 (executor.runtime.precision)
     virtual_stages: int = 1  # V chunks per device (the interleaved schedule)
-
-
-class StepPhases:
-    """One mini-batch of a rank: walk its action list, then the end-of-step phases in order (sends,
-    the data-parallel average, shared gradients, the global norm when clipping, the update).
-
-    Shared by a :class:`PipelineStage` and a device of several chunks (:mod:`executor.runtime.chunks`),
-    which supply the phases themselves and :meth:`pipeline_sum`, the squared norm summed over the
-    pipeline's ranks.
-    """
-
-    actions: list[Action]
-    after_action: Callable[[int, Action], None] | None  # e.g. fault injection, the data-parallel launch
-    sync_gradients: Callable[[], None] | None  # awaits the data-parallel average (executor.parallel.replicas)
-    reduce_shared: Callable[[], None] | None  # sums shared parameters' gradients over their owners
-    recorder: Recorder
-
-    def pipeline_sum(self, local: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def reduce_shared_gradients(self) -> None:
-        """Sum the gradients of parameters other stages hold too (tied weights, executor.parallel.sharing).
-
-        Runs after the sends have finished and before the gradient norm is taken, so that the norm,
-        clipping and the optimizer see the summed gradients. The worker sets ``reduce_shared`` (an
-        all-reduce over the owning ranks); the in-process pipeline sums over its stages itself and
-        leaves it None.
-        """
-        if self.reduce_shared is not None:
-            with self.recorder.span(SHARED_ALLREDUCE):
-                self.reduce_shared()
-
-    def end_step(self) -> float | None:
-        """Every end-of-step phase, the norm summed over the pipeline's ranks; return the loss."""
-        self.finish_sends()
-        if self.sync_gradients is not None:
-            self.sync_gradients()
-        self.reduce_shared_gradients()
-        grad_norm = None
-        if self.needs_global_norm:
-            grad_norm = math.sqrt(float(self.pipeline_sum(self.grad_sq_norm())))
-        self.update(grad_norm)
-        self.recorder.flush()
-        return self.step_loss()
-
-    def train_step(self, step: int, inputs: Any, targets: Any) -> float | None:
-        """One mini-batch: walk the actions in order (receives block), then update."""
-        self.begin_step(step, inputs, targets)
-        for index, action in enumerate(self.actions):
-            self.run(action)
-            if self.after_action is not None:
-                self.after_action(index, action)
-        return self.end_step()
 
 
 class PipelineStage(StepPhases):
@@ -259,10 +189,11 @@ class PipelineStage(StepPhases):
         return self._receive_order
 
     def _drop_gradients(self) -> None:
-        """The optimizer's ``zero_grad`` (to None) for the step begun, once: at the stage's first wait
-        on a receive, or before its first action that adds to ``.grad``, whichever comes first. At the
-        step's start it would sit on the pipeline's critical path (0.1 ms for the 1024-wide MLP's
-        stage here, right after the optimizer step)."""
+        """The optimizer's ``zero_grad`` (to None) for the step begun, once: at the stage's first wait on
+        a receive, or before its first action that adds to ``.grad``, whichever comes first. At the
+        step's start it would sit on the pipeline's critical path, right after the optimizer step
+        (docs/notes/2026-11-27-figures-behind-the-code.md; the chores moved into waits:
+        docs/notes/2026-11-25-executor-overhead.md)."""
         if self._gradients_stale:
             self._gradients_stale = False
             self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
@@ -270,10 +201,10 @@ class PipelineStage(StepPhases):
     def _post_through(self, key: tuple[str, int] | None) -> None:
         """Post the announced receives in consumption order up to and including ``key`` (None: all).
 
-        Why not all at the step's start: posting one costs about 20 us of this rank's time (a gloo
-        receive on this project's 2-core VM), and at the start of a step the first stage is on the
-        pipeline's critical path; at its first wait the time is free. Order is kept, so each
-        direction's messages are posted in the order they are sent (what NCCL needs).
+        Why not all at the step's start: posting one costs this rank's time (a gloo receive is posted by
+        the rank itself), and at the start of a step the first stage is on the pipeline's critical path;
+        at its first wait the time is free (docs/notes/2026-11-27-figures-behind-the-code.md). Order is
+        kept, so each direction's messages are posted in the order they are sent (what NCCL needs).
         """
         if key is not None and key not in self._unposted:
             return  # posted already
@@ -387,8 +318,9 @@ class PipelineStage(StepPhases):
     def _seed(self, m: int) -> None:
         """Seed the generators this stage draws from: the CPU's, and its GPU's on CUDA.
 
-        Not ``torch.manual_seed``, which visits every backend's generators and costs about 100 us
-        per call here, against about 2 us for the CPU generator alone; it runs before every forward.
+        Not ``torch.manual_seed``, which visits every backend's generators, many times the cost of
+        seeding the CPU generator alone (docs/notes/2026-11-27-figures-behind-the-code.md); it runs
+        before every forward.
         """
         self.device_api.seed(mix_seed(self.config.seed, self.step, self.config.stage, m))
 
@@ -448,6 +380,7 @@ class PipelineStage(StepPhases):
             check_boundary(leaves, self.outgoing, self.config.stage)
             with self.recorder.span(SEND_ACTIVATION, m):
                 self.transport.send(ACT, m, leaves)
+
 
     def _forward_keeping_layer_inputs(self, m: int, received: list[torch.Tensor]) -> Any:
         """``full``: the layers without gradients, keeping each layer's input (counted as held by

@@ -435,7 +435,7 @@ def cold_starts(actions: Sequence[Action]) -> list[bool]:
     """Which of a device's actions start cold: the first of its list, the step's first action,
     after the optimizer and the executor's work between steps have displaced its weights' and
     activations' cache lines and the code it runs. Within one run the step's first forward took
-    230-560 us longer than the forwards after it on stages of one and three layers, while an action
+    longer than the forwards after it on stages of one and three layers, while an action
     after another kind of action was not measurably slower on three layers (benchmarks/README.md,
     ``cold_starts.py``). The simulator adds the stage's ``cold_start_s`` for it and calibration fits
     that time on the same marks."""

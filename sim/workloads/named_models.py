@@ -1,6 +1,6 @@
 """Well-known models by name (``--model llama3-70b``), planned torch-free by their configs' shape.
 
-Each named model ships inside the package as a Hugging Face ``config.json`` (``sim/workloads/named_models/``,
+Each named model ships inside the package as a Hugging Face ``config.json`` (``sim/workloads/named_model_configs/``,
 no weights, nothing downloaded) with the sequence length it was pre-trained at and the source of
 its figures (``index.json``). The simulator and the planner take it as the built-in transformer of
 the config's shape (:func:`transformer_shape`), torch-free: layers, width, heads, key/value heads,
@@ -26,7 +26,7 @@ from typing import Any
 
 from sim.errors import GpipeInputError
 
-NAMED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "named_models")
+NAMED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "named_model_configs")
 # The config's activation -> the built-in transformer's MLP of the same shape
 SHAPE_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu2": "squared_relu", "gelu": "gelu",
                      "gelu_new": "gelu", "gelu_fast": "gelu", "gelu_pytorch_tanh": "gelu"}

@@ -8,11 +8,13 @@ import time
 import pytest
 import torch
 
-from calibrate.fit.calibration import RunSpec
+from calibrate.fit.design import RunSpec
 from calibrate.fit.design_checks import run_speed_reference
 from calibrate.noise.after_wait_probe import AfterWaitProbe, run_after_wait_probes, warm_up_factor
 from calibrate.noise.speed import SpeedProbe
-from calibrate.validate.held_out import Comparison, format_table, summarize
+from calibrate.validate.comparison import Comparison
+from calibrate.validate.summary import summarize
+from calibrate.validate.table import format_table
 
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}
 
@@ -111,7 +113,7 @@ def test_the_table_shows_the_probes_range_and_the_busy_errors_at_the_runs_moment
     summary = summarize(runs)
     assert summary["warm_up_factor_range"] == [1.0, 2.0] and summary["round_warm_up_factor_range"] == [0.9, 2.2]
     assert summary["worst_busy_stage_at_probed_warm_up"]["warm_up_factor"] == 1.0
-    table = format_table({"runs": [r.to_dict() for r in runs], "summary": summary})
+    table = format_table({"runs": [r.to_dict() for r in runs], "summary": summary}, verbose=True)
     assert "x1.00-x2.00 over the runs (x0.90-x2.20 over rounds)" in table
     assert "(40% after waits; after-wait probe x2.00); rounds" in table  # the worst at the reference speed
     probed = next(line for line in table.splitlines() if line.startswith("the after-wait loss at each run's moment"))
@@ -121,7 +123,8 @@ def test_the_table_shows_the_probes_range_and_the_busy_errors_at_the_runs_moment
     assert goals.endswith("with the warm-up at each run's after-wait probe 1 of 4; K=2 M=6 [1,5] stage 0 -28.6% "
                           "(-29..-29%); step 0 of 2 runs; bubble 0 of 2 runs")
     unprobed = [_run([], [1.0])]
-    assert "after-wait" not in format_table({"runs": [r.to_dict() for r in unprobed], "summary": summarize(unprobed)})
+    assert "after-wait" not in format_table({"runs": [r.to_dict() for r in unprobed], "summary": summarize(unprobed)},
+                                            verbose=True)
 
 
 def test_the_calibration_summary_gives_the_probes_loss_beside_the_fitted_warm_up():
@@ -143,6 +146,6 @@ def test_a_stage_beyond_noise_by_every_calibration_shows_its_error_at_the_runs_p
     run["calibrations"] = across_calibrations.run_entry([run, run])
     summary = {**summarize([_run([2.0, 2.0, 2.0], [1.0] * 3)]),
                "across_calibrations": across_calibrations.summary([run["calibrations"]])}
-    line = next(line for line in format_table({"runs": [run], "summary": summary}).splitlines()
+    line = next(line for line in format_table({"runs": [run], "summary": summary}, verbose=True).splitlines()
                 if "beyond their interval's reach of zero by every calibration" in line and "stage" in line)
     assert line.endswith("K=2 M=6 [1,5] stage 0 -28.6% (40% after waits; +0.0% at the run's after-wait probe)")

@@ -110,31 +110,33 @@ def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypat
     the prediction's error. A bound above the misfit leaves the plain fit."""
     from types import SimpleNamespace
 
-    import calibrate.fit.calibration as calibration
+    import calibrate.fit.step_fit as step_fit
+    from calibrate.fit.design import RunSpec
 
     predicted = {1: 0.080, 2: 0.100}  # by M: predicted steps without overhead
-    monkeypatch.setattr(calibration, "predict",
+    monkeypatch.setattr(step_fit, "predict",
                         lambda data, spec, system_name="cpu": SimpleNamespace(step_time_s=predicted[spec.microbatches]))
-    monkeypatch.setattr(calibration, "predicted_end_span_s", lambda result: 0.002)
-    specs = [calibration.RunSpec((3, 3), m, "never", "gpipe", 8) for m in (1, 2)]
+    monkeypatch.setattr(step_fit, "predicted_end_span_s", lambda result: 0.002)
+    specs = [RunSpec((3, 3), m, "never", "gpipe", 8) for m in (1, 2)]
     reports = [{"step_time_s": predicted[s.microbatches] + 0.020, "end_span_s": 0.005} for s in specs]
-    monkeypatch.setattr(calibration, "measured_end_span_s", lambda report: report["end_span_s"])
+    monkeypatch.setattr(step_fit, "measured_end_span_s", lambda report: report["end_span_s"])
     data = {"pipeline": {"2": {}}}
-    summary = calibration.fit_step_overhead(data, specs, reports)
+    summary = step_fit.fit_step_overhead(data, specs, reports)
     assert summary["2"]["unconstrained_s"] == pytest.approx(0.020, rel=1e-6)
     assert summary["2"]["end_span_bound_s"] == pytest.approx(0.003)
     assert data["pipeline"]["2"]["step_overhead_s"] == pytest.approx(0.003)
     assert summary["2"]["worst_relative"] == pytest.approx(0.017 / 0.1, rel=1e-6)  # what the bound leaves
     for report in reports:
         report["end_span_s"] = 0.050
-    calibration.fit_step_overhead(data, specs, reports)
+    step_fit.fit_step_overhead(data, specs, reports)
     assert data["pipeline"]["2"]["step_overhead_s"] == pytest.approx(0.020, rel=1e-6)
 
 
 def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measured():
     """A chore done once a step while a message was away (a long gap) does not move the fitted gap;
     a kind no design run had takes the median of all gaps."""
-    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline
+    from calibrate.fit.observations import ActionPoints, Observations
+    from calibrate.fit.pipeline_fit import fit_pipeline
 
     obs = Observations()
     obs.actions[(2, "F")] = ActionPoints([1e-3, 2e-3], [1e-4, 1e-4], [1.1e-3, 2.1e-3], ["a", "b"])
@@ -151,7 +153,8 @@ def test_the_gap_after_each_kind_of_action_is_the_median_of_what_the_runs_measur
 def test_an_action_measured_in_several_rounds_is_fitted_at_its_median_round():
     """Rounds 15% fast, typical and 15% slow: the line goes through the typical round, as validation
     compares a run's median round; every round's point on relative residuals settles below it."""
-    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline
+    from calibrate.fit.observations import ActionPoints, Observations
+    from calibrate.fit.pipeline_fit import fit_pipeline
 
     def observed(identities: bool) -> Observations:
         obs = Observations()
@@ -184,7 +187,8 @@ def test_a_split_backward_is_fitted_as_i_and_w_where_a_run_had_one_and_its_first
     line of its own (W_first, the backward's profile, B's overhead), and its I is on no line but
     priced at its measured median; the other stages' I and W get lines of their own, and a K
     without a split run has none (the stage's costs then take the backward's factor)."""
-    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind
+    from calibrate.fit.observations import ActionPoints, Observations, fitted_kind
+    from calibrate.fit.pipeline_fit import fit_pipeline
 
     bounds = [(0, 2), (2, 4)]
     assert [fitted_kind({"stage": s, "kind": k, "microbatch": 0}, bounds, "always", 4)
@@ -255,7 +259,8 @@ def test_the_action_line_tells_a_cold_start_from_its_overhead_where_the_points_h
 def test_the_calibration_marks_cold_actions_from_the_runs_schedule():
     """The marks calibration fits on come from the schedule the simulator walks: each stage's first
     action of the step, its first forward under GPipe and 1F1B alike."""
-    from calibrate.fit.calibration import RunSpec, cold_marks, starts_cold_in
+    from calibrate.fit.design import RunSpec
+    from calibrate.fit.observations import cold_marks, starts_cold_in
 
     for schedule in ("gpipe", "1f1b"):
         marks = cold_marks(RunSpec((3, 3), 4, "never", schedule, 8))
@@ -301,7 +306,8 @@ def test_the_replica_spread_keeps_a_processs_own_deviation_and_not_the_machines(
 def test_the_halves_of_a_calibration_fit_its_odd_and_its_even_rounds_apart(monkeypatch):
     """The design repeated round after round: one half fits rounds 1, 3, 5, the other 2, 4, 6, each on
     a copy of the measured data; the whole fit's terms are left as they were."""
-    import calibrate.fit.calibration as calibration
+    import calibrate.fit.design_fit as design_fit
+    from calibrate.fit.design import RunSpec
 
     seen = []
 
@@ -310,11 +316,11 @@ def test_the_halves_of_a_calibration_fit_its_odd_and_its_even_rounds_apart(monke
         data["pipeline"] = {"2": {"rounds": [r["round"] for r in reports]}}
         return {}
 
-    monkeypatch.setattr(calibration, "fit_in_pipeline", fake_fit)
-    specs = [calibration.RunSpec((3, 3), m, "never", "gpipe", 8) for m in (2, 4)] * 6
+    monkeypatch.setattr(design_fit, "fit_in_pipeline", fake_fit)
+    specs = [RunSpec((3, 3), m, "never", "gpipe", 8) for m in (2, 4)] * 6
     reports = [{"round": i // 2 + 1} for i in range(12)]
     data = {"pipeline": {"2": {"rounds": "all"}}, "profile": {"rows": [1, 2]}}
-    halves = calibration.fit_halves(data, 2, specs, reports, [1.0] * 12, {2: 1})
+    halves = design_fit.fit_halves(data, 2, specs, reports, [1.0] * 12, {2: 1})
     assert seen == [[1, 1, 3, 3, 5, 5], [2, 2, 4, 4, 6, 6]]
     assert [h["pipeline"]["2"]["rounds"] for h in halves] == seen and set(halves[0]) == {"pipeline"}
     assert data == {"pipeline": {"2": {"rounds": "all"}}, "profile": {"rows": [1, 2]}}
@@ -325,7 +331,8 @@ def test_a_backward_under_full_takes_a_time_per_layer_beyond_the_backward_and_re
     backward and recompute profiled, its layer count) fit the time per layer it takes beyond the two
     lines summed, whichever way those lines split their fixed part between scale and overhead; its
     forward is a plain forward."""
-    from calibrate.fit.calibration import ActionPoints, Observations, fit_pipeline, fitted_kind, profiled_action_parts
+    from calibrate.fit.observations import ActionPoints, Observations, fitted_kind, profiled_action_parts
+    from calibrate.fit.pipeline_fit import fit_pipeline
     from sim.formats.costs import ActionFit, MeasuredWorkload
     from tests.helpers.costs import synthetic_costs
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from calibrate.fit.calibration import RunSpec, predict
+from calibrate.fit.design import RunSpec
+from calibrate.fit.step_fit import predict
 from sim.catalog.hardware import Link
 from tests.helpers.costs import synthetic_costs
 
@@ -67,9 +68,12 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
 def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs):
     """The held-out D = 2 runs and the ZB-V run (two chunks per rank, the backward split) measured and
     predicted, peak activation memory exact."""
-    from calibrate.fit.calibration import run_config
+    from calibrate.fit.design import run_config
     from calibrate.measure.runs import run_configs
-    from calibrate.validate.held_out import compare, format_table, machine_processes, summarize, validation_design
+    from calibrate.validate.comparison import compare
+    from calibrate.validate.held_out_design import machine_processes, validation_design
+    from calibrate.validate.summary import summarize
+    from calibrate.validate.table import format_table
     costs, _ = tiny_quick_costs
     with open(costs) as handle:
         data = json.load(handle)

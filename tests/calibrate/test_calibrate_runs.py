@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from calibrate.fit.calibration import RunSpec, run_config
+from calibrate.fit.design import RunSpec, run_config
 from calibrate.measure import runs
 from executor.launch import agent as launch
 from executor.launch.agent import LaunchOutcome

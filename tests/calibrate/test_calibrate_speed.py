@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from calibrate.noise.speed import SpeedProbe, probe_rows, reference_s, run_probes, speed_factor
-from calibrate.validate.held_out import Comparison
+from calibrate.validate.comparison import Comparison
 
 OPTIONS = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32, "dropout": 0.0}
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibrate.fit.calibration import RunSpec, predict, run_config
+from calibrate.fit.design import RunSpec, run_config
+from calibrate.fit.step_fit import predict
 from calibrate.measure.profile import Repeats, profile_model
 from calibrate.measure.runs import run_configs
 from calibrate.measure.tp_profile import profile_tensor_parallel, thread_counts

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from calibrate.fit.calibration import RunSpec
+from calibrate.fit.design import RunSpec
 from calibrate.fit.design_checks import (SPEED_FACTOR_BOUNDS, CalibrationRefused, corrected_within_bounds,
                                          missed_design_runs, out_of_bounds, refuse_missed)
 from sim.formats.costs import DESIGN_FIT_GOAL, fit_quality, fit_quality_warning, read_costs, write_costs

@@ -99,7 +99,7 @@ def _observed(warm_s: float, with_waits: bool, factors: tuple[float, ...] = (1.0
     """Actions on :func:`_line`, one warm forward and backward per run; on the small stages, a
     backward after a long wait and the forward after it pay a warm-up at half speed: ``warm_s`` times
     the run's after-wait factor (``factors`` in turn), recorded with the points where ``scaled``."""
-    from calibrate.fit.calibration import ActionPoints, Observations
+    from calibrate.fit.observations import ActionPoints, Observations
 
     obs = Observations()
     forwards = obs.actions[(2, "F")] = ActionPoints()
@@ -133,7 +133,7 @@ def test_the_fit_finds_the_warm_up_the_points_paid_and_the_line_beneath_it():
     at half speed (the backward all its work, the forward the rest). The fit finds the warm-up within
     its grid's step and the line under it; with the warm-up left out of the fit (no waits seen), the
     line tilts to carry it."""
-    from calibrate.fit.calibration import fit_pipeline
+    from calibrate.fit.pipeline_fit import fit_pipeline
 
     warm_s = 0.25e-3
     pipeline, residuals = fit_pipeline(_observed(warm_s, True), {2: 1})
@@ -151,7 +151,7 @@ def test_the_fit_finds_the_warm_up_at_the_calibrations_probe_from_runs_at_other_
     """Runs whose after-wait probe stood at half and at one and a half times the calibration's paid
     that much of a 0.25 ms warm-up: with each run's factor the fit finds 0.25 ms and lines that fit;
     without, one warm-up cannot fit both kinds of run."""
-    from calibrate.fit.calibration import fit_pipeline
+    from calibrate.fit.pipeline_fit import fit_pipeline
 
     warm_s = 0.25e-3
     scaled = fit_pipeline(_observed(warm_s, True, (0.5, 1.5), scaled=True), {2: 1})[0]["2"]
