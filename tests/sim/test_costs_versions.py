@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from calibrate.fit.calibration import RunSpec, predict
+from calibrate.fit.design import RunSpec
+from calibrate.fit.step_fit import predict
 from sim.errors import GpipeInputError
 from sim.formats.costs import COSTS_VERSION, read_costs, write_costs
 from sim.formats.costs_v1 import upgrade
