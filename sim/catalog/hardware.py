@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from sim.catalog.kernel_model import KernelEfficiency, read_efficiencies
+from sim.catalog.kernel_model import KernelEfficiency, efficiency_file, read_efficiencies
 from sim.errors import GpipeInputError, did_you_mean
 from sim.workloads.precision import PRECISIONS
 
@@ -256,7 +256,7 @@ def _fitted(device: Device, fitted: dict[str, KernelEfficiency]) -> Device:
     return replace(device, kernels=kernels, efficiency=kernels.matmul, bandwidth_efficiency=kernels.memory)
 
 
-_FITTED = read_efficiencies()
+_FITTED = read_efficiencies(efficiency_file())
 _UNFITTED = {device.name: device for device in (A100_80GB, H100_SXM)}
 A100_80GB, H100_SXM = _fitted(A100_80GB, _FITTED), _fitted(H100_SXM, _FITTED)
 

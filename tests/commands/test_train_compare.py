@@ -17,7 +17,7 @@ VERDICT = re.compile(r"^(Within the goal|FLAGGED|Not judged): predicted (\d+\.\d
 def calibrated_plan(tiny_quick_costs, tmp_path_factory):
     """A two-stage plan priced with a real calibration of this machine: (plan path, its JSON)."""
     path = tmp_path_factory.mktemp("compare") / "plan.json"
-    proc = in_process.gpipe("plan", "--costs", tiny_quick_costs[0], "--stages", "2", "--microbatch-options", "2,4",
+    proc = in_process.gpipe("plan", "--costs", tiny_quick_costs[0], "--stages-options", "2", "--microbatch-options", "2,4",
                             "--out", str(path), "--quiet")
     assert proc.returncode == 0, proc.stderr
     return path, json.loads(path.read_text())
@@ -72,7 +72,7 @@ def test_html_without_a_plan_or_with_its_costs_gone_is_one_line_before_training(
 
 def test_a_plan_priced_with_the_catalog_is_shown_but_not_judged(tmp_path):
     path = tmp_path / "plan.json"
-    assert in_process.gpipe("plan", "--model", "mlp", "--stages", "2", "--hardware", "cpu",
+    assert in_process.gpipe("plan", "--model", "mlp", "--stages-options", "2", "--hardware", "cpu",
                             "--microbatch-options", "2", "--out", str(path), "--quiet").returncode == 0
     proc = in_process.gpipe("train", "--plan", str(path), "--steps", "3")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from gpipe.plan import efficiency_kind
+from sim.catalog.efficiency_note import efficiency_kind
 from sim.catalog.hardware import DEFAULT_EFFICIENCY, GB, INFINITY_FABRIC, NVLINK5, SYSTEMS, TERA, get_system
 from sim.engine.allreduce import ring_allreduce_s
 from sim.engine.engine import simulate
