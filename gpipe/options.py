@@ -103,14 +103,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True, def
 def add_costs_argument(parser: Any, several: bool = False) -> None:
     """``--costs``: what ``gpipe calibrate`` measured, in place of the analytic model; ``several``:
     one file or more, each predicting the same runs (``gpipe validate``)."""
-    if several:
-        parser.add_argument("--costs", required=True, metavar="FILE", nargs="+",
-                            help="costs file from gpipe calibrate; more files (calibrations of the same model taken "
-                                 "at other moments) each predict the same measured runs: how far the moment of "
-                                 "calibration moves an error")
-    else:
-        parser.add_argument("--costs", default=None, metavar="FILE",
-                            help="measured costs from gpipe calibrate, in place of the analytic model")
+    meaning = ("costs file from gpipe calibrate; more files (calibrations of the same model taken at other moments) "
+               "each predict the same measured runs: how far the moment of calibration moves an error" if several else
+               "measured costs from gpipe calibrate, in place of the analytic model")
+    extra: dict[str, Any] = {"required": True, "nargs": "+"} if several else {"default": None}
+    parser.add_argument("--costs", metavar="FILE", help=meaning, **extra)
 
 
 def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or costs file's") -> None:
