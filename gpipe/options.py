@@ -150,7 +150,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, stages: str = "4", m
     """K, M, the batch, the partition, the policy and the schedule of one plan. ``recorded`` (e.g.
     "the plan's") makes every default None, the value a plan file gives, else the one named."""
     group = parser.add_argument_group("pipeline")
-    group.add_argument("--stages", "-K", type=int, default=None, help=f"pipeline stages K (default {stages})")
+    group.add_argument("--stages", "-K", type=int, default=None, help=f"pipeline stages K (default: {stages})")
     value, said = _default(microbatches, recorded)
     group.add_argument("--microbatches", "-M", type=int, default=value, help=f"micro-batches per mini-batch M ({said})")
     add_batch_argument(group, "rows per mini-batch, the global batch with replicas (default per model)")

@@ -9,13 +9,15 @@ question of the same model and system (:mod:`gpipe.max_layers`).
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from dataclasses import replace
 
 from gpipe.options import (Checked, add_batch_argument, add_hardware_arguments, add_html_argument, add_json_argument,
                            add_model_arguments, add_optimizer_argument, add_out_argument, add_partitioner_argument,
                            add_precision_argument, add_search_space_arguments, one_of)
-from gpipe.plan_output import (SearchBar, format_named_models, planned_optimizer, print_json, print_plans, priced_with,
-                               to_plan)
+from gpipe.plan_output import (SearchBar, format_named_models, named_model_rows, planned_optimizer, print_json,
+                               print_plans, priced_with, to_plan)
 from gpipe.plan_rows import fold_placements
 from gpipe.plan_space import (check_outputs, costing_of, hardware_list, planning_inputs, search_space_of,
                               searched_top)
@@ -74,7 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.list_models:
-        print(format_named_models())
+        if args.json:
+            json.dump({"models": named_model_rows()}, sys.stdout)
+            print()
+        else:
+            print(format_named_models())
         return 0
     if args.precision is not None:
         check_precision(args.precision)

@@ -26,18 +26,27 @@ from sim.planner.training_cost import Costing, plan_cost, price_of, price_source
 from sim.views.progress import phase
 
 
-def format_named_models() -> str:
-    """One line per named model: its shape, parameters and where the figures come from."""
+def named_model_rows() -> list[dict[str, Any]]:
+    """Each named model's shape, parameters and where the figures come from (``--list-models --json``)."""
     from sim.workloads.models import get_workload
     from sim.workloads.named_models import named_models, named_options
 
-    lines = [f"{'model':16} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>9} {'ff':>6} {'seq':>6}  source"]
+    rows = []
     for name, model in named_models().items():
         o = named_options(name, {})
-        billions = get_workload("transformer", o).parameter_count / 1e9
-        heads = f"{o['heads']}/{o['kv_heads'] or o['heads']}"
-        lines.append(f"{name:16} {billions:>7.1f}B {o['layers']:>6} {o['d_model']:>7} {heads:>9} {o['ff']:>6} "
-                     f"{o['seq']:>6}  {model.source}")
+        rows.append({"name": name, "parameter_count": get_workload("transformer", o).parameter_count,
+                     "layers": o["layers"], "d_model": o["d_model"], "heads": o["heads"],
+                     "kv_heads": o["kv_heads"] or o["heads"], "ff": o["ff"], "seq": o["seq"], "source": model.source})
+    return rows
+
+
+def format_named_models() -> str:
+    """One line per named model: its shape, parameters and where the figures come from."""
+    lines = [f"{'model':16} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>9} {'ff':>6} {'seq':>6}  source"]
+    for r in named_model_rows():
+        heads = f"{r['heads']}/{r['kv_heads']}"
+        lines.append(f"{r['name']:16} {r['parameter_count'] / 1e9:>7.1f}B {r['layers']:>6} {r['d_model']:>7} "
+                     f"{heads:>9} {r['ff']:>6} {r['seq']:>6}  {r['source']}")
     lines.append("heads: query/key-value heads; params of the built-in transformer of that shape (learned positions "
                  "and biases included); --option seq=N or a config field (num_hidden_layers=40) changes one")
     return "\n".join(lines)

@@ -180,3 +180,12 @@ def test_fit_gpu_writes_where_it_is_told_and_the_simulator_reads_it_when_named(t
     assert missing.returncode == 2 and missing.stderr.splitlines() == [
         f"gpipe: error: {EFFICIENCY_ENV}={tmp_path / 'none.json'} names no file; give the file gpipe fit-gpu --out "
         f"wrote, or unset {EFFICIENCY_ENV} for the package's fitted fractions"]
+
+
+def test_plan_list_models_as_json():
+    done = in_process.gpipe("plan", "--list-models", "--json")
+    models = {row["name"]: row for row in json.loads(done.stdout)["models"]}
+    assert models["llama3-8b"]["layers"] == 32 and models["llama3-8b"]["kv_heads"] == 8
+    table = in_process.gpipe("plan", "--list-models").stdout
+    assert f"{models['llama3-8b']['parameter_count'] / 1e9:.1f}B" in table.splitlines()[[
+        line.split()[0] for line in table.splitlines()].index("llama3-8b")]
