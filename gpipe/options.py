@@ -273,13 +273,16 @@ def check_zero(zero: int, replicas: int | None = None) -> None:
 # ----------------------------------------------------------------------------- the hardware
 
 
-def add_hardware_argument(parser: Any, use: str = "the system to predict on", several: bool = False) -> None:
+def add_hardware_argument(parser: Any, use: str = "the system to predict on", several: bool = False,
+                          files: bool = True) -> None:
     """``--hardware``: one catalog system (``several``: or a comma-separated list); None when not
-    given, resolved by :func:`hardware_of`."""
+    given, resolved by :func:`hardware_of` (``files``: the command reads plan or costs files, whose
+    system comes first)."""
     listed = " (several separated by commas are each searched and ranked together)" if several else ""
+    recorded = "the --costs file's system, else " if files else ""
     parser.add_argument("--hardware", default=None, metavar="SYSTEM",
-                        help=f"{use}: one of {', '.join(SYSTEMS)}{listed} (default: the --costs file's system, else "
-                             f"{DEFAULT_HARDWARE}, this machine; a --plan file's system wins)")
+                        help=f"{use}: one of {', '.join(SYSTEMS)}{listed} (default: {recorded}{DEFAULT_HARDWARE}, "
+                             f"this machine{'; a --plan file names its own' if files else ''})")
 
 
 def add_hardware_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:

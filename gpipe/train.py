@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scale_out_arguments(parser, recorded="the plan's", sequence_parallel="the plan's, else off", context=False)
     what = parser.add_argument_group("what to train on, and how it starts")
     add_hardware_argument(what, use="the system whose analytic costs choose the partition when --partition is not "
-                                    "given, as gpipe simulate does")
+                                    "given, as gpipe simulate does", files=False)
     what.add_argument("--loss", default=None, action=Checked, check=one_of("--loss", LOSSES),
                       help="loss (default: the model's)")
     add_data_argument(what, meaning="what to train on: synthetic random data (default; what calibration times), text "
@@ -147,6 +147,9 @@ def check_flags(args: argparse.Namespace) -> None:
             raise GpipeInputError(f"{flag} must be {meaning} or more, got {value}")
     if args.zero is not None:
         check_zero(args.zero)
+    from sim.catalog.hardware import get_system
+
+    get_system(hardware_of(args))  # an unknown --hardware is one line even where a plan or partition leaves it unused
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise GpipeInputError(f"--timeout must be a positive number of seconds, got {args.timeout}; a stuck "
                               "receive fails after it (default 300)")
