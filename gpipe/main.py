@@ -74,8 +74,6 @@ def _pyproject_version() -> str:
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    from gpipe.options import add_quiet_argument
-
     # no abbreviations: a flag is the name written in full, so no prefix of another command's flag
     # (plan's --stages-options for simulate's --stages) stands in for it unseen
     parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline planning, simulation and training",
@@ -94,6 +92,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                     continue
                 raise
             module.add_arguments(sub_parser)
+            from gpipe.options import add_quiet_argument
+
             add_quiet_argument(sub_parser)
     return parser
 
