@@ -15,8 +15,10 @@ import os
 import sys
 from typing import Any
 
-from gpipe.options import (MODEL_FLAGS, add_option_argument, add_optimizer_argument, add_precision_argument,
-                           check_output_path, model_options)
+from gpipe.options import (add_batch_argument, add_device_argument, add_force_argument, add_json_argument,
+                           add_model_arguments, add_optimizer_argument, add_out_argument, add_precision_argument,
+                           add_rounds_argument, add_steps_argument, add_tensor_parallel_argument, check_output_path,
+                           model_options)
 from calibrate.fit.design import check_timed_steps
 from calibrate.noise.after_wait_probe import WAIT_S as AFTER_WAIT_S, after_wait_reference_s
 from sim.engine.stragglers import straggle_fraction
@@ -31,30 +33,23 @@ DEFAULT_MODEL = "transformer"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"mlp, transformer, cnn or package.module:factory (default {DEFAULT_MODEL})")
-    for flag, (_, kind, help_text) in MODEL_FLAGS.items():
-        group.add_argument(flag, type=kind, default=None, help=help_text)
-    add_option_argument(group)
+    add_model_arguments(parser, costs=False, default=DEFAULT_MODEL)
     add_optimizer_argument(parser, recorded=None)
     add_precision_argument(parser, DEFAULT_PRECISION)
-    parser.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
-    parser.add_argument("--out", default="costs.json", help="costs file to write (default costs.json)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="calibrate the CPU (gloo) or the GPUs (NCCL)")
+    add_batch_argument(parser)
+    add_out_argument(parser, "costs file to write (default costs.json)", default="costs.json")
+    add_device_argument(parser, "calibrate the CPU (gloo) or the GPUs (NCCL)")
     parser.add_argument("--max-stages", type=int, default=None,
                         help="largest K to calibrate (default: 2 on CPU, the GPU count on CUDA)")
-    parser.add_argument("--steps", type=int, default=5, help="steps per executor run (first is warm-up)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="measure the design runs this many times, interleaved; all enter the fits (default 2)")
+    add_steps_argument(parser, 5, "steps per executor run, the first a warm-up")
+    add_rounds_argument(parser, 2, "measure the design runs this many times, interleaved; all enter the fits")
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions, one round (noisier)")
-    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="T",
-                        help="also profile every layer split over T tensor-parallel ranks, for plans with "
-                             "--tensor-parallel T (default: 2 in a full calibration where the machine has two "
-                             "cores and the model a tensor-parallel plan, none with --quick; 1: none)")
-    parser.add_argument("--force", action="store_true", help="measure again even if --out is up to date")
-    parser.add_argument("--json", action="store_true", help="print the fitted numbers as JSON")
+    add_tensor_parallel_argument(parser, None, "default: 2 in a full calibration where the machine has two cores and "
+                                               "the model a tensor-parallel plan, none with --quick; 1: none",
+                                 "also profile every layer split over T tensor-parallel ranks, for plans with "
+                                 "--tensor-parallel T")
+    add_force_argument(parser, "measure again even if --out is up to date")
+    add_json_argument(parser, "print the fitted numbers as one JSON object")
 
 
 def cached(path: str, model: str, options: dict[str, Any], batch: int, device: str,

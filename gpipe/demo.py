@@ -20,8 +20,10 @@ enough that calibration, planning and training fit in a few minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import sys
 import tempfile
 import time
 from typing import Any
@@ -38,17 +40,18 @@ MICROBATCH_OPTIONS = (1, 2, 4, 8, 16)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from gpipe.options import add_data_argument, add_force_argument, add_json_argument, add_steps_argument
+
     parser.add_argument("--out-dir", default="out", help="where the costs cache, plan and report go (default out)")
-    parser.add_argument("--steps", type=int, default=DEMO_STEPS,
-                        help=f"training steps of the chosen plan (default {DEMO_STEPS})")
-    parser.add_argument("--data", choices=("text", "synthetic"), default="text",
-                        help="what the chosen plan trains on: text (default; the shipped Shakespeare, one token "
-                             "per byte, so the loss falls) or synthetic (random tokens, as calibration times)")
-    parser.add_argument("--force", action="store_true", help="calibrate again even if the cache is valid")
+    add_steps_argument(parser, DEMO_STEPS, "training steps of the chosen plan")
+    add_data_argument(parser, default="text", names=("text", "synthetic"),
+                      meaning="what the chosen plan trains on: text (default; the shipped Shakespeare, one token "
+                              "per byte, so the loss falls) or synthetic (random tokens, as calibration times)")
+    add_force_argument(parser, "calibrate again even if the cache is valid")
     parser.add_argument("--picture", metavar="FILE.png",
                         help="also write the report's timelines and loss curve as one PNG (needs kaleido)")
-    parser.add_argument("--quiet", action="store_true",
-                        help="print only the losses and where the report is, no progress")
+    add_json_argument(parser, "print one JSON object on stdout and nothing else: the plan chosen, its predicted and "
+                              "measured step, the losses, the verdict and the files written")
 
 
 def plan_best(data: dict[str, Any], batch: int, max_stages: int) -> dict[int, tuple[Any, Any, Any]]:
@@ -104,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
         raise GpipeInputError(f"--out-dir {args.out_dir} cannot be written ({exc.strerror or exc}); give a "
                               "directory this user can create and write") from None
 
+    quiet = args.quiet or args.json  # --json: the one object on stdout, no lines
+
     def say(message: str) -> None:
-        if not args.quiet:
+        if not quiet:
             progress.say(f"[demo {time.perf_counter() - started:6.1f}s] {message}")
 
     def note(message: str) -> None:  # calibration's progress lines: shown only beside its bars
@@ -152,17 +157,43 @@ def run(args: argparse.Namespace) -> int:
     report["machine_pace"] = pace.finish()
     report["data"] = args.data
     say(f"    measured step {report['step_time_s'] * 1e3:.1f} ms (median after warm-up)")
-    progress.say(f"losses over {len(report['losses'])} steps (ln 256 = {math.log(256):.2f} is a uniform guess): "
-                 f"{loss_summary(report['losses'])}")
+    if not args.json:
+        progress.say(f"losses over {len(report['losses'])} steps (ln 256 = {math.log(256):.2f} is a uniform guess): "
+                     f"{loss_summary(report['losses'])}")
     verdict = step_verdict(predicted.step_time_s, report["step_time_s"], pricing_of(plan, "cpu", costs_path),
                            report["machine_pace"])
-    progress.say(verdict)
+    if not args.json:
+        progress.say(verdict)
     say("5/5 writing the report")
     path = os.path.join(args.out_dir, "report.html")
     write_run_report(path, "gpipe demo: predicted vs measured", verdict, data, plan, predicted, report, args.picture)
     say(f"done in {time.perf_counter() - started:.0f} s")
-    print(f"report written to {os.path.abspath(path)}")
+    if args.json:
+        json.dump(demo_summary(per_k, predicted, report, verdict, costs_path, plan_path, os.path.abspath(path), args),
+                  sys.stdout)
+        print()
+    else:
+        print(f"report written to {os.path.abspath(path)}")
     return 0
+
+
+def demo_summary(per_k: dict[int, tuple[Any, ...]], predicted: Any, report: dict[str, Any], verdict: str,
+                 costs_path: str, plan_path: str, report_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--json``'s object: the best plan per K and the one trained, its predicted and measured step,
+    the losses, the verdict, and where the costs, plan and report are."""
+    def layout(option: Any) -> dict[str, Any]:
+        c = option.candidate
+        return {"stages": c.stages, "virtual_stages": c.virtual_stages, "microbatches": c.microbatches,
+                "partition": list(option.partition), "checkpoint": c.checkpoint, "schedule": c.schedule,
+                "predicted_step_s": option.step_time_s}
+
+    return {"best_per_stages": [layout(option) for _, (option, _, _) in sorted(per_k.items())],
+            "chosen": layout(per_k[max(per_k)][0]), "predicted_step_s": predicted.step_time_s,
+            "predicted_bubble_fraction": predicted.bubble_fraction, "measured_step_s": report["step_time_s"],
+            "step_times_s": report.get("step_times_s"), "losses": report["losses"], "data": args.data,
+            "machine_pace": report["machine_pace"], "verdict": verdict, "costs": costs_path, "plan": plan_path,
+            "train_report": os.path.join(args.out_dir, "train_report.json"), "report": report_path,
+            "picture": args.picture}
 
 
 def loss_summary(losses: list[float], shown: int = 7) -> str:

@@ -74,12 +74,15 @@ def _pyproject_version() -> str:
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline planning, simulation and training")
+    # no abbreviations: a flag is the name written in full, so no prefix of another command's flag
+    # (plan's --stages-options for simulate's --stages) stands in for it unseen
+    parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline planning, simulation and training",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"gpipe {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         sub_parser.set_defaults(module=module_name)
         if name == wanted:  # only the chosen subcommand's module is imported
             try:
@@ -89,20 +92,24 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                     continue
                 raise
             module.add_arguments(sub_parser)
-            if "--quiet" not in sub_parser._option_string_actions:
-                sub_parser.add_argument("--quiet", action="store_true",
-                                        help="no progress bars or progress lines; only the result")
+            from gpipe.options import add_quiet_argument
+
+            add_quiet_argument(sub_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    if not argv:  # a newcomer's first try: what it does, then how to ask
-        print(TOUR)
-        parser.print_help()
-        return 0
-    args = parser.parse_args(argv)
+    try:  # a flag's value is checked as it is parsed (gpipe.options.Checked): one line
+        parser = build_parser(argv)
+        if not argv:  # a newcomer's first try: what it does, then how to ask
+            print(TOUR)
+            parser.print_help()
+            return 0
+        args = parser.parse_args(argv)
+    except GpipeInputError as exc:
+        print(f"gpipe: error: {exc}", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 2

@@ -1,13 +1,27 @@
-"""Command-line flags shared by ``gpipe simulate``, ``plan``, ``train`` and ``calibrate``: one definition each."""
+"""Command-line flags shared by the ``gpipe`` commands: one definition each, one validation style.
+
+A flag that more than one command takes is declared here and nowhere else
+(tests/commands/test_flag_definitions.py checks it), and means the same on each: ``--stages`` is
+one K, ``--replicas`` one D, ``--hardware`` one system (``gpipe plan`` also ranks several given with
+commas); ``gpipe plan``'s lists of values to search have names of their own (``--stages-options``,
+``--replicas-options``, ...), and the list form under a single value's name is refused in one line
+naming the new flag (:data:`RENAMED_IN_PLAN`). A command passes its own default and, where the help
+must say more, its own words; the name, type and check are these.
+
+A value is checked in one line naming the value and the fix (GpipeInputError: ``gpipe: error:
+...``, exit 2): names from a list by the actions here as they are parsed (:class:`Checked`), never
+with argparse ``choices`` and its usage block; numbers by the command that reads them.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from sim.catalog.hardware import SYSTEMS
-from sim.errors import GpipeInputError, require_positive
-from sim.schedules.schedule import CHECKPOINT_POLICIES, SCHEDULES, default_virtual_stages
+from sim.errors import GpipeInputError, did_you_mean, require_positive
+from sim.schedules.schedule import (CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SCHEDULES, check_checkpoint_policy,
+                                    check_schedule_name, default_virtual_stages)
 from sim.workloads.model_defaults import DEFAULT_OPTIONS, MODEL_FLAGS
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_slots
 
@@ -16,25 +30,84 @@ from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, optimizer_sl
 # and a plan field of its own (sim.workloads.precision).
 ANALYTIC_ONLY_OPTIONS = ("optimizer_slots",)
 
+# --hardware not given, and no plan or costs file that records one: the machine gpipe runs on, the one
+# gpipe train trains on and gpipe calibrate measures (nominal figures until a costs file is given)
+DEFAULT_HARDWARE = "cpu"
+DEVICES = ("cpu", "cuda")
+PARTITIONERS = ("min_max", "variance")
+# gpipe plan's lists of values to search, by the flag of one value they list (gpipe simulate's): numbers
+# take the suffix -options, names the plural; the single value's flag is refused in plan in one line
+RENAMED_IN_PLAN = {"--stages": ("--stages-options", "K"), "--microbatches": ("--microbatch-options", "M"),
+                   "--replicas": ("--replicas-options", "D"), "--virtual-stages": ("--virtual-stages-options", "V"),
+                   "--tensor-parallel": ("--tensor-parallel-options", "T"), "--zero": ("--zero-options", "ZeRO stages"),
+                   "--checkpoint": ("--checkpoints", "policies"), "--schedule": ("--schedules", "schedules"),
+                   "--placement": ("--placements", "placements")}
 
-def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
-    """The model flags; ``--model`` stays None when not given (each command picks its default)."""
+
+class Checked(argparse.Action):
+    """Store a flag's value once ``check(value)`` accepts it; ``check`` raises the one-line error
+    (GpipeInputError) that :mod:`gpipe.main` prints, where argparse ``choices`` would print usage."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, check: Callable[[Any], Any], **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.check = check
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, self.check(values))
+
+
+def one_of(flag: str, names: Sequence[str]) -> Callable[[str], str]:
+    """A check for :class:`Checked`: ``value`` if it is one of ``names``, else one line naming them."""
+    def check(value: str) -> str:
+        if value not in names:
+            raise GpipeInputError(f"unknown {flag} {value!r}{did_you_mean(value, names)}; choose one of "
+                                  f"{', '.join(names)}")
+        return value
+    return check
+
+
+class Renamed(argparse.Action):
+    """A single value's flag that ``gpipe plan`` takes as a list under another name: refused in one line."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, renamed: str, meaning: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.renamed, self.meaning = renamed, meaning
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        raise GpipeInputError(f"gpipe plan searches a list of {self.meaning}: write {self.renamed} {values} "
+                              f"({option_string} is one value, in gpipe simulate and gpipe train)")
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, costs: bool = True, default: str | None = None) -> None:
+    """The model flags; ``--model`` is ``default`` when not given (None: each command picks its own)."""
     group = parser.add_argument_group("model")
-    default = " (default uniform, or with --costs the costs file's model)" if costs else ""
-    group.add_argument("--model", default=None,
-                       help=f"built-in model ({', '.join(DEFAULT_OPTIONS)}) or package.module:factory{default}")
+    said = (f" (default {default})" if default else
+            " (default uniform, or with --costs the costs file's model)" if costs else "")
+    group.add_argument("--model", default=default,
+                       help=f"built-in model ({', '.join(DEFAULT_OPTIONS)}), a named model (gpipe plan "
+                            f"--list-models), hf:TYPE or package.module:factory{said}")
     for flag, (_, kind, help_text) in MODEL_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, help=help_text)
-    add_option_argument(group)
-    if costs:
-        group.add_argument("--costs", default=None, metavar="FILE",
-                           help="measured costs from gpipe calibrate, in place of the analytic model")
-
-
-def add_option_argument(group) -> None:
     group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                        help="another model option, e.g. --option d_model=128 or, for hf: models, any config "
                             "field --option num_hidden_layers=4 (repeatable)")
+    if costs:
+        add_costs_argument(group)
+
+
+def add_costs_argument(parser: Any, several: bool = False) -> None:
+    """``--costs``: what ``gpipe calibrate`` measured, in place of the analytic model; ``several``:
+    one file or more, each predicting the same runs (``gpipe validate``)."""
+    meaning = ("costs file from gpipe calibrate; more files (calibrations of the same model taken at other moments) "
+               "each predict the same measured runs: how far the moment of calibration moves an error" if several else
+               "measured costs from gpipe calibrate, in place of the analytic model")
+    extra: dict[str, Any] = {"required": True, "nargs": "+"} if several else {"default": None}
+    parser.add_argument("--costs", metavar="FILE", help=meaning, **extra)
 
 
 def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or costs file's") -> None:
@@ -50,7 +123,7 @@ def add_optimizer_argument(parser: Any, recorded: str | None = "the plan's or co
                              f"parameter, sgd none); default: {default}")
 
 
-def add_precision_argument(parser: argparse.ArgumentParser, default_help: str) -> None:
+def add_precision_argument(parser: Any, default_help: str) -> None:
     """``--precision``: one flag, one meaning on every command (:mod:`sim.workloads.precision`); None when not
     given, so each command applies its own default. Checked by :func:`sim.workloads.precision.check_precision`
     (one line, exit 2) rather than argparse choices (a usage block)."""
@@ -70,35 +143,66 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
                              "compile=true)")
 
 
-def add_pipeline_arguments(parser: argparse.ArgumentParser, stages_default: int | None = 4,
-                           microbatches_default: int | None = 8) -> None:
+def add_batch_argument(parser: Any, meaning: str = "rows per mini-batch (default per model)") -> None:
+    parser.add_argument("--batch", type=int, default=None, help=meaning)
+
+
+# ----------------------------------------------------------------------------- one layout
+
+
+def _default(value: Any, recorded: str | None) -> tuple[Any, str]:
+    """(argparse default, the help's words): the value, or with ``recorded`` None and 'the plan's, else VALUE'."""
+    return (value, f"default {value}") if recorded is None else (None, f"default: {recorded}, else {value}")
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser, stages: str = "4", microbatches: int = 8,
+                           recorded: str | None = None) -> None:
+    """K, M, the batch, the partition, the policy and the schedule of one plan. ``recorded`` (e.g.
+    "the plan's") makes every default None, the value a plan file gives, else the one named."""
     group = parser.add_argument_group("pipeline")
-    group.add_argument("--stages", "-K", type=int, default=stages_default, help="pipeline stages K")
-    group.add_argument("--microbatches", "-M", type=int, default=microbatches_default,
-                       help="micro-batches per mini-batch M")
-    group.add_argument("--batch", type=int, default=None, help="rows per mini-batch (default per model)")
-    group.add_argument("--partition", default=None, help="layers per stage, e.g. 3,5 (default: balanced)")
-    group.add_argument("--checkpoint", default="except_last", help=f"re-materialization: {', '.join(CHECKPOINT_POLICIES)}")
-    group.add_argument("--schedule", default="gpipe", help=f"{', '.join(SCHEDULES)}")
+    group.add_argument("--stages", "-K", type=int, default=None, help=f"pipeline stages K (default: {stages})")
+    value, said = _default(microbatches, recorded)
+    group.add_argument("--microbatches", "-M", type=int, default=value, help=f"micro-batches per mini-batch M ({said})")
+    add_batch_argument(group, "rows per mini-batch, the global batch with replicas (default per model)")
+    group.add_argument("--partition", default=None,
+                       help="layers per stage, e.g. 3,5 (V x K chunks in model order with V > 1; default: balanced "
+                            "on the simulator's costs)")
+    value, said = _default("except_last", recorded)
+    group.add_argument("--checkpoint", default=value, action=Checked, check=check_checkpoint_policy,
+                       help=f"re-materialization: {', '.join(CHECKPOINT_POLICIES)} ({said})")
+    value, said = _default("gpipe", recorded)
+    group.add_argument("--schedule", default=value, action=Checked, check=check_schedule_name,
+                       help=f"{', '.join(SCHEDULES)} ({said})")
 
 
-def add_scale_out_arguments(parser: argparse.ArgumentParser) -> None:
-    """``gpipe simulate``'s data-parallel replicas, virtual stages, ZeRO and placement of one plan."""
-    from sim.engine.placement import DEFAULT_PLACEMENT, PLACEMENTS
+def add_scale_out_arguments(parser: argparse.ArgumentParser, recorded: str | None = None,
+                            sequence_parallel: str = "on wherever T > 1", context: bool = True) -> None:
+    """Data-parallel replicas, virtual stages, ZeRO, placement and tensor parallelism of one plan
+    (``context``: also context parallelism and the overlapped all-reduce, which only the simulator has)."""
+    from sim.engine.placement import DEFAULT_PLACEMENT, PLACEMENTS, check_placement
 
-    group = parser.add_argument_group("replicas and interleaving")
-    group.add_argument("--replicas", "-D", type=int, default=1,
-                       help="data-parallel copies of the pipeline D; --batch is the global batch (default 1)")
+    group = parser.add_argument_group("replicas, interleaving and tensor parallelism")
+    value, said = _default(1, recorded)
+    group.add_argument("--replicas", "-D", type=int, default=value,
+                       help=f"data-parallel copies of the pipeline D, each on its torch.chunk share of --batch ({said})")
     group.add_argument("--virtual-stages", "-V", type=int, default=None,
-                       help="chunks per device V with --schedule interleaved (default 2 there, 1 elsewhere)")
-    group.add_argument("--zero", type=int, default=0, help="1: shard optimizer state over the replicas (ZeRO-1)")
-    group.add_argument("--placement", default=DEFAULT_PLACEMENT,
-                       help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} (default {DEFAULT_PLACEMENT})")
-    group.add_argument("--tensor-parallel", "-T", type=int, default=1,
-                       help="T devices of one node per stage, each layer split over them as Megatron-LM splits "
-                            "it (the built-in transformer; default 1)")
-    add_sequence_parallel_argument(group)
-    add_context_parallel_arguments(group)
+                       help="chunks of layers per device V: 2 or more with --schedule interleaved, 2 with zbv and "
+                            "dualpipev (default 2 there, 1 elsewhere)")
+    value, said = _default(0, recorded)
+    group.add_argument("--zero", type=int, default=value, help=f"1: shard optimizer state over the replicas, ZeRO-1 ({said})")
+    value, said = _default(DEFAULT_PLACEMENT, recorded)
+    group.add_argument("--placement", default=value, action=Checked, check=check_placement,
+                       help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} ({said})")
+    add_tensor_parallel_argument(group, *_default(1, recorded))
+    add_sequence_parallel_argument(group, sequence_parallel)
+    if context:
+        add_context_parallel_arguments(group)
+
+
+def add_tensor_parallel_argument(group: Any, default: int | None, said: str,
+                                 meaning: str = "T devices of one node per stage, each layer's heads and MLP split "
+                                                "over them as Megatron-LM splits them") -> None:
+    group.add_argument("--tensor-parallel", "-T", type=int, default=default, metavar="T", help=f"{meaning} ({said})")
 
 
 def add_context_parallel_arguments(group: Any) -> None:
@@ -111,10 +215,53 @@ def add_context_parallel_arguments(group: Any) -> None:
                             "as Megatron-LM runs it (default: after it, as gpipe train runs it)")
 
 
-def add_sequence_parallel_argument(group: Any) -> None:
+def add_sequence_parallel_argument(group: Any, default: str = "on wherever T > 1") -> None:
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                       help="with tensor parallelism, split norms and dropout along the sequence (default: on "
-                            "wherever T > 1)")
+                       help=f"with tensor parallelism, split norms and dropout along the sequence (default: {default})")
+
+
+def add_search_space_arguments(parser: argparse.ArgumentParser) -> Any:
+    """``gpipe plan``'s lists of values to try, each named ``FLAG-options`` after the single value's
+    flag of ``gpipe simulate``; that flag itself is refused there in one line (:data:`RENAMED_IN_PLAN`).
+    Returns the group, for the flags plan adds to it."""
+    from sim.engine.placement import PLACEMENTS
+
+    parser.add_argument("--stages-options", default=None, metavar="LIST",
+                        help="K values to try, e.g. 1,2,4,8 (default: powers of two up to devices and layers)")
+    parser.add_argument("--microbatch-options", default="1-64", metavar="LIST",
+                        help="M values to try, e.g. 1-64 or 1,4,32 (default 1-64)")
+    parser.add_argument("--checkpoints", default=",".join(CHECKPOINT_POLICIES), metavar="LIST",
+                        help="policies to try")
+    parser.add_argument("--schedules", default=None, metavar="LIST",
+                        help=f"schedules to try (default with --costs: all of {', '.join(SCHEDULES)}; otherwise "
+                             f"{', '.join(PLANNED_SCHEDULES)}: the split-backward ones only where calibration "
+                             "measured what splitting costs; name them to search them)")
+    space = parser.add_argument_group("replicas and interleaving (D x K devices at most the system's)")
+    space.add_argument("--replicas-options", default=None, metavar="LIST",
+                       help="D values to try, data-parallel copies of the pipeline; --batch is the global batch "
+                            "(default: powers of two up to the devices)")
+    space.add_argument("--virtual-stages-options", default=None, metavar="LIST",
+                       help="V values to try: 1 runs gpipe and 1f1b, 2 or more the interleaved schedule (default 1,2,4)")
+    space.add_argument("--zero-options", default="0", metavar="LIST",
+                       help="ZeRO stages to try, 0 and/or 1 (1 only with D > 1; default 0: ZeRO-1 is timed like 0, "
+                            "so ask for it where memory is short)")
+    space.add_argument("--placements", default=",".join(PLACEMENTS), metavar="LIST",
+                       help="placements to try where they differ (several nodes, D > 1, K > 1)")
+    space.add_argument("--tensor-parallel-options", default=None, metavar="LIST",
+                       help="T values to try, devices of one node per stage (the built-in transformer; default: "
+                            "the powers of two up to a node that divide its heads and FFN width; 1 for other models)")
+    for old, (new, meaning) in RENAMED_IN_PLAN.items():
+        space.add_argument(old, action=Renamed, renamed=new, meaning=meaning,
+                           dest="renamed_" + old[2:].replace("-", "_"))
+    add_sequence_parallel_argument(space)
+    add_context_parallel_arguments(space)
+    return space
+
+
+def add_partitioner_argument(parser: Any) -> None:
+    parser.add_argument("--partitioner", default="min_max", action=Checked, check=one_of("--partitioner", PARTITIONERS),
+                        help=f"how to split layers when --partition is not given: {', '.join(PARTITIONERS)} "
+                             "(default min_max)")
 
 
 def virtual_stages_of(args: argparse.Namespace) -> int:
@@ -124,12 +271,108 @@ def virtual_stages_of(args: argparse.Namespace) -> int:
     return default_virtual_stages(args.schedule)
 
 
-def add_hardware_arguments(parser: argparse.ArgumentParser, default: str = "ideal") -> None:
+def check_zero(zero: int, replicas: int | None = None) -> None:
+    """``--zero`` 0 or 1; 1 only with two replicas or more (where ``replicas`` is known)."""
+    if zero not in (0, 1):
+        raise GpipeInputError(f"--zero must be 0 or 1, got {zero}")
+    if zero == 1 and replicas == 1:
+        raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
+                              "--replicas 2 or more; use --zero 0 with one replica")
+
+
+# ----------------------------------------------------------------------------- the hardware
+
+
+def add_hardware_argument(parser: Any, use: str = "the system to predict on", several: bool = False,
+                          files: bool = True) -> None:
+    """``--hardware``: one catalog system (``several``: or a comma-separated list); None when not
+    given, resolved by :func:`hardware_of` (``files``: the command reads plan or costs files, whose
+    system comes first)."""
+    listed = " (several separated by commas are each searched and ranked together)" if several else ""
+    recorded = "the --costs file's system, else " if files else ""
+    parser.add_argument("--hardware", default=None, metavar="SYSTEM",
+                        help=f"{use}: one of {', '.join(SYSTEMS)}{listed}, or a system file FILE.json (docs/planning.md, "
+                             f"'Your own cluster') (default: {recorded}{DEFAULT_HARDWARE}, "
+                             f"this machine{'; a --plan file names its own' if files else ''})")
+
+
+def add_hardware_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
     group = parser.add_argument_group("hardware")
-    group.add_argument("--hardware", default=default,
-                       help=f"one of {', '.join(SYSTEMS)}, or a system file FILE.json (docs/planning.md, "
-                            f"'Your own cluster') (default {default})")
+    add_hardware_argument(group, several=several)
     group.add_argument("--nodes", type=int, default=1, help="nodes joined over InfiniBand (default 1)")
+
+
+def hardware_of(args: argparse.Namespace) -> str:
+    """``--hardware``; else the system a ``--costs`` file was measured on, where the catalog names it;
+    else :data:`DEFAULT_HARDWARE`. (A plan file's system is read by the code that reads the plan.)"""
+    if args.hardware is not None:
+        return args.hardware
+    costs = getattr(args, "costs", None)
+    if costs:
+        from sim.formats.costs import read_costs
+
+        measured = read_costs(costs, warn=False).get("system", "cpu")
+        if measured in SYSTEMS:
+            return measured
+    return DEFAULT_HARDWARE
+
+
+def add_device_argument(parser: Any, meaning: str) -> None:
+    parser.add_argument("--device", default="cpu", action=Checked, check=one_of("--device", DEVICES),
+                        help=f"{meaning} (default cpu)")
+
+
+# ----------------------------------------------------------------------------- runs and outputs
+
+
+def add_steps_argument(parser: Any, default: int, meaning: str) -> None:
+    parser.add_argument("--steps", type=int, default=default, help=f"{meaning} (default {default})")
+
+
+def add_rounds_argument(parser: Any, default: int, meaning: str) -> None:
+    parser.add_argument("--rounds", type=int, default=default, help=f"{meaning} (default {default})")
+
+
+def add_force_argument(parser: Any, meaning: str) -> None:
+    parser.add_argument("--force", action="store_true", help=meaning)
+
+
+def add_data_argument(parser: Any, default: str | None = None, names: Sequence[str] | None = None,
+                      meaning: str = "what to train on") -> None:
+    """``--data``: what a run trains on; ``names`` limits it to those (checked in one line)."""
+    extra: dict[str, Any] = {"action": Checked, "check": one_of("--data", names)} if names else {}
+    parser.add_argument("--data", default=default, metavar="SOURCE", help=meaning, **extra)
+
+
+def add_plan_argument(parser: Any, meaning: str) -> None:
+    parser.add_argument("--plan", default=None, metavar="FILE", help=meaning)
+
+
+def add_runs_file_argument(parser: Any) -> None:
+    parser.add_argument("file", metavar="FILE", help="runs file, e.g. benchmarks/published_runs/dev.json")
+
+
+def add_out_argument(parser: Any, meaning: str, default: str | None = None) -> None:
+    parser.add_argument("--out", default=default, metavar="FILE", help=meaning)
+
+
+def add_json_argument(parser: Any, meaning: str = "print one JSON object on stdout and nothing else") -> None:
+    parser.add_argument("--json", action="store_true", help=meaning)
+
+
+def add_html_argument(parser: Any, meaning: str) -> None:
+    parser.add_argument("--html", default=None, metavar="FILE", help=meaning)
+
+
+def add_trace_argument(parser: Any) -> None:
+    parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) here")
+
+
+def add_quiet_argument(parser: Any) -> None:
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or progress lines; only the result")
+
+
+# ----------------------------------------------------------------------------- reading the flags
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,13 +6,12 @@ import argparse
 import json
 import sys
 
-from gpipe.options import check_output_path
+from gpipe.options import add_html_argument, add_json_argument, check_output_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the cells as JSON")
-    parser.add_argument("--html", default=None, metavar="FILE",
-                        help="write the paper-vs-simulation bars and the bubble against M as HTML")
+    add_json_argument(parser, "print the cells as one JSON object")
+    add_html_argument(parser, "write the paper-vs-simulation bars and the bubble against M as HTML")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from gpipe.plan_rows import same_but_placement
 from sim.catalog.efficiency_note import uncalibrated_note
+from sim.planner.plan_search import layout_text
 from sim.planner.search import PlanOption
+from sim.planner.training_cost import dollars
 
 if TYPE_CHECKING:
     from sim.planner.efficiency_range import Ends
@@ -20,15 +22,6 @@ if TYPE_CHECKING:
 COST_NOTE = ("tokens/s from the predicted step; MFU: PaLM's model FLOPs (6N + 12 L d s per token) over the devices' "
              "dense peak at the matmuls' precision; days, device-hours and cost at the on-demand list price, "
              "nothing for failures, restarts or evaluation")
-
-
-def layout_text(option: PlanOption) -> str:
-    c = option.candidate
-    return f"T={c.tensor_parallel} D={c.replicas} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
-
-
-def dollars(amount: float) -> str:
-    return f"${amount:,.0f}" if amount >= 100 else f"${amount:.3g}"
 
 
 def days_text(days: float) -> str:

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from gpipe.options import check_output_path
+from gpipe.options import add_html_argument, add_json_argument, add_runs_file_argument, check_output_path
 from gpipe.workload_flags import resolve_workload
 from sim.evidence.replay import Replayed, load_runs, replay, summary
 from sim.views.progress import phase
@@ -19,9 +19,9 @@ from sim.workloads.workload import Workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE", help="runs file, e.g. benchmarks/published_runs/dev.json")
-    parser.add_argument("--json", action="store_true", help="print the runs, errors and summary as JSON")
-    parser.add_argument("--html", default=None, metavar="FILE", help="write predicted against measured as HTML")
+    add_runs_file_argument(parser)
+    add_json_argument(parser, "print the runs, errors and summary as one JSON object")
+    add_html_argument(parser, "write predicted against measured as HTML")
 
 
 def run(args: argparse.Namespace) -> int:

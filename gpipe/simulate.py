@@ -7,9 +7,10 @@ import json
 import sys
 from dataclasses import asdict
 
-from gpipe.options import (add_compile_argument, add_hardware_arguments, add_model_arguments, add_optimizer_argument,
-                           add_pipeline_arguments, add_precision_argument, add_scale_out_arguments, check_output_path,
-                           simulation_options, virtual_stages_of)
+from gpipe.options import (add_compile_argument, add_hardware_arguments, add_html_argument, add_json_argument, add_model_arguments,
+                           add_optimizer_argument, add_partitioner_argument, add_pipeline_arguments, add_plan_argument,
+                           add_precision_argument, add_scale_out_arguments, add_trace_argument, check_output_path,
+                           check_zero, hardware_of, simulation_options, virtual_stages_of)
 from sim.catalog.hardware import Link, System
 from sim.catalog.user_systems import resolve_system
 from sim.engine.engine import SimResult, simulate
@@ -32,26 +33,25 @@ from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, compil
                                   resolve_workload, with_attention_default, with_precision, workload_and_batch)
 
 
-DEFAULT_STAGES = 4  # K when neither --stages nor --partition gives it
+DEFAULT_STAGES = 4  # K when neither --stages nor --partition gives it, or the system's devices if fewer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", default=None, metavar="FILE",
-                        help="simulate this plan file, priced with the costs file it records (--costs FILE "
-                             "overrides it; the model and layout flags are ignored)")
+    add_plan_argument(parser, "simulate this plan file, on its hardware and priced with the costs file it records "
+                              "(--costs FILE overrides it; the model, layout and hardware flags are ignored)")
     add_model_arguments(parser)
     add_optimizer_argument(parser)
-    add_pipeline_arguments(parser, stages_default=None)  # None: not given (DEFAULT_STAGES, or the partition's)
+    add_pipeline_arguments(parser, stages=f"{DEFAULT_STAGES} or the system's devices if fewer, or the --partition's "
+                                          "entries over V")
     add_scale_out_arguments(parser)
     add_hardware_arguments(parser)
     add_precision_argument(parser, "the plan's; else the costs file's; else the device's: bf16 on "
                                    "A100, H100, H200 and TPUs, fp32 elsewhere")
     add_compile_argument(parser)
-    parser.add_argument("--partitioner", default="min_max", choices=("min_max", "variance"),
-                        help="how to split layers when --partition is not given")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto)")
-    parser.add_argument("--html", default=None, metavar="FILE", help="write a plotly timeline")
+    add_partitioner_argument(parser)
+    add_json_argument(parser)
+    add_trace_argument(parser)
+    add_html_argument(parser, "write a plotly timeline")
     parser.add_argument("--print-schedule", action="store_true",
                         help="print each device's action list (F forward, R recompute, B backward, I input "
                              "gradient, W weight gradients; stage, kind, micro-batch) before the result")
@@ -169,8 +169,9 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         given, args.microbatches, args.virtual_stages = read_schedule_csv(args.schedule_csv, args.checkpoint)
         args.stages, args.schedule = len(given), schedule_shape(given, args.virtual_stages)
     stages_given = args.stages
+    system = resolve_system(hardware_of(args), args.nodes)
     if args.stages is None:
-        args.stages = DEFAULT_STAGES
+        args.stages = min(DEFAULT_STAGES, system.total_devices)
     require_positive("stages (K)", args.stages, "use --stages 1 or more")
     require_positive("micro-batches (M)", args.microbatches, "use --microbatches 1 or more")
     require_positive("replicas (D)", args.replicas, "use --replicas 1 or more")
@@ -189,7 +190,6 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                               f"--virtual-stages {virtual} needs {stages_given * virtual}; drop --stages or make "
                               "them agree")
     stages = len(partition) // virtual if partition is not None else args.stages
-    system = resolve_system(args.hardware, args.nodes)
     precision = chosen_precision(args, system.device)
     by_shape = args.tensor_parallel > 1 or args.context_parallel > 1  # hf: models split by their shape
     options, attention_note = with_attention_default(model_name(args), simulation_options(args), system.device,
@@ -221,13 +221,6 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                       allreduce_link=calibrated_allreduce(workload, system), dp_overlap=args.dp_overlap,
                       actions=given)
     return result, system, workload, precision, attention_note
-
-def check_zero(zero: int, replicas: int) -> None:
-    if zero not in (0, 1):
-        raise GpipeInputError(f"--zero must be 0 or 1, got {zero}")
-    if zero == 1 and replicas == 1:
-        raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
-                              "--replicas 2 or more; use --zero 0 with one replica")
 
 
 def assumed_efficiency_note(system: System) -> str | None:

@@ -15,6 +15,7 @@ torch is imported inside :func:`run` only, so ``gpipe --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -23,42 +24,42 @@ import tempfile
 from typing import Any
 
 from executor.launch.agent import check_capacity, check_nodes, run_ranks, start_fork_server
-from gpipe.options import (ANALYTIC_ONLY_OPTIONS, add_model_arguments, add_optimizer_argument, add_precision_argument,
-                           model_options)
-from sim.engine.placement import PLACEMENTS
+from gpipe.options import (ANALYTIC_ONLY_OPTIONS, Checked, add_data_argument, add_device_argument,
+                           add_hardware_argument, add_html_argument, add_json_argument, add_model_arguments,
+                           add_optimizer_argument, add_pipeline_arguments, add_plan_argument, add_precision_argument,
+                           add_scale_out_arguments, add_steps_argument, add_trace_argument, check_zero, hardware_of,
+                           model_options, one_of)
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.plan import load_plan, parse_partition
 from sim.planner.partition import even_partition
 from sim.views.progress import bars_shown
 from sim.workloads.named_models import is_named, named_models
 from sim.workloads.precision import check_precision
-from sim.schedules.schedule import (CHECKPOINT_POLICIES, MULTI_CHUNK_SCHEDULES, SCHEDULES, check_interleaving,
-                                    check_virtual_stages, default_virtual_stages)
+from sim.schedules.schedule import MULTI_CHUNK_SCHEDULES, check_interleaving, check_virtual_stages, default_virtual_stages
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSSES = ("mse", "cross_entropy")
+INITS = ("factory", "meta")
+TRANSPORTS = ("auto", "dist")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_plan_argument(parser, "train this plan file, written by gpipe plan --out or gpipe demo (the layout flags "
+                              "override its values)")
     add_model_arguments(parser, costs=False)
-    what = parser.add_argument_group("what to train (a plan file, or the flags of gpipe simulate)")
-    what.add_argument("--plan", help="plan JSON written by gpipe plan --out")
-    what.add_argument("--stages", type=int, help="K: stages; layers split evenly unless --partition")
-    what.add_argument("--partition", help="layers per stage, e.g. 3,5")
-    what.add_argument("--batch", type=int, help="rows per mini-batch (the global batch with --replicas)")
-    what.add_argument("--microbatches", type=int, help="M: micro-batches per mini-batch")
-    what.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, help="re-materialization policy")
-    what.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
-    what.add_argument("--virtual-stages", type=int,
-                      help="V: chunks of layers per process, with --schedule interleaved (2 or more) or zbv "
-                           "and dualpipev (2); --partition then lists V x K chunks in model order")
-    what.add_argument("--loss", choices=("mse", "cross_entropy"), help="loss (default: the model's)")
-    what.add_argument("--data", metavar="SOURCE",
-                      help="what to train on: synthetic random data (default; what calibration times), text (the "
-                           "shipped Shakespeare, one token per byte: a language model's loss falls), text:PATH "
-                           "(any file, byte by byte), or package.module:function(batch_size, step=, seed=) -> "
-                           "(inputs, targets)")
+    add_pipeline_arguments(parser, stages="the plan's, else 1", microbatches=4, recorded="the plan's")
+    add_scale_out_arguments(parser, recorded="the plan's", sequence_parallel="the plan's, else off", context=False)
+    what = parser.add_argument_group("what to train on, and how it starts")
+    add_hardware_argument(what, use="the system whose analytic costs choose the partition when --partition is not "
+                                    "given, as gpipe simulate does", files=False)
+    what.add_argument("--loss", default=None, action=Checked, check=one_of("--loss", LOSSES),
+                      help="loss (default: the model's)")
+    add_data_argument(what, meaning="what to train on: synthetic random data (default; what calibration times), text "
+                                    "(the shipped Shakespeare, one token per byte: a language model's loss falls), "
+                                    "text:PATH (any file, byte by byte), or package.module:function(batch_size, "
+                                    "step=, seed=) -> (inputs, targets)")
     what.add_argument("--seed", type=int, default=0)
-    what.add_argument("--init", choices=("factory", "meta"),
+    what.add_argument("--init", default=None, action=Checked, check=one_of("--init", INITS),
                       help="first weights: factory (default: exactly what the model's factory gives after "
                            "torch.manual_seed(--seed), built once per node by this command) or meta (built on "
                            "the meta device, each layer from reset_parameters() seeded per layer: for a model "
@@ -66,27 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--init-from", metavar="PATH",
                       help="start from these weights: a state dict, a safetensors file or a model folder "
                            "(each process reads only its own stage's tensors)")
-    what.add_argument("--hardware", default="ideal",
-                      help="system (a catalog name or a system file FILE.json) whose analytic costs choose the "
-                           "partition when --partition is not given, as gpipe simulate does (default ideal)")
-    data_parallel = parser.add_argument_group("data-parallel replicas of the pipeline")
-    data_parallel.add_argument("--replicas", type=int, metavar="D",
-                               help="D copies of the pipeline, each on its torch.chunk share of --batch; "
-                                    "gradients averaged over them (default: the plan's, else 1)")
-    data_parallel.add_argument("--zero", type=int, choices=(0, 1),
-                               help="1: shard optimizer state over the replicas (ZeroRedundancyOptimizer)")
-    data_parallel.add_argument("--placement", choices=PLACEMENTS,
-                               help="which rank runs which replica's stage: stages_adjacent (rank d*K+k, "
-                                    "the default) or replicas_adjacent (rank k*D+d)")
-    tensor = parser.add_argument_group("tensor parallelism inside each stage")
-    tensor.add_argument("--tensor-parallel", type=int, metavar="T",
-                        help="T ranks per stage, each layer's attention heads and MLP split over them "
-                             "Megatron-style on DTensor (default: the plan's, else 1)")
-    tensor.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                        help="with T > 1, the built-in transformer's norms and residual stream split along the "
-                             "sequence over the T ranks (default: the plan's, else off)")
     how = parser.add_argument_group("how to train")
-    how.add_argument("--steps", type=int, default=10, help="mini-batches (optimizer steps)")
+    add_steps_argument(how, 10, "mini-batches (optimizer steps)")
     add_optimizer_argument(how, recorded="the plan's")
     how.add_argument("--lr", type=float, default=0.01, help="peak learning rate (default 0.01)")
     how.add_argument("--weight-decay", type=float, default=0.0,
@@ -98,20 +80,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
                      help="steps of linear learning-rate warm-up (default 0)")
     add_precision_argument(how, "the plan's, else fp32")
-    how.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                     help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
+    add_device_argument(how, "cpu (gloo) or cuda (NCCL, one GPU per stage)")
     how.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
-    how.add_argument("--transport", choices=("auto", "dist"), default="auto",
+    how.add_argument("--transport", default="auto", action=Checked, check=one_of("--transport", TRANSPORTS),
                      help="stage-to-stage messages: auto (shared memory between CPU ranks of one host, "
                           "torch.distributed otherwise; default) or dist (torch.distributed everywhere)")
     how.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck receive fails")
     how.add_argument("--warmup-steps", type=int, default=1, help="steps left out of step_time_s")
     out = parser.add_argument_group("outputs and checkpoints")
+    add_json_argument(out, "print one JSON object on stdout and nothing else: the losses and step times, with --plan "
+                           "the comparison with its prediction, and the files written (the ranks' lines go to stderr)")
     out.add_argument("--report", help="write the measured report JSON here")
-    out.add_argument("--trace", help="write a Chrome trace (Perfetto) of the merged timeline here")
-    out.add_argument("--html", metavar="FILE",
-                     help="with --plan: write the report of this run against the plan's prediction (both "
-                          "timelines on one axis, busy, bubble and memory per stage, losses, one verdict line)")
+    add_trace_argument(out)
+    add_html_argument(out, "with --plan: write the report of this run against the plan's prediction (both "
+                           "timelines on one axis, busy, bubble and memory per stage, losses, one verdict line)")
     out.add_argument("--save-every", type=int, default=0, help="save training state every N steps")
     out.add_argument("--checkpoint-dir", help="directory for --save-every and --resume")
     out.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -163,6 +145,11 @@ def check_flags(args: argparse.Namespace) -> None:
                                  ("--max-restarts", args.max_restarts, "0 (none)")):
         if value < 0:
             raise GpipeInputError(f"{flag} must be {meaning} or more, got {value}")
+    if args.zero is not None:
+        check_zero(args.zero)
+    from sim.catalog.user_systems import resolve_system
+
+    resolve_system(hardware_of(args))  # an unknown --hardware is one line even where a plan or partition leaves it unused
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise GpipeInputError(f"--timeout must be a positive number of seconds, got {args.timeout}; a stuck "
                               "receive fails after it (default 300)")
@@ -254,7 +241,7 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     microbatches = args.microbatches or config.microbatches
     candidate = Candidate(args.stages or 1, microbatches, args.checkpoint or config.checkpoint, config.schedule,
                           config.replicas, config.virtual_stages, config.zero, config.placement)
-    system = resolve_system(args.hardware)
+    system = resolve_system(hardware_of(args))
     workload = get_workload(config.model, {**config.options, "precision": config.precision})
     return tuple(simulator_partition(workload, system, batch, candidate))
 
@@ -336,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
                 config.factory_weights = save_factory_weights(config.model, config.options, config.seed,
                                                               prepared.model, os.path.join(workdir, "factory-weights"))
             del prepared
-            if comparison is not None and not config.report:  # the comparison reads the run's report
+            asked_report = config.report
+            if (comparison is not None or args.json) and not config.report:  # the comparison and --json read it
                 config.report = os.path.join(workdir, "report.json")
             config_path = os.path.join(workdir, "config.json")
             config.save(config_path)
@@ -346,14 +334,40 @@ def run(args: argparse.Namespace) -> int:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
             per_node = config.world_size // args.nnodes
             env.setdefault("OMP_NUM_THREADS", str(config.threads or max(1, (os.cpu_count() or 1) // per_node)))
-            code, message = run_ranks("executor.launch.worker", [config_path], config.world_size, env, error_dir, args)
+            # with --json the ranks' lines (losses, the last line) go to stderr: stdout holds the one object
+            code, message = run_ranks("executor.launch.worker", [config_path], config.world_size, env, error_dir, args,
+                                      stdout_fd=2 if args.json else 1)
             if code != 0:
                 print(message, file=sys.stderr)
-            elif comparison is not None:
-                print(comparison.finish(read_report(config.report, args.data)), flush=True)
+                return code
+            report = read_report(config.report, args.data) if os.path.exists(config.report) else None
+            verdict = comparison.finish(report) if comparison is not None and report is not None else None
+            if args.json:
+                json.dump(run_summary(config, report, comparison, verdict, asked_report, args), sys.stdout)
+                print()
+            elif verdict is not None:
+                print(verdict, flush=True)
             return code
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_summary(config, report: dict[str, Any] | None, comparison, verdict: str | None, report_path: str,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """``--json``'s object: what ran (the plan as trained), each step's loss and time, with ``--plan``
+    the verdict against its prediction, and the files written. A node other than node 0 that wrote
+    no report of its own has no losses or times to give (None)."""
+    measured = report or {}
+    compared = None
+    if comparison is not None:
+        compared = {"verdict": verdict, "plan": args.plan, "predicted_step_s": comparison.predicted_step_s,
+                    "measured_step_s": measured.get("step_time_s"), "re_predicted_for": list(comparison.changes)}
+    return {"steps": config.steps, "node_rank": args.node_rank, "plan": measured.get("plan"),
+            "losses": measured.get("losses"), "grad_norms": measured.get("grad_norms"),
+            "step_time_s": measured.get("step_time_s"), "step_times_s": measured.get("step_times_s"),
+            "measured_steps": measured.get("measured_steps"), "comparison": compared,
+            "report": report_path or None, "trace": config.trace or None, "html": args.html,
+            "checkpoint_dir": config.checkpoint_dir or None}
 
 
 def plan_comparison(args: argparse.Namespace, config):
@@ -369,8 +383,6 @@ def plan_comparison(args: argparse.Namespace, config):
 
 def read_report(path: str, data: str | None) -> dict[str, Any]:
     """The run's report as rank 0 wrote it, with what it trained on (for the report's loss curve)."""
-    import json
-
     with open(path) as handle:
         report = json.load(handle)
     report["data"] = "text" if data == "text" else ("synthetic" if not data or data == "synthetic" else data)

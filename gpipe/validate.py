@@ -7,21 +7,18 @@ import json
 import sys
 
 from calibrate.fit.design import check_timed_steps
-from gpipe.options import check_output_path
+from gpipe.options import (add_costs_argument, add_json_argument, add_out_argument, add_rounds_argument,
+                           add_steps_argument, check_output_path)
 from sim.errors import GpipeInputError, require_positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--costs", required=True, metavar="FILE", nargs="+",
-                        help="costs file from gpipe calibrate; more files (calibrations of the same model taken "
-                             "at other moments) each predict the same measured runs: how far the moment of "
-                             "calibration moves an error")
-    parser.add_argument("--steps", type=int, default=5, help="steps per run, the first is warm-up (default 5)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="measure each run this many times, interleaved, and take the median (default 3)")
+    add_costs_argument(parser, several=True)
+    add_steps_argument(parser, 5, "steps per run, the first a warm-up")
+    add_rounds_argument(parser, 3, "measure each run this many times, interleaved, and take the median")
     parser.add_argument("--limit", type=int, default=None, help="run only the first N held-out configurations")
-    parser.add_argument("--out", default=None, metavar="FILE", help="write the results JSON here")
-    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_out_argument(parser, "write the results JSON here")
+    add_json_argument(parser, "print the results as one JSON object")
     parser.add_argument("--verbose", action="store_true",
                         help="add this machine's noise to the table: each run's round spread and interval, the "
                              "calibration's halves, the spread across calibrations and the after-wait probes")

@@ -270,6 +270,7 @@ class PlanComparison:
                 self.skipped = f"not compared with the plan's prediction: {exc}"
         self.costs = None
         self.pace = None
+        self.predicted_step_s: float | None = None  # set by finish, where the run was compared
         if self.costs_path is not None:
             from sim.formats.costs import read_costs
 
@@ -283,6 +284,7 @@ class PlanComparison:
             return self.skipped
         pace = self.pace.finish() if self.pace is not None else None
         predicted = self.predict(self.plan, self.plan_path, self.costs_path)[0]
+        self.predicted_step_s = predicted.step_time_s
         verdict = step_verdict(predicted.step_time_s, report["step_time_s"],
                                pricing_of(self.plan, self.device_type, self.costs_path), pace)
         if self.changes:

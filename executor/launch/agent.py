@@ -254,14 +254,14 @@ def killed_by_signal(outcome: LaunchOutcome, node: int) -> FailureRecord | None:
 
 
 def run_ranks(module: str, argv: list[str], ranks: int, env: dict[str, str], error_dir: str,
-              args: argparse.Namespace) -> tuple[int, str | None]:
-    """Run ``module`` as this node's ranks; on failure return the exit code for ``gpipe train`` and
-    the line it prints.
+              args: argparse.Namespace, stdout_fd: int = 1) -> tuple[int, str | None]:
+    """Run ``module`` as this node's ranks, their standard output to ``stdout_fd``; on failure
+    return the exit code for ``gpipe train`` and the line it prints.
 
     With several nodes, a failure that happened here is also written to the rendezvous store
     (node 0's, while it lasts) so the other nodes' workers stop with its message.
     """
-    outcome = launch(launch_config(ranks, args), module, argv, env)
+    outcome = launch(launch_config(ranks, args), module, argv, env, stdout_fd)
     if not outcome.failed:
         return 0, None
     if outcome.stopped_by is not None:

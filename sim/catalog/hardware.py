@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sim.catalog.kernel_model import KernelEfficiency, read_efficiencies
+from sim.catalog.kernel_model import KernelEfficiency, efficiency_file, read_efficiencies
 from sim.catalog.system_schema import GB, GIB, TERA, link_fields, system_fields
 from sim.errors import GpipeInputError, did_you_mean
 from sim.workloads.precision import PRECISIONS
@@ -247,7 +247,7 @@ def _fitted(device: Device, fitted: dict[str, KernelEfficiency], key: str | None
 LINKS: dict[str, Link] = {link["name"]: Link(**link_fields(link, f"catalog link {link.get('name')!r}"))
                           for link in _read(LINKS_FILE)["links"]}
 CATALOG_FILES = _catalog_files()  # the JSON of each catalog file, which a user's "base" starts from
-_FITTED = read_efficiencies()
+_FITTED = read_efficiencies(efficiency_file())
 _UNFITTED: dict[str, System] = {
     **{system.name: system for system in BUILT_IN},
     **{name: build_system(system_fields(data, f"catalog file systems/{name}.json", LINKS), LINKS)

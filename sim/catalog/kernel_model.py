@@ -46,6 +46,7 @@ from typing import Any
 from sim.errors import GpipeInputError
 
 EFFICIENCY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_efficiency.json")
+EFFICIENCY_ENV = "GPIPE_GPU_EFFICIENCY"  # names an efficiency file gpipe fit-gpu wrote, read in place of the package's
 FRACTIONS = ("matmul", "attention", "memory", "collective", "optimizer")
 
 
@@ -83,6 +84,18 @@ class KernelEfficiency:
         if values["matmul_launch_s"] < 0:
             raise GpipeInputError(f"{where}: matmul_launch_s={values['matmul_launch_s']} is negative")
         return cls(**values, source=str(data.get("source", "")), tied=tuple(data.get("tied", ())))
+
+
+def efficiency_file() -> str:
+    """The efficiency file the simulator reads: the one ``$GPIPE_GPU_EFFICIENCY`` names (written by
+    ``gpipe fit-gpu --out``; one line if it is missing), else the package's."""
+    path = os.environ.get(EFFICIENCY_ENV)
+    if not path:
+        return EFFICIENCY_FILE
+    if not os.path.isfile(path):
+        raise GpipeInputError(f"{EFFICIENCY_ENV}={path} names no file; give the file gpipe fit-gpu --out wrote, or "
+                              f"unset {EFFICIENCY_ENV} for the package's fitted fractions")
+    return path
 
 
 def read_efficiencies(path: str = EFFICIENCY_FILE) -> dict[str, KernelEfficiency]:

@@ -22,9 +22,14 @@ the catalog names (``sim.catalog.hardware``), not what a reserved or negotiated 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from sim.errors import GpipeInputError
+
+if TYPE_CHECKING:
+    from sim.catalog.hardware import System
+    from sim.planner.search import Candidate, PlanOption
+    from sim.workloads.workload import Workload
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -91,3 +96,77 @@ def format_token_count(tokens: float) -> str:
         if tokens >= scale:
             return f"{tokens / scale:.3g}{suffix}"
     return f"{tokens:.3g}"
+
+
+def dollars(amount: float) -> str:
+    return f"${amount:,.0f}" if amount >= 100 else f"${amount:.3g}"
+
+
+@dataclass(frozen=True)
+class Costing:
+    """What the planner is asked about days and dollars: the tokens to train on, what to rank by, a
+    price in place of the catalog's, and the limits (devices, dollars, days)."""
+
+    train_tokens: float | None = None
+    rank_by: str = "time"  # or "cost": step time x devices x price
+    price_override: float | None = None  # per device-hour, in place of the catalog's list price
+    max_devices: int | None = None  # D x K x T x C at most
+    max_cost: float | None = None
+    several_systems: bool = False  # several hardware kinds ranked together: each plan priced
+    max_days: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return (self.train_tokens is not None or self.rank_by == "cost" or self.several_systems
+                or self.max_devices is not None)
+
+    @property
+    def limited(self) -> bool:
+        """Whether the search drops plans by days or dollars."""
+        return self.max_cost is not None or self.max_days is not None
+
+    def step_limit(self, tokens_per_step: float, devices_per_group: int,
+                   price: float | None) -> Callable[["Candidate"], float] | None:
+        """Each candidate's longest step within --max-days and --max-cost (None: no limit): steps to
+        train = tokens / tokens per step; days = steps x step / 86,400; cost = days x 24 x devices x price."""
+        if not self.limited:
+            return None
+        assert self.train_tokens is not None
+        steps = self.train_tokens / tokens_per_step
+        by_days = self.max_days * SECONDS_PER_DAY / steps if self.max_days is not None else float("inf")
+
+        def limit(c: "Candidate") -> float:
+            if self.max_cost is None:
+                return by_days
+            devices = c.stages * c.replicas * devices_per_group
+            return min(by_days, self.max_cost * 3600.0 / (steps * devices * price))  # type: ignore[operator]
+
+        return limit
+
+
+def price_of(system: "System", costing: Costing) -> float | None:
+    return costing.price_override if costing.price_override is not None else system.price_per_device_hour
+
+
+def price_source(system: "System", costing: Costing) -> str:
+    if costing.price_override is not None:
+        return "--price-per-device-hour"
+    return system.price_source or "no list price in the catalog"
+
+
+def plan_cost(option: "PlanOption", workload: "Workload", system: "System", batch: int, precision: str,
+              costing: Costing) -> TrainingCost:
+    """The :class:`TrainingCost` of a ranked plan: its step over ``batch`` sequences on its devices."""
+    from sim.workloads.precision import precision_of
+
+    c = option.candidate
+    described = workload.describe()
+    o = described.get("shape") or described["options"]  # a Hugging Face model's: the transformer's that prices it
+    if "seq" not in o or "d_model" not in o:
+        raise GpipeInputError(f"days and dollars count tokens: the model {described['name']} has no sequences; plan "
+                              "the transformer, a named model (gpipe plan --list-models) or an hf: model")
+    devices = c.stages * c.replicas * c.tensor_parallel * c.context_parallel
+    peak = system.device.peak_flops[precision_of(precision).matmul_peak]
+    return training_cost(option.step_time_s, batch * o["seq"], devices,
+                         model_flops_per_token(o, described["parameter_count"]), peak, costing.train_tokens,
+                         price_of(system, costing))

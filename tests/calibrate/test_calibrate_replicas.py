@@ -125,7 +125,7 @@ def test_simulate_and_plan_price_replicas_on_the_costs_files_allreduce(tmp_path,
     assert steps["slow"] - steps["fast"] == pytest.approx(extra_s, rel=1e-6)
     ranked = {}
     for name, path in paths.items():
-        assert main(["plan", "--costs", path, "--hardware", "cpu", "--replicas", "2", "--stages-options", "1",
+        assert main(["plan", "--costs", path, "--hardware", "cpu", "--replicas-options", "2", "--stages-options", "1",
                      "--microbatch-options", "2", "--schedules", "gpipe", "--checkpoints", "never", "--json",
                      "--quiet"]) == 0
         ranked[name] = json.loads(capsys.readouterr().out)["ranked"][0]["step_time_s"]

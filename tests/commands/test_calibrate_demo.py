@@ -39,6 +39,13 @@ def test_demo_writes_one_report_and_says_where(tmp_path):
     assert len(said) == 3 and said[0].startswith("losses over 2 steps") and said[2].startswith("report written")
     assert said[1].startswith(("Within the goal: ", "FLAGGED: ")), said
     assert "synthetic random tokens" in (out / "report.html").read_text()
+    summary = in_process.gpipe("demo", "--out-dir", str(out), "--steps", "2", "--data", "synthetic", "--json")
+    assert summary.returncode == 0, summary.stderr[-2000:]
+    data = json.loads(summary.stdout)  # the whole of stdout: one object
+    assert len(data["losses"]) == 2 and data["data"] == "synthetic"
+    assert data["verdict"].startswith(("Within the goal: ", "FLAGGED: ")) and data["report"] == str(out / "report.html")
+    assert data["chosen"] == max(data["best_per_stages"], key=lambda best: best["stages"])
+    assert data["predicted_step_s"] > 0 and data["measured_step_s"] > 0 and data["plan"] == str(out / "plan.json")
 
 
 def test_demo_rejects_a_bad_step_count():

@@ -17,7 +17,7 @@ VERDICT = re.compile(r"^(Within the goal|FLAGGED|Not judged): predicted (\d+\.\d
 def calibrated_plan(tiny_quick_costs, tmp_path_factory):
     """A two-stage plan priced with a real calibration of this machine: (plan path, its JSON)."""
     path = tmp_path_factory.mktemp("compare") / "plan.json"
-    proc = in_process.gpipe("plan", "--costs", tiny_quick_costs[0], "--stages", "2", "--microbatch-options", "2,4",
+    proc = in_process.gpipe("plan", "--costs", tiny_quick_costs[0], "--stages-options", "2", "--microbatch-options", "2,4",
                             "--out", str(path), "--quiet")
     assert proc.returncode == 0, proc.stderr
     return path, json.loads(path.read_text())
@@ -72,9 +72,18 @@ def test_html_without_a_plan_or_with_its_costs_gone_is_one_line_before_training(
 
 def test_a_plan_priced_with_the_catalog_is_shown_but_not_judged(tmp_path):
     path = tmp_path / "plan.json"
-    assert in_process.gpipe("plan", "--model", "mlp", "--stages", "2", "--hardware", "cpu",
+    assert in_process.gpipe("plan", "--model", "mlp", "--stages-options", "2", "--hardware", "cpu",
                             "--microbatch-options", "2", "--out", str(path), "--quiet").returncode == 0
-    proc = in_process.gpipe("train", "--plan", str(path), "--steps", "3")
+    # --json: the run and its verdict as one object on stdout, the ranks' lines on stderr
+    proc = in_process.gpipe("train", "--plan", str(path), "--steps", "3", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert VERDICT.search(proc.stdout).group(1) == "Not judged"
-    assert "uncalibrated cpu figures" in proc.stdout
+    summary = json.loads(proc.stdout)  # the whole of stdout
+    verdict = summary["comparison"]["verdict"]
+    assert VERDICT.search(verdict).group(1) == "Not judged"
+    assert "uncalibrated cpu figures" in verdict
+    assert len(summary["losses"]) == 3 and len(summary["step_times_s"]) == 3 and summary["steps"] == 3
+    assert f"{summary['comparison']['predicted_step_s'] * 1e3:.2f} ms" in verdict
+    assert summary["comparison"]["measured_step_s"] == summary["step_time_s"] > 0
+    assert summary["plan"]["partition"] == json.loads(path.read_text())["partition"]
+    assert summary["report"] is None and summary["html"] is None
+    assert "gpipe: step 2 loss" in proc.stderr and "median step" in proc.stderr

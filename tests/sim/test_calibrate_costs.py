@@ -466,7 +466,7 @@ def test_plan_searches_the_split_backward_schedules_by_default_only_where_the_pr
     from types import SimpleNamespace
 
     from sim.formats.costs import write_costs
-    from gpipe.plan import default_schedules
+    from gpipe.plan_space import default_schedules
     from sim.schedules.schedule import PLANNED_SCHEDULES, SCHEDULES
 
     plain, split = synthetic_costs(), synthetic_costs()

@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from gpipe.plan import efficiency_kind
+from sim.catalog.efficiency_note import efficiency_kind
 from sim.catalog.hardware import (CATALOG_FILES, DEFAULT_EFFICIENCY, GB, LINKS, LINKS_FILE, SYSTEMS, SYSTEMS_DIR, TERA,
                                   get_system)
 from sim.engine.allreduce import ring_allreduce_s

@@ -113,7 +113,7 @@ def test_a_bf16_model_keeps_bf16_weights_fp32_gradients_and_an_fp32_master_copy(
 
 
 @pytest.mark.parametrize("command,message", [
-    (["simulate", "--model", "mlp", "--precision", "bf16-model"], "built-in transformer only"),
+    (["simulate", "--model", "mlp", "--hardware", "ideal", "--precision", "bf16-model"], "built-in transformer only"),
     (["train", "--model", "transformer", "--stages", "2", "--precision", "bf16-model"], "planning option"),
     (["train", "--model", "transformer", "--stages", "2", "--option", "attention=fused"], "planning option"),
     (["simulate", "--model", "transformer", "--hardware", "a100-nvlink", "--precision", "fp8"],

@@ -136,10 +136,10 @@ def test_v_schedules_round_trip_and_simulate_from_the_command_line(tmp_path, cap
     path = str(tmp_path / "v.csv")
     write_schedule_csv(ours, path)
     assert read_schedule_csv(path, "always") == (ours, 6, 2)
-    assert main(["simulate", "--model", "uniform", "--layers", "12", "--checkpoint", "always",
+    assert main(["simulate", "--model", "uniform", "--layers", "12", "--checkpoint", "always", "--hardware", "ideal",
                  "--schedule-csv", path, "--json"]) == 0
     import json
     from_csv = json.loads(capsys.readouterr().out)
     assert main(["simulate", "--model", "uniform", "--layers", "12", "--checkpoint", "always", "--stages", "3",
-                 "--microbatches", "6", "--schedule", name, "--json"]) == 0
+                 "--hardware", "ideal", "--microbatches", "6", "--schedule", name, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(from_csv["step_time_s"], rel=1e-12)
