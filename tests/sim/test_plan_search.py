@@ -38,8 +38,8 @@ def command_best(*flags: str) -> dict:
 
 def test_the_space_searched_directly_gives_the_command_s_best_plan():
     system = get_system("h100-nvlink", 2)
-    workload = get_workload("transformer", {"layers": 8, "precision": "bf16", "attention": "flash"})
-    space = SearchSpace(hardware=(Target(system, workload, 64, "bf16"),), microbatches=(1, 2, 4, 8), zero=(0, 1),
+    workload = get_workload("transformer", {"layers": 8, "precision": "bf16-model", "attention": "flash"})
+    space = SearchSpace(hardware=(Target(system, workload, 64, "bf16-model"),), microbatches=(1, 2, 4, 8), zero=(0, 1),
                         tensor_parallel=(1, 2))
     found = search_plans(space, top=3)
     best = command_best("--model", "transformer", "--layers", "8", "--hardware", "h100-nvlink", "--nodes", "2",
@@ -51,8 +51,8 @@ def test_the_space_searched_directly_gives_the_command_s_best_plan():
 
 
 def test_several_systems_ranked_by_cost_as_the_command_ranks_them():
-    targets = tuple(Target(get_system(name), get_workload("transformer", {"layers": 8, "precision": "bf16",
-                                                                         "attention": "flash"}), 32, "bf16")
+    targets = tuple(Target(get_system(name), get_workload("transformer", {"layers": 8, "precision": "bf16-model",
+                                                                         "attention": "flash"}), 32, "bf16-model")
                     for name in ("a100-nvlink", "h100-nvlink"))
     costing = Costing(train_tokens=1e9, rank_by="cost", several_systems=True)
     space = SearchSpace(hardware=targets, microbatches=(1, 2, 4), tensor_parallel=(1,))
