@@ -131,7 +131,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     net = build_model(model, options, seed=0)
     loss = loss_function(default_loss(model))
     # quick: fewer runs, and the split backward's I and W left out (its cost then unmeasured, so gpipe
-    # plan searches the split-backward schedules only when named, gpipe.plan.default_schedules)
+    # plan searches the split-backward schedules only when named, gpipe.plan_space.default_schedules)
     repeats = Repeats(min_runs=3, budget_s=0.02, max_runs=15, split=False) if quick else Repeats()
     profile = profile_model(net, lambda r: example_batch(model, options, r, seed=1), loss, rows,
                             sorted(set(threads_of.values()), reverse=True), torch.device(device), repeats,
