@@ -4,7 +4,7 @@ Every builder returns an ``nn.Sequential`` whose top-level children are the pipe
 partition counts them). :func:`build_model` is the model a user would train without a pipeline: the
 builder called once after ``torch.manual_seed(seed)``; where a run's stages take their first values
 from is :mod:`executor.models.initial_weights`. The layer lists mirror the simulator's analytic models
-(``sim.workloads.models``) and read their defaults from :mod:`sim.workloads.model_defaults`.
+(``sim.workloads.transformer``, ``sim.workloads.mlp_and_cnn``) and read their defaults from :mod:`sim.workloads.model_defaults`.
 
 A user model is named ``package.module:function``; the function is called with the model options as
 keyword arguments (none by default) and must return an ``nn.Sequential``. Its data comes from
@@ -26,7 +26,7 @@ from executor.models.materialize import build_meta
 from executor.runtime.selective import AttentionCore, attention_core, recomputing_attention_core
 from sim.errors import GpipeInputError, did_you_mean
 from sim.formats.plan import ModelRef
-from sim.workloads import models as sim_models
+from sim.workloads import model_options
 from sim.workloads.model_defaults import DEFAULT_OPTIONS
 
 BUILTIN_MODELS = ("mlp", "transformer", "cnn")
@@ -63,7 +63,7 @@ def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[st
                                   f"{type(merged[key]).__name__}") from None
     # every value checked as gpipe simulate checks it (a positive width, heads dividing d_model, ...),
     # in one line here rather than as torch's error from inside the build
-    checked = sim_models.resolve_options(name, merged)
+    checked = model_options.resolve_options(name, merged)
     return {key: checked[key] for key in merged}
 
 

@@ -159,7 +159,7 @@ def _block(layer: nn.Module, d: int, config: Any, where: str) -> dict[str, Any]:
     kinds = {"rmsnorm" if "rms" in type(n).__name__.lower() else "layernorm" for n in stream_norms}
     norm_weights = max((_numel(n) // d for n in stream_norms), default=0)
     dq, kv_width, width, ffn = a["dq"], a["kv_width"], m["width"], m["ffn"]
-    # what the transformer's block counts (sim.workloads.models.transformer_layers); the rest is extra
+    # what the transformer's block counts (sim.workloads.transformer.transformer_layers); the rest is extra
     priced = (d * (dq + kv_width) + dq * d + (width + ffn) * d + len(stream_norms) * norm_weights * d
               + a["proj"] * d + m["fc2"] * d + a["qkv"] * (dq + kv_width) + m["fc1"] * width)
     return {"heads": a["heads"], "kv_heads": kv_width // (2 * a["head_dim"]), "head_dim": a["head_dim"], "ffn": ffn,

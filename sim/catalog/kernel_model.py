@@ -123,7 +123,7 @@ class KernelTimes:
 def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kernels: KernelEfficiency,
                 collective_s: float, overhead_s: float, ring_send_s: float = 0.0,
                 projection_peak_flops: float | None = None) -> KernelTimes:
-    """One pass of ``spec`` (a :class:`sim.workloads.models.LayerSpec`) over ``rows`` on a device of
+    """One pass of ``spec`` (a :class:`sim.workloads.layer_spec.LayerSpec`) over ``rows`` on a device of
     ``peak_flops`` and peak ``bandwidth``; ``collective_s`` is one tensor-parallel all-reduce of the
     layer's activation (0 without tensor parallelism); ``overhead_s`` the per-pass dispatch;
     ``ring_send_s`` one send of the device's keys and values to its context-parallel neighbour;

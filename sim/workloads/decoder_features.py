@@ -1,6 +1,6 @@
 """How a decoder differs from the built-in transformer: norms, biases, positions, head width, block layout.
 
-The built-in transformer (:func:`sim.workloads.models.transformer_layers`) is GPT-style: LayerNorms
+The built-in transformer (:func:`sim.workloads.transformer.transformer_layers`) is GPT-style: LayerNorms
 with a weight and a bias, a bias on every linear layer and the head, a learned position table of
 ``seq`` rows, sequential attention then MLP, ``d_model / heads`` wide heads. Decoders people train
 differ from it in ways that move memory and bytes far more than FLOPs. Each difference is an option

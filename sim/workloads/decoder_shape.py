@@ -26,7 +26,9 @@ from typing import Any
 
 from sim.errors import GpipeInputError
 from sim.workloads.decoder_features import BIASES, FEATURE_DEFAULTS
-from sim.workloads.models import AnalyticWorkload, resolve_options, transformer_layers
+from sim.workloads.model_options import resolve_options
+from sim.workloads.models import AnalyticWorkload
+from sim.workloads.transformer import transformer_layers
 
 # The options of an hf: model that are ours, not its config's: tokens per sample, the attention
 # kernel priced, and how it is priced (meta: measured op by op, sim.workloads.meta_workload)

@@ -6,7 +6,7 @@ a system of N devices, n per node, runs a plan of D x K groups of T devices, D x
 the simulator sees each group as one device of a system with n / T devices per node
 (:func:`tensor_parallel_system`): the engine, the placement of stages and replicas, the
 data-parallel all-reduce and the planner need nothing else. What one group member does is in the
-workload (:func:`sim.workloads.models.transformer_layers`): its share of the weights, gradients, optimizer
+workload (:func:`sim.workloads.transformer.transformer_layers`): its share of the weights, gradients, optimizer
 state, FLOPs and activations, plus the tensor-parallel collectives, ring all-reduces over the
 node's link that the matmuls wait for (no overlap). Each member all-reduces its own 1/T of the
 gradients with its data-parallel peers, one ring per member at the same time on the node's links
@@ -15,7 +15,7 @@ and network rails, which is the group's all-reduce on the per-device links the e
 Context parallelism (``--context-parallel C``) splits each sequence over C more devices of the
 node, T x C per stage (TP innermost, then CP, then PP, then DP): each holds s/C tokens, its queries
 attend to all keys as ring attention passes key/value blocks round the C devices
-(:func:`sim.workloads.models.transformer_layers`), and the C copies of the weights have their gradients summed
+(:func:`sim.workloads.transformer.transformer_layers`), and the C copies of the weights have their gradients summed
 on the node's link after the last backward. C must divide the sequence, T x C a node, and the
 attention must be flash (the ring runs on its kernels); across nodes it is not modelled.
 

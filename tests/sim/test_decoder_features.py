@@ -9,9 +9,11 @@ from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
 from sim.errors import GpipeInputError
 from sim.workloads.decoder_features import FEATURE_DEFAULTS
-from sim.workloads.models import STAT_BYTES, get_workload, transformer_layers
+from sim.workloads.layer_spec import STAT_BYTES
+from sim.workloads.models import get_workload
 from sim.workloads.precision import FP32_BYTES
 from sim.workloads.tensor_parallel import with_tensor_parallel
+from sim.workloads.transformer import transformer_layers
 
 GPT = {"layers": 4, "d_model": 512, "ff": 2048, "heads": 8, "seq": 256, "vocab": 8000, "precision": "bf16-model",
        "attention": "flash"}

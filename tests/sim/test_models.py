@@ -1,8 +1,9 @@
 """Analytic workloads: parameter counts and saved activations against torch references, roofline
 behaviour, option validation, and the paper's Transformer on TPUv3.
 
-The torch references below follow the layer lists in sim/workloads/models.py, built from plain torch.nn
-modules; torch is imported here only, never by sim.workloads.models.
+The torch references below follow the layer lists in sim/workloads/transformer.py and
+sim/workloads/mlp_and_cnn.py, built from plain torch.nn modules; torch is imported here only, never by
+sim.workloads.models.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ from sim.catalog.hardware import get_system
 from sim.engine.allreduce import ring_allreduce_s
 from sim.engine.engine import simulate
 from sim.formats.plan import load_plan
-from sim.workloads.models import get_workload, transformer_layers
+from sim.workloads.models import get_workload
 from sim.workloads.precision import FP32_BYTES
 from sim.workloads.tensor_parallel import with_tensor_parallel
+from sim.workloads.transformer import transformer_layers
 
 GPT = {"layers": 4, "d_model": 512, "ff": 2048, "heads": 8, "seq": 256, "vocab": 8000}
 ROWS = 4
