@@ -127,3 +127,19 @@ def band_for(device: str, precision: str, pipeline_stages: int, bands: dict[str,
 
 def band_text(band: Band | None) -> str:
     return band.text() if band else UNKNOWN
+
+
+def has_band(system_name: str) -> bool:
+    """Every accelerator's prediction carries a band (or says none is known); the CPU's and the ideal
+    machine's carry none: the CPU is calibrated on this machine, the ideal one is a bound."""
+    return system_name not in ("cpu", "ideal")
+
+
+def band_field(system_name: str, device: str, precision: str, pipeline_stages: int,
+               bands: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The ``error_band`` of a ``--json`` output: None off accelerators, ``known`` false where no
+    published run of the device was replayed."""
+    if not has_band(system_name):
+        return None
+    band = band_for(device, precision, pipeline_stages, bands)
+    return {"known": True, **band.to_dict()} if band else {"known": False, "device": device, "text": UNKNOWN}
