@@ -28,7 +28,8 @@ from sim.views.progress import phase
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_runs_file_argument(parser)
-    add_out_argument(parser, f"bands file to write (default {BANDS_FILE}, in the current directory)", default=BANDS_FILE)
+    add_out_argument(parser, f"bands file to write (default {BANDS_FILE}, in the current directory)",
+                     default=BANDS_FILE)
     add_json_argument(parser, "print the bands as one JSON object")
 
 

@@ -20,9 +20,10 @@ says to what:
   terms to the A100's fit. A device with one row has a development error of zero by construction; only
   the validation set says how well it is modelled.
 
-Limits: a few configurations of four devices, one row for each but the A100; the fractions absorb whatever the kernel model leaves
-out (concurrent streams, wave quantisation, Megatron's bf16 residual stream, which the simulator
-keeps in fp32 as torch autocast does).
+Limits: a few configurations of four devices, one row for each but the A100; the fractions absorb
+whatever the kernel model leaves out (concurrent streams, wave quantisation, Megatron's bf16 residual
+stream, which the simulator keeps in fp32 as torch autocast does; CUDA graphs, which the B200 row
+ran).
 """
 
 from __future__ import annotations
