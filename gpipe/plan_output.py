@@ -152,15 +152,20 @@ def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOpt
                home: Planned, costing: Costing, fastest: PlanOption | None, cheapest: PlanOption | None) -> None:
     description = home.workload.describe()
     ends = range_ends(args, found.planned, costing)
+    by_name = {p.system.name: p for p in found.planned}
+
+    def banded(option: PlanOption) -> dict:
+        return {**option_dict(option), "error_band": plan_band(by_name.get(option.hardware, home), option)}
+
     json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
                "parameter_count": description["parameter_count"], "precision": home.precision,
                "candidates": searched.candidates, "simulated": searched.simulated,
                "elapsed_s": searched.elapsed_s, "rank_by": costing.rank_by,
                "limits": {"max_devices": costing.max_devices, "max_cost": costing.max_cost,
                           "max_days": costing.max_days, "over_limit": searched.over_limit},
-               "ranked": [option_dict(o) for o in ranked],
-               "fastest": option_dict(fastest) if fastest else None,
-               "cheapest": option_dict(cheapest) if cheapest else None,
+               "ranked": [banded(o) for o in ranked],
+               "fastest": banded(fastest) if fastest else None,
+               "cheapest": banded(cheapest) if cheapest else None,
                "hardware": {p.system.name: _hardware_dict(p, args, costing, ends) for p in found.planned},
                "planned_from": getattr(home.workload, "planned_from", None)}, sys.stdout)
     print()

@@ -42,3 +42,13 @@ def test_cpu_simulate_prints_no_band(capsys):
     assert main(["simulate", "--model", "transformer", "--layers", "4", "--stages", "2", "--microbatches", "4",
                  "--hardware", "cpu"]) == 0
     assert "error band" not in capsys.readouterr().out
+
+
+def test_plan_json_carries_the_band_on_each_plan_and_hardware(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--hardware", "h100-nvlink,mi300x", "--nodes", "1", "--batch", "64",
+                 "--top", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["h100-nvlink"]["error_band"]["device"] == "H100-SXM-80GB"
+    assert data["hardware"]["h100-nvlink"]["error_band"]["known"] is True
+    assert data["hardware"]["mi300x"]["error_band"]["known"] is False
+    assert all(plan["error_band"]["text"] for plan in data["ranked"])
