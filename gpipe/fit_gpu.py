@@ -4,7 +4,7 @@ The fitted file is written where ``--out`` says (``gpu_efficiency.json`` in the 
 default), never into the installed package. The simulator reads the package's own fitted file,
 ``sim/catalog/gpu_efficiency.json``, unless the environment variable ``GPIPE_GPU_EFFICIENCY`` names
 another (:func:`sim.catalog.kernel_model.efficiency_file`): ``GPIPE_GPU_EFFICIENCY=gpu_efficiency.json
-gpipe simulate ...`` prices the A100 and H100 at the fractions just fitted. To change the catalog
+gpipe simulate ...`` prices the fitted devices at the fractions just fitted. To change the catalog
 itself, copy the file over the package's in a checkout and commit it with the runs it was fitted on.
 """
 

@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "paper": ("gpipe.paper", "replay the GPipe paper's Table 2 (Transformer-48 on TPUv3) in simulation"),
     "replay": ("gpipe.replay", "predict published GPU runs of a runs file against their measured step times"),
     "fit-gpu": ("gpipe.fit_gpu", "fit GPU kernel efficiencies on a development set of published runs"),
+    "error-bands": ("gpipe.error_bands", "build the error bands GPU predictions print from a validation set"),
     "demo": ("gpipe.demo", "the main job: calibrate, plan, simulate, train and report"),
 }
 

@@ -135,22 +135,37 @@ def _hardware_dict(planned: Planned, args: argparse.Namespace, costing: Costing,
             "efficiency_range": list(ASSUMED_EFFICIENCY_RANGE) if kind == "assumed" else None,
             "price_per_device_hour": price_of(system, costing), "price_source": price_source(system, costing),
             "best": option_dict(best) if best is not None else None,
+            "error_band": plan_band(planned, best),
             "best_at_efficiency_range": [o.cost.to_dict() for _, o in at_ends] if at_ends else None}
+
+
+def plan_band(planned: Planned, option: PlanOption | None) -> dict | None:
+    """The error band behind a hardware kind's best plan (:mod:`sim.evidence.error_bands`)."""
+    from sim.evidence.error_bands import band_field
+
+    if option is None:
+        return None
+    return band_field(planned.system.name, planned.system.device.name, planned.precision, option.candidate.stages)
 
 
 def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOption], searched: SearchResult,
                home: Planned, costing: Costing, fastest: PlanOption | None, cheapest: PlanOption | None) -> None:
     description = home.workload.describe()
     ends = range_ends(args, found.planned, costing)
+    by_name = {p.system.name: p for p in found.planned}
+
+    def banded(option: PlanOption) -> dict:
+        return {**option_dict(option), "error_band": plan_band(by_name.get(option.hardware, home), option)}
+
     json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
                "parameter_count": description["parameter_count"], "precision": home.precision,
                "candidates": searched.candidates, "simulated": searched.simulated,
                "elapsed_s": searched.elapsed_s, "rank_by": costing.rank_by,
                "limits": {"max_devices": costing.max_devices, "max_cost": costing.max_cost,
                           "max_days": costing.max_days, "over_limit": searched.over_limit},
-               "ranked": [option_dict(o) for o in ranked],
-               "fastest": option_dict(fastest) if fastest else None,
-               "cheapest": option_dict(cheapest) if cheapest else None,
+               "ranked": [banded(o) for o in ranked],
+               "fastest": banded(fastest) if fastest else None,
+               "cheapest": banded(cheapest) if cheapest else None,
                "hardware": {p.system.name: _hardware_dict(p, args, costing, ends) for p in found.planned},
                "planned_from": getattr(home.workload, "planned_from", None)}, sys.stdout)
     print()
@@ -172,7 +187,9 @@ def print_plans(args: argparse.Namespace, found: PlanSearch, rows: list[PlanRow]
         kind = efficiency_kind(system, args.efficiency, args.efficiency_from, args.costs)
         return kind, efficiency_text(system, kind, args.efficiency_from)
 
-    notes = [attention_note, planned_from_note(home.workload), compiled_note(home.workload),
+    bands = [f"error band   {p.system.name}: best {p.result.best.step_time_s:.4g} s, {band['text']}"
+             for p in planned if p.result.best is not None for band in [plan_band(p, p.result.best)] if band]
+    notes = [attention_note, *bands, planned_from_note(home.workload), compiled_note(home.workload),
              *note_lines(planned, fastest, cheapest, costing.active, days, range_ends(args, planned, costing),
                          efficiency, lambda system: (price_of(system, costing), price_source(system, costing)),
                          args.costs)]

@@ -33,11 +33,16 @@ def run(args: argparse.Namespace) -> int:
             results.append(replay(published, resolve_run_model))
             bar.update(1)
     report = summary(results)
+    bands = [run_band(published) for published in runs]
+    for entry, band in zip(report["runs"], bands):
+        entry["error_band"] = band
     if args.json:
         json.dump(report, sys.stdout)
         print()
     else:
         print(format_table(results, report))
+        for line in dict.fromkeys(f"error band: {b['text']}" for r, b in zip(results, bands) if r.modelled and b):
+            print(line)
     if args.html:
         from sim.views.figures import replay_figure, write_html
 
@@ -45,6 +50,22 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"predicted against measured written to {args.html}")
     return 0
+
+
+def run_band(published: dict[str, Any]) -> dict | None:
+    """The error band a prediction of this run's device and regime is printed with
+    (:mod:`sim.evidence.error_bands`); None off accelerators or where the hardware is not known."""
+    from sim.catalog.hardware import get_system
+    from sim.catalog.user_systems import catalog_name
+    from sim.errors import GpipeInputError
+    from sim.evidence.error_bands import band_field
+
+    try:
+        system = get_system(catalog_name(published["hardware"]))
+    except (GpipeInputError, TypeError):
+        return None
+    return band_field(system.name, system.device.name, str(published["precision"]),
+                      int(published["pipeline_stages"] or 1))
 
 
 def resolve_run_model(model: str, options: dict[str, Any]) -> Workload:

@@ -231,6 +231,14 @@ def assumed_efficiency_note(system: System) -> str | None:
             f"{system.device.bandwidth_efficiency:.0%} of its memory bandwidth (no published run of it has been fitted)")
 
 
+def error_band(result: SimResult, system: System, precision: str) -> dict | None:
+    """The spread of the replayed published runs behind this device and regime (None off accelerators)."""
+    from sim.evidence.error_bands import band_field
+
+    stages = len([stage for stage in result.stages if stage.replica == 0])
+    return band_field(system.name, system.device.name, precision, stages)
+
+
 def recorded_efficiency(args: argparse.Namespace) -> tuple[float | None, str | None]:
     """(efficiency, the costs file it was calibrated from) a simulated plan file was priced at; (None,
     None) without a plan or where the plan used the catalog's."""
@@ -260,6 +268,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data["parameter_count"] = described["parameter_count"]
         data["planned_from"] = getattr(workload, "planned_from", None)
         data["efficiency"] = efficiency_kind(system, *recorded_efficiency(args), args.costs)
+        data["error_band"] = error_band(result, system, precision)
         data["costs"] = asdict(costs_ref(args.costs)) if args.costs else None  # what priced it, as a plan records
         if args.plan:
             data["plan_note"] = note  # None where the step is the plan's, priced alike
@@ -279,6 +288,9 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
                 print(format_grid(build_schedule(devices, args.microbatches, args.schedule, args.checkpoint,
                                                  result.virtual_stages)))
         print(format_summary(result, system, precision))
+        band = error_band(result, system, precision)
+        if band:
+            print(f"error band   {result.step_time_s:.4g} s, {band['text']}")
         given, calibrated_from = recorded_efficiency(args)
         kind = efficiency_kind(system, given, calibrated_from, args.costs)
         efficiency = (assumed_efficiency_note(system) if kind == "assumed" else

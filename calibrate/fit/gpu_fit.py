@@ -14,14 +14,16 @@ says to what:
   collective and optimizer fractions and the per-matmul launch time (the per-layer times constrain
   the first four terms, the step times what lies outside the layers, chiefly the optimizer step);
   they run no flash attention, so its attention fraction is tied to its matmul fraction;
-- the one H100 row (Nemotron-4 15B) fits the H100's matmul fraction alone, which a single step time
-  determines exactly; its flash attention is tied to that fraction and its memory-bound, collective,
-  optimizer and launch terms to the A100's fit. Its development error is therefore zero by construction; only
-  the validation set says how well the H100 is modelled.
+- every other device (the H100's Nemotron-4 15B row, the B200's Llama 3 8B fp8 row, the GB200's
+  Llama 3.1 405B row) fits its matmul fraction alone, which a single step time determines exactly; its
+  flash attention is tied to that fraction and its memory-bound, collective, optimizer and launch
+  terms to the A100's fit. A device with one row has a development error of zero by construction; only
+  the validation set says how well it is modelled.
 
-Limits: three configurations of two devices; the fractions absorb whatever the kernel model leaves
-out (concurrent streams, wave quantisation, Megatron's bf16 residual stream, which the simulator
-keeps in fp32 as torch autocast does).
+Limits: a few configurations of four devices, one row for each but the A100; the fractions absorb
+whatever the kernel model leaves out (concurrent streams, wave quantisation, Megatron's bf16 residual
+stream, which the simulator keeps in fp32 as torch autocast does; CUDA graphs, which the B200 row
+ran).
 """
 
 from __future__ import annotations
@@ -133,22 +135,22 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
     by_hardware: dict[str, list[Target]] = {}
     for t in all_targets:
         by_hardware.setdefault(t.hardware, []).append(t)
-    unknown = set(by_hardware) - {"a100-nvlink", "h100-nvlink"}
-    if unknown:
-        raise GpipeInputError(f"no fitting rule for {', '.join(sorted(unknown))}: the development set's hardware is "
-                              "a100-nvlink and h100-nvlink")
+    if "a100-nvlink" not in by_hardware:
+        raise GpipeInputError(f"the development set {path!r} has no a100-nvlink row: the A100's fit gives every "
+                              "other device the terms its rows do not determine")
     start = KernelEfficiency(attention=START["matmul"], **START)
     a100 = fit_device(by_hardware["a100-nvlink"], ("matmul", "memory", "collective", "optimizer", "matmul_launch_s"),
                       start)
     a100 = replace(a100, source=f"fitted on {_ids(by_hardware['a100-nvlink'])} of {path}",
                    tied=("attention = matmul (no flash attention among the A100 rows)",))
     fitted = {"a100-nvlink": a100}
-    if "h100-nvlink" in by_hardware:
-        h100 = fit_device(by_hardware["h100-nvlink"], ("matmul",), replace(a100, matmul=START["matmul"]))
-        fitted["h100-nvlink"] = replace(
-            h100, source=f"fitted on {_ids(by_hardware['h100-nvlink'])} of {path}",
-            tied=("attention = matmul", "memory, collective, optimizer and matmul_launch_s = the A100's fit (one H100 row "
-                  "determines one fraction)"))
+    for name in sorted(set(by_hardware) - {"a100-nvlink"}):
+        device = get_system(name).device.name
+        one = fit_device(by_hardware[name], ("matmul",), replace(a100, matmul=START["matmul"]))
+        fitted[name] = replace(
+            one, source=f"fitted on {_ids(by_hardware[name])} of {path}",
+            tied=("attention = matmul", f"memory, collective, optimizer and matmul_launch_s = the A100's fit (the "
+                                        f"{device} rows determine one fraction)"))
     rows = [{"id": t.id, "hardware": t.hardware, "measured_s": t.measured_s,
              "predicted_s": t.predict(fitted[t.hardware]),
              "error": t.predict(fitted[t.hardware]) / t.measured_s - 1} for t in all_targets]

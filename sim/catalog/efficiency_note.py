@@ -2,7 +2,7 @@
 
 A prediction's layer times are *measured* (``--costs``), or come from a device's achieved fraction
 of its peak FLOP/s, *given* (``--efficiency``), *calibrated* on a real machine
-(``--efficiency-from COSTS``), *fitted* on published runs (the A100 and H100:
+(``--efficiency-from COSTS``), *fitted* on published runs (the A100, H100, B200 and GB200:
 ``sim/catalog/gpu_efficiency.json``) or *assumed* (the catalog's 50% for every other accelerator). An
 assumed fraction comes with a range, :data:`ASSUMED_EFFICIENCY_RANGE`, at whose ends
 :mod:`sim.planner.efficiency_range` prices a plan again. The ``cpu`` entry's figures are nominal, not this

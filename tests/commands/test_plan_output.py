@@ -94,13 +94,13 @@ def test_an_efficiency_the_user_gave_is_labelled_given(capsys):
 
 
 def test_an_assumed_efficiency_gives_days_and_dollars_across_its_range(capsys):
-    out = plan(capsys, *WIDE, "--hardware", "b200-nvlink", "--train-tokens", "1T", "--top", "1")
+    out = plan(capsys, *WIDE, "--hardware", "mi300x", "--train-tokens", "1T", "--top", "1")
     fastest = next(line for line in out.splitlines() if line.startswith("fastest:"))
     low, high = ASSUMED_EFFICIENCY_RANGE
     assert f"(efficiency assumed, at {low:.0%}..{high:.0%} of peak FLOP/s: " in fastest
-    data = json.loads(plan(capsys, *WIDE, "--hardware", "b200-nvlink", "--train-tokens", "1T", "--top", "1",
+    data = json.loads(plan(capsys, *WIDE, "--hardware", "mi300x", "--train-tokens", "1T", "--top", "1",
                            "--json"))
-    entry = data["hardware"]["b200-nvlink"]
+    entry = data["hardware"]["mi300x"]
     at_low, at_high = entry["best_at_efficiency_range"]
     point = entry["best"]["training"]
     assert at_low["days"] > point["days"] > at_high["days"] and at_low["cost"] > point["cost"] > at_high["cost"]
@@ -112,7 +112,7 @@ def test_a_plan_simulated_again_at_its_own_efficiency_gives_its_step():
     efficiency itself the step is the search's, to the last bit; at the ends it is not 1/efficiency."""
     workload = get_workload("transformer", {"layers": 4, "d_model": 4096, "ff": 16384, "heads": 32, "seq": 2048,
                                             "vocab": 32000, "precision": "bf16"})
-    system = get_system("b200-nvlink")
+    system = get_system("mi300x")
     option = search(workload, system, 32, [1, 2, 4], [1, 2, 4, 8], replica_options=[1, 2]).best
     option.hardware = system.name
     again = at_efficiency(option, workload, system, 32, system.device.efficiency)
