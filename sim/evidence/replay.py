@@ -23,7 +23,7 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   Megatron-LM's) or ``eager``, for any model with attention (the built-in transformer and the models
   planned by its shape; the transformer's option of the same name may say it instead).
 - ``compile`` (optional): true prices torch.compile's fused elementwise regions
-  (:func:`sim.workloads.models.transformer_layers`), false or null eager kernels.
+  (:func:`sim.workloads.transformer.transformer_layers`), false or null eager kernels.
 - ``zero`` (optional): 0, or 1 for a distributed optimizer (ZeRO-1).
 
 ``null`` (or a left-out optional key) means the source does not say. ``attention`` is then flash
