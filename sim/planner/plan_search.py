@@ -237,6 +237,6 @@ def nothing_fits(first: Planned, space: SearchSpace) -> str:
                 f"--checkpoints always, or --schedules with gpipe or 1f1b")
     candidate = Candidate(stages, microbatches, policy, schedule)
     partition = default_partition(workload, system, batch, candidate)
-    leanest = simulate(workload, system, partition, batch, microbatches, policy, schedule, record=False)
+    leanest = simulate(workload, system, partition, batch, candidate, record=False)
     return (f"no plan among {result.candidates} candidates fits; even K={stages} M={microbatches} {policy}: "
             + fit_advice(leanest, system))
