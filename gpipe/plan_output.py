@@ -152,7 +152,7 @@ def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOpt
                "fastest": option_dict(fastest) if fastest else None,
                "cheapest": option_dict(cheapest) if cheapest else None,
                "hardware": {p.system.name: _hardware_dict(p, args, costing, ends) for p in found.planned},
-               "planned_from": getattr(home.workload, "planned_from", None)}, sys.stdout)
+               "planned_from": home.workload.planned_from}, sys.stdout)
     print()
 
 

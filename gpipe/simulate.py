@@ -113,7 +113,7 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
     workload = resolve_workload(plan.model.name, with_precision(plan.model.name, options, precision, costs),
                                 costs)
-    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.formats.costs)
+    if workload.measured_costs:  # fits for this K, fitted link (sim.formats.costs)
         workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches, plan.replicas)
     check_tensor_parallel(plan.tensor_parallel, workload, system)
     check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
@@ -204,7 +204,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if given is None:
         check_v_schedule(args.schedule, stages, args.microbatches)
-    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.formats.costs)
+    if workload.measured_costs:  # fits for this K, fitted link (sim.formats.costs)
         workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches, args.replicas)
     if partition is None:
         if stages * virtual > workload.num_layers:
@@ -257,7 +257,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
-        data["planned_from"] = getattr(workload, "planned_from", None)
+        data["planned_from"] = workload.planned_from
         data["efficiency"] = efficiency_kind(system, *recorded_efficiency(args), args.costs)
         data["costs"] = asdict(costs_ref(args.costs)) if args.costs else None  # what priced it, as a plan records
         if args.plan:

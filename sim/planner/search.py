@@ -234,7 +234,7 @@ class Partitions:
         are sums of layers (:mod:`sim.engine.range_memory`)."""
         capacity = self.system.device.memory_bytes
         layers = self.table.workload.num_layers
-        if getattr(self.table.workload, "stage_cost", None) is None:
+        if self.table.workload.stage_cost is None:
             key = (rows, c.checkpoint, *_sharding(c))
             if key not in self._ranges:
                 self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
@@ -350,7 +350,7 @@ def distinct_policies(workload: Workload, checkpoints: Sequence[str]) -> list[st
     to drop (the two would be the same plan twice)."""
     flash = getattr(workload, "options", {}).get("attention") == "flash"
     return [c for c in checkpoints
-            if c != "selective" or (getattr(workload, "has_attention_core", False) and not (flash and "never" in checkpoints))]
+            if c != "selective" or (workload.has_attention_core and not (flash and "never" in checkpoints))]
 
 
 def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],

@@ -72,7 +72,7 @@ from sim.workloads.model_defaults import ACTIVATIONS, ATTENTIONS, DEFAULT_OPTION
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 from sim.workloads.precision import (DEFAULT_PRECISION, FP8_CAST_BYTES, FP32_BYTES, Precision, check_precision,
                                      precision_of)
-from sim.workloads.workload import LayerCost, SharedParameter, UniformWorkload, Workload
+from sim.workloads.workload import LayerCost, SharedParameter, UniformWorkload, Workload, WorkloadCapabilities
 
 BUILTIN_MODELS = ("uniform", "mlp", "transformer", "cnn")
 
@@ -136,7 +136,7 @@ class LayerSpec:
     cp_steps: int = 0
 
 
-class AnalyticWorkload:
+class AnalyticWorkload(WorkloadCapabilities):
     """A built-in model as a list of :class:`LayerSpec`, costed on any device by the roofline."""
 
     def __init__(self, name: str, options: dict[str, Any], layers: Sequence[LayerSpec],

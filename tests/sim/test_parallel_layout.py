@@ -57,3 +57,4 @@ def test_for_partition_reads_k_from_the_partition_and_v():
 def test_simulate_refuses_a_partition_the_layout_does_not_spread_over():
     with pytest.raises(GpipeInputError, match="partition has 2 entries but the layout has K=4 stages"):
         simulate(UniformWorkload(2), IDEAL, [1, 1], 4, ParallelLayout(4, 4))
+

@@ -7,10 +7,10 @@ from sim.catalog.hardware import Link, get_system
 from sim.engine.engine import ring_allreduce_s, simulate
 from sim.formats.layout import ParallelLayout
 from sim.formats.timeline import SHARED_ALLREDUCE
-from sim.workloads.workload import LayerCost, SharedParameter
+from sim.workloads.workload import LayerCost, SharedParameter, WorkloadCapabilities
 
 
-class Tied:
+class Tied(WorkloadCapabilities):
     """Four 1 ms / 2 ms layers; layers 0 and 3 share a 1000-byte weight (3000 static bytes)."""
 
     name = "tied"
