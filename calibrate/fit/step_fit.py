@@ -30,7 +30,6 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     cores' sharing is a CPU host's effect the simulator does not model (:mod:`sim.engine.host`).
     """
     from sim.engine.engine import simulate
-    from sim.formats.layout import ParallelLayout
     from sim.catalog.hardware import get_system
     from sim.workloads.tensor_parallel import with_tensor_parallel
 
@@ -41,10 +40,7 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches, spec.replicas)
     # one replica has nothing to average, so no all-reduce to price
     link = workload.allreduce_link(system) if spec.replicas > 1 else None
-    layout = ParallelLayout.for_partition(spec.partition, spec.microbatches, checkpoint=spec.checkpoint,
-                                          schedule=spec.schedule, virtual_stages=spec.virtual_stages,
-                                          replicas=spec.replicas)
-    return simulate(workload, system, spec.partition, spec.batch_size, layout, allreduce_link=link)
+    return simulate(workload, system, spec.partition, spec.batch_size, spec.layout, allreduce_link=link)
 
 
 def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],
