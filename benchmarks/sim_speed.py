@@ -17,6 +17,7 @@ import numpy as np
 
 from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.formats.timeline import write_json_atomic
 from sim.planner.search import default_replica_options, default_stage_options, search
 from sim.workloads.models import get_workload
@@ -38,8 +39,12 @@ def simulate_case(stages: int, microbatches: int, system: str, checkpoint: str, 
                   record: bool = True) -> float:
     workload = UniformWorkload(stages)
     sys_ = get_system(system, nodes=max(1, -(-stages // get_system(system).devices_per_node)))
-    return best_of(5 if stages * microbatches < 4096 else 3, lambda: simulate(
-        workload, sys_, [1] * stages, microbatches, microbatches, checkpoint, schedule, record=record))
+    return best_of(5 if stages * microbatches < 4096 else 3, lambda: simulate(workload, sys_, [1] * stages,
+                                                                              microbatches,
+                                                                              ParallelLayout.for_partition([1] * stages,
+                                                                                                           microbatches,
+                                                                                                           checkpoint=checkpoint,
+                                                                                                           schedule=schedule), record=record))
 
 
 def main() -> int:

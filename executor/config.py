@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sim.engine.placement import DEFAULT_PLACEMENT
 from sim.errors import GpipeInputError, require_positive
+from sim.formats.layout import ParallelLayout
 from sim.formats.plan import ModelRef, Plan
 from sim.schedules.microbatch import split_rows
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER
@@ -81,6 +82,14 @@ class RunConfig:
     def stages(self) -> int:
         """K, processes in one pipeline."""
         return len(self.partition) // max(1, self.virtual_stages)
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The run's parallel layout, the record the planner and the simulator take (its partition
+        beside it); refused in one line where a degree is bad."""
+        return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
+                              self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
+                              self.sequence_parallel)
 
     @property
     def world_size(self) -> int:

@@ -167,7 +167,7 @@ def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOpt
                "fastest": banded(fastest) if fastest else None,
                "cheapest": banded(cheapest) if cheapest else None,
                "hardware": {p.system.name: _hardware_dict(p, args, costing, ends) for p in found.planned},
-               "planned_from": getattr(home.workload, "planned_from", None)}, sys.stdout)
+               "planned_from": home.workload.planned_from}, sys.stdout)
     print()
 
 

@@ -75,7 +75,7 @@ def fold_placements(options: Sequence[PlanOption], systems: Mapping[str, System]
 
 def same_but_placement(a: PlanOption, b: PlanOption) -> bool:
     """Whether two plans predict alike and differ at most in placement (one row for both)."""
-    return (a.hardware == b.hardware and replace(a.candidate, placement="") == replace(b.candidate, placement="")
+    return (a.hardware == b.hardware and replace(a.candidate, placement=b.candidate.placement) == b.candidate
             and a.partition == b.partition and math.isclose(a.step_time_s, b.step_time_s, rel_tol=1e-9)
             and a.max_peak_memory_bytes == b.max_peak_memory_bytes)
 

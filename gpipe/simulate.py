@@ -14,11 +14,12 @@ from gpipe.options import (add_compile_argument, add_hardware_arguments, add_htm
 from sim.catalog.hardware import Link, System
 from sim.catalog.user_systems import resolve_system
 from sim.engine.engine import SimResult, simulate
+from sim.formats.layout import ParallelLayout
 from sim.engine.placement import check_placement
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.costs import measured_precision, read_costs
 from sim.formats.plan import Plan, costs_ref, costs_ref_from_dict, load_plan, parse_partition, recorded_costs_path
-from sim.planner.search import Candidate, default_partition
+from sim.planner.search import default_partition
 from sim.workloads.optimizers import optimizer_slots
 from sim.workloads.precision import check_precision, choose_precision
 from sim.schedules.schedule import (build_schedule, check_checkpoint_policy, check_interleaving, check_schedule_name,
@@ -112,7 +113,7 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     options = {"optimizer_slots": optimizer_slots(plan.optimizer), **plan.model.options}
     workload = resolve_workload(plan.model.name, with_precision(plan.model.name, options, precision, costs),
                                 costs)
-    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.formats.costs)
+    if workload.measured_costs:  # fits for this K, fitted link (sim.formats.costs)
         workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches, plan.replicas)
     check_tensor_parallel(plan.tensor_parallel, workload, system)
     check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
@@ -121,11 +122,8 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel,
                                             plan.context_parallel, tp_link)
     check_checkpoint_for(workload, plan.checkpoint)
-    result = simulate(workload, system, plan.partition, plan.batch_size, plan.microbatches,
-                      plan.checkpoint, plan.schedule, virtual_stages=plan.virtual_stages,
-                      replicas=plan.replicas, zero=plan.zero, placement=plan.placement,
-                      allreduce_link=calibrated_allreduce(workload, system),
-                      dp_overlap=dp_overlap or plan.dp_overlap)
+    result = simulate(workload, system, plan.partition, plan.batch_size, plan.layout,
+                      allreduce_link=calibrated_allreduce(workload, system), dp_overlap=dp_overlap or plan.dp_overlap)
     return result, system, workload, precision, plan_step_note(plan, result.step_time_s, costs)
 
 
@@ -206,20 +204,21 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if given is None:
         check_v_schedule(args.schedule, stages, args.microbatches)
-    if hasattr(workload, "bind"):  # measured costs: fits for this K, fitted link (sim.formats.costs)
+    if workload.measured_costs:  # fits for this K, fitted link (sim.formats.costs)
         workload, system = workload.bind(system, stages, args.checkpoint, args.microbatches, args.replicas)
     if partition is None:
         if stages * virtual > workload.num_layers:
             raise GpipeInputError(
                 f"{stages * virtual} stages for a model of {workload.num_layers} layers leaves a stage empty; "
                 f"use --stages {workload.num_layers // virtual} or fewer")
-        candidate = Candidate(stages, args.microbatches, args.checkpoint, args.schedule, args.replicas, virtual,
-                              args.zero, args.placement)
+        candidate = ParallelLayout(stages, args.microbatches, args.checkpoint, args.schedule, args.replicas, virtual,
+                                   args.zero, args.placement)
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
-    result = simulate(workload, system, partition, batch, args.microbatches, args.checkpoint, args.schedule,
-                      virtual_stages=virtual, replicas=args.replicas, zero=args.zero, placement=args.placement,
-                      allreduce_link=calibrated_allreduce(workload, system), dp_overlap=args.dp_overlap,
-                      actions=given)
+    layout = ParallelLayout.for_partition(partition, args.microbatches, args.checkpoint, args.schedule,
+                                          virtual_stages=virtual, replicas=args.replicas, zero=args.zero,
+                                          placement=args.placement)
+    result = simulate(workload, system, partition, batch, layout, allreduce_link=calibrated_allreduce(workload, system),
+                      dp_overlap=args.dp_overlap, actions=given)
     return result, system, workload, precision, attention_note
 
 
@@ -266,7 +265,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
-        data["planned_from"] = getattr(workload, "planned_from", None)
+        data["planned_from"] = workload.planned_from
         data["efficiency"] = efficiency_kind(system, *recorded_efficiency(args), args.costs)
         data["error_band"] = error_band(result, system, precision)
         data["costs"] = asdict(costs_ref(args.costs)) if args.costs else None  # what priced it, as a plan records

@@ -77,7 +77,7 @@ def planned_from_note(workload: Workload) -> str | None:
     assumes, or None."""
     if isinstance(workload, ShapedWorkload):
         return "\n".join([workload.shape_line, *(f"assumed: {line}" for line in workload.assumed)])
-    source = getattr(workload, "planned_from", None)
+    source = workload.planned_from
     if source is None:
         return None
     o = workload.describe()["options"]
@@ -149,4 +149,4 @@ def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
 def calibrated_allreduce(workload: Workload, system: System) -> Link | None:
     """The all-reduce a costs file measured on ``system`` (:func:`sim.formats.costs.allreduce_link`), or None,
     in which case the simulator prices data-parallel groups on the catalog's links."""
-    return workload.allreduce_link(system) if hasattr(workload, "allreduce_link") else None
+    return workload.allreduce_link(system)

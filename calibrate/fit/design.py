@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from sim.errors import require_at_least
+from sim.formats.layout import ParallelLayout
 from sim.planner.partition import even_partition
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER
 
@@ -39,6 +40,12 @@ class RunSpec:
     @property
     def stages(self) -> int:
         return len(self.partition) // self.virtual_stages
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The run's parallel layout, as the simulator takes it (the partition beside it)."""
+        return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
+                              self.virtual_stages, tensor_parallel=self.tensor_parallel)
 
     @property
     def processes(self) -> int:

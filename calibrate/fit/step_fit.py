@@ -39,10 +39,8 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.tensor_parallel)
     workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches, spec.replicas)
     # one replica has nothing to average, so no all-reduce to price
-    replicas = ({"replicas": spec.replicas, "allreduce_link": workload.allreduce_link(system)}
-                if spec.replicas > 1 else {})
-    return simulate(workload, system, spec.partition, spec.batch_size, spec.microbatches, spec.checkpoint,
-                    spec.schedule, virtual_stages=spec.virtual_stages, **replicas)
+    link = workload.allreduce_link(system) if spec.replicas > 1 else None
+    return simulate(workload, system, spec.partition, spec.batch_size, spec.layout, allreduce_link=link)
 
 
 def fit_step_overhead(data: dict[str, Any], specs: Sequence[RunSpec], reports: Sequence[dict[str, Any]],

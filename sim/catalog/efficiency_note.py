@@ -84,7 +84,7 @@ def uncalibrated_note(system: System, workload: Any, batch: int | None, costs_pa
     ``uniform`` model (whose layer times are given, not the device's)."""
     if system.name != "cpu" or costs_path or system.device != SYSTEMS["cpu"].device:
         return None
-    if hasattr(workload, "bind") or workload.describe()["name"] == "uniform":
+    if workload.measured_costs or workload.describe()["name"] == "uniform":
         return None
     return (f"cpu: uncalibrated, from the catalog's nominal CPU figures, not this machine's: they can be several "
             f"times off; measure it with {calibrate_command(workload, batch)}, then add "

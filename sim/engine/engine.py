@@ -53,12 +53,13 @@ from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
 from sim.engine.host import HostPaid
 from sim.engine.memory import static_bytes
-from sim.engine.placement import DEFAULT_PLACEMENT, check_placement, device_of
+from sim.engine.placement import DEFAULT_PLACEMENT, device_of
 from sim.engine.replica_run import ReplicaRun
 from sim.errors import GpipeInputError
+from sim.formats.layout import ParallelLayout
 from sim.formats.plan import validate_partition
 from sim.schedules.microbatch import split_rows
-from sim.schedules.schedule import (Action, build_schedule, check_interleaving, check_virtual_stages,
+from sim.schedules.schedule import (Action, build_schedule, check_interleaving,
                                     device_of_virtual_stage, virtual_stages_of_device)
 from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
 from sim.engine.stragglers import straggle_fraction
@@ -183,7 +184,7 @@ def _owners_ring_s(nbytes: int, devices: Sequence[int], system: System) -> float
 
 
 @dataclass(frozen=True)
-class Layout:
+class PlacedLayout:
     """D replicas of K devices with V chunks each, placed on the system; validated at construction."""
 
     replicas: int
@@ -204,25 +205,20 @@ class Layout:
         return [device_of_virtual_stage(s, self.stages, self.schedule) for s in range(self.stages * self.virtual_stages)]
 
 
-def check_layout(workload: Workload, system: System, partition: Sequence[int], schedule: str, virtual_stages: int,
-                 replicas: int, zero: int, placement: str) -> tuple[tuple[int, ...], Layout]:
-    """Every refusal of :func:`simulate`'s layout arguments, one line each, before any work."""
+def check_layout(workload: Workload, system: System, partition: Sequence[int],
+                 layout: ParallelLayout) -> tuple[tuple[int, ...], PlacedLayout]:
+    """What :class:`sim.formats.layout.ParallelLayout` cannot check alone, one line each, before any
+    work: the partition against the model and the layout's K and V, and the system's devices."""
     partition = validate_partition(partition, workload.num_layers)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise GpipeInputError(f"replicas (D) must be a positive integer, got {replicas!r}; use --replicas 1 or more")
-    check_virtual_stages(schedule, virtual_stages)
-    if len(partition) % virtual_stages:
+    if len(partition) % layout.virtual_stages:
         raise GpipeInputError(f"partition has {len(partition)} entries, not a multiple of --virtual-stages "
-                              f"{virtual_stages}; give V x K entries")
-    if zero not in (0, 1):
-        raise GpipeInputError(f"--zero must be 0 or 1, got {zero!r}")
-    if zero == 1 and replicas == 1:
-        raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
-                              "--replicas 2 or more; use --zero 0 with one replica")
-    check_placement(placement)
-    stages = len(partition) // virtual_stages
-    system.check_fits(stages, replicas)
-    return partition, Layout(replicas, stages, virtual_stages, placement, schedule)
+                              f"{layout.virtual_stages}; give V x K entries")
+    if len(partition) != layout.virtual_stage_count:
+        raise GpipeInputError(f"partition has {len(partition)} entries but the layout has K={layout.stages} "
+                              f"stages of V={layout.virtual_stages} chunks; give V x K entries")
+    system.check_fits(layout.stages, layout.replicas)
+    return partition, PlacedLayout(layout.replicas, layout.stages, layout.virtual_stages, layout.placement,
+                                   layout.schedule)
 
 
 def replica_microbatch_rows(batch_size: int, replicas: int, microbatches: int) -> list[list[int]]:
@@ -236,13 +232,13 @@ def replica_microbatch_rows(batch_size: int, replicas: int, microbatches: int) -
 
 
 def simulate(workload: Workload, system: System, partition: Sequence[int], batch_size: int,
-             microbatches: int, checkpoint: str = "except_last", schedule: str = "gpipe",
-             costs: CostTable | None = None, record: bool = True, virtual_stages: int = 1, replicas: int = 1,
-             zero: int = 0, placement: str = DEFAULT_PLACEMENT, allreduce_link: Link | None = None,
-             dp_overlap: bool = False, actions: Sequence[Sequence[Action]] | None = None) -> SimResult:
-    """Simulate one step of ``workload`` split by ``partition`` (V x K entries) on ``system``.
+             layout: ParallelLayout, costs: CostTable | None = None, record: bool = True,
+             allreduce_link: Link | None = None, dp_overlap: bool = False,
+             actions: Sequence[Sequence[Action]] | None = None) -> SimResult:
+    """Simulate one step of ``workload`` split by ``partition`` (V x K entries) on ``system`` in ``layout``.
 
-    ``batch_size`` is the global mini-batch, which the ``replicas`` split like torch.chunk.
+    ``batch_size`` is the global mini-batch, which the layout's replicas split like torch.chunk.
+    The layout's T and C are the workload's to price (:mod:`sim.workloads.tensor_parallel`).
     ``costs`` lets a caller (the planner) share one cost cache across many simulations;
     ``record=False`` skips building the timeline when only the figures are wanted.
     ``allreduce_link``, when given, times the data-parallel all-reduce as a ring on that link.
@@ -251,20 +247,22 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
     ``actions``, when given, are each device's list to walk in place of ``schedule``'s (a schedule
     read from a file, :mod:`sim.schedules.torch_schedule`; ``schedule`` then only names its shape).
     """
-    partition, layout = check_layout(workload, system, partition, schedule, virtual_stages, replicas, zero, placement)
+    microbatches, checkpoint, schedule = layout.microbatches, layout.checkpoint, layout.schedule
+    virtual_stages, replicas, zero = layout.virtual_stages, layout.replicas, layout.zero
+    partition, placed = check_layout(workload, system, partition, layout)
     per_replica_rows = replica_microbatch_rows(batch_size, replicas, microbatches)
     if schedule == "interleaved":
         for rows in {tuple(r) for r in per_replica_rows}:
-            if len(rows) != microbatches and len(rows) % layout.stages:
+            if len(rows) != microbatches and len(rows) % placed.stages:
                 raise GpipeInputError(
                     f"{sum(rows)} rows split (like torch.chunk) into {len(rows)} micro-batches, not "
-                    f"{microbatches}, and the interleaved schedule needs a multiple of K={layout.stages}; "
+                    f"{microbatches}, and the interleaved schedule needs a multiple of K={placed.stages}; "
                     f"choose --batch and --microbatches that split evenly")
-            check_interleaving(layout.stages, len(rows), virtual_stages, workload.num_layers)
+            check_interleaving(placed.stages, len(rows), virtual_stages, workload.num_layers)
     table = costs if costs is not None else CostTable(workload, system.device)
     given = tuple(tuple(device) for device in actions) if actions is not None else None
-    runs = _run_replicas(system, layout, partition, per_replica_rows, table, schedule, checkpoint, record, given)
-    step = _Step(workload, system, layout, partition, table, per_replica_rows, runs, zero, allreduce_link, record,
+    runs = _run_replicas(system, placed, partition, per_replica_rows, table, schedule, checkpoint, record, given)
+    step = _Step(workload, system, placed, partition, table, per_replica_rows, runs, zero, allreduce_link, record,
                  checkpoint if dp_overlap else None)
     return step.result(batch_size, schedule, checkpoint, zero)
 
@@ -284,7 +282,7 @@ def _schedule(stages: int, microbatches: int, schedule: str, checkpoint: str,
                                                               virtual_stages))
 
 
-def _run_replicas(system: System, layout: Layout, partition: tuple[int, ...], per_replica_rows: list[list[int]],
+def _run_replicas(system: System, layout: PlacedLayout, partition: tuple[int, ...], per_replica_rows: list[list[int]],
                   table: CostTable, schedule: str, checkpoint: str, record: bool,
                   given: tuple[tuple[Action, ...], ...] | None = None) -> list[ReplicaRun]:
     """One :class:`ReplicaRun` per replica; replicas with the same signature share one."""
@@ -308,7 +306,7 @@ class _Step:
     """The rest of the step after each device's last backward, and the result: a closed form, since
     nothing after the last backward depends on anything but when each device got there."""
 
-    def __init__(self, workload: Workload, system: System, layout: Layout, partition: tuple[int, ...],
+    def __init__(self, workload: Workload, system: System, layout: PlacedLayout, partition: tuple[int, ...],
                  table: CostTable, per_replica_rows: list[list[int]], runs: list[ReplicaRun], zero: int,
                  allreduce_link: Link | None, record: bool, overlap_checkpoint: str | None = None) -> None:
         self.system, self.layout, self.partition, self.runs = system, layout, partition, runs

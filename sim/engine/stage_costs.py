@@ -209,7 +209,7 @@ class CostTable:
         self._layers: dict[int, tuple[LayerCost, ...]] = {}
         self._stages: dict[tuple[int, int, int], StageCost] = {}
         self._prefix: dict[int, list[tuple[float, float, float, int, int, float, int, float, float]]] = {}
-        self._exact = getattr(workload, "stage_cost", None)
+        self._exact = workload.stage_cost
         self._shared = shared_parameters(workload)
         self._state_bytes: dict[tuple[int, int], tuple[int, int]] = {}
 

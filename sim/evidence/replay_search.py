@@ -24,6 +24,7 @@ from typing import Any
 
 from sim.catalog.hardware import System
 from sim.engine.engine import SimResult, simulate
+from sim.formats.layout import ParallelLayout
 from sim.errors import GpipeInputError
 from sim.planner.search import Candidate, default_partition, search
 from sim.schedules.microbatch import split_rows
@@ -127,9 +128,11 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
     candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,
                           space.virtual_options[0] if schedule == "interleaved" else 1, space.zero_options[-1])
     partition = default_partition(split, groups, batch, candidate)
-    result = simulate(split, groups, partition, batch, candidate.microbatches, candidate.checkpoint, schedule,
-                      record=False, virtual_stages=candidate.virtual_stages, replicas=replicas, zero=candidate.zero,
-                      dp_overlap=True)
+    result = simulate(split, groups, partition, batch,
+                      ParallelLayout.for_partition(partition, candidate.microbatches,
+                                                   checkpoint=candidate.checkpoint, schedule=schedule,
+                                                   virtual_stages=candidate.virtual_stages, replicas=replicas,
+                                                   zero=candidate.zero), record=False, dp_overlap=True)
     return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages))
 
 

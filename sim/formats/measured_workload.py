@@ -33,15 +33,17 @@ from sim.formats.costs_fits import (FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, IDEN
 from sim.formats.costs_links import allreduce_link
 from sim.schedules.schedule import COMPUTE_KINDS
 from sim.workloads.precision import DEFAULT_PRECISION, FP32_BYTES
-from sim.workloads.workload import LayerCost, SharedParameter
+from sim.workloads.workload import LayerCost, SharedParameter, WorkloadCapabilities
 
 
 def _positive(value: float, floor: float) -> float:
     return value if value > floor else floor
 
 
-class MeasuredWorkload:
+class MeasuredWorkload(WorkloadCapabilities):
     """A model's measured costs on this machine, bound to a stage count K (default: the largest)."""
+
+    measured_costs = True
 
     def __init__(self, data: dict[str, Any], stages: int | None = None, checkpoint: str = "except_last",
                  microbatches: int | None = None, tensor_parallel: int = 1, replicas: int = 1) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
 from sim.errors import GpipeInputError, require_positive
+from sim.formats.layout import ParallelLayout
 from sim.formats.timeline import read_json, write_json_atomic
 from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
@@ -113,6 +114,13 @@ class Plan:
     def stages(self) -> int:
         """K, devices in one pipeline: the partition has V chunks per device."""
         return len(self.partition) // self.virtual_stages
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The plan's parallel layout as the planner and the engine take it (the file keeps its keys flat)."""
+        return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
+                              self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
+                              self.sequence_parallel, self.context_parallel)
 
     def __post_init__(self) -> None:
         validate_partition(self.partition, self.model.num_layers)

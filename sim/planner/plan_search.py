@@ -95,7 +95,7 @@ def plan_on(target: Target, space: SearchSpace, costing: Costing, top: int, prog
     stage_options = stage_values(space, system, workload.num_layers)
     microbatch_options = list(space.microbatches)
     check_fits(degrees, stage_options, microbatch_options, system, workload.num_layers)
-    measured = isinstance(workload, MeasuredCosts)  # measured costs hold one fit per stage count
+    measured = workload.measured_costs  # measured costs hold one fit per stage count
     if measured:
         if costing.active:
             raise GpipeInputError("--train-tokens, --rank-by cost, --max-devices and several --hardware plan the "
@@ -136,7 +136,7 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
         stages = [k for k in stage_options if k <= groups.total_devices]
         if not stages:
             continue
-        if isinstance(split, MeasuredCosts):
+        if split.measured_costs:
             part = _search_each_stage_count(split, groups, batch, stages, checkpoints, degrees, space, top, progress)
         else:
             part = search(split, groups, batch, stages, list(space.microbatches), checkpoints, list(degrees.schedules),
@@ -237,6 +237,6 @@ def nothing_fits(first: Planned, space: SearchSpace) -> str:
                 f"--checkpoints always, or --schedules with gpipe or 1f1b")
     candidate = Candidate(stages, microbatches, policy, schedule)
     partition = default_partition(workload, system, batch, candidate)
-    leanest = simulate(workload, system, partition, batch, microbatches, policy, schedule, record=False)
+    leanest = simulate(workload, system, partition, batch, candidate, record=False)
     return (f"no plan among {result.candidates} candidates fits; even K={stages} M={microbatches} {policy}: "
             + fit_advice(leanest, system))

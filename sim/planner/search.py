@@ -26,8 +26,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from sim.catalog.hardware import Link, System
 from sim.engine.engine import SimResult, simulate
+from sim.formats.layout import ParallelLayout
 from sim.engine.memory import chunk_coefficients, peak_coefficients, peak_from_coefficients, static_bytes
-from sim.engine.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from sim.engine.placement import PLACEMENTS
 from sim.errors import GpipeInputError
 from sim.planner.bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
 from sim.planner.partition import min_max_partition, min_variance_partition
@@ -48,19 +49,8 @@ Progress = Callable[[int, int, "PlanOption | None"], None]
 NON_INTERLEAVED = ("gpipe", "1f1b")
 
 
-@dataclass(frozen=True)
-class Candidate:
-    stages: int  # K: devices of one pipeline
-    microbatches: int  # M as asked (torch.chunk may make fewer); the candidates differ in their splits
-    checkpoint: str
-    schedule: str
-    replicas: int = 1  # D
-    virtual_stages: int = 1  # V
-    zero: int = 0
-    placement: str = DEFAULT_PLACEMENT
-    tensor_parallel: int = 1  # T devices per stage (sim.workloads.tensor_parallel); the search of one T leaves it 1
-    sequence_parallel: bool = False
-    context_parallel: int = 1  # C more devices per stage sharing each sequence (sim.workloads.tensor_parallel)
+# a layout the search prices (its partition is the partitioner's, beside it in PlanOption)
+Candidate = ParallelLayout
 
 
 @dataclass
@@ -244,7 +234,7 @@ class Partitions:
         are sums of layers (:mod:`sim.engine.range_memory`)."""
         capacity = self.system.device.memory_bytes
         layers = self.table.workload.num_layers
-        if getattr(self.table.workload, "stage_cost", None) is None:
+        if self.table.workload.stage_cost is None:
             key = (rows, c.checkpoint, *_sharding(c))
             if key not in self._ranges:
                 self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
@@ -350,10 +340,8 @@ def simulate_candidate(workload: Workload, system: System, partition: Sequence[i
                        candidate: Candidate, table: CostTable | None = None, record: bool = False,
                        allreduce_link: Link | None = None, dp_overlap: bool = False) -> SimResult:
     """:func:`sim.engine.engine.simulate` of ``candidate`` with ``partition``."""
-    c = candidate
-    return simulate(workload, system, partition, batch_size, c.microbatches, c.checkpoint, c.schedule, costs=table,
-                    record=record, virtual_stages=c.virtual_stages, replicas=c.replicas, zero=c.zero,
-                    placement=c.placement, allreduce_link=allreduce_link, dp_overlap=dp_overlap)
+    return simulate(workload, system, partition, batch_size, candidate, costs=table, record=record,
+                    allreduce_link=allreduce_link, dp_overlap=dp_overlap)
 
 
 def distinct_policies(workload: Workload, checkpoints: Sequence[str]) -> list[str]:
@@ -362,7 +350,7 @@ def distinct_policies(workload: Workload, checkpoints: Sequence[str]) -> list[st
     to drop (the two would be the same plan twice)."""
     flash = getattr(workload, "options", {}).get("attention") == "flash"
     return [c for c in checkpoints
-            if c != "selective" or (getattr(workload, "has_attention_core", False) and not (flash and "never" in checkpoints))]
+            if c != "selective" or (workload.has_attention_core and not (flash and "never" in checkpoints))]
 
 
 def search(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],

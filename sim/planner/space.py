@@ -19,7 +19,7 @@ parallelism of a T > 1 plan is the model's default or the one asked for, not sea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol
 
 from sim.catalog.hardware import Link, System
 from sim.engine.placement import PLACEMENTS
@@ -32,11 +32,11 @@ DEFAULT_MICROBATCHES = tuple(range(1, 65))  # M: 1-64
 DEFAULT_VIRTUAL_STAGES = (1, 2, 4)  # V: 1 runs gpipe and 1f1b, 2 and 4 the interleaved schedule
 
 
-@runtime_checkable
 class MeasuredCosts(Protocol):
     """A workload measured for one layout at a time (a costs file's, :mod:`sim.formats.costs`): its
     fits are those of as many processes as D x K, so it is bound to each K and D before they are
-    searched, and its all-reduce is the one measured where the system is the measured one."""
+    searched, and its all-reduce is the one measured where the system is the measured one. A
+    workload says it is one by ``measured_costs`` (:class:`sim.workloads.workload.WorkloadCapabilities`)."""
 
     def bind(self, system: System, stages: int, checkpoint: str = ..., microbatches: int | None = ...,
              replicas: int = ...) -> tuple[Workload, System]: ...
@@ -187,7 +187,7 @@ def tensor_parallel_values(space: SearchSpace, workload: Workload, system: Syste
             check_context_parallel(c, workload, system, t)
         return list(space.tensor_parallel)
     check_context_parallel(c, workload, system)
-    if system.name == "cpu" or isinstance(workload, MeasuredCosts):
+    if system.name == "cpu" or workload.measured_costs:
         return [1]
     options = []
     for t in (2 ** i for i in range(system.devices_per_node.bit_length())):

@@ -75,8 +75,7 @@ def simulate_candidate(workload: Workload, system: System, batch_size: int, cand
     """Simulate ``candidate`` with the memory-aware partition, or the balanced one if none fits."""
     table = table or CostTable(workload, system.device)
     partition = default_partition(workload, system, batch_size, candidate, table=table)
-    return simulate(workload, system, partition, batch_size, candidate.microbatches, candidate.checkpoint,
-                    candidate.schedule, costs=table, record=record)
+    return simulate(workload, system, partition, batch_size, candidate, costs=table, record=record)
 
 
 def sweep(workload: Workload, system: System, batch_size: int, stage_options: Sequence[int],
@@ -113,9 +112,7 @@ def write_whatif_html(workload: Workload, system: System, batch_size: int, stage
                                            f"memory against M (batch {batch_size})")]
     if best is not None:
         c = best.candidate
-        result = simulate(workload, system, best.partition, batch_size, c.microbatches, c.checkpoint,
-                          c.schedule, virtual_stages=c.virtual_stages, replicas=c.replicas, zero=c.zero,
-                          placement=c.placement)
+        result = simulate(workload, system, best.partition, batch_size, c)
         figures.append(timeline_figure(result.timeline, title=f"Best plan: D={c.replicas}, K={c.stages}, "
                                                               f"V={c.virtual_stages}, M={c.microbatches}, "
                                                               f"{c.checkpoint}, {c.schedule}"))

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.schedules.schedule import SCHEDULES, check_v_schedule, default_virtual_stages
 from sim.workloads.workload import UniformWorkload
 
@@ -42,7 +43,8 @@ def schedule_bubbles(stages: int = 4, microbatches: Sequence[int] = DEFAULT_MICR
             if (schedule == "interleaved" and m % stages) or (schedule == "dualpipev" and m < 2 * stages):
                 continue
             check_v_schedule(schedule, stages, m)
-            result = simulate(workload, ideal, [2 // chunks] * (stages * chunks), m, m, "never", schedule,
-                              virtual_stages=chunks, record=False)
+            result = simulate(workload, ideal, [2 // chunks] * (stages * chunks), m,
+                              ParallelLayout.for_partition([2 // chunks] * (stages * chunks), m, checkpoint="never",
+                                                           schedule=schedule, virtual_stages=chunks), record=False)
             points.append(ScheduleBubble(schedule, m, result.bubble_fraction, result.step_time_s))
     return points

@@ -27,7 +27,7 @@ from sim.catalog.hardware import Device
 from sim.errors import GpipeInputError
 from sim.workloads.models import LAYER_OVERHEAD_S
 from sim.workloads.precision import DEFAULT_PRECISION, FP32_BYTES, precision_of
-from sim.workloads.workload import LayerCost, SharedParameter
+from sim.workloads.workload import LayerCost, SharedParameter, WorkloadCapabilities
 
 MEASURED_ROWS = (1, 2, 3)  # measured directly; rows above the last lie on the line of the last two
 
@@ -75,7 +75,7 @@ class SharedTensor:
     numel: int
 
 
-class MetaWorkload:
+class MetaWorkload(WorkloadCapabilities):
     """A :class:`sim.workloads.workload.Workload` from meta-device measurements, costed by the roofline."""
 
     def __init__(self, name: str, options: dict[str, Any], profiles: Sequence[LayerProfile],

@@ -32,7 +32,7 @@ from sim.workloads.mlp_and_cnn import cnn_layers, mlp_layers
 from sim.workloads.model_options import resolve_options
 from sim.workloads.precision import FP32_BYTES, precision_of
 from sim.workloads.transformer import transformer_layers
-from sim.workloads.workload import LayerCost, SharedParameter, UniformWorkload, Workload
+from sim.workloads.workload import LayerCost, SharedParameter, UniformWorkload, Workload, WorkloadCapabilities
 
 BUILTIN_MODELS = ("uniform", "mlp", "transformer", "cnn")
 
@@ -43,7 +43,7 @@ LAYER_OVERHEAD_S = 10e-6
 _HAS_OPTIMIZER_S = "optimizer_s" in {f.name for f in dataclasses.fields(LayerCost)}
 
 
-class AnalyticWorkload:
+class AnalyticWorkload(WorkloadCapabilities):
     """A built-in model as a list of :class:`LayerSpec`, costed on any device by the roofline."""
 
     def __init__(self, name: str, options: dict[str, Any], layers: Sequence[LayerSpec],

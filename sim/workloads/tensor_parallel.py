@@ -53,7 +53,7 @@ def default_sequence_parallel(tensor_parallel: int, asked: bool | None, workload
 
 
 def _measured(workload: Workload | None) -> bool:
-    return hasattr(workload, "bind")  # sim.formats.costs.MeasuredWorkload, as the command-line modules tell it
+    return workload is not None and workload.measured_costs  # sim.formats.measured_workload.MeasuredWorkload
 
 
 def _require_builtin_transformer(flag: str, degree: int, kind: str, workload: Workload) -> None:

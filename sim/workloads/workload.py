@@ -13,9 +13,9 @@ backward. Parameters, gradients and optimizer state are held throughout the step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-from sim.catalog.hardware import Device
+from sim.catalog.hardware import Device, Link, System
 from sim.errors import GpipeInputError
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_SLOTS
 
@@ -62,7 +62,7 @@ class SharedParameter:
 def check_checkpoint_for(workload: "Workload", checkpoint: str) -> str:
     """``selective`` recomputes an attention core, which the built-in transformer's analytic model
     and a costs file that profiled one know of (``has_attention_core``); refused in one line elsewhere."""
-    if checkpoint == "selective" and not getattr(workload, "has_attention_core", False):
+    if checkpoint == "selective" and not workload.has_attention_core:
         name = getattr(workload, "name", "this model")
         raise GpipeInputError(f"--checkpoint selective recomputes the attention core, which {name} has none of "
                               "(the built-in transformer has one; a costs file must profile it: gpipe calibrate "
@@ -71,15 +71,58 @@ def check_checkpoint_for(workload: "Workload", checkpoint: str) -> str:
 
 
 def shared_parameters(workload: "Workload") -> tuple[SharedParameter, ...]:
-    """The workload's shared parameters (none unless it declares ``shared_parameters``)."""
-    return tuple(getattr(workload, "shared_parameters", ()))
+    """The workload's shared parameters, as a tuple."""
+    return tuple(workload.shared_parameters)
+
+
+class WorkloadCapabilities:
+    """What a workload may offer beyond its layer costs, each answered here as a workload without it
+    answers, so every workload answers every question and no caller probes for a member.
+
+    A workload class inherits this and overrides what it has: measured costs (a costs file's
+    :class:`sim.formats.measured_workload.MeasuredWorkload`: ``measured_costs``, ``bind``,
+    ``allreduce_link``, ``stage_cost``), an attention core ``--checkpoint selective`` recomputes,
+    parameters several layers share, the Hugging Face model it was planned from.
+    """
+
+    has_attention_core: bool = False  # a core --checkpoint selective drops and recomputes
+    shared_parameters: tuple[SharedParameter, ...] = ()  # parameters several layers use (SharedParameter)
+    planned_from: str | None = None  # the Hugging Face model it prices by its shape, if any
+    measured_costs: bool = False  # priced from a costs file: bound to a K before simulating
+    # measured per-stage costs (rows, first, end, device) -> StageCost, in place of summing layers; None: sum them
+    stage_cost: Any = None
+
+    def bind(self, system: System, stages: int, checkpoint: str = "except_last", microbatches: int | None = None,
+             replicas: int = 1) -> tuple[Any, System]:
+        """This workload for K=``stages`` in D=``replicas`` pipelines on ``system``: itself, unless its
+        costs were measured per K."""
+        return self, system
+
+    def allreduce_link(self, system: System) -> Link | None:
+        """A measured all-reduce link on ``system``; None: the catalog's links price it."""
+        return None
 
 
 class Workload(Protocol):
-    """A model as the simulator sees it (optionally with ``shared_parameters``, see above)."""
+    """A model as the simulator sees it: its layer costs, and the capabilities of
+    :class:`WorkloadCapabilities` (which a workload class inherits, overriding what it has)."""
 
     name: str
     num_layers: int
+    has_attention_core: bool
+    shared_parameters: tuple[SharedParameter, ...]
+    planned_from: str | None
+    measured_costs: bool
+    stage_cost: Any
+
+    def bind(self, system: System, stages: int, checkpoint: str = "except_last", microbatches: int | None = None,
+             replicas: int = 1) -> tuple[Any, System]:
+        """This workload bound to K stages on ``system`` (see :class:`WorkloadCapabilities`)."""
+        ...
+
+    def allreduce_link(self, system: System) -> Link | None:
+        """A measured all-reduce link on ``system``, or None."""
+        ...
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
         """Costs of every layer, in order, for a micro-batch of ``rows`` samples on ``device``."""
@@ -91,7 +134,7 @@ class Workload(Protocol):
 
 
 @dataclass(frozen=True)
-class UniformWorkload:
+class UniformWorkload(WorkloadCapabilities):
     """The textbook case: L identical layers, fixed forward and backward time whatever the device.
 
     Times are per micro-batch and do not depend on its size, so with free links the bubble is

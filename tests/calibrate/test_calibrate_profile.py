@@ -11,6 +11,7 @@ from executor.models.build import build_model, example_batch, loss_function
 from executor.runtime.pipeline import LocalPipeline
 from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.formats.costs import MeasuredWorkload
 from tests.helpers.costs import profile_record
 
@@ -135,6 +136,8 @@ def test_predicted_peak_activation_matches_the_executor(profile, profile_bf16, c
     cpu = get_system("cpu", nodes=3)  # three stages, one per core of up to three machines
     measured_profile = profile if precision == "fp32" else profile_bf16
     workload, system = MeasuredWorkload(_costs(measured_profile, precision)).bind(cpu, 3, checkpoint, microbatches)
-    result = simulate(workload, system, partition, BATCH, microbatches, checkpoint, schedule)
+    result = simulate(workload, system, partition, BATCH,
+                      ParallelLayout.for_partition(partition, microbatches, checkpoint=checkpoint,
+                                                   schedule=schedule))
     predicted = [s.peak_activation_bytes for s in result.stages]
     assert predicted == measured  # every stage exact: each micro-batch owns its rows in both

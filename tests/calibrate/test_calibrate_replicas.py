@@ -17,13 +17,16 @@ def test_predict_passes_replicas_and_the_measured_allreduce_link_to_the_simulato
     import sim.engine.engine
 
     calls = []
-    monkeypatch.setattr(sim.engine.engine, "simulate", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(sim.engine.engine, "simulate", lambda *args, **kwargs: calls.append((args[4], kwargs)))
     data = synthetic_costs()
     predict(data, RunSpec((3,), 2, "never", "gpipe", 8, replicas=2))
     predict(data, RunSpec((3,), 2, "never", "gpipe", 8))
-    assert calls[0] == {"replicas": 2, "allreduce_link": Link("fitted gloo all-reduce", 5e8, 2e-5),
-                        "virtual_stages": 1}
-    assert calls[1] == {"virtual_stages": 1}  # one replica: nothing to average
+    layout, kwargs = calls[0]
+    assert (layout.replicas, layout.virtual_stages) == (2, 1)
+    assert kwargs == {"allreduce_link": Link("fitted gloo all-reduce", 5e8, 2e-5)}
+    layout, kwargs = calls[1]
+    assert (layout.replicas, layout.virtual_stages) == (1, 1)
+    assert kwargs == {"allreduce_link": None}  # one replica: nothing to average
 
 
 def test_a_run_with_more_processes_than_cores_is_predicted_as_if_each_had_a_core(monkeypatch):
@@ -45,7 +48,7 @@ def test_a_run_with_more_processes_than_cores_is_predicted_as_if_each_had_a_core
     monkeypatch.setattr(sim.engine.engine, "simulate", lambda *args, **kwargs: calls.append((args, kwargs))
                         or real(*args, **kwargs))
     predict(data, crowded)
-    assert calls[0][1]["replicas"] == cores + 1 and calls[0][1]["virtual_stages"] == 1
+    assert calls[0][0][4].replicas == cores + 1 and calls[0][0][4].virtual_stages == 1
     assert calls[0][0][1].total_devices == cores + 1  # the system made room for every process
 
 

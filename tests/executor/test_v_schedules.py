@@ -127,13 +127,15 @@ def test_the_simulated_peak_is_the_count_of_microbatches_in_flight(schedule, sta
     memory is one layer's activations times the most chunk micro-batches it holds between a forward
     and the end of its backward (B, or W)."""
     from sim.engine.engine import simulate
+    from sim.formats.layout import ParallelLayout
     from sim.catalog.hardware import get_system
     from sim.schedules.schedule import Kind, build_schedule
     from sim.workloads.workload import UniformWorkload
 
     workload = UniformWorkload(2 * stages)
-    result = simulate(workload, get_system("ideal"), [1] * (2 * stages), microbatches, microbatches, "never",
-                      schedule, virtual_stages=2)
+    result = simulate(workload, get_system("ideal"), [1] * (2 * stages), microbatches,
+                      ParallelLayout.for_partition([1] * (2 * stages), microbatches, checkpoint="never",
+                                                   schedule=schedule, virtual_stages=2))
     saved = workload.layer_costs(1, get_system("ideal").device)[0].saved_bytes
     for device, actions in enumerate(build_schedule(stages, microbatches, schedule, "never", 2)):
         held = peak = 0

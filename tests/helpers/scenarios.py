@@ -8,7 +8,7 @@ from typing import Sequence
 
 from sim.catalog.hardware import Device, get_system
 from sim.engine.host import HostEffects
-from sim.workloads.workload import LayerCost, UniformWorkload
+from sim.workloads.workload import LayerCost, UniformWorkload, WorkloadCapabilities
 
 IDEAL = get_system("ideal")
 
@@ -42,7 +42,7 @@ class GappedWorkload(UniformWorkload):
 
 
 @dataclass(frozen=True)
-class ListWorkload:
+class ListWorkload(WorkloadCapabilities):
     """Layers with the given forward times; backward twice forward; memory per layer from args."""
 
     forward_s: Sequence[float]

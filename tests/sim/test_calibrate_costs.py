@@ -9,6 +9,7 @@ import pytest
 
 from sim.catalog.hardware import LOCAL_CPU, Link, get_system
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.errors import GpipeInputError
 from sim.formats.costs import allreduce_link, interpolate, load_costs_workload, read_costs, write_costs
 from sim.workloads.models import get_workload
@@ -178,7 +179,7 @@ def test_the_fitted_gap_between_actions_reaches_every_stage_on_the_measured_devi
     assert {w.stage_cost(r, a, b, LOCAL_CPU).gap_after_s for r, a, b in ((1, 0, 1), (3, 1, 3))} == {
         (7e-5, 7e-5, 9e-5, 7e-5, 7e-5)}
     assert w.stage_cost(2, 0, 2, V100).gap_after_s == ()  # a what-if device: the executor's CPU time is not its
-    gapped = simulate(w, system, [1, 2], 8, 4, "always")
+    gapped = simulate(w, system, [1, 2], 8, ParallelLayout.for_partition([1, 2], 4, checkpoint="always"))
     starts = sorted(r.start_s for r in gapped.timeline.records if r.stage == 0 and r.kind in "FRB")
     ends = sorted(r.end_s for r in gapped.timeline.records if r.stage == 0 and r.kind in "FRB")
     assert min(b - a for a, b in zip(ends, starts[1:])) >= 7e-5 - 1e-12
@@ -209,8 +210,8 @@ def test_selective_prices_the_attention_core_the_profile_measured():
     assert cost.forward_s == plain.forward_s and cost.backward_s == plain.backward_s
     assert cost.core_recompute_s == pytest.approx(1.5 * (5e-5 + 5e-4 * 2))
     assert cost.core_saved_bytes == 6
-    one = simulate(selective, system, (3,), 4, 2, "selective")
-    other = simulate(never, system, (3,), 4, 2, "never")
+    one = simulate(selective, system, (3,), 4, ParallelLayout.for_partition((3,), 2, checkpoint="selective"))
+    other = simulate(never, system, (3,), 4, ParallelLayout.for_partition((3,), 2, checkpoint="never"))
     assert one.step_time_s == pytest.approx(other.step_time_s + 2 * cost.core_recompute_s)
     assert one.stages[0].peak_activation_bytes == other.stages[0].peak_activation_bytes - 2 * 6
 
@@ -236,7 +237,7 @@ def test_a_stage_split_over_t_ranks_is_priced_from_the_split_profile():
     assert cost.forward_s == pytest.approx(1.5 * 3 * forward + 1e-4)
     assert cost.static_bytes == plain.static_bytes // 2
     assert cost.saved_bytes == plain.saved_bytes - 2 * 2 * 2  # layers a and c own 2 bytes per row less
-    result = simulate(split, system, (3,), 4, 2, "never")
+    result = simulate(split, system, (3,), 4, ParallelLayout.for_partition((3,), 2, checkpoint="never"))
     assert result.stages[0].peak_activation_bytes == 2 * cost.saved_bytes
     assert split.describe()["parameter_count"] == whole.describe()["parameter_count"]
     # the in-pipeline factors calibration fitted on split runs take the place of K's slopes
@@ -292,7 +293,8 @@ def test_the_slowest_of_d_replicas_delays_each_stages_allreduce_by_the_measured_
     def step(costs, replicas: int):
         w, system = load_costs_workload(str(costs), "mlp", {"layers": 3, "width": 8}).bind(
             get_system("cpu"), 1, "never", 2, replicas)
-        return simulate(w, system, [3], 8, 2, "never", replicas=replicas)
+        return simulate(w, system, [3], 8,
+                        ParallelLayout.for_partition([3], 2, checkpoint="never", replicas=replicas))
 
     for replicas in (1, 2):
         spread, plain = step(path, replicas), step(plain_path, replicas)
@@ -313,7 +315,7 @@ def test_bind_puts_the_fitted_link_in_the_cpu_system_only(costs_file):
 
 def test_simulation_uses_measured_costs(costs_file):
     w, system = load_costs_workload(costs_file, "mlp", {"layers": 3, "width": 8}).bind(get_system("cpu"), 1, "never")
-    result = simulate(w, system, (3,), 4, 1, "never")
+    result = simulate(w, system, (3,), 4, ParallelLayout.for_partition((3,), 1, checkpoint="never"))
     cost = w.stage_cost(4, 0, 3, LOCAL_CPU)
     assert result.step_time_s == pytest.approx(cost.forward_s + cost.backward_s + cost.optimizer_s + cost.step_overhead_s)
     assert result.stages[0].peak_activation_bytes == w.stage_saved_bytes(4, 0, 3)

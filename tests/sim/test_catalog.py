@@ -13,6 +13,7 @@ from sim.catalog.hardware import (CATALOG_FILES, DEFAULT_EFFICIENCY, GB, LINKS, 
                                   get_system)
 from sim.engine.allreduce import ring_allreduce_s
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.workloads.models import get_workload
 
 # Systems without an on-demand list price in the catalog (users pass --price-per-device-hour).
@@ -142,7 +143,7 @@ def test_a_pipeline_inside_an_mi300x_node_sends_over_one_pairs_link():
                                             "vocab": 8000})
     mesh = get_system("mi300x")
     switch = replace(mesh, intra_link=replace(INFINITY_FABRIC, pair_bandwidth_bytes_per_s=None))
-    on = {name: simulate(workload, system, [2, 1, 1, 2], 32, 8) for name, system in
+    on = {name: simulate(workload, system, [2, 1, 1, 2], 32, ParallelLayout.for_partition([2, 1, 1, 2], 8)) for name, system in
           [("mesh", mesh), ("switch", switch)]}
     sends = {name: [r for r in result.timeline.records if r.kind == "send_act"] for name, result in on.items()}
     wire_s = {name: sum(r.end_s - r.start_s - INFINITY_FABRIC.latency_s for r in records)

@@ -7,6 +7,7 @@ import pytest
 
 from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.errors import GpipeInputError
 from sim.workloads.decoder_features import FEATURE_DEFAULTS
 from sim.workloads.layer_spec import STAT_BYTES
@@ -88,7 +89,8 @@ def test_a_tied_head_is_one_parameter_held_once_per_stage():
     (shared,) = tied.shared_parameters
     assert shared.layers == (0, GPT["layers"] + 1) and shared.param_bytes == V * D * 2  # bf16 weights
     system = get_system("h100-nvlink", fitted=False)
-    one_stage = [simulate(w, system, (GPT["layers"] + 2,), 8, 2, "never", record=False).stages[0].peak_memory_bytes
+    one_stage = [simulate(w, system, (GPT["layers"] + 2,), 8,
+                          ParallelLayout.for_partition((GPT["layers"] + 2,), 2, checkpoint="never"), record=False).stages[0].peak_memory_bytes
                  for w in (tied, untied)]
     assert one_stage[1] - one_stage[0] == shared.static_bytes
     split, groups = with_tensor_parallel(tied, system, 2, True)

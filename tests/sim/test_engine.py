@@ -4,6 +4,7 @@ import pytest
 
 from sim.catalog.hardware import FREE_LINK, Link, System, get_system
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.engine.memory import peak_activation_bytes
 from sim.engine.stage_costs import CostTable
 from sim.workloads.workload import UniformWorkload
@@ -11,7 +12,8 @@ from tests.helpers.scenarios import IDEAL, GappedWorkload, spans
 
 
 def test_two_stages_two_microbatches_literal_timeline():
-    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="never")
+    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=2,
+                      layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="never"))
     assert spans(result) == [
         (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B1", 5, 7), (0, "B0", 7, 9),
         (1, "F0", 1, 2), (1, "F1", 2, 3), (1, "B1", 3, 5), (1, "B0", 5, 7),
@@ -20,7 +22,8 @@ def test_two_stages_two_microbatches_literal_timeline():
 
 
 def test_recompute_runs_before_the_gradient_arrives():
-    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="except_last")
+    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=2,
+                      layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="except_last"))
     assert spans(result) == [
         (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B1", 5, 7), (0, "R0", 7, 8), (0, "B0", 8, 10),
         (1, "F0", 1, 2), (1, "F1", 2, 3), (1, "B1", 3, 5), (1, "R0", 5, 6), (1, "B0", 6, 8),
@@ -28,8 +31,8 @@ def test_recompute_runs_before_the_gradient_arrives():
 
 
 def test_1f1b_literal_timeline():
-    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=3, microbatches=3, checkpoint="never",
-                      schedule="1f1b")
+    result = simulate(UniformWorkload(2), IDEAL, [1, 1], batch_size=3,
+                      layout=ParallelLayout.for_partition([1, 1], 3, checkpoint="never", schedule="1f1b"))
     assert spans(result) == [
         (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B0", 4, 6), (0, "F2", 6, 7), (0, "B1", 7, 9), (0, "B2", 10, 12),
         (1, "F0", 1, 2), (1, "B0", 2, 4), (1, "F1", 4, 5), (1, "B1", 5, 7), (1, "F2", 7, 8), (1, "B2", 8, 10),
@@ -41,7 +44,9 @@ def test_1f1b_literal_timeline():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_bubble_equals_the_formula_for_uniform_layers_and_free_links(stages, microbatches, schedule):
     result = simulate(UniformWorkload(48), IDEAL, [48 // stages] * stages, batch_size=microbatches,
-                      microbatches=microbatches, checkpoint="never", schedule=schedule, record=False)
+                      layout=ParallelLayout.for_partition([48 // stages] * stages, microbatches, checkpoint="never",
+                                                          schedule=schedule),
+                      record=False)
     expected = (stages - 1) / (microbatches + stages - 1)
     assert abs(result.bubble_fraction - expected) < 1e-9
     assert result.step_time_s == pytest.approx((microbatches + stages - 1) * 3e-3 * 48 / stages)
@@ -51,7 +56,8 @@ def test_link_latency_and_bandwidth_delay_the_next_stage():
     link = Link("slow", bandwidth_bytes_per_s=1e9, latency_s=1e-3)
     system = System("test", IDEAL.device, 8, link, link)
     workload = UniformWorkload(2, activation_bytes=1_000_000)  # 1 ms on the wire + 1 ms latency
-    result = simulate(workload, system, [1, 1], batch_size=1, microbatches=1, checkpoint="never")
+    result = simulate(workload, system, [1, 1], batch_size=1,
+                      layout=ParallelLayout.for_partition([1, 1], 1, checkpoint="never"))
     assert spans(result) == [(0, "F0", 0, 1), (0, "B0", 8, 10), (1, "F0", 3, 4), (1, "B0", 4, 6)]
     sends = spans(result, kinds=("send_act", "send_grad"))
     assert sends == [(0, "send_act0", 1, 3), (1, "send_grad0", 6, 8)]
@@ -64,8 +70,8 @@ def test_shared_pcie_serialises_concurrent_transfers_on_one_node():
     times = {}
     for link in (shared, dedicated):
         system = System("t", IDEAL.device, 8, link, link)
-        times[link.name] = simulate(workload, system, [1, 1, 1, 1], batch_size=8, microbatches=8,
-                                    checkpoint="never").step_time_s
+        times[link.name] = simulate(workload, system, [1, 1, 1, 1], batch_size=8,
+                                    layout=ParallelLayout.for_partition([1, 1, 1, 1], 8, checkpoint="never")).step_time_s
     assert times["pcie"] > times["nvlink"]
 
 
@@ -74,8 +80,10 @@ def test_gpipe_memory_formula_with_and_without_rematerialization(list_workload):
     workload = list_workload([1e-3] * layers, saved_bytes=10, input_bytes=1)
     per_stage_saved = (layers // stages) * 10 * rows
     stash = 1 * rows
-    never = simulate(workload, IDEAL, [4, 4], rows * microbatches, microbatches, "never")
-    always = simulate(workload, IDEAL, [4, 4], rows * microbatches, microbatches, "always")
+    never = simulate(workload, IDEAL, [4, 4], rows * microbatches,
+                     ParallelLayout.for_partition([4, 4], microbatches, checkpoint="never"))
+    always = simulate(workload, IDEAL, [4, 4], rows * microbatches,
+                      ParallelLayout.for_partition([4, 4], microbatches, checkpoint="always"))
     for stage in never.stages:
         assert stage.peak_activation_bytes == microbatches * per_stage_saved
     for stage in always.stages:
@@ -89,8 +97,8 @@ def test_gpipe_memory_formula_with_and_without_rematerialization(list_workload):
 def test_partitioner_memory_estimate_matches_the_simulation(list_workload, schedule, checkpoint):
     workload = list_workload([1e-3, 2e-3, 1e-3, 3e-3, 1e-3, 1e-3], saved_bytes=7, input_bytes=2)
     partition = [1, 2, 1, 2]
-    result = simulate(workload, IDEAL, partition, batch_size=10, microbatches=5, checkpoint=checkpoint,
-                      schedule=schedule)
+    result = simulate(workload, IDEAL, partition, batch_size=10,
+                      layout=ParallelLayout.for_partition(partition, 5, checkpoint=checkpoint, schedule=schedule))
     table = CostTable(workload, IDEAL.device)
     for k, cost in enumerate(table.stages(2, partition)):
         estimate = peak_activation_bytes(cost, 4, 5, schedule, checkpoint, k)
@@ -105,10 +113,11 @@ def test_full_recompute_holds_every_layers_input_and_one_layer_at_a_time(list_wo
     forward more; there is no R action."""
     workload = list_workload([1e-3] * 6, saved_bytes=7, input_bytes=2)
     rows, microbatches = 2, 4
-    full = simulate(workload, IDEAL, [3, 3], batch_size=rows * microbatches, microbatches=microbatches,
-                    checkpoint="full", schedule=schedule)
-    never = simulate(workload, IDEAL, [3, 3], batch_size=rows * microbatches, microbatches=microbatches,
-                     checkpoint="never", schedule=schedule)
+    full = simulate(workload, IDEAL, [3, 3], batch_size=rows * microbatches,
+                    layout=ParallelLayout.for_partition([3, 3], microbatches, checkpoint="full", schedule=schedule))
+    never = simulate(workload, IDEAL, [3, 3], batch_size=rows * microbatches,
+                     layout=ParallelLayout.for_partition([3, 3], microbatches, checkpoint="never",
+                                                         schedule=schedule))
     in_flight = {"gpipe": [4, 4], "1f1b": [2, 1]}[schedule]  # most micro-batches held at once per stage
     for stage, held in zip(full.stages, in_flight):
         assert stage.peak_activation_bytes == held * 3 * 2 * rows + (7 - 2) * rows
@@ -117,15 +126,16 @@ def test_full_recompute_holds_every_layers_input_and_one_layer_at_a_time(list_wo
 
 
 def test_uneven_batch_splits_like_torch_chunk():
-    result = simulate(UniformWorkload(4), IDEAL, [2, 2], batch_size=10, microbatches=4)
+    result = simulate(UniformWorkload(4), IDEAL, [2, 2], batch_size=10,
+                      layout=ParallelLayout.for_partition([2, 2], 4))
     assert result.microbatch_rows == [3, 3, 3, 1]
-    small = simulate(UniformWorkload(4), IDEAL, [2, 2], batch_size=2, microbatches=4)
+    small = simulate(UniformWorkload(4), IDEAL, [2, 2], batch_size=2, layout=ParallelLayout.for_partition([2, 2], 4))
     assert small.microbatches == 2
 
 
 def test_memory_that_does_not_fit_is_reported():
     tiny = System("tiny", IDEAL.device.__class__("tiny", {"fp32": 1e12}, 1024, 1e9), 8, FREE_LINK, FREE_LINK)
-    result = simulate(UniformWorkload(4), tiny, [2, 2], batch_size=4, microbatches=4)
+    result = simulate(UniformWorkload(4), tiny, [2, 2], batch_size=4, layout=ParallelLayout.for_partition([2, 2], 4))
     assert not result.fits and not result.stages[0].fits
 
 
@@ -146,8 +156,10 @@ def test_the_walk_without_spans_equals_the_simpy_processes(hardware, nodes):
                     continue
                 parts = stages * virtual
                 partition = [8 // parts + (i < 8 % parts) for i in range(parts)]
-                runs = [simulate(workload, system, partition, 16, microbatches, checkpoint, schedule,
-                                 virtual_stages=virtual, replicas=replicas, record=record) for record in (True, False)]
+                runs = [simulate(workload, system, partition, 16,
+                                 ParallelLayout.for_partition(partition, microbatches, checkpoint=checkpoint,
+                                                              schedule=schedule, virtual_stages=virtual,
+                                                              replicas=replicas), record=record) for record in (True, False)]
                 spanned, walked = runs
                 assert walked.step_time_s == spanned.step_time_s
                 assert [s.busy_s for s in walked.stages] == [s.busy_s for s in spanned.stages]
@@ -163,14 +175,15 @@ def test_the_gap_between_two_actions_delays_each_but_the_first_and_is_not_busy()
     starts F0 at 1 ms, and each later action starts a gap after the previous one ends or when its
     input arrives, whichever is later."""
     result = simulate(GappedWorkload(2, 0.25e-3, backward_gap_s=0.5e-3), IDEAL, [1, 1], batch_size=2,
-                      microbatches=2, checkpoint="never")
+                      layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="never"))
     assert spans(result) == [
         (0, "F0", 0, 1), (0, "F1", 1.25, 2.25), (0, "B1", 5.5, 7.5), (0, "B0", 8, 10),
         (1, "F0", 1, 2), (1, "F1", 2.25, 3.25), (1, "B1", 3.5, 5.5), (1, "B0", 6, 8),
     ]
     assert result.step_time_s == pytest.approx(10e-3)
     assert [s.busy_s for s in result.stages] == pytest.approx([6e-3, 6e-3])
-    gapless = simulate(GappedWorkload(2, 0.0), IDEAL, [1, 1], batch_size=2, microbatches=2, checkpoint="never")
+    gapless = simulate(GappedWorkload(2, 0.0), IDEAL, [1, 1], batch_size=2,
+                       layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="never"))
     assert gapless.step_time_s == pytest.approx(9e-3)
     assert result.bubble_fraction > gapless.bubble_fraction
 
@@ -180,16 +193,17 @@ def test_the_steps_first_action_on_a_device_pays_its_kinds_cold_start_as_busy_ti
     backwards, a cold forward 0.5 ms longer (and a cold backward 0.25 ms, which no device opens with),
     GPipe's F0 pays it on both stages and nothing else does, under 1F1B as under GPipe."""
     cold = (0.5e-3, 0.0, 0.25e-3, 0.0, 0.0)
-    result = simulate(GappedWorkload(2, 0.0, cold_s=cold), IDEAL, [1, 1], batch_size=2, microbatches=2,
-                      checkpoint="never")
+    result = simulate(GappedWorkload(2, 0.0, cold_s=cold), IDEAL, [1, 1], batch_size=2,
+                      layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="never"))
     assert spans(result) == [
         (0, "F0", 0, 1.5), (0, "F1", 1.5, 2.5), (0, "B1", 6, 8), (0, "B0", 8, 10),
         (1, "F0", 1.5, 3), (1, "F1", 3, 4), (1, "B1", 4, 6), (1, "B0", 6, 8),
     ]
     assert [s.busy_s for s in result.stages] == pytest.approx([6.5e-3, 6.5e-3])
     for schedule in ("gpipe", "1f1b"):
-        cold_run, warm_run = (simulate(GappedWorkload(2, 0.0, cold_s=c), IDEAL, [1, 1], batch_size=4, microbatches=4,
-                                       checkpoint="never", schedule=schedule) for c in (cold, ()))
+        cold_run, warm_run = (simulate(GappedWorkload(2, 0.0, cold_s=c), IDEAL, [1, 1], batch_size=4,
+                                       layout=ParallelLayout.for_partition([1, 1], 4, checkpoint="never",
+                                                                           schedule=schedule)) for c in (cold, ()))
         assert [a.busy_s - b.busy_s for a, b in zip(cold_run.stages, warm_run.stages)] == pytest.approx([5e-4, 5e-4])
 
 
@@ -198,30 +212,31 @@ def test_after_a_long_wait_a_device_runs_at_half_speed_until_its_warm_up_is_paid
     sim.engine.host.IDLE_S: nothing), stage 0's B1 waits 3 ms for its gradient and pays the warm-up; a
     warm-up longer than B1's work is paid at half speed into B0, which did not wait. Busy time."""
     for warm_s, b1_end, b0_end in ((0.5e-3, 7.5, 9.5), (3e-3, 9, 12)):
-        result = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2, microbatches=2,
-                          checkpoint="never")
+        result = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2,
+                          layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="never"))
         assert spans(result) == [
             (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B1", 5, b1_end), (0, "B0", b1_end, b0_end),
             (1, "F0", 1, 2), (1, "F1", 2, 3), (1, "B1", 3, 5), (1, "B0", 5, 7),
         ]
         assert [s.busy_s for s in result.stages] == pytest.approx([6e-3 + warm_s, 6e-3])
-        walked = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2, microbatches=2,
-                          checkpoint="never", record=False)
+        walked = simulate(GappedWorkload(2, 0.0, warm_s=warm_s), IDEAL, [1, 1], batch_size=2,
+                          layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="never"), record=False)
         assert walked.step_time_s == result.step_time_s == pytest.approx(b0_end * 1e-3)
 
 
 def test_the_senders_time_delays_the_message_and_its_next_action_and_is_not_busy():
     """A send's own time on the sender (a copy on the CPU) follows the action that made the message;
     the message leaves after it. The V schedule's hand-off between the chunks of one device is no send."""
-    result = simulate(GappedWorkload(2, 0.0, 0.5e-3), IDEAL, [1, 1], batch_size=2, microbatches=2,
-                      checkpoint="never")
+    result = simulate(GappedWorkload(2, 0.0, 0.5e-3), IDEAL, [1, 1], batch_size=2,
+                      layout=ParallelLayout.for_partition([1, 1], 2, checkpoint="never"))
     assert spans(result) == [
         (0, "F0", 0, 1), (0, "F1", 1.5, 2.5), (0, "B1", 6.5, 8.5), (0, "B0", 9, 11),
         (1, "F0", 1.5, 2.5), (1, "F1", 3, 4), (1, "B1", 4, 6), (1, "B0", 6.5, 8.5),
     ]
     assert [s.busy_s for s in result.stages] == pytest.approx([6e-3, 6e-3])
-    v = simulate(GappedWorkload(2, 0.0, 0.5e-3), IDEAL, [1, 1], batch_size=1, microbatches=1, checkpoint="never",
-                 schedule="zbv", virtual_stages=2)
+    v = simulate(GappedWorkload(2, 0.0, 0.5e-3), IDEAL, [1, 1], batch_size=1,
+                 layout=ParallelLayout.for_partition([1, 1], 1, checkpoint="never", schedule="zbv",
+                                                     virtual_stages=2))
     assert v.step_time_s == pytest.approx(v.stages[0].busy_s)  # one device, chunks hand over in memory
 
 
@@ -233,8 +248,9 @@ def test_the_walk_equals_the_simpy_processes_with_a_gap_between_actions(schedule
         partition = [1] * (stages * virtual)
         workload = GappedWorkload(stages * virtual, 0.3e-3, 0.2e-3, 0.45e-3,
                                   cold_s=(0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3), warm_s=0.7e-3)
-        spanned, walked = (simulate(workload, IDEAL, partition, 8, microbatches,
-                                    "except_last", schedule, virtual_stages=virtual, record=record)
+        spanned, walked = (simulate(workload, IDEAL, partition, 8,
+                                    ParallelLayout.for_partition(partition, microbatches, checkpoint="except_last",
+                                                                 schedule=schedule, virtual_stages=virtual), record=record)
                            for record in (True, False))
         assert walked.step_time_s == spanned.step_time_s
         assert [s.busy_s for s in walked.stages] == [s.busy_s for s in spanned.stages]

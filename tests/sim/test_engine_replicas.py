@@ -7,6 +7,7 @@ import pytest
 from sim.catalog.hardware import FREE_LINK, Link, System, get_system
 from sim.engine.allreduce import group_allreduce_s, ring_allreduce_s
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.engine.memory import peak_coefficients, peak_from_coefficients
 from sim.engine.stage_costs import CostTable
 from sim.errors import GpipeInputError
@@ -25,8 +26,9 @@ def spans(result, kinds=("F", "R", "B")):
 
 def test_interleaved_literal_timeline():
     # K=2 devices, V=2 chunks of one layer: device 0 runs virtual stages 0 and 2, device 1 runs 1 and 3
-    result = simulate(UniformWorkload(4), IDEAL, [1, 1, 1, 1], batch_size=2, microbatches=2, checkpoint="never",
-                      schedule="interleaved", virtual_stages=2)
+    result = simulate(UniformWorkload(4), IDEAL, [1, 1, 1, 1], batch_size=2,
+                      layout=ParallelLayout.for_partition([1, 1, 1, 1], 2, checkpoint="never",
+                                                          schedule="interleaved", virtual_stages=2))
     assert spans(result) == [
         (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "F0", 2, 3), (0, "F1", 3, 4),  # chunk 0 (stage 0), chunk 1 (stage 2)
         (0, "B0", 6, 8), (0, "B1", 9, 11), (0, "B0", 11, 13), (0, "B1", 13, 15),
@@ -47,8 +49,8 @@ def test_interleaved_bubble_equals_the_formula_for_uniform_layers_and_free_links
     microbatches = groups * stages
     chunks = stages * virtual_stages
     result = simulate(UniformWorkload(chunks), IDEAL, [1] * chunks, batch_size=microbatches,
-                      microbatches=microbatches, checkpoint="never", schedule="interleaved",
-                      virtual_stages=virtual_stages, record=False)
+                      layout=ParallelLayout.for_partition([1] * chunks, microbatches, checkpoint="never",
+                                                          schedule="interleaved", virtual_stages=virtual_stages), record=False)
     expected = (stages - 1) / (virtual_stages * microbatches + stages - 1)
     assert abs(result.bubble_fraction - expected) < 1e-9
     assert result.step_time_s == pytest.approx((virtual_stages * microbatches + stages - 1) * 3e-3)
@@ -56,14 +58,16 @@ def test_interleaved_bubble_equals_the_formula_for_uniform_layers_and_free_links
 
 def test_replicas_on_free_links_take_one_pipelines_step_plus_the_all_reduce():
     workload = UniformWorkload(8)
-    one = simulate(workload, IDEAL, [2, 2, 2, 2], batch_size=8, microbatches=8, checkpoint="never")
-    four = simulate(workload, IDEAL, [2, 2, 2, 2], batch_size=32, microbatches=8, checkpoint="never", replicas=4)
+    one = simulate(workload, IDEAL, [2, 2, 2, 2], batch_size=8,
+                   layout=ParallelLayout.for_partition([2, 2, 2, 2], 8, checkpoint="never"))
+    four = simulate(workload, IDEAL, [2, 2, 2, 2], batch_size=32,
+                    layout=ParallelLayout.for_partition([2, 2, 2, 2], 8, checkpoint="never", replicas=4))
     assert four.step_time_s == pytest.approx(one.step_time_s)  # free links: a free all-reduce
     assert four.throughput_samples_per_s == pytest.approx(4 * one.throughput_samples_per_s)
     assert four.replica_rows == [8, 8, 8, 8] and len(four.stages) == 16
     link = Link("collective", 1e9, 1e-5)
-    slow = simulate(workload, IDEAL, [2, 2, 2, 2], batch_size=32, microbatches=8, checkpoint="never", replicas=4,
-                    allreduce_link=link)
+    slow = simulate(workload, IDEAL, [2, 2, 2, 2], batch_size=32,
+                    layout=ParallelLayout.for_partition([2, 2, 2, 2], 8, checkpoint="never", replicas=4), allreduce_link=link)
     gradient_bytes = 2 * workload.param_bytes  # two layers per stage
     allreduce_s = 2 * 3 / 4 * gradient_bytes / 1e9 + 2 * 3 * 1e-5
     assert slow.step_time_s == pytest.approx(one.step_time_s + allreduce_s)
@@ -92,7 +96,9 @@ def _two_by_two(activation_bytes, param_bytes):
     """2 replicas x 2 stages on two nodes of two devices, a fast link inside and a slow one across."""
     system = System("two-nodes", IDEAL.device, 2, Link("nv", 1e11, 0.0), Link("ib", 1e9, 0.0), nodes=2)
     workload = UniformWorkload(4, activation_bytes=activation_bytes, param_bytes=param_bytes)
-    return {placement: simulate(workload, system, [2, 2], 8, 4, "never", replicas=2, placement=placement)
+    return {placement: simulate(workload, system, [2, 2], 8,
+                                ParallelLayout.for_partition([2, 2], 4, checkpoint="never", replicas=2,
+                                                             placement=placement))
             for placement in ("stages_adjacent", "replicas_adjacent")}
 
 
@@ -120,8 +126,10 @@ def test_placement_choice_follows_what_crosses_the_slow_link():
 
 def test_zero_divides_optimizer_state_over_the_replicas():
     workload = UniformWorkload(4)  # per layer: 4 MiB weights, 4 MiB gradient, 8 MiB Adam state
-    plain = simulate(workload, IDEAL, [2, 2], 16, 4, "never", replicas=4)
-    zero = simulate(workload, IDEAL, [2, 2], 16, 4, "never", replicas=4, zero=1)
+    plain = simulate(workload, IDEAL, [2, 2], 16,
+                     ParallelLayout.for_partition([2, 2], 4, checkpoint="never", replicas=4))
+    zero = simulate(workload, IDEAL, [2, 2], 16,
+                    ParallelLayout.for_partition([2, 2], 4, checkpoint="never", replicas=4, zero=1))
     assert {s.static_bytes for s in plain.stages} == {2 * (4 + 4 + 8) * MIB}
     assert {s.static_bytes for s in zero.stages} == {2 * (4 + 4 + 8 // 4) * MIB}
     assert zero.step_time_s == plain.step_time_s and zero.zero == 1
@@ -133,10 +141,12 @@ def test_zero_divides_optimizer_state_over_the_replicas():
 
 def test_uneven_replicas_train_torch_chunk_rows_and_the_all_reduce_waits_for_the_slowest(list_workload):
     workload = list_workload([1e-3] * 4)  # times grow with rows
-    result = simulate(workload, IDEAL, [2, 2], batch_size=5, microbatches=3, checkpoint="never", replicas=2)
+    result = simulate(workload, IDEAL, [2, 2], batch_size=5,
+                      layout=ParallelLayout.for_partition([2, 2], 3, checkpoint="never", replicas=2))
     assert result.replica_rows == [3, 2]  # torch.chunk(5 rows, 2)
     assert result.microbatch_rows == [1, 1, 1]
-    alone = simulate(workload, IDEAL, [2, 2], batch_size=3, microbatches=3, checkpoint="never")
+    alone = simulate(workload, IDEAL, [2, 2], batch_size=3,
+                     layout=ParallelLayout.for_partition([2, 2], 3, checkpoint="never"))
     assert result.step_time_s == pytest.approx(alone.step_time_s)
     busy = {(s.replica, s.stage): s.busy_s for s in result.stages}
     assert busy[(1, 0)] < busy[(0, 0)]
@@ -148,15 +158,16 @@ def test_replicas_are_refused_in_one_line():
     workload = UniformWorkload(4)
     system = get_system("h100-nvlink")
     with pytest.raises(GpipeInputError, match="2 replicas x 8 stages need 16 devices but h100-nvlink with 1 node"):
-        simulate(UniformWorkload(8), system, [1] * 8, 8, 2, replicas=2)
+        simulate(UniformWorkload(8), system, [1] * 8, 8, ParallelLayout.for_partition([1] * 8, 2, replicas=2))
     with pytest.raises(GpipeInputError, match="--zero 1 .* --replicas 2 or more"):
-        simulate(workload, system, [2, 2], 8, 2, zero=1)
+        simulate(workload, system, [2, 2], 8, ParallelLayout.for_partition([2, 2], 2, zero=1))
     with pytest.raises(GpipeInputError, match="splits .* into only 3 parts, too few for 4 replicas"):
-        simulate(workload, system, [2, 2], 6, 1, replicas=4)
+        simulate(workload, system, [2, 2], 6, ParallelLayout.for_partition([2, 2], 1, replicas=4))
     with pytest.raises(GpipeInputError, match="multiple of stages"):
-        simulate(workload, system, [1, 1, 1, 1], 3, 3, schedule="interleaved", virtual_stages=2)
+        simulate(workload, system, [1, 1, 1, 1], 3,
+                 ParallelLayout.for_partition([1, 1, 1, 1], 3, schedule="interleaved", virtual_stages=2))
     with pytest.raises(GpipeInputError, match="needs --schedule interleaved"):
-        simulate(workload, system, [1, 1, 1, 1], 4, 4, virtual_stages=2)
+        simulate(workload, system, [1, 1, 1, 1], 4, ParallelLayout.for_partition([1, 1, 1, 1], 4, virtual_stages=2))
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never", "full"])
@@ -164,8 +175,10 @@ def test_replicas_are_refused_in_one_line():
 def test_memory_estimate_matches_the_simulation_interleaved(list_workload, checkpoint, replicas, zero):
     workload = list_workload([1e-3, 2e-3, 1e-3, 3e-3, 1e-3, 1e-3], saved_bytes=7, input_bytes=2)
     partition = [1, 2, 1, 2]  # K=2 devices, V=2 chunks each
-    result = simulate(workload, IDEAL, partition, batch_size=8 * replicas, microbatches=4, checkpoint=checkpoint,
-                      schedule="interleaved", virtual_stages=2, replicas=replicas, zero=zero)
+    result = simulate(workload, IDEAL, partition, batch_size=8 * replicas,
+                      layout=ParallelLayout.for_partition(partition, 4, checkpoint=checkpoint,
+                                                          schedule="interleaved", virtual_stages=2,
+                                                          replicas=replicas, zero=zero))
     table = CostTable(workload, IDEAL.device)
     costs = table.stages(2, partition)
     planner = Partitions(table, IDEAL, 8 * replicas)
@@ -182,6 +195,8 @@ def test_memory_estimate_matches_the_simulation_interleaved(list_workload, check
 def test_a_calibrated_collective_link_replaces_the_systems_links():
     system = replace(get_system("h100-nvlink", 2), devices_per_node=2)
     workload = UniformWorkload(4)
-    base = simulate(workload, system, [2, 2], 8, 2, "never", replicas=2, record=False)
-    free = simulate(workload, system, [2, 2], 8, 2, "never", replicas=2, record=False, allreduce_link=FREE_LINK)
+    base = simulate(workload, system, [2, 2], 8,
+                    ParallelLayout.for_partition([2, 2], 2, checkpoint="never", replicas=2), record=False)
+    free = simulate(workload, system, [2, 2], 8,
+                    ParallelLayout.for_partition([2, 2], 2, checkpoint="never", replicas=2), record=False, allreduce_link=FREE_LINK)
     assert free.step_time_s < base.step_time_s

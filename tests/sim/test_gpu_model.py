@@ -11,6 +11,7 @@ from sim.catalog.hardware import get_system
 from sim.catalog.kernel_model import EFFICIENCY_FILE, KernelEfficiency, read_efficiencies
 from sim.engine.allreduce import exposed_allreduce_s, ring_allreduce_s
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.errors import GpipeInputError
 from sim.planner.search import search
 from sim.workloads.models import get_workload
@@ -132,8 +133,10 @@ def test_the_overlapped_reduction_leaves_what_outlasts_the_last_backward():
     assert exposed_allreduce_s(1.0, 3.0, 4) == pytest.approx(0.25)  # the last layer's bucket
     workload = get_workload("transformer", {**GPT, "precision": "bf16"})
     system = get_system("h100-nvlink", 2)
-    after = simulate(workload, system, (2, 2), 32, 4, "full", "1f1b", replicas=4, record=False)
-    overlapped = simulate(workload, system, (2, 2), 32, 4, "full", "1f1b", replicas=4, record=False, dp_overlap=True)
+    after = simulate(workload, system, (2, 2), 32,
+                     ParallelLayout.for_partition((2, 2), 4, checkpoint="full", schedule="1f1b", replicas=4), record=False)
+    overlapped = simulate(workload, system, (2, 2), 32,
+                          ParallelLayout.for_partition((2, 2), 4, checkpoint="full", schedule="1f1b", replicas=4), record=False, dp_overlap=True)
     assert overlapped.step_time_s < after.step_time_s
     assert [s.peak_memory_bytes for s in overlapped.stages] == [s.peak_memory_bytes for s in after.stages]
 

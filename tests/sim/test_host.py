@@ -9,6 +9,7 @@ import math
 import pytest
 
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.engine.host import IDLE_S, NO_HOST_EFFECTS, HostEffects, measured_paid_s, owed_s, paid_s
 from sim.formats.timeline import Record
 from tests.helpers.scenarios import IDEAL, GappedWorkload
@@ -22,7 +23,7 @@ def test_host_effects_are_off_unless_costs_turn_them_on():
 
     workload = get_workload("transformer", {"layers": 4})
     assert CostTable(workload, get_system_device("h100-nvlink")).stage(4, 0, 2).host == NO_HOST_EFFECTS
-    result = simulate(workload, IDEAL, [3, 3], batch_size=8, microbatches=4)
+    result = simulate(workload, IDEAL, [3, 3], batch_size=8, layout=ParallelLayout.for_partition([3, 3], 4))
     assert all(s.host is None and "host" not in s.to_dict() for s in result.stages)
     assert not NO_HOST_EFFECTS.on and not HostEffects(0.0).on and HostEffects(1e-4).on
     assert HostEffects.from_dict({"warm_up_s": -1e-5}) == NO_HOST_EFFECTS  # a negative fit is none
@@ -48,8 +49,9 @@ def test_calibration_reads_back_from_a_timeline_what_each_action_paid():
     from calibrate.fit.step_components import busy_since_wait_s
 
     for schedule, warm_s in (("gpipe", 1.5e-3), ("1f1b", 0.4e-3), ("1f1b", 5e-3)):
-        runs = [simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6, microbatches=6,
-                         checkpoint="except_last", schedule=schedule) for w in (warm_s, 0.0)]
+        runs = [simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6,
+                         layout=ParallelLayout.for_partition([1, 2, 1], 6, checkpoint="except_last",
+                                                             schedule=schedule)) for w in (warm_s, 0.0)]
         warm, unwarmed = ({(r.stage, r.kind, r.microbatch): r.duration_s for r in run.timeline.records
                        if r.kind in ("F", "R", "B")} for run in runs)
         since = busy_since_wait_s(runs[0].timeline.records, [0], IDLE_S)
@@ -66,7 +68,9 @@ def test_each_stage_reports_the_warm_up_it_paid_as_part_of_its_busy_time():
     for schedule in ("gpipe", "1f1b"):
         for record in (True, False):
             warm, unwarmed = (simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6,
-                                       microbatches=6, checkpoint="except_last", schedule=schedule, record=record)
+                                       layout=ParallelLayout.for_partition([1, 2, 1], 6, checkpoint="except_last",
+                                                                           schedule=schedule),
+                                       record=record)
                               for w in (1.5e-3, 0.0))
             paid = [s.host.warm_up_s for s in warm.stages]
             assert paid == pytest.approx([w.busy_s - u.busy_s for w, u in zip(warm.stages, unwarmed.stages)], abs=1e-12)

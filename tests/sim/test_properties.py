@@ -4,12 +4,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.catalog.hardware import FREE_LINK, Link, System, get_system
-from sim.engine.engine import simulate
+from sim.engine.engine import simulate as simulate_layout
+from sim.formats.layout import ParallelLayout
 
 from tests.helpers.scenarios import ListWorkload
 
 IDEAL = get_system("ideal")
 LINKS = [FREE_LINK, Link("nv", 1e9, 1e-4), Link("pcie", 5e8, 2e-4, shared=True)]
+
+LAYOUT_KEYS = ("checkpoint", "schedule", "virtual_stages", "replicas", "zero", "placement")
+
+
+def simulate(workload, system, partition, batch_size, microbatches, record=True, **degrees):
+    """A scenario's flat keys simulated: its layout keys made into the layout record."""
+    layout = ParallelLayout.for_partition(partition, microbatches, **{k: degrees.pop(k) for k in LAYOUT_KEYS
+                                                                      if k in degrees})
+    return simulate_layout(workload, system, partition, batch_size, layout, record=record, **degrees)
 
 
 @st.composite

@@ -5,11 +5,12 @@ import pytest
 from gpipe.workload_flags import resolve_workload
 from sim.catalog.hardware import Link, get_system
 from sim.engine.engine import ring_allreduce_s, simulate
+from sim.formats.layout import ParallelLayout
 from sim.formats.timeline import SHARED_ALLREDUCE
-from sim.workloads.workload import LayerCost, SharedParameter
+from sim.workloads.workload import LayerCost, SharedParameter, WorkloadCapabilities
 
 
-class Tied:
+class Tied(WorkloadCapabilities):
     """Four 1 ms / 2 ms layers; layers 0 and 3 share a 1000-byte weight (3000 static bytes)."""
 
     name = "tied"
@@ -30,14 +31,15 @@ class Untied(Tied):
 
 
 def test_one_stage_holds_one_copy_and_reduces_nothing():
-    result = simulate(Tied(), get_system("h100-nvlink"), (4,), 4, 2, "never")
+    result = simulate(Tied(), get_system("h100-nvlink"), (4,), 4,
+                      ParallelLayout.for_partition((4,), 2, checkpoint="never"))
     assert result.stages[0].static_bytes == 3000 + 2 * 300  # the shared weight once, two 100-byte layers
     assert not [r for r in result.timeline.records if r.kind == SHARED_ALLREDUCE]
 
 
 def test_two_owners_each_hold_a_copy_and_wait_for_the_all_reduce():
     system = get_system("h100-nvlink")
-    result = simulate(Tied(), system, (2, 2), 4, 2, "never")
+    result = simulate(Tied(), system, (2, 2), 4, ParallelLayout.for_partition((2, 2), 2, checkpoint="never"))
     assert [s.static_bytes for s in result.stages] == [3000 + 300, 300 + 3000]
     spans = [r for r in result.timeline.records if r.kind == SHARED_ALLREDUCE]
     assert sorted(r.stage for r in spans) == [0, 1]
@@ -45,7 +47,7 @@ def test_two_owners_each_hold_a_copy_and_wait_for_the_all_reduce():
     assert all(r.duration_s == pytest.approx(expected) for r in spans)
     # the all-reduce starts when the later owner (stage 0, whose backwards end last) is done
     assert spans[0].start_s == spans[1].start_s
-    without = simulate(Untied(), system, (2, 2), 4, 2, "never")
+    without = simulate(Untied(), system, (2, 2), 4, ParallelLayout.for_partition((2, 2), 2, checkpoint="never"))
     assert result.step_time_s == pytest.approx(without.step_time_s + expected)
 
 
@@ -62,7 +64,8 @@ def test_a_tied_torch_model_is_found_by_the_meta_analysis():
     assert shared.layers == (0, 3) and shared.param_bytes == 32 * 16 * 4 and shared.static_bytes == 4 * shared.param_bytes
     untied_count = sum(p.parameters for p in w.profiles)
     assert w.parameter_count == untied_count - 32 * 16
-    two = simulate(w, get_system("a100-nvlink"), (2, 2), 8, 2, "never")
+    two = simulate(w, get_system("a100-nvlink"), (2, 2), 8,
+                   ParallelLayout.for_partition((2, 2), 2, checkpoint="never"))
     assert any(r.kind == SHARED_ALLREDUCE for r in two.timeline.records)
 
 
@@ -77,7 +80,7 @@ def test_measured_costs_carry_the_shared_parameters(tmp_path):
     workload, system = load_costs_workload(str(tmp_path / "c.json"), "mlp", {"layers": 3, "width": 8}).bind(
         get_system("cpu"), 2, "never")
     assert workload.describe()["parameter_count"] == (1000 + 2000 + 3000 - 1000) // 4
-    one = simulate(workload, system, (3,), 4, 2, "never")
+    one = simulate(workload, system, (3,), 4, ParallelLayout.for_partition((3,), 2, checkpoint="never"))
     assert one.stages[0].static_bytes == 2 * (1000 + 2000 + 3000) - 2 * 1000  # weights and gradients, once
-    two = simulate(workload, system, (2, 1), 4, 2, "never")
+    two = simulate(workload, system, (2, 1), 4, ParallelLayout.for_partition((2, 1), 2, checkpoint="never"))
     assert any(r.kind == SHARED_ALLREDUCE for r in two.timeline.records)

@@ -9,6 +9,7 @@ from gpipe.main import main
 from sim.catalog.hardware import get_system
 from sim.engine.allreduce import ring_allreduce_s
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.formats.plan import load_plan
 from sim.workloads.models import get_workload
 from sim.workloads.precision import FP32_BYTES
@@ -43,7 +44,8 @@ def test_one_device_is_todays_prediction():
                                                 "vocab": 8000, "precision": "bf16"})
         split, system = with_tensor_parallel(workload, roofline(hardware), 1, True)
         assert split is workload
-        result = simulate(split, system, (4, 4), 16, 4, "always", replicas=2, record=False)
+        result = simulate(split, system, (4, 4), 16,
+                          ParallelLayout.for_partition((4, 4), 4, checkpoint="always", replicas=2), record=False)
         assert result.step_time_s == step_s
         assert [s.peak_memory_bytes for s in result.stages] == [285048832, 295994368, 285048832, 295994368]
 
@@ -139,7 +141,8 @@ def test_grouped_query_attention_has_fewer_qkv_weights_and_flops_and_splits_them
 def test_the_pipeline_sees_groups_of_t_devices():
     workload, groups = with_tensor_parallel(get_workload("transformer", options()), get_system("a100-nvlink", 2), 4)
     assert groups.devices_per_node == 2 and groups.total_devices == 4
-    result = simulate(workload, groups, (2, 2, 1, 1), 16, 4, "always", replicas=1, record=False)
+    result = simulate(workload, groups, (2, 2, 1, 1), 16,
+                      ParallelLayout.for_partition((2, 2, 1, 1), 4, checkpoint="always", replicas=1), record=False)
     assert len(result.stages) == 4 and result.stages[2].device == 2  # stage 2 on node 1's first group
 
 

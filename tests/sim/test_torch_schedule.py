@@ -12,6 +12,7 @@ import torch
 from gpipe.main import main
 from sim.catalog.hardware import get_system
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.errors import GpipeInputError
 from sim.formats.plan import load_plan
 from sim.planner.partition import even_partition
@@ -55,8 +56,10 @@ def test_a_plans_csv_predicts_the_plans_step(tmp_path, capsys):
     plan = load_plan(str(plan_path))
     assert plan.schedule == "interleaved" and plan.virtual_stages >= 2
     lists, m, v = read_schedule_csv(str(csv_path), plan.checkpoint)
-    result = simulate(get_workload("uniform", {"layers": 16}), get_system("v100-nvlink"), plan.partition, 16, m,
-                      plan.checkpoint, "interleaved", virtual_stages=v, actions=lists)
+    result = simulate(get_workload("uniform", {"layers": 16}), get_system("v100-nvlink"), plan.partition, 16,
+                      ParallelLayout.for_partition(plan.partition, m, checkpoint=plan.checkpoint,
+                                                   schedule="interleaved", virtual_stages=v),
+                      actions=lists)
     assert result.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-12)
     assert main(["simulate", *flags, "--partition", ",".join(map(str, plan.partition)), "--checkpoint",
                  plan.checkpoint, "--schedule-csv", str(csv_path), "--json"]) == 0
@@ -72,8 +75,9 @@ def test_the_csvs_torch_writes_are_simulated(tmp_path, stages, virtual, microbat
     partition = even_partition(8 * virtual, stages * virtual)
 
     def predicted(actions=None):
-        return simulate(workload, system, partition, 16, microbatches, "never", "interleaved",
-                        virtual_stages=virtual, actions=actions)
+        return simulate(workload, system, partition, 16,
+                        ParallelLayout.for_partition(partition, microbatches, checkpoint="never",
+                                                     schedule="interleaved", virtual_stages=virtual), actions=actions)
 
     ours = predicted()
     one_f_one_b = predicted(read_schedule_csv(torch_csv(tmp_path / "a.csv", ScheduleInterleaved1F1B, stages, virtual,
@@ -124,8 +128,12 @@ def test_torchs_v_shaped_csvs_are_our_v_schedules(tmp_path, name, stages):
     workload, system = get_workload("uniform", {"layers": 16}), get_system("v100-nvlink")
     partition, microbatches = even_partition(16, 2 * stages), 4 * stages
     path = torch_csv(tmp_path / "sim.csv", schedule_class, stages, 2, microbatches, True)
-    ours = simulate(workload, system, partition, 2 * microbatches, microbatches, "never", name, virtual_stages=2)
-    theirs = simulate(workload, system, partition, 2 * microbatches, microbatches, "never", name, virtual_stages=2,
+    ours = simulate(workload, system, partition, 2 * microbatches,
+                    ParallelLayout.for_partition(partition, microbatches, checkpoint="never", schedule=name,
+                                                 virtual_stages=2))
+    theirs = simulate(workload, system, partition, 2 * microbatches,
+                      ParallelLayout.for_partition(partition, microbatches, checkpoint="never", schedule=name,
+                                                   virtual_stages=2),
                       actions=read_schedule_csv(path, "never")[0])
     assert theirs.bubble_fraction == pytest.approx(ours.bubble_fraction, rel=1e-12)
 

@@ -11,6 +11,7 @@ from sim.catalog.hardware import CATALOG_FILES, SYSTEMS, get_system
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.catalog.user_systems import catalog_name, resolve_system, run_system, system_record
 from sim.engine.engine import simulate
+from sim.formats.layout import ParallelLayout
 from sim.errors import GpipeInputError
 from sim.evidence.replay import replay
 from sim.workloads.models import get_workload
@@ -48,7 +49,8 @@ def test_a_copy_predicts_the_catalog_systems_step_and_memory(tmp_path, name):
     workload = get_workload("transformer", {"layers": 4, "d_model": 512, "ff": 2048, "heads": 8, "seq": 256,
                                             "vocab": 1000, "precision": "bf16"})
     path = write(tmp_path, CATALOG_FILES[name])
-    on = [simulate(workload, system, [3, 3], 16, 4, "never", record=False, replicas=2)
+    on = [simulate(workload, system, [3, 3], 16,
+                   ParallelLayout.for_partition([3, 3], 4, checkpoint="never", replicas=2), record=False)
           for system in (get_system(name, 1), resolve_system(path, 1))]
     assert on[0].step_time_s == on[1].step_time_s
     assert [s.peak_memory_bytes for s in on[0].stages] == [s.peak_memory_bytes for s in on[1].stages]

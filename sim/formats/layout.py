@@ -1,0 +1,104 @@
+"""The parallel layout: how one training step is spread over devices, named once.
+
+Every part that decides, prices or runs a layout reads the same record: the planner's candidates
+(:mod:`sim.planner.search`), the engine's :func:`sim.engine.engine.simulate`, and the plan file
+(:class:`sim.formats.plan.Plan.layout`). Like torchtitan's ``ParallelDims``, it names the degrees
+once and refuses a bad one where it is built, in one line (:class:`sim.errors.GpipeInputError`).
+
+The degrees: D replicas (data parallel), K stages (pipeline), V chunks per device (virtual stages),
+T devices per stage splitting each layer (tensor parallel, with or without sequence parallelism) and
+C more per stage splitting each sequence (context parallel). M is the micro-batches asked for (a
+batch torch.chunk splits into fewer runs fewer). The partition (layers per virtual stage) is not part
+of it: it depends on the model, and sits beside the layout where a record has one.
+
+Limits: the record checks each degree and the pairs that are always wrong (ZeRO without replicas, V
+against the schedule); whether the layout fits a system, a model or a batch is checked where those
+are known (:func:`sim.engine.engine.check_layout`, the partitioners).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
+from sim.errors import GpipeInputError, require_positive
+from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name, check_virtual_stages
+
+
+def _require_count(name: str, value: object, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GpipeInputError(f"{name} must be a positive integer, got {value!r}; {hint}")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """D replicas of a K-stage pipeline, V chunks per device, T x C devices per stage; M micro-batches
+    on one schedule and checkpoint policy; ZeRO and where the replicas' devices sit."""
+
+    stages: int  # K: devices of one pipeline (of T x C devices each)
+    microbatches: int  # M as asked (torch.chunk may make fewer)
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    replicas: int = 1  # D
+    virtual_stages: int = 1  # V chunks per device (the multi-chunk schedules); 1 otherwise
+    zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
+    placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which device runs which replica's stage
+    tensor_parallel: int = 1  # T devices of one node per stage (sim.workloads.tensor_parallel)
+    sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
+    context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
+
+    def __post_init__(self) -> None:
+        require_positive("stages (K)", self.stages, "use --stages 1 or more")
+        require_positive("micro-batches (M)", self.microbatches, "use --microbatches 1 or more")
+        check_checkpoint_policy(self.checkpoint)
+        check_schedule_name(self.schedule)
+        _require_count("replicas (D)", self.replicas, "use --replicas 1 or more")
+        require_positive("virtual stages (V)", self.virtual_stages, "use --virtual-stages 1 or more")
+        check_virtual_stages(self.schedule, self.virtual_stages)
+        if self.zero not in (0, 1):
+            raise GpipeInputError(f"--zero must be 0 or 1, got {self.zero!r}")
+        if self.zero == 1 and self.replicas == 1:
+            raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
+                                  "--replicas 2 or more; use --zero 0 with one replica")
+        check_placement(self.placement)
+        require_positive("tensor_parallel (T)", self.tensor_parallel, "use --tensor-parallel 1 or more")
+        if not isinstance(self.sequence_parallel, bool):
+            raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        require_positive("context_parallel (C)", self.context_parallel, "use --context-parallel 1 or more")
+
+    @classmethod
+    def for_partition(cls, partition: Sequence[int], microbatches: int, checkpoint: str = "except_last",
+                      schedule: str = "gpipe", **degrees: object) -> ParallelLayout:
+        """The layout whose K is what ``partition`` (V x K entries) spreads over: its length over V."""
+        virtual_stages = degrees.get("virtual_stages", 1)
+        require_positive("virtual stages (V)", virtual_stages, "use --virtual-stages 1 or more")
+        if len(partition) % virtual_stages:
+            raise GpipeInputError(f"partition has {len(partition)} entries, not a multiple of --virtual-stages "
+                                  f"{virtual_stages}; give V x K entries")
+        return cls(max(len(partition) // virtual_stages, 1), microbatches, checkpoint, schedule, **degrees)
+
+    @property
+    def devices_per_stage(self) -> int:
+        """T x C: the devices one pipeline stage runs on."""
+        return self.tensor_parallel * self.context_parallel
+
+    @property
+    def devices_per_replica(self) -> int:
+        """K x T x C: the devices of one pipeline."""
+        return self.stages * self.devices_per_stage
+
+    @property
+    def total_devices(self) -> int:
+        """D x K x T x C: every device the layout uses."""
+        return self.replicas * self.devices_per_replica
+
+    @property
+    def processes(self) -> int:
+        """D x K: the processes the executor starts (one per stage of each replica)."""
+        return self.replicas * self.stages
+
+    @property
+    def virtual_stage_count(self) -> int:
+        """V x K: the chunks the partition splits the model into."""
+        return self.stages * self.virtual_stages
