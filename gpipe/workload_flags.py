@@ -107,7 +107,10 @@ def chosen_precision(args: argparse.Namespace, device: Device, given: str | None
     ``bf16`` in the meaning it has for the model on ``device`` (:func:`sim.workloads.precision.planned_precision`)."""
     costs = getattr(args, "costs", None)
     measured = measured_precision(read_costs(costs)) if costs else None
-    return choose_precision(given if given is not None else args.precision, device, measured, model_name(args))
+    model = model_name(args)
+    if is_hf(model) and "analysis=meta" in [item.replace(" ", "") for item in getattr(args, "option", [])]:
+        model = None  # measured op by op on the meta device: priced under autocast, as other torch models
+    return choose_precision(given if given is not None else args.precision, device, measured, model)
 
 
 def with_precision(model: str | None, options: dict[str, Any], precision: str,
