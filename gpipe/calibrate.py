@@ -80,11 +80,14 @@ def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int,
                      max_stages: int | None = None, steps: int = 5, quick: bool = False, force: bool = False,
                      progress=print, rounds: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
                      precision: str = DEFAULT_PRECISION, tensor_parallel: int | None = None,
-                     announce=None) -> dict[str, Any]:
+                     announce=None, retries_after_refusal: int = 0) -> dict[str, Any]:
     """Reuse the costs at ``path`` when valid (see :func:`cached`) and holding the tensor-parallel
     profile asked for, else calibrate and write them. ``progress`` takes calibration's progress
-    lines, ``announce`` (default ``progress``) the line saying the file was reused."""
+    lines, ``announce`` (default ``progress``) the line saying the file was reused. A calibration
+    refused for drift (:class:`calibrate.fit.design_checks.CalibrationRefused`) is taken again from
+    the start up to ``retries_after_refusal`` times, as ``gpipe demo`` does, before the refusal stands."""
     from calibrate.fit.calibration import calibrate
+    from calibrate.fit.design_checks import CalibrationRefused
     from sim.formats.costs import read_costs, write_costs
 
     if not force:
@@ -96,8 +99,15 @@ def calibrate_cached(path: str, model: str, options: dict[str, Any], batch: int,
             (announce or progress)(f"reusing {path} (same machine, versions, model, optimizer and precision; --force to "
                      "measure again)")
             return data
-    data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds, optimizer,
-                     precision, tensor_parallel)
+    for attempt in range(retries_after_refusal + 1):
+        try:
+            data = calibrate(model, options, batch, device, max_stages, steps, quick, progress, rounds, optimizer,
+                             precision, tensor_parallel)
+            break
+        except CalibrationRefused as refused:
+            if attempt == retries_after_refusal:
+                raise
+            progress(f"{refused}; calibrating once more from the start")
     write_costs(data, path)
     return read_costs(path)
 

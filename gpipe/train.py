@@ -243,7 +243,15 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
                           config.replicas, config.virtual_stages, config.zero, config.placement)
     system = resolve_system(hardware_of(args))
     workload = get_workload(config.model, {**config.options, "precision": config.precision})
-    return tuple(simulator_partition(workload, system, batch, candidate))
+    try:
+        return tuple(simulator_partition(workload, system, batch, candidate))
+    except GpipeInputError:
+        if args.hardware is not None:
+            raise
+        # the default system (this machine's CPU) has no peak for every precision the executor trains
+        # in (bf16 autocast runs on any CPU); the split only weighs layers against each other, so the
+        # ideal system's, as before the default was this machine, chooses it
+        return tuple(simulator_partition(workload, resolve_system("ideal"), batch, candidate))
 
 
 def check_checkpoint_dir(config) -> None:
