@@ -22,7 +22,7 @@ from sim.catalog.user_systems import catalog_name
 from sim.errors import GpipeInputError
 from sim.evidence.error_bands import BANDS_FILE, build_bands, regime_key
 from sim.evidence.replay import load_runs, replay
-from sim.formats.timeline import write_atomic
+from sim.formats.timeline import write_json_atomic
 from sim.views.progress import phase
 
 
@@ -60,13 +60,7 @@ def _is_development_set(path: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out")
     result = bands_of(args.file)
-    text = json.dumps(result, indent=1) + "\n"
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as handle:
-            handle.write(text)
-
-    write_atomic(args.out, write)
+    write_json_atomic(args.out, result)
     if args.json:
         json.dump({**result, "written_to": args.out}, sys.stdout)
         print()

@@ -17,7 +17,7 @@ import sys
 from gpipe.options import add_json_argument, add_out_argument, add_runs_file_argument, check_output_path
 from gpipe.replay import resolve_run_model
 from sim.catalog.kernel_model import EFFICIENCY_ENV
-from sim.formats.timeline import write_atomic
+from sim.formats.timeline import write_json_atomic
 
 DEFAULT_OUT = "gpu_efficiency.json"
 
@@ -35,13 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, "--out")
     result = fit(args.file, resolve_run_model)  # the runs priced as gpipe replay prices them
-    text = json.dumps(result, indent=1) + "\n"
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as handle:
-            handle.write(text)
-
-    write_atomic(args.out, write)
+    write_json_atomic(args.out, result)
     if args.json:
         json.dump({**result, "written_to": args.out}, sys.stdout)
         print()

@@ -241,9 +241,10 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON atomically (:func:`write_atomic`)."""
+    """Write JSON atomically (:func:`write_atomic`), ending in a newline as a text file does."""
     def write(tmp: str) -> None:
         with open(tmp, "w") as handle:
             json.dump(data, handle, indent=1)
+            handle.write("\n")
 
     write_atomic(path, write)
