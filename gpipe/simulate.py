@@ -14,7 +14,7 @@ from gpipe.options import (add_compile_argument, add_hardware_arguments, add_htm
 from sim.catalog.hardware import Link, System
 from sim.catalog.user_systems import resolve_system
 from sim.engine.engine import SimResult, simulate
-from sim.formats.layout import ParallelLayout
+from sim.formats.layout import ParallelLayout, check_chunked_partition
 from sim.engine.placement import check_placement
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.costs import measured_precision, read_costs
@@ -180,9 +180,8 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     check_placement(args.placement)
     check_zero(args.zero, args.replicas)
     partition = parse_partition(args.partition) if args.partition is not None else None
-    if partition is not None and len(partition) % virtual:
-        raise GpipeInputError(f"--partition has {len(partition)} entries, not a multiple of --virtual-stages "
-                              f"{virtual}; give V x K entries")
+    if partition is not None:
+        check_chunked_partition(partition, virtual, "--partition")
     if partition is not None and stages_given is not None and len(partition) != stages_given * virtual:
         raise GpipeInputError(f"--partition has {len(partition)} entries but --stages {stages_given} x "
                               f"--virtual-stages {virtual} needs {stages_given * virtual}; drop --stages or make "

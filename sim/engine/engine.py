@@ -56,7 +56,7 @@ from sim.engine.memory import static_bytes
 from sim.engine.placement import DEFAULT_PLACEMENT, device_of
 from sim.engine.replica_run import ReplicaRun
 from sim.errors import GpipeInputError
-from sim.formats.layout import ParallelLayout
+from sim.formats.layout import ParallelLayout, check_chunked_partition
 from sim.formats.plan import validate_partition
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import (Action, build_schedule, check_interleaving,
@@ -210,9 +210,7 @@ def check_layout(workload: Workload, system: System, partition: Sequence[int],
     """What :class:`sim.formats.layout.ParallelLayout` cannot check alone, one line each, before any
     work: the partition against the model and the layout's K and V, and the system's devices."""
     partition = validate_partition(partition, workload.num_layers)
-    if len(partition) % layout.virtual_stages:
-        raise GpipeInputError(f"partition has {len(partition)} entries, not a multiple of --virtual-stages "
-                              f"{layout.virtual_stages}; give V x K entries")
+    check_chunked_partition(partition, layout.virtual_stages)
     if len(partition) != layout.virtual_stage_count:
         raise GpipeInputError(f"partition has {len(partition)} entries but the layout has K={layout.stages} "
                               f"stages of V={layout.virtual_stages} chunks; give V x K entries")

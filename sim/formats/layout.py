@@ -73,9 +73,7 @@ class ParallelLayout:
         """The layout whose K is what ``partition`` (V x K entries) spreads over: its length over V."""
         virtual_stages = degrees.get("virtual_stages", 1)
         require_positive("virtual stages (V)", virtual_stages, "use --virtual-stages 1 or more")
-        if len(partition) % virtual_stages:
-            raise GpipeInputError(f"partition has {len(partition)} entries, not a multiple of --virtual-stages "
-                                  f"{virtual_stages}; give V x K entries")
+        check_chunked_partition(partition, virtual_stages)
         return cls(max(len(partition) // virtual_stages, 1), microbatches, checkpoint, schedule, **degrees)
 
     @property
@@ -102,3 +100,11 @@ class ParallelLayout:
     def virtual_stage_count(self) -> int:
         """V x K: the chunks the partition splits the model into."""
         return self.stages * self.virtual_stages
+
+
+def check_chunked_partition(partition: Sequence[int], virtual_stages: int, name: str = "partition") -> None:
+    """A partition lists V x K entries (V chunks on each of K devices): one line, naming ``name``,
+    when its length is not a multiple of V."""
+    if len(partition) % virtual_stages:
+        raise GpipeInputError(f"{name} has {len(partition)} entries, not a multiple of --virtual-stages "
+                              f"{virtual_stages}; give V x K entries")

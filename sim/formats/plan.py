@@ -33,7 +33,7 @@ from typing import Any
 
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
 from sim.errors import GpipeInputError, require_positive
-from sim.formats.layout import ParallelLayout
+from sim.formats.layout import ParallelLayout, check_chunked_partition
 from sim.formats.timeline import read_json, write_json_atomic
 from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
@@ -132,9 +132,7 @@ class Plan:
             raise GpipeInputError(f"dp_overlap must be true or false, got {self.dp_overlap!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
-        if len(self.partition) % self.virtual_stages:
-            raise GpipeInputError(f"partition has {len(self.partition)} entries, not a multiple of "
-                                  f"--virtual-stages {self.virtual_stages}; give V x K entries")
+        check_chunked_partition(self.partition, self.virtual_stages)
         if self.zero not in (0, 1):
             raise GpipeInputError(f"zero must be 0 or 1, got {self.zero!r}")
         check_placement(self.placement)
