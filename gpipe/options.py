@@ -189,7 +189,12 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser, recorded: str | Non
                        help="chunks of layers per device V: 2 or more with --schedule interleaved, 2 with zbv and "
                             "dualpipev (default 2 there, 1 elsewhere)")
     value, said = _default(0, recorded)
-    group.add_argument("--zero", type=int, default=value, help=f"1: shard optimizer state over the replicas, ZeRO-1 ({said})")
+    group.add_argument("--zero", type=int, default=value,
+                       help=f"shard over the replicas: 1 optimizer state (ZeRO-1), 2 and gradients (ZeRO-2), 3 and "
+                            f"parameters, gathered per block as FSDP does (ZeRO-3) ({said})")
+    group.add_argument("--shard-group", type=int, default=None, metavar="N",
+                       help="with --zero 2 or 3: shard within groups of N replicas and replicate across them "
+                            "(HSDP; default all replicas)")
     value, said = _default(DEFAULT_PLACEMENT, recorded)
     group.add_argument("--placement", default=value, action=Checked, check=check_placement,
                        help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} ({said})")
@@ -271,13 +276,12 @@ def virtual_stages_of(args: argparse.Namespace) -> int:
     return default_virtual_stages(args.schedule)
 
 
-def check_zero(zero: int, replicas: int | None = None) -> None:
-    """``--zero`` 0 or 1; 1 only with two replicas or more (where ``replicas`` is known)."""
-    if zero not in (0, 1):
-        raise GpipeInputError(f"--zero must be 0 or 1, got {zero}")
-    if zero == 1 and replicas == 1:
-        raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
-                              "--replicas 2 or more; use --zero 0 with one replica")
+def check_zero(zero: int, replicas: int | None = None, shard_group: int | None = None) -> None:
+    """``--zero`` 0-3, sharding only with two replicas or more (where ``replicas`` is known), and
+    ``--shard-group`` only with ZeRO-2/3, dividing D (:func:`sim.formats.layout.check_sharding`)."""
+    from sim.formats.layout import check_sharding
+
+    check_sharding(zero, replicas, shard_group)
 
 
 # ----------------------------------------------------------------------------- the hardware

@@ -118,8 +118,11 @@ def replica_rows(batch_size: int, replicas: int) -> list[int]:
 def check_data_parallel(config: ReplicaSettings) -> None:
     """The replica settings of ``config``, one line each: rows for every replica, ZeRO only with D > 1."""
     if config.zero and config.replicas == 1:
-        raise GpipeInputError("--zero 1 shards optimizer state over data-parallel replicas but --replicas is 1; "
+        raise GpipeInputError(f"--zero {config.zero} shards state over data-parallel replicas but --replicas is 1; "
                               "add --replicas 2 or more, or drop --zero")
+    if config.zero > 1:
+        raise GpipeInputError(f"--zero {config.zero} is planned and simulated but gpipe train does not run it yet; "
+                              "use --zero 1 or 0")
     replica_rows(config.batch_size, config.replicas)
 
 

@@ -42,11 +42,12 @@ class ParallelLayout:
     schedule: str = "gpipe"
     replicas: int = 1  # D
     virtual_stages: int = 1  # V chunks per device (the multi-chunk schedules); 1 otherwise
-    zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
+    zero: int = 0  # sharded over each stage's data-parallel group: 1 optimizer state, 2 and gradients, 3 and parameters
     placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which device runs which replica's stage
     tensor_parallel: int = 1  # T devices of one node per stage (sim.workloads.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
     context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
+    shard_group: int | None = None  # ZeRO-2/3 over groups of this many replicas, replicated across them (HSDP)
 
     def __post_init__(self) -> None:
         require_positive("stages (K)", self.stages, "use --stages 1 or more")
@@ -56,11 +57,7 @@ class ParallelLayout:
         _require_count("replicas (D)", self.replicas, "use --replicas 1 or more")
         require_positive("virtual stages (V)", self.virtual_stages, "use --virtual-stages 1 or more")
         check_virtual_stages(self.schedule, self.virtual_stages)
-        if self.zero not in (0, 1):
-            raise GpipeInputError(f"--zero must be 0 or 1, got {self.zero!r}")
-        if self.zero == 1 and self.replicas == 1:
-            raise GpipeInputError("--zero 1 shards optimizer state over the data-parallel group, which needs "
-                                  "--replicas 2 or more; use --zero 0 with one replica")
+        check_sharding(self.zero, self.replicas, self.shard_group)
         check_placement(self.placement)
         require_positive("tensor_parallel (T)", self.tensor_parallel, "use --tensor-parallel 1 or more")
         if not isinstance(self.sequence_parallel, bool):
@@ -75,6 +72,14 @@ class ParallelLayout:
         require_positive("virtual stages (V)", virtual_stages, "use --virtual-stages 1 or more")
         check_chunked_partition(partition, virtual_stages)
         return cls(max(len(partition) // virtual_stages, 1), microbatches, checkpoint, schedule, **degrees)
+
+    @property
+    def shard_ranks(self) -> int:
+        """The data-parallel ranks one stage's sharded state is split over: the shard group (HSDP),
+        else all D replicas; 1 without ZeRO."""
+        if not self.zero:
+            return 1
+        return self.shard_group or self.replicas
 
     @property
     def devices_per_stage(self) -> int:
@@ -100,6 +105,31 @@ class ParallelLayout:
     def virtual_stage_count(self) -> int:
         """V x K: the chunks the partition splits the model into."""
         return self.stages * self.virtual_stages
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+SHARDED_STATE = {1: "optimizer state", 2: "optimizer state and gradients",
+                 3: "parameters, gradients and optimizer state"}  # what each ZeRO stage splits over the replicas
+
+
+def check_sharding(zero: object, replicas: int | None = None, shard_group: object = None) -> None:
+    """ZeRO 0-3, sharding only over two replicas or more (where ``replicas`` is known), and a shard
+    group (HSDP) only with ZeRO-2/3, dividing D; one line each."""
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise GpipeInputError(f"--zero must be 0, 1, 2 or 3, got {zero!r}")
+    if zero and replicas == 1:
+        raise GpipeInputError(f"--zero {zero} shards {SHARDED_STATE[zero]} over the data-parallel group, which needs --replicas 2 "
+                              "or more; use --zero 0 with one replica")
+    if shard_group is None:
+        return
+    if isinstance(shard_group, bool) or not isinstance(shard_group, int) or shard_group < 1:
+        raise GpipeInputError(f"--shard-group must be a positive integer, got {shard_group!r}")
+    if zero < 2:
+        raise GpipeInputError(f"--shard-group {shard_group} shards parameters and gradients within groups of "
+                              f"replicas, which needs --zero 2 or 3 (got --zero {zero})")
+    if replicas is not None and replicas % shard_group:
+        raise GpipeInputError(f"--shard-group {shard_group} does not divide --replicas {replicas}; give a divisor "
+                              "of D (D itself shards over all replicas)")
 
 
 def check_chunked_partition(partition: Sequence[int], virtual_stages: int, name: str = "partition") -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
 from sim.errors import GpipeInputError, require_positive
-from sim.formats.layout import ParallelLayout, check_chunked_partition
+from sim.formats.layout import ParallelLayout, check_chunked_partition, check_sharding
 from sim.formats.timeline import read_json, write_json_atomic
 from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
@@ -102,13 +102,14 @@ class Plan:
     precision: str = DEFAULT_PRECISION
     replicas: int = 1  # D data-parallel copies of the pipeline; batch_size is the global batch
     virtual_stages: int = 1  # V chunks per device (the interleaved schedule); 1 otherwise
-    zero: int = 0  # 1: optimizer state sharded over each stage's data-parallel group
+    zero: int = 0  # sharded over each stage's data-parallel group: 1 optimizer state, 2 and gradients, 3 and parameters
     placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which device runs which replica's stage
     tensor_parallel: int = 1  # T devices of one node per stage (sim.workloads.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
     context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
     dp_overlap: bool = False  # timed with the data-parallel reduction inside the last backward (Megatron's)
     costs: CostsRef | None = None  # the measured costs it was priced with; None: the catalog's models
+    shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
 
     @property
     def stages(self) -> int:
@@ -120,7 +121,7 @@ class Plan:
         """The plan's parallel layout as the planner and the engine take it (the file keeps its keys flat)."""
         return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
                               self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
-                              self.sequence_parallel, self.context_parallel)
+                              self.sequence_parallel, self.context_parallel, self.shard_group)
 
     def __post_init__(self) -> None:
         validate_partition(self.partition, self.model.num_layers)
@@ -133,8 +134,7 @@ class Plan:
         if not isinstance(self.sequence_parallel, bool):
             raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         check_chunked_partition(self.partition, self.virtual_stages)
-        if self.zero not in (0, 1):
-            raise GpipeInputError(f"zero must be 0 or 1, got {self.zero!r}")
+        check_sharding(self.zero, self.replicas, self.shard_group)
         check_placement(self.placement)
         check_hardware(self.hardware)
         require_positive("batch size", self.batch_size, "use --batch 1 or more")
@@ -153,6 +153,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["partition"] = list(self.partition)
+        if self.shard_group is None:  # sharded over all replicas: the files of plans without HSDP stay as they were
+            del data["shard_group"]
         return data
 
 
@@ -232,6 +234,7 @@ def plan_from_dict(data: Any) -> Plan:
             context_parallel=data.get("context_parallel", 1),
             dp_overlap=data.get("dp_overlap", False),
             costs=costs_ref_from_dict(data.get("costs"), "costs"),
+            shard_group=data.get("shard_group"),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None

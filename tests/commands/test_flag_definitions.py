@@ -91,7 +91,7 @@ def test_every_command_that_prints_a_result_takes_json(command):
     (["--checkpoint", "sometimes"], "unknown checkpoint policy 'sometimes'; choose one of"),
     (["--schedule", "zigzag"], "unknown schedule 'zigzag'; choose one of"),
     (["--placement", "scattered"], "unknown placement 'scattered'; choose one of"),
-    (["--zero", "2"], "--zero must be 0 or 1, got 2"),
+    (["--zero", "4"], "--zero must be 0, 1, 2 or 3, got 4"),
     (["--device", "tpu"], "unknown --device 'tpu' (did you mean cpu?); choose one of cpu, cuda"),
     (["--loss", "hinge"], "unknown --loss 'hinge'; choose one of mse, cross_entropy"),
     (["--init", "random"], "unknown --init 'random'; choose one of factory, meta"),
