@@ -29,7 +29,7 @@ from sim.views.progress import phase
 def named_model_rows() -> list[dict[str, Any]]:
     """Each named model's shape, parameters and where the figures come from (``--list-models --json``)."""
     from sim.workloads.models import get_workload
-    from sim.workloads.moe_workload import named_moe_workload
+    from sim.workloads.moe.workload import named_moe_workload
     from sim.workloads.named_models import named_models, named_options
 
     rows = []

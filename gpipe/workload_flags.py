@@ -24,7 +24,7 @@ from sim.formats.costs import measured_precision, read_costs
 from sim.workloads import resolve
 from sim.workloads.decoder_shape import ANALYSES, ANALYSIS_KEYS, HF_OPTIONS, ShapedWorkload
 from sim.workloads.model_defaults import DEFAULT_BATCH
-from sim.workloads.moe_workload import MoEWorkload, hf_moe_workload
+from sim.workloads.moe.workload import MoEWorkload, hf_moe_workload
 from sim.workloads.precision import choose_precision
 from sim.workloads.workload import Workload
 
@@ -64,7 +64,7 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
                                   "structure) or meta (measured op by op on the meta device)")
         if analysis == "shape" or by_shape:
             moe = hf_moe_config(model, options)  # type: ignore[arg-type]
-            if moe is not None:  # a mixture of experts: priced by its config's fields (sim.workloads.moe_config)
+            if moe is not None:  # a mixture of experts: priced by its config's fields (sim.workloads.moe.config)
                 return hf_moe_workload(model, options, moe)  # type: ignore[arg-type]
             try:
                 from executor.models.hf_shape import decoder_shape
@@ -79,9 +79,9 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
 def hf_moe_config(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
     """The ``transformers`` config's fields of ``model`` (``hf:<type>`` or ``hf-config:PATH``) with
     ``options`` when its type is a mixture of experts the MoE shape reads
-    (:data:`sim.workloads.moe_config.MOE_TYPES`), else None; one line if the config refuses them."""
-    from sim.workloads.moe_config import MOE_TYPES
-    from sim.workloads.moe_options import MOE_KNOBS
+    (:data:`sim.workloads.moe.config.MOE_TYPES`), else None; one line if the config refuses them."""
+    from sim.workloads.moe.config import MOE_TYPES
+    from sim.workloads.moe.options import MOE_KNOBS
 
     try:
         from executor.models.hf import _transformers, _type_and_fields

@@ -10,7 +10,7 @@ or the sequence (``seq=4096``). ``gpipe train --model NAME`` trains the config's
 where the executor has it (``hf-config:`` of the packaged file).
 
 Mixtures of experts (``deepseek-v3``, ``qwen3-30b-a3b``, ``mixtral-8x7b``, ...) are planned by their
-config's fields as the MoE transformer (:mod:`sim.workloads.moe_workload`, with RMSNorms, rotary
+config's fields as the MoE transformer (:mod:`sim.workloads.moe.workload`, with RMSNorms, rotary
 positions and the config's biases); ``published`` keeps the total and active parameters their
 makers state, which the tests hold the counts to.
 
@@ -44,7 +44,7 @@ class NamedModel:
     config_path: str  # the packaged Hugging Face config.json
     seq: int  # the sequence length it was pre-trained at: the default tokens per sample
     source: str
-    moe: bool = False  # a mixture of experts: planned by sim.workloads.moe_workload
+    moe: bool = False  # a mixture of experts: planned by sim.workloads.moe.workload
     # what its makers state: total and active parameters, and whether their active count has the input embedding
     published: dict[str, Any] | None = None
 

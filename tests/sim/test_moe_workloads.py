@@ -11,8 +11,8 @@ from gpipe.main import main
 from sim.catalog.kernel_model import GROUPED_MATMUL_RELATIVE, KernelEfficiency, layer_times
 from sim.errors import GpipeInputError
 from sim.workloads.layer_spec import LayerSpec
-from sim.workloads.moe_layers import expected_max_load, moe_layer_set
-from sim.workloads.moe_workload import MoEWorkload, named_moe_workload
+from sim.workloads.moe.layers import expected_max_load, moe_layer_set
+from sim.workloads.moe.workload import MoEWorkload, named_moe_workload
 from sim.workloads.named_models import named_models
 from sim.workloads.resolve import resolve_workload
 

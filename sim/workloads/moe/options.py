@@ -8,10 +8,10 @@ latent attention's and multi-token prediction's, each converted and checked, one
 - ``capacity_factor``: 0 dropless (every assignment computed, as Megatron-Core and DeepSeek-V3 train);
   C > 0 pads each expert to C x its mean load and drops what is above it.
 - ``expert_imbalance``: the most loaded expert's tokens over the mean (0: the balls-into-bins figure
-  of a router balanced in expectation, :func:`sim.workloads.moe_layers.expected_max_load`).
+  of a router balanced in expectation, :func:`sim.workloads.moe.layers.expected_max_load`).
 - ``expert_biases``, ``router_bias``: gpt-oss's biases on the experts' matmuls and the router.
 - ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``:
-  multi-head latent attention when ``kv_lora_rank`` > 0 (:mod:`sim.workloads.latent_attention`).
+  multi-head latent attention when ``kv_lora_rank`` > 0 (:mod:`sim.workloads.moe.latent_attention`).
 - ``mtp_layers``: DeepSeek-V3's multi-token prediction modules after the last block.
 """
 

@@ -42,7 +42,7 @@ import dataclasses
 import math
 from typing import Any
 
-from sim.workloads.latent_attention import is_latent, latent_attention_delta, qk_head_dim
+from sim.workloads.moe.latent_attention import is_latent, latent_attention_delta, qk_head_dim
 from sim.workloads.layer_spec import INDEX_BYTES, STAT_BYTES, LayerSpec, weights_read
 from sim.workloads.precision import FP32_BYTES, Precision, precision_of
 from sim.workloads.transformer import transformer_layers
@@ -128,13 +128,14 @@ def add_specs(a: LayerSpec, b: LayerSpec, name: str | None = None) -> LayerSpec:
     size = max(a.tp_allreduce_bytes_per_row, b.tp_allreduce_bytes_per_row)
     values["tp_allreduce_bytes_per_row"] = size
     for key in ("tp_allreduces_forward", "tp_allreduces_backward", "tp_allreduces_backward_waited"):
-        values[key] = sum(getattr(spec, key) * spec.tp_allreduce_bytes_per_row / size for spec in (a, b)) if size else 0.0
+        scaled = (getattr(spec, key) * spec.tp_allreduce_bytes_per_row / size for spec in (a, b)) if size else ()
+        values[key] = sum(scaled, 0.0)
     return LayerSpec(**values)
 
 
 def _base_options(o: dict[str, Any]) -> dict[str, Any]:
     """The transformer's options of the MoE model's attention and dense MLP (MLA: h heads of qk width)."""
-    from sim.workloads.moe_options import MOE_DEFAULTS
+    from sim.workloads.moe.options import MOE_DEFAULTS
 
     base = {k: v for k, v in o.items() if k not in MOE_DEFAULTS}
     if is_latent(o):
@@ -142,7 +143,8 @@ def _base_options(o: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def _mtp_module(block: LayerSpec, head: LayerSpec, o: dict[str, Any], s: int, t: int, sp: bool, p: Precision) -> LayerSpec:
+def _mtp_module(block: LayerSpec, head: LayerSpec, o: dict[str, Any], s: int, t: int, sp: bool,
+                p: Precision) -> LayerSpec:
     """One multi-token prediction module (DeepSeek-V3 report, section 2.2): the next token's embedding and
     the stream, each normalised, concatenated and projected 2d -> d, one MoE block, the shared head's
     norm and matmul over the vocabulary and a loss. The embedding and the head's weight are the main
@@ -166,7 +168,7 @@ def _mtp_module(block: LayerSpec, head: LayerSpec, o: dict[str, Any], s: int, t:
 
 def moe_transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int = 1) -> list[LayerSpec]:
     """[Embedding, ``layers`` blocks (dense or MoE), ``mtp_layers`` MTP modules, Head] for the MoE
-    transformer's options ``o`` (:mod:`sim.workloads.moe_options`), one of T x C devices' share."""
+    transformer's options ``o`` (:mod:`sim.workloads.moe.options`), one of T x C devices' share."""
     base = _base_options(o)
     dense = transformer_layers(base, tp, sp, cp)
     sparse = transformer_layers({**base, "ff": 0}, tp, sp, cp)

@@ -1,7 +1,7 @@
-"""A mixture-of-experts decoder as a workload: its layers (:mod:`sim.workloads.moe_layers`), its total and
+"""A mixture-of-experts decoder as a workload: its layers (:mod:`sim.workloads.moe.layers`), its total and
 active parameters, and the model FLOPs per token that MFU counts.
 
-Built from a config's fields (:mod:`sim.workloads.moe_config`) for a named model
+Built from a config's fields (:mod:`sim.workloads.moe.config`) for a named model
 (``--model deepseek-v3``) or a Hugging Face type (``--model hf:mixtral``). ``describe()`` names the
 model and the options it was given, as a plan file records them, with the priced options as
 ``shape`` (as :class:`sim.workloads.decoder_shape.ShapedWorkload` does).
@@ -21,10 +21,10 @@ import copy
 from typing import Any
 
 from sim.catalog.hardware import Link
-from sim.workloads.latent_attention import is_latent, qk_head_dim
+from sim.workloads.moe.latent_attention import is_latent, qk_head_dim
 from sim.workloads.models import AnalyticWorkload
-from sim.workloads.moe_layers import expected_max_load, moe_layer_set, moe_transformer_layers
-from sim.workloads.moe_options import resolve_moe_options
+from sim.workloads.moe.layers import expected_max_load, moe_layer_set, moe_transformer_layers
+from sim.workloads.moe.options import resolve_moe_options
 
 
 class MoEWorkload(AnalyticWorkload):
@@ -116,8 +116,8 @@ def named_moe_workload(name: str, options: dict[str, Any]) -> MoEWorkload:
     the analysis' (``precision``, ``optimizer_slots``, ``attention``, ``compile``) and the MoE pricing's
     (``capacity_factor``, ``expert_imbalance``); one line for anything else."""
     from sim.errors import GpipeInputError
-    from sim.workloads.moe_config import assumed_lines, moe_options
-    from sim.workloads.moe_options import MOE_KNOBS
+    from sim.workloads.moe.config import assumed_lines, moe_options
+    from sim.workloads.moe.options import MOE_KNOBS
     from sim.workloads.named_models import ANALYSIS_KEYS, config_of, named_models
 
     config = config_of(name)
@@ -138,8 +138,8 @@ def hf_moe_workload(name: str, options: dict[str, Any], config: dict[str, Any]) 
     (``to_dict()``), with ``options`` as given (config fields, ``seq``, the analysis' and the MoE
     pricing's)."""
     from sim.workloads.decoder_shape import ANALYSIS_KEYS, HF_OPTIONS
-    from sim.workloads.moe_config import assumed_lines, moe_options
-    from sim.workloads.moe_options import MOE_KNOBS
+    from sim.workloads.moe.config import assumed_lines, moe_options
+    from sim.workloads.moe.options import MOE_KNOBS
 
     priced = moe_options(config, int(options.get("seq", HF_OPTIONS["seq"])), name)
     priced["attention"] = options.get("attention", HF_OPTIONS["attention"])

@@ -11,7 +11,7 @@ torch-free, with the field names of ``transformers``' own configuration and mode
   dense MLPs of ``intermediate_size``, then MoE every ``moe_layer_freq``-th layer (``i %
   moe_layer_freq == 0``; absent: every layer); multi-head latent attention (``q_lora_rank``,
   ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``:
-  :mod:`sim.workloads.latent_attention`) and ``num_nextn_predict_layers`` multi-token prediction modules.
+  :mod:`sim.workloads.moe.latent_attention`) and ``num_nextn_predict_layers`` multi-token prediction modules.
 - ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B): ``num_experts`` (``num_local_experts`` in
   transformers 5) of ``moe_intermediate_size``, layer ``i`` MoE when ``(i + 1) % decoder_sparse_step
   == 0`` and not in ``mlp_only_layers`` (those dense of ``intermediate_size``); norms over q and k.
@@ -42,11 +42,6 @@ _EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
 
 def _get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return next((config[key] for key in keys if config.get(key) is not None), default)
-
-
-def is_moe_config(config: dict[str, Any]) -> bool:
-    """Whether ``config`` (a config.json or a ``transformers`` config's ``to_dict()``) has routed experts."""
-    return bool(_get(config, *_EXPERT_FIELDS, default=0))
 
 
 def moe_layer_indices(config: dict[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
@@ -82,7 +77,7 @@ def _windows(config: dict[str, Any], model_type: str, layers: int) -> str:
 
 
 def moe_options(config: dict[str, Any], seq: int, name: str) -> dict[str, Any]:
-    """The MoE transformer's options (:mod:`sim.workloads.moe_layers`) for a MoE ``config``; one line
+    """The MoE transformer's options (:mod:`sim.workloads.moe.layers`) for a MoE ``config``; one line
     naming what is missing or not modelled."""
     model_type = str(config.get("model_type", ""))
     if model_type not in MOE_TYPES:
