@@ -50,7 +50,8 @@ def format_named_models() -> str:
         lines.append(f"{r['name']:16} {r['parameter_count'] / 1e9:>7.1f}B {r['layers']:>6} {r['d_model']:>7} "
                      f"{heads:>9} {r['ff']:>6} {r['seq']:>6}  {r['source']}")
     lines.append("heads: query/key-value heads; params of the built-in transformer of that shape (learned positions "
-                 "and biases included); --option seq=N or a config field (num_hidden_layers=40) changes one")
+                 "and biases included; a mixture of experts' every expert, its MTP modules too); --option seq=N or a "
+                 "config field (num_hidden_layers=40) changes one")
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ import math
 from typing import Any
 
 from sim.workloads.moe.latent_attention import is_latent, latent_attention_delta, qk_head_dim
+from sim.workloads.moe.options import MOE_DEFAULTS
 from sim.workloads.layer_spec import INDEX_BYTES, STAT_BYTES, LayerSpec, weights_read
 from sim.workloads.precision import FP32_BYTES, Precision, precision_of
 from sim.workloads.transformer import transformer_layers
@@ -135,8 +136,6 @@ def add_specs(a: LayerSpec, b: LayerSpec, name: str | None = None) -> LayerSpec:
 
 def _base_options(o: dict[str, Any]) -> dict[str, Any]:
     """The transformer's options of the MoE model's attention and dense MLP (MLA: h heads of qk width)."""
-    from sim.workloads.moe.options import MOE_DEFAULTS
-
     base = {k: v for k, v in o.items() if k not in MOE_DEFAULTS}
     if is_latent(o):
         base.update({"head_dim": qk_head_dim(o), "kv_heads": 0})
