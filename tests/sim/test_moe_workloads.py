@@ -121,8 +121,11 @@ def test_expected_maximum_expert_load():
     assert named_moe_workload("deepseek-v3", {}).expected_max_load(4096) > 1.1
 
 
-def test_bad_moe_options_are_one_line():
-    with pytest.raises(GpipeInputError, match="top_k=9 is above experts=8"):
+def test_bad_moe_options_are_one_line(capsys):
+    assert main(["simulate", "--model", "mixtral-8x7b", "--option", "num_experts_per_tok=9", "--stages", "2"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("gpipe: error: top_k=9") and error.count("\n") == 1
+    with pytest.raises(GpipeInputError, match=r"top_k=9 \(a config's num_experts_per_tok\) is above experts=8"):
         named_moe_workload("mixtral-8x7b", {"num_experts_per_tok": 9})
     with pytest.raises(GpipeInputError, match="capacity_factor='-1'"):
         named_moe_workload("mixtral-8x7b", {"capacity_factor": "-1"})

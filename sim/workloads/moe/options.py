@@ -72,8 +72,9 @@ def resolve_moe_options(options: dict[str, Any], model: str = "moe transformer")
     merged = resolve_options("transformer", {k: v for k, v in options.items() if k not in MOE_DEFAULTS})
     moe = {key: _check(key, value, model) for key, value in moe.items()}
     if moe["top_k"] > moe["experts"]:
-        raise GpipeInputError(f"top_k={moe['top_k']} is above experts={moe['experts']} for model {model}; each "
-                              "token is routed to at most every expert: choose top_k from 1 to experts")
+        raise GpipeInputError(f"top_k={moe['top_k']} (a config's num_experts_per_tok) is above experts="
+                              f"{moe['experts']} for model {model}; each token is routed to at most every expert: "
+                              "choose from 1 to the experts")
     moe["expert_ff"] = moe["expert_ff"] or merged["ff"]
     layers = [int(i) for i in moe["moe_layers"].split(",")] if moe["moe_layers"] != "none" else []
     if any(i >= merged["layers"] for i in layers):
