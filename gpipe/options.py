@@ -290,10 +290,23 @@ def add_hardware_argument(parser: Any, use: str = "the system to predict on", se
     system comes first)."""
     listed = " (several separated by commas are each searched and ranked together)" if several else ""
     recorded = "the --costs file's system, else " if files else ""
-    parser.add_argument("--hardware", default=None, metavar="SYSTEM",
+    one = {} if several else {"action": Checked, "check": one_system}
+    parser.add_argument("--hardware", default=None, metavar="SYSTEM", **one,
                         help=f"{use}: one of {', '.join(SYSTEMS)}{listed}, or a system file FILE.json (docs/planning.md, "
                              f"'Your own cluster') (default: {recorded}{DEFAULT_HARDWARE}, "
                              f"this machine{'; a --plan file names its own' if files else ''})")
+
+
+def one_system(value: str) -> str:
+    """A check for :class:`Checked`: ``--hardware`` of a command that predicts on one system; a
+    comma-separated list (which ``gpipe plan`` ranks) is one line, unless it is a file's path."""
+    import os
+
+    names = [name for name in value.split(",") if name.strip()]
+    if "," in value and not os.path.isfile(value):
+        raise GpipeInputError(f"--hardware {value!r} names {len(names)} systems, but only gpipe plan takes several "
+                              f"(it ranks them together); give one, e.g. --hardware {names[0] if names else 'h100-nvlink'}")
+    return value
 
 
 def add_hardware_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
