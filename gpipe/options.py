@@ -302,10 +302,10 @@ def one_system(value: str) -> str:
     comma-separated list (which ``gpipe plan`` ranks) is one line, unless it is a file's path."""
     import os
 
-    names = [name for name in value.split(",") if name.strip()]
     if "," in value and not os.path.isfile(value):
-        raise GpipeInputError(f"--hardware {value!r} names {len(names)} systems, but only gpipe plan takes several "
-                              f"(it ranks them together); give one, e.g. --hardware {names[0] if names else 'h100-nvlink'}")
+        first = next((name.strip() for name in value.split(",") if name.strip()), "h100-nvlink")
+        raise GpipeInputError(f"--hardware {value!r} is a list, but only gpipe plan takes several systems (it ranks "
+                              f"them together); give one, e.g. --hardware {first}")
     return value
 
 

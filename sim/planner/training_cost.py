@@ -12,8 +12,9 @@ Model FLOPs per token are PaLM's (Chowdhery et al. 2022, Appendix B): 6N + 12 L 
 parameters that take part in matrix multiplies (all but the input token table, unless it is tied
 to the head, and a learned position table), L layers whose attention is d wide (heads x head_dim)
 and s tokens of context; a forward and a backward, no re-materialisation (which is why it is the
-*model* FLOPs utilisation). Megatron-LM and NeMo report "model TFLOP/s" by the same count. The peak is the device's dense peak at the
-precision the matrix multiplies run at (fp8's for ``--precision fp8``, bf16's for the bf16 ones).
+*model* FLOPs utilisation). Megatron-LM and NeMo report "model TFLOP/s" by the same count. The
+peak is the device's dense peak at the precision the matrix multiplies run at (fp8's for
+``--precision fp8``, bf16's for the bf16 ones).
 
 Limits: the step is the simulator's prediction, so every limit of the model carries over; no
 failures, restarts, evaluation or checkpointing time; prices are on-demand list prices of the date

@@ -100,5 +100,5 @@ def test_several_systems_are_ranked_by_plan_and_one_line_elsewhere(tmp_path):
     for command in (SIMULATE, ("train", "--model", "transformer", "--stages", "1", "--steps", "1")):
         proc = gpipe(*command, "--hardware", "a100-nvlink,h100-nvlink")
         assert proc.returncode == 2 and proc.stdout == ""
-        assert proc.stderr == ("gpipe: error: --hardware 'a100-nvlink,h100-nvlink' names 2 systems, but only gpipe "
-                               "plan takes several (it ranks them together); give one, e.g. --hardware a100-nvlink\n")
+        assert proc.stderr == ("gpipe: error: --hardware 'a100-nvlink,h100-nvlink' is a list, but only gpipe plan "
+                               "takes several systems (it ranks them together); give one, e.g. --hardware a100-nvlink\n")
