@@ -28,7 +28,7 @@ nodes). Memory is the same either way. A stage of such a layout is a group of wh
 pipeline sends and its data-parallel all-reduce cross nodes, each member on its own NIC
 (:func:`tensor_parallel_system`). Limits: the ring's steps are not contended by the data-parallel or
 pipeline traffic on the same NICs; a T x C that neither divides a node nor fills whole ones (a group
-straddling a node boundary) is refused.
+straddling a node boundary), or that is more devices than the system has, is refused.
 
 Measured costs (``--costs FILE``) split a stage as the file's profile of the layers split over T
 ranks says (:mod:`calibrate.measure.tp_profile`): each layer's time there includes its collectives and the
@@ -134,6 +134,12 @@ def check_context_parallel(context_parallel: int, workload: Workload, system: Sy
                               f"{system.devices_per_node} devices per node and tensor parallelism stays inside one; "
                               f"use --tensor-parallel {system.devices_per_node} or less")
     context_parallel_span(system, tensor_parallel, context_parallel)
+    group = tensor_parallel * context_parallel
+    if group > system.total_devices:
+        raise GpipeInputError(f"--tensor-parallel {tensor_parallel} x --context-parallel {context_parallel} = {group} "
+                              f"devices per stage but {system.name} with {system.nodes} node(s) has "
+                              f"{system.total_devices}; use --nodes {-(-group // system.devices_per_node)} or more, "
+                              "or a smaller T or C")
 
 
 def context_parallel_span(system: System, tensor_parallel: int, context_parallel: int) -> tuple[int, int]:

@@ -69,11 +69,21 @@ def test_the_c_copies_sum_their_gradients_on_the_node():
     # 128 devices neither divide a 72-GPU rack nor fill whole racks: a group would straddle two
     ({}, 2, 64, "gb200-nvl72", "128 devices per stage must divide gb200-nvl72's 72 devices per node or fill whole"),
     ({}, 1, 0, "h100-nvlink", "--context-parallel"),
+    ({}, 1, 16, "h100-nvlink", "16 devices per stage but h100-nvlink with 1 node\\(s\\) has 8; use --nodes 2"),
 ])
 def test_what_cannot_be_split_is_one_line(change, tp, cp, hardware, message):
     with pytest.raises(GpipeInputError, match=message) as raised:
         with_tensor_parallel(get_workload("transformer", {**LONG, **change}), get_system(hardware), tp, False, cp)
     assert "\n" not in str(raised.value)
+
+
+def test_the_planner_searches_only_the_t_whose_group_the_nodes_hold():
+    from sim.planner.space import SearchSpace, tensor_parallel_values
+
+    space = SearchSpace((), context_parallel=8)
+    workload = get_workload("transformer", {**LONG, "heads": 16, "kv_heads": 16})
+    assert tensor_parallel_values(space, workload, get_system("h100-nvlink", 2)) == [1, 2]  # 8 and 16 devices
+    assert tensor_parallel_values(space, workload, get_system("h100-nvlink", 8)) == [1, 2, 4, 8]
 
 
 def test_tensor_parallelism_beyond_a_node_is_refused_with_context_parallelism_too():
