@@ -294,10 +294,23 @@ def add_hardware_argument(parser: Any, use: str = "the system to predict on", se
     system comes first)."""
     listed = " (several separated by commas are each searched and ranked together)" if several else ""
     recorded = "the --costs file's system, else " if files else ""
-    parser.add_argument("--hardware", default=None, metavar="SYSTEM",
+    one = {} if several else {"action": Checked, "check": one_system}
+    parser.add_argument("--hardware", default=None, metavar="SYSTEM", **one,
                         help=f"{use}: one of {', '.join(SYSTEMS)}{listed}, or a system file FILE.json (docs/planning.md, "
                              f"'Your own cluster') (default: {recorded}{DEFAULT_HARDWARE}, "
                              f"this machine{'; a --plan file names its own' if files else ''})")
+
+
+def one_system(value: str) -> str:
+    """A check for :class:`Checked`: ``--hardware`` of a command that predicts on one system; a
+    comma-separated list (which ``gpipe plan`` ranks) is one line, unless it is a file's path."""
+    import os
+
+    if "," in value and not os.path.isfile(value):
+        first = next((name.strip() for name in value.split(",") if name.strip()), "h100-nvlink")
+        raise GpipeInputError(f"--hardware {value!r} is a list, but only gpipe plan takes several systems (it ranks "
+                              f"them together); give one, e.g. --hardware {first}")
+    return value
 
 
 def add_hardware_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:

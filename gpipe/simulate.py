@@ -257,7 +257,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
     if args.json:
         data = result.to_dict()
         data["precision"] = precision
-        data["hardware"] = {"system": system.name, "nodes": system.nodes}
+        data["hardware"] = {"system": system.name, "nodes": system.nodes * system.nodes_per_device}
         data["tensor_parallel"] = getattr(workload, "tensor_parallel", 1)
         data["sequence_parallel"] = getattr(workload, "sequence_parallel", False)
         data["context_parallel"] = getattr(workload, "context_parallel", 1)
@@ -304,8 +304,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
                   "devices of one node; memory and busy time are one device's")
         context_parallel = getattr(workload, "context_parallel", 1)
         if context_parallel > 1:
-            print(f"context parallel C={context_parallel}: each sequence split over {context_parallel} devices of the "
-                  f"node ({tensor_parallel * context_parallel} per stage); memory and busy time are one device's")
+            where = ("the node" if system.nodes_per_device == 1 else
+                     f"{system.nodes_per_device} nodes, its ring on the inter-node link")
+            print(f"context parallel C={context_parallel}: each sequence split over {context_parallel} devices of "
+                  f"{where} ({tensor_parallel * context_parallel} per stage); memory and busy time are one device's")
         for flag, path in (("trace", args.trace), ("timeline", args.html)):
             if path:
                 print(f"{flag} written to {path}")

@@ -146,6 +146,9 @@ class System:
     source: str = ""  # where the node's layout (devices, links, NICs) comes from
     price_per_device_hour: float | None = None  # USD, on-demand; None where no list price was found
     price_source: str = ""  # who lists the price, and when it was seen
+    # nodes one device of this system spans: 1, except in the pipeline's view of T x C groups that fill
+    # whole nodes (sim.workloads.tensor_parallel.tensor_parallel_system), where each group is one device
+    nodes_per_device: int = 1
 
     @property
     def total_devices(self) -> int:

@@ -120,11 +120,13 @@ def _from_object(data: Any, nodes: int, kernels: KernelEfficiency | None, fitted
 def _over_base(base: dict[str, Any], override: dict[str, Any], base_device: str, where: str) -> dict[str, Any]:
     """The base's keys with ``override``'s in their place (a figure in another unit replaces the
     base's), each overridden figure cited with the override's source or as given; unnamed, the
-    system and its device are named after the base and what changed."""
+    system and its device are named after the base and the keys that changed (:func:`short_name`),
+    a key given with the base's own value changing nothing."""
     merged = {key: value for key, value in base.items() if key != "sources"}
     given = override.get("sources", {})
     sources = {**base.get("sources", {}), **given}
-    changed = [key for key in override if key not in ("base", "sources", "name", "description", "device")]
+    changed = [key for key in override if key not in ("base", "sources", "name", "description", "device")
+               and not (key in base and base[key] == override[key])]
     for key in changed:
         for pair in ONE_OF:
             if key in pair:
@@ -133,13 +135,25 @@ def _over_base(base: dict[str, Any], override: dict[str, Any], base_device: str,
         merged[key] = override[key]
         sources[key] = given.get(key, f"given in {where}")
     what = ", ".join(f"{key} {override[key]}" for key in changed if not isinstance(override[key], dict))
-    merged["name"] = override.get("name", f"{override['base']} with {what}" if what else override["base"])
+    merged["name"] = override.get("name", short_name(override["base"], changed))
     merged["description"] = override.get("description", f"{base.get('description', override['base'])}, with {what}"
                                           if what else base.get("description", ""))
-    device_changes = ", ".join(f"{key} {override[key]}" for key in changed if key in DEVICE_FIGURES)
-    merged["device"] = override.get("device", f"{base_device} with {device_changes}" if device_changes else base_device)
+    merged["device"] = override.get("device", short_name(base_device, [key for key in changed
+                                                                       if key in DEVICE_FIGURES]))
     merged["sources"] = sources
     return merged
+
+
+SHORT_NAME_KEYS = 3  # overridden keys an automatic name lists before it counts the rest
+
+
+def short_name(base: str, keys: list[str]) -> str:
+    """An override's automatic name: the base's and the keys it changes, ``h100-nvlink+memory_gib``
+    (the values are in the description and the sources), the fourth key on counted."""
+    if not keys:
+        return base
+    more = len(keys) - SHORT_NAME_KEYS
+    return "+".join([base, *keys[:SHORT_NAME_KEYS]]) + (f"+{more} more" if more > 0 else "")
 
 
 def _sourced(data: dict[str, Any], where: str) -> dict[str, Any]:

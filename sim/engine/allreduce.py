@@ -60,9 +60,18 @@ def group_allreduce_s(nbytes: float, devices: Sequence[int], system: System, lin
         per_node[node] = per_node.get(node, 0) + 1
     if len(per_node) == 1:
         return ring_allreduce_s(nbytes, parties, system.intra_link)
-    inside = max(per_node.values())
-    intra_s = ring_allreduce_s(nbytes, inside, system.intra_link)  # reduce-scatter + all-gather
-    return intra_s + ring_allreduce_s(nbytes / inside, len(per_node), system.inter_link)
+    return hierarchical_allreduce_s(nbytes, max(per_node.values()), len(per_node), system.intra_link,
+                                    system.inter_link)
+
+
+def hierarchical_allreduce_s(nbytes: float, inside: int, nodes: int, intra: Link, inter: Link) -> float:
+    """All-reduce of ``nbytes`` among ``inside`` members on each of ``nodes`` nodes (module docstring):
+    a ring among the members of a node on ``intra``, then each 1/inside shard among the nodes on
+    ``inter``; a flat ring on ``intra`` on one node."""
+    intra_s = ring_allreduce_s(nbytes, inside, intra)  # reduce-scatter + all-gather
+    if nodes <= 1:
+        return intra_s
+    return intra_s + ring_allreduce_s(nbytes / inside, nodes, inter)
 
 
 def data_parallel_group(stage: int, replicas: int, stages: int, placement: str = DEFAULT_PLACEMENT) -> list[int]:

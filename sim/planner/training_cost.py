@@ -9,10 +9,12 @@ From a plan's predicted step (``step_s`` for ``tokens_per_step`` tokens on ``dev
     cost          = device-hours x price per device-hour
 
 Model FLOPs per token are PaLM's (Chowdhery et al. 2022, Appendix B): 6N + 12 L d s for N the
-parameters that take part in matrix multiplies (all but the input embedding and the position table),
-L layers of width d and s tokens of context; a forward and a backward, no re-materialisation
-(which is why it is the *model* FLOPs utilisation). The peak is the device's dense peak at the
-precision the matrix multiplies run at (fp8's for ``--precision fp8``, bf16's for the bf16 ones).
+parameters that take part in matrix multiplies (all but the input token table, unless it is tied
+to the head, and a learned position table), L layers whose attention is d wide (heads x head_dim)
+and s tokens of context; a forward and a backward, no re-materialisation (which is why it is the
+*model* FLOPs utilisation). Megatron-LM and NeMo report "model TFLOP/s" by the same count. The
+peak is the device's dense peak at the precision the matrix multiplies run at (fp8's for
+``--precision fp8``, bf16's for the bf16 ones).
 
 Limits: the step is the simulator's prediction, so every limit of the model carries over; no
 failures, restarts, evaluation or checkpointing time; prices are on-demand list prices of the date
@@ -51,10 +53,20 @@ class TrainingCost:
 
 def model_flops_per_token(options: dict[str, Any], parameter_count: int) -> float:
     """PaLM's model FLOPs per token of the built-in transformer's ``options`` (a named or Hugging
-    Face model planned by its shape included): 6N + 12 L d s, N without the input embedding."""
-    d, seq, layers, vocab = (int(options[k]) for k in ("d_model", "seq", "layers", "vocab"))
-    matmul_parameters = parameter_count - vocab * d - seq * d  # the token table and the position table
-    return 6.0 * matmul_parameters + 12.0 * layers * d * seq
+    Face model planned by its shape included): 6N + 12 L dq s, N the parameters of the matrix
+    multiplies (all but the input token table, which is the head's weight where the two are tied, and
+    a learned position table), dq = heads x head_dim the attention's width. Megatron-LM's and NeMo's
+    "model TFLOP/s" count the same (``num_floating_point_operations``: the projections, the MLP, the
+    logits and 12 L dq s of full, unmasked attention), less the norms' and biases' few parameters."""
+    from sim.workloads.decoder_features import Features
+
+    d, seq, layers, vocab, heads = (int(options[k]) for k in ("d_model", "seq", "layers", "vocab", "heads"))
+    features = Features.of(options)
+    attention_width = heads * (features.head_dim or d // heads)
+    token_table = 0 if features.tied else vocab * d  # a lookup, unless it is also the head's matmul weight
+    position_table = (features.position_rows or seq) * d if features.positions == "learned" else 0
+    matmul_parameters = parameter_count - token_table - position_table
+    return 6.0 * matmul_parameters + 12.0 * layers * attention_width * seq
 
 
 def training_cost(step_s: float, tokens_per_step: float, devices: int, flops_per_token: float,

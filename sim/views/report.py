@@ -17,7 +17,7 @@ def gib(nbytes: float) -> str:
 
 def format_summary(result: SimResult, system: System, precision: str) -> str:
     lines = [
-        f"system       {system.name} x{system.nodes} node(s), device {system.device.name}",
+        f"system       {system.name} x{system.nodes * system.nodes_per_device} node(s), device {system.device.name}",
         f"precision    {describe_precision(precision)}",
         f"partition    {','.join(map(str, result.partition))} layers per stage",
         f"micro-batch  {result.microbatches} of {result.microbatch_rows[0]} rows "

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from sim.catalog.hardware import Device, Link
 from sim.catalog.kernel_model import GROUPED_MATMUL_RELATIVE, layer_times, ring_exposed_s
-from sim.engine.allreduce import ring_allreduce_s
+from sim.engine.allreduce import hierarchical_allreduce_s, ring_allreduce_s
 from sim.errors import GpipeInputError, did_you_mean
 from sim.workloads.layer_spec import LayerSpec
 from sim.workloads.mlp_and_cnn import cnn_layers, mlp_layers
@@ -60,6 +60,10 @@ class AnalyticWorkload(WorkloadCapabilities):
         self.sequence_parallel = sequence_parallel
         self.tp_link = tp_link
         self.context_parallel = context_parallel  # C devices share each sequence; weights replicated over them
+        # a ring that spans nodes (T x C beyond a node): the inter-node link its steps cross, and the CP
+        # ranks of one node (sim.workloads.tensor_parallel.context_parallel_span); None: the ring is on tp_link
+        self.cp_link: Link | None = None
+        self.cp_ranks_per_node = context_parallel
         self.planned_from: str | None = None  # a Hugging Face model planned by its shape (gpipe.workload_flags)
         # its layers are transformer_layers(options), which tensor and context parallelism split
         self.is_transformer = name == "transformer"
@@ -91,13 +95,17 @@ class AnalyticWorkload(WorkloadCapabilities):
         return (SharedParameter("embedding.weight", (0, self.num_layers - 1), numel * p.weight_bytes, static),)
 
     def split_over(self, tensor_parallel: int, sequence_parallel: bool, tp_link: Link | None,
-                   context_parallel: int = 1) -> "AnalyticWorkload":
+                   context_parallel: int = 1, cp_link: Link | None = None,
+                   cp_ranks_per_node: int | None = None) -> "AnalyticWorkload":
         """The transformer split over T x C devices (:mod:`sim.workloads.tensor_parallel`): one
-        member's layers, the same model otherwise."""
+        member's layers, the same model otherwise; ``cp_link`` the inter-node link a ring spanning
+        nodes crosses, ``cp_ranks_per_node`` its ranks on one node (default all C)."""
         split = copy.copy(self)
         split.layers = tuple(transformer_layers(self.options, tensor_parallel, sequence_parallel, context_parallel))
         split.tensor_parallel, split.sequence_parallel = tensor_parallel, sequence_parallel
         split.tp_link, split.context_parallel = tp_link, context_parallel
+        split.cp_link = cp_link
+        split.cp_ranks_per_node = context_parallel if cp_ranks_per_node is None else cp_ranks_per_node
         return split
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:
@@ -113,8 +121,8 @@ class AnalyticWorkload(WorkloadCapabilities):
             collective_s = ring_allreduce_s(spec.tp_allreduce_bytes_per_row * rows, self.tensor_parallel,
                                             self.tp_link)
         ring_send_s = 0.0
-        if self.tp_link is not None and spec.cp_steps:
-            ring_send_s = self.tp_link.transfer_s(spec.cp_exchange_bytes_per_row * rows)
+        if self.tp_link is not None and spec.cp_steps:  # each step waits for the slowest hop: across nodes if any
+            ring_send_s = (self.cp_link or self.tp_link).transfer_s(spec.cp_exchange_bytes_per_row * rows)
         core_s = None
         precision = precision_of(self.precision)
         # fp8: the projections at the fp8 peak, the attention core at the precision's own
@@ -153,9 +161,12 @@ class AnalyticWorkload(WorkloadCapabilities):
             extra["optimizer_s"] = (((3 + 2 * self.optimizer_slots) * FP32_BYTES + megatron) * spec.params
                                     / device.optimizer_bandwidth())
             if self.context_parallel > 1 and self.tp_link is not None:
-                # the C devices of a sequence hold the same weights: their gradients are summed on the
-                # node's link after the last backward, before the data-parallel reduction
-                extra["optimizer_s"] += ring_allreduce_s(grad_bytes, self.context_parallel, self.tp_link)
+                # the C devices of a sequence hold the same weights: their gradients are summed after the
+                # last backward, before the data-parallel reduction: on the node's link, and across nodes
+                # (each member on its own NIC) where the ring spans them
+                nodes = self.context_parallel // self.cp_ranks_per_node
+                extra["optimizer_s"] += hierarchical_allreduce_s(grad_bytes, self.cp_ranks_per_node, nodes,
+                                                                 self.tp_link, self.cp_link or self.tp_link)
         if spec.core_flops_per_row and core_s is not None:
             extra["core_recompute_s"] = core_s
             extra["core_saved_bytes"] = round(spec.core_saved_bytes_per_row * rows)

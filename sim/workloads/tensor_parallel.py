@@ -12,12 +12,23 @@ node's link that the matmuls wait for (no overlap). Each member all-reduces its 
 gradients with its data-parallel peers, one ring per member at the same time on the node's links
 and network rails, which is the group's all-reduce on the per-device links the engine uses.
 
-Context parallelism (``--context-parallel C``) splits each sequence over C more devices of the
-node, T x C per stage (TP innermost, then CP, then PP, then DP): each holds s/C tokens, its queries
-attend to all keys as ring attention passes key/value blocks round the C devices
-(:func:`sim.workloads.transformer.transformer_layers`), and the C copies of the weights have their gradients summed
-on the node's link after the last backward. C must divide the sequence, T x C a node, and the
-attention must be flash (the ring runs on its kernels); across nodes it is not modelled.
+Context parallelism (``--context-parallel C``) splits each sequence over C more devices, T x C per
+stage, laid out as Megatron-Core and Transformer Engine lay them out: TP innermost (T within a node),
+then CP, then PP, then DP. Each device holds s/C tokens, its queries attend to all keys as ring
+attention passes key/value blocks round the C devices (TE's ``p2p`` ring: each step sends a block to
+the next CP rank while the attention runs over the one it has;
+:func:`sim.workloads.transformer.transformer_layers`), and the C copies of the weights have their
+gradients summed after the last backward. C must divide the sequence and the attention must be flash
+(the ring runs on its kernels). T x C either divides a node (the whole ring on the node's link) or
+fills whole nodes (:func:`context_parallel_span`): then the ring crosses the inter-node link, each of
+the T members sending its share to its counterpart on the next node on its own NIC (the same rail),
+so every step of the ring is priced on the inter-node link, the slowest hop the ring waits for; the
+gradients are summed hierarchically (on the node's link among the CP ranks of a node, then across
+nodes). Memory is the same either way. A stage of such a layout is a group of whole nodes: its
+pipeline sends and its data-parallel all-reduce cross nodes, each member on its own NIC
+(:func:`tensor_parallel_system`). Limits: the ring's steps are not contended by the data-parallel or
+pipeline traffic on the same NICs; a T x C that neither divides a node nor fills whole ones (a group
+straddling a node boundary), or that is more devices than the system has, is refused.
 
 Measured costs (``--costs FILE``) split a stage as the file's profile of the layers split over T
 ranks says (:mod:`calibrate.measure.tp_profile`): each layer's time there includes its collectives and the
@@ -118,26 +129,52 @@ def check_context_parallel(context_parallel: int, workload: Workload, system: Sy
     if workload.options.get("attention") != "flash":
         raise GpipeInputError(f"--context-parallel {context_parallel} runs ring attention on flash kernels; add "
                               "--option attention=flash")
+    if tensor_parallel > system.devices_per_node:
+        raise GpipeInputError(f"--tensor-parallel {tensor_parallel} spans more than a node: {system.name} has "
+                              f"{system.devices_per_node} devices per node and tensor parallelism stays inside one; "
+                              f"use --tensor-parallel {system.devices_per_node} or less")
+    context_parallel_span(system, tensor_parallel, context_parallel)
     group = tensor_parallel * context_parallel
-    if group > system.devices_per_node or system.devices_per_node % group:
+    if group > system.total_devices:
         raise GpipeInputError(f"--tensor-parallel {tensor_parallel} x --context-parallel {context_parallel} = {group} "
-                              f"devices per stage must divide {system.name}'s {system.devices_per_node} devices per "
-                              "node (both exchange on the node's links); use a smaller T or C")
+                              f"devices per stage but {system.name} with {system.nodes} node(s) has "
+                              f"{system.total_devices}; use --nodes {-(-group // system.devices_per_node)} or more, "
+                              "or a smaller T or C")
+
+
+def context_parallel_span(system: System, tensor_parallel: int, context_parallel: int) -> tuple[int, int]:
+    """(CP ranks on one node, nodes the ring spans) of T x C devices laid out TP innermost: the
+    group divides a node (all C on one node) or fills whole nodes; one line otherwise."""
+    group, per_node = tensor_parallel * context_parallel, system.devices_per_node
+    if group <= per_node and per_node % group == 0:
+        return context_parallel, 1
+    if group > per_node and group % per_node == 0 and per_node % tensor_parallel == 0:
+        ranks = per_node // tensor_parallel
+        return ranks, context_parallel // ranks
+    raise GpipeInputError(f"--tensor-parallel {tensor_parallel} x --context-parallel {context_parallel} = {group} "
+                          f"devices per stage must divide {system.name}'s {system.devices_per_node} devices per node "
+                          "or fill whole nodes (tensor parallelism inside a node, the context-parallel ring across "
+                          "them); use another T or C")
 
 
 def tensor_parallel_system(system: System, tensor_parallel: int) -> System:
-    """The system as the pipeline sees it: each group of T consecutive devices of a node is one."""
+    """The system as the pipeline sees it: each group of T (T x C) consecutive devices of a node is
+    one device; a group that fills whole nodes is one device per node, on as many fewer nodes, so
+    its pipeline sends and data-parallel all-reduce cross the inter-node link (one NIC per member)."""
     if tensor_parallel == 1:
         return system
-    return replace(system, devices_per_node=system.devices_per_node // tensor_parallel)
+    if tensor_parallel <= system.devices_per_node:
+        return replace(system, devices_per_node=system.devices_per_node // tensor_parallel)
+    span = tensor_parallel // system.devices_per_node
+    return replace(system, devices_per_node=1, nodes=max(1, system.nodes // span), nodes_per_device=span)
 
 
 def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: int,
                          sequence_parallel: bool = False, context_parallel: int = 1,
                          tp_link: Link | None = None) -> tuple[Workload, System]:
-    """``workload`` split over T x C devices of one of ``system``'s nodes (one member's costs, the
-    collectives and the ring exchange on the node's link, or on ``tp_link``: collectives a costs file
-    measured) and the system of groups the pipeline runs on."""
+    """``workload`` split over T x C devices of ``system`` (one member's costs, the collectives and
+    the ring exchange on the node's link, or on ``tp_link``: collectives a costs file measured; a ring
+    that spans nodes on the inter-node link) and the system of groups the pipeline runs on."""
     check_tensor_parallel(tensor_parallel, workload, system)
     check_context_parallel(context_parallel, workload, system, tensor_parallel)
     if tensor_parallel == 1 and context_parallel == 1:  # sequence parallelism splits over the T group: nothing
@@ -151,5 +188,7 @@ def with_tensor_parallel(workload: Workload, system: System, tensor_parallel: in
 
     assert isinstance(workload, AnalyticWorkload)
     sequence_parallel = sequence_parallel and tensor_parallel > 1
-    split = workload.split_over(tensor_parallel, sequence_parallel, tp_link or system.intra_link, context_parallel)
+    ranks_per_node, nodes = context_parallel_span(system, tensor_parallel, context_parallel)
+    split = workload.split_over(tensor_parallel, sequence_parallel, tp_link or system.intra_link, context_parallel,
+                                system.inter_link if nodes > 1 else None, ranks_per_node)
     return split, tensor_parallel_system(system, tensor_parallel * context_parallel)

@@ -69,7 +69,7 @@ def test_a_runs_file_with_a_hardware_object_is_modelled(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (replayed,) = json.loads(proc.stdout)["runs"]
     assert replayed["modelled"] and replayed["predicted_step_s"] > 0
-    assert any(line.startswith("H100-SXM-80GB with memory_gib 96") for line in replayed["assumed"])
+    assert any(line.startswith("H100-SXM-80GB+memory_gib+memory_bandwidth_tb_s:") for line in replayed["assumed"])
 
 
 def test_the_documented_files_and_commands_run(tmp_path):
@@ -87,3 +87,18 @@ def test_the_documented_files_and_commands_run(tmp_path):
         done = gpipe(*args[1:], cwd=tmp_path)
         assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "plan.json").read_text())["hardware"]["system"] in ("h100-nvlink", "h100-96gb")
+
+
+def test_several_systems_are_ranked_by_plan_and_one_line_elsewhere(tmp_path):
+    """``--hardware a,b``: gpipe plan ranks both (a catalog name and a system file alike); the
+    commands that predict on one system refuse the list in one line, before any work."""
+    path = tmp_path / "h100-96gb.json"
+    path.write_text(json.dumps({"base": "h100-nvlink", "name": "h100-96gb", "memory_gib": 96}))
+    ranked = gpipe(*PLAN, "--hardware", f"a100-nvlink,{path}", "--json")
+    assert ranked.returncode == 0, ranked.stderr
+    assert set(json.loads(ranked.stdout)["hardware"]) == {"a100-nvlink", "h100-96gb"}
+    for command in (SIMULATE, ("train", "--model", "transformer", "--stages", "1", "--steps", "1")):
+        proc = gpipe(*command, "--hardware", "a100-nvlink,h100-nvlink")
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == ("gpipe: error: --hardware 'a100-nvlink,h100-nvlink' is a list, but only gpipe plan "
+                               "takes several systems (it ranks them together); give one, e.g. --hardware a100-nvlink\n")

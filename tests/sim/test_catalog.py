@@ -26,8 +26,11 @@ SNAPSHOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "catalog_sna
 
 
 def _figures(system) -> dict:
-    """A system's fields as JSON has them, without the device's and the system's source texts."""
+    """A system's fields as JSON has them, without the device's and the system's source texts, nor
+    the span of a device in the pipeline's view of tensor- and context-parallel groups (1 in the
+    catalog: every device on one node)."""
     data = json.loads(json.dumps(asdict(system)))  # tuples as lists, inf as JSON's Infinity
+    assert data.pop("nodes_per_device") == 1
     del data["source"], data["device"]["source"]
     return data
 

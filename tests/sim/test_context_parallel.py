@@ -1,12 +1,15 @@
-"""Context parallelism in the simulator and planner: each sequence split over C devices of the node,
-ring attention's exchange beside the attention, and one line for what cannot be split."""
+"""Context parallelism in the simulator and planner: each sequence split over C devices of the node
+or, T x C filling whole nodes, a ring across them; ring attention's exchange beside the attention,
+and one line for what cannot be split."""
 
+import copy
 import json
 
 import pytest
 
 from gpipe.main import main
 from sim.catalog.hardware import get_system
+from sim.catalog.user_systems import resolve_system
 from sim.catalog.kernel_model import ring_exposed_s
 from sim.errors import GpipeInputError
 from sim.formats.plan import load_plan
@@ -60,15 +63,84 @@ def test_the_c_copies_sum_their_gradients_on_the_node():
     assert part.layer_costs(1, groups.device)[1].optimizer_s > unsplit.layer_costs(1, groups.device)[1].optimizer_s
 
 
-@pytest.mark.parametrize("change,tp,cp,message", [
-    ({}, 1, 3, "does not divide seq=4096"),
-    ({"attention": "eager"}, 1, 2, "add --option attention=flash"),
-    ({}, 2, 8, "16 devices per stage must divide"),
-    ({}, 1, 0, "--context-parallel"),
+@pytest.mark.parametrize("change,tp,cp,hardware,message", [
+    ({}, 1, 3, "h100-nvlink", "does not divide seq=4096"),
+    ({"attention": "eager"}, 1, 2, "h100-nvlink", "add --option attention=flash"),
+    # 128 devices neither divide a 72-GPU rack nor fill whole racks: a group would straddle two
+    ({}, 2, 64, "gb200-nvl72", "128 devices per stage must divide gb200-nvl72's 72 devices per node or fill whole"),
+    ({}, 1, 0, "h100-nvlink", "--context-parallel"),
+    ({}, 1, 16, "h100-nvlink", "16 devices per stage but h100-nvlink with 1 node\\(s\\) has 8; use --nodes 2"),
 ])
-def test_what_cannot_be_split_is_one_line(change, tp, cp, message):
-    with pytest.raises(GpipeInputError, match=message):
-        with_tensor_parallel(get_workload("transformer", {**LONG, **change}), get_system("h100-nvlink"), tp, False, cp)
+def test_what_cannot_be_split_is_one_line(change, tp, cp, hardware, message):
+    with pytest.raises(GpipeInputError, match=message) as raised:
+        with_tensor_parallel(get_workload("transformer", {**LONG, **change}), get_system(hardware), tp, False, cp)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_planner_searches_only_the_t_whose_group_the_nodes_hold():
+    from sim.planner.space import SearchSpace, tensor_parallel_values
+
+    space = SearchSpace((), context_parallel=8)
+    workload = get_workload("transformer", {**LONG, "heads": 16, "kv_heads": 16})
+    assert tensor_parallel_values(space, workload, get_system("h100-nvlink", 2)) == [1, 2]  # 8 and 16 devices
+    assert tensor_parallel_values(space, workload, get_system("h100-nvlink", 8)) == [1, 2, 4, 8]
+
+
+def test_tensor_parallelism_beyond_a_node_is_refused_with_context_parallelism_too():
+    from sim.workloads.tensor_parallel import check_context_parallel
+
+    with pytest.raises(GpipeInputError, match="--tensor-parallel 16 spans more than a node"):
+        check_context_parallel(2, get_workload("transformer", {**LONG, "heads": 16, "kv_heads": 16}),
+                               get_system("h100-nvlink", 4), 16)
+
+
+def test_a_ring_across_nodes_crosses_the_inter_node_link():
+    """T x C = 2 x 8 on 8-GPU nodes: TP inside a node, four CP ranks per node, the ring over two
+    nodes; its steps wait for the inter-node link, its gradients are summed on the node's link then
+    across the two nodes, and the stage is one group per node pair; memory is the same split."""
+    from sim.engine.allreduce import ring_allreduce_s
+
+    system = get_system("h100-nvlink", 4)
+    workload = get_workload("transformer", LONG)
+    across, groups = with_tensor_parallel(workload, system, 2, True, 8)
+    assert across.cp_link == system.inter_link and across.cp_ranks_per_node == 4
+    assert (groups.devices_per_node, groups.nodes, groups.total_devices) == (1, 2, 2)
+    sixteen = resolve_system({"base": "h100-nvlink", "gpus_per_node": 16})  # the same 16 devices on one node
+    inside, _ = with_tensor_parallel(workload, sixteen, 2, True, 8)
+    assert inside.cp_link is None
+    assert [layer.saved_bytes_per_row for layer in across.layers] == [layer.saved_bytes_per_row
+                                                                       for layer in inside.layers]
+    spec = across.layers[1]
+    send_s = system.inter_link.transfer_s(spec.cp_exchange_bytes_per_row * 1)
+    assert send_s > system.intra_link.transfer_s(spec.cp_exchange_bytes_per_row * 1)
+    on_node = copy.copy(across)
+    on_node.cp_link, on_node.cp_ranks_per_node = None, 8  # the same ring priced as if on the node's link
+    far, near = across.layer_costs(1, groups.device)[1], on_node.layer_costs(1, groups.device)[1]
+    grad = far.grad_bytes
+    expected = (ring_allreduce_s(grad, 4, system.intra_link) + ring_allreduce_s(grad / 4, 2, system.inter_link)
+                - ring_allreduce_s(grad, 8, system.intra_link))
+    assert far.optimizer_s - near.optimizer_s == pytest.approx(expected)
+    assert far.backward_s >= near.backward_s and far.saved_bytes == near.saved_bytes
+
+
+def test_a_stage_of_whole_nodes_sends_and_reduces_across_nodes():
+    """Each group of T x C = 16 devices is one device per node of the pipeline's system, so a hop
+    between stages and a stage's data-parallel all-reduce both cross the inter-node link."""
+    from sim.engine.allreduce import data_parallel_group, group_allreduce_s
+    from sim.workloads.tensor_parallel import tensor_parallel_system
+
+    system = get_system("h100-nvlink", 8)
+    groups = tensor_parallel_system(system, 16)
+    assert (groups.devices_per_node, groups.nodes) == (1, 4)
+    assert groups.link_between(0, 1) == system.inter_link
+    members = data_parallel_group(0, 2, 2)
+    assert group_allreduce_s(1e9, members, groups) == pytest.approx(ring_allreduce_s_inter(1e9, 2, system))
+
+
+def ring_allreduce_s_inter(nbytes, parties, system):
+    from sim.engine.allreduce import ring_allreduce_s
+
+    return ring_allreduce_s(nbytes, parties, system.inter_link)
 
 
 def test_the_plan_carries_c_and_the_executor_refuses_it(tmp_path, capsys):
@@ -87,3 +159,16 @@ def test_the_plan_carries_c_and_the_executor_refuses_it(tmp_path, capsys):
     proc = in_process.gpipe("train", "--plan", str(out))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "context_parallel" in proc.stderr
+
+
+def test_simulate_runs_a_stage_over_two_nodes_and_names_them(capsys):
+    flags = ["simulate", "--model", "transformer", *[f"--option={k}={v}" for k, v in LONG.items() if k != "precision"],
+             "--precision", "bf16-model", "--hardware", "h100-nvlink", "--nodes", "2", "--tensor-parallel", "2",
+             "--context-parallel", "8", "--stages", "1", "--batch", "2"]
+    assert main([*flags, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"] == {"system": "h100-nvlink", "nodes": 2} and data["context_parallel"] == 8
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert "h100-nvlink x2 node(s)" in out
+    assert "each sequence split over 8 devices of 2 nodes, its ring on the inter-node link (16 per stage)" in out

@@ -48,6 +48,16 @@ def test_a_run_that_cannot_be_modelled_is_listed_with_why(change, reason):
     assert not done.modelled and done.predicted_step_s is None and reason in done.reason
 
 
+def test_tensor_and_context_parallelism_over_two_nodes_is_modelled():
+    """T = 8 x C = 2 on 8-GPU nodes, as NVIDIA's Llama 3.1 405B recipes run it on H100: TP inside a
+    node, the context-parallel ring across two; the run is modelled, not refused."""
+    run = {**RUN, "hardware": "h100-nvlink", "nodes": 8, "tensor_parallel": 8, "context_parallel": 2,
+           "options": {**RUN["options"], "seq": 256, "attention": "flash"}, "global_batch": 16}
+    done = replay(run, resolve)
+    assert done.modelled, done.reason
+    assert done.layout["tensor_parallel"] == 8 and done.layout["context_parallel"] == 2
+
+
 def test_an_unstated_microbatch_size_is_the_planners_best():
     done = replay({**RUN, "microbatch_size": None}, resolve)
     assert done.modelled and any(a.startswith("microbatch_size null: ") for a in done.assumed)

@@ -35,6 +35,28 @@ def test_palms_model_flops_per_token():
     assert model_flops_per_token(o, params) == 6 * (params - embedding) + 12 * 8 * 768 * 512
 
 
+def megatron_flops_per_token(o):
+    """Megatron-LM's ``num_floating_point_operations`` over one token (no MoE, full attention)."""
+    L, h, s, a, V, f = o["layers"], o["d_model"], o["seq"], o["heads"], o["vocab"], o["ff"]
+    q = a * (o.get("head_dim") or h // a)
+    groups = o.get("kv_heads") or a
+    gated = 3 / 2 if o.get("activation") == "swiglu" else 1
+    return 12 * L * h * h * ((1 + groups / a + s / h) * q / h + f / h * gated + V / (2 * L * h))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_flops_per_token_are_megatrons_for_a_rotary_tied_or_wide_headed_decoder(tied):
+    """No position table to leave out with rotary positions, the head's weight counted where it is
+    the token table, and the attention term over heads x head_dim: Megatron-LM's count, but for the
+    norms' few parameters."""
+    o = {"layers": 4, "d_model": 512, "ff": 1536, "heads": 8, "kv_heads": 2, "head_dim": 128, "seq": 1024,
+         "vocab": 32000, "activation": "swiglu", "positions": "rotary", "norm": "rmsnorm", "biases": "none",
+         "tied": tied, "precision": "bf16", "attention": "flash"}
+    params = get_workload("transformer", o).parameter_count
+    norms = o["layers"] * 2 * 512 + 512
+    assert model_flops_per_token(o, params) == pytest.approx(megatron_flops_per_token(o) + 6 * norms, rel=1e-12)
+
+
 @pytest.mark.parametrize("text,tokens,short", [("15T", 15e12, "15T"), ("300B", 300e9, "300B"), ("2e12", 2e12, "2T"),
                                                ("1500000", 1.5e6, "1.5M")])
 def test_token_counts(text, tokens, short):

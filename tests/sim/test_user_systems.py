@@ -64,7 +64,21 @@ def test_an_object_over_a_catalog_system_changes_what_it_names_and_keeps_the_fit
     assert (system.intra_link, system.inter_link, system.devices_per_node) == (base.intra_link, base.inter_link, 8)
     assert system.price_per_device_hour == base.price_per_device_hour
     assert "memory_gib: given in --hardware" in system.device.source  # an override cited as given
-    assert system.device.name == "H100-SXM-80GB with memory_gib 96, memory_bandwidth_tb_s 2.4"
+    assert system.device.name == "H100-SXM-80GB+memory_gib+memory_bandwidth_tb_s"
+
+
+def test_an_unnamed_override_is_named_short_after_its_base_and_the_keys_it_changes():
+    """The base's name and the changed keys (values in the description), three at most then a count;
+    a key given with the base's own value changes nothing, so leaves the device's name alone."""
+    system = resolve_system({"base": "h100-nvlink", "memory_gib": 96, "memory_bandwidth_tb_s": 2.4})
+    assert system.name == "h100-nvlink+memory_gib+memory_bandwidth_tb_s"
+    assert system.description == "8 x H100 SXM with NVLink 4, with memory_gib 96, memory_bandwidth_tb_s 2.4"
+    same = resolve_system({"base": "a100-nvlink", "memory_gib": 80, "gpus_per_node": 8, "nic_gbit_s": 50})
+    assert (same.name, same.device.name) == ("a100-nvlink+nic_gbit_s", "A100-SXM-80GB")
+    many = resolve_system({"base": "h100-nvlink", "memory_gib": 96, "memory_bandwidth_tb_s": 2.4,
+                           "peak_tflops_bf16": 900, "peak_tflops_fp8": 1800, "nic_gbit_s": 200})
+    assert many.name == "h100-nvlink+memory_gib+memory_bandwidth_tb_s+peak_tflops_bf16+2 more"
+    assert many.device.name == "H100-SXM-80GB+memory_gib+memory_bandwidth_tb_s+peak_tflops_bf16+1 more"
 
 
 def test_an_override_takes_its_own_units_links_nics_and_sources():
