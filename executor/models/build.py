@@ -23,11 +23,13 @@ from torch import nn
 
 from executor.models import hf
 from executor.models.materialize import build_meta
+from executor.models.moe import MixtureOfExperts
 from executor.runtime.selective import AttentionCore, attention_core, recomputing_attention_core
 from sim.errors import GpipeInputError, did_you_mean
 from sim.formats.plan import ModelRef
 from sim.workloads import model_options
 from sim.workloads.model_defaults import DEFAULT_OPTIONS
+from sim.workloads.moe.builtin import MOE_OPTION_DEFAULTS, check_moe_options
 
 BUILTIN_MODELS = ("mlp", "transformer", "cnn")
 DEFAULT_LOSS = {"mlp": "mse", "transformer": "cross_entropy", "cnn": "cross_entropy"}
@@ -51,8 +53,12 @@ def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[st
             raise GpipeInputError(f"unknown model {name!r}{did_you_mean(name, known)}; choose one of "
                                   f"{', '.join(known)} or name a factory as package.module:function")
         return dict(options or {})
+    given = dict(options or {})
+    moe = check_moe_options(given) if name == "transformer" else {}  # absent unless given (sim.workloads.moe.builtin)
     merged: dict[str, Any] = dict(DEFAULT_OPTIONS[name])
-    for key, value in (options or {}).items():
+    for key, value in given.items():
+        if key in moe:
+            continue
         if key not in merged:
             raise GpipeInputError(f"model {name!r} has no option {key!r}; its options are "
                                   f"{', '.join(merged)}")
@@ -64,7 +70,7 @@ def resolve_options(name: str, options: dict[str, Any] | None = None) -> dict[st
     # every value checked as gpipe simulate checks it (a positive width, heads dividing d_model, ...),
     # in one line here rather than as torch's error from inside the build
     checked = model_options.resolve_options(name, merged)
-    return {key: checked[key] for key in merged}
+    return {**{key: checked[key] for key in merged}, **moe}
 
 
 # ----------------------------------------------------------------------------- transformer pieces
@@ -156,19 +162,30 @@ GATED = {"swiglu"}  # activations that take fc1's 2 x ff outputs
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(LN(x)); x + MLP(LN(x))."""
+    """Pre-LayerNorm transformer block: x + attn(LN(x)); x + MLP(LN(x)). With ``moe`` (the options
+    ``experts`` > 0, ``top_k``, ``shared_experts``, ``expert_ff``, ``aux_loss_coef``) the MLP is a
+    mixture of such MLPs (:mod:`executor.models.moe`)."""
 
     def __init__(self, d_model: int, ff: int, heads: int, dropout: float, kv_heads: int = 0,
-                 activation: str = "gelu", attention: str = "eager") -> None:
+                 activation: str = "gelu", attention: str = "eager", moe: dict[str, Any] | None = None) -> None:
         super().__init__()
         if activation not in ACTIVATION_MODULES:
             raise GpipeInputError(f"activation={activation!r}; choose one of {', '.join(ACTIVATION_MODULES)}")
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, heads, dropout, kv_heads, attention)
         self.ln2 = nn.LayerNorm(d_model)
-        width = 2 * ff if activation in GATED else ff
-        self.mlp = nn.Sequential(nn.Linear(d_model, width), ACTIVATION_MODULES[activation](), nn.Linear(ff, d_model),
+
+        def make_mlp(ff: int) -> nn.Sequential:
+            width = 2 * ff if activation in GATED else ff
+            return nn.Sequential(nn.Linear(d_model, width), ACTIVATION_MODULES[activation](), nn.Linear(ff, d_model),
                                  nn.Dropout(dropout))
+
+        if moe and moe.get("experts"):
+            o = {**MOE_OPTION_DEFAULTS, **moe}
+            self.mlp: nn.Module = MixtureOfExperts(d_model, o["experts"], o["top_k"], o["expert_ff"] or ff,
+                                                   o["shared_experts"], make_mlp, o["aux_loss_coef"])
+        else:
+            self.mlp = make_mlp(ff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -196,8 +213,9 @@ def _mlp(o: dict[str, Any]) -> nn.Sequential:
 
 
 def _transformer(o: dict[str, Any]) -> nn.Sequential:
-    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"], o["kv_heads"], o["activation"], o["attention"])
-              for _ in range(o["layers"])]
+    moe = {k: o[k] for k in MOE_OPTION_DEFAULTS if k in o}
+    blocks = [Block(o["d_model"], o["ff"], o["heads"], o["dropout"], o["kv_heads"], o["activation"], o["attention"],
+                    moe) for _ in range(o["layers"])]
     return nn.Sequential(Embedding(o["vocab"], o["seq"], o["d_model"], o["dropout"]), *blocks,
                          Head(o["d_model"], o["vocab"]))
 

@@ -24,6 +24,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 _TRACKING = [True]
 
 
+def is_recomputing() -> bool:
+    """Inside :func:`recomputing`: a forward that runs again for its backward."""
+    return not _TRACKING[0]
+
+
 @contextlib.contextmanager
 def recomputing() -> Iterator[None]:
     """Within this block deferred batch norms do not accumulate statistics."""

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from executor.device import device_api
+from executor.models.moe_aux_loss import set_micro_batch_weight
 from executor.runtime.batchnorm import DeferredBatchNorm, commit_all, recomputing
 from executor.runtime.boundary import Boundary, map_tensors, tensors
 from executor.runtime.data import MicroBatches, micro_batches, mix_seed, split_rows
@@ -323,6 +324,7 @@ class PipelineStage(StepPhases):
         before every forward.
         """
         self.device_api.seed(mix_seed(self.config.seed, self.step, self.config.stage, m))
+        set_micro_batch_weight(self.rows[m] / self.config.batch_size)  # routers' auxiliary loss (models.moe_aux_loss)
 
     def _input(self, m: int, received: list[torch.Tensor], grad: bool) -> tuple[Any, list[torch.Tensor]]:
         """Micro-batch ``m``'s input value, and (with ``grad``) its tensors a gradient is sent back for."""
@@ -403,6 +405,7 @@ class PipelineStage(StepPhases):
         gradients on, then its backward; returns the stage input's tensors that need a gradient (their
         ``.grad`` set). Each layer's recomputed tensors and input are freed after its backward."""
         received, inputs, states = self.layer_inputs.pop(m)
+        set_micro_batch_weight(self.rows[m] / self.config.batch_size)
         layers = list(self.module)
         needs_grad: list[torch.Tensor] = []
         for index in reversed(range(len(layers))):

@@ -1,0 +1,55 @@
+"""One process training a mixture-of-experts model as the executor's tests compare with it: the whole
+model, the mini-batch's micro-batches in turn (the routers' auxiliary loss is a function of each
+micro-batch's tokens), each loss and auxiliary loss weighted by its share of the rows, gradients
+accumulated; AdamW with clipping as torch runs it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from executor.config import RunConfig
+from executor.models.build import build_model
+from executor.models.moe_aux_loss import set_micro_batch_weight, take_aux_loss
+from executor.runtime.data import split
+
+MOE = {"layers": 2, "d_model": 32, "ff": 64, "heads": 4, "seq": 8, "vocab": 64, "experts": 4, "top_k": 2,
+       "expert_ff": 32, "aux_loss_coef": 0.05}
+
+
+def accumulate(model, inputs, targets, loss_fn, microbatches: int, bf16: bool = False) -> tuple[float, float]:
+    """Gradients of the mean loss over ``microbatches`` chunks added to ``.grad``; (loss, auxiliary loss)."""
+    take_aux_loss()
+    total, rows = 0.0, inputs.shape[0]
+    for x, t in zip(split(inputs, microbatches), split(targets, microbatches)):
+        set_micro_batch_weight(x.shape[0] / rows)
+        cast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with cast:
+            y = model(x)
+        loss = loss_fn(y.float(), t) * (x.shape[0] / rows)
+        loss.backward()
+        total += float(loss.detach())
+    set_micro_batch_weight(1.0)
+    return total, take_aux_loss()
+
+
+def one_process(config: RunConfig, batches, loss_fn, microbatches: int, steps: int):
+    """``steps`` of ``config``'s optimizer (sgd or adamw, clipping by the global norm, constant lr) on
+    ``batches(step)``; (losses, aux losses, norms, model)."""
+    model = build_model(config.model, config.options, config.seed)
+    if config.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    losses, auxes, norms = [], [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        inputs, targets = batches(step)
+        loss, aux = accumulate(model, inputs, targets, loss_fn, microbatches, config.precision == "bf16")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm or float("inf"))
+        optimizer.step()
+        losses.append(loss)
+        auxes.append(aux)
+        norms.append(float(norm))
+    return losses, auxes, norms, model
