@@ -44,6 +44,7 @@ from executor.config import RunConfig
 from executor.device import device_api
 from executor.launch import failures, nodes
 from executor.models.build import model_ref
+from executor.models.moe_aux_loss import summed_over_ranks, take_aux_loss
 from executor.parallel import replicas
 from executor.runtime.chunks import ChunkedDevice, shards
 from executor.runtime.interleaved import make_dist_chunks
@@ -156,12 +157,15 @@ def train(config: RunConfig) -> None:
         step_ref = [start]
         stage.after_action = replicas.chain(_fault_hook(rank, step_ref), stage.after_action)
         first_step = start
+        take_aux_loss()  # the routers' auxiliary losses of this launch's steps (executor.models.moe_aux_loss)
+        aux_losses: list[float | None] = [None] * start
         batches = step_batches(config, stage, layout)
         reports = stage.is_last and layout.replica == 0 and layout.tp_rank == 0  # prints the losses, keeps the history
         bar = phase("training", total=config.steps, initial=start, unit="step", shown=config.progress and reports)
         for step in range(start, config.steps):
             step_ref[0] = step
             loss = train_step_with_data(config, stage, step, layout, batches)
+            aux_losses.append(take_aux_loss() * layout.weight)
             if stage.is_last:
                 loss = layout.global_loss(loss)  # type: ignore[arg-type]
             if reports:
@@ -177,7 +181,7 @@ def train(config: RunConfig) -> None:
             if config.save_every and (step + 1) % config.save_every == 0:
                 _save(config, stage, step, history, layout)
         bar.close()
-        _finish(config, stage, history if reports else None, first_step, device, writers, layout)
+        _finish(config, stage, history if reports else None, first_step, device, writers, layout, aux_losses)
     finally:
         dist.destroy_process_group()
 
@@ -199,7 +203,8 @@ def _resume(config: RunConfig, stage: PipelineStage | ChunkedDevice) -> tuple[Hi
 
 
 def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: History | None, first_step: int,
-            device: torch.device, writers: dict[int, tuple[str, str]], layout: replicas.Layout) -> None:
+            device: torch.device, writers: dict[int, tuple[str, str]], layout: replicas.Layout,
+            aux_losses: list[float | None] | None = None) -> None:
     """Gather every rank's timeline to rank 0 and write the report and trace there and on each
     other node that asked (``writers``); a last barrier makes a failed write fail every rank.
     ``history`` is the reporting rank's (replica 0's last stage), None elsewhere."""
@@ -211,6 +216,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
         "replica": layout.replica, "stage": layout.stage, "tp": layout.tp_rank,
         "optimizer_state_bytes": replicas.optimizer_state_bytes(stage),
         "gradient_sum": replicas.gradient_sum_route(stage),
+        "aux_losses": aux_losses,
     }
     gathered: list[Any] = [None] * config.world_size if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
@@ -232,6 +238,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
 
 def _report(config: RunConfig, gathered: list[Any], first_step: int, device: torch.device) -> dict[str, Any]:
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)  # a row per rank
+    aux_losses = summed_over_ranks(gathered)
     gathered = [p for p in gathered if p["tp"] == 0]  # a stage's figures: its tensor-parallel rank 0's
     gathered = sorted(gathered, key=lambda p: (p["replica"], p["stage"]))  # replica 0's stages first
     timeline.meta.update({"model": config.model, "partition": list(config.partition),
@@ -241,9 +248,12 @@ def _report(config: RunConfig, gathered: list[Any], first_step: int, device: tor
     allocated = [p["peak_allocated_bytes"] for p in gathered]
     allocated = allocated if any(a is not None for a in allocated) else None
     last = next(p["history"] for p in gathered if p["history"] is not None)
-    return build_report(timeline, last["losses"], config.to_dict(), plan,
-                        [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
-                        [p["optimizer_state_bytes"] for p in gathered], [p["gradient_sum"] for p in gathered])
+    report = build_report(timeline, last["losses"], config.to_dict(), plan,
+                          [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
+                          [p["optimizer_state_bytes"] for p in gathered], [p["gradient_sum"] for p in gathered])
+    if aux_losses is not None:  # a model with routers: their load-balancing loss per step, coefficient included
+        report["aux_losses"] = aux_losses
+    return report
 
 
 def _watchdog() -> failures.Watchdog | None:

@@ -39,8 +39,11 @@ rank (all-gathered before each column-parallel projection, reduce-scattered afte
 one); the run takes its input whole and gives its output whole, so stage boundaries carry the
 whole activation (Megatron's scatter-gather of the send is not done).
 
-Limits (refused in one line until they are built): ZeRO-1, sequence parallelism for other models or
-with dropout.
+Experts (the built-in transformer's ``experts`` option, :mod:`executor.models.moe`): every expert and the
+shared MLP split as the dense MLP is, the router replicated (:func:`moe_plan`).
+
+Limits (refused in one line until they are built): ZeRO-1, sequence parallelism for other models, with
+dropout or with experts.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from executor.models import hf
 from executor.models.build import Block, Embedding, Head
+from executor.models.moe import MixtureOfExperts
 from executor.parallel.tp_styles import ORDER_DIMS, ROW_ORDER, features_in_rank_order
 from sim.errors import GpipeInputError
 
@@ -84,12 +88,16 @@ def check_model(model: nn.Sequential, parts: int, sequence_parallel: bool = Fals
                                   "tokens would draw other masks than one process; set dropout=0")
     for index, layer in enumerate(model):
         if isinstance(layer, Block):
-            attn, ff = layer.attn, layer.mlp[2].in_features
-            for name, value in (("heads", attn.heads), ("kv_heads", attn.kv_heads), ("ff", ff)):
+            if sequence_parallel and isinstance(layer.mlp, MixtureOfExperts):
+                raise GpipeInputError("--sequence-parallel with experts: the router needs every token on every rank "
+                                      "here; drop --sequence-parallel (tensor parallelism alone splits the experts)")
+            attn, ff = layer.attn, _mlp_widths(layer.mlp)
+            for name, value in (("heads", attn.heads), ("kv_heads", attn.kv_heads), *ff):
                 if value % parts:
                     raise GpipeInputError(f"--tensor-parallel {parts} does not divide {name}={value}: each rank holds "
                                           f"whole heads, key/value heads and FFN units; use a T that divides "
-                                          f"heads={attn.heads}, kv_heads={attn.kv_heads} and ff={ff}")
+                                          f"heads={attn.heads}, kv_heads={attn.kv_heads} and "
+                                          f"{' and '.join(f'{n}={v}' for n, v in ff)}")
         elif isinstance(layer, hf.DecoderLayer):
             hf.check_tensor_parallel(layer.family, layer.config, parts)
         elif not isinstance(layer, (Embedding, Head)) and not hasattr(layer, HOOK) \
@@ -99,14 +107,45 @@ def check_model(model: nn.Sequential, parts: int, sequence_parallel: bool = Fals
                                   "--tensor-parallel 1")
 
 
+def _mlp_widths(mlp: nn.Module) -> list[tuple[str, int]]:
+    """The FFN widths a rank's share must divide: the dense MLP's, or each expert's and the shared MLP's."""
+    if not isinstance(mlp, MixtureOfExperts):
+        return [("ff", mlp[2].in_features)]
+    widths = [("expert_ff", mlp.experts[0][2].in_features)]
+    return widths + ([("shared_experts x expert_ff", mlp.shared[2].in_features)] if mlp.shared is not None else [])
+
+
+def _mlp_plan(mlp: nn.Sequential, prefix: str, parts: int) -> dict[str, Any]:
+    """An MLP (fc1, activation, fc2[, dropout]) split Megatron-style; a gated fc1's rows in rank order."""
+    fc1, fc2 = mlp[0], mlp[2]
+    if fc1.out_features == 2 * fc2.in_features:  # gated: [gate | value]
+        features_in_rank_order(fc1, [fc2.in_features, fc2.in_features], parts)
+    return {f"{prefix}.0": ColwiseParallel(), f"{prefix}.2": RowwiseParallel()}
+
+
+def moe_plan(moe: MixtureOfExperts, parts: int) -> dict[str, Any]:
+    """Every expert and the shared MLP split as the dense MLP is (column- then row-parallel, expert
+    tensor parallelism equal to T); the router replicated, so every rank routes the same tokens."""
+    plan: dict[str, Any] = {}
+    for index, expert in enumerate(moe.experts):
+        plan.update(_mlp_plan(expert, f"mlp.experts.{index}", parts))
+    if moe.shared is not None:
+        plan.update(_mlp_plan(moe.shared, "mlp.shared", parts))
+    return plan
+
+
 def block_plan(block: Block, parts: int, sequence_parallel: bool = False) -> dict[str, Any]:
     """The built-in block's plan; its fused rows put in rank order and its attention left with
     1/T of the heads. With ``sequence_parallel`` the residual stream between the projections is
     split along the sequence (Korthikanti et al. 2022): the norms run on each rank's share of the
     tokens, the column-parallel inputs are all-gathered and the row-parallel outputs
     reduce-scattered (DTensor's ``SequenceParallel`` and the styles' layouts)."""
-    attn, fc1, fc2 = block.attn, block.mlp[0], block.mlp[2]
+    attn = block.attn
     features_in_rank_order(attn.qkv, [attn.heads * attn.head_dim, attn.kv_width, attn.kv_width], parts)
+    if isinstance(block.mlp, MixtureOfExperts):
+        attn.split_heads(parts)
+        return {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), **moe_plan(block.mlp, parts)}
+    fc1, fc2 = block.mlp[0], block.mlp[2]
     if fc1.out_features == 2 * fc2.in_features:  # gated: [gate | value]
         features_in_rank_order(fc1, [fc2.in_features, fc2.in_features], parts)
     attn.split_heads(parts)

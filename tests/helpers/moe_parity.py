@@ -13,6 +13,7 @@ from executor.config import RunConfig
 from executor.models.build import build_model
 from executor.models.moe_aux_loss import set_micro_batch_weight, take_aux_loss
 from executor.runtime.data import split
+from tests.helpers.parity import NEAR_ZERO_GRADIENT, assert_adam_close
 
 MOE = {"layers": 2, "d_model": 32, "ff": 64, "heads": 4, "seq": 8, "vocab": 64, "experts": 4, "top_k": 2,
        "expert_ff": 32, "aux_loss_coef": 0.05}
@@ -36,20 +37,33 @@ def accumulate(model, inputs, targets, loss_fn, microbatches: int, bf16: bool = 
 
 def one_process(config: RunConfig, batches, loss_fn, microbatches: int, steps: int):
     """``steps`` of ``config``'s optimizer (sgd or adamw, clipping by the global norm, constant lr) on
-    ``batches(step)``; (losses, aux losses, norms, model)."""
+    ``batches(step)``; (losses, aux losses, norms, model, near-zero masks): the masks mark elements
+    whose gradient was below :data:`tests.helpers.parity.NEAR_ZERO_GRADIENT` at some step
+    (:func:`tests.helpers.parity.assert_adam_close` says why they are held to a bound only)."""
     model = build_model(config.model, config.options, config.seed)
     if config.optimizer == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     losses, auxes, norms = [], [], []
+    near_zero = [torch.zeros_like(p, dtype=torch.bool) for p in model.parameters()]
     for step in range(steps):
         optimizer.zero_grad()
         inputs, targets = batches(step)
         loss, aux = accumulate(model, inputs, targets, loss_fn, microbatches, config.precision == "bf16")
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm or float("inf"))
+        for mask, p in zip(near_zero, model.parameters()):
+            mask |= p.grad.abs() < NEAR_ZERO_GRADIENT
         optimizer.step()
         losses.append(loss)
         auxes.append(aux)
         norms.append(float(norm))
-    return losses, auxes, norms, model
+    return losses, auxes, norms, model, near_zero
+
+
+def assert_parameters_equal(actual: dict[str, torch.Tensor], model, near_zero, lr_sum: float, atol: float) -> None:
+    """Every parameter of ``model`` (named as ``actual``'s) as :func:`tests.helpers.parity.assert_adam_close`
+    holds them."""
+    assert set(actual) >= {name for name, _ in model.named_parameters()}
+    for (name, expected), mask in zip(model.named_parameters(), near_zero):
+        assert_adam_close(name, actual[name].detach(), expected.detach(), mask, lr_sum, atol)
