@@ -118,3 +118,19 @@ def test_dense_options_are_unchanged_and_experts_are_priced_as_the_moe_workload(
     blocks = sum(p.numel() for p in model[1:3].parameters())
     assert workload.parameter_counts()["total"] == pytest.approx(sum(p.numel() for p in model.parameters()), rel=0.05)
     assert blocks > 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--option", "experts=4", "--option", "top_k=5"], "top_k=5 is above experts=4"),
+    (["--option", "experts=4"], "experts=4 without top_k"),
+    (["--option", "experts=4", "--option", "top_k=2", "--option", "expert_ff=50", "--tensor-parallel", "4"],
+     "--tensor-parallel 4 does not divide expert_ff=50"),
+    (["--option", "experts=4", "--option", "top_k=2", "--tensor-parallel", "2", "--sequence-parallel"],
+     "--sequence-parallel with experts"),
+])
+def test_bad_expert_settings_are_one_line_before_any_worker(capsys, flags, message):
+    from gpipe.main import main
+
+    assert main(["train", "--model", "transformer", *flags, "--stages", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and message in err, err
