@@ -15,7 +15,8 @@ mask tensor: without padding the model itself builds none and lets ``is_causal``
 and nothing of (seq x seq) has to be sent between stages. The layers are those of the built-in
 transformer (embedding, blocks, head with its norm), so a plan of the model's shape
 (:mod:`sim.workloads.decoder_shape`, any decoder-only type) partitions them alike. Trained families:
-GPT-2 and Llama (Mistral and Qwen2 share Llama's layout); the others are planned, not trained. Data: random token ids of ``seq`` tokens (an option of ours, default 64),
+GPT-2 and Llama (Mistral and Qwen2 share Llama's layout; so do Mixtral and Qwen3-MoE, whose routers'
+loss crosses the stages as :mod:`executor.models.hf_moe` says); the others are planned, not trained. Data: random token ids of ``seq`` tokens (an option of ours, default 64),
 targets the next token with the last position ignored (-100), so the mean cross entropy equals the
 loss ``transformers`` computes from ``labels=ids``.
 
@@ -37,10 +38,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from executor.models import hf_moe
 from sim.errors import GpipeInputError
 from sim.workloads.decoder_shape import HF_OPTIONS
 
-FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+# Mixtral and Qwen3-MoE share Llama's layout; their routers' loss: executor.models.hf_moe
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "llama",
+            "qwen3_moe": "llama"}
 OUR_OPTIONS = HF_OPTIONS  # options that describe the data and the pricing, not the config
 
 
@@ -148,7 +152,7 @@ class Embedding(_Layer):
 
     def __init__(self, family: str, model: nn.Module, initialiser: _Initialiser) -> None:
         super().__init__(initialiser)
-        self.family = family
+        self.family, self.config = family, model.config
         if family == "gpt2":
             self.wte, self.wpe, self.drop = model.transformer.wte, model.transformer.wpe, model.transformer.drop
         else:
@@ -161,7 +165,8 @@ class Embedding(_Layer):
             return {"hidden_states": hidden, "position_ids": position_ids}
         hidden = self.embed_tokens(ids)
         cos, sin = self.rotary_emb(hidden, position_ids=position_ids)
-        return {"hidden_states": hidden, "position_ids": position_ids, "cos": cos, "sin": sin}
+        value = {"hidden_states": hidden, "position_ids": position_ids, "cos": cos, "sin": sin}
+        return hf_moe.start_sums(value, self.config, hidden) if hf_moe.trains_router_loss(self.config) else value
 
 
 class DecoderLayer(_Layer):
@@ -203,8 +208,15 @@ class DecoderLayer(_Layer):
         if self.family == "gpt2":
             out = self.layer(hidden, None, mask, position_ids=position_ids)
         else:
-            out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
-                             position_embeddings=(value["cos"], value["sin"]))
+            def call() -> Any:
+                return self.layer(hidden, attention_mask=mask, position_ids=position_ids,
+                                  position_embeddings=(value["cos"], value["sin"]))
+
+            if hf_moe.COUNTS in value:
+                out, sums = hf_moe.run_layer(self.layer, call, value, self.config)
+                value = {**value, **sums}
+            else:
+                out = call()
         hidden = out[0] if isinstance(out, tuple) else out
         return {**value, "hidden_states": hidden}
 
@@ -212,17 +224,22 @@ class DecoderLayer(_Layer):
 class Head(_Layer):
     """The final norm and the head over the vocabulary, one layer as the built-in transformer's head."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, initialiser: _Initialiser) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, initialiser: _Initialiser, config: Any = None) -> None:
         super().__init__(initialiser)
         self.norm = norm
         self.lm_head = lm_head
+        self.config = config
 
     def forward(self, value: dict[str, Any]) -> torch.Tensor:
-        return self.lm_head(self.norm(value["hidden_states"]))
+        logits = self.lm_head(self.norm(value["hidden_states"]))
+        return hf_moe.attach_router_loss(logits, value, self.config) if hf_moe.COUNTS in value else logits
 
 
 def check_tensor_parallel(family: str, config: Any, parts: int) -> None:
     """What splitting a decoder layer over ``parts`` ranks needs; one line each."""
+    if config.model_type in hf_moe.MOE_TYPES:
+        raise GpipeInputError(f"--tensor-parallel {parts} with hf:{config.model_type}: its experts are 3-D tensors "
+                              "the tensor-parallel styles do not split yet; use --tensor-parallel 1")
     if family == "gpt2":
         sizes = {"n_head": config.n_head, "n_inner": config.n_inner or 4 * config.n_embd}
         dropout = ("attn_pdrop", config.attn_pdrop)
@@ -255,7 +272,7 @@ def build(name: str, options: dict[str, Any]) -> nn.Sequential:
     norm = model.transformer.ln_f if family == "gpt2" else model.model.norm
     return nn.Sequential(Embedding(family, model, initialiser),
                          *[DecoderLayer(family, layer, config, initialiser) for layer in decoder],
-                         Head(norm, model.lm_head, initialiser))
+                         Head(norm, model.lm_head, initialiser, config))
 
 
 def checkpoint_names(name: str, options: dict[str, Any]) -> Callable[[str], str]:
