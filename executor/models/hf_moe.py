@@ -12,8 +12,9 @@ its gradient flows back along the carried sums to every layer's router, on whate
 micro-batch is the unit (as the model computes it on one batch); no attention mask (no padding).
 
 Limits: tensor parallelism of these layers is refused in one line (transformers stores the experts as
-3-D tensors, which the column/row styles do not split); ``router_jitter_noise`` must be 0 (its random
-draws are not replayed by a recompute).
+3-D tensors, which the column/row styles do not split). ``--init-from`` a Mixtral ``save_pretrained``
+folder is refused in one line: transformers writes the experts there in the legacy per-expert layout,
+not the module's names.
 """
 
 from __future__ import annotations
