@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from executor.config import RunConfig
-from executor.device import device_api
+from executor.device import backend_device, device_api
 from executor.launch import failures, nodes
-from executor.models.build import model_ref
-from executor.models.moe_aux_loss import summed_over_ranks, take_aux_loss
+from executor.models.build import has_router_loss, model_ref
+from executor.models.moe_aux_loss import take_aux_loss
 from executor.parallel import replicas
 from executor.runtime.chunks import ChunkedDevice, shards
 from executor.runtime.interleaved import make_dist_chunks
@@ -158,6 +158,7 @@ def train(config: RunConfig) -> None:
         stage.after_action = replicas.chain(_fault_hook(rank, step_ref), stage.after_action)
         first_step = start
         take_aux_loss()  # the routers' auxiliary losses of this launch's steps (executor.models.moe_aux_loss)
+        routers = has_router_loss(config.model, config.options)
         aux_losses: list[float | None] = [None] * start
         batches = step_batches(config, stage, layout)
         reports = stage.is_last and layout.replica == 0 and layout.tp_rank == 0  # prints the losses, keeps the history
@@ -165,7 +166,8 @@ def train(config: RunConfig) -> None:
         for step in range(start, config.steps):
             step_ref[0] = step
             loss = train_step_with_data(config, stage, step, layout, batches)
-            aux_losses.append(take_aux_loss() * layout.weight)
+            aux = _global_aux_loss(take_aux_loss() * layout.weight, layout) if routers else None
+            aux_losses.append(aux)
             if stage.is_last:
                 loss = layout.global_loss(loss)  # type: ignore[arg-type]
             if reports:
@@ -174,6 +176,8 @@ def train(config: RunConfig) -> None:
                 if stage.grad_norm is not None:  # taken only when clipping
                     history.grad_norms.append(float(stage.grad_norm))
                     norm = f" grad norm {stage.grad_norm:.4g}"
+                if aux is not None:
+                    norm = f" aux loss {aux:.6f}{norm}"
                 if not config.quiet:
                     say(f"gpipe: step {step} loss {loss:.6f}{norm} lr {stage.lr:.4g}", bar_shown=config.progress)
                 bar.update(1)
@@ -181,7 +185,8 @@ def train(config: RunConfig) -> None:
             if config.save_every and (step + 1) % config.save_every == 0:
                 _save(config, stage, step, history, layout)
         bar.close()
-        _finish(config, stage, history if reports else None, first_step, device, writers, layout, aux_losses)
+        _finish(config, stage, history if reports else None, first_step, device, writers, layout,
+                aux_losses if routers else None)
     finally:
         dist.destroy_process_group()
 
@@ -238,7 +243,6 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
 
 def _report(config: RunConfig, gathered: list[Any], first_step: int, device: torch.device) -> dict[str, Any]:
     timeline = merge(Timeline.from_dict(p["timeline"]) for p in gathered)  # a row per rank
-    aux_losses = summed_over_ranks(gathered)
     gathered = [p for p in gathered if p["tp"] == 0]  # a stage's figures: its tensor-parallel rank 0's
     gathered = sorted(gathered, key=lambda p: (p["replica"], p["stage"]))  # replica 0's stages first
     timeline.meta.update({"model": config.model, "partition": list(config.partition),
@@ -248,12 +252,23 @@ def _report(config: RunConfig, gathered: list[Any], first_step: int, device: tor
     allocated = [p["peak_allocated_bytes"] for p in gathered]
     allocated = allocated if any(a is not None for a in allocated) else None
     last = next(p["history"] for p in gathered if p["history"] is not None)
+    aux_losses = gathered[0]["aux_losses"]  # every rank's are the whole model's (_global_aux_loss)
     report = build_report(timeline, last["losses"], config.to_dict(), plan,
                           [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
                           [p["optimizer_state_bytes"] for p in gathered], [p["gradient_sum"] for p in gathered])
     if aux_losses is not None:  # a model with routers: their load-balancing loss per step, coefficient included
         report["aux_losses"] = aux_losses
     return report
+
+
+def _global_aux_loss(weighted: float, layout: replicas.Layout) -> float:
+    """The step's auxiliary loss of the whole model from this rank's ``weighted`` tally (already times
+    its replica's share of the global batch): summed over every stage and replica, one tensor-parallel
+    rank per stage (its T ranks route the same tokens). Collective over every rank."""
+    total = torch.tensor(weighted if layout.tp_rank == 0 else 0.0, dtype=torch.float64,
+                         device=backend_device(dist.get_backend()))
+    dist.all_reduce(total)
+    return float(total)
 
 
 def _watchdog() -> failures.Watchdog | None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.models import hf
+from executor.models import hf, hf_moe
 from executor.models.materialize import build_meta
 from executor.models.moe import MixtureOfExperts
 from executor.runtime.selective import AttentionCore, attention_core, recomputing_attention_core
@@ -318,6 +318,14 @@ def example_batch(name: str, options: dict[str, Any] | None, rows: int,
 def default_loss(name: str) -> str:
     """The loss a built-in model trains with; ``mse`` for user models unless ``--loss`` says else."""
     return "cross_entropy" if hf.is_hf(name) else DEFAULT_LOSS.get(name, "mse")
+
+
+def has_router_loss(name: str, options: dict[str, Any] | None = None) -> bool:
+    """The model has routers whose load-balancing loss it trains (:mod:`executor.models.moe_aux_loss`):
+    the built-in transformer with experts, a Hugging Face MoE config with ``output_router_logits``."""
+    if hf.is_hf(name):
+        return hf_moe.trains_router_loss(hf.config_of(name, dict(options or {})))
+    return name == "transformer" and bool((options or {}).get("experts"))
 
 
 def check_loss(loss: str) -> str:

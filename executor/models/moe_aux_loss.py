@@ -70,13 +70,3 @@ def attach_aux_loss(output: torch.Tensor, aux: torch.Tensor, coefficient: float)
         return output
     return AuxLossInjector.apply(output, aux, scale)
 
-
-def summed_over_ranks(payloads: list[dict[str, Any]]) -> list[float | None] | None:
-    """Each step's auxiliary loss of the whole model from every rank's weighted tallies
-    (``aux_losses``: one per step, None before a resume): summed over the stages and the replicas
-    (each already weighted by its share of the global batch), one tensor-parallel rank per stage (its
-    T ranks route the same tokens). None when no rank has a router."""
-    ranks = [p["aux_losses"] for p in payloads if p["tp"] == 0 and p.get("aux_losses") is not None]
-    if not ranks or not any(value for tallies in ranks for value in tallies if value is not None):
-        return None
-    return [None if any(t[i] is None for t in ranks) else sum(t[i] for t in ranks) for i in range(len(ranks[0]))]
