@@ -227,7 +227,8 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     """The partition ``gpipe simulate`` picks for the same flags, so predicted and measured runs
     split the model the same way; an even split for models the simulator has no analytic form of.
     Under the interleaved schedule the layers are split into V x K chunks."""
-    from sim.workloads.models import BUILTIN_MODELS, get_workload
+    from sim.workloads.models import BUILTIN_MODELS
+    from sim.workloads.moe.workload import builtin_workload
 
     stages = (args.stages or 1) * config.virtual_stages
     partition = even_partition(num_layers, stages)  # also rejects more stages than layers
@@ -242,7 +243,7 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     candidate = Candidate(args.stages or 1, microbatches, args.checkpoint or config.checkpoint, config.schedule,
                           config.replicas, config.virtual_stages, config.zero, config.placement)
     system = resolve_system(hardware_of(args))
-    workload = get_workload(config.model, {**config.options, "precision": config.precision})
+    workload = builtin_workload(config.model, {**config.options, "precision": config.precision})
     try:
         return tuple(simulator_partition(workload, system, batch, candidate))
     except GpipeInputError:

@@ -35,11 +35,12 @@ def fit_efficiency(model: str, options: dict[str, Any], profile: dict[str, Any],
                    precision: str = "fp32") -> dict | None:
     """Roofline efficiency of the analytic model against the measured forwards (built-ins only, and
     only at a precision the device has a peak for: none for bf16 on the CPU, which emulates it)."""
-    from sim.workloads.models import BUILTIN_MODELS, LAYER_OVERHEAD_S, get_workload
+    from sim.workloads.models import BUILTIN_MODELS, LAYER_OVERHEAD_S
+    from sim.workloads.moe.workload import builtin_workload
 
     if model not in BUILTIN_MODELS or model == "uniform" or precision not in device.peak_flops:
         return None
-    analytic = get_workload(model, {**options, "precision": precision})
+    analytic = builtin_workload(model, {**options, "precision": precision})
     threads = max(int(t) for t in profile["times_s"])
     times = profile["times_s"][str(threads)] if str(threads) in profile["times_s"] else profile["times_s"][threads]
     flops, traffic, measured = [], [], []

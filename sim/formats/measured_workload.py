@@ -344,9 +344,9 @@ class MeasuredWorkload(WorkloadCapabilities):
                        bandwidth_efficiency=float(eff["bandwidth_efficiency"]))
 
     def _what_if(self, rows: int, device: Device) -> Sequence[LayerCost]:
-        from sim.workloads.models import get_workload
+        from sim.workloads.moe.workload import builtin_workload
 
-        analytic = get_workload(self.model_name, {**self.options, "precision": self.precision})
+        analytic = builtin_workload(self.model_name, {**self.options, "precision": self.precision})
         return analytic.layer_costs(rows, self.efficient_device(device))
 
     def describe(self) -> dict:

@@ -30,7 +30,7 @@ from sim.errors import GpipeInputError, did_you_mean
 from sim.workloads.layer_spec import LayerSpec
 from sim.workloads.mlp_and_cnn import cnn_layers, mlp_layers
 from sim.workloads.model_options import resolve_options
-from sim.workloads.moe.builtin import check_moe_options, is_moe, priced_moe_options
+from sim.workloads.moe.builtin import check_moe_options, is_moe
 from sim.workloads.precision import FP32_BYTES, precision_of
 from sim.workloads.transformer import transformer_layers
 from sim.workloads.workload import LayerCost, SharedParameter, UniformWorkload, Workload, WorkloadCapabilities
@@ -207,10 +207,9 @@ def get_workload(name: str, options: dict[str, Any] | None = None) -> Workload:
     options = dict(options or {})
     moe = check_moe_options(options) if name == "transformer" else {}
     merged = resolve_options(name, {k: v for k, v in options.items() if k not in moe})
-    if is_moe(moe):  # the built-in transformer with experts: priced as the MoE workload
-        from sim.workloads.moe.workload import MoEWorkload
-
-        return MoEWorkload(name, options, priced_moe_options({**merged, **moe}))
+    if is_moe(moe):  # priced by sim.workloads.moe.workload.builtin_workload, which callers use
+        raise GpipeInputError("the built-in transformer with experts is priced by "
+                              "sim.workloads.moe.workload.builtin_workload, not get_workload")
     if name == "uniform":
         return UniformWorkload(num_layers=merged["layers"], optimizer_slots=merged["optimizer_slots"])
     return AnalyticWorkload(name, merged, _BUILDERS[name](merged))

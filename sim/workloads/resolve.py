@@ -29,7 +29,9 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
     if model is None:
         raise GpipeInputError("no model; give --model NAME or --costs FILE")
     if model in BUILTIN_MODELS:
-        return get_workload(model, options)
+        from sim.workloads.moe.workload import builtin_workload
+
+        return builtin_workload(model, options)  # the transformer with experts: the MoE workload
     if is_named(model) and named_models()[model].moe:  # a mixture of experts, by its config's fields
         from sim.workloads.moe.workload import named_moe_workload
 

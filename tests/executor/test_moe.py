@@ -95,22 +95,21 @@ def test_adamw_with_clipping_trains_as_one_process(precision):
     ({"experts": 4, "top_k": 2, "aux_loss_coef": "x"}, "aux_loss_coef='x'"),
 ])
 def test_bad_expert_options_are_one_line_in_both_halves(options, message):
-    from sim.workloads.models import get_workload
+    from sim.workloads.moe.workload import builtin_workload
 
-    for check in (lambda o: resolve_options("transformer", o), lambda o: get_workload("transformer", o)):
+    for check in (lambda o: resolve_options("transformer", o), lambda o: builtin_workload("transformer", o)):
         with pytest.raises(GpipeInputError, match=message):
             check(options)
 
 
 def test_dense_options_are_unchanged_and_experts_are_priced_as_the_moe_workload():
-    from sim.workloads.models import get_workload
-    from sim.workloads.moe.workload import MoEWorkload
+    from sim.workloads.moe.workload import MoEWorkload, builtin_workload
 
     assert "experts" not in resolve_options("transformer", {})
-    assert not isinstance(get_workload("transformer", {"experts": 0}), MoEWorkload)
+    assert not isinstance(builtin_workload("transformer", {"experts": 0}), MoEWorkload)
     options = {"layers": 2, "d_model": 32, "ff": 64, "heads": 4, "seq": 8, "vocab": 64, "experts": 4, "top_k": 2,
                "expert_ff": 32, "shared_experts": 1, "activation": "swiglu"}
-    workload = get_workload("transformer", options)
+    workload = builtin_workload("transformer", options)
     assert isinstance(workload, MoEWorkload)
     o = workload.options
     assert (o["experts"], o["top_k"], o["expert_ff"], o["shared_ff"], o["moe_layers"]) == (4, 2, 32, 32, "0,1")

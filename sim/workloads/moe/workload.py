@@ -111,6 +111,21 @@ def shape_line(name: str, o: dict[str, Any]) -> str:
             f"{shared}, {capacity}, {attention}, vocab {o['vocab']}{mtp}; {o['attention']} attention")
 
 
+def builtin_workload(name: str, options: dict[str, Any] | None = None) -> AnalyticWorkload:
+    """:func:`sim.workloads.models.get_workload`, the built-in transformer with ``experts`` > 0 priced as
+    a MoE workload (:mod:`sim.workloads.moe.builtin`): every layer MoE, gated experts with biases."""
+    from sim.workloads.model_options import resolve_options
+    from sim.workloads.models import get_workload
+    from sim.workloads.moe.builtin import check_moe_options, is_moe, priced_moe_options
+
+    given = dict(options or {})
+    moe = check_moe_options(given) if name == "transformer" else {}
+    if not is_moe(moe):
+        return get_workload(name, given)  # type: ignore[return-value]
+    merged = resolve_options(name, {k: v for k, v in given.items() if k not in moe})
+    return MoEWorkload(name, given, priced_moe_options({**merged, **moe}))
+
+
 def named_moe_workload(name: str, options: dict[str, Any]) -> MoEWorkload:
     """Named MoE model ``name`` (:mod:`sim.workloads.named_models`) with ``options``: config fields, ``seq``,
     the analysis' (``precision``, ``optimizer_slots``, ``attention``, ``compile``) and the MoE pricing's
