@@ -225,10 +225,10 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     names: tuple[str, ...] = (DP, PP, TP)
     if parts == 1:
         ranks_grid, names = ranks_grid[..., 0], (DP, PP)
-    group = getattr(config, "shard_group", None)
-    hsdp = config.zero >= 2 and group is not None and group < replicas
+    shard_group = getattr(config, "shard_group", None)
+    hsdp = config.zero >= 2 and shard_group is not None and shard_group < replicas
     if hsdp:  # dp as (replicate, shard): replicas r*N .. r*N + N-1 shard among themselves
-        ranks_grid = ranks_grid.reshape(replicas // group, group, *ranks_grid.shape[1:])
+        ranks_grid = ranks_grid.reshape(replicas // shard_group, shard_group, *ranks_grid.shape[1:])
         mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=(DP_REPLICATE, DP_SHARD, *names[1:]))
         mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)  # the dp group of every D ranks, as without HSDP
     else:
@@ -259,7 +259,7 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     from executor.parallel.sharding_checks import reshards_after_forward
 
     return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, stage_ranks,
-                  mesh, boundary, shared_groups, parts, tp_rank, group,
+                  mesh, boundary, shared_groups, parts, tp_rank, shard_group,
                   reshards_after_forward(config.zero, stages))
 
 
