@@ -64,6 +64,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from executor.models.loaded_types import is_dtensor
 from executor.parallel.sharding_checks import units_of
+from executor.transport.shm_allreduce import SharedSum
+from executor.transport.shm_transport import HostLinks
 from sim.formats.timeline import FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER
 from sim.schedules.schedule import Action, Kind
 
@@ -118,11 +120,16 @@ class _TimedAllGather(AllGather):
 
 class _WeightedReduceScatter(ReduceScatter):
     """FSDP's reduce-scatter as a weighted sum: this rank's gradients times ``weight`` (its replica's
-    share of the global batch), summed over the shard group; timed as a span of its own."""
+    share of the global batch), summed over the shard group; timed as a span of its own. Where the
+    group's ranks share a host, each with a core (``links`` covers them), the sum goes through shared
+    memory (:class:`executor.transport.shm_allreduce.SharedSum`, as the whole replicas' all-reduce
+    does) and each rank keeps its slice; else through the group's backend."""
 
-    def __init__(self, weight: float, recorder: Callable[[], Any]) -> None:
+    def __init__(self, weight: float, recorder: Callable[[], Any], links: HostLinks | None) -> None:
         self.weight = weight
         self.recorder = recorder
+        self.links = links
+        self._shared: SharedSum | None = None  # made at the first call, when the group is known
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -130,8 +137,26 @@ class _WeightedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> None:
         with self.recorder().span(FSDP_REDUCE_SCATTER):
-            input_tensor.mul_(self.weight)
-            dist.reduce_scatter_single(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+            shared = self._through_shared_memory(input_tensor, group)
+            if shared is None:
+                input_tensor.mul_(self.weight)
+                dist.reduce_scatter_single(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+                return
+            shared.launch([input_tensor], self.weight)
+            shared.finish([None])  # the whole sum sits in the shared output until this rank's next launch
+            start = dist.get_group_rank(group, dist.get_rank()) * output_tensor.numel()
+            output_tensor.copy_(shared.output[start:start + output_tensor.numel()])  # type: ignore[index]
+
+    def _through_shared_memory(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> SharedSum | None:
+        links = self.links
+        if links is None or input_tensor.device.type != "cpu":
+            return None
+        ranks = dist.get_process_group_ranks(group)
+        if not all(r == links.rank or links.covers(r) for r in ranks):
+            return None
+        if self._shared is None or self._shared.numel != input_tensor.numel():
+            self._shared = SharedSum(links, ranks, [tuple(input_tensor.shape)], input_tensor.dtype, "fsdp")
+        return self._shared
 
 
 class ShardedChunk:
@@ -143,9 +168,10 @@ class ShardedChunk:
         self.root = part.module
         self.reshard_each_backward = sharding.reshard_after_forward
         recorder = lambda: self.part.recorder  # noqa: E731
+        links = getattr(part.transport, "links", None)  # ranks of this host reached through shared memory
         for module in fsdp_modules(self.root):
             module.set_custom_all_gather(_TimedAllGather(recorder))
-            module.set_custom_reduce_scatter(_WeightedReduceScatter(sharding.weight, recorder))
+            module.set_custom_reduce_scatter(_WeightedReduceScatter(sharding.weight, recorder, links))
             module.set_gradient_divide_factor(1.0)  # the weights are applied before the sum
             module.set_force_sum_reduction_for_comms(True)
         self.accumulate()
