@@ -42,11 +42,19 @@ is given, which under FSDP are the sharded ones, not the gathered ones the forwa
 recompute calls the layers directly, so the root unit that holds the tied parameter is never
 gathered); a parameter with no dimension to shard.
 
-Limits: the gathers and reduce-scatters run synchronously on the host (gloo) and are timed as spans
-of their own (:data:`~sim.formats.timeline.FSDP_ALL_GATHER`, :data:`~sim.formats.timeline.FSDP_REDUCE_SCATTER`);
+Where the shard group's ranks share a host, each with a core, the gathers and the reduce-scatters go
+through shared memory (:mod:`executor.transport.shm_allgather`,
+:class:`executor.transport.shm_allreduce.SharedSum`, as the whole replicas' all-reduce does: gloo
+over loopback took about twice as long); HSDP's all-reduce across groups goes through the process
+group's backend.
+
+Limits: the gathers and reduce-scatters run synchronously (a prefetched gather is issued early but
+not overlapped with compute on the host) and are timed as spans of their own
+(:data:`~sim.formats.timeline.FSDP_ALL_GATHER`, :data:`~sim.formats.timeline.FSDP_REDUCE_SCATTER`);
 the gradient norm takes one small all-reduce per parameter; the peak of gathered parameters is
 sampled at each unit's forward (after its gather and prefetch) and after every action, so a peak
-inside a backward alone is not seen.
+inside a backward alone is not seen. The driving of FSDP's post-backward (:meth:`ShardedChunk.reduce`)
+and the gathered-bytes probe read FSDP2's private state, as torch's own pipeline schedules do.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from executor.models.loaded_types import is_dtensor
 from executor.parallel.sharding_checks import units_of
+from executor.transport.shm_allgather import SharedGather
 from executor.transport.shm_allreduce import SharedSum
 from executor.transport.shm_transport import HostLinks
 from sim.formats.timeline import FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER
@@ -104,10 +113,14 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 
 
 class _TimedAllGather(AllGather):
-    """FSDP's all-gather, synchronous and timed as a span of its own; samples the gathered peak."""
+    """FSDP's all-gather, synchronous and timed as a span of its own; through shared memory where
+    the group's ranks share a host, each with a core (:class:`executor.transport.shm_allgather.SharedGather`),
+    else through the group's backend."""
 
-    def __init__(self, recorder: Callable[[], Any]) -> None:
+    def __init__(self, recorder: Callable[[], Any], links: HostLinks | None) -> None:
         self.recorder = recorder
+        self.links = links
+        self._shared: SharedGather | None = None  # made at the first call, when the group is known
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -115,7 +128,22 @@ class _TimedAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
         with self.recorder().span(FSDP_ALL_GATHER):
-            dist.all_gather_single(output_tensor, input_tensor, group=group)
+            ranks = _covered(self.links, input_tensor, group)
+            if ranks is None:
+                dist.all_gather_single(output_tensor, input_tensor, group=group)
+                return
+            if self._shared is None or self._shared.numel != input_tensor.numel():
+                self._shared = SharedGather(self.links, ranks, [tuple(input_tensor.shape)],  # type: ignore[arg-type]
+                                            input_tensor.dtype, "fsdp-gather")
+            self._shared.gather(input_tensor, output_tensor)
+
+
+def _covered(links: HostLinks | None, tensor: torch.Tensor, group: dist.ProcessGroup) -> list[int] | None:
+    """The group's global ranks when shared memory reaches them all (host tensors), else None."""
+    if links is None or tensor.device.type != "cpu":
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return ranks if all(r == links.rank or links.covers(r) for r in ranks) else None
 
 
 class _WeightedReduceScatter(ReduceScatter):
@@ -148,14 +176,12 @@ class _WeightedReduceScatter(ReduceScatter):
             output_tensor.copy_(shared.output[start:start + output_tensor.numel()])  # type: ignore[index]
 
     def _through_shared_memory(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> SharedSum | None:
-        links = self.links
-        if links is None or input_tensor.device.type != "cpu":
-            return None
-        ranks = dist.get_process_group_ranks(group)
-        if not all(r == links.rank or links.covers(r) for r in ranks):
+        ranks = _covered(self.links, input_tensor, group)
+        if ranks is None:
             return None
         if self._shared is None or self._shared.numel != input_tensor.numel():
-            self._shared = SharedSum(links, ranks, [tuple(input_tensor.shape)], input_tensor.dtype, "fsdp")
+            self._shared = SharedSum(self.links, ranks, [tuple(input_tensor.shape)],  # type: ignore[arg-type]
+                                     input_tensor.dtype, "fsdp")
         return self._shared
 
 
@@ -170,7 +196,7 @@ class ShardedChunk:
         recorder = lambda: self.part.recorder  # noqa: E731
         links = getattr(part.transport, "links", None)  # ranks of this host reached through shared memory
         for module in fsdp_modules(self.root):
-            module.set_custom_all_gather(_TimedAllGather(recorder))
+            module.set_custom_all_gather(_TimedAllGather(recorder, links))
             module.set_custom_reduce_scatter(_WeightedReduceScatter(sharding.weight, recorder, links))
             module.set_gradient_divide_factor(1.0)  # the weights are applied before the sum
             module.set_force_sum_reduction_for_comms(True)
@@ -236,9 +262,10 @@ class GatheredPeak:
         self.peak_bytes = max(self.peak_bytes, total)
 
 
-def attach(stage: Any, parts: Sequence[Any], sharding: Sharding) -> GatheredPeak:
-    """Drive the FSDP units of ``stage`` (a PipelineStage, or a device of chunks ``parts``) through
-    each step: accumulate, then reduce each chunk after its last backward of the step."""
+def attach(stage: Any, parts: Sequence[Any], sharding: Sharding) -> tuple[GatheredPeak, Callable[[int, Action], None]]:
+    """What drives the FSDP units of ``stage`` (a PipelineStage, or a device of chunks ``parts``)
+    through each step: the probe of gathered bytes, and the hook to run after each action (the
+    caller chains it), which reduces each chunk after its last backward of the step."""
     chunks = {part.config.stage: ShardedChunk(part, sharding) for part in parts}
     peak = GatheredPeak(list(chunks.values()), stage.counter)
     gradients = (Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT)
@@ -249,10 +276,7 @@ def attach(stage: Any, parts: Sequence[Any], sharding: Sharding) -> GatheredPeak
         if last.get(action.stage) == index:
             chunks[action.stage].reduce()
 
-    from executor.parallel.replicas import chain  # the one hook-chaining helper
-
-    stage.after_action = chain(stage.after_action, after)
-    return peak
+    return peak, after
 
 
 def memory_bytes(parts: Sequence[Any], peak: GatheredPeak) -> dict[str, int]:

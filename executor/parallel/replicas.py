@@ -38,11 +38,17 @@ torch.optim class and settings; it keeps 1/D of the optimizer state per rank, st
 parameters and broadcasts them. Gradients are all-reduced in full as without ZeRO, so clipping,
 weight decay and the learning-rate schedule act as without it.
 
+ZeRO-2 and ZeRO-3 (``--zero 2|3``, ``--shard-group N``): each stage's layers are sharded over its dp
+group by FSDP2 when they are made, and their gradients reduce-scattered by it instead of the
+all-reduce here (:mod:`executor.parallel.fully_sharded`); with a shard group below D the mesh's dp
+dimension is made of two, ``dp_replicate`` x ``dp_shard`` (HSDP), and ``dp`` is their flattening.
+
 Checkpoints: replica 0 of each stage writes the stage's shard (the replicas hold the same values).
 With ZeRO the optimizer state is first consolidated onto replica 0 (a collective over the dp group),
 so a shard always holds its stage's whole optimizer state and every replica loads its part back.
 The replica count and ``--zero`` are recorded in the manifest's config and a resume with other
-values is refused in one line (:mod:`executor.state.checkpoint`).
+values is refused in one line (:mod:`executor.state.checkpoint`), except from and into ZeRO-2/3,
+whose shards hold each stage whole (gathered by every replica, written by replica 0).
 
 Dropout: replica d > 0 draws its masks from its own seed, so replicas do not repeat each other's
 masks; replica 0 draws what a single pipeline draws.
@@ -386,7 +392,9 @@ def attach(stage: Any, layout: Layout) -> Any:
     if layout.zero >= 2:
         from executor.parallel import fully_sharded
 
-        return fully_sharded.attach(stage, parts, layout.sharding)
+        gathered, reduce_after_last_backward = fully_sharded.attach(stage, parts, layout.sharding)
+        stage.after_action = chain(stage.after_action, reduce_after_last_backward)
+        return gathered
     links = next((part.transport.links for part in parts if getattr(part.transport, "links", None) is not None), None)
     average = GradientAverage([p for part in parts for p in part.params], layout.dp_group, layout.weight,
                               stage.recorder, links=links)

@@ -75,8 +75,9 @@ def assert_parameters(root, expected, atol):
 @pytest.mark.slow
 def test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1(tmp_path):
     """ZeRO-3 at K = 1 (gathered per unit, resharded after each forward and backward), D = 2 on an
-    uneven batch (6 + 5 rows), AdamW with clipping; the checkpoint after 2 steps resumes at D = 1
-    and at ZeRO-1 and both continue the uninterrupted run; the report counts the shards' bytes."""
+    uneven batch (6 + 5 rows), AdamW with clipping; the checkpoint after 2 steps resumes at D = 1,
+    at ZeRO-1 and at ZeRO-2 on two stages, each continuing the uninterrupted run; the report counts
+    the shards' bytes."""
     common = ["--model", "mlp", *option_flags(MLP), "--microbatches", "2", "--batch", "11", "--stages", "1",
               *optimizer_flags(ADAMW)]
     report, root = train(tmp_path, "zero3", *common, "--replicas", "2", "--zero", "3", "--steps", "2",
@@ -99,7 +100,8 @@ def test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1(tmp
         assert entry["gradient_sum"] == "reduce-scatter (gloo)"
     kinds = {r["kind"] for r in report["timeline"]["records"]}
     assert {"fsdp_all_gather", "fsdp_reduce_scatter"} <= kinds and "allreduce_dp" not in kinds
-    for other, flags in (("one", ["--replicas", "1"]), ("zero1", ["--replicas", "2", "--zero", "1"])):
+    for other, flags in (("one", ["--replicas", "1"]), ("zero1", ["--replicas", "2", "--zero", "1"]),
+                         ("pipelined", ["--replicas", "2", "--zero", "2", "--stages", "2"])):
         shutil.copytree(root, tmp_path / other)
         resumed, _ = train(tmp_path, other, *common, *flags, "--steps", "4", "--resume", "--save-every", "4")
         assert resumed["losses"] == pytest.approx(losses, rel=1e-5), other
@@ -151,6 +153,7 @@ def one_line_error(capsys, *argv):
     (["--zero", "3", "--replicas", "2", "--model", TIED, "--data", TIED_DATA, "--stages", "1", "--checkpoint",
       "full"], "share a parameter"),
     (["--zero", "1", "--replicas", "2", "--tensor-parallel", "2", "--model", "transformer"], "--zero 2 or 3"),
+    (["--zero", "3", "--replicas", "2", "--model", "tests.helpers.sample_models:scalar_gain_mlp"], "is a scalar"),
 ])
 def test_what_zero2_and_zero3_cannot_run_is_one_line_before_any_worker(capsys, flags, message):
     argv = ["--model", "mlp", "--stages", "1", "--batch", "8", "--steps", "1"]
