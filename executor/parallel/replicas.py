@@ -70,7 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from executor.device import backend_device
 from executor.models.loaded_types import is_dtensor, is_zero_optimizer
-from executor.parallel.sharding_checks import check_fully_sharded
+from executor.parallel.sharding_checks import check_fully_sharded, reshards_after_forward
 from executor.parallel.sharing import SharedGroup
 from executor.runtime.data import split
 from executor.runtime.optim import make_scheduler, optimizer_class_and_kwargs
@@ -262,8 +262,6 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
                 shared_groups = groups
     rows = replica_rows(config.batch_size, replicas)[replica]
     stage_ranks = tuple(grid[replica][k][tp_rank] for k in range(stages))
-    from executor.parallel.sharding_checks import reshards_after_forward
-
     return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, stage_ranks,
                   mesh, boundary, shared_groups, parts, tp_rank, shard_group,
                   reshards_after_forward(config.zero, stages))

@@ -24,7 +24,9 @@ class ShardingSettings(Protocol):
 
 
 def check_fully_sharded(config: ShardingSettings) -> None:
-    """ZeRO-2/3's needs, one line each, before any worker starts (see the module docstring)."""
+    """ZeRO-2/3's needs of the settings, one line each: a shard group dividing D, no split-backward
+    schedule (its weight pass adds to the sharded parameters, not the gathered ones FSDP computes
+    with: :mod:`executor.parallel.fully_sharded`)."""
     if config.zero < 2:
         return
     check_sharding(config.zero, config.replicas, config.shard_group)

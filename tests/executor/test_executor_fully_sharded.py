@@ -121,6 +121,9 @@ def test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1(tmp
     (["--zero", "2", "--stages", "2", "--schedule", "gpipe", "--checkpoint", "never", "--data", TIED_DATA, "--loss",
       "cross_entropy"],
      TIED, {}, (2, 2), 2, SGD, dict(checkpoint="never", data=TIED_DATA, loss="cross_entropy")),
+    # the same on one stage: the tied weight in the stage's root unit, gathered and resharded with ZeRO-3
+    (["--zero", "3", "--stages", "1", "--schedule", "1f1b", "--data", TIED_DATA, "--loss", "cross_entropy"],
+     TIED, {}, (4,), 2, ADAMW, dict(schedule="1f1b", data=TIED_DATA, loss="cross_entropy")),
     # HSDP: shard within groups of 2 of D = 4, all-reduce across them; recompute of every micro-batch
     (["--zero", "3", "--replicas", "4", "--shard-group", "2", "--stages", "1", "--checkpoint", "always"],
      "mlp", MLP, (8,), 2, SGD, dict(checkpoint="always")),
