@@ -39,6 +39,9 @@ rank (all-gathered before each column-parallel projection, reduce-scattered afte
 one); the run takes its input whole and gives its output whole, so stage boundaries carry the
 whole activation (Megatron's scatter-gather of the send is not done).
 
+ZeRO-2/3 composes with it: FSDP shards the DTensor parameters over the dp dimension of the same mesh
+(:mod:`executor.parallel.fully_sharded`), and checkpoints gather over both.
+
 Limits (refused in one line until they are built): ZeRO-1, sequence parallelism for other models or
 with dropout.
 """
