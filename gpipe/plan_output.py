@@ -76,7 +76,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         optimizer=optimizer, precision=precision,
         replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
         tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel,
-        context_parallel=c.context_parallel, dp_overlap=dp_overlap,
+        context_parallel=c.context_parallel, dp_overlap=dp_overlap, shard_group=c.shard_group,
     )
 
 
