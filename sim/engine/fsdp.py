@@ -24,8 +24,9 @@ FSDP2's default: every micro-batch's forward gathers (and, under ZeRO-3, its bac
 every backward reduce-scatters.
 
 Collectives are rings (NCCL's all-gather and reduce-scatter): each of p ranks puts (p-1)/p of the
-unsharded bytes on its link and pays p-1 latencies, on the slowest link the group crosses (the
-inter-node link, one per device: a rail, once the group spans nodes). A costs file's fitted
+unsharded bytes on its link and pays p-1 latencies, inside a node on its link; a group spanning
+nodes runs one ring per rail, so the inter-node link (one per device) carries 1/g of the bytes where
+g members share a node (:func:`group_gather_s`, as the all-reduce is priced). A costs file's fitted
 collective replaces the catalog's link where it has one.
 
 Limits: units of one stage are taken in layer order with weightless layers' compute counted with the
@@ -62,10 +63,29 @@ def ring_gather_s(nbytes: float, parties: int, link: Link) -> float:
     return (parties - 1) / parties * wire + (parties - 1) * link.latency_s
 
 
-def slowest_link(devices: Sequence[int], system: System) -> Link:
-    """The link a ring among ``devices`` is paced by: the inter-node link once they span nodes."""
-    nodes = {system.node_of(d) for d in devices}
-    return system.intra_link if len(nodes) <= 1 else system.inter_link
+def group_gather_s(nbytes: float, devices: Sequence[int], system: System, link: Link | None = None) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` unsharded among ``devices`` of ``system``, priced
+    as :func:`sim.engine.allreduce.group_allreduce_s` prices the all-reduce: a ring on the intra-node
+    link inside one node; across nodes, with g members on a node, NCCL's rings (one per rail) carry
+    1/g of the bytes over each member's inter-node link and the rest inside the node:
+
+        (g-1)/g x n / B_intra + (g-1) x L_intra  +  (N-1)/N x (n/g) / B_inter + (N-1) x L_inter
+
+    (g = 1: a flat ring over the inter-node link). A given ``link`` (fitted) is a flat ring on it."""
+    parties = len(devices)
+    if parties < 2:
+        return 0.0
+    if link is not None:
+        return ring_gather_s(nbytes, parties, link)
+    per_node: dict[int, int] = {}
+    for device in devices:
+        node = system.node_of(device)
+        per_node[node] = per_node.get(node, 0) + 1
+    if len(per_node) == 1:
+        return ring_gather_s(nbytes, parties, system.intra_link)
+    inside = max(per_node.values())
+    return ring_gather_s(nbytes, inside, system.intra_link) + ring_gather_s(nbytes / inside, len(per_node),
+                                                                            system.inter_link)
 
 
 def shard_group(stage: int, replica: int, layout: ParallelLayout) -> list[int]:
@@ -105,12 +125,10 @@ class Collectives:
     allreduce_link: Link | None = None  # a fitted all-reduce, for HSDP's across the groups
 
     def gather_s(self, nbytes: float) -> float:
-        link = self.gather_link or slowest_link(self.shard_devices, self.system)
-        return ring_gather_s(nbytes, len(self.shard_devices), link)
+        return group_gather_s(nbytes, self.shard_devices, self.system, self.gather_link)
 
     def reduce_scatter_s(self, nbytes: float) -> float:
-        link = self.reduce_link or slowest_link(self.shard_devices, self.system)
-        return ring_gather_s(nbytes, len(self.shard_devices), link)
+        return group_gather_s(nbytes, self.shard_devices, self.system, self.reduce_link)
 
     def replicate_s(self, nbytes: float) -> float:
         """HSDP: the all-reduce of a shard of ``nbytes`` across the shard groups (0 without HSDP)."""

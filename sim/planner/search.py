@@ -126,11 +126,13 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                checkpoints: Sequence[str] = CHECKPOINT_POLICIES, schedules: Sequence[str] = PLANNED_SCHEDULES,
                replica_options: Iterable[int] = (1,), virtual_options: Iterable[int] = (2,),
                zero_options: Iterable[int] = (0,), placements: Sequence[str] = PLACEMENTS,
-               system: System | None = None, num_layers: int | None = None) -> list[Candidate]:
+               system: System | None = None, num_layers: int | None = None,
+               shard_group: int | None = None) -> list[Candidate]:
     """Every combination worth simulating: M values that torch.chunk would turn into the same
     splits appear once, D x K beyond the system's devices, placements that are the same devices,
     ZeRO with one replica, and interleaving that cannot run (V x K over the layers, M not a multiple
-    of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule."""
+    of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule;
+    ``shard_group`` (HSDP) is given to the ZeRO-2/3 candidates whose D it divides."""
     stage_options, microbatch_options = list(stage_options), list(microbatch_options)
     virtual_options = [v for v in virtual_options if v >= 2]
     out = []
@@ -159,7 +161,9 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                             continue  # refused: a per-layer recompute's backward is not split
                         for zero in zeros:
                             for placement in where:
-                                out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement))
+                                group = shard_group if zero >= 2 and shard_group and d % shard_group == 0 else None
+                                out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
+                                                     shard_group=group))
     return out
 
 
@@ -373,7 +377,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
            max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
-           escalate_zero: bool = False) -> SearchResult:
+           escalate_zero: bool = False, shard_group: int | None = None) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -403,7 +407,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     unfit: list[PlanOption] = []
     all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
                                 replica_options, virtual_options, zero_options, placements, system,
-                                workload.num_layers)
+                                workload.num_layers, shard_group)
     if max_groups is not None:
         all_candidates = [c for c in all_candidates if c.stages * c.replicas <= max_groups]
     weigh = weight or (lambda _candidate: 1.0)
@@ -422,7 +426,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
         nonlocal extra, over_limit
         if not escalate_zero or candidate.replicas < 2 or candidate.zero >= ZERO_STAGES[-1]:
             return
-        sharded = replace(candidate, zero=candidate.zero + 1)
+        zero = candidate.zero + 1
+        group = shard_group if zero >= 2 and shard_group and candidate.replicas % shard_group == 0 else None
+        sharded = replace(candidate, zero=zero, shard_group=group)
         bound = balanced(sharded)
         if bound > limit(sharded):
             over_limit += 1
