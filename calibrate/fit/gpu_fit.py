@@ -35,8 +35,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy.optimize import least_squares
 
-from sim.catalog.hardware import get_system
-from sim.catalog.user_systems import catalog_name, resolve_system
+from sim.catalog.hardware import SYSTEMS, get_system
+from sim.catalog.user_systems import fitted_name, resolve_system
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.errors import GpipeInputError
 from sim.evidence.replay import Resolve, replay
@@ -96,15 +96,15 @@ def targets(runs: Sequence[dict[str, Any]], layers: Sequence[dict[str, Any]], re
     out = []
     for run in runs:
         def whole(kernels: KernelEfficiency, run=run) -> float:
-            result = replay(run, resolve, {catalog_name(run["hardware"]): kernels})
+            result = replay(run, resolve, {fitted_name(run["hardware"]): kernels})
             if not result.modelled:
                 raise GpipeInputError(f"development run {run['id']!r} is not modelled: {result.reason}")
             return float(result.predicted_step_s)  # type: ignore[arg-type]
-        out.append(Target(run["id"], catalog_name(run["hardware"]), float(run["measured_step_s"]), whole))
+        out.append(Target(run["id"], fitted_name(run["hardware"]), float(run["measured_step_s"]), whole))
     for row in layers:
-        out.append(Target(row["id"] + ":forward", catalog_name(row["hardware"]), row["forward_ms"] / 1e3,
+        out.append(Target(row["id"] + ":forward", fitted_name(row["hardware"]), row["forward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[0]))
-        out.append(Target(row["id"] + ":backward", catalog_name(row["hardware"]), row["backward_ms"] / 1e3,
+        out.append(Target(row["id"] + ":backward", fitted_name(row["hardware"]), row["backward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[1]))
     return out
 
@@ -145,7 +145,7 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
                    tied=("attention = matmul (no flash attention among the A100 rows)",))
     fitted = {"a100-nvlink": a100}
     for name in sorted(set(by_hardware) - {"a100-nvlink"}):
-        device = get_system(name).device.name
+        device = _device_name(name)
         one = fit_device(by_hardware[name], ("matmul",), replace(a100, matmul=START["matmul"]))
         fitted[name] = replace(
             one, source=f"fitted on {_ids(by_hardware[name])} of {path}",
@@ -154,11 +154,17 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
     rows = [{"id": t.id, "hardware": t.hardware, "measured_s": t.measured_s,
              "predicted_s": t.predict(fitted[t.hardware]),
              "error": t.predict(fitted[t.hardware]) / t.measured_s - 1} for t in all_targets]
-    devices = {get_system(name).device.name: kernels.to_dict() for name, kernels in fitted.items()}
+    devices = {_device_name(name): kernels.to_dict() for name, kernels in fitted.items()}
     return {"about": "Achieved fractions of peak by kind of kernel (sim/catalog/kernel_model.py), fitted by gpipe fit-gpu "
                      "on the development set alone; regenerate with: gpipe fit-gpu benchmarks/published_runs/dev.json "
                      "--out sim/catalog/gpu_efficiency.json",
             "devices": devices, "development_rows": rows}
+
+
+def _device_name(name: str) -> str:
+    """The device a fit is kept under: a catalog system's device, or a named variant itself
+    (:func:`sim.catalog.user_systems.fitted_name`)."""
+    return get_system(name).device.name if name in SYSTEMS else name
 
 
 def _ids(device_targets: Sequence[Target]) -> str:

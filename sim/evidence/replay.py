@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from sim.catalog.kernel_model import KernelEfficiency
-from sim.catalog.user_systems import catalog_name, run_system
+from sim.catalog.user_systems import fitted_name, run_system
 from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
 from sim.workloads.precision import trainers_precision
@@ -119,7 +119,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
     fractions, as ``gpipe fit-gpu`` does while it fits."""
     out = Replayed(run["id"], False, float(run["measured_step_s"]), assumed=list(ALWAYS_ASSUMED))
     try:
-        _predict(run, resolve, out, (kernels or {}).get(catalog_name(run["hardware"])))
+        _predict(run, resolve, out, (kernels or {}).get(fitted_name(run["hardware"])))
     except GpipeInputError as exc:
         out.reason = str(exc)
         return out

@@ -10,7 +10,11 @@ The values searched: the policies trainers offer (``never``, ``selective``, ``fu
 none, selective and full recompute; GPipe's stage re-materialization is no trainer's), sequence
 parallelism off and on where T > 1, 1, 2 or 4 virtual stages per device where K > 1 (the schedule
 following: gpipe or 1f1b with one, interleaved with more), every micro-batch size that divides a
-replica's share of the batch, and ZeRO 0 to 3 where D > 1 (2 and 3 where a ``shard_group`` is given).
+replica's share of the batch, and ZeRO 0 or 1 where D > 1 (a distributed optimizer as ZeRO-1), then
+2 and 3 in turn for the plans that fit neither (2 and 3 where a ``shard_group`` is given). Trainers
+shard gradients and parameters where memory needs it: ZeRO-2 and 3 add collectives the model takes as
+perfectly overlapped and step the optimizer on the shard, where ZeRO-1's shard step is taken to cancel
+its gather, so ranked by time alone they would win where a trainer would not have used them.
 
 Limits: a run whose trainer did not tune is predicted as if it had (too fast, where its choices
 were slower); a plan that fits nowhere is timed all the same, at the values that hold least memory
@@ -47,6 +51,7 @@ class Space:
     microbatch_options: tuple[int, ...]  # M per replica
     zero_options: tuple[int, ...]
     shard_group: int | None = None  # HSDP's groups of replicas (zero 2 or 3); None: all of them
+    zero_escalates: bool = False  # a plan that fits at no ZeRO stage listed is tried at the next (2, then 3)
 
 
 @dataclass
@@ -100,8 +105,9 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     elif zero is not None:
         zeros = (zero,)
     else:
-        zeros = (2, 3) if group is not None else ZERO_STAGES
-    return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group)
+        zeros = (2, 3) if group is not None else (0, 1)
+    escalates = zero is None and group is None and replicas > 1  # 2, then 3, where neither 0 nor 1 fits
+    return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates)
 
 
 def count_of(run: dict[str, Any], key: str) -> int | None:
@@ -124,7 +130,7 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
         found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
                        list(space.schedules), top=1, replica_options=[replicas],
                        virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
-                       dp_overlap=True, shard_group=space.shard_group).best
+                       dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates).best
         if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
             assert found.result is not None and found.partition is not None
             best = Found(found.candidate, found.partition, found.result, sequence, True)
@@ -137,7 +143,7 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
     sequence = space.sequence_parallel[-1]
     split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
     schedule = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the fewest micro-batches in flight
-    zero = space.zero_options[-1]
+    zero = 3 if space.zero_escalates else space.zero_options[-1]
     candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,
                           space.virtual_options[0] if schedule == "interleaved" else 1, zero,
                           shard_group=space.shard_group if zero >= 2 else None)
@@ -172,6 +178,12 @@ def chosen_lines(run: dict[str, Any], found: Found, batch: int, stages: int, rep
         rows = split_rows(batch // replicas, c.microbatches)[0]
         lines.append(chosen("microbatch_size", rows, "the sizes dividing a replica's batch"))
     if run.get("zero") is None:
-        among = "2 and 3" if run.get("shard_group") is not None else "0, 1, 2 and 3"
-        lines.append(chosen("zero", c.zero, among) if replicas > 1 else "zero null: 0 (one replica)")
+        if replicas == 1:
+            lines.append("zero null: 0 (one replica)")
+        elif run.get("shard_group") is not None:
+            lines.append(chosen("zero", c.zero, "2 and 3"))
+        elif c.zero >= 2 and found.fits:
+            lines.append(f"zero null: {c.zero}, the least sharding that fits (0 and 1 do not)")
+        else:
+            lines.append(chosen("zero", c.zero, "0 and 1"))
     return lines

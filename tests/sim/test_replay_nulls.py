@@ -142,7 +142,7 @@ def test_bf16_in_a_runs_file_is_the_trainers_mixed_precision(tmp_path, capsys):
 
 @pytest.mark.parametrize("change,message", [
     ({"checkpoint": "sometimes"}, "checkpoint 'sometimes'; give one of"),
-    ({"zero": 2}, "zero 2; give 0, 1"),
+    ({"zero": 5}, "zero 5; give 0, 1"),
     ({"microbatch_size": 0}, "microbatch_size 0; give a positive integer"),
     ({"compile": "yes"}, "compile='yes' for model transformer; use true"),
     ({"tensor_parallel": "two"}, "tensor_parallel 'two'; give a positive integer"),
