@@ -39,7 +39,7 @@ replica 0's; dim 0 padding of each parameter to a multiple of N is not counted (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from sim.catalog.hardware import Link, System
@@ -124,15 +124,29 @@ class Collectives:
     reduce_link: Link | None = None  # a fitted reduce-scatter
     allreduce_link: Link | None = None  # a fitted all-reduce, for HSDP's across the groups
 
+    _seconds: dict[tuple[str, float], float] = field(default_factory=dict, compare=False, repr=False)
+
+    def _priced(self, kind: str, nbytes: float) -> float:
+        """Each collective of ``kind`` on ``nbytes`` priced once: a stage's units are mostly alike."""
+        key = (kind, nbytes)
+        if key not in self._seconds:
+            if kind == "replicate":
+                seconds = group_allreduce_s(nbytes, list(self.replicate_devices), self.system, self.allreduce_link)
+            else:
+                link = self.gather_link if kind == "gather" else self.reduce_link
+                seconds = group_gather_s(nbytes, self.shard_devices, self.system, link)
+            self._seconds[key] = seconds
+        return self._seconds[key]
+
     def gather_s(self, nbytes: float) -> float:
-        return group_gather_s(nbytes, self.shard_devices, self.system, self.gather_link)
+        return self._priced("gather", nbytes)
 
     def reduce_scatter_s(self, nbytes: float) -> float:
-        return group_gather_s(nbytes, self.shard_devices, self.system, self.reduce_link)
+        return self._priced("reduce", nbytes)
 
     def replicate_s(self, nbytes: float) -> float:
         """HSDP: the all-reduce of a shard of ``nbytes`` across the shard groups (0 without HSDP)."""
-        return group_allreduce_s(nbytes, list(self.replicate_devices), self.system, self.allreduce_link)
+        return self._priced("replicate", nbytes)
 
     def units(self, layers: Sequence[LayerCost], checkpoint_backward_s: Sequence[float]) -> list[Unit]:
         """The stage's units, first to last, from its ``layers`` and each layer's backward seconds."""

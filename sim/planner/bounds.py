@@ -28,6 +28,7 @@ interleaving it also takes the pipeline's fill and drain at their least over all
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import lru_cache
 from typing import Sequence
 
@@ -40,7 +41,13 @@ from sim.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, recomputes, virtual
 
 def replica_rows(batch_size: int, replicas: int, microbatches: int) -> list[int]:
     """Replica 0's micro-batch rows (the largest replica: torch.chunk puts the remainder last)."""
-    return split_rows(split_rows(batch_size, replicas)[0], microbatches)
+    return list(_replica_rows(batch_size, replicas, microbatches))
+
+
+@lru_cache(maxsize=1 << 14)
+def _replica_rows(batch_size: int, replicas: int, microbatches: int) -> tuple[int, ...]:
+    """:func:`replica_rows`, kept for the planner's many candidates of one D and M."""
+    return tuple(split_rows(split_rows(batch_size, replicas)[0], microbatches))
 
 
 def stage_allreduce_s(table: CostTable, rows: int, partition: Sequence[int], stages: int, replicas: int,
@@ -75,14 +82,19 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate, partition: Seque
                                    c.schedule) if system is not None and not sharded else [0.0] * K)
     optimizer_share = 1 / c.shard_ranks if sharded else 1.0  # the optimizer steps the shard
     tails, computes = [], []
+    # micro-batches by rows (at most two sizes), and those of them recomputed: a device's work is their
+    # counts times each size's costs, summed without walking every micro-batch
+    count = Counter(rows)
+    again = Counter(r for m, r in enumerate(rows) if recomputes(c.checkpoint, m, len(rows)))
     for k in range(K):
         chunks = virtual_stages_of_device(k, K, c.virtual_stages, c.schedule)
         compute = 0.0
-        for m, r in enumerate(rows):
-            again = recomputes(c.checkpoint, m, len(rows))
-            for s in chunks:
+        for s in chunks:
+            for r, n in count.items():
                 cost = by_rows[r][s]
-                compute += cost.forward_s + backward_time_s(cost, c.checkpoint) + (cost.recompute_s if again else 0.0)
+                compute += n * (cost.forward_s + backward_time_s(cost, c.checkpoint))
+            for r, n in again.items():
+                compute += n * by_rows[r][s].recompute_s
         computes.append(compute)
         tails.append(allreduce[k] + optimizer_share * sum(first[s].optimizer_s for s in chunks)
                      + max(first[s].step_overhead_s for s in chunks))
@@ -163,13 +175,13 @@ class BalancedBounds:
         c = candidate
         if c.virtual_stages > 1 or c.schedule in SPLIT_BACKWARD_SCHEDULES:
             return 0.0  # the chain's backwards overlap other work (the interleaved chunks, the W's)
-        rows = tuple(replica_rows(self.batch_size, c.replicas, c.microbatches))
+        rows = _replica_rows(self.batch_size, c.replicas, c.microbatches)
         m = len(rows)
         return self._chain_s(rows) / (1 - (1 - 1 / m) ** c.stages)
 
     def balanced_s(self, candidate) -> float:
         c = candidate
-        rows = tuple(replica_rows(self.batch_size, c.replicas, c.microbatches))
+        rows = _replica_rows(self.batch_size, c.replicas, c.microbatches)
         layers = self.table.workload.num_layers
         sharded = c.zero >= 2 and c.replicas > 1  # ZeRO-2/3: the optimizer on the shard, no all-reduce
         total = (self._whole_work_s(rows, c.checkpoint, 1 / c.shard_ranks if sharded else 1.0)

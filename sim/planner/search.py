@@ -130,8 +130,9 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                shard_group: int | None = None) -> list[Candidate]:
     """Every combination worth simulating: M values that torch.chunk would turn into the same
     splits appear once, D x K beyond the system's devices, placements that are the same devices,
-    ZeRO with one replica, and interleaving that cannot run (V x K over the layers, M not a multiple
-    of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule;
+    ZeRO with one replica, ZeRO-3 with K > 1 beside ZeRO-2 (the same plan under torchtitan's policy: no
+    reshard after forward when pipelined), and interleaving that cannot run (V x K over the layers, M
+    not a multiple of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule;
     ``shard_group`` (HSDP) is given to the ZeRO-2/3 candidates whose D it divides."""
     stage_options, microbatch_options = list(stage_options), list(microbatch_options)
     virtual_options = [v for v in virtual_options if v >= 2]
@@ -160,6 +161,8 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                         if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
                             continue  # refused: a per-layer recompute's backward is not split
                         for zero in zeros:
+                            if zero == 3 and k > 1 and 2 in zeros:
+                                continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
                             for placement in where:
                                 group = shard_group if zero >= 2 and shard_group and d % shard_group == 0 else None
                                 out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,

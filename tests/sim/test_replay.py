@@ -77,5 +77,7 @@ def test_the_development_set_replays(capsys, tmp_path):
                           "tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac"}
     assert all(run["modelled"] for run in report["runs"])
     assert by_id["nemotron4-15b-h100"]["layout"]["tensor_parallel"] == 4  # kv_heads 8 and squared ReLU modelled
+    assert [by_id[i]["layout"]["zero"] for i in ("tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac")] == [3, 3]
+    assert all(abs(run["error"]) < 0.05 for run in report["runs"])  # the development set within 5%
     assert report["worst_abs_error"] >= report["median_abs_error"] > 0
     assert (tmp_path / "r.html").stat().st_size > 1000
