@@ -124,3 +124,28 @@ def test_the_planner_proposes_sharding_where_memory_needs_it():
         assert found.best is not None and found.best.candidate.zero == 3 and found.best.result.fits
     roomy = search(Units(), system(memory_bytes=1e6), 4, zero_options=[0], escalate_zero=True, **kwargs)
     assert roomy.best.candidate.zero == 0  # auto shards only where memory needs it
+
+
+def test_a_costs_files_fitted_gather_and_reduce_scatter_price_the_collectives():
+    from sim.errors import GpipeInputError
+    from sim.formats.costs_links import sharded_links
+
+    fitted = {"backend": "gloo", "all_gather": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 5e2},
+              "reduce_scatter": {"latency_s": 2e-4, "bandwidth_bytes_per_s": 4e2}}
+    gather, reduce = sharded_links({"sharded": fitted})
+    assert (gather.latency_s, gather.bandwidth_bytes_per_s, reduce.bandwidth_bytes_per_s) == (1e-4, 5e2, 4e2)
+    assert sharded_links({}) == (None, None)
+    with pytest.raises(GpipeInputError, match="sharded entry has no reduce_scatter fit"):
+        sharded_links({"sharded": {"all_gather": fitted["all_gather"]}})
+
+    class Measured(Units):
+        def sharded_links(self, system):
+            return gather, reduce, None
+
+    partition = [len(PARAMS)]
+    layout = ParallelLayout.for_partition(partition, 1, checkpoint="never", replicas=2, zero=2)
+    result = simulate(Measured(), system(), partition, 4, layout)
+    first_gather = _kinds(result, DP_ALL_GATHER)[0]
+    assert first_gather.end_s - first_gather.start_s >= ring_gather_s(PARAMS[0], 2, gather)
+    assert _kinds(result, DP_REDUCE_SCATTER)[-1].end_s - _kinds(result, DP_REDUCE_SCATTER)[-1].start_s == \
+        pytest.approx(ring_gather_s(PARAMS[0], 2, reduce))
