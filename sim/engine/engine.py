@@ -39,7 +39,9 @@ costs file measured them, are fenced off in :mod:`sim.engine.host`); a transfer 
 bytes / bandwidth and arrives a latency later, with no protocol or congestion effects. Replicas are simulated apart: their transfers never queue behind
 each other on a shared PCIe channel, and all-reduces are not contended by anything. ZeRO-1 is
 modelled in memory alone (each device keeps 1/D of its optimizer state): the step on 1/D of the
-parameters and the parameter broadcast after it are taken to cancel, and neither is timed.
+parameters and the parameter broadcast after it are taken to cancel, and neither is timed. ZeRO-2 and
+ZeRO-3 (FSDP, HSDP) are timed unit by unit (:mod:`sim.engine.fsdp`): the gathers and reduce-scatters
+their actions leave exposed, the last reduction in place of the all-reduce, the step on the shard.
 """
 
 from __future__ import annotations
