@@ -129,6 +129,7 @@ class SimResult:
     zero: int = 0
     placement: str = DEFAULT_PLACEMENT
     replica_rows: list[int] = field(default_factory=list)  # rows of the global batch each replica trains
+    shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
 
     @property
     def fits(self) -> bool:
@@ -151,6 +152,7 @@ class SimResult:
             "zero": self.zero,
             "placement": self.placement,
             "replica_rows": self.replica_rows,
+            **({"shard_group": self.shard_group} if self.shard_group else {}),
             "fits": self.fits,
             "stages": [s.to_dict() for s in self.stages],
         }
@@ -271,7 +273,9 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
     runs = _run_replicas(system, placed, partition, per_replica_rows, table, schedule, checkpoint, record, given, fsdp)
     step = _Step(workload, system, placed, partition, table, per_replica_rows, runs, zero, allreduce_link, record,
                  checkpoint if dp_overlap else None, fsdp)
-    return step.result(batch_size, schedule, checkpoint, zero)
+    result = step.result(batch_size, schedule, checkpoint, zero)
+    result.shard_group = layout.shard_group if fsdp is not None else None
+    return result
 
 
 def _signature(system: System, devices: Sequence[int], rows: Sequence[int]) -> tuple:
