@@ -54,7 +54,8 @@ def run(top: int, pin: list[str]) -> dict:
                                          "microbatches", "checkpoint", "schedule", "zero", "step_time_s")}}
     b = row["best"]
     print(f"--top {top}: {report['candidates']} candidates, {report['simulated']} simulated: search "
-          f"{report['elapsed_s']:.1f} s, whole command {wall_s:.1f} s ({cpu_s:.1f} s of CPU); best T={b['tensor_parallel']} "
+          f"{report['elapsed_s']:.1f} s, whole command {wall_s:.1f} s ({cpu_s:.1f} s of CPU); "
+          f"best T={b['tensor_parallel']} "
           f"D={b['replicas']} K={b['pipeline_stages']} V={b['virtual_stages']} M={b['microbatches']} "
           f"{b['checkpoint']} {b['schedule']} ZeRO-{b['zero']}: {b['step_time_s']:.1f} s per step")
     return row

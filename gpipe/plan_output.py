@@ -159,7 +159,8 @@ def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOpt
 
     # one string, one write: json.dump writes piece by piece, which for thousands of devices' entries
     # costs more than the search
-    sys.stdout.write(json.dumps({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
+    model = {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")}
+    sys.stdout.write(json.dumps({"model": model,
                "parameter_count": description["parameter_count"], "precision": home.precision,
                "candidates": searched.candidates, "simulated": searched.simulated,
                "elapsed_s": searched.elapsed_s, "rank_by": costing.rank_by,

@@ -66,7 +66,8 @@ from sim.schedules.schedule import (Action, build_schedule, check_interleaving,
                                     device_of_virtual_stage, virtual_stages_of_device)
 from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
 from sim.engine.stragglers import straggle_fraction
-from sim.formats.timeline import (DP_ALLREDUCE, DP_REDUCE_SCATTER, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
+from sim.formats.timeline import (DP_ALLREDUCE, DP_REDUCE_SCATTER, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE,
+                                  STEP_OVERHEAD, MemorySample,
                                   Record, Timeline)
 from sim.workloads.workload import Workload, shared_parameters
 

@@ -16,7 +16,8 @@ step, since every data-parallel all-reduce waits for all replicas) and device k:
   tail alone: a device's last actions are W's, which nothing after them waits for.
 
 Communication between stages and the shared-parameter reduction are left out, so it only gets
-smaller; so are ZeRO-2/3's gathers and reduce-scatters, with the optimizer step on the shard. The all-reduce is the engine's own closed form, which depends on bytes and links alone.
+smaller; so are ZeRO-2/3's gathers and reduce-scatters, with the optimizer step on the shard.
+The all-reduce is the engine's own closed form, which depends on bytes and links alone.
 
 :func:`balanced_bound_s`, before any partition: the K devices share the whole model's work and,
 with D > 1, each device's all-reduce; the busiest device does at least the average. The all-reduce

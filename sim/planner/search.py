@@ -238,7 +238,8 @@ class Partitions:
         gradient, optimizer = self.table.gradient_and_optimizer_bytes(rows, 0, layers)
         sharding = _sharding(c)
         if sharding.zero >= 2:  # the shards alone: the gathered units come on top
-            return sharded_static_bytes(max(0, whole - gradient - optimizer), gradient, optimizer, 0, sharding) / c.stages
+            params = max(0, whole - gradient - optimizer)
+            return sharded_static_bytes(params, gradient, optimizer, 0, sharding) / c.stages
         return static_bytes(whole, optimizer, sharding.ranks, sharding.zero) / c.stages
 
     def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:

@@ -127,8 +127,8 @@ def on_system(space: SearchSpace, system: System) -> SystemSpace:
                               f"{','.join(schedules)}: V=1 runs gpipe and 1f1b, V >= 2 the interleaved schedule")
     if 0 not in space.zero and tuple(replicas) == (1,):
         what = "optimizer state" if tuple(space.zero) == (1,) else "state"
-        raise GpipeInputError(f"--zero-options {_listed(space.zero)} shards {what} over the data-parallel group, which needs "
-                              "--replicas-options 2 or more; use --zero-options 0 with one replica")
+        raise GpipeInputError(f"--zero-options {_listed(space.zero)} shards {what} over the data-parallel group, "
+                              "which needs --replicas-options 2 or more; use --zero-options 0 with one replica")
     return SystemSpace(tuple(replicas), tuple(virtual), tuple(space.zero), kept, space.replicas is not None)
 
 
