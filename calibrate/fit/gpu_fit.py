@@ -5,7 +5,9 @@ whole-step times of runs (``runs``, replayed as ``gpipe replay`` does) and one t
 forward and backward times (``layer_times``). Every other published run is kept for validation, and
 this module reads no file but the one it is given.
 
-Per device, the fractions a development row constrains are fitted by least squares on the log of
+A row's device is its catalog system's, or a named variant over it (a hardware object's own ``name``,
+:func:`sim.catalog.user_systems.fitted_name`: the same silicon under another power limit), fitted
+apart. Per device, the fractions a development row constrains are fitted by least squares on the log of
 predicted over measured (a relative error, symmetric in over- and under-prediction), within bounds
 that keep each a physical fraction. A fraction no row of a device constrains is tied, and the file
 says to what:
@@ -14,8 +16,9 @@ says to what:
   collective and optimizer fractions and the per-matmul launch time (the per-layer times constrain
   the first four terms, the step times what lies outside the layers, chiefly the optimizer step);
   they run no flash attention, so its attention fraction is tied to its matmul fraction;
-- every other device (the H100's Nemotron-4 15B row, the B200's Llama 3 8B fp8 row, the GB200's
-  Llama 3.1 405B row) fits its matmul fraction alone, which a single step time determines exactly; its
+- every other device (the H100's Nemotron-4 15B row, the 500 W H100's torchtitan Llama 3.1 70B
+  row, the B200's Llama 3 8B fp8 row, the GB200's Llama 3.1 405B row) fits its matmul fraction alone,
+  which a single step time determines exactly; its
   flash attention is tied to that fraction and its memory-bound, collective, optimizer and launch
   terms to the A100's fit. A device with one row has a development error of zero by construction; only
   the validation set says how well it is modelled.
