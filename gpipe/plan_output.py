@@ -29,12 +29,14 @@ from sim.views.progress import phase
 def named_model_rows() -> list[dict[str, Any]]:
     """Each named model's shape, parameters and where the figures come from (``--list-models --json``)."""
     from sim.workloads.models import get_workload
+    from sim.workloads.moe.workload import named_moe_workload
     from sim.workloads.named_models import named_models, named_options
 
     rows = []
     for name, model in named_models().items():
-        o = named_options(name, {})
-        rows.append({"name": name, "parameter_count": get_workload("transformer", o).parameter_count,
+        workload = named_moe_workload(name, {}) if model.moe else get_workload("transformer", named_options(name, {}))
+        o = workload.options
+        rows.append({"name": name, "parameter_count": workload.parameter_count,
                      "layers": o["layers"], "d_model": o["d_model"], "heads": o["heads"],
                      "kv_heads": o["kv_heads"] or o["heads"], "ff": o["ff"], "seq": o["seq"], "source": model.source})
     return rows
@@ -48,7 +50,8 @@ def format_named_models() -> str:
         lines.append(f"{r['name']:16} {r['parameter_count'] / 1e9:>7.1f}B {r['layers']:>6} {r['d_model']:>7} "
                      f"{heads:>9} {r['ff']:>6} {r['seq']:>6}  {r['source']}")
     lines.append("heads: query/key-value heads; params of the built-in transformer of that shape (learned positions "
-                 "and biases included); --option seq=N or a config field (num_hidden_layers=40) changes one")
+                 "and biases included; a mixture of experts' every expert, its MTP modules too); --option seq=N or a "
+                 "config field (num_hidden_layers=40) changes one")
     return "\n".join(lines)
 
 

@@ -22,8 +22,9 @@ from sim.catalog.hardware import Device, Link, System
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.costs import measured_precision, read_costs
 from sim.workloads import resolve
-from sim.workloads.decoder_shape import ANALYSES, HF_OPTIONS, ShapedWorkload
+from sim.workloads.decoder_shape import ANALYSES, ANALYSIS_KEYS, HF_OPTIONS, ShapedWorkload
 from sim.workloads.model_defaults import DEFAULT_BATCH
+from sim.workloads.moe.workload import MoEWorkload, hf_moe_workload
 from sim.workloads.precision import choose_precision
 from sim.workloads.workload import Workload
 
@@ -62,6 +63,9 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
             raise GpipeInputError(f"--option analysis={analysis}: choose shape (the transformer of the model's "
                                   "structure) or meta (measured op by op on the meta device)")
         if analysis == "shape" or by_shape:
+            moe = hf_moe_config(model, options)  # type: ignore[arg-type]
+            if moe is not None:  # a mixture of experts: priced by its config's fields (sim.workloads.moe.config)
+                return hf_moe_workload(model, options, moe)  # type: ignore[arg-type]
             try:
                 from executor.models.hf_shape import decoder_shape
             except ModuleNotFoundError as exc:
@@ -72,10 +76,35 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
     return resolve.resolve_workload(model, options, costs_path, analyse_torch_model)
 
 
+def hf_moe_config(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``transformers`` config's fields of ``model`` (``hf:<type>`` or ``hf-config:PATH``) with
+    ``options`` when its type is a mixture of experts the MoE shape reads
+    (:data:`sim.workloads.moe.config.MOE_TYPES`), else None; one line if the config refuses them."""
+    from sim.workloads.moe.config import MOE_TYPES
+    from sim.workloads.moe.options import MOE_KNOBS
+
+    try:
+        from executor.models.hf import _transformers, _type_and_fields
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise GpipeInputError(f"model {model!r} needs torch; install it with pip install torch") from None
+    fields = {k: v for k, v in options.items() if k not in (*HF_OPTIONS, *ANALYSIS_KEYS, *MOE_KNOBS)}
+    model_type, data = _type_and_fields(model, fields)
+    if model_type not in MOE_TYPES:
+        return None
+    try:
+        config = _transformers().AutoConfig.for_model(model_type, **data)
+    except Exception as exc:  # TypeError, ValueError, or the config's own validation error
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
+        raise GpipeInputError(f"{model!r}: the config refuses the options {data} ({reason})") from None
+    return config.to_dict()
+
+
 def planned_from_note(workload: Workload) -> str | None:
     """One line saying a Hugging Face or named model was planned by its shape, then what that
     assumes, or None."""
-    if isinstance(workload, ShapedWorkload):
+    if isinstance(workload, (ShapedWorkload, MoEWorkload)):
         return "\n".join([workload.shape_line, *(f"assumed: {line}" for line in workload.assumed)])
     source = workload.planned_from
     if source is None:

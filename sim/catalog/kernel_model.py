@@ -5,6 +5,7 @@ peak. A GPU runs a layer as a sequence of kernels, each bound by one resource, s
 them, each kind at its own achieved fraction of the device's peak (:class:`KernelEfficiency`)::
 
     matmul_s      = matmul FLOPs / (peak x matmul) + matmuls x matmul_launch_s
+                    (a mixture of experts' grouped expert matmuls at GROUPED_MATMUL_RELATIVE x matmul)
     attention_s   = the attention core's FLOPs / (peak x attention)   (flash; eager and fused
                     attention run it as two batched matrix multiplies, timed as matmul_s)
     memory_s      = (bytes moved - bytes the matrix multiplies move) / (bandwidth x memory)
@@ -45,6 +46,13 @@ from typing import Any
 
 from sim.errors import GpipeInputError
 
+# Assumption, not fitted: the routed experts' grouped matmuls achieve this fraction of what a dense matmul
+# achieves on the same device. MegaBlocks (Gale et al. 2023, "MegaBlocks: Efficient Sparse Training with
+# Mixture-of-Experts", MLSys, section 6) measures its block-sparse expert matmuls within a few percent of
+# cuBLAS's batched matmuls on large experts; fine-grained experts (a hundred or more of a few thousand wide,
+# each with few tokens) lose more to partly filled tiles and per-expert scheduling. 0.8 sits between the two
+# until published MoE runs in the development set fit it.
+GROUPED_MATMUL_RELATIVE = 0.8
 EFFICIENCY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_efficiency.json")
 EFFICIENCY_ENV = "GPIPE_GPU_EFFICIENCY"  # names an efficiency file gpipe fit-gpu wrote, read in place of the package's
 FRACTIONS = ("matmul", "attention", "memory", "collective", "optimizer")
@@ -135,7 +143,8 @@ def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kerne
     projections = spec.flops_per_row * rows - attention
     flash = spec.backward_extra_flops_per_row > 0  # only the flash kernel recomputes in its backward
     launches = spec.matmuls * kernels.matmul_launch_s
-    projection_s = projections / projection_rate
+    grouped = getattr(spec, "grouped_matmul_flops_per_row", 0.0) * rows  # a mixture of experts' expert matmuls
+    projection_s = (projections - grouped) / projection_rate + grouped / (projection_rate * GROUPED_MATMUL_RELATIVE)
     if flash:
         attention_rate = peak_flops * kernels.attention
         attention_forward_s = attention / attention_rate

@@ -167,6 +167,7 @@ def plan_cost(option: "PlanOption", workload: "Workload", system: "System", batc
                               "the transformer, a named model (gpipe plan --list-models) or an hf: model")
     devices = c.stages * c.replicas * c.tensor_parallel * c.context_parallel
     peak = system.device.peak_flops[precision_of(precision).matmul_peak]
-    return training_cost(option.step_time_s, batch * o["seq"], devices,
-                         model_flops_per_token(o, described["parameter_count"]), peak, costing.train_tokens,
+    # a mixture of experts counts its active parameters (sim.workloads.moe.workload)
+    flops = described.get("model_flops_per_token") or model_flops_per_token(o, described["parameter_count"])
+    return training_cost(option.step_time_s, batch * o["seq"], devices, flops, peak, costing.train_tokens,
                          price_of(system, costing))

@@ -100,6 +100,9 @@ class LayerSpec:
     # (this many bytes per row) to its neighbour cp_steps times a forward, beside the attention
     cp_exchange_bytes_per_row: float = 0.0
     cp_steps: int = 0
+    # of flops_per_row, the routed experts' grouped matmuls (sim.workloads.moe.layers), timed further from peak
+    # than a dense matmul (sim.catalog.kernel_model.GROUPED_MATMUL_RELATIVE)
+    grouped_matmul_flops_per_row: float = 0.0
 
 
 def weights_read(p: Precision, matmul_params: int, other_params: int) -> float:

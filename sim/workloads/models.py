@@ -24,7 +24,7 @@ import numbers
 from typing import Any, Callable, Sequence
 
 from sim.catalog.hardware import Device, Link
-from sim.catalog.kernel_model import layer_times, ring_exposed_s
+from sim.catalog.kernel_model import GROUPED_MATMUL_RELATIVE, layer_times, ring_exposed_s
 from sim.engine.allreduce import ring_allreduce_s
 from sim.errors import GpipeInputError, did_you_mean
 from sim.workloads.layer_spec import LayerSpec
@@ -127,7 +127,9 @@ class AnalyticWorkload(WorkloadCapabilities):
             bytes_s = device.memory_bandwidth_bytes_per_s * device.kernels.memory
         else:  # the roofline; the matmuls wait for the collectives: no overlap
             attention = spec.attention_flops_per_row * rows
-            projections_s = (spec.flops_per_row * rows - attention) / device.achieved_flops(matmul_peak)
+            grouped = spec.grouped_matmul_flops_per_row * rows  # expert matmuls, further from peak (kernel_model)
+            projections_s = ((spec.flops_per_row * rows - attention - grouped + grouped / GROUPED_MATMUL_RELATIVE)
+                             / device.achieved_flops(matmul_peak))
             compute_s = projections_s + attention / flops_s
             extra_s = spec.backward_extra_flops_per_row * rows / flops_s
             moved = spec.traffic_bytes_per_row * rows + spec.fixed_traffic_bytes

@@ -9,10 +9,14 @@ FFN width, vocabulary and MLP (gated silu as ``swiglu``, squared ReLU as ``squar
 or the sequence (``seq=4096``). ``gpipe train --model NAME`` trains the config's own architecture
 where the executor has it (``hf-config:`` of the packaged file).
 
+Mixtures of experts (``deepseek-v3``, ``qwen3-30b-a3b``, ``mixtral-8x7b``, ...) are planned by their
+config's fields as the MoE transformer (:mod:`sim.workloads.moe.workload`, with RMSNorms, rotary
+positions and the config's biases); ``published`` keeps the total and active parameters their
+makers state, which the tests hold the counts to.
+
 Limits of the shape: the config's norms (RMSNorm, LayerNorm without bias), biases, rotary or ALiBi
 positions and tied embeddings are the built-in transformer's (biases, LayerNorms and a learned
-position table: well under 1% of a large model's parameters). Mixtures of experts and
-encoder-decoders are refused. ``--model hf-config:PATH`` of the same file prices those too, read
+position table: well under 1% of a large model's parameters). Encoder-decoders are refused. ``--model hf-config:PATH`` of the same file prices those too, read
 from the model's structure (:mod:`sim.workloads.decoder_shape`; it takes torch and transformers).
 """
 
@@ -40,14 +44,23 @@ class NamedModel:
     config_path: str  # the packaged Hugging Face config.json
     seq: int  # the sequence length it was pre-trained at: the default tokens per sample
     source: str
+    moe: bool = False  # a mixture of experts: planned by sim.workloads.moe.workload
+    # what its makers state: total and active parameters, and whether their active count has the input embedding
+    published: dict[str, Any] | None = None
 
 
 @lru_cache(maxsize=1)
 def named_models() -> dict[str, NamedModel]:
     with open(os.path.join(NAMED_DIR, "index.json")) as handle:
         index = json.load(handle)["models"]
-    return {name: NamedModel(name, os.path.join(NAMED_DIR, entry["config"]), int(entry["seq"]), entry["source"])
-            for name, entry in index.items()}
+    models = {}
+    for name, entry in index.items():
+        path = os.path.join(NAMED_DIR, entry["config"])
+        with open(path) as handle:
+            experts = _field(json.load(handle), "num_local_experts", "num_experts", "n_routed_experts")
+        models[name] = NamedModel(name, path, int(entry["seq"]), entry["source"], bool(experts),
+                                  entry.get("published"))
+    return models
 
 
 def is_named(model: str | None) -> bool:

@@ -30,6 +30,10 @@ def resolve_workload(model: str | None, options: dict[str, Any], costs_path: str
         raise GpipeInputError("no model; give --model NAME or --costs FILE")
     if model in BUILTIN_MODELS:
         return get_workload(model, options)
+    if is_named(model) and named_models()[model].moe:  # a mixture of experts, by its config's fields
+        from sim.workloads.moe.workload import named_moe_workload
+
+        return named_moe_workload(model, options)
     if is_named(model):  # a well-known model: the built-in transformer of its config's shape
         workload = get_workload("transformer", named_options(model, options))
         workload.planned_from = model  # type: ignore[attr-defined]

@@ -18,6 +18,8 @@ def test_every_named_model_is_the_shape_transformers_reads_from_its_config():
 
     for name, model in named_models().items():
         assert model.source and model.seq > 0
+        if model.moe:  # mixtures of experts: tests/sim/test_moe_workloads.py
+            continue
         fields = json.loads(open(model.config_path).read())
         config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
         assert named_options(name, {}) == transformer_shape(config.to_dict(), model.seq, name), name

@@ -1,0 +1,147 @@
+"""A mixture-of-experts decoder as a workload: its layers (:mod:`sim.workloads.moe.layers`), its total and
+active parameters, and the model FLOPs per token that MFU counts.
+
+Built from a config's fields (:mod:`sim.workloads.moe.config`) for a named model
+(``--model deepseek-v3``) or a Hugging Face type (``--model hf:mixtral``). ``describe()`` names the
+model and the options it was given, as a plan file records them, with the priced options as
+``shape`` (as :class:`sim.workloads.decoder_shape.ShapedWorkload` does).
+
+Active parameters are those one token's forward uses: every dense weight, the router, the shared
+experts and top-k routed experts of each MoE layer, and the head; not the input embedding (a
+gather, no matmul). Model FLOPs per token (for MFU and model TFLOP/s) are PaLM's 6N + attention
+(:mod:`sim.planner.training_cost`) with N the active matmul parameters, multi-token prediction
+modules included (they run every step); the attention term counts each layer's scores and values
+at their own widths (MLA: qk and v per head). Published parameter counts leave the MTP modules out
+(DeepSeek-V3's 671B), so :meth:`MoEWorkload.parameter_counts` gives them apart.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from sim.catalog.hardware import Link
+from sim.workloads.moe.latent_attention import is_latent, qk_head_dim
+from sim.workloads.models import AnalyticWorkload
+from sim.workloads.moe.layers import expected_max_load, moe_layer_set, moe_transformer_layers
+from sim.workloads.moe.options import resolve_moe_options
+
+
+class MoEWorkload(AnalyticWorkload):
+    """A MoE decoder ``name`` with ``given`` options (config fields, ``seq``), priced by ``priced``."""
+
+    def __init__(self, name: str, given: dict[str, Any], priced: dict[str, Any], assumed: list[str] | None = None,
+                 planned_from: str | None = None) -> None:
+        options = resolve_moe_options(priced, name)
+        super().__init__(name, options, moe_transformer_layers(options))
+        self.given = dict(given)
+        self.is_transformer = True
+        self.has_attention_core = True
+        self.planned_from = planned_from or name
+        self.assumed = list(assumed or [])
+        self.shape_line = shape_line(name, options)
+
+    @property
+    def parameter_count(self) -> int:
+        return self.parameter_counts()["total"]
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters of the whole model (one device's share is ``layers``): ``total`` (the MTP modules
+        included), ``main`` (without them, as published), ``active`` (one token's, without the MTP
+        modules and the input embedding, as published), ``embedding`` and ``mtp``."""
+        o = self.options
+        layers = moe_transformer_layers(o)
+        tied = o["vocab"] * o["d_model"] if o.get("tied") else 0
+        total = sum(spec.params for spec in layers) - tied
+        mtp = sum(spec.params for spec in layers if spec.name == "mtp")
+        embedding = layers[0].params
+        E, k, f, d = o["experts"], o["top_k"], o["expert_ff"], o["d_model"]
+        idle_per_layer = (E - k) * (3 * d * f + o["expert_biases"] * (2 * f + d))  # routed experts a token skips
+        idle = idle_per_layer * len(moe_layer_set(o))
+        active = total - mtp - idle - embedding + tied
+        return {"total": total, "main": total - mtp, "active": active, "embedding": embedding, "mtp": mtp}
+
+    def model_flops_per_token(self) -> float:
+        """PaLM's 6N + 6 x (scores and values per token) over all layers, N the active matmul parameters
+        with the MTP modules' (see the module docstring)."""
+        o = self.options
+        counts = self.parameter_counts()
+        E, k, f, d = o["experts"], o["top_k"], o["expert_ff"], o["d_model"]
+        mtp_active = counts["mtp"] - int(o.get("mtp_layers", 0)) * (E - k) * 3 * d * f
+        h, s = o["heads"], o["seq"]
+        if is_latent(o):
+            width = h * (qk_head_dim(o) + o["v_head_dim"])
+        else:
+            width = 2 * h * (o.get("head_dim") or d // h)
+        attention = 6.0 * s * width * (o["layers"] + int(o.get("mtp_layers", 0)))
+        return 6.0 * (counts["active"] + mtp_active) + attention
+
+    def expected_max_load(self, tokens: int) -> float:
+        """The most loaded expert's assignments over the mean for ``tokens`` routed tokens."""
+        o = self.options
+        return expected_max_load(tokens, o["experts"], o["top_k"], o["expert_imbalance"])
+
+    def split_over(self, tensor_parallel: int, sequence_parallel: bool, tp_link: Link | None,
+                   context_parallel: int = 1) -> "MoEWorkload":
+        split = copy.copy(self)
+        split.layers = tuple(moe_transformer_layers(self.options, tensor_parallel, sequence_parallel,
+                                                    context_parallel))
+        split.tensor_parallel, split.sequence_parallel = tensor_parallel, sequence_parallel
+        split.tp_link, split.context_parallel = tp_link, context_parallel
+        return split
+
+    def describe(self) -> dict:
+        counts = self.parameter_counts()
+        return {"name": self.name, "options": dict(self.given), "num_layers": self.num_layers,
+                "parameter_count": counts["total"], "active_parameter_count": counts["active"],
+                "model_flops_per_token": self.model_flops_per_token(), "shape": dict(self.options)}
+
+
+def shape_line(name: str, o: dict[str, Any]) -> str:
+    """One line saying how ``name`` is priced."""
+    moe = len(moe_layer_set(o))
+    shared = f" + a shared MLP of {o['shared_ff']}" if o.get("shared_ff") else ""
+    attention = (f"latent attention (q rank {o['q_lora_rank']}, kv rank {o['kv_lora_rank']}, heads of "
+                 f"{qk_head_dim(o)}/{o['v_head_dim']})" if is_latent(o) else
+                 f"{o['heads']} heads, {o.get('kv_heads') or o['heads']} key/value heads")
+    mtp = f", {o['mtp_layers']} multi-token prediction module(s)" if o.get("mtp_layers") else ""
+    capacity = f"capacity factor {o['capacity_factor']}" if o.get("capacity_factor") else "dropless"
+    return (f"{name} priced as a mixture of experts: {o['layers']} layers ({moe} MoE, {o['layers'] - moe} dense of "
+            f"ff {o['ff']}), d_model {o['d_model']}, {o['experts']} experts of {o['expert_ff']} top-{o['top_k']}"
+            f"{shared}, {capacity}, {attention}, vocab {o['vocab']}{mtp}; {o['attention']} attention")
+
+
+def named_moe_workload(name: str, options: dict[str, Any]) -> MoEWorkload:
+    """Named MoE model ``name`` (:mod:`sim.workloads.named_models`) with ``options``: config fields, ``seq``,
+    the analysis' (``precision``, ``optimizer_slots``, ``attention``, ``compile``) and the MoE pricing's
+    (``capacity_factor``, ``expert_imbalance``); one line for anything else."""
+    from sim.errors import GpipeInputError
+    from sim.workloads.moe.config import assumed_lines, moe_options
+    from sim.workloads.moe.options import MOE_KNOBS
+    from sim.workloads.named_models import ANALYSIS_KEYS, config_of, named_models
+
+    config = config_of(name)
+    ours = ("seq", *ANALYSIS_KEYS, *MOE_KNOBS)
+    unknown = sorted(set(options) - set(config) - set(ours))
+    if unknown:
+        raise GpipeInputError(f"--model {name}: {', '.join(unknown)} is not a field of its config; give one of "
+                              f"{', '.join(sorted(k for k in config if isinstance(config[k], int)))}, seq, "
+                              f"{', '.join(MOE_KNOBS)}")
+    config.update({k: v for k, v in options.items() if k not in ours})
+    priced = moe_options(config, int(options.get("seq", named_models()[name].seq)), name)
+    priced.update({k: options[k] for k in (*ANALYSIS_KEYS, *MOE_KNOBS) if k in options})
+    return MoEWorkload(name, options, priced, assumed_lines(config), planned_from=name)
+
+
+def hf_moe_workload(name: str, options: dict[str, Any], config: dict[str, Any]) -> MoEWorkload:
+    """A Hugging Face MoE model (``hf:mixtral``) from its ``transformers`` config's fields ``config``
+    (``to_dict()``), with ``options`` as given (config fields, ``seq``, the analysis' and the MoE
+    pricing's)."""
+    from sim.workloads.decoder_shape import ANALYSIS_KEYS, HF_OPTIONS
+    from sim.workloads.moe.config import assumed_lines, moe_options
+    from sim.workloads.moe.options import MOE_KNOBS
+
+    priced = moe_options(config, int(options.get("seq", HF_OPTIONS["seq"])), name)
+    priced["attention"] = options.get("attention", HF_OPTIONS["attention"])
+    priced.update({k: options[k] for k in (*ANALYSIS_KEYS, *MOE_KNOBS) if k in options})
+    return MoEWorkload(name, options, priced, assumed_lines(config), planned_from=name)
