@@ -170,6 +170,7 @@ def search_space_of(args: argparse.Namespace, hardware: list[str],
         schedules=schedules, replicas=_int_list(args.replicas_options, "--replicas-options"),
         virtual_stages=_int_list(args.virtual_stages_options, "--virtual-stages-options"),
         zero=_zero_list(args.zero_options)[0], zero_escalates=_zero_list(args.zero_options)[1], placements=placements,
+        shard_groups=_int_list(args.shard_group_options, "--shard-group-options") or (),
         tensor_parallel=_int_list(args.tensor_parallel_options, "--tensor-parallel-options"),
         context_parallel=args.context_parallel, sequence_parallel=args.sequence_parallel,
         partitioner=args.partitioner, dp_overlap=args.dp_overlap)

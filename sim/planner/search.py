@@ -127,13 +127,14 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                replica_options: Iterable[int] = (1,), virtual_options: Iterable[int] = (2,),
                zero_options: Iterable[int] = (0,), placements: Sequence[str] = PLACEMENTS,
                system: System | None = None, num_layers: int | None = None,
-               shard_group: int | None = None) -> list[Candidate]:
+               shard_group: int | None = None, shard_group_options: Sequence[int] = ()) -> list[Candidate]:
     """Every combination worth simulating: M values that torch.chunk would turn into the same
     splits appear once, D x K beyond the system's devices, placements that are the same devices,
     ZeRO with one replica, ZeRO-3 with K > 1 beside ZeRO-2 (the same plan under torchtitan's policy: no
     reshard after forward when pipelined), and interleaving that cannot run (V x K over the layers, M
     not a multiple of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule;
-    ``shard_group`` (HSDP) is given to the ZeRO-2/3 candidates whose D it divides."""
+    ``shard_group`` (HSDP) is given to the ZeRO-2/3 candidates whose D it divides; without it, those
+    candidates shard over all D replicas and over each of ``shard_group_options`` that divides D."""
     stage_options, microbatch_options = list(stage_options), list(microbatch_options)
     virtual_options = [v for v in virtual_options if v >= 2]
     out = []
@@ -164,10 +165,20 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                             if zero == 3 and k > 1 and 2 in zeros:
                                 continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
                             for placement in where:
-                                group = shard_group if zero >= 2 and shard_group and d % shard_group == 0 else None
-                                out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
-                                                     shard_group=group))
+                                for group in _shard_groups(zero, d, shard_group, shard_group_options):
+                                    out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
+                                                         shard_group=group))
     return out
+
+
+def _shard_groups(zero: int, replicas: int, given: int | None, options: Sequence[int]) -> list[int | None]:
+    """The shard groups a candidate of ``zero`` over ``replicas`` is tried with: none below ZeRO-2;
+    ``given`` where it divides D; else all D replicas and each of ``options`` dividing D (HSDP)."""
+    if zero < 2:
+        return [None]
+    if given:
+        return [given if replicas % given == 0 else None]
+    return [None, *sorted({g for g in options if 1 <= g < replicas and replicas % g == 0})]
 
 
 def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], stages: int, counts: set[int],
@@ -381,7 +392,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
            max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
-           escalate_zero: bool = False, shard_group: int | None = None) -> SearchResult:
+           escalate_zero: bool = False, shard_group: int | None = None,
+           shard_group_options: Sequence[int] = ()) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -411,7 +423,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     unfit: list[PlanOption] = []
     all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
                                 replica_options, virtual_options, zero_options, placements, system,
-                                workload.num_layers, shard_group)
+                                workload.num_layers, shard_group, shard_group_options)
     if max_groups is not None:
         all_candidates = [c for c in all_candidates if c.stages * c.replicas <= max_groups]
     weigh = weight or (lambda _candidate: 1.0)

@@ -71,6 +71,7 @@ class SearchSpace:
     virtual_stages: tuple[int, ...] | None = None  # V; default DEFAULT_VIRTUAL_STAGES
     zero: tuple[int, ...] = (0,)
     zero_escalates: bool = False  # a layout that does not fit is tried at the next ZeRO stage (--zero-options auto)
+    shard_groups: tuple[int, ...] = ()  # HSDP's shard groups tried beside all replicas with ZeRO-2/3
     placements: tuple[str, ...] = PLACEMENTS
     tensor_parallel: tuple[int, ...] | None = None  # T; default the powers of two the model splits into
     context_parallel: int = 1  # C, one value per search

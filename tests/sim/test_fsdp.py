@@ -149,3 +149,12 @@ def test_a_costs_files_fitted_gather_and_reduce_scatter_price_the_collectives():
     assert first_gather.end_s - first_gather.start_s >= ring_gather_s(PARAMS[0], 2, gather)
     assert _kinds(result, DP_REDUCE_SCATTER)[-1].end_s - _kinds(result, DP_REDUCE_SCATTER)[-1].start_s == \
         pytest.approx(ring_gather_s(PARAMS[0], 2, reduce))
+
+
+def test_the_planner_searches_hsdp_shard_groups_where_asked():
+    kwargs = dict(stage_options=[1], microbatch_options=[1], checkpoints=["never"], schedules=["gpipe"],
+                  replica_options=[4], zero_options=[3])
+    plain = search(Units(), system(), 8, top=10, **kwargs)
+    hybrid = search(Units(), system(), 8, top=10, shard_group_options=[2, 3], **kwargs)
+    assert {o.candidate.shard_group for o in plain.ranked} == {None}
+    assert {o.candidate.shard_group for o in hybrid.ranked} == {None, 2}  # 3 does not divide D = 4
