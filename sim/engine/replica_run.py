@@ -179,7 +179,10 @@ class ReplicaRun:
                     duration = self.action_s(device, cost, kind, s, cold[device][i], ready_s - free_s)
                     t = ready_s if ready_s > free_s else free_s
                     gather_s, reduce_s = self.communication_s(cost, kind, s)
-                    t += gather_s + reduce_s
+                    if gather_s > 0:  # one after the other, as the SimPy walk's timeouts add them
+                        t += gather_s
+                    if reduce_s > 0:
+                        t += reduce_s
                     held = sizes[self.rows[m]][s]
                     if kind is Kind.BACKWARD and held[2]:
                         self._hold(device, held[2])

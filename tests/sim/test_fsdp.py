@@ -158,3 +158,15 @@ def test_the_planner_searches_hsdp_shard_groups_where_asked():
     hybrid = search(Units(), system(), 8, top=10, shard_group_options=[2, 3], **kwargs)
     assert {o.candidate.shard_group for o in plain.ranked} == {None}
     assert {o.candidate.shard_group for o in hybrid.ranked} == {None, 2}  # 3 does not divide D = 4
+
+
+@pytest.mark.parametrize("zero,partition,microbatches,schedule,virtual", [
+    (3, [4], 2, "gpipe", 1), (2, [4], 3, "gpipe", 1), (2, [2, 2], 4, "1f1b", 1), (3, [1, 1, 1, 1], 4, "interleaved", 2)])
+def test_the_walk_without_spans_times_the_gathers_as_the_simpy_walk_does(zero, partition, microbatches, schedule,
+                                                                          virtual):
+    layout = ParallelLayout.for_partition(partition, microbatches, checkpoint="never", schedule=schedule, replicas=2,
+                                          zero=zero, virtual_stages=virtual)
+    recorded = simulate(Units(), system(), partition, 8, layout, record=True)
+    walked = simulate(Units(), system(), partition, 8, layout, record=False)
+    assert walked.step_time_s == recorded.step_time_s  # to the bit
+    assert [s.busy_s for s in walked.stages] == [s.busy_s for s in recorded.stages]
