@@ -50,7 +50,7 @@ group's backend.
 
 Limits: the gathers and reduce-scatters run synchronously (a prefetched gather is issued early but
 not overlapped with compute on the host) and are timed as spans of their own
-(:data:`~sim.formats.timeline.FSDP_ALL_GATHER`, :data:`~sim.formats.timeline.FSDP_REDUCE_SCATTER`);
+(:data:`~sim.formats.timeline.DP_ALL_GATHER`, :data:`~sim.formats.timeline.DP_REDUCE_SCATTER`);
 the gradient norm takes one small all-reduce per parameter; the peak of gathered parameters is
 sampled at each unit's forward (after its gather and prefetch) and after every action, so a peak
 inside a backward alone is not seen. The driving of FSDP's post-backward (:meth:`ShardedChunk.reduce`)
@@ -75,7 +75,7 @@ from executor.parallel.sharding_checks import units_of
 from executor.transport.shm_allgather import SharedGather
 from executor.transport.shm_allreduce import SharedSum
 from executor.transport.shm_transport import HostLinks
-from sim.formats.timeline import FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER
+from sim.formats.timeline import DP_ALL_GATHER, DP_REDUCE_SCATTER
 from sim.schedules.schedule import Action, Kind
 
 
@@ -127,7 +127,7 @@ class _TimedAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
-        with self.recorder().span(FSDP_ALL_GATHER):
+        with self.recorder().span(DP_ALL_GATHER):
             ranks = _covered(self.links, input_tensor, group)
             if ranks is None:
                 dist.all_gather_single(output_tensor, input_tensor, group=group)
@@ -164,7 +164,7 @@ class _WeightedReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> None:
-        with self.recorder().span(FSDP_REDUCE_SCATTER):
+        with self.recorder().span(DP_REDUCE_SCATTER):
             shared = self._through_shared_memory(input_tensor, group)
             if shared is None:
                 input_tensor.mul_(self.weight)
