@@ -16,6 +16,9 @@ this machine:
     and under Schedule1F1B ``static_graph=True`` leaves the last stage's replicas unsynchronised, so
     the static graph is used with GPipe alone; every run ends by checking that the replicas hold
     identical weights;
+  * ZeRO-2/3: ``gpipe train --zero`` against the same PipelineStage and schedule on stage modules
+    given FSDP2's ``fully_shard`` per layer with parameters and on the stage's root over the mesh's
+    "dp" dimension (reshard after forward with ZeRO-3 on one stage only), no DDP;
   * zero bubble: ``zbv`` and ``dualpipev`` against ScheduleZBVZeroBubble and ScheduleDualPipeV, both
     with the V placement (chunks d and 2K-1-d on rank d) and the backward split into I and W;
   * single: the whole model trained in one process with all cores, one batch per step;
@@ -27,7 +30,7 @@ this machine:
     with where the measured critical path spent it. Given for one pipeline (D = T = 1; V chunks per
     device allowed).
 
-Usage: ``python benchmarks/executor_vs_pytorch.py [--configs pipeline|scale_out|tensor|zero_bubble|all] [--steps 20]
+Usage: ``python benchmarks/executor_vs_pytorch.py [--configs pipeline|scale_out|tensor|zero_bubble|fsdp|all] [--steps 20]
 [--out benchmarks/results/...json]``. On a machine with fewer cores than D x K processes the run is
 oversubscribed, and the ratio says how the two cope with that, not how they scale.
 """
@@ -83,9 +86,18 @@ ZERO_BUBBLE_CONFIGS = [
      "stages": 2, "virtual_stages": 2, "batch": 16, "microbatches": 8, "partition": [2, 1, 1, 2],
      "schedules": ["zbv", "dualpipev"]},
 ]
+# ZeRO-2/3 (FSDP2 per layer and on each stage's root over the replicas) against torch's PipelineStage and
+# schedules on stage modules to which fully_shard is applied the same way; ZeRO-3 reshards after forward
+# only with one stage (torchtitan's policy under a pipeline)
+FSDP_CONFIGS = [
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "replicas": 2, "stages": 1, "batch": 64,
+     "microbatches": 4, "zero": 3, "schedules": ["gpipe"]},
+    {"model": "mlp", "options": {"layers": 8, "width": 1024}, "replicas": 2, "stages": 2, "batch": 64,
+     "microbatches": 4, "zero": 3, "schedules": ["1f1b"]},
+]
 CONFIG_SETS = {"pipeline": CONFIGS, "scale_out": SCALE_OUT_CONFIGS, "tensor": TENSOR_CONFIGS,
-               "zero_bubble": ZERO_BUBBLE_CONFIGS,
-               "all": CONFIGS + SCALE_OUT_CONFIGS + TENSOR_CONFIGS + ZERO_BUBBLE_CONFIGS}
+               "zero_bubble": ZERO_BUBBLE_CONFIGS, "fsdp": FSDP_CONFIGS,
+               "all": CONFIGS + SCALE_OUT_CONFIGS + TENSOR_CONFIGS + ZERO_BUBBLE_CONFIGS + FSDP_CONFIGS}
 
 
 def _shape(cfg: dict) -> tuple[int, int, int]:
@@ -136,6 +148,8 @@ def run_executor(cfg: dict, schedule: str, steps: int, warmup: int, threads: int
             argv += ["--virtual-stages", str(virtual)]
         if cfg.get("tensor_parallel", 1) > 1:
             argv += ["--tensor-parallel", str(cfg["tensor_parallel"])]
+        if cfg.get("zero"):
+            argv += ["--zero", str(cfg["zero"])]
         for key, value in cfg["options"].items():
             argv += ["--option", f"{key}={value}"]
         result = subprocess.run(argv, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
@@ -221,8 +235,16 @@ def pytorch_worker(path: str) -> None:
             from executor.parallel.tensor_parallel import parallelize_stage
 
             parallelize_stage(module, mesh["tp"])
+        if job.get("zero", 0) >= 2:  # FSDP2 on each layer with parameters, then on the stage's root
+            from torch.distributed.fsdp import fully_shard
+
+            reshard = job["zero"] == 3 and stages == 1
+            for layer in module:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
         modules.append(module)
-        if replicas > 1:
+        if replicas > 1 and not job.get("zero", 0) >= 2:
             module = DistributedDataParallel(module, process_group=mesh["dp"].get_group(), static_graph=job["schedule"] == "gpipe")
         pipeline_stages.append(PipelineStage(module, index, stages * virtual, torch.device("cpu"),
                                              group=mesh["pp"].get_group()))
@@ -253,7 +275,8 @@ def pytorch_worker(path: str) -> None:
         dist.barrier()
         times.append(time.perf_counter() - start)
     if replicas > 1:  # replicas saw different rows: equal weights show the gradients were averaged
-        checksum = torch.stack([p.detach().double().sum() for m in modules for p in m.parameters()])
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for m in modules for p in m.parameters()]
+        checksum = torch.stack([p.detach().double().sum() for p in whole])
         copies = [torch.empty_like(checksum) for _ in range(replicas)]
         dist.all_gather(copies, checksum, group=mesh["dp"].get_group())
         if not all(torch.allclose(c, checksum, rtol=1e-6, atol=1e-6) for c in copies):
@@ -322,7 +345,7 @@ def main() -> int:
             pytorch_s = statistics.median(pytorch_runs)
             step_s = report["step_time_s"]
             row = {"model": cfg["model"], "options": cfg["options"], "D": replicas, "K": stages, "V": virtual,
-                   "T": parts, "M": cfg["microbatches"], "batch": cfg["batch"], "schedule": schedule,
+                   "T": parts, "zero": cfg.get("zero", 0), "M": cfg["microbatches"], "batch": cfg["batch"], "schedule": schedule,
                    "processes": processes, "oversubscribed": processes > cores,
                    "executor_step_s": step_s, "pytorch_step_s": pytorch_s, "single_process_step_s": single_s,
                    "speedup_vs_pytorch": pytorch_s / step_s,
@@ -336,7 +359,8 @@ def main() -> int:
                               f"{bounds['bottleneck_bound_s'] * 1e3:7.2f} ms  overhead {row['overhead_fraction']:.1%}"
                               f"  (critical path ms: {path})")
             rows.append(row)
-            print(f"{cfg['model']:12s} D={replicas} K={stages} V={virtual} T={parts} M={cfg['microbatches']} {schedule:11s} "
+            print(f"{cfg['model']:12s} D={replicas} K={stages} V={virtual} T={parts} ZeRO={cfg.get('zero', 0)} "
+                  f"M={cfg['microbatches']} {schedule:11s} "
                   f"executor {step_s * 1e3:7.2f} ms  pytorch {pytorch_s * 1e3:7.2f} ms  "
                   f"x{row['speedup_vs_pytorch']:.2f}  single {single_s * 1e3:7.2f} ms{bound_text}", flush=True)
     import torch

@@ -229,6 +229,7 @@ def check_tensor_parallel(parts: int, zero: int, sequence_parallel: bool = False
                               "--tensor-parallel 2 or more, or drop --sequence-parallel")
     if parts == 1:
         return
-    if zero:
-        raise GpipeInputError(f"--tensor-parallel {parts} with --zero 1 is not supported yet; drop --zero or use "
+    if zero == 1:
+        raise GpipeInputError(f"--tensor-parallel {parts} with --zero 1 is not supported yet; use --zero 2 or 3 "
+                              "(FSDP over the replicas of each tensor-parallel rank), drop --zero or use "
                               "--tensor-parallel 1")

@@ -40,6 +40,7 @@ PARTITIONERS = ("min_max", "variance")
 RENAMED_IN_PLAN = {"--stages": ("--stages-options", "K"), "--microbatches": ("--microbatch-options", "M"),
                    "--replicas": ("--replicas-options", "D"), "--virtual-stages": ("--virtual-stages-options", "V"),
                    "--tensor-parallel": ("--tensor-parallel-options", "T"), "--zero": ("--zero-options", "ZeRO stages"),
+                   "--shard-group": ("--shard-group-options", "shard groups"),
                    "--checkpoint": ("--checkpoints", "policies"), "--schedule": ("--schedules", "schedules"),
                    "--placement": ("--placements", "placements")}
 
@@ -247,9 +248,13 @@ def add_search_space_arguments(parser: argparse.ArgumentParser) -> Any:
                             "(default: powers of two up to the devices)")
     space.add_argument("--virtual-stages-options", default=None, metavar="LIST",
                        help="V values to try: 1 runs gpipe and 1f1b, 2 or more the interleaved schedule (default 1,2,4)")
-    space.add_argument("--zero-options", default="0", metavar="LIST",
-                       help="ZeRO stages to try, 0 and/or 1 (1 only with D > 1; default 0: ZeRO-1 is timed like 0, "
-                            "so ask for it where memory is short)")
+    space.add_argument("--zero-options", default="auto", metavar="LIST",
+                       help="ZeRO stages to try where D > 1: 0 (whole replicas), 1 (optimizer state sharded), 2 (and "
+                            "gradients), 3 (and parameters, FSDP); default auto: each layout at the least stage "
+                            "that fits memory; a list such as 0,1,2,3 ranks every stage listed by time")
+    space.add_argument("--shard-group-options", default=None, metavar="LIST",
+                       help="with ZeRO-2/3, HSDP shard groups to try beside all replicas: shard within groups of N "
+                            "replicas, replicate across them (each N dividing D; default none)")
     space.add_argument("--placements", default=",".join(PLACEMENTS), metavar="LIST",
                        help="placements to try where they differ (several nodes, D > 1, K > 1)")
     space.add_argument("--tensor-parallel-options", default=None, metavar="LIST",

@@ -79,7 +79,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         optimizer=optimizer, precision=precision,
         replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
         tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel,
-        context_parallel=c.context_parallel, dp_overlap=dp_overlap,
+        context_parallel=c.context_parallel, dp_overlap=dp_overlap, shard_group=c.shard_group,
     )
 
 
@@ -160,7 +160,10 @@ def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOpt
     def banded(option: PlanOption) -> dict:
         return {**option_dict(option), "error_band": plan_band(by_name.get(option.hardware, home), option)}
 
-    json.dump({"model": {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")},
+    # one string, one write: json.dump writes piece by piece, which for thousands of devices' entries
+    # costs more than the search
+    model = {k: description[k] for k in ("name", "options", "num_layers", "parameter_count")}
+    sys.stdout.write(json.dumps({"model": model,
                "parameter_count": description["parameter_count"], "precision": home.precision,
                "candidates": searched.candidates, "simulated": searched.simulated,
                "elapsed_s": searched.elapsed_s, "rank_by": costing.rank_by,
@@ -170,7 +173,7 @@ def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOpt
                "fastest": banded(fastest) if fastest else None,
                "cheapest": banded(cheapest) if cheapest else None,
                "hardware": {p.system.name: _hardware_dict(p, args, costing, ends) for p in found.planned},
-               "planned_from": home.workload.planned_from}, sys.stdout)
+               "planned_from": home.workload.planned_from}))
     print()
 
 

@@ -138,13 +138,18 @@ def tensor_parallel_link(args: argparse.Namespace, system: System) -> Callable[[
     return link
 
 
-def _zero_list(text: str) -> tuple[int, ...]:
+def _zero_list(text: str) -> tuple[tuple[int, ...], bool]:
+    """(the ZeRO stages searched, whether an unfit layout escalates): ``auto`` starts at 0 and tries
+    the next stage where a layout does not fit; a list searches those stages, ranked by time."""
+    if text.strip() == "auto":
+        return (0,), True
     values = []
     for part in text.split(","):
-        if part.strip() not in ("0", "1"):
-            raise GpipeInputError(f"--zero-options {text!r}: each value must be 0 or 1, e.g. --zero-options 0,1")
+        if part.strip() not in ("0", "1", "2", "3"):
+            raise GpipeInputError(f"--zero-options {text!r}: give auto, or ZeRO stages 0 to 3 separated by commas, "
+                                  "e.g. --zero-options 0,1,2,3")
         values.append(int(part))
-    return tuple(sorted(set(values)))
+    return tuple(sorted(set(values))), False
 
 
 def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -164,7 +169,8 @@ def search_space_of(args: argparse.Namespace, hardware: list[str],
         checkpoints=None if args.checkpoints == ",".join(CHECKPOINT_POLICIES) else checkpoints,
         schedules=schedules, replicas=_int_list(args.replicas_options, "--replicas-options"),
         virtual_stages=_int_list(args.virtual_stages_options, "--virtual-stages-options"),
-        zero=_zero_list(args.zero_options), placements=placements,
+        zero=_zero_list(args.zero_options)[0], zero_escalates=_zero_list(args.zero_options)[1], placements=placements,
+        shard_groups=_int_list(args.shard_group_options, "--shard-group-options") or (),
         tensor_parallel=_int_list(args.tensor_parallel_options, "--tensor-parallel-options"),
         context_parallel=args.context_parallel, sequence_parallel=args.sequence_parallel,
         partitioner=args.partitioner, dp_overlap=args.dp_overlap)

@@ -83,7 +83,7 @@ def _cells(rank: str, row: PlanRow, costed: bool, days: bool, zero: bool) -> lis
         tensor += f"x{c.context_parallel}"
     cells = [rank, *([option.hardware] if costed else []), tensor, str(c.replicas), str(c.stages),
              str(c.virtual_stages), str(c.microbatches), c.checkpoint, c.schedule]
-    cells += [str(c.zero)] * zero + [row.placement, f"{r.step_time_s * 1e3:.3f}", f"{r.bubble_fraction:.1%}"]
+    cells += [f"{c.zero}g{c.shard_group}" if c.shard_group else str(c.zero)] * zero + [row.placement, f"{r.step_time_s * 1e3:.3f}", f"{r.bubble_fraction:.1%}"]
     if not costed:
         cells.append(f"{r.throughput_samples_per_s:.1f}")
     cells.append(gib(option.max_peak_memory_bytes))

@@ -177,14 +177,15 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
 def measure_links(data: dict[str, Any], device: str, quick: bool, max_stages: int, say: Progress) -> None:
     """Time the links and collectives the executor uses, into ``data`` (in place): the ping-pong between
     two ranks (``link``) where two stages fit, the data-parallel all-reduce among as many ranks as fit
-    (``allreduce``) and, in a full calibration, the tensor-parallel collectives among 2 (``tensor_parallel``)."""
-    from calibrate.measure.collective import available_parties, calibrate_allreduce, party_counts
+    (``allreduce``) and, in a full calibration, the tensor-parallel collectives among 2 (``tensor_parallel``)
+    and ZeRO-2/3's all-gather and reduce-scatter among as many as the all-reduce (``sharded``)."""
+    from calibrate.measure.collective import available_parties, calibrate_allreduce, calibrate_sharded, party_counts
     from calibrate.measure.link import ping_pong
     from calibrate.measure.tp_collectives import calibrate_tensor_parallel
     from executor.device import device_api
 
     parties = party_counts(available_parties(device))
-    links = phase("measuring links", total=(max_stages >= 2) + (len(parties) > 0) * (1 if quick else 2),
+    links = phase("measuring links", total=(max_stages >= 2) + (len(parties) > 0) * (1 if quick else 3),
                   unit="link")
     if max_stages >= 2:
         say("ping-pong between two ranks")
@@ -200,6 +201,9 @@ def measure_links(data: dict[str, Any], device: str, quick: bool, max_stages: in
         if not quick:  # a quick calibration leaves them out (the catalog's node link prices them)
             say("reduce-scatter, all-gather and all-reduce among 2 ranks (tensor-parallel collectives)")
             data["tensor_parallel"] = calibrate_tensor_parallel(device, quick, 2)
+            links.update(1)
+            say(f"all-gather and reduce-scatter among {', '.join(map(str, parties))} ranks (ZeRO-2/3's collectives)")
+            data["sharded"] = calibrate_sharded(device, quick, parties)
             links.update(1)
     links.close()
 

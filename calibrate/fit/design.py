@@ -36,6 +36,7 @@ class RunSpec:
     replicas: int = 1
     tensor_parallel: int = 1
     virtual_stages: int = 1
+    zero: int = 0  # 3: parameters, gradients and optimizer state sharded over the D replicas (FSDP2)
 
     @property
     def stages(self) -> int:
@@ -45,7 +46,7 @@ class RunSpec:
     def layout(self) -> ParallelLayout:
         """The run's parallel layout, as the simulator takes it (the partition beside it)."""
         return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
-                              self.virtual_stages, tensor_parallel=self.tensor_parallel)
+                              self.virtual_stages, self.zero, tensor_parallel=self.tensor_parallel)
 
     @property
     def processes(self) -> int:
@@ -55,6 +56,7 @@ class RunSpec:
     def label(self) -> str:
         parts = ",".join(map(str, self.partition))
         replicas = f"D={self.replicas} " if self.replicas > 1 else ""
+        replicas += f"ZeRO-{self.zero} " if self.zero else ""
         split = f" T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         chunks = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (f"{replicas}K={self.stages}{split}{chunks} M={self.microbatches} [{parts}] {self.checkpoint} "
@@ -135,4 +137,5 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
                      schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
                      warmup_steps=WARMUP_STEPS, device=device, timeout_s=120.0, optimizer=optimizer,
                      precision=precision, replicas=spec.replicas,
-                     tensor_parallel=spec.tensor_parallel, virtual_stages=spec.virtual_stages).validate()
+                     tensor_parallel=spec.tensor_parallel, virtual_stages=spec.virtual_stages,
+                     zero=spec.zero).validate()

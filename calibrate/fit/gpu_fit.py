@@ -5,7 +5,9 @@ whole-step times of runs (``runs``, replayed as ``gpipe replay`` does) and one t
 forward and backward times (``layer_times``). Every other published run is kept for validation, and
 this module reads no file but the one it is given.
 
-Per device, the fractions a development row constrains are fitted by least squares on the log of
+A row's device is its catalog system's, or a named variant over it (a hardware object's own ``name``,
+:func:`sim.catalog.user_systems.fitted_name`: the same silicon under another power limit), fitted
+apart. Per device, the fractions a development row constrains are fitted by least squares on the log of
 predicted over measured (a relative error, symmetric in over- and under-prediction), within bounds
 that keep each a physical fraction. A fraction no row of a device constrains is tied, and the file
 says to what:
@@ -14,8 +16,9 @@ says to what:
   collective and optimizer fractions and the per-matmul launch time (the per-layer times constrain
   the first four terms, the step times what lies outside the layers, chiefly the optimizer step);
   they run no flash attention, so its attention fraction is tied to its matmul fraction;
-- every other device (the H100's Nemotron-4 15B row, the B200's Llama 3 8B fp8 row, the GB200's
-  Llama 3.1 405B row) fits its matmul fraction alone, which a single step time determines exactly; its
+- every other device (the H100's Nemotron-4 15B row, the 500 W H100's torchtitan Llama 3.1 70B
+  row, the B200's Llama 3 8B fp8 row, the GB200's Llama 3.1 405B row) fits its matmul fraction alone,
+  which a single step time determines exactly; its
   flash attention is tied to that fraction and its memory-bound, collective, optimizer and launch
   terms to the A100's fit. A device with one row has a development error of zero by construction; only
   the validation set says how well it is modelled.
@@ -35,8 +38,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy.optimize import least_squares
 
-from sim.catalog.hardware import get_system
-from sim.catalog.user_systems import catalog_name, resolve_system
+from sim.catalog.hardware import SYSTEMS, get_system
+from sim.catalog.user_systems import fitted_name, resolve_system
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.errors import GpipeInputError
 from sim.evidence.replay import Resolve, replay
@@ -96,15 +99,15 @@ def targets(runs: Sequence[dict[str, Any]], layers: Sequence[dict[str, Any]], re
     out = []
     for run in runs:
         def whole(kernels: KernelEfficiency, run=run) -> float:
-            result = replay(run, resolve, {catalog_name(run["hardware"]): kernels})
+            result = replay(run, resolve, {fitted_name(run["hardware"]): kernels})
             if not result.modelled:
                 raise GpipeInputError(f"development run {run['id']!r} is not modelled: {result.reason}")
             return float(result.predicted_step_s)  # type: ignore[arg-type]
-        out.append(Target(run["id"], catalog_name(run["hardware"]), float(run["measured_step_s"]), whole))
+        out.append(Target(run["id"], fitted_name(run["hardware"]), float(run["measured_step_s"]), whole))
     for row in layers:
-        out.append(Target(row["id"] + ":forward", catalog_name(row["hardware"]), row["forward_ms"] / 1e3,
+        out.append(Target(row["id"] + ":forward", fitted_name(row["hardware"]), row["forward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[0]))
-        out.append(Target(row["id"] + ":backward", catalog_name(row["hardware"]), row["backward_ms"] / 1e3,
+        out.append(Target(row["id"] + ":backward", fitted_name(row["hardware"]), row["backward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[1]))
     return out
 
@@ -145,7 +148,7 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
                    tied=("attention = matmul (no flash attention among the A100 rows)",))
     fitted = {"a100-nvlink": a100}
     for name in sorted(set(by_hardware) - {"a100-nvlink"}):
-        device = get_system(name).device.name
+        device = _device_name(name)
         one = fit_device(by_hardware[name], ("matmul",), replace(a100, matmul=START["matmul"]))
         fitted[name] = replace(
             one, source=f"fitted on {_ids(by_hardware[name])} of {path}",
@@ -154,11 +157,17 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
     rows = [{"id": t.id, "hardware": t.hardware, "measured_s": t.measured_s,
              "predicted_s": t.predict(fitted[t.hardware]),
              "error": t.predict(fitted[t.hardware]) / t.measured_s - 1} for t in all_targets]
-    devices = {get_system(name).device.name: kernels.to_dict() for name, kernels in fitted.items()}
+    devices = {_device_name(name): kernels.to_dict() for name, kernels in fitted.items()}
     return {"about": "Achieved fractions of peak by kind of kernel (sim/catalog/kernel_model.py), fitted by gpipe fit-gpu "
                      "on the development set alone; regenerate with: gpipe fit-gpu benchmarks/published_runs/dev.json "
                      "--out sim/catalog/gpu_efficiency.json",
             "devices": devices, "development_rows": rows}
+
+
+def _device_name(name: str) -> str:
+    """The device a fit is kept under: a catalog system's device, or a named variant itself
+    (:func:`sim.catalog.user_systems.fitted_name`)."""
+    return get_system(name).device.name if name in SYSTEMS else name
 
 
 def _ids(device_targets: Sequence[Target]) -> str:

@@ -318,3 +318,12 @@ def fit_roofline(flops: Sequence[float], traffic_bytes: Sequence[float], times_s
     result = least_squares(residuals, [0.3, 0.5], bounds=([1e-4, 1e-4], [1.5, 1.5]))
     e, b = (float(v) for v in result.x)
     return RooflineFit(e, b, tuple(float(v) for v in predict(result.x) / t - 1.0))
+
+
+def fit_ring_gather(parties: Sequence[int], nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+    """Latency and bandwidth of the ring all-gather (or reduce-scatter) model from measured calls of
+    ``nbytes`` unsharded: (n-1)/n of the bytes on each party's link and n-1 steps, half an all-reduce's
+    of the same bytes, so :func:`fit_ring_allreduce` on half the bytes gives its bandwidth and half its
+    latency. Limits: as :func:`fit_ring_allreduce`'s."""
+    fit = fit_ring_allreduce(parties, [b / 2 for b in nbytes], seconds)
+    return LinkFit(2 * fit.latency_s, fit.bandwidth_bytes_per_s, fit.residuals)

@@ -1,4 +1,5 @@
 """The data-parallel gradient sum among n ranks, timed as the executor runs it: its cost in the simulator.
+ZeRO-2/3's all-gather and reduce-scatter over the same groups are timed beside it (:func:`calibrate_sharded`).
 
 The executor sums each stage's gradients over its data-parallel group with
 :class:`executor.parallel.replicas.GradientAverage`: through shared memory where the group's ranks share a
@@ -122,6 +123,35 @@ def calibrate_allreduce(device_type: str = "cpu", quick: bool = False,
             entry.update(part)
         else:
             entry[route] = part
+    return entry
+
+
+SHARDED_OPS = ("all_gather", "reduce_scatter")  # what ZeRO-2/3 runs over a stage's shard group (sim.engine.fsdp)
+
+
+def calibrate_sharded(device_type: str = "cpu", quick: bool = False, parties: list[int] | None = None) -> dict | None:
+    """The costs file's ``sharded`` entry (:func:`sim.formats.costs_links.sharded_links` reads it): the
+    all-gather (``all_gather_into_tensor``) and reduce-scatter (``reduce_scatter_tensor``) of one fp32
+    tensor per size among each group size, on the executor's backend as FSDP2 runs them over the
+    data-parallel group, each fitted as a ring; None on a one-core machine. The sizes span a
+    stage's units, from a norm's weights to a block's; measured as the tensor-parallel collectives
+    are (:mod:`calibrate.measure.tp_collectives`)."""
+    from calibrate.fit.least_squares import fit_ring_gather
+    from calibrate.measure.rank_timing import run_ranks
+    from executor.device import device_api
+
+    counts = parties if parties is not None else party_counts(available_parties(device_type))
+    if not counts:
+        return None
+    sizes = QUICK_SIZES_BYTES if quick else DEFAULT_SIZES_BYTES
+    repeats = QUICK_REPEATS if quick else DEFAULT_REPEATS
+    measured = {n: run_ranks("calibrate.measure.tp_collectives", n, device_type, sizes, repeats,
+                             f"all-gather and reduce-scatter among {n} processes") for n in counts}
+    entry: dict = {"backend": device_api(device_type).backend, "parties": list(counts)}
+    for op in SHARDED_OPS:
+        points = [(n, p["bytes"], p["seconds"]) for n, rows in measured.items() for p in rows if p["op"] == op]
+        fit = fit_ring_gather([n for n, _, _ in points], [b for _, b, _ in points], [t for _, _, t in points])
+        entry[op] = {"measured": [{"parties": n, "bytes": b, "seconds": t} for n, b, t in points], **fit.to_dict()}
     return entry
 
 

@@ -62,6 +62,10 @@ class Comparison:
     # why the run is not judged (a round's speed correction out of bounds after it was measured again,
     # calibrate.validate.held_out.speeds_within_bounds); None for a run judged
     not_judged: str | None = None
+    # ZeRO-2/3: each rank's sharded bytes (its shards of the parameters, gradients and optimizer state,
+    # and the gathered units in flight), simulated and counted by the executor, in (replica, stage) order
+    predicted_sharded_bytes: list[int] = field(default_factory=list)
+    measured_sharded_bytes: list[int] = field(default_factory=list)
 
     @property
     def replica_wait_points(self) -> tuple[float, float]:
@@ -223,8 +227,10 @@ class Comparison:
 
     @property
     def memory_errors(self) -> list[float]:
-        return [(p - m) / m if m else (0.0 if p == 0 else float("inf"))
-                for p, m in zip(self.predicted_peak_bytes, self.measured_peak_bytes)]
+        """Each stage's activation peak, then (ZeRO-2/3) each rank's sharded bytes: predicted / counted - 1."""
+        pairs = [*zip(self.predicted_peak_bytes, self.measured_peak_bytes),
+                 *zip(self.predicted_sharded_bytes, self.measured_sharded_bytes)]
+        return [(p - m) / m if m else (0.0 if p == 0 else float("inf")) for p, m in pairs]
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "predicted_step_s": self.predicted_step_s,
@@ -237,6 +243,8 @@ class Comparison:
                 "predicted_peak_activation_bytes": self.predicted_peak_bytes,
                 "measured_peak_activation_bytes": self.measured_peak_bytes,
                 "memory_errors": self.memory_errors,
+                "predicted_sharded_bytes": self.predicted_sharded_bytes,
+                "measured_sharded_bytes": self.measured_sharded_bytes,
                 "predicted_busy_s": self.predicted_busy_s, "measured_busy_s": self.measured_busy_s,
                 "predicted_warm_up_s": self.predicted_warm_up_s, "warm_up_shares": self.warm_up_shares,
                 "busy_errors": self.busy_errors,
@@ -308,7 +316,22 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0,
                       [s.host.warm_up_s if s.host else 0.0 for s in replica_zero],
                       [warm_up_factor(run_after_wait_probes(r), loss_reference) for r in reports]
-                      if loss_reference is not None else [], not_judged)
+                      if loss_reference is not None else [], not_judged,
+                      *sharded_bytes(result, reports[0], spec))
+
+
+SHARDED_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "gathered_parameter_bytes_peak")
+
+
+def sharded_bytes(result: Any, report: dict[str, Any], spec: RunSpec) -> tuple[list[int], list[int]]:
+    """ZeRO-2/3 runs: each rank's sharded bytes as the simulator predicts them and as the executor
+    counted them (:data:`SHARDED_FIELDS` summed), in (replica, stage) order; empty otherwise."""
+    if spec.zero < 2 or spec.replicas < 2:
+        return [], []
+    devices = sorted((s for s in result.stages if s.sharded is not None), key=lambda s: (s.replica, s.stage))
+    predicted = [sum(getattr(s.sharded, name) for name in SHARDED_FIELDS) for s in devices]
+    measured = [sum(rank.get(name, 0) for name in SHARDED_FIELDS) for rank in report.get("ranks", [])]
+    return predicted, measured
 
 
 def predicted_kind_s(result: Any, stages: int) -> dict[str, list[float]]:

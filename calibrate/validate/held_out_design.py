@@ -3,7 +3,9 @@
 The held-out design covers: K in {1, 2} (and up to the stage count the
 machine has room for), M from 1 to 16 including values that do not divide the batch, balanced and
 skewed partitions, every checkpoint policy and both schedules, and D = 2 data-parallel replicas
-with K = 1 and K = 2 (their gradients averaged by the all-reduce calibration measured), and, where
+with K = 1 and K = 2 (their gradients averaged by the all-reduce calibration measured, and the same
+layouts under ZeRO-3: FSDP2's gathers and reduce-scatters, their sharded memory compared rank by
+rank), and, where
 the costs file profiled the layers split over T ranks, runs whose stages are split over T ranks
 (tensor parallelism; a stage's measured figures are its rank 0's). Any
 configuration that is also in the calibration design is dropped, so no prediction is of a run the
@@ -50,6 +52,13 @@ HELD_OUT_REPLICAS = [
     (2, 1, 3, "balanced", "except_last", "gpipe"),
     (2, 2, 4, "balanced", "never", "1f1b"),
 ]
+# (replicas, stages, microbatches, partition kind, checkpoint, schedule): ZeRO-3 (FSDP2) runs, one stage
+# (gathered per unit, again before each backward) and a pipeline (gathered once a step), priced with the
+# costs file's fitted all-gather and reduce-scatter and their sharded memory compared rank by rank
+HELD_OUT_SHARDED = [
+    (2, 1, 4, "balanced", "never", "gpipe"),
+    (2, 2, 4, "balanced", "never", "1f1b"),
+]
 # (tensor-parallel ranks, stages, microbatches, partition kind, checkpoint, schedule): each stage
 # split over T ranks, priced from the costs file's profile of the split layers (calibrate.measure.tp_profile)
 HELD_OUT_TENSOR_PARALLEL = [
@@ -70,10 +79,12 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
     module). Tensor-parallel runs come last.
     """
     seen = set(calibration_design(num_layers, batch_size, max_stages, tensor_parallel, split_backward=True))
-    wanted = ([(1, 1, *run) for run in HELD_OUT] + [(1, *run) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
-              + [(t, 1, *run[1:]) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]] if t in tensor_parallel])
+    wanted = ([(1, 1, *run, 0) for run in HELD_OUT]
+              + [(1, *run, 0) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
+              + [(1, *run, 3) for run in HELD_OUT_SHARDED if run[0] <= max_replicas]
+              + [(t, 1, *run[1:], 0) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]] if t in tensor_parallel])
     specs = []
-    for parts, replicas, stages, m, kind, checkpoint, schedule in wanted:
+    for parts, replicas, stages, m, kind, checkpoint, schedule, zero in wanted:
         if stages > min(max_stages, num_layers) or batch_size < replicas * m:
             continue
         if checkpoint == "selective" and not attention_core:
@@ -83,7 +94,7 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
         if stages * virtual > num_layers:
             continue
         spec = RunSpec(split(num_layers, stages * virtual), m, checkpoint, schedule, batch_size, replicas, parts,
-                       virtual)
+                       virtual, zero)
         if spec not in seen and spec not in specs:
             specs.append(spec)
     return specs[:limit] if limit else specs

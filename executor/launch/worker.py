@@ -117,9 +117,11 @@ def _save(config: RunConfig, stage: PipelineStage | ChunkedDevice, step: int, hi
     """Replica 0 of each stage writes its shards, one per (virtual) stage (with ZeRO, its optimizer
     state gathered first)."""
     replicas.consolidate(stage)
-    if layout.replica == 0:  # a stage's T ranks gather its shards; rank t = 0 writes them
+    # a stage's T ranks gather its shards (with ZeRO-2/3 its D x T ranks); replica 0's rank t = 0 writes them
+    if layout.replica == 0 or layout.zero >= 2:
         for shard in shards(stage):
-            checkpoint.save_shard(config.checkpoint_dir, step, shard, write=layout.tp_rank == 0)
+            checkpoint.save_shard(config.checkpoint_dir, step, shard,
+                                  write=layout.tp_rank == 0 and layout.replica == 0)
     dist.barrier()
     if stage.is_last and layout.replica == 0 and layout.tp_rank == 0:
         checkpoint.write_manifest(config.checkpoint_dir, step, len(config.partition), history.losses,
@@ -150,7 +152,7 @@ def train(config: RunConfig) -> None:
                             collectives=bool(config.trace) and config.tensor_parallel > 1)
         make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage
         stage = make(config, prepared, rank, device, recorder, layout=layout)
-        replicas.attach(stage, layout)
+        gathered = replicas.attach(stage, layout)  # ZeRO-2/3: samples the gathered parameters
         recorder.restart(shared_origin_s())  # one time axis for the ranks of a host
         del prepared
         history, start = _resume(config, stage)
@@ -185,7 +187,7 @@ def train(config: RunConfig) -> None:
             if config.save_every and (step + 1) % config.save_every == 0:
                 _save(config, stage, step, history, layout)
         bar.close()
-        _finish(config, stage, history if reports else None, first_step, device, writers, layout,
+        _finish(config, stage, history if reports else None, first_step, device, writers, layout, gathered,
                 aux_losses if routers else None)
     finally:
         dist.destroy_process_group()
@@ -209,7 +211,7 @@ def _resume(config: RunConfig, stage: PipelineStage | ChunkedDevice) -> tuple[Hi
 
 def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: History | None, first_step: int,
             device: torch.device, writers: dict[int, tuple[str, str]], layout: replicas.Layout,
-            aux_losses: list[float | None] | None = None) -> None:
+            gathered: Any = None, aux_losses: list[float | None] | None = None) -> None:
     """Gather every rank's timeline to rank 0 and write the report and trace there and on each
     other node that asked (``writers``); a last barrier makes a failed write fail every rank.
     ``history`` is the reporting rank's (replica 0's last stage), None elsewhere."""
@@ -223,6 +225,11 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
         "gradient_sum": replicas.gradient_sum_route(stage),
         "aux_losses": aux_losses,
     }
+    if gathered is not None:  # ZeRO-2/3: the bytes the simulator predicts (executor.parallel.fully_sharded)
+        from executor.parallel.fully_sharded import memory_bytes
+
+        payload["sharded"] = memory_bytes(shards(stage), gathered)
+        payload["gradient_sum"] = f"reduce-scatter ({dist.get_backend(layout.dp_group)})"
     gathered: list[Any] = [None] * config.world_size if dist.get_rank() == 0 else []
     dist.gather_object(payload, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() == 0:
@@ -255,7 +262,8 @@ def _report(config: RunConfig, gathered: list[Any], first_step: int, device: tor
     aux_losses = gathered[0]["aux_losses"]  # every rank's are the whole model's (_global_aux_loss)
     report = build_report(timeline, last["losses"], config.to_dict(), plan,
                           [p["peak_activation_bytes"] for p in gathered], allocated, first_step, last["grad_norms"],
-                          [p["optimizer_state_bytes"] for p in gathered], [p["gradient_sum"] for p in gathered])
+                          [p["optimizer_state_bytes"] for p in gathered], [p["gradient_sum"] for p in gathered],
+                          [p.get("sharded") for p in gathered])
     if aux_losses is not None:  # a model with routers: their load-balancing loss per step, coefficient included
         report["aux_losses"] = aux_losses
     return report

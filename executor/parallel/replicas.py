@@ -38,11 +38,17 @@ torch.optim class and settings; it keeps 1/D of the optimizer state per rank, st
 parameters and broadcasts them. Gradients are all-reduced in full as without ZeRO, so clipping,
 weight decay and the learning-rate schedule act as without it.
 
+ZeRO-2 and ZeRO-3 (``--zero 2|3``, ``--shard-group N``): each stage's layers are sharded over its dp
+group by FSDP2 when they are made, and their gradients reduce-scattered by it instead of the
+all-reduce here (:mod:`executor.parallel.fully_sharded`); with a shard group below D the mesh's dp
+dimension is made of two, ``dp_replicate`` x ``dp_shard`` (HSDP), and ``dp`` is their flattening.
+
 Checkpoints: replica 0 of each stage writes the stage's shard (the replicas hold the same values).
 With ZeRO the optimizer state is first consolidated onto replica 0 (a collective over the dp group),
 so a shard always holds its stage's whole optimizer state and every replica loads its part back.
 The replica count and ``--zero`` are recorded in the manifest's config and a resume with other
-values is refused in one line (:mod:`executor.state.checkpoint`).
+values is refused in one line (:mod:`executor.state.checkpoint`), except from and into ZeRO-2/3,
+whose shards hold each stage whole (gathered by every replica, written by replica 0).
 
 Dropout: replica d > 0 draws its masks from its own seed, so replicas do not repeat each other's
 masks; replica 0 draws what a single pipeline draws.
@@ -64,6 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from executor.device import backend_device
 from executor.models.loaded_types import is_dtensor, is_zero_optimizer
+from executor.parallel.sharding_checks import check_fully_sharded, reshards_after_forward
 from executor.parallel.sharing import SharedGroup
 from executor.runtime.data import split
 from executor.runtime.optim import make_scheduler, optimizer_class_and_kwargs
@@ -80,6 +87,7 @@ from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import Action, Kind, device_of_virtual_stage
 
 DP, PP, TP = "dp", "pp", "tp"  # the mesh's dimension names: data-parallel, pipeline, tensor-parallel
+DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"  # HSDP: dp as (groups replicated, ranks sharded within one)
 BUCKET_BYTES = 25 * 2**20  # largest all-reduce message, as DDP's bucket_cap_mb default
 REPLICA_SEED = 0x5EED  # mixed with the replica into replica d > 0's dropout seed
 
@@ -91,6 +99,9 @@ class ReplicaSettings(Protocol):
     replicas: int
     batch_size: int
     zero: int
+    shard_group: int | None
+    schedule: str
+    checkpoint: str
     placement: str
     virtual_stages: int
     tensor_parallel: int
@@ -116,13 +127,12 @@ def replica_rows(batch_size: int, replicas: int) -> list[int]:
 
 
 def check_data_parallel(config: ReplicaSettings) -> None:
-    """The replica settings of ``config``, one line each: rows for every replica, ZeRO only with D > 1."""
+    """The replica settings of ``config``, one line each: rows for every replica, ZeRO only with D > 1,
+    ZeRO-2/3 where FSDP can run it (:mod:`executor.parallel.sharding_checks`)."""
     if config.zero and config.replicas == 1:
         raise GpipeInputError(f"--zero {config.zero} shards state over data-parallel replicas but --replicas is 1; "
                               "add --replicas 2 or more, or drop --zero")
-    if config.zero > 1:
-        raise GpipeInputError(f"--zero {config.zero} is planned and simulated but gpipe train does not run it yet; "
-                              "use --zero 1 or 0")
+    check_fully_sharded(config)
     replica_rows(config.batch_size, config.replicas)
 
 
@@ -148,6 +158,24 @@ class Layout:
     shared_groups: list[dist.ProcessGroup | None]  # this replica's owners of each shared parameter (None: one rank)
     tensor_parallel: int = 1  # T ranks per stage (executor.parallel.tensor_parallel)
     tp_rank: int = 0  # t, this rank's place among them
+    shard_group: int | None = None  # ZeRO-2/3: shard within groups of this many replicas (HSDP); None: all D
+    reshard_after_forward: bool = False  # ZeRO-3 on one stage (executor.parallel.fully_sharded)
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether ZeRO-2/3 shards within groups of replicas and replicates across them."""
+        return self.zero >= 2 and self.shard_group is not None and self.shard_group < self.replicas
+
+    @property
+    def sharding(self) -> Any:
+        """ZeRO-2/3: how this rank's chunks are sharded (:class:`executor.parallel.fully_sharded.Sharding`,
+        over dp, or (replicate, shard) with HSDP); None otherwise."""
+        if self.zero < 2 or self.replicas == 1:
+            return None
+        from executor.parallel.fully_sharded import Sharding  # FSDP is slow to import: ZeRO-2/3 runs only
+
+        mesh = self.mesh[(DP_REPLICATE, DP_SHARD)] if self.hsdp else self.mesh[DP]
+        return Sharding(mesh, self.reshard_after_forward, self.weight)
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -199,10 +227,18 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     replica, stage = replica_and_stage(group_of_ranks, replicas, stages, placement)
     grid = [[[device_of(d, k, replicas, stages, placement) * parts + t for t in range(parts)] for k in range(stages)]
             for d in range(replicas)]
+    ranks_grid = torch.tensor(grid, dtype=torch.int)
+    names: tuple[str, ...] = (DP, PP, TP)
     if parts == 1:
-        mesh = DeviceMesh(device_type, torch.tensor(grid, dtype=torch.int)[..., 0], mesh_dim_names=(DP, PP))
+        ranks_grid, names = ranks_grid[..., 0], (DP, PP)
+    shard_group = getattr(config, "shard_group", None)
+    hsdp = config.zero >= 2 and shard_group is not None and shard_group < replicas
+    if hsdp:  # dp as (replicate, shard): replicas r*N .. r*N + N-1 shard among themselves
+        ranks_grid = ranks_grid.reshape(replicas // shard_group, shard_group, *ranks_grid.shape[1:])
+        mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=(DP_REPLICATE, DP_SHARD, *names[1:]))
+        mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)  # the dp group of every D ranks, as without HSDP
     else:
-        mesh = DeviceMesh(device_type, torch.tensor(grid, dtype=torch.int), mesh_dim_names=(DP, PP, TP))
+        mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=names)
     boundary: dict[tuple[int, str], dist.ProcessGroup] = {}
     shared_groups: list[dist.ProcessGroup | None] = []
     for d in range(replicas):
@@ -227,7 +263,8 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     rows = replica_rows(config.batch_size, replicas)[replica]
     stage_ranks = tuple(grid[replica][k][tp_rank] for k in range(stages))
     return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, stage_ranks,
-                  mesh, boundary, shared_groups, parts, tp_rank)
+                  mesh, boundary, shared_groups, parts, tp_rank, shard_group,
+                  reshards_after_forward(config.zero, stages))
 
 
 class GradientAverage:
@@ -338,16 +375,24 @@ def chain(*hooks: Callable[[int, Action], None] | None) -> Callable[[int, Action
     return hook
 
 
-def attach(stage: Any, layout: Layout) -> None:
+def attach(stage: Any, layout: Layout) -> Any:
     """Make ``stage`` (a :class:`PipelineStage`, or a device of several chunks under the
     interleaved schedule) one of D replicas: its own dropout seeds, its gradients averaged over its
-    dp group (launched after its last backward, awaited at the end of the step) and, with ZeRO, its
-    optimizer sharded. Nothing changes with one replica."""
+    dp group (launched after its last backward, awaited at the end of the step) and, with ZeRO-1, its
+    optimizer sharded; with ZeRO-2/3 (its layers sharded when they were made) its gradients
+    reduce-scattered by FSDP instead (:mod:`executor.parallel.fully_sharded`), which returns what
+    samples the gathered parameters. Nothing changes with one replica."""
     if layout.replicas == 1:
-        return
+        return None
     parts = stage_parts(stage)
     for part in parts:
         part.config = replace(part.config, seed=replica_seed(part.config.seed, layout.replica))
+    if layout.zero >= 2:
+        from executor.parallel import fully_sharded
+
+        gathered, reduce_after_last_backward = fully_sharded.attach(stage, parts, layout.sharding)
+        stage.after_action = chain(stage.after_action, reduce_after_last_backward)
+        return gathered
     links = next((part.transport.links for part in parts if getattr(part.transport, "links", None) is not None), None)
     average = GradientAverage([p for part in parts for p in part.params], layout.dp_group, layout.weight,
                               stage.recorder, links=links)
@@ -362,6 +407,7 @@ def attach(stage: Any, layout: Layout) -> None:
     if layout.zero:
         for part in parts:
             shard_optimizer(part, layout)
+    return None
 
 
 def gradient_sum_route(stage: Any) -> str | None:
@@ -400,7 +446,7 @@ def optimizer_state_bytes(stage: Any) -> int:
         if optimizer is None:
             continue
         local = optimizer.optim if is_zero_optimizer(optimizer) else optimizer
-        total += sum(value.numel() * value.element_size() for state in local.state.values()
+        total += sum(_local(value).numel() * value.element_size() for state in local.state.values()
                      for value in state.values() if torch.is_tensor(value))
     return total
 

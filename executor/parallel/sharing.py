@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.models.loaded_types import is_dtensor
 from sim.engine.stage_costs import stage_of_layers
 from sim.errors import GpipeInputError
 
@@ -125,6 +126,7 @@ def dist_reducer(stage: int, module: nn.Module, groups: Sequence[SharedGroup],
 
     def reduce() -> None:
         for parameter, group in mine:
-            dist.all_reduce(_grad_or_zeros(parameter), op=dist.ReduceOp.SUM, group=group)
+            grad = _grad_or_zeros(parameter)  # under ZeRO-2/3 this rank's shard: the same rows on every owner
+            dist.all_reduce(grad.to_local() if is_dtensor(grad) else grad, op=dist.ReduceOp.SUM, group=group)
 
     return reduce

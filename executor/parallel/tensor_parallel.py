@@ -42,6 +42,9 @@ whole activation (Megatron's scatter-gather of the send is not done).
 Experts (the built-in transformer's ``experts`` option, :mod:`executor.models.moe`): every expert and the
 shared MLP split as the dense MLP is, the router replicated (:func:`moe_plan`).
 
+ZeRO-2/3 composes with it: FSDP shards the DTensor parameters over the dp dimension of the same mesh
+(:mod:`executor.parallel.fully_sharded`), and checkpoints gather over both.
+
 Limits (refused in one line until they are built): ZeRO-1, sequence parallelism for other models, with
 dropout or with experts.
 """

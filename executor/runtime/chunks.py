@@ -90,6 +90,9 @@ class ChunkCounter:
     def sample(self) -> int:
         return self.device.sample()
 
+    def exclude(self, tensors: list[torch.Tensor]) -> None:
+        self.device.exclude(tensors)
+
     def reset_peak(self) -> None:
         self.device.reset_peak()
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from executor.config import RunConfig
+from executor.models.loaded_types import is_dtensor
 from executor.parallel.sharing import SharedGroup
 from executor.runtime.chunks import ChunkedDevice
 from executor.runtime.pipeline import Prepared, make_stage
@@ -89,6 +90,11 @@ def _grad_or_zeros(parameter: nn.Parameter) -> torch.Tensor:
     return parameter.grad
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient's part on this rank (the same part on every owner of the same replica)."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
 def chunk_reducer(chunks: Sequence[PipelineStage], groups: Sequence[SharedGroup],
                   process_groups: Sequence[dist.ProcessGroup | None]) -> Callable[[], None] | None:
     """Sum each shared parameter's gradient over this rank's copies, then over the other ranks';
@@ -104,7 +110,7 @@ def chunk_reducer(chunks: Sequence[PipelineStage], groups: Sequence[SharedGroup]
 
     def reduce() -> None:
         for copies, process_group in mine:
-            grads = [_grad_or_zeros(p) for p in copies]
+            grads = [_local(_grad_or_zeros(p)) for p in copies]  # a ZeRO-2/3 copy: this rank's shard
             total = torch.stack(grads).sum(dim=0) if len(grads) > 1 else grads[0]
             if process_group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
@@ -138,7 +144,8 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
         return stage_transport(peers, device, pipeline_group, links, mailboxes.endpoint(virtual_stage))
 
     tp_mesh = layout.tp_mesh if layout is not None else None
-    chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh)
+    sharding = layout.sharding if layout is not None else None
+    chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh, sharding=sharding)
               for s in virtual_stages_of_device(rank, devices, config.virtual_stages, config.schedule)]
     chunked = ChunkedDevice(chunks, recorder)
     chunked.reduce_shared = chunk_reducer(chunks, prepared.shared, shared)

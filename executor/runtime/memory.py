@@ -59,6 +59,11 @@ class ActivationCounter:
         self.peak_bytes = 0
         self.current_bytes = 0  # bytes of the distinct storages held now
 
+    def exclude(self, tensors: list[torch.Tensor]) -> None:
+        """Count ``tensors`` as parameters from now on, never as activations (FSDP's gathered
+        parameters, whose storages come and go: :mod:`executor.parallel.fully_sharded`)."""
+        self._excluded.update(storage_key(t)[0] for t in tensors)
+
     def _size(self, ptr: int) -> int:
         """The bytes ``ptr`` counts for: its size in the latest entry that holds it (0: none)."""
         holders = self._holders.get(ptr)

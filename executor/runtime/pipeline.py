@@ -27,12 +27,14 @@ from torch import nn
 from executor.config import RunConfig
 from executor.models.build import build_meta_model, check_loss, checkpoint_names, default_loss, loss_function
 from executor.models.initial_weights import WeightSource, check_source, weight_source
+from executor.runtime.batchnorm import DeferredBatchNorm
 from executor.runtime.boundary import Boundary, map_tensors
 from executor.runtime.chunks import ChunkedDevice, chunks_of_device, shards
 from executor.runtime.data import batch_for_step
 from executor.runtime.prefetch import StepBatches
 from executor.runtime.recording import Recorder
 from executor.runtime.shapes import dry_run
+from executor.parallel.sharding_checks import check_wrappable
 from executor.parallel.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
                                        reduce_in_process)
 from executor.runtime.stage import PipelineStage, StageConfig
@@ -47,6 +49,7 @@ from sim.schedules.schedule import Action, format_grid, walk_in_rounds
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from executor.parallel.fully_sharded import Sharding
     from executor.parallel.replicas import Layout
 
 
@@ -76,6 +79,7 @@ def prepare(config: RunConfig) -> Prepared:
 
         check_model(model, config.tensor_parallel, config.sequence_parallel)
     shared = find_shared(model, tuple(config.partition))
+    check_wrappable(model, tuple(config.partition), config.zero, config.checkpoint)  # what FSDP cannot wrap (ZeRO-2/3)
     check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
     boundaries = dry_run(model, tuple(config.partition), to_meta(inputs), to_meta(targets), loss_fn,
@@ -100,9 +104,10 @@ def stage_layers(config: RunConfig, prepared: Prepared, stage: int) -> nn.Sequen
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
                device: torch.device = torch.device("cpu"), recorder: Recorder | None = None,
-               tp_mesh: "DeviceMesh | None" = None) -> PipelineStage:
+               tp_mesh: "DeviceMesh | None" = None, sharding: "Sharding | None" = None) -> PipelineStage:
     """Stage ``stage`` with its first values; with ``tp_mesh`` (its T ranks) its layers sharded over
-    them (:mod:`executor.parallel.tensor_parallel`) before its optimizer is made."""
+    them (:mod:`executor.parallel.tensor_parallel`) and with ``sharding`` (ZeRO-2/3) over its
+    data-parallel ranks (:mod:`executor.parallel.fully_sharded`), both before its optimizer is made."""
     stages = len(config.partition)  # virtual stages: K, or V*K under the interleaved schedule
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
                                microbatches=config.microbatches, schedule=config.schedule,
@@ -113,6 +118,10 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
         from executor.parallel.tensor_parallel import parallelize_stage
 
         parallelize_stage(module.to(device), tp_mesh, config.sequence_parallel)
+    if sharding is not None:
+        from executor.parallel.fully_sharded import shard_module
+
+        module = shard_module(DeferredBatchNorm.convert(module).to(device), sharding)
     return PipelineStage(
         stage_config, module, transport, prepared.loss_fn,
         incoming=prepared.boundaries[stage] if stage > 0 else None,
@@ -138,7 +147,7 @@ def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: to
     links = host_links(device, config.transport, config.timeout_s)
     transport = stage_transport(Peers(rank, config.stages, groups, ranks), device, pipeline_group, links)
     stage = make_stage(config, prepared, rank, transport, device, recorder,
-                       layout.tp_mesh if layout is not None else None)
+                       layout.tp_mesh if layout is not None else None, layout.sharding if layout is not None else None)
     if any(rank in group.owners for group in prepared.shared):
         stage.reduce_shared = dist_reducer(rank, stage.module, prepared.shared, shared_groups)
     return stage

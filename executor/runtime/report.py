@@ -16,6 +16,12 @@ with its ``peak_activation_bytes``, ``busy_s``, ``optimizer_state_bytes`` (the o
 it holds after the last step: with ``--zero 1`` its shard) and ``gradient_sum`` (how its gradients
 were summed over the replicas: ``"shared memory"`` or the backend's name), and the timeline holds
 every rank's spans, each record carrying its ``replica`` (the data-parallel all-reduce is the kind ``allreduce_dp``).
+With ``--zero 2`` or ``3`` (:mod:`executor.parallel.fully_sharded`) each rank's entry also has
+``parameter_bytes``, ``gradient_bytes`` (its padded shards), ``optimizer_state_bytes`` (state of a
+parameter's shape at the shard's size; scalar step counters left out) and
+``gathered_parameter_bytes_peak`` (the most gathered unit parameters it held at once), its gradient
+sum is ``"reduce-scatter (gloo)"``, and the gathers and reduce-scatters are spans of the kinds
+``all_gather_dp`` and ``reduce_scatter_dp``.
 
 A step's time is the gap between the end of its last span on any rank and the end of the
 previous step's (the first measured step counts from its first span), so steady-state step times
@@ -51,7 +57,8 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
                  peak_activation_bytes: list[int], peak_allocated_bytes: list[int] | None = None,
                  first_step: int = 0, grad_norms: list[float] | None = None,
                  optimizer_state_bytes: list[int] | None = None,
-                 gradient_sums: list[str | None] | None = None) -> dict[str, Any]:
+                 gradient_sums: list[str | None] | None = None,
+                 sharded_bytes: list[dict[str, int] | None] | None = None) -> dict[str, Any]:
     """The run's report. ``stages`` are replica 0's devices (under the interleaved schedule a device
     lists its chunks' layers) and ``actions`` replica 0's median durations; with several replicas,
     ``ranks`` has every rank's peak activation bytes and busy time, in (replica, stage) order."""
@@ -110,6 +117,8 @@ def build_report(timeline: Timeline, losses: list[float], config: dict[str, Any]
             entry["optimizer_state_bytes"] = nbytes
         for entry, route in zip(extra["ranks"], gradient_sums or []):
             entry["gradient_sum"] = route
+        for entry, sharded in zip(extra["ranks"], sharded_bytes or []):
+            entry.update(sharded or {})
     return {
         "step_time_s": step_time,
         "step_times_s": [times[s] for s in sorted(times)],

@@ -26,6 +26,11 @@ the stage's shard and every replica loads it; with ``--zero 1`` the shard holds 
 consolidated from the whole data-parallel group (:mod:`executor.parallel.replicas`). A resume with another
 ``--replicas`` or ``--zero`` is refused with one line: a consolidated ZeRO state is not a plain
 optimizer's, and D changes the run's dropout draws, so neither would continue the same run exactly.
+With ``--zero 2`` or ``3`` (:mod:`executor.parallel.fully_sharded`) every replica gathers its stage's
+parameters and optimizer state from the shards and replica 0 writes them whole, a plain optimizer's
+state in the model's own layout: such a checkpoint resumes at any D, ZeRO stage (0-3) and K, and a
+plain (ZeRO-0) one resumes under ZeRO-2/3 at any D; the losses continue the uninterrupted run's to
+float rounding (exactly the same draws only for a model without dropout).
 
 With T tensor-parallel ranks per stage (:mod:`executor.parallel.tensor_parallel`) a shard still holds the
 whole stage in the model's own layout: its T ranks gather their parts, rank 0 writes. So a run
@@ -219,19 +224,28 @@ OPTIMIZER_SETTINGS = {"optimizer": "--optimizer", "lr": "--lr", "weight_decay": 
 REPLICA_SETTINGS = {"replicas": "--replicas", "zero": "--zero"}
 
 
+def resharded_freely(saved_zero: int, zero: int) -> bool:
+    """Whether a checkpoint saved at ``saved_zero`` resumes at ``zero`` under any D: a ZeRO-2/3
+    shard holds the stage's whole state, gathered from the shards (a plain optimizer's), which any
+    replica count and ZeRO stage loads; a ZeRO-1 one holds a consolidated state for its own D."""
+    return (saved_zero >= 2 and zero in (0, 1, 2, 3)) or (zero >= 2 and saved_zero == 0)
+
+
 def check_resumable(manifest: dict[str, Any], config: dict[str, Any]) -> None:
     """Raise GpipeInputError naming the first optimizer, schedule or replica setting that differs from
     the checkpoint's (and ``--steps``, over which a cosine schedule decays), or another partition
     under ``--zero 1``."""
     saved = manifest.get("config", {})
-    names = {**OPTIMIZER_SETTINGS, **REPLICA_SETTINGS}
+    names = dict(OPTIMIZER_SETTINGS)
+    if not resharded_freely(saved.get("zero", 0), config.get("zero", 0)):
+        names.update(REPLICA_SETTINGS)
     if config.get("lr_schedule") == "cosine":
         names["steps"] = "--steps"
     for key, flag in names.items():
         if key in saved and saved[key] != config.get(key):
             raise GpipeInputError(f"the checkpoint was trained with {flag} {saved[key]} but this run asks for "
                                   f"{config.get(key)}; resume with {flag} {saved[key]} or use a new --checkpoint-dir")
-    if saved.get("zero") and "partition" in saved and list(saved["partition"]) != list(config.get("partition") or []):
+    if saved.get("zero") == 1 and "partition" in saved and list(saved["partition"]) != list(config.get("partition") or []):
         raise GpipeInputError(f"the checkpoint was saved with --zero 1 on partition {list(saved['partition'])}, not "
                               f"{list(config.get('partition') or [])}; a consolidated ZeRO state resumes only on its own "
                               "partition: resume with it or use a new --checkpoint-dir")

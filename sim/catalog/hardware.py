@@ -261,6 +261,11 @@ SYSTEMS: dict[str, System] = {name: replace(system, device=_fitted(system.device
                               for name, system in _UNFITTED.items()}
 
 
+def fitted_devices() -> frozenset[str]:
+    """The device names the efficiency file has fitted fractions for (variants named apart included)."""
+    return frozenset(_FITTED)
+
+
 def get_system(name: str, nodes: int = 1, kernels: KernelEfficiency | None = None, fitted: bool = True) -> System:
     """The catalog system ``name`` joined ``nodes`` times over its inter-node link; ``kernels``
     replaces its device's fitted fractions (what ``gpipe fit-gpu`` tries), and ``fitted=False``

@@ -9,7 +9,10 @@ torchtitan benchmark machines (H100 SXM with 96 GB of HBM2e at 2.4 TB/s)::
     {"base": "h100-nvlink", "name": "h100-96gb", "memory_gib": 96, "memory_bandwidth_tb_s": 2.4}
 
 A system over a ``base`` keeps the fractions fitted for the base's device (``gpipe fit-gpu``): the
-same silicon is assumed to reach the same fraction of its peaks, the peaks being the file's. A
+same silicon is assumed to reach the same fraction of its peaks, the peaks being the file's; where
+the development set has rows of the object's own ``name`` (a variant the same peaks do not describe,
+such as torchtitan's H100s held to a 500 W power limit), ``gpipe fit-gpu`` fits it under that name
+as a device of its own, and the simulator reads those fractions (:func:`fitted_name`). A
 whole file is fitted only where its ``device`` is a fitted catalog device's name (so a copy of a
 catalog file predicts exactly what the catalog entry does); any other device keeps the assumed
 efficiency. A run's ``gpus`` spreads that many devices evenly over its ``nodes`` (a partial NVL72
@@ -23,7 +26,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from sim.catalog.hardware import CATALOG_FILES, LINKS, SYSTEMS, System, build_system, get_system, place
+from sim.catalog.hardware import CATALOG_FILES, LINKS, SYSTEMS, System, build_system, fitted_devices, get_system, place
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.catalog.system_schema import DEVICE_FIGURES, KEYS, ONE_OF, check_keys, system_fields
 from sim.errors import GpipeInputError, did_you_mean
@@ -62,6 +65,15 @@ def catalog_name(ref: Any) -> str:
     if isinstance(ref, dict):
         return str(ref.get("base") or ref.get("name") or "hardware object")
     return str(ref)
+
+
+def fitted_name(ref: Any) -> str:
+    """The name fitted fractions of ``ref``'s device are kept under (``gpipe fit-gpu``): a catalog
+    name itself, a named object over a ``base`` its own ``name`` (a variant, fitted apart where the
+    development set has its rows), else as :func:`catalog_name`."""
+    if isinstance(ref, dict) and ref.get("base") and ref.get("name"):
+        return str(ref["name"])
+    return catalog_name(ref)
 
 
 def run_system(ref: Any, nodes: Any, gpus: Any, kernels: KernelEfficiency | None, where: str) -> System:
@@ -113,6 +125,8 @@ def _from_object(data: Any, nodes: int, kernels: KernelEfficiency | None, fitted
                                   f"choose one of {', '.join(CATALOG_FILES)}")
         fitted_as = SYSTEMS[base].device.name
         data = _over_base(CATALOG_FILES[base], data, fitted_as, where)
+        if kernels is not None or data["name"] in fitted_devices():  # a variant fitted on its own rows
+            fitted_as = data["name"]
     system = build_system(system_fields(data, where, LINKS), LINKS)
     return place(system, nodes, kernels, fitted, fitted_as)
 
@@ -121,7 +135,7 @@ def _over_base(base: dict[str, Any], override: dict[str, Any], base_device: str,
     """The base's keys with ``override``'s in their place (a figure in another unit replaces the
     base's), each overridden figure cited with the override's source or as given; unnamed, the
     system and its device are named after the base and the keys that changed (:func:`short_name`),
-    a key given with the base's own value changing nothing."""
+    a key given with the base's own value changing nothing; named, a changed device takes the name too."""
     merged = {key: value for key, value in base.items() if key != "sources"}
     given = override.get("sources", {})
     sources = {**base.get("sources", {}), **given}
@@ -138,8 +152,9 @@ def _over_base(base: dict[str, Any], override: dict[str, Any], base_device: str,
     merged["name"] = override.get("name", short_name(override["base"], changed))
     merged["description"] = override.get("description", f"{base.get('description', override['base'])}, with {what}"
                                           if what else base.get("description", ""))
-    merged["device"] = override.get("device", short_name(base_device, [key for key in changed
-                                                                       if key in DEVICE_FIGURES]))
+    device_changed = [key for key in changed if key in DEVICE_FIGURES]
+    named = override.get("name") if device_changed else None  # a named variant's device is that variant
+    merged["device"] = override.get("device", named or short_name(base_device, device_changed))
     merged["sources"] = sources
     return merged
 

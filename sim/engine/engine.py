@@ -39,7 +39,9 @@ costs file measured them, are fenced off in :mod:`sim.engine.host`); a transfer 
 bytes / bandwidth and arrives a latency later, with no protocol or congestion effects. Replicas are simulated apart: their transfers never queue behind
 each other on a shared PCIe channel, and all-reduces are not contended by anything. ZeRO-1 is
 modelled in memory alone (each device keeps 1/D of its optimizer state): the step on 1/D of the
-parameters and the parameter broadcast after it are taken to cancel, and neither is timed.
+parameters and the parameter broadcast after it are taken to cancel, and neither is timed. ZeRO-2 and
+ZeRO-3 (FSDP, HSDP) are timed unit by unit (:mod:`sim.engine.fsdp`): the gathers and reduce-scatters
+their actions leave exposed, the last reduction in place of the all-reduce, the step on the shard.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any, Sequence
 
 from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
+from sim.engine.fsdp import FsdpPricing, ShardedMemory, sharded_layout
 from sim.engine.host import HostPaid
 from sim.engine.memory import static_bytes
 from sim.engine.placement import DEFAULT_PLACEMENT, device_of
@@ -63,7 +66,8 @@ from sim.schedules.schedule import (Action, build_schedule, check_interleaving,
                                     device_of_virtual_stage, virtual_stages_of_device)
 from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds, stage_of_layers
 from sim.engine.stragglers import straggle_fraction
-from sim.formats.timeline import (DP_ALLREDUCE, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE, STEP_OVERHEAD, MemorySample,
+from sim.formats.timeline import (DP_ALLREDUCE, DP_REDUCE_SCATTER, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE,
+                                  STEP_OVERHEAD, MemorySample,
                                   Record, Timeline)
 from sim.workloads.workload import Workload, shared_parameters
 
@@ -87,6 +91,8 @@ class StageResult:
     # of busy_s, what a CPU host's effects added (sim.engine.host: the warm-up after waits); None where
     # the costs turn none on (the analytic and GPU models)
     host: HostPaid | None = None
+    # ZeRO-2/3: its shards, the unsharded parameters in flight (sim.engine.fsdp); None otherwise
+    sharded: ShardedMemory | None = None
 
     def to_dict(self) -> dict[str, Any]:
         capacity = self.memory_capacity_bytes
@@ -101,6 +107,8 @@ class StageResult:
         }
         if self.host is not None:
             entry["host"] = self.host.to_dict()
+        if self.sharded is not None:
+            entry.update(self.sharded.to_dict())
         return entry
 
 
@@ -122,6 +130,7 @@ class SimResult:
     zero: int = 0
     placement: str = DEFAULT_PLACEMENT
     replica_rows: list[int] = field(default_factory=list)  # rows of the global batch each replica trains
+    shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
 
     @property
     def fits(self) -> bool:
@@ -144,6 +153,7 @@ class SimResult:
             "zero": self.zero,
             "placement": self.placement,
             "replica_rows": self.replica_rows,
+            **({"shard_group": self.shard_group} if self.shard_group else {}),
             "fits": self.fits,
             "stages": [s.to_dict() for s in self.stages],
         }
@@ -259,10 +269,14 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
             check_interleaving(placed.stages, len(rows), virtual_stages, workload.num_layers)
     table = costs if costs is not None else CostTable(workload, system.device)
     given = tuple(tuple(device) for device in actions) if actions is not None else None
-    runs = _run_replicas(system, placed, partition, per_replica_rows, table, schedule, checkpoint, record, given)
+    fsdp = (FsdpPricing(table, system, layout, partition, placed.positions(), workload.sharded_links(system))
+            if sharded_layout(layout) else None)
+    runs = _run_replicas(system, placed, partition, per_replica_rows, table, schedule, checkpoint, record, given, fsdp)
     step = _Step(workload, system, placed, partition, table, per_replica_rows, runs, zero, allreduce_link, record,
-                 checkpoint if dp_overlap else None)
-    return step.result(batch_size, schedule, checkpoint, zero)
+                 checkpoint if dp_overlap else None, fsdp)
+    result = step.result(batch_size, schedule, checkpoint, zero)
+    result.shard_group = layout.shard_group if fsdp is not None else None
+    return result
 
 
 def _signature(system: System, devices: Sequence[int], rows: Sequence[int]) -> tuple:
@@ -282,8 +296,10 @@ def _schedule(stages: int, microbatches: int, schedule: str, checkpoint: str,
 
 def _run_replicas(system: System, layout: PlacedLayout, partition: tuple[int, ...], per_replica_rows: list[list[int]],
                   table: CostTable, schedule: str, checkpoint: str, record: bool,
-                  given: tuple[tuple[Action, ...], ...] | None = None) -> list[ReplicaRun]:
-    """One :class:`ReplicaRun` per replica; replicas with the same signature share one."""
+                  given: tuple[tuple[Action, ...], ...] | None = None,
+                  fsdp: FsdpPricing | None = None) -> list[ReplicaRun]:
+    """One :class:`ReplicaRun` per replica; replicas with the same signature share one; under
+    ZeRO-2/3 each stage's costs carry the communication ``fsdp`` leaves exposed."""
     bounds = stage_bounds(partition)
     done: dict[tuple, ReplicaRun] = {}
     runs = []
@@ -292,6 +308,9 @@ def _run_replicas(system: System, layout: PlacedLayout, partition: tuple[int, ..
         key = _signature(system, devices, rows)
         if key not in done:
             stage_costs = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
+            if fsdp is not None:
+                stage_costs = {r: [fsdp.stage_cost(r, s, cost) for s, cost in enumerate(row)]
+                               for r, row in stage_costs.items()}
             actions = given if given is not None else _schedule(layout.stages, len(rows), schedule, checkpoint,
                                                                  layout.virtual_stages)
             done[key] = ReplicaRun(system, devices, layout.virtual_stages, rows, stage_costs, checkpoint,
@@ -306,8 +325,11 @@ class _Step:
 
     def __init__(self, workload: Workload, system: System, layout: PlacedLayout, partition: tuple[int, ...],
                  table: CostTable, per_replica_rows: list[list[int]], runs: list[ReplicaRun], zero: int,
-                 allreduce_link: Link | None, record: bool, overlap_checkpoint: str | None = None) -> None:
+                 allreduce_link: Link | None, record: bool, overlap_checkpoint: str | None = None,
+                 fsdp: FsdpPricing | None = None) -> None:
         self.system, self.layout, self.partition, self.runs = system, layout, partition, runs
+        self.fsdp = fsdp
+        self.sharded: list[ShardedMemory | None] = [None] * layout.stages
         self.per_replica_rows = per_replica_rows
         self.record = record
         self.records: list[tuple] = []
@@ -323,6 +345,12 @@ class _Step:
             gradient_bytes = sum(g for g, _ in state)
             optimizer_bytes = sum(o for _, o in state)
             chunk_static = sum(c.static_bytes for c in self.chunk_costs[k])
+            if fsdp is not None:  # ZeRO-2/3: shards, gathered units and reductions (sim.engine.fsdp)
+                self.sharded[k] = fsdp.memory(rows0, layout.chunks(k), len(per_replica_rows[0]))
+                self.static.append(self.sharded[k].total_bytes)
+                last = backward_time_s(self.chunk_costs[k][0], fsdp.layout.checkpoint)  # chunk 0 ends last
+                self.allreduce_s.append(fsdp.tail_s(rows0, layout.chunks(k), last))
+                continue
             self.static.append(static_bytes(chunk_static, optimizer_bytes, D, zero))
             group = data_parallel_group(k, D, K, layout.placement)
             allreduce_s = group_allreduce_s(gradient_bytes, group, system, allreduce_link)
@@ -350,7 +378,7 @@ class _Step:
             t = list(reduced_s)
             for k in range(K):
                 self._span(d, k, RECV_WAIT, run.last_backward_s[k], start_s[k])
-                self._span(d, k, DP_ALLREDUCE, start_s[k], reduced_s[k])
+                self._span(d, k, DP_ALLREDUCE if self.fsdp is None else DP_REDUCE_SCATTER, start_s[k], reduced_s[k])
             for reduction in self.reductions:
                 begin = max(t[k] for k in reduction.owners)
                 finish = begin + _owners_ring_s(reduction.nbytes, [devices[k] for k in reduction.owners], self.system)
@@ -361,6 +389,8 @@ class _Step:
             replica_busy = list(run.busy_s)
             for k in range(K):
                 optimizer_s = sum(c.optimizer_s for c in self.chunk_costs[k])
+                if self.fsdp is not None:
+                    optimizer_s = self.fsdp.optimizer_s(optimizer_s)  # on the shard
                 overhead_s = max(c.step_overhead_s for c in self.chunk_costs[k])
                 self._span(d, k, OPTIMIZER, t[k], t[k] + optimizer_s)
                 replica_busy[k] += optimizer_s
@@ -392,7 +422,7 @@ class _Step:
                     stage=k, layers=layers[k], busy_s=self.busy_s[d][k], peak_memory_bytes=peak,
                     peak_activation_bytes=run.peak_bytes[k], static_bytes=self.static[k],
                     memory_capacity_bytes=capacity, fits=peak <= capacity, replica=d, device=device,
-                    host=run.host_paid(k)))
+                    host=run.host_paid(k), sharded=self.sharded[k]))
         stage_results.sort(key=lambda s: s.device)
         rows0 = self.per_replica_rows[0]
         return SimResult(

@@ -8,7 +8,8 @@ only on the schedule, the checkpoint policy, K, M, V and the device, and can be 
 simulator's own accounting (:mod:`sim.engine.engine`) is the reference; a test checks the two agree.
 
 Static bytes (weights, gradients, optimizer state) are held all step; with ZeRO-1 over D replicas
-a device keeps 1/D of its optimizer state (:func:`static_bytes`).
+a device keeps 1/D of its optimizer state (:func:`static_bytes`); with ZeRO-2/3 over N shard ranks
+1/N of each, plus the unsharded parameters in flight (:func:`sharded_static_bytes`, :mod:`sim.engine.fsdp`).
 
 Uses the largest micro-batch's sizes for every micro-batch, so with an uneven split it may
 overestimate slightly (never underestimate).
@@ -17,7 +18,7 @@ overestimate slightly (never underestimate).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 from sim.engine.stage_costs import StageCost, held_sizes
 from sim.schedules.schedule import Kind, recomputes, recomputes_per_layer, stage_actions
@@ -143,3 +144,35 @@ def static_bytes(stage_static_bytes: int, optimizer_bytes: int, replicas: int = 
     if zero and replicas > 1:
         return stage_static_bytes - optimizer_bytes + -(-optimizer_bytes // replicas)
     return stage_static_bytes
+
+
+class Sharding(NamedTuple):
+    """What a layout's ZeRO stage does to a device's static bytes: the stage (0: nothing sharded),
+    the ranks it shards over, and under ZeRO-2/3 whether every unit's parameters are held gathered
+    at once (ZeRO-2, or K > 1) and whether unsharded gradients accumulate over micro-batches (M > 1:
+    reduce-scattered once per step, sim.engine.fsdp)."""
+
+    zero: int = 0
+    ranks: int = 1
+    holds_all: bool = True
+    accumulates: bool = False
+
+
+def sharding_of(layout: Any, microbatches: int | None = None) -> Sharding:
+    """The :class:`Sharding` of a :class:`sim.formats.layout.ParallelLayout` (``microbatches``: as run,
+    where torch.chunk makes fewer than asked); nothing sharded with one replica."""
+    if not layout.zero or layout.replicas < 2:
+        return Sharding()
+    if layout.zero == 1:
+        return Sharding(1, layout.replicas)
+    m = layout.microbatches if microbatches is None else microbatches
+    return Sharding(layout.zero, layout.shard_ranks, layout.zero == 2 or layout.stages > 1, m > 1)
+
+
+def sharded_static_bytes(param_bytes: int, gradient_bytes: int, optimizer_bytes: int, gathered_bytes: int,
+                         sharding: Sharding) -> int:
+    """ZeRO-2/3: a device's shards of its parameters, gradients and optimizer state (each rounded up),
+    the unsharded parameters it holds at once (``gathered_bytes``), and accumulated unsharded gradients."""
+    n = sharding.ranks
+    return (-(-param_bytes // n) - (-gradient_bytes // n) - (-optimizer_bytes // n) + gathered_bytes
+            + (gradient_bytes if sharding.accumulates else 0))

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sim.engine.memory import Sharding
 from sim.engine.stage_costs import held_input_bytes, layer_alone_bytes
 from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.workloads.workload import LayerCost, SharedParameter
@@ -31,24 +32,53 @@ def _range(prefix: np.ndarray) -> np.ndarray:
     return prefix[None, :] - prefix[:-1, None]
 
 
+def _gathered(params: Sequence[int]) -> np.ndarray:
+    """ZeRO-3 with K = 1, per range [first, end): the most two consecutive units (layers with
+    parameters) hold gathered at once, as :func:`sim.engine.fsdp.gathered_in_flight_bytes` counts them."""
+    n = len(params)
+    out = np.zeros((n, n + 1), dtype=np.int64)
+    firsts = np.arange(n)
+    previous_unit = -1
+    for end in range(1, n + 1):
+        layer = end - 1
+        column = np.maximum(out[:, end - 1], params[layer])
+        if params[layer] and previous_unit >= 0:  # the pair (previous unit, this one), in ranges holding both
+            pair = np.where(firsts <= previous_unit, params[previous_unit] + params[layer], 0)
+            column = np.maximum(column, pair)
+        out[:, end] = column
+        if params[layer]:
+            previous_unit = layer
+    return out
+
+
 class RangeMemory:
     """Per range [first, end) of ``layers``: static bytes (weights, gradients, optimizer state, a
-    shared parameter once, ZeRO-1's shard) and the (stash, saved, transient) sizes of ``checkpoint``."""
+    shared parameter once, ZeRO's shards and gathered units under ``sharding``) and the (stash,
+    saved, transient) sizes of ``checkpoint``."""
 
     def __init__(self, layers: Sequence[LayerCost], shared: Sequence[SharedParameter], checkpoint: str,
-                 replicas: int, zero: int) -> None:
+                 sharding: Sharding = Sharding()) -> None:
         n = len(layers)
         static = _range(_prefix([c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in layers]))
         optimizer = _range(_prefix([c.optimizer_bytes for c in layers]))
+        gradient = _range(_prefix([c.grad_bytes for c in layers]))
         for parameter in shared:
             uses = np.zeros(n, dtype=np.int64)
             uses[list(parameter.layers)] = 1
             extra = np.maximum(_range(_prefix(uses)) - 1, 0)
             static = static - extra * parameter.static_bytes
             optimizer = optimizer - extra * max(0, parameter.static_bytes - 2 * parameter.param_bytes)
+            gradient = gradient - extra * parameter.param_bytes
         optimizer = np.maximum(optimizer, 0)
-        if zero and replicas > 1:  # sim.engine.memory.static_bytes
-            static = static - optimizer + (-(-optimizer // replicas))
+        gradient = np.maximum(gradient, 0)
+        if sharding.zero == 1:  # sim.engine.memory.static_bytes
+            static = static - optimizer + (-(-optimizer // sharding.ranks))
+        elif sharding.zero >= 2:  # sim.engine.memory.sharded_static_bytes
+            params = np.maximum(static - gradient - optimizer, 0)
+            gathered = params if sharding.holds_all else _gathered([c.param_bytes for c in layers])
+            n_ranks = sharding.ranks
+            static = (-(-params // n_ranks) - (-gradient // n_ranks) - (-optimizer // n_ranks) + gathered
+                      + (gradient if sharding.accumulates else 0))
         inputs = np.array([c.input_bytes for c in layers], dtype=np.int64)
         zeros = np.zeros((n, n + 1), dtype=np.int64)
         if recomputes_per_layer(checkpoint):  # sim.engine.stage_costs.per_layer_bytes, for all ranges

@@ -47,7 +47,7 @@ import simpy
 from sim.catalog.hardware import Link, System
 from sim.engine.host import HostLedger, HostPaid
 from sim.engine.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
-from sim.formats.timeline import RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+from sim.formats.timeline import DP_ALL_GATHER, DP_REDUCE_SCATTER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 from sim.schedules.schedule import Action, Kind, cold_starts, device_of_virtual_stage, receives_gradient, recomputes
 
 GAP_INDEX = {kind: i for i, kind in enumerate(Kind)}  # StageCost.gap_after_s is in this order
@@ -119,6 +119,7 @@ class ReplicaRun:
         # what a CPU host's effects add, where the costs turn them on (sim.engine.host); None: off
         self.host = (HostLedger(self.stages)
                      if any(cost.host.on for row in costs.values() for cost in row) else None)
+        self._gathered: set[int] = set()  # virtual stages whose once-per-step gather was paid (ZeRO-2/3, K > 1)
 
     def run(self, per_device_actions: Sequence[Sequence[Action]]) -> "ReplicaRun":
         """Walk every device's list: as SimPy processes, or, where no spans are recorded and no link
@@ -177,6 +178,11 @@ class ReplicaRun:
                         break
                     duration = self.action_s(device, cost, kind, s, cold[device][i], ready_s - free_s)
                     t = ready_s if ready_s > free_s else free_s
+                    gather_s, reduce_s = self.communication_s(cost, kind, s)
+                    if gather_s > 0:  # one after the other, as the SimPy walk's timeouts add them
+                        t += gather_s
+                    if reduce_s > 0:
+                        t += reduce_s
                     held = sizes[self.rows[m]][s]
                     if kind is Kind.BACKWARD and held[2]:
                         self._hold(device, held[2])
@@ -221,6 +227,20 @@ class ReplicaRun:
         if self.host is not None and cost.host.on:  # (no ledger: no stage's costs turn any on)
             seconds = self.host.action_s(device, cost.host, wait_s, seconds)
         return seconds
+
+    def communication_s(self, cost: StageCost, kind: Kind, virtual_stage: int) -> tuple[float, float]:
+        """(gather, reduction) seconds ZeRO-2/3 leaves exposed before an action (:mod:`sim.engine.fsdp`):
+        a forward's gathers (the chunk's first forward alone pays the once-per-step gather), a
+        backward's or W's gathers and reduce-scatters; (0, 0) without sharding."""
+        if kind is Kind.FORWARD:
+            gather_s = cost.fsdp_forward_gather_s
+            if cost.fsdp_first_forward_gather_s and virtual_stage not in self._gathered:
+                self._gathered.add(virtual_stage)
+                gather_s += cost.fsdp_first_forward_gather_s
+            return gather_s, 0.0
+        if kind is Kind.BACKWARD or kind is Kind.WEIGHT:
+            return cost.fsdp_backward_gather_s, cost.fsdp_backward_reduce_s
+        return 0.0, 0.0
 
     def _finish(self, device: int, kind: Kind, virtual_stage: int, cost: StageCost, held: tuple[int, int, int],
                 microbatch: int) -> tuple[int, int, bool, float] | None:
@@ -292,6 +312,11 @@ class ReplicaRun:
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
             duration = self.action_s(device, cost, kind, s, cold[i], env.now - wait_start)
+            for span, seconds in zip((DP_ALL_GATHER, DP_REDUCE_SCATTER), self.communication_s(cost, kind, s)):
+                if seconds > 0:
+                    if self.record:
+                        self.records.append((device, span, m, env.now, env.now + seconds, s))
+                    yield env.timeout(seconds)
             held = held_sizes(cost, self.checkpoint)
             if kind is Kind.BACKWARD and held[2]:
                 self._hold(device, held[2])  # the layer being recomputed, on top of what is held

@@ -78,6 +78,14 @@ class StageCost:
     # (quantiles): how late the slowest of D replicas finishes (sim.engine.stragglers); measured by
     # calibration, none in the analytic models
     replica_spread: tuple[float, ...] = ()
+    # ZeRO-2/3 (sim.engine.fsdp): the parameter gathers and gradient reductions an action leaves
+    # exposed beyond the compute they overlap, paid before it as communication, not busy time: every
+    # forward's gathers (K = 1), the chunk's first forward's alone (K > 1: gathered once per step),
+    # and a backward's (or W's) gathers (ZeRO-3, K = 1) and reduce-scatters
+    fsdp_forward_gather_s: float = 0.0
+    fsdp_first_forward_gather_s: float = 0.0
+    fsdp_backward_gather_s: float = 0.0
+    fsdp_backward_reduce_s: float = 0.0
 
 
 WEIGHT_GRAD_SHARE = 0.5  # of the backward of a layer with weights

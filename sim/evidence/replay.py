@@ -24,7 +24,12 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   planned by its shape; the transformer's option of the same name may say it instead).
 - ``compile`` (optional): true prices torch.compile's fused elementwise regions
   (:func:`sim.workloads.transformer.transformer_layers`), false or null eager kernels.
-- ``zero`` (optional): 0, or 1 for a distributed optimizer (ZeRO-1).
+- ``zero`` (optional): 0, 1 for a distributed optimizer (ZeRO-1), 2 for gradients sharded too with
+  parameters kept whole from a unit's forward to its backward (FSDP's ``reshard_after_forward=False``,
+  Llama 3 405B's setting), 3 for parameters sharded and gathered again for the backward (FSDP's
+  default, ZeRO-3); priced as FSDP2 runs them (:mod:`sim.engine.fsdp`).
+- ``shard_group`` (optional, with ``zero`` 2 or 3): HSDP, sharded within groups of this many
+  replicas and replicated across them; null shards over all replicas.
 
 ``null`` (or a left-out optional key) means the source does not say. ``attention`` is then flash
 on a GPU trainers run it on (eager elsewhere), ``compile`` false, and ``checkpoint``,
@@ -53,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from sim.catalog.kernel_model import KernelEfficiency
-from sim.catalog.user_systems import catalog_name, run_system
+from sim.catalog.user_systems import fitted_name, run_system
 from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
 from sim.workloads.precision import trainers_precision
@@ -62,7 +67,7 @@ from sim.workloads.workload import Workload
 REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "pipeline_stages", "replicas",
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
-OPTIONAL = ("attention", "compile", "zero")  # keys a run may leave out, which then mean null
+OPTIONAL = ("attention", "compile", "zero", "shard_group")  # keys a run may leave out, which then mean null
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -114,7 +119,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
     fractions, as ``gpipe fit-gpu`` does while it fits."""
     out = Replayed(run["id"], False, float(run["measured_step_s"]), assumed=list(ALWAYS_ASSUMED))
     try:
-        _predict(run, resolve, out, (kernels or {}).get(catalog_name(run["hardware"])))
+        _predict(run, resolve, out, (kernels or {}).get(fitted_name(run["hardware"])))
     except GpipeInputError as exc:
         out.reason = str(exc)
         return out
@@ -163,7 +168,8 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     out.layout = {"tensor_parallel": tensor, "sequence_parallel": found.sequence_parallel and tensor > 1,
                   "context_parallel": context, "replicas": replicas, "pipeline_stages": stages,
                   "virtual_stages": candidate.virtual_stages, "microbatches": candidate.microbatches,
-                  "zero": candidate.zero, "microbatch_rows": split_rows(batch // replicas, candidate.microbatches)[0],
+                  "zero": candidate.zero, **({"shard_group": candidate.shard_group} if candidate.shard_group else {}),
+                  "microbatch_rows": split_rows(batch // replicas, candidate.microbatches)[0],
                   "checkpoint": candidate.checkpoint, "schedule": candidate.schedule,
                   "partition": list(found.partition)}
 

@@ -10,7 +10,11 @@ The values searched: the policies trainers offer (``never``, ``selective``, ``fu
 none, selective and full recompute; GPipe's stage re-materialization is no trainer's), sequence
 parallelism off and on where T > 1, 1, 2 or 4 virtual stages per device where K > 1 (the schedule
 following: gpipe or 1f1b with one, interleaved with more), every micro-batch size that divides a
-replica's share of the batch, and ZeRO 0 or 1 (a distributed optimizer as ZeRO-1) where D > 1.
+replica's share of the batch, and ZeRO 0 or 1 where D > 1 (a distributed optimizer as ZeRO-1), then
+2 and 3 in turn for the plans that fit neither (2 and 3 where a ``shard_group`` is given). Trainers
+shard gradients and parameters where memory needs it: ZeRO-2 and 3 add collectives the model takes as
+perfectly overlapped and step the optimizer on the shard, where ZeRO-1's shard step is taken to cancel
+its gather, so ranked by time alone they would win where a trainer would not have used them.
 
 Limits: a run whose trainer did not tune is predicted as if it had (too fast, where its choices
 were slower); a plan that fits nowhere is timed all the same, at the values that hold least memory
@@ -24,7 +28,7 @@ from typing import Any
 
 from sim.catalog.hardware import System
 from sim.engine.engine import SimResult, simulate
-from sim.formats.layout import ParallelLayout
+from sim.formats.layout import ZERO_STAGES, ParallelLayout, check_sharding
 from sim.errors import GpipeInputError
 from sim.planner.search import Candidate, default_partition, search
 from sim.schedules.microbatch import split_rows
@@ -46,6 +50,8 @@ class Space:
     virtual_options: tuple[int, ...]
     microbatch_options: tuple[int, ...]  # M per replica
     zero_options: tuple[int, ...]
+    shard_group: int | None = None  # HSDP's groups of replicas (zero 2 or 3); None: all of them
+    zero_escalates: bool = False  # a plan that fits at no ZeRO stage listed is tried at the next (2, then 3)
 
 
 @dataclass
@@ -85,11 +91,23 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     else:
         microbatches = tuple(m for m in range(1, per_replica + 1) if per_replica % m == 0)
     zero = run.get("zero")
-    if zero is not None and zero not in (0, 1):
-        raise GpipeInputError(f"zero {zero!r}; give 0, 1 (a distributed optimizer), or null where the source "
-                              "does not say")
-    zeros = (0, 1) if zero is None and replicas > 1 else (int(bool(zero)) if replicas > 1 else 0,)
-    return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros)
+    if zero is not None and (isinstance(zero, bool) or zero not in ZERO_STAGES):
+        raise GpipeInputError(f"zero {zero!r}; give 0, 1 (a distributed optimizer), 2 (and gradients sharded), 3 "
+                              "(and parameters: FSDP), or null where the source does not say")
+    group = run.get("shard_group")
+    if group is not None:
+        if zero is not None and zero < 2:
+            raise GpipeInputError(f"shard_group {group!r} with zero {zero}: a shard group (HSDP) shards parameters "
+                                  "or gradients, zero 2 or 3; give one of them, or null")
+        check_sharding(zero if zero is not None else 2, replicas, group)
+    if replicas == 1:
+        zeros: tuple[int, ...] = (0,)
+    elif zero is not None:
+        zeros = (zero,)
+    else:
+        zeros = (2, 3) if group is not None else (0, 1)
+    escalates = zero is None and group is None and replicas > 1  # 2, then 3, where neither 0 nor 1 fits
+    return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates)
 
 
 def count_of(run: dict[str, Any], key: str) -> int | None:
@@ -112,7 +130,7 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
         found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
                        list(space.schedules), top=1, replica_options=[replicas],
                        virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
-                       dp_overlap=True).best
+                       dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates).best
         if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
             assert found.result is not None and found.partition is not None
             best = Found(found.candidate, found.partition, found.result, sequence, True)
@@ -125,14 +143,17 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
     sequence = space.sequence_parallel[-1]
     split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
     schedule = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the fewest micro-batches in flight
+    zero = 3 if space.zero_escalates else space.zero_options[-1]
     candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,
-                          space.virtual_options[0] if schedule == "interleaved" else 1, space.zero_options[-1])
+                          space.virtual_options[0] if schedule == "interleaved" else 1, zero,
+                          shard_group=space.shard_group if zero >= 2 else None)
     partition = default_partition(split, groups, batch, candidate)
     result = simulate(split, groups, partition, batch,
                       ParallelLayout.for_partition(partition, candidate.microbatches,
                                                    checkpoint=candidate.checkpoint, schedule=schedule,
                                                    virtual_stages=candidate.virtual_stages, replicas=replicas,
-                                                   zero=candidate.zero), record=False, dp_overlap=True)
+                                                   zero=candidate.zero, shard_group=candidate.shard_group),
+                      record=False, dp_overlap=True)
     return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages))
 
 
@@ -157,5 +178,12 @@ def chosen_lines(run: dict[str, Any], found: Found, batch: int, stages: int, rep
         rows = split_rows(batch // replicas, c.microbatches)[0]
         lines.append(chosen("microbatch_size", rows, "the sizes dividing a replica's batch"))
     if run.get("zero") is None:
-        lines.append(chosen("zero", c.zero, "0 and 1") if replicas > 1 else "zero null: 0 (one replica)")
+        if replicas == 1:
+            lines.append("zero null: 0 (one replica)")
+        elif run.get("shard_group") is not None:
+            lines.append(chosen("zero", c.zero, "2 and 3"))
+        elif c.zero >= 2 and found.fits:
+            lines.append(f"zero null: {c.zero}, the least sharding that fits (0 and 1 do not)")
+        else:
+            lines.append(chosen("zero", c.zero, "0 and 1"))
     return lines

@@ -1,4 +1,5 @@
-"""The links a costs file measured, as the simulator prices them: the all-reduce and the tensor-parallel collectives.
+"""The links a costs file measured, as the simulator prices them: the all-reduce, the tensor-parallel
+collectives and ZeRO-2/3's all-gather and reduce-scatter.
 
 Each is fitted as a ring (latency, bandwidth) by calibration (:mod:`calibrate.measure.collective`,
 :mod:`calibrate.measure.tp_collectives`); an entry that is not a link is refused with one line.
@@ -53,6 +54,23 @@ def allreduce_link(data: dict[str, Any], shared_memory: bool = False) -> Link | 
         if shared_memory:
             return Link("fitted shared-memory all-reduce", shared_bandwidth, shared_latency_s)
     return Link(f"fitted {entry.get('backend', 'all-reduce')} all-reduce", bandwidth, latency_s)
+
+
+def sharded_links(data: dict[str, Any]) -> tuple[Link | None, Link | None]:
+    """ZeRO-2/3's (all-gather, reduce-scatter) the costs file measured over the data-parallel group
+    (:func:`calibrate.measure.collective.calibrate_sharded`), each a ring :class:`Link`; None each
+    where the file has none (a quick calibration, one core, or a file from before they were measured).
+    Limits: measured idle on one host; across nodes the catalog's links apply."""
+    entry = data.get("sharded")
+    if entry is None:
+        return None, None
+    links = []
+    for op in ("all_gather", "reduce_scatter"):
+        if not isinstance(entry, dict) or op not in entry:
+            raise GpipeInputError(f"the costs file's sharded entry has no {op} fit; re-run gpipe calibrate --force")
+        latency_s, bandwidth = _fitted_ring(entry[op], f"sharded {op}")
+        links.append(Link(f"fitted {entry.get('backend', '?')} {op.replace('_', '-')}", bandwidth, latency_s))
+    return links[0], links[1]
 
 
 def _fitted_ring(entry: Any, what: str) -> tuple[float, float]:

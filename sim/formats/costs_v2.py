@@ -23,8 +23,10 @@ Optional, and why each may be absent:
 - ``pipeline[K].replica_spread``: no design run of that K had more than one stage (none);
 - ``pipeline[K].host`` (``warm_up_s``): a CPU host's effects (:mod:`sim.engine.host`), written where
   calibration ran on a CPU host; absent, they are off;
-- ``link``, ``allreduce``, ``tensor_parallel``, ``tensor_parallel_profile``, ``tensor_parallel_fit``:
-  a machine with room for one process, or a quick calibration;
+- ``link``, ``allreduce``, ``tensor_parallel``, ``tensor_parallel_profile``, ``tensor_parallel_fit``,
+  ``sharded`` (ZeRO-2/3's fitted ``all_gather`` and ``reduce_scatter``, read by
+  :func:`sim.formats.costs_links.sharded_links`): a machine with room for one process, or a quick
+  calibration (``sharded`` also a file from before it was measured);
 - ``efficiency``: a model without an analytic form, or a device without a peak to fit against;
 - ``design``, ``fit_quality``, ``fit_halves``, ``fit_residuals``, ``speed``: calibration's record of
   itself, which the simulator does not read.

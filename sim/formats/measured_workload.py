@@ -30,7 +30,7 @@ from sim.engine.stage_costs import StageCost, layer_weight_grad_s, per_layer_byt
 from sim.errors import GpipeInputError
 from sim.formats.costs_fits import (FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, IDENTITY, ActionFit, Affine, PipelineFit,
                                     interpolate)
-from sim.formats.costs_links import allreduce_link
+from sim.formats.costs_links import allreduce_link, sharded_links
 from sim.schedules.schedule import COMPUTE_KINDS
 from sim.workloads.precision import DEFAULT_PRECISION, FP32_BYTES
 from sim.workloads.workload import LayerCost, SharedParameter, WorkloadCapabilities
@@ -105,6 +105,14 @@ class MeasuredWorkload(WorkloadCapabilities):
             return None
         cores = self.data["machine"].get("cpu_cores")  # none on a machine stamp without it
         return allreduce_link(self.data, shared_memory=cores is not None and self._processes <= int(cores))
+
+    def sharded_links(self, system: System) -> tuple[Link | None, Link | None, Link | None]:
+        """ZeRO-2/3's fitted (all-gather, reduce-scatter) links and the all-reduce (HSDP's across the
+        groups) for ``system`` if it is the one measured, else None each: the catalog's links."""
+        if system.name != self.data["system"]:
+            return None, None, None
+        gather, reduce = sharded_links(self.data)
+        return gather, reduce, self.allreduce_link(system)
 
     @property
     def tensor_parallel_options(self) -> list[int]:

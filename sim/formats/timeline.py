@@ -25,6 +25,10 @@ OPTIMIZER = "optimizer"
 STEP_OVERHEAD = "overhead"  # simulated only: calibration's fitted per-step constant
 SHARED_ALLREDUCE = "allreduce_shared"  # summing a shared parameter's gradient among the stages holding it
 DP_ALLREDUCE = "allreduce_dp"  # averaging a stage's gradients over its data-parallel group (D replicas)
+# ZeRO-2/3 (FSDP): a unit's parameters gathered over its shard group, its gradients reduce-scattered
+# (and with HSDP all-reduced across the groups); simulated spans show the part no compute hides
+DP_ALL_GATHER = "all_gather_dp"
+DP_REDUCE_SCATTER = "reduce_scatter_dp"
 # a tensor-parallel collective among a stage's T ranks, inside the F/R/B/I/W span that issued it (traced runs)
 TP_ALL_REDUCE = "tp_all_reduce"
 TP_REDUCE_SCATTER = "tp_reduce_scatter"
@@ -44,6 +48,8 @@ KIND_NAMES = {
     STEP_OVERHEAD: "fitted step overhead",
     SHARED_ALLREDUCE: "all-reduce shared gradients",
     DP_ALLREDUCE: "all-reduce data-parallel gradients",
+    DP_ALL_GATHER: "all-gather sharded parameters",
+    DP_REDUCE_SCATTER: "reduce-scatter sharded gradients",
     TP_ALL_REDUCE: "tensor-parallel all-reduce",
     TP_REDUCE_SCATTER: "tensor-parallel reduce-scatter",
     TP_ALL_GATHER: "tensor-parallel all-gather",

@@ -16,7 +16,8 @@ step, since every data-parallel all-reduce waits for all replicas) and device k:
   tail alone: a device's last actions are W's, which nothing after them waits for.
 
 Communication between stages and the shared-parameter reduction are left out, so it only gets
-smaller. The all-reduce is the engine's own closed form, which depends on bytes and links alone.
+smaller; so are ZeRO-2/3's gathers and reduce-scatters, with the optimizer step on the shard.
+The all-reduce is the engine's own closed form, which depends on bytes and links alone.
 
 :func:`balanced_bound_s`, before any partition: the K devices share the whole model's work and,
 with D > 1, each device's all-reduce; the busiest device does at least the average. The all-reduce
@@ -28,6 +29,7 @@ interleaving it also takes the pipeline's fill and drain at their least over all
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import lru_cache
 from typing import Sequence
 
@@ -40,7 +42,13 @@ from sim.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, recomputes, virtual
 
 def replica_rows(batch_size: int, replicas: int, microbatches: int) -> list[int]:
     """Replica 0's micro-batch rows (the largest replica: torch.chunk puts the remainder last)."""
-    return split_rows(split_rows(batch_size, replicas)[0], microbatches)
+    return list(_replica_rows(batch_size, replicas, microbatches))
+
+
+@lru_cache(maxsize=1 << 14)
+def _replica_rows(batch_size: int, replicas: int, microbatches: int) -> tuple[int, ...]:
+    """:func:`replica_rows`, kept for the planner's many candidates of one D and M."""
+    return tuple(split_rows(split_rows(batch_size, replicas)[0], microbatches))
 
 
 def stage_allreduce_s(table: CostTable, rows: int, partition: Sequence[int], stages: int, replicas: int,
@@ -70,19 +78,26 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate, partition: Seque
     bounds = stage_bounds(partition)
     by_rows: dict[int, list[StageCost]] = {r: [table.stage(r, a, b) for a, b in bounds] for r in set(rows)}
     first = by_rows[rows[0]]
+    sharded = c.zero >= 2 and c.replicas > 1  # ZeRO-2/3: reduce-scatters, bounded below by nothing
     allreduce = (stage_allreduce_s(table, rows[0], partition, K, c.replicas, c.placement, system, allreduce_link,
-                                   c.schedule) if system is not None else [0.0] * K)
+                                   c.schedule) if system is not None and not sharded else [0.0] * K)
+    optimizer_share = 1 / c.shard_ranks if sharded else 1.0  # the optimizer steps the shard
     tails, computes = [], []
+    # micro-batches by rows (at most two sizes), and those of them recomputed: a device's work is their
+    # counts times each size's costs, summed without walking every micro-batch
+    count = Counter(rows)
+    again = Counter(r for m, r in enumerate(rows) if recomputes(c.checkpoint, m, len(rows)))
     for k in range(K):
         chunks = virtual_stages_of_device(k, K, c.virtual_stages, c.schedule)
         compute = 0.0
-        for m, r in enumerate(rows):
-            again = recomputes(c.checkpoint, m, len(rows))
-            for s in chunks:
+        for s in chunks:
+            for r, n in count.items():
                 cost = by_rows[r][s]
-                compute += cost.forward_s + backward_time_s(cost, c.checkpoint) + (cost.recompute_s if again else 0.0)
+                compute += n * (cost.forward_s + backward_time_s(cost, c.checkpoint))
+            for r, n in again.items():
+                compute += n * by_rows[r][s].recompute_s
         computes.append(compute)
-        tails.append(allreduce[k] + sum(first[s].optimizer_s for s in chunks)
+        tails.append(allreduce[k] + optimizer_share * sum(first[s].optimizer_s for s in chunks)
                      + max(first[s].step_overhead_s for s in chunks))
     best = fill = drain = 0.0
     split = c.schedule in SPLIT_BACKWARD_SCHEDULES  # device k's last W may run beside the others' drain
@@ -123,12 +138,12 @@ class BalancedBounds:
         self.table, self.batch_size, self.system, self.allreduce_link = table, batch_size, system, allreduce_link
         self._work: dict[tuple, float] = {}
 
-    def _whole_work_s(self, rows: tuple[int, ...], checkpoint: str) -> float:
-        key = (rows, checkpoint)
+    def _whole_work_s(self, rows: tuple[int, ...], checkpoint: str, optimizer_share: float = 1.0) -> float:
+        key = (rows, checkpoint, optimizer_share)
         if key not in self._work:
             layers = self.table.workload.num_layers
             whole_model = self.table.stage(rows[0], 0, layers)
-            total = whole_model.optimizer_s
+            total = whole_model.optimizer_s * optimizer_share
             for m, r in enumerate(rows):
                 whole = self.table.stage(r, 0, layers)
                 total += whole.forward_s + backward_time_s(whole, checkpoint)
@@ -161,17 +176,18 @@ class BalancedBounds:
         c = candidate
         if c.virtual_stages > 1 or c.schedule in SPLIT_BACKWARD_SCHEDULES:
             return 0.0  # the chain's backwards overlap other work (the interleaved chunks, the W's)
-        rows = tuple(replica_rows(self.batch_size, c.replicas, c.microbatches))
+        rows = _replica_rows(self.batch_size, c.replicas, c.microbatches)
         m = len(rows)
         return self._chain_s(rows) / (1 - (1 - 1 / m) ** c.stages)
 
     def balanced_s(self, candidate) -> float:
         c = candidate
-        rows = tuple(replica_rows(self.batch_size, c.replicas, c.microbatches))
+        rows = _replica_rows(self.batch_size, c.replicas, c.microbatches)
         layers = self.table.workload.num_layers
-        total = (self._whole_work_s(rows, c.checkpoint)
+        sharded = c.zero >= 2 and c.replicas > 1  # ZeRO-2/3: the optimizer on the shard, no all-reduce
+        total = (self._whole_work_s(rows, c.checkpoint, 1 / c.shard_ranks if sharded else 1.0)
                  + self.table.stage(rows[0], 0, layers).step_overhead_s * c.stages)  # every device has it
-        if c.replicas > 1 and self.system is not None:
+        if c.replicas > 1 and self.system is not None and not sharded:
             slope, constant = _allreduce_affine(c.stages, c.replicas, c.placement, self.system, self.allreduce_link)
             gradient_bytes = self.table.gradient_and_optimizer_bytes(rows[0], 0, layers)[0]
             total += slope * gradient_bytes + constant * c.stages

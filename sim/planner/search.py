@@ -19,6 +19,7 @@ memory, then the whole device is checked; a plan that fits only by unbalancing c
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from dataclasses import dataclass, field, replace
@@ -26,8 +27,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 from sim.catalog.hardware import Link, System
 from sim.engine.engine import SimResult, simulate
-from sim.formats.layout import ParallelLayout
-from sim.engine.memory import chunk_coefficients, peak_coefficients, peak_from_coefficients, static_bytes
+from sim.formats.layout import ZERO_STAGES, ParallelLayout
+from sim.engine.fsdp import gathered_in_flight_bytes
+from sim.engine.memory import (Sharding, chunk_coefficients, peak_coefficients, peak_from_coefficients,
+                               sharded_static_bytes, sharding_of, static_bytes)
 from sim.engine.placement import PLACEMENTS
 from sim.errors import GpipeInputError
 from sim.planner.bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
@@ -123,11 +126,15 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                checkpoints: Sequence[str] = CHECKPOINT_POLICIES, schedules: Sequence[str] = PLANNED_SCHEDULES,
                replica_options: Iterable[int] = (1,), virtual_options: Iterable[int] = (2,),
                zero_options: Iterable[int] = (0,), placements: Sequence[str] = PLACEMENTS,
-               system: System | None = None, num_layers: int | None = None) -> list[Candidate]:
+               system: System | None = None, num_layers: int | None = None,
+               shard_group: int | None = None, shard_group_options: Sequence[int] = ()) -> list[Candidate]:
     """Every combination worth simulating: M values that torch.chunk would turn into the same
     splits appear once, D x K beyond the system's devices, placements that are the same devices,
-    ZeRO with one replica, and interleaving that cannot run (V x K over the layers, M not a multiple
-    of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule."""
+    ZeRO with one replica, ZeRO-3 with K > 1 beside ZeRO-2 (the same plan under torchtitan's policy: no
+    reshard after forward when pipelined), and interleaving that cannot run (V x K over the layers, M
+    not a multiple of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule;
+    ``shard_group`` (HSDP) is given to the ZeRO-2/3 candidates whose D it divides; without it, those
+    candidates shard over all D replicas and over each of ``shard_group_options`` that divides D."""
     stage_options, microbatch_options = list(stage_options), list(microbatch_options)
     virtual_options = [v for v in virtual_options if v >= 2]
     out = []
@@ -155,9 +162,23 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                         if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
                             continue  # refused: a per-layer recompute's backward is not split
                         for zero in zeros:
+                            if zero == 3 and k > 1 and 2 in zeros:
+                                continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
                             for placement in where:
-                                out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement))
+                                for group in _shard_groups(zero, d, shard_group, shard_group_options):
+                                    out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
+                                                         shard_group=group))
     return out
+
+
+def _shard_groups(zero: int, replicas: int, given: int | None, options: Sequence[int]) -> list[int | None]:
+    """The shard groups a candidate of ``zero`` over ``replicas`` is tried with: none below ZeRO-2;
+    ``given`` where it divides D; else all D replicas and each of ``options`` dividing D (HSDP)."""
+    if zero < 2:
+        return [None]
+    if given:
+        return [given if replicas % given == 0 else None]
+    return [None, *sorted({g for g in options if 1 <= g < replicas and replicas % g == 0})]
 
 
 def _schedule_options(schedules: Sequence[str], virtual_options: Sequence[int], stages: int, counts: set[int],
@@ -225,8 +246,12 @@ class Partitions:
         holds at least this much, whatever the partition, so above capacity nothing fits."""
         layers = self.table.workload.num_layers
         whole = self.table.stage(rows, 0, layers).static_bytes
-        optimizer = self.table.gradient_and_optimizer_bytes(rows, 0, layers)[1]
-        return static_bytes(whole, optimizer, c.replicas, c.zero) / c.stages
+        gradient, optimizer = self.table.gradient_and_optimizer_bytes(rows, 0, layers)
+        sharding = _sharding(c)
+        if sharding.zero >= 2:  # the shards alone: the gathered units come on top
+            params = max(0, whole - gradient - optimizer)
+            return sharded_static_bytes(params, gradient, optimizer, 0, sharding) / c.stages
+        return static_bytes(whole, optimizer, sharding.ranks, sharding.zero) / c.stages
 
     def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:
         """For each first layer, the furthest end whose layers fit one chunk holding ``counts`` (a
@@ -235,10 +260,10 @@ class Partitions:
         capacity = self.system.device.memory_bytes
         layers = self.table.workload.num_layers
         if self.table.workload.stage_cost is None:
-            key = (rows, c.checkpoint, *_sharding(c))
+            key = (rows, c.checkpoint, _sharding(c))
             if key not in self._ranges:
                 self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
-                                                c.checkpoint, *_sharding(c))
+                                                c.checkpoint, _sharding(c))
             return self._ranges[key].furthest_ends(counts, capacity)
 
         def fits(first: int, end: int) -> bool:
@@ -270,8 +295,14 @@ class Partitions:
 
     def _chunk_static(self, rows: int, first: int, end: int, c: Candidate) -> int:
         cost = self.table.stage(rows, first, end)
-        optimizer_bytes = self.table.gradient_and_optimizer_bytes(rows, first, end)[1]
-        return static_bytes(cost.static_bytes, optimizer_bytes, c.replicas, c.zero)
+        gradient_bytes, optimizer_bytes = self.table.gradient_and_optimizer_bytes(rows, first, end)
+        sharding = _sharding(c)
+        if sharding.zero >= 2:
+            params = max(0, cost.static_bytes - gradient_bytes - optimizer_bytes)
+            gathered = gathered_in_flight_bytes([layer.param_bytes for layer in self.table.layers(rows)[first:end]],
+                                                sharding.holds_all)
+            return sharded_static_bytes(params, gradient_bytes, optimizer_bytes, gathered, sharding)
+        return static_bytes(cost.static_bytes, optimizer_bytes, sharding.ranks, sharding.zero)
 
     def _devices_fit(self, partition: Sequence[int], rows: int, held, c: Candidate) -> bool:
         bounds = stage_bounds(partition)
@@ -290,7 +321,7 @@ class Partitions:
         ends = []
         for part in range(c.stages * c.virtual_stages):
             device, chunk = device_of_virtual_stage(part, c.stages, c.schedule), part // c.stages
-            key = (rows, c.checkpoint, *_sharding(c), chunk_coefficients(held[device], chunk, c.checkpoint))
+            key = (rows, c.checkpoint, _sharding(c), chunk_coefficients(held[device], chunk, c.checkpoint))
             if key not in self._ends:
                 self._ends[key] = self._memory_ends(rows, key[-1], c)
             ends.append(self._ends[key])
@@ -308,10 +339,10 @@ class Partitions:
         return partition
 
 
-def _sharding(c: Candidate) -> tuple[int, int]:
-    """(replicas, zero) as far as a device's memory depends on them: only ZeRO-1 over D > 1 replicas
-    shards the optimizer state, so every other D holds what one replica does."""
-    return (c.replicas, c.zero) if c.zero and c.replicas > 1 else (1, 0)
+def _sharding(c: Candidate) -> Sharding:
+    """What of ``c`` a device's static memory depends on (:func:`sim.engine.memory.sharding_of`): with
+    no ZeRO over D > 1 replicas every D holds what one replica does."""
+    return sharding_of(c)
 
 
 def choose_partition(table: CostTable, system: System, batch_size: int, candidate: Candidate,
@@ -360,7 +391,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            virtual_options: Sequence[int] = (2,), zero_options: Sequence[int] = (0,),
            placements: Sequence[str] = PLACEMENTS, allreduce_link: Link | None = None,
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
-           max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None) -> SearchResult:
+           max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
+           escalate_zero: bool = False, shard_group: int | None = None,
+           shard_group_options: Sequence[int] = ()) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -377,6 +410,10 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     longest step it may take (what a limit on days or dollars allows it): a candidate is dropped as
     soon as a lower bound of its step exceeds it, and after its simulation if the step does, so the
     ranking stays exact among the plans within the limits.
+
+    ``escalate_zero`` (``gpipe plan``'s default ``--zero-options auto``): a candidate of D > 1 that
+    does not fit memory is tried again at the next ZeRO stage (0, 1, 2, 3 in turn), so each layout
+    is ranked at the least sharding it fits with, and layouts that fit only sharded are found.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
@@ -386,7 +423,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     unfit: list[PlanOption] = []
     all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
                                 replica_options, virtual_options, zero_options, placements, system,
-                                workload.num_layers)
+                                workload.num_layers, shard_group, shard_group_options)
     if max_groups is not None:
         all_candidates = [c for c in all_candidates if c.stages * c.replicas <= max_groups]
     weigh = weight or (lambda _candidate: 1.0)
@@ -398,6 +435,23 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     over_limit = len(bounded) - len(within)
     waiting = sorted(((bound * weigh(c), i, c) for bound, i, c in within), key=lambda entry: entry[:2])
     partitions = Partitions(table, system, batch_size, partitioner)
+    extra = len(all_candidates)  # indices of the candidates escalated to a higher ZeRO stage
+
+    def escalate(candidate: Candidate) -> None:
+        """Queue ``candidate`` at the next ZeRO stage, where asked and there is one."""
+        nonlocal extra, over_limit
+        if not escalate_zero or candidate.replicas < 2 or candidate.zero >= ZERO_STAGES[-1]:
+            return
+        zero = candidate.zero + 1
+        group = shard_group if zero >= 2 and shard_group and candidate.replicas % shard_group == 0 else None
+        sharded = replace(candidate, zero=zero, shard_group=group)
+        bound = balanced(sharded)
+        if bound > limit(sharded):
+            over_limit += 1
+            return
+        bisect.insort(waiting, (bound * weigh(sharded), extra, sharded), lo=next_waiting)
+        extra += 1
+
     partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
     kept: list[tuple[float, int, PlanOption]] = []  # max-heap of the top fitting, by -step time
     simulated = examined = 0
@@ -419,7 +473,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
                 if len(kept) > top:
                     heapq.heappop(kept)
             else:
-                unfit.append(option)
+                if index < len(all_candidates):  # an escalated one is counted once, as its first try
+                    unfit.append(option)
+                escalate(option.candidate)
             if progress is not None:
                 progress(examined, len(all_candidates), max(kept, key=lambda entry: entry[0])[2] if kept else None)
         elif next_waiting < len(waiting):
@@ -430,7 +486,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
             examined += 1
             partition = partitions(candidate)
             if partition is None:
-                unfit.append(PlanOption(candidate, None, float("inf")))
+                if index < len(all_candidates):
+                    unfit.append(PlanOption(candidate, None, float("inf")))
+                escalate(candidate)
                 continue
             bound = lower_bound_s(table, batch_size, candidate, partition, bound_system, allreduce_link)
             if bound > limit(candidate):

@@ -70,6 +70,8 @@ class SearchSpace:
     replicas: tuple[int, ...] | None = None  # D; default powers of two up to the devices
     virtual_stages: tuple[int, ...] | None = None  # V; default DEFAULT_VIRTUAL_STAGES
     zero: tuple[int, ...] = (0,)
+    zero_escalates: bool = False  # a layout that does not fit is tried at the next ZeRO stage (--zero-options auto)
+    shard_groups: tuple[int, ...] = ()  # HSDP's shard groups tried beside all replicas with ZeRO-2/3
     placements: tuple[str, ...] = PLACEMENTS
     tensor_parallel: tuple[int, ...] | None = None  # T; default the powers of two the model splits into
     context_parallel: int = 1  # C, one value per search
@@ -124,9 +126,10 @@ def on_system(space: SearchSpace, system: System) -> SystemSpace:
     if not kept:
         raise GpipeInputError(f"--virtual-stages-options {_listed(virtual)} leaves none of --schedules "
                               f"{','.join(schedules)}: V=1 runs gpipe and 1f1b, V >= 2 the interleaved schedule")
-    if tuple(space.zero) == (1,) and tuple(replicas) == (1,):
-        raise GpipeInputError("--zero-options 1 shards optimizer state over the data-parallel group, which needs "
-                              "--replicas-options 2 or more; use --zero-options 0 with one replica")
+    if 0 not in space.zero and tuple(replicas) == (1,):
+        what = "optimizer state" if tuple(space.zero) == (1,) else "state"
+        raise GpipeInputError(f"--zero-options {_listed(space.zero)} shards {what} over the data-parallel group, "
+                              "which needs --replicas-options 2 or more; use --zero-options 0 with one replica")
     return SystemSpace(tuple(replicas), tuple(virtual), tuple(space.zero), kept, space.replicas is not None)
 
 

@@ -51,7 +51,8 @@ def _scale_out_lines(result: SimResult) -> list[str]:
     if result.replicas > 1:
         rows = ",".join(map(str, result.replica_rows))
         lines.append(f"replicas     {result.replicas} x {len(result.partition) // result.virtual_stages} stages, "
-                     f"{result.placement}, rows per replica {rows}, zero {result.zero}")
+                     f"{result.placement}, rows per replica {rows}, zero {result.zero}"
+                     + (f", shard group {result.shard_group}" if result.shard_group else ""))
     return lines
 
 

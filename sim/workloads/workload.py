@@ -102,6 +102,11 @@ class WorkloadCapabilities:
         """A measured all-reduce link on ``system``; None: the catalog's links price it."""
         return None
 
+    def sharded_links(self, system: System) -> tuple[Link | None, Link | None, Link | None]:
+        """Fitted (all-gather, reduce-scatter, all-reduce) links on ``system`` for ZeRO-2/3
+        (:mod:`sim.engine.fsdp`); None each: the catalog's links price them."""
+        return None, None, None
+
 
 class Workload(Protocol):
     """A model as the simulator sees it: its layer costs, and the capabilities of
@@ -122,6 +127,10 @@ class Workload(Protocol):
 
     def allreduce_link(self, system: System) -> Link | None:
         """A measured all-reduce link on ``system``, or None."""
+        ...
+
+    def sharded_links(self, system: System) -> tuple[Link | None, Link | None, Link | None]:
+        """Fitted (all-gather, reduce-scatter, all-reduce) links on ``system``, or None each."""
         ...
 
     def layer_costs(self, rows: int, device: Device) -> Sequence[LayerCost]:

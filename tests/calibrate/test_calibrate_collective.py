@@ -50,3 +50,23 @@ def test_the_costs_entry_holds_the_points_and_a_fit_the_simulator_reads(monkeypa
     assert shared.bandwidth_bytes_per_s == pytest.approx(4e9, rel=1e-6) and shared.name.endswith("shared-memory all-reduce")
     assert len(entry["shared_memory"]["measured_s"]) == 2
     assert calibrate_allreduce("cpu", parties=[]) is None
+
+
+def test_the_sharded_entry_fits_the_gather_and_the_reduce_scatter_the_simulator_reads(monkeypatch):
+    from calibrate.measure import collective, rank_timing
+    from sim.formats.costs_links import sharded_links
+
+    bandwidths = {"all_gather": 2e9, "reduce_scatter": 1e9, "all_reduce": 3e9}
+
+    def fake_run(module, parties, device_type, sizes, repeats, what):
+        assert module == "calibrate.measure.tp_collectives"  # the same calls, among the data-parallel group
+        return [{"op": op, "bytes": b, "seconds": (parties - 1) / parties * b / bandwidth + (parties - 1) * 2e-5}
+                for b in sizes for op, bandwidth in bandwidths.items()]
+
+    monkeypatch.setattr(rank_timing, "run_ranks", fake_run)
+    entry = collective.calibrate_sharded("cpu", quick=True, parties=[2, 4])
+    assert entry["parties"] == [2, 4] and len(entry["all_gather"]["measured"]) == 2 * len(collective.QUICK_SIZES_BYTES)
+    gather, reduce = sharded_links({"sharded": entry})
+    assert gather.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6) and gather.latency_s == pytest.approx(2e-5)
+    assert reduce.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    assert collective.calibrate_sharded("cpu", parties=[]) is None

@@ -362,3 +362,14 @@ def test_a_backward_under_full_takes_a_time_per_layer_beyond_the_backward_and_re
     assert fit_pipeline(obs, {2: 1})[0]["2"]["full_backward_per_layer_s"] == 0.0
     assert "full_backward_per_layer_s" not in fit_pipeline(Observations(actions={(2, "F"): obs.actions[(2, "F")]}),
                                                       {2: 1})[0]["2"]
+
+
+def test_the_ring_gather_fit_recovers_its_link():
+    from calibrate.fit.least_squares import fit_ring_gather
+
+    latency_s, bandwidth = 3e-5, 2e9
+    points = [(n, b) for n in (2, 4) for b in (4e3, 1e6, 16e6)]
+    seconds = [(n - 1) / n * b / bandwidth + (n - 1) * latency_s for n, b in points]
+    fit = fit_ring_gather([n for n, _ in points], [b for _, b in points], seconds)
+    assert fit.latency_s == pytest.approx(latency_s, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)

@@ -69,8 +69,9 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
 
 @pytest.mark.slow
 def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs):
-    """The held-out D = 2 runs and the ZB-V run (two chunks per rank, the backward split) measured and
-    predicted, peak activation memory exact."""
+    """The held-out D = 2 runs (whole replicas, then ZeRO-3) and the ZB-V run (two chunks per rank, the
+    backward split) measured and predicted, peak activation memory exact, and under ZeRO-3 each rank's
+    sharded bytes exact."""
     from calibrate.fit.design import run_config
     from calibrate.measure.runs import run_configs
     from calibrate.validate.comparison import compare
@@ -82,7 +83,8 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs)
         data = json.load(handle)
     held_out = validation_design(data["model"]["num_layers"], data["batch_size"])
     specs = [s for s in held_out if s.replicas > 1] + [s for s in held_out if s.schedule == "zbv"]
-    assert [(s.replicas, s.stages, s.virtual_stages) for s in specs] == [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
+    assert [(s.replicas, s.stages, s.virtual_stages, s.zero) for s in specs] == [
+        (2, 1, 1, 0), (2, 2, 1, 0), (2, 1, 1, 3), (2, 2, 1, 3), (1, 2, 2, 0)]
     # a quick calibration leaves I and W out: the split is priced by the analytic rule, memory is exact anyway
     assert all("W" not in kinds for kinds in data["profile"]["times_s"].values())
     model = data["model"]
@@ -93,15 +95,19 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs)
         assert len(report["stages"]) == spec.stages  # replica 0's stages
         assert comparison.measured_step_s > 0 and comparison.predicted_step_s > 0
         assert comparison.measured_peak_bytes == comparison.predicted_peak_bytes  # exact, as for D = 1
+        if spec.zero:  # each rank's shards and gathered units, as the simulator prices them
+            assert len(comparison.measured_sharded_bytes) == spec.processes
+            assert comparison.measured_sharded_bytes == comparison.predicted_sharded_bytes
+            assert "reduce-scatter" in report["ranks"][0]["gradient_sum"]
     assert comparisons[1].oversubscribed == (4 > machine_processes("cpu"))
     for comparison in comparisons[:2]:  # replica 0's wait for the other, from both replicas' timelines
         assert len(comparison.measured_replica_wait_s) == len(comparison.predicted_replica_wait_s) \
             == len(comparison.measured_busy_s)
         assert all(wait >= 0.0 for wait in comparison.measured_replica_wait_s) and comparison.replica_busy_spread > 0
-    assert comparisons[2].measured_replica_wait_s == [] and comparisons[2].replica_wait_points == (0.0, 0.0)
+    assert comparisons[4].measured_replica_wait_s == [] and comparisons[4].replica_wait_points == (0.0, 0.0)
     table = format_table({"runs": [c.to_dict() for c in comparisons], "summary": summarize(comparisons)})
-    assert all(line.lstrip().startswith("2") for line in table.splitlines()[2:4])
-    assert "V=2" in table.splitlines()[4]
+    assert all(line.lstrip().startswith("2") for line in table.splitlines()[2:6])
+    assert "V=2" in table.splitlines()[6]
     assert "replicas (D > 1): replica 0's wait" in table
 
 

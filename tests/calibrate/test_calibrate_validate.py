@@ -60,13 +60,16 @@ def test_a_full_calibration_has_a_run_under_full_at_each_k_and_the_quick_one_non
 def test_held_out_design_adds_two_replicas_with_one_and_two_stages():
     held_out = validation_design(6, 32)
     replicated = [s for s in held_out if s.replicas > 1]
-    assert [(s.replicas, s.stages) for s in replicated] == [(2, 1), (2, 2)]
-    assert held_out[-2:] == replicated  # after the single-pipeline runs, so --limit keeps those first
+    # whole replicas, then the same layouts under ZeRO-3 (FSDP2)
+    assert [(s.replicas, s.stages, s.zero) for s in replicated] == [(2, 1, 0), (2, 2, 0), (2, 1, 3), (2, 2, 3)]
+    assert held_out[-4:] == replicated  # after the single-pipeline runs, so --limit keeps those first
     assert all(s.processes == s.replicas * s.stages for s in held_out)
     assert all(s.label().startswith("D=2 ") for s in replicated)
+    assert [s.label().startswith("D=2 ZeRO-3 ") for s in replicated] == [False, False, True, True]
+    assert all(s.layout.zero == s.zero for s in replicated)
     assert not any(s.label().startswith("D=") for s in held_out if s.replicas == 1)
     assert [s for s in validation_design(6, 32, max_replicas=1) if s.replicas > 1] == []
-    assert [(s.replicas, s.stages) for s in validation_design(6, 32, max_stages=1) if s.replicas > 1] == [(2, 1)]
+    assert [(s.replicas, s.stages) for s in validation_design(6, 32, max_stages=1) if s.replicas > 1] == [(2, 1)] * 2
     # every replica needs a row per micro-batch: batch 6 takes D=2 x M=3, not D=2 x M=4
     assert [(s.stages, s.microbatches) for s in validation_design(6, 6) if s.replicas > 1] == [(1, 3)]
 

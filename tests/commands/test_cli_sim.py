@@ -109,7 +109,7 @@ def test_plan_writes_a_plan_that_simulate_reads_back(tmp_path):
      "8 chunks but the model has 6 layers"),
     (["--schedules", "interleaved", "--stages-options", "2", "--microbatch-options", "3,5"], "a multiple of stages (K)"),
     (["--zero-options", "1", "--replicas-options", "1"], "--zero-options 1 shards optimizer state"),
-    (["--zero-options", "0,2"], "each value must be 0 or 1"),
+    (["--zero-options", "0,4"], "give auto, or ZeRO stages 0 to 3"),
 ])
 def test_plan_bad_input(args, message):
     proc = run("plan", "--model", "transformer", *args)
@@ -146,7 +146,7 @@ def test_plan_searches_replicas_and_interleaving_and_writes_them(tmp_path):
 def test_plan_that_nothing_fits_names_the_overflowing_stage():
     proc = run("plan", "--model", "transformer", "--layers", "48", "--d-model", "2048", "--ff", "8192",
                "--heads", "32", "--seq", "1024", "--vocab", "32000", "--batch", "32", "--hardware", "tpu-v3",
-               "--stages-options", "1,2", "--tensor-parallel-options", "1", "--quiet")
+               "--stages-options", "1,2", "--tensor-parallel-options", "1", "--zero-options", "0", "--quiet")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert "no plan among" in proc.stderr and "more stages" in proc.stderr
     assert re.search(r"stage \d+ needs [\d.]+ GiB", proc.stderr)

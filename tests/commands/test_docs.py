@@ -86,6 +86,12 @@ COVERED: dict[str, str] = {
         "tests/executor/test_executor_replicas.py::test_replicas_of_the_pipeline_train_as_one_process",
     "gpipe train --model mlp --stages 1 --replicas 2 --zero 1 --batch 10 --save-every 2 --checkpoint-dir ck":
         "tests/executor/test_executor_replicas.py::test_zero_equals_plain_and_resumes_exactly_after_a_kill",
+    "gpipe train --model mlp --option width=16 --stages 1 --replicas 2 --zero 3 --batch 11 --microbatches 2 "
+    "--steps 2 --save-every 2 --checkpoint-dir ck3":
+        "tests/executor/test_executor_fully_sharded.py::"
+        "test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1",
+    "gpipe train --model mlp --stages 1 --replicas 4 --zero 3 --shard-group 2 --batch 8 --microbatches 2 --steps 3":
+        "tests/executor/test_executor_fully_sharded.py::test_sharded_replicas_train_what_one_process_trains",
     "gpipe train --plan plan.json":
         "tests/executor/test_executor_replicas.py::test_a_plan_file_carries_replicas_zero_and_placement",
     "gpipe train --plan plan.json --steps 4 --save-every 2 --checkpoint-dir ckpt --optimizer adam --lr 0.003":

@@ -69,7 +69,7 @@ def test_a_runs_file_with_a_hardware_object_is_modelled(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (replayed,) = json.loads(proc.stdout)["runs"]
     assert replayed["modelled"] and replayed["predicted_step_s"] > 0
-    assert any(line.startswith("H100-SXM-80GB+memory_gib+memory_bandwidth_tb_s:") for line in replayed["assumed"])
+    assert any(line.startswith("h100-96gb:") for line in replayed["assumed"])
 
 
 def test_the_documented_files_and_commands_run(tmp_path):

@@ -224,8 +224,14 @@ def test_tensor_parallelism_plans_a_hugging_face_model_by_its_shape(capsys):
     assert "hf:llama priced by its structure as a transformer" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name,message", [("hf:mixtral", "mixture of 8 experts"),
-                                          ("hf:mamba", "layer 0 has no attention"),
+def test_a_mixture_of_experts_is_planned_by_its_config_with_tensor_parallelism():
+    proc = in_process.gpipe("simulate", "--model", "hf:mixtral", "--option", "num_hidden_layers=4", "--tensor-parallel",
+                            "2", "--hardware", "h100-nvlink", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["tensor_parallel"] == 2
+
+
+@pytest.mark.parametrize("name,message", [("hf:mamba", "layer 0 has no attention"),
                                           ("hf:t5", "not a causal language model")])
 def test_what_cannot_be_planned_by_shape_is_one_line(name, message):
     import subprocess

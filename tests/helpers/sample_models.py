@@ -169,3 +169,20 @@ def tied_split_lm(vocab: int = 32, d_model: int = 16, blocks: int = 2) -> nn.Seq
     """``tied_lm`` whose blocks split over tensor-parallel ranks by their own plan."""
     embed = ReplicatedEmbedding(vocab, d_model)
     return nn.Sequential(embed, *[SplitMixer(d_model) for _ in range(blocks)], ReplicatedTiedHead(embed.embedding))
+
+
+class ScalarGain(nn.Module):
+    """A linear layer times a learned scalar: a parameter of no dimension, which FSDP cannot shard."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gain
+
+
+def scalar_gain_mlp(width: int = 16, layers: int = 2) -> nn.Sequential:
+    """``layers`` of :class:`ScalarGain` on (rows, width) inputs (the built-in mlp's data)."""
+    return nn.Sequential(*[ScalarGain(width) for _ in range(layers)])

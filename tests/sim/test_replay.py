@@ -83,8 +83,11 @@ def test_the_development_set_replays(capsys, tmp_path):
     report = json.loads(capsys.readouterr().out)
     by_id = {r["id"]: r for r in report["runs"]}
     assert set(by_id) == {"korth-22b-full", "korth-22b-selective-sp", "narayanan-1.7b-dp32", "nemotron4-15b-h100",
-                          "mbridge2511-llama3-8b-b200-fp8cs-8g", "dgxc-llama31-405b-gb200-bf16-128g"}
+                          "mbridge2511-llama3-8b-b200-fp8cs-8g", "dgxc-llama31-405b-gb200-bf16-128g",
+                          "tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac"}
     assert all(run["modelled"] for run in report["runs"])
     assert by_id["nemotron4-15b-h100"]["layout"]["tensor_parallel"] == 4  # kv_heads 8 and squared ReLU modelled
+    assert [by_id[i]["layout"]["zero"] for i in ("tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac")] == [3, 3]
+    assert all(abs(run["error"]) < 0.05 for run in report["runs"])  # the development set within 5%
     assert report["worst_abs_error"] >= report["median_abs_error"] > 0
     assert (tmp_path / "r.html").stat().st_size > 1000

@@ -142,7 +142,10 @@ def test_bf16_in_a_runs_file_is_the_trainers_mixed_precision(tmp_path, capsys):
 
 @pytest.mark.parametrize("change,message", [
     ({"checkpoint": "sometimes"}, "checkpoint 'sometimes'; give one of"),
-    ({"zero": 2}, "zero 2; give 0, 1"),
+    ({"zero": 5}, "zero 5; give 0, 1"),
+    ({"zero": "3"}, "zero '3'; give 0, 1"),
+    ({"zero": 3, "shard_group": 3}, "--shard-group 3 does not divide --replicas 2"),
+    ({"zero": 1, "shard_group": 2}, "shard_group 2 with zero 1"),
     ({"microbatch_size": 0}, "microbatch_size 0; give a positive integer"),
     ({"compile": "yes"}, "compile='yes' for model transformer; use true"),
     ({"tensor_parallel": "two"}, "tensor_parallel 'two'; give a positive integer"),
@@ -162,3 +165,13 @@ def test_a_run_without_a_key_of_the_schema_is_one_line(tmp_path):
     proc = gpipe("replay", str(path))
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("gpipe: error: run 'no-checkpoint' of ") and "has no checkpoint;" in proc.stderr
+
+
+def test_zero_and_shard_group_are_read_and_priced_as_fsdp(tmp_path, capsys):
+    runs = replayed(tmp_path, [row("one"), row("fsdp", zero=3), row("grads", zero=2),
+                               row("hsdp", replicas=4, nodes=2, zero=3, shard_group=2)], capsys)
+    assert all(run["modelled"] for run in runs.values())
+    assert [runs[name]["layout"]["zero"] for name in ("one", "fsdp", "grads", "hsdp")] == [1, 3, 2, 3]
+    assert runs["hsdp"]["layout"]["shard_group"] == 2 and "shard_group" not in runs["fsdp"]["layout"]
+    # gathers and reduce-scatters in place of the all-reduce, the optimizer on the shard: another step
+    assert runs["fsdp"]["predicted_step_s"] != runs["one"]["predicted_step_s"]

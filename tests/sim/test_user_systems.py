@@ -64,7 +64,7 @@ def test_an_object_over_a_catalog_system_changes_what_it_names_and_keeps_the_fit
     assert (system.intra_link, system.inter_link, system.devices_per_node) == (base.intra_link, base.inter_link, 8)
     assert system.price_per_device_hour == base.price_per_device_hour
     assert "memory_gib: given in --hardware" in system.device.source  # an override cited as given
-    assert system.device.name == "H100-SXM-80GB+memory_gib+memory_bandwidth_tb_s"
+    assert system.device.name == "h100-96gb"  # a named variant names its device too
 
 
 def test_an_unnamed_override_is_named_short_after_its_base_and_the_keys_it_changes():

@@ -82,12 +82,16 @@ class MoEWorkload(AnalyticWorkload):
         return expected_max_load(tokens, o["experts"], o["top_k"], o["expert_imbalance"])
 
     def split_over(self, tensor_parallel: int, sequence_parallel: bool, tp_link: Link | None,
-                   context_parallel: int = 1) -> "MoEWorkload":
+                   context_parallel: int = 1, cp_link: Link | None = None,
+                   cp_ranks_per_node: int | None = None) -> "MoEWorkload":
+        """As :meth:`sim.workloads.models.AnalyticWorkload.split_over`, the MoE blocks split too."""
         split = copy.copy(self)
         split.layers = tuple(moe_transformer_layers(self.options, tensor_parallel, sequence_parallel,
                                                     context_parallel))
         split.tensor_parallel, split.sequence_parallel = tensor_parallel, sequence_parallel
         split.tp_link, split.context_parallel = tp_link, context_parallel
+        split.cp_link = cp_link
+        split.cp_ranks_per_node = context_parallel if cp_ranks_per_node is None else cp_ranks_per_node
         return split
 
     def describe(self) -> dict:

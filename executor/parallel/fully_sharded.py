@@ -1,0 +1,304 @@
+"""ZeRO-2, ZeRO-3 and HSDP: each stage's parameters, gradients and optimizer state sharded over its
+data-parallel ranks with FSDP2 (``torch.distributed.fsdp.fully_shard``), under our own pipeline.
+
+Units, as torchtitan wraps a model: every layer of a stage's ``nn.Sequential`` chunk that holds
+parameters (a transformer block, the embedding, the head) is one ``fully_shard`` unit, and the chunk
+itself is the root unit, holding what no layer holds alone (parameters two layers of the chunk
+share: a tied embedding and head on one stage). Each unit is sharded over the stage's ``dp`` ranks of
+the run's :class:`~torch.distributed.device_mesh.DeviceMesh` (:mod:`executor.parallel.replicas`); with
+tensor parallelism the parameters are DTensors on the mesh's ``tp`` dimension first and FSDP shards
+them over ``dp`` of the same mesh. With ``--shard-group N`` below D (HSDP) the dp ranks form a 2-D
+mesh (replicate, shard): shards within groups of N consecutive replicas, all-reduced across groups.
+
+What is done when (the contract with the simulator, ``sim/``):
+
+* ``--zero 2``: a unit's parameters are gathered before its first forward of a step and kept until
+  the step's gradients are reduced (``reshard_after_forward=False``).
+* ``--zero 3`` with one pipeline stage (K = 1): gathered before each forward and again before each
+  backward, freed after each (``reshard_after_forward=True``), the next unit's gather issued with
+  the current one's (forward and backward prefetch of one unit).
+* with K > 1 (torchtitan's policy for pipelines): no reshard after forward, so ``--zero 3`` runs as
+  ``--zero 2`` in time and memory; each stage gathers once per step.
+* gradients of a stage's M micro-batches accumulate unsharded (``set_requires_gradient_sync(False)``)
+  and are reduce-scattered once per step, right after the chunk's last backward (as torch's own
+  pipeline schedules reduce after the last micro-batch, ``perform_reduce_grad``), replacing the
+  all-reduce of whole replicas. Each rank multiplies its gradients by its replica's share of the
+  global batch ``rows_d / B`` before a summing reduce-scatter, so uneven splits train what one
+  process trains, exactly as the all-reduce of :mod:`executor.parallel.replicas` does.
+
+The optimizer is the configured torch.optim class over the sharded (DTensor) parameters; clipping
+takes each gradient's norm over its shards (a DTensor's norm made whole: each element counted once,
+tensor-parallel replicas once, :func:`executor.runtime.optim.squared_norm`). Under ``--precision
+bf16`` the layers run under autocast with fp32 parameters as without sharding
+(:mod:`executor.runtime.precision`): FSDP gathers fp32 and reduces in fp32. FSDP's own
+``MixedPrecisionPolicy(param_dtype=bf16)`` is not used: it would make every op on a parameter
+(an embedding lookup, a bias add outside autocast's lists) run in bf16 where one process runs it in
+fp32, so the run would no longer be one process's bf16 run, and the boundary dtypes would change.
+
+Refused, one line, before any worker starts (:mod:`executor.parallel.sharding_checks`): the split-backward
+schedules (zb-h1, zbv, dualpipev: their weight pass adds gradients to the parameters autograd.grad
+is given, which under FSDP are the sharded ones, not the gathered ones the forward used);
+``--checkpoint full`` when a chunk ties parameters between its own layers (the layer-by-layer
+recompute calls the layers directly, so the root unit that holds the tied parameter is never
+gathered); a parameter with no dimension to shard.
+
+Where the shard group's ranks share a host, each with a core, the gathers and the reduce-scatters go
+through shared memory (:mod:`executor.transport.shm_allgather`,
+:class:`executor.transport.shm_allreduce.SharedSum`, as the whole replicas' all-reduce does: gloo
+over loopback took about twice as long); HSDP's all-reduce across groups goes through the process
+group's backend.
+
+Limits: the gathers and reduce-scatters run synchronously (a prefetched gather is issued early but
+not overlapped with compute on the host) and are timed as spans of their own
+(:data:`~sim.formats.timeline.DP_ALL_GATHER`, :data:`~sim.formats.timeline.DP_REDUCE_SCATTER`);
+the gradient norm takes one small all-reduce per parameter; the peak of gathered parameters is
+sampled at each unit's forward (after its gather and prefetch) and after every action, so a peak
+inside a backward alone is not seen. The driving of FSDP's post-backward (:meth:`ShardedChunk.reduce`)
+and the gathered-bytes probe read FSDP2's private state, as torch's own pipeline schedules do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's comm hooks
+
+from executor.models.loaded_types import is_dtensor
+from executor.parallel.sharding_checks import units_of
+from executor.transport.shm_allgather import SharedGather
+from executor.transport.shm_allreduce import SharedSum
+from executor.transport.shm_transport import HostLinks
+from sim.formats.timeline import DP_ALL_GATHER, DP_REDUCE_SCATTER
+from sim.schedules.schedule import Action, Kind
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a rank's chunks are sharded: over ``mesh`` (1-D dp, or 2-D (replicate, shard) for HSDP)."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool  # ZeRO-3 on one stage; False for ZeRO-2 and under a pipeline
+    weight: float  # rows_d / B: this replica's share of the global batch
+
+
+def shard_module(module: nn.Sequential, sharding: Sharding) -> nn.Sequential:
+    """Apply ``fully_shard`` to each unit of ``module`` and then to ``module`` itself (the root), in
+    place; every rank passes the same full values. Under ZeRO-3 each unit prefetches the next one's
+    gather in forward and the previous one's in backward."""
+    reshard = sharding.reshard_after_forward
+    units = units_of(module)
+    for unit in units:
+        fully_shard(unit, mesh=sharding.mesh, reshard_after_forward=reshard)
+    fully_shard(module, mesh=sharding.mesh, reshard_after_forward=reshard)
+    fully_shard.state(module)._lazy_init()  # the chunk is the root, whichever layer runs first (--checkpoint full)
+    if reshard and units:
+        for before, after in zip(units, units[1:]):
+            before.set_modules_to_forward_prefetch([after])  # type: ignore[operator]
+            after.set_modules_to_backward_prefetch([before])  # type: ignore[operator]
+        # not FSDP's default for the first unit, which takes the unit before it in the order of the
+        # step's forwards: with M forwards before a backward, the last unit of another micro-batch
+        units[0].set_modules_to_backward_prefetch([module])  # type: ignore[operator]
+    return module
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+class _TimedAllGather(AllGather):
+    """FSDP's all-gather, synchronous and timed as a span of its own; through shared memory where
+    the group's ranks share a host, each with a core (:class:`executor.transport.shm_allgather.SharedGather`),
+    else through the group's backend."""
+
+    def __init__(self, recorder: Callable[[], Any], links: HostLinks | None) -> None:
+        self.recorder = recorder
+        self.links = links
+        self._shared: SharedGather | None = None  # made at the first call, when the group is known
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        with self.recorder().span(DP_ALL_GATHER):
+            ranks = _covered(self.links, input_tensor, group)
+            if ranks is None:
+                dist.all_gather_single(output_tensor, input_tensor, group=group)
+                return
+            if self._shared is None or self._shared.numel != input_tensor.numel():
+                self._shared = SharedGather(self.links, ranks, [tuple(input_tensor.shape)],  # type: ignore[arg-type]
+                                            input_tensor.dtype, "fsdp-gather")
+            self._shared.gather(input_tensor, output_tensor)
+
+
+def _covered(links: HostLinks | None, tensor: torch.Tensor, group: dist.ProcessGroup) -> list[int] | None:
+    """The group's global ranks when shared memory reaches them all (host tensors), else None."""
+    if links is None or tensor.device.type != "cpu":
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return ranks if all(r == links.rank or links.covers(r) for r in ranks) else None
+
+
+class _WeightedReduceScatter(ReduceScatter):
+    """FSDP's reduce-scatter as a weighted sum: this rank's gradients times ``weight`` (its replica's
+    share of the global batch), summed over the shard group; timed as a span of its own. Where the
+    group's ranks share a host, each with a core (``links`` covers them), the sum goes through shared
+    memory (:class:`executor.transport.shm_allreduce.SharedSum`, as the whole replicas' all-reduce
+    does) and each rank keeps its slice; else through the group's backend."""
+
+    def __init__(self, weight: float, recorder: Callable[[], Any], links: HostLinks | None) -> None:
+        self.weight = weight
+        self.recorder = recorder
+        self.links = links
+        self._shared: SharedSum | None = None  # made at the first call, when the group is known
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> None:
+        with self.recorder().span(DP_REDUCE_SCATTER):
+            shared = self._through_shared_memory(input_tensor, group)
+            if shared is None:
+                input_tensor.mul_(self.weight)
+                dist.reduce_scatter_single(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+                return
+            shared.launch([input_tensor], self.weight)
+            shared.finish([None])  # the whole sum sits in the shared output until this rank's next launch
+            start = dist.get_group_rank(group, dist.get_rank()) * output_tensor.numel()
+            output_tensor.copy_(shared.output[start:start + output_tensor.numel()])  # type: ignore[index]
+
+    def _through_shared_memory(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> SharedSum | None:
+        ranks = _covered(self.links, input_tensor, group)
+        if ranks is None:
+            return None
+        if self._shared is None or self._shared.numel != input_tensor.numel():
+            self._shared = SharedSum(self.links, ranks, [tuple(input_tensor.shape)],  # type: ignore[arg-type]
+                                     input_tensor.dtype, "fsdp")
+        return self._shared
+
+
+class ShardedChunk:
+    """One chunk's FSDP units at run time: gradients accumulated over the step's micro-batches and
+    reduce-scattered after its last backward."""
+
+    def __init__(self, part: Any, sharding: Sharding) -> None:
+        self.part = part  # the PipelineStage: its recorder is looked up at each call (a device may swap it)
+        self.root = part.module
+        self.reshard_each_backward = sharding.reshard_after_forward
+        recorder = lambda: self.part.recorder  # noqa: E731
+        links = getattr(part.transport, "links", None)  # ranks of this host reached through shared memory
+        for module in fsdp_modules(self.root):
+            module.set_custom_all_gather(_TimedAllGather(recorder, links))
+            module.set_custom_reduce_scatter(_WeightedReduceScatter(sharding.weight, recorder, links))
+            module.set_gradient_divide_factor(1.0)  # the weights are applied before the sum
+            module.set_force_sum_reduction_for_comms(True)
+        self.accumulate()
+
+    def accumulate(self) -> None:
+        """Backwards from here on add to the unsharded gradients without reducing them."""
+        self.root.set_is_last_backward(False)
+        self.root.set_requires_gradient_sync(False)
+        self.root.set_reshard_after_backward(self.reshard_each_backward)
+
+    def reduce(self) -> None:
+        """The step's gradients reduce-scattered (and all-reduced across HSDP groups) and the
+        parameters resharded: FSDP's post-backward of every unit, run once, as torch's pipeline
+        schedules run it after their last micro-batch."""
+        root = self.root
+        root.set_is_last_backward(True)
+        root.set_requires_gradient_sync(True)
+        root.set_reshard_after_backward(True)
+        state = fully_shard.state(root)
+        for unit_state in state._state_ctx.all_states:
+            for group in unit_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        self.accumulate()
+
+    def gathered(self) -> tuple[int, list[torch.Tensor]]:
+        """Bytes of the unit parameters this chunk holds gathered now (a prefetched unit's all-gather
+        issued counts), and the gathered tensors, this rank's part of each."""
+        nbytes, held = 0, []
+        for module in fsdp_modules(self.root):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None or not (group.is_unsharded or group._all_gather_result is not None):
+                continue
+            for fsdp_param in group.fsdp_params:
+                nbytes += math.prod(fsdp_param._orig_size) * fsdp_param.sharded_param.element_size()
+                if group.is_unsharded:
+                    tensor = fsdp_param.unsharded_param
+                    held.append(tensor.to_local() if is_dtensor(tensor) else tensor)
+        return nbytes, held
+
+
+class GatheredPeak:
+    """The largest sum of gathered parameters a rank's chunks hold at once, sampled at each unit's
+    forward (after its gather and prefetch) and after every action; the gathered tensors are kept
+    out of the activation count (``counter``), as the parameters they stand for are."""
+
+    def __init__(self, chunks: Sequence[ShardedChunk], counter: Any) -> None:
+        self.chunks = list(chunks)
+        self.counter = counter
+        self.peak_bytes = 0
+        for chunk in self.chunks:
+            for unit in fsdp_modules(chunk.root):
+                unit.register_forward_pre_hook(lambda module, args: self.sample())  # after FSDP's own
+
+    def sample(self) -> None:
+        total = 0
+        for chunk in self.chunks:
+            nbytes, held = chunk.gathered()
+            total += nbytes
+            if held:
+                self.counter.exclude(held)
+        self.peak_bytes = max(self.peak_bytes, total)
+
+
+def attach(stage: Any, parts: Sequence[Any], sharding: Sharding) -> tuple[GatheredPeak, Callable[[int, Action], None]]:
+    """What drives the FSDP units of ``stage`` (a PipelineStage, or a device of chunks ``parts``)
+    through each step: the probe of gathered bytes, and the hook to run after each action (the
+    caller chains it), which reduces each chunk after its last backward of the step."""
+    chunks = {part.config.stage: ShardedChunk(part, sharding) for part in parts}
+    peak = GatheredPeak(list(chunks.values()), stage.counter)
+    gradients = (Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT)
+    last = {action.stage: index for index, action in enumerate(stage.actions) if action.kind in gradients}
+
+    def after(index: int, action: Action) -> None:
+        peak.sample()
+        if last.get(action.stage) == index:
+            chunks[action.stage].reduce()
+
+    return peak, after
+
+
+def memory_bytes(parts: Sequence[Any], peak: GatheredPeak) -> dict[str, int]:
+    """This rank's bytes as the contract with the simulator counts them: parameter and gradient
+    shards padded as FSDP pads them (dim 0 rounded up to a multiple of the shard ranks), optimizer
+    state tensors of a parameter's shape at that size (AdamW: 2 per parameter; the scalar step
+    counters left out), and the largest sum of gathered unit parameters seen at once."""
+    parameter = gradient = optimizer = 0
+    for part in parts:
+        padded = {}
+        for module in fsdp_modules(part.module):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else []:
+                sharded = fsdp_param.sharded_param
+                nbytes = math.prod(fsdp_param.padded_sharded_param_size) * sharded.element_size()
+                padded[id(sharded)] = nbytes
+                parameter += nbytes
+                if sharded.requires_grad:
+                    gradient += nbytes
+        if part.optimizer is not None:
+            for param, state in part.optimizer.state.items():
+                optimizer += sum(padded.get(id(param), 0) for value in state.values()
+                                 if torch.is_tensor(value) and value.dim())
+    return {"parameter_bytes": parameter, "gradient_bytes": gradient, "optimizer_state_bytes": optimizer,
+            "gathered_parameter_bytes_peak": peak.peak_bytes}

@@ -1,0 +1,331 @@
+"""ZeRO-2, ZeRO-3 (FSDP) and HSDP priced as FSDP2 runs them: per unit gathers and reduce-scatters.
+
+A *unit* is one layer with parameters (a transformer block; the embedding and the head are units of
+their own), as FSDP2's ``fully_shard`` wraps each block and the stage's root. Over a stage's shard
+group (:attr:`sim.formats.layout.ParallelLayout.shard_ranks`: N of the D replicas' copies of the
+stage) each unit's parameters, gradients and optimizer state are split N ways, and:
+
+- **forward**: the unit's parameters are all-gathered (in the compute dtype: bf16 under the trainers'
+  mixed precision, whose ``param_bytes`` are bf16) before its forward. The next unit's gather is
+  prefetched while the current unit computes, so unit i's gather shows only by what it exceeds the
+  compute of unit i - 1; the first unit's shows whole. With ``reshard_after_forward`` (ZeRO-3) the
+  parameters are freed after the forward and gathered again, the same way, before the backward.
+- **backward**: each unit's gradients are reduce-scattered (in the gradients' dtype: fp32 where the
+  trainers reduce in fp32) as its backward ends, beside the backward of the units before it; with
+  HSDP the reduce-scattered shard is then all-reduced across the D / N shard groups. What outlasts
+  the compute it runs beside shows, and the last unit's (the stage's first layer) always does.
+- the optimizer steps the shard alone: 1/N of its time.
+
+When: ZeRO-2, and any ZeRO under a pipeline (K > 1, torchtitan's policy: no reshard after forward),
+gathers once per step, overlapped with the stage's first micro-batch's forward; ZeRO-3 with K = 1
+gathers before every micro-batch's forward and again before its backward. ZeRO-3 therefore costs
+what ZeRO-2 does when K > 1. Gradients of the M micro-batches accumulate unsharded (in fp32, memory
+held until the reduction) and are reduce-scattered once per step, unit by unit beside the stage's
+last micro-batch's backward (with a pipeline, beside that backward as a whole), as the executor runs it (:mod:`executor.parallel.fully_sharded`) and torch's
+pipeline schedules do; FSDP2's default without a pipeline, a reduce-scatter after every
+micro-batch's backward, is not modelled (it trades the accumulated gradients' memory for M - 1 more
+reductions).
+
+Collectives are rings (NCCL's all-gather and reduce-scatter): each of p ranks puts (p-1)/p of the
+unsharded bytes on its link and pays p-1 latencies, inside a node on its link; a group spanning
+nodes runs one ring per rail, so the inter-node link (one per device) carries 1/g of the bytes where
+g members share a node (:func:`group_gather_s`, as the all-reduce is priced). A costs file's fitted
+collective replaces the catalog's link where it has one.
+
+Limits: units of one stage are taken in layer order with weightless layers' compute counted with the
+unit before them; a gather or a reduce-scatter never slows the compute it overlaps, and the two share
+no bandwidth with each other or with pipeline transfers; a micro-batch's last reduce-scatter (K = 1)
+every replica's shard group is priced as
+replica 0's; dim 0 padding of each parameter to a multiple of N is not counted (bytes / N rounded up).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+from sim.catalog.hardware import Link, System
+from sim.engine.allreduce import group_allreduce_s
+from sim.engine.placement import device_of
+from sim.engine.stage_costs import CostTable, StageCost, stage_bounds
+from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
+from sim.workloads.workload import LayerCost
+
+if TYPE_CHECKING:
+    from sim.formats.layout import ParallelLayout
+
+
+def ring_gather_s(nbytes: float, parties: int, link: Link) -> float:
+    """A ring all-gather (or reduce-scatter) of ``nbytes`` unsharded among ``parties`` over ``link``:
+    (p-1)/p of the bytes on each party's link and p-1 latencies (Patarasuk and Yuan, JPDC 2009)."""
+    if parties < 2:
+        return 0.0
+    bandwidth = link.collective_bytes_per_s(parties)
+    wire = 0.0 if math.isinf(bandwidth) else nbytes / bandwidth
+    return (parties - 1) / parties * wire + (parties - 1) * link.latency_s
+
+
+def group_gather_s(nbytes: float, devices: Sequence[int], system: System, link: Link | None = None) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` unsharded among ``devices`` of ``system``, priced
+    as :func:`sim.engine.allreduce.group_allreduce_s` prices the all-reduce: a ring on the intra-node
+    link inside one node; across nodes, with g members on a node, NCCL's rings (one per rail) carry
+    1/g of the bytes over each member's inter-node link and the rest inside the node:
+
+        (g-1)/g x n / B_intra + (g-1) x L_intra  +  (N-1)/N x (n/g) / B_inter + (N-1) x L_inter
+
+    (g = 1: a flat ring over the inter-node link). A given ``link`` (fitted) is a flat ring on it."""
+    parties = len(devices)
+    if parties < 2:
+        return 0.0
+    if link is not None:
+        return ring_gather_s(nbytes, parties, link)
+    per_node: dict[int, int] = {}
+    for device in devices:
+        node = system.node_of(device)
+        per_node[node] = per_node.get(node, 0) + 1
+    if len(per_node) == 1:
+        return ring_gather_s(nbytes, parties, system.intra_link)
+    inside = max(per_node.values())
+    return ring_gather_s(nbytes, inside, system.intra_link) + ring_gather_s(nbytes / inside, len(per_node),
+                                                                            system.inter_link)
+
+
+def shard_group(stage: int, replica: int, layout: ParallelLayout) -> list[int]:
+    """The devices ``stage`` of ``replica`` shards with: the N consecutive replicas of its shard group
+    (torchtitan's HSDP mesh puts the shard dimension innermost), all D without HSDP."""
+    n = layout.shard_ranks
+    first = replica - replica % n
+    return [device_of(d, stage, layout.replicas, layout.stages, layout.placement) for d in range(first, first + n)]
+
+
+def replicate_group(stage: int, replica: int, layout: ParallelLayout) -> list[int]:
+    """The devices holding the same shard of ``stage`` in each of the D / N shard groups (HSDP)."""
+    n = layout.shard_ranks
+    return [device_of(d, stage, layout.replicas, layout.stages, layout.placement)
+            for d in range(replica % n, layout.replicas, n)]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit's gather and reduction seconds, and the compute it overlaps in a forward and a backward."""
+
+    gather_s: float
+    reduce_s: float  # reduce-scatter, and with HSDP the all-reduce of its shard across the groups
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """How one stage's shard group and (HSDP) replicate group price a unit's bytes."""
+
+    shard_devices: tuple[int, ...]
+    replicate_devices: tuple[int, ...]
+    system: System
+    gather_link: Link | None = None  # a fitted all-gather (costs file); None: the catalog's links
+    reduce_link: Link | None = None  # a fitted reduce-scatter
+    allreduce_link: Link | None = None  # a fitted all-reduce, for HSDP's across the groups
+
+    _seconds: dict[tuple[str, float], float] = field(default_factory=dict, compare=False, repr=False)
+
+    def _priced(self, kind: str, nbytes: float) -> float:
+        """Each collective of ``kind`` on ``nbytes`` priced once: a stage's units are mostly alike."""
+        key = (kind, nbytes)
+        if key not in self._seconds:
+            if kind == "replicate":
+                seconds = group_allreduce_s(nbytes, list(self.replicate_devices), self.system, self.allreduce_link)
+            else:
+                link = self.gather_link if kind == "gather" else self.reduce_link
+                seconds = group_gather_s(nbytes, self.shard_devices, self.system, link)
+            self._seconds[key] = seconds
+        return self._seconds[key]
+
+    def gather_s(self, nbytes: float) -> float:
+        return self._priced("gather", nbytes)
+
+    def reduce_scatter_s(self, nbytes: float) -> float:
+        return self._priced("reduce", nbytes)
+
+    def replicate_s(self, nbytes: float) -> float:
+        """HSDP: the all-reduce of a shard of ``nbytes`` across the shard groups (0 without HSDP)."""
+        return self._priced("replicate", nbytes)
+
+    def units(self, layers: Sequence[LayerCost], checkpoint_backward_s: Sequence[float]) -> list[Unit]:
+        """The stage's units, first to last, from its ``layers`` and each layer's backward seconds."""
+        n = len(self.shard_devices)
+        out: list[list[float]] = []
+        for layer, backward_s in zip(layers, checkpoint_backward_s):
+            if layer.param_bytes or not out:
+                shard = layer.grad_bytes / n
+                out.append([self.gather_s(layer.param_bytes),
+                            self.reduce_scatter_s(layer.grad_bytes) + self.replicate_s(shard),
+                            layer.forward_s, backward_s])
+            else:  # a weightless layer's compute hides the communication of the unit before it
+                out[-1][2] += layer.forward_s
+                out[-1][3] += backward_s
+        return [Unit(*u) for u in out]
+
+
+def forward_exposed_s(units: Sequence[Unit]) -> float:
+    """A forward's gathers beyond the compute they are prefetched beside: the first unit's whole,
+    each later one's by what it exceeds the unit before it."""
+    if not units:
+        return 0.0
+    return units[0].gather_s + sum(max(0.0, u.gather_s - before.forward_s) for before, u in zip(units, units[1:]))
+
+
+def backward_exposed_s(units: Sequence[Unit], gathers: bool, reduces: bool) -> tuple[float, float, float]:
+    """(gathers shown, reductions shown, the last unit's reduction) of one backward, units taken last to
+    first: beside unit j's backward run the gather of unit j - 1 (``gathers``: ZeRO-3 with K = 1) and
+    the reduction of unit j + 1 (``reduces``); what the two exceed it by shows, split between them in
+    proportion. The last gather (the stage's last unit's, before anything computes) shows whole; the
+    last reduction (the first unit's) is returned apart, for the caller to place."""
+    if not units:
+        return 0.0, 0.0, 0.0
+    order = list(reversed(units))
+    gather_shown = order[0].gather_s if gathers else 0.0
+    reduce_shown = 0.0
+    for j, unit in enumerate(order):
+        gather = order[j + 1].gather_s if gathers and j + 1 < len(order) else 0.0
+        reduce = order[j - 1].reduce_s if reduces and j > 0 else 0.0
+        over = gather + reduce - unit.backward_s
+        if over > 0:
+            gather_shown += over * gather / (gather + reduce)
+            reduce_shown += over * reduce / (gather + reduce)
+    return gather_shown, reduce_shown, order[-1].reduce_s if reduces else 0.0
+
+
+def pipelined_reduce_exposed_s(units: Sequence[Unit], last_backward_s: float) -> float:
+    """K > 1: the once-per-step reductions run beside the last micro-batch's backward; what outlasts it
+    shows, and never less than the last unit's (as :func:`sim.engine.allreduce.exposed_allreduce_s`)."""
+    total = sum(u.reduce_s for u in units)
+    if total <= 0:
+        return 0.0
+    return max(total - last_backward_s, units[0].reduce_s)
+
+
+def gathered_in_flight_bytes(param_bytes: Sequence[int], holds_all: bool) -> int:
+    """The unsharded parameters held at once: all the stage's units (ZeRO-2, or any K > 1: none is
+    resharded before the step's reduction), else the current unit and the prefetched next (ZeRO-3, K = 1)."""
+    units = [p for p in param_bytes if p]
+    if holds_all or len(units) < 2:
+        return sum(units)
+    return max(a + b for a, b in zip(units, units[1:]))
+
+
+def sharded_bytes(nbytes: int, ranks: int) -> int:
+    """One rank's shard of ``nbytes`` split over ``ranks``, rounded up."""
+    return -(-nbytes // ranks)
+
+
+def layer_backward_s(layer: LayerCost, checkpoint: str) -> float:
+    """One layer's backward as :func:`sim.engine.stage_costs.backward_time_s` times a stage's."""
+    if recomputes_per_layer(checkpoint):
+        return layer.backward_s + layer.recompute_s
+    if recomputes_attention_core(checkpoint):
+        return layer.backward_s + layer.core_recompute_s
+    return layer.backward_s
+
+
+@dataclass(frozen=True)
+class ShardedMemory:
+    """One device's bytes under ZeRO-2/3, as the executor reports them per rank: its shards of the
+    parameters, gradients and optimizer state, the unsharded parameters it holds at once at most, and
+    (M > 1) the unsharded gradients accumulated until the once-per-step reduce-scatter."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    gathered_parameter_bytes_peak: int
+    accumulated_gradient_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+                + self.gathered_parameter_bytes_peak + self.accumulated_gradient_bytes)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"parameter_bytes": self.parameter_bytes, "gradient_bytes": self.gradient_bytes,
+                "optimizer_state_bytes": self.optimizer_state_bytes,
+                "gathered_parameter_bytes_peak": self.gathered_parameter_bytes_peak,
+                "accumulated_gradient_bytes": self.accumulated_gradient_bytes}
+
+
+def sharded_memory(param_bytes: int, gradient_bytes: int, optimizer_bytes: int, unit_param_bytes: Sequence[int],
+                   ranks: int, holds_all: bool, accumulates: bool) -> ShardedMemory:
+    """A device's :class:`ShardedMemory` from its unsharded totals and its units' parameter bytes."""
+    return ShardedMemory(sharded_bytes(param_bytes, ranks), sharded_bytes(gradient_bytes, ranks),
+                         sharded_bytes(optimizer_bytes, ranks), gathered_in_flight_bytes(unit_param_bytes, holds_all),
+                         gradient_bytes if accumulates else 0)
+
+
+class FsdpPricing:
+    """What ZeRO-2/3 adds to one step of ``layout`` on ``system``: each virtual stage's exposed
+    communication per action (:meth:`stage_cost`), each device's reduction after its last backward
+    (:meth:`tail_s`) and its memory (:meth:`memory`). ``links``: fitted (all-gather, reduce-scatter,
+    all-reduce) links of a costs file, or None each for the catalog's."""
+
+    def __init__(self, table: CostTable, system: System, layout: ParallelLayout, partition: Sequence[int],
+                 positions: Sequence[int], links: tuple[Link | None, Link | None, Link | None] = (None, None, None)):
+        self.table, self.layout, self.partition = table, layout, partition
+        self.bounds = stage_bounds(partition)
+        self.positions = list(positions)
+        self.gathers_once = layout.stages > 1 or layout.zero == 2  # else ZeRO-3 on one stage: every micro-batch
+        self.ranks = layout.shard_ranks
+        self.collectives = [Collectives(tuple(shard_group(k, 0, layout)), tuple(replicate_group(k, 0, layout)),
+                                        system, *links) for k in range(layout.stages)]
+        self._units: dict[tuple[int, int], list[Unit]] = {}
+
+    def units(self, rows: int, virtual_stage: int) -> list[Unit]:
+        key = (rows, virtual_stage)
+        if key not in self._units:
+            first, end = self.bounds[virtual_stage]
+            layers = self.table.layers(rows)[first:end]
+            checkpoint = self.layout.checkpoint
+            self._units[key] = self.collectives[self.positions[virtual_stage]].units(
+                layers, [layer_backward_s(layer, checkpoint) for layer in layers])
+        return self._units[key]
+
+    def stage_cost(self, rows: int, virtual_stage: int, cost: StageCost) -> StageCost:
+        """``cost`` with the communication its actions leave exposed (module docstring)."""
+        units = self.units(rows, virtual_stage)
+        gathered = forward_exposed_s(units)
+        if self.gathers_once:  # gathered once per step; every stage reduces after its last backward (tail_s)
+            return replace(cost, fsdp_first_forward_gather_s=gathered)
+        gather_s, _reduce_s, _last = backward_exposed_s(units, True, False)
+        return replace(cost, fsdp_forward_gather_s=gathered, fsdp_backward_gather_s=gather_s)
+
+    def tail_s(self, rows: int, chunks: Sequence[int], last_backward_s: float) -> float:
+        """Device's reductions left after its last backward. One stage: each unit's reduce-scatter runs
+        beside the last micro-batch's backward of the units before it (FSDP2 with gradient sync on for
+        that micro-batch), so what outlasts its neighbour's backward shows, and the first unit's whole.
+        A pipeline: the once-per-step reductions of its chunks, by what they outlast that backward."""
+        if self.layout.stages == 1:
+            _gathers, reduce_shown, last = backward_exposed_s(self.units(rows, chunks[0]), False, True)
+            return reduce_shown + last
+        units = [u for s in chunks for u in self.units(rows, s)]
+        return pipelined_reduce_exposed_s(units, last_backward_s)  # chunk 0's first unit reduces last
+
+    def optimizer_s(self, optimizer_s: float) -> float:
+        """The optimizer steps the shard alone."""
+        return optimizer_s / self.ranks
+
+    def memory(self, rows: int, chunks: Sequence[int], microbatches: int) -> ShardedMemory:
+        """Device's :class:`ShardedMemory` over its ``chunks``."""
+        params = gradients = optimizer = 0
+        units: list[int] = []
+        for s in chunks:
+            first, end = self.bounds[s]
+            gradient, state = self.table.gradient_and_optimizer_bytes(rows, first, end)
+            static = self.table.stage(rows, first, end).static_bytes
+            params += max(0, static - gradient - state)
+            gradients += gradient
+            optimizer += state
+            units += [layer.param_bytes for layer in self.table.layers(rows)[first:end]]
+        return sharded_memory(params, gradients, optimizer, units, self.ranks, self.gathers_once, microbatches > 1)
+
+
+def sharded_layout(layout: Any) -> bool:
+    """Whether ``layout`` shards parameters or gradients (ZeRO-2/3 over two ranks or more)."""
+    return layout.zero >= 2 and layout.replicas > 1
