@@ -66,7 +66,9 @@ def is_moe(options: dict[str, Any]) -> bool:
 
 def priced_moe_options(options: dict[str, Any]) -> dict[str, Any]:
     """The MoE workload's options (:mod:`sim.workloads.moe.options`) for the built-in transformer's
-    ``options`` (the dense ones resolved, the MoE ones checked, ``experts`` > 0): every layer a MoE layer, gated experts with biases."""
+    ``options`` (the dense ones resolved, the MoE ones checked, ``experts`` > 0): every layer a MoE
+    layer, gated experts with biases (a non-gated ``activation``'s experts are priced as gated ones: the
+    MoE pricing knows gated experts only)."""
     dense = {k: v for k, v in options.items() if k not in MOE_OPTION_DEFAULTS}
     expert_ff = options.get("expert_ff") or dense["ff"]
     moe = {"experts": options["experts"], "top_k": options["top_k"], "expert_ff": expert_ff,
