@@ -145,7 +145,7 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, afte
     pace_before = probe.measure(PROBE_BUDGET_S)  # every rank at once, as the run will load the machine
     loss_before = after_wait.measure()
     dist.barrier()
-    stage, layout = _make_stage(config, prepared, rank, device, groups)
+    stage, layout, held = _make_stage(config, prepared, rank, device, groups)
     stage.recorder.restart(shared_origin_s())  # one time axis for the ranks, as gpipe train's
     del prepared
     losses = []
@@ -165,6 +165,11 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, afte
                "peak_allocated_bytes": device_api(device).peak_allocated_bytes(device),
                "losses": losses if stage.is_last else None,
                "speed_probe_s": [pace_before, pace_after], "after_wait_probe_s": [loss_before, loss_after]}
+    if held is not None:  # ZeRO-2/3: the shards' and gathered units' bytes, as gpipe train reports them
+        from executor.parallel.fully_sharded import memory_bytes
+        from executor.runtime.chunks import shards
+
+        payload["sharded"] = memory_bytes(shards(stage), held)
     gathered = _gather_through_files(payload, rank, config.world_size, directory)
     return _report(config, gathered, device) if gathered is not None else None
 
@@ -197,8 +202,9 @@ def _gather_through_files(payload: dict[str, Any], rank: int, world: int, direct
     return gathered
 
 
-def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict) -> tuple[Any, Any]:
-    """This rank's stage as ``gpipe train`` makes it, and its replica layout (None for one replica).
+def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict) -> tuple[Any, Any, Any]:
+    """This rank's stage as ``gpipe train`` makes it, its replica layout (None for one replica) and,
+    under ZeRO-2/3, what samples its gathered parameters (:func:`executor.parallel.replicas.attach`).
 
     One replica of whole stages reuses the launch's boundary groups (rank == stage); with D replicas,
     T tensor-parallel ranks per stage or V chunks per rank the executor builds the mesh and every
@@ -209,15 +215,15 @@ def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict
     from executor.runtime.recording import Recorder
 
     if config.replicas == 1 and config.tensor_parallel == 1 and config.virtual_stages == 1:
-        return make_dist_stage(config, prepared, rank, device, Recorder(rank, device), groups), None
+        return make_dist_stage(config, prepared, rank, device, Recorder(rank, device), groups), None, None
     from executor.parallel import replicas
 
     layout = replicas.build_layout(config, rank, device.type, prepared.shared)
     recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank)
     make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage  # several chunks per rank, as gpipe train
     stage = make(config, prepared, rank, device, recorder, layout=layout)
-    replicas.attach(stage, layout)
-    return stage, layout
+    held = replicas.attach(stage, layout)
+    return stage, layout, held
 
 
 def by_replica_and_stage(config: Any, gathered: Sequence[Any]) -> list[Any]:
@@ -247,7 +253,7 @@ def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]
     # replica 0's device of the last (virtual) stage: the global mean with D > 1
     losses = ordered[device_of_virtual_stage(len(config.partition) - 1, config.stages, config.schedule)]["losses"]
     report = build_report(timeline, losses, config.to_dict(), plan, [p["peak_activation_bytes"] for p in ordered],
-                          allocated, 0)
+                          allocated, 0, sharded_bytes=[p.get("sharded") for p in ordered])
     report["speed_probe_s"] = [p["speed_probe_s"] for p in gathered]  # per rank: [before, after]
     report["after_wait_probe_s"] = [p["after_wait_probe_s"] for p in gathered]
     return report

@@ -12,6 +12,11 @@ gradients, optimizer state, temporaries freed inside a layer, and the output bei
 
 The peak is sampled after every forward and recompute (when a micro-batch's saved set is largest)
 and after every backward; it is exact for what it counts, not an allocator figure.
+
+Limits: under ZeRO-2/3 (FSDP2) a layer's saved weight is the unit's gathered parameter, not the
+module's (sharded) one, so it is counted as an activation, at whatever size its storage has when the
+peak is sampled (FSDP frees it after the forward under ZeRO-3): the count is not exact there, and
+``gpipe validate`` compares those runs' sharded bytes, not their activations.
 """
 
 from __future__ import annotations
