@@ -84,17 +84,17 @@ def hf_moe_config(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
     from sim.workloads.moe.options import MOE_KNOBS
 
     try:
-        from executor.models.hf import _transformers, _type_and_fields
+        from executor.models.hf import transformers_module, type_and_fields
     except ModuleNotFoundError as exc:
         if exc.name != "torch":
             raise
         raise GpipeInputError(f"model {model!r} needs torch; install it with pip install torch") from None
     fields = {k: v for k, v in options.items() if k not in (*HF_OPTIONS, *ANALYSIS_KEYS, *MOE_KNOBS)}
-    model_type, data = _type_and_fields(model, fields)
+    model_type, data = type_and_fields(model, fields)
     if model_type not in MOE_TYPES:
         return None
     try:
-        config = _transformers().AutoConfig.for_model(model_type, **data)
+        config = transformers_module().AutoConfig.for_model(model_type, **data)
     except Exception as exc:  # TypeError, ValueError, or the config's own validation error
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
         raise GpipeInputError(f"{model!r}: the config refuses the options {data} ({reason})") from None

@@ -52,7 +52,8 @@ def is_hf(name: str) -> bool:
     return name.startswith(("hf:", "hf-config:"))
 
 
-def _transformers():
+def transformers_module():
+    """The transformers package, or one line saying how to install it."""
     try:
         import transformers
     except ModuleNotFoundError:
@@ -61,7 +62,7 @@ def _transformers():
     return transformers
 
 
-def _type_and_fields(name: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def type_and_fields(name: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The model type and config fields ``name`` (``hf:<type>`` or ``hf-config:PATH``) and
     ``options`` give, the options laid over a config file's fields."""
     given = {k: v for k, v in options.items() if k not in OUR_OPTIONS}
@@ -83,8 +84,8 @@ def _type_and_fields(name: str, options: dict[str, Any]) -> tuple[str, dict[str,
 
 def config_of(name: str, options: dict[str, Any]) -> Any:
     """The ``transformers`` config ``name`` and ``options`` describe."""
-    transformers = _transformers()
-    model_type, data = _type_and_fields(name, options)
+    transformers = transformers_module()
+    model_type, data = type_and_fields(name, options)
     if model_type not in FAMILIES:
         raise GpipeInputError(f"Hugging Face model type {model_type!r} is not supported; choose one of "
                               f"{', '.join(FAMILIES)} (decoder-only causal language models)")
@@ -103,7 +104,7 @@ def rank_imports(name: str, options: dict[str, Any]) -> list[str]:
     beyond what the fork server imports anyway, docs/notes/2026-11-26-launch-time.md; in every rank
     unless the fork server has it: :func:`executor.launch.agent.start_fork_server`). Empty for a model
     type not supported (the model check refuses it with its reason)."""
-    model_type, _ = _type_and_fields(name, options)
+    model_type, _ = type_and_fields(name, options)
     if model_type not in FAMILIES:
         return []
     return [__name__, f"transformers.models.{model_type}.modeling_{model_type}"]
@@ -258,7 +259,7 @@ def check_tensor_parallel(family: str, config: Any, parts: int) -> None:
 
 def build(name: str, options: dict[str, Any]) -> nn.Sequential:
     """The pipeline layers of the model (call under ``torch.device("meta")`` to allocate nothing)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     config = config_of(name, options)
     family = FAMILIES[config.model_type]
     try:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor.models.hf import _transformers, _type_and_fields
+from executor.models.hf import transformers_module, type_and_fields
 from sim.errors import GpipeInputError
 from sim.workloads.decoder_shape import ANALYSIS_KEYS, HF_OPTIONS, DecoderShape
 
@@ -57,10 +57,10 @@ def decoder_shape(name: str, options: dict[str, Any]) -> DecoderShape:
 
 @lru_cache(maxsize=32)
 def _cached_shape(name: str, fields_json: str) -> DecoderShape:
-    transformers = _transformers()
+    transformers = transformers_module()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type, data = _type_and_fields(name, json.loads(fields_json))
+    model_type, data = type_and_fields(name, json.loads(fields_json))
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise GpipeInputError(f"Hugging Face model type {model_type!r} is not a causal language model transformers "
                               "knows; give a decoder-only type such as llama, nemotron, bloom or qwen2")
