@@ -41,12 +41,12 @@ replica 0's; dim 0 padding of each parameter to a multiple of N is not counted (
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from sim.catalog.hardware import Link, System
-from sim.engine.allreduce import group_allreduce_s
+from sim.engine.allreduce import group_allreduce_s, ring_allreduce_s
+from sim.engine.memory import sharding_of
 from sim.engine.placement import device_of
 from sim.engine.stage_costs import CostTable, StageCost, stage_bounds
 from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
@@ -58,37 +58,21 @@ if TYPE_CHECKING:
 
 def ring_gather_s(nbytes: float, parties: int, link: Link) -> float:
     """A ring all-gather (or reduce-scatter) of ``nbytes`` unsharded among ``parties`` over ``link``:
-    (p-1)/p of the bytes on each party's link and p-1 latencies (Patarasuk and Yuan, JPDC 2009)."""
-    if parties < 2:
-        return 0.0
-    bandwidth = link.collective_bytes_per_s(parties)
-    wire = 0.0 if math.isinf(bandwidth) else nbytes / bandwidth
-    return (parties - 1) / parties * wire + (parties - 1) * link.latency_s
+    (p-1)/p of the bytes on each party's link and p-1 latencies (Patarasuk and Yuan, JPDC 2009), half
+    of the ring all-reduce, which is a reduce-scatter followed by an all-gather."""
+    return ring_allreduce_s(nbytes, parties, link) / 2
 
 
 def group_gather_s(nbytes: float, devices: Sequence[int], system: System, link: Link | None = None) -> float:
-    """All-gather (or reduce-scatter) of ``nbytes`` unsharded among ``devices`` of ``system``, priced
-    as :func:`sim.engine.allreduce.group_allreduce_s` prices the all-reduce: a ring on the intra-node
-    link inside one node; across nodes, with g members on a node, NCCL's rings (one per rail) carry
-    1/g of the bytes over each member's inter-node link and the rest inside the node:
+    """All-gather (or reduce-scatter) of ``nbytes`` unsharded among ``devices`` of ``system``: half of
+    :func:`sim.engine.allreduce.group_allreduce_s`, so a ring on the intra-node link inside one node;
+    across nodes, with g members on a node, NCCL's rings (one per rail) carry 1/g of the bytes over
+    each member's inter-node link and the rest inside the node:
 
         (g-1)/g x n / B_intra + (g-1) x L_intra  +  (N-1)/N x (n/g) / B_inter + (N-1) x L_inter
 
     (g = 1: a flat ring over the inter-node link). A given ``link`` (fitted) is a flat ring on it."""
-    parties = len(devices)
-    if parties < 2:
-        return 0.0
-    if link is not None:
-        return ring_gather_s(nbytes, parties, link)
-    per_node: dict[int, int] = {}
-    for device in devices:
-        node = system.node_of(device)
-        per_node[node] = per_node.get(node, 0) + 1
-    if len(per_node) == 1:
-        return ring_gather_s(nbytes, parties, system.intra_link)
-    inside = max(per_node.values())
-    return ring_gather_s(nbytes, inside, system.intra_link) + ring_gather_s(nbytes / inside, len(per_node),
-                                                                            system.inter_link)
+    return group_allreduce_s(nbytes, devices, system, link) / 2
 
 
 def shard_group(stage: int, replica: int, layout: ParallelLayout) -> list[int]:
@@ -271,7 +255,7 @@ class FsdpPricing:
         self.table, self.layout, self.partition = table, layout, partition
         self.bounds = stage_bounds(partition)
         self.positions = list(positions)
-        self.gathers_once = layout.stages > 1 or layout.zero == 2  # else ZeRO-3 on one stage: every micro-batch
+        self.gathers_once = sharding_of(layout).holds_all  # else ZeRO-3 on one stage: every micro-batch
         self.ranks = layout.shard_ranks
         self.collectives = [Collectives(tuple(shard_group(k, 0, layout)), tuple(replicate_group(k, 0, layout)),
                                         system, *links) for k in range(layout.stages)]
@@ -323,7 +307,9 @@ class FsdpPricing:
             gradients += gradient
             optimizer += state
             units += [layer.param_bytes for layer in self.table.layers(rows)[first:end]]
-        return sharded_memory(params, gradients, optimizer, units, self.ranks, self.gathers_once, microbatches > 1)
+        sharding = sharding_of(self.layout, microbatches)
+        return sharded_memory(params, gradients, optimizer, units, sharding.ranks, sharding.holds_all,
+                              sharding.accumulates)
 
 
 def sharded_layout(layout: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sim.engine.memory import Sharding
+from sim.engine.memory import Sharding, sharded_static_bytes
 from sim.engine.stage_costs import held_input_bytes, layer_alone_bytes
 from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.workloads.workload import LayerCost, SharedParameter
@@ -73,12 +73,10 @@ class RangeMemory:
         gradient = np.maximum(gradient, 0)
         if sharding.zero == 1:  # sim.engine.memory.static_bytes
             static = static - optimizer + (-(-optimizer // sharding.ranks))
-        elif sharding.zero >= 2:  # sim.engine.memory.sharded_static_bytes
+        elif sharding.zero >= 2:  # every range at once: sharded_static_bytes takes arrays as it takes ints
             params = np.maximum(static - gradient - optimizer, 0)
             gathered = params if sharding.holds_all else _gathered([c.param_bytes for c in layers])
-            n_ranks = sharding.ranks
-            static = (-(-params // n_ranks) - (-gradient // n_ranks) - (-optimizer // n_ranks) + gathered
-                      + (gradient if sharding.accumulates else 0))
+            static = sharded_static_bytes(params, gradient, optimizer, gathered, sharding)
         inputs = np.array([c.input_bytes for c in layers], dtype=np.int64)
         zeros = np.zeros((n, n + 1), dtype=np.int64)
         if recomputes_per_layer(checkpoint):  # sim.engine.stage_costs.per_layer_bytes, for all ranges

@@ -108,11 +108,7 @@ def check_feature(key: str, value: Any, model: str = "transformer") -> Any:
             raise GpipeInputError(f"{key}={value!r} for model {model}; choose one of {', '.join(choices)}")
         return value
     if key in _FLAGS:
-        if isinstance(value, str) and value.lower() in ("0", "1", "true", "false"):
-            return value.lower() in ("1", "true")
-        if isinstance(value, (bool, int)) and value in (0, 1):
-            return bool(value)
-        raise GpipeInputError(f"{key}={value!r} for model {model}; use 0 or 1")
+        return flag_value(key, value, model)
     if key == "biases":
         _biases(value, model)
         return value
@@ -135,6 +131,16 @@ def check_feature(key: str, value: Any, model: str = "transformer") -> Any:
         bounds = f" from {least}{f' to {most}' if most else ' up'}" if least is not None else ""
         raise GpipeInputError(f"{key}={value!r} for model {model}; use an integer{bounds}")
     return number
+
+
+def flag_value(key: str, value: Any, model: str) -> bool:
+    """An on/off option: 0, 1, true or false (any case) as given on the command line or in a file;
+    one line naming ``key`` otherwise."""
+    if isinstance(value, str) and value.lower() in ("0", "1", "true", "false"):
+        return value.lower() in ("1", "true")
+    if isinstance(value, (bool, int)) and value in (0, 1):
+        return bool(value)
+    raise GpipeInputError(f"{key}={value!r} for model {model}; use 0 or 1")
 
 
 def _biases(value: Any, model: str = "transformer") -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from sim.errors import GpipeInputError
+from sim.workloads.decoder_features import flag_value
 from sim.workloads.model_options import resolve_options
 
 MOE_DEFAULTS: dict[str, Any] = {
@@ -42,11 +43,7 @@ def _number(key: str, value: Any, model: str, least: int) -> int:
 
 def _check(key: str, value: Any, model: str) -> Any:
     if key in _FLAGS:
-        if isinstance(value, str) and value.lower() in ("0", "1", "true", "false"):
-            return value.lower() in ("1", "true")
-        if isinstance(value, (bool, int)) and value in (0, 1):
-            return bool(value)
-        raise GpipeInputError(f"{key}={value!r} for model {model}; use 0 or 1")
+        return flag_value(key, value, model)
     if key in _FRACTIONS:
         try:
             number = float(value)
