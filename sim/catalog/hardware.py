@@ -266,6 +266,19 @@ def fitted_devices() -> frozenset[str]:
     return frozenset(_FITTED)
 
 
+def device_name_key(name: str) -> str:
+    """``name`` as device names are compared: lower case, letters and digits only, so that
+    "H100 SXM 96GB HBM2e (500 W)" and "h100-sxm-96gb-hbm2e-500w" name one device."""
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def fitted_device_named(name: str) -> str | None:
+    """The fitted device (:func:`fitted_devices`) ``name`` spells, however it is cased and
+    punctuated (:func:`device_name_key`); None when the efficiency file has no such device."""
+    key = device_name_key(name)
+    return next((fitted for fitted in sorted(_FITTED) if device_name_key(fitted) == key), None)
+
+
 def get_system(name: str, nodes: int = 1, kernels: KernelEfficiency | None = None, fitted: bool = True) -> System:
     """The catalog system ``name`` joined ``nodes`` times over its inter-node link; ``kernels``
     replaces its device's fitted fractions (what ``gpipe fit-gpu`` tries), and ``fitted=False``

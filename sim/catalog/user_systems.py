@@ -26,7 +26,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from sim.catalog.hardware import CATALOG_FILES, LINKS, SYSTEMS, System, build_system, fitted_devices, get_system, place
+from sim.catalog.hardware import CATALOG_FILES, LINKS, SYSTEMS, System, build_system, fitted_device_named, get_system, place
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.catalog.system_schema import DEVICE_FIGURES, KEYS, ONE_OF, check_keys, system_fields
 from sim.errors import GpipeInputError, did_you_mean
@@ -70,10 +70,21 @@ def catalog_name(ref: Any) -> str:
 def fitted_name(ref: Any) -> str:
     """The name fitted fractions of ``ref``'s device are kept under (``gpipe fit-gpu``): a catalog
     name itself, a named object over a ``base`` its own ``name`` (a variant, fitted apart where the
-    development set has its rows), else as :func:`catalog_name`."""
+    development set has its rows; spelt as the efficiency file spells it, whatever its case and
+    punctuation), else as :func:`catalog_name`."""
     if isinstance(ref, dict) and ref.get("base") and ref.get("name"):
-        return str(ref["name"])
+        return fitted_device_named(str(ref["name"])) or str(ref["name"])
     return catalog_name(ref)
+
+
+def fractions_from(ref: Any) -> str | None:
+    """The fitted device whose fractions ``ref``'s system is priced at: a variant fitted on its own
+    rows, else the catalog device it stands on; None where neither has been fitted."""
+    named = fitted_device_named(fitted_name(ref))
+    if named:
+        return named
+    base = SYSTEMS.get(catalog_name(ref))
+    return base.device.name if base is not None and base.device.kernels is not None else None
 
 
 def run_system(ref: Any, nodes: Any, gpus: Any, kernels: KernelEfficiency | None, where: str) -> System:
@@ -125,8 +136,10 @@ def _from_object(data: Any, nodes: int, kernels: KernelEfficiency | None, fitted
                                   f"choose one of {', '.join(CATALOG_FILES)}")
         fitted_as = SYSTEMS[base].device.name
         data = _over_base(CATALOG_FILES[base], data, fitted_as, where)
-        if kernels is not None or data["name"] in fitted_devices():  # a variant fitted on its own rows
+        if kernels is not None:  # the fractions being fitted for this variant (gpipe fit-gpu)
             fitted_as = data["name"]
+        elif fitted_device_named(data["name"]):  # a variant fitted on its own rows, however its name is spelt
+            fitted_as = fitted_device_named(data["name"])
     system = build_system(system_fields(data, where, LINKS), LINKS)
     return place(system, nodes, kernels, fitted, fitted_as)
 

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from sim.catalog.kernel_model import KernelEfficiency
-from sim.catalog.user_systems import fitted_name, run_system
+from sim.catalog.user_systems import fitted_name, fractions_from, run_system
 from sim.errors import GpipeInputError
 from sim.formats.timeline import read_json
 from sim.workloads.precision import trainers_precision
@@ -141,7 +141,8 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
         raise GpipeInputError("global_batch null: the replay needs the batch the run trained on")
     system = run_system(run["hardware"], run["nodes"], run.get("gpus"), kernels, f"run {run['id']!r}")
     fitted = system.device.kernels
-    out.assumed.append(f"{system.device.name}: kernels timed by kind at fractions fitted on the development set"
+    out.assumed.append(f"{system.device.name}: kernels timed by kind at the fractions fitted for "
+                       f"{fractions_from(run['hardware']) or system.device.name} on the development set"
                        if fitted is not None else
                        f"{system.device.name}: efficiency assumed ({system.device.efficiency:.0%} of peak FLOP/s), "
                        "not fitted")

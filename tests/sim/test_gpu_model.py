@@ -227,3 +227,21 @@ def test_fp8_runs_the_projections_at_the_fp8_peak_and_keeps_bf16_models_memory()
     assert (fp8.saved_bytes, fp8.param_bytes, fp8.optimizer_bytes) == \
         (plain.saved_bytes, plain.param_bytes, plain.optimizer_bytes)
 
+
+
+def test_a_variant_is_found_however_its_name_is_spelt():
+    """A hardware object naming a fitted variant in another case and punctuation is priced at that
+    variant's fractions, not at its base's, and the replay says whose fractions it used."""
+    from sim.catalog.hardware import fitted_device_named
+    from sim.catalog.user_systems import fractions_from, resolve_system
+
+    variant = "H100 SXM 96GB HBM2e (500 W)"
+    assert fitted_device_named("h100-sxm-96gb-hbm2e-500w") == variant
+    assert fitted_device_named("h100-sxm-96gb") is None
+    as_written = {"base": "h100-nvlink", "name": variant, "memory_gib": 96, "memory_bandwidth_tb_s": 2.4}
+    respelt = dict(as_written, name="h100-sxm-96gb-hbm2e-500w")
+    unfitted = dict(as_written, name="h100-96gb")
+    written, other, plain = (resolve_system(ref).device.kernels for ref in (as_written, respelt, unfitted))
+    assert other == written and plain != written
+    assert plain == resolve_system("h100-nvlink").device.kernels
+    assert fractions_from(respelt) == variant and fractions_from(unfitted) == "H100-SXM-80GB"
