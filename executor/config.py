@@ -72,6 +72,7 @@ class RunConfig:
     virtual_stages: int = 1  # V chunks per device (interleaved schedule); partition has V*K entries
     zero: int = 0  # sharded over each stage's data-parallel group: 1 optimizer state, 2 and gradients, 3 and parameters
     shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
+    gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
     placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which rank runs which replica's stage
     tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.parallel.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
@@ -90,7 +91,8 @@ class RunConfig:
         beside it); refused in one line where a degree is bad."""
         return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
                               self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
-                              self.sequence_parallel, shard_group=self.shard_group)
+                              self.sequence_parallel, shard_group=self.shard_group,
+                              gradient_sync=self.gradient_sync)
 
     @property
     def world_size(self) -> int:
@@ -172,7 +174,8 @@ class RunConfig:
                     hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer,
                     precision=self.precision, replicas=self.replicas, virtual_stages=self.virtual_stages,
                     zero=self.zero, placement=self.placement, tensor_parallel=self.tensor_parallel,
-                    sequence_parallel=self.sequence_parallel, shard_group=self.shard_group)
+                    sequence_parallel=self.sequence_parallel, shard_group=self.shard_group,
+                    gradient_sync=self.gradient_sync)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
@@ -194,6 +197,7 @@ class RunConfig:
                    predicted=dict(plan.predicted),
                    **{"precision": plan.precision, "replicas": plan.replicas,
                       "virtual_stages": plan.virtual_stages, "zero": plan.zero, "shard_group": plan.shard_group,
+                      "gradient_sync": plan.gradient_sync,
                       "placement": plan.placement,
                       "tensor_parallel": plan.tensor_parallel,
                       "sequence_parallel": plan.sequence_parallel and plan.tensor_parallel > 1,

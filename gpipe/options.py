@@ -41,6 +41,7 @@ RENAMED_IN_PLAN = {"--stages": ("--stages-options", "K"), "--microbatches": ("--
                    "--replicas": ("--replicas-options", "D"), "--virtual-stages": ("--virtual-stages-options", "V"),
                    "--tensor-parallel": ("--tensor-parallel-options", "T"), "--zero": ("--zero-options", "ZeRO stages"),
                    "--shard-group": ("--shard-group-options", "shard groups"),
+                   "--gradient-sync": ("--gradient-sync-options", "gradient syncs"),
                    "--checkpoint": ("--checkpoints", "policies"), "--schedule": ("--schedules", "schedules"),
                    "--placement": ("--placements", "placements")}
 
@@ -196,6 +197,7 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser, recorded: str | Non
     group.add_argument("--shard-group", type=int, default=None, metavar="N",
                        help="with --zero 2 or 3: shard within groups of N replicas and replicate across them "
                             "(HSDP; default all replicas)")
+    add_gradient_sync_argument(group, recorded)
     value, said = _default(DEFAULT_PLACEMENT, recorded)
     group.add_argument("--placement", default=value, action=Checked, check=check_placement,
                        help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} ({said})")
@@ -203,6 +205,19 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser, recorded: str | Non
     add_sequence_parallel_argument(group, sequence_parallel)
     if context:
         add_context_parallel_arguments(group)
+
+
+def add_gradient_sync_argument(group: Any, recorded: str | None = None) -> None:
+    """``--gradient-sync step|microbatch``: when ZeRO-2/3 reduce-scatters the gradients
+    (:data:`sim.formats.layout.GRADIENT_SYNCS`); None is the trainers' default."""
+    from sim.formats.layout import GRADIENT_SYNCS
+
+    default = f"{recorded}, else " if recorded else ""
+    group.add_argument("--gradient-sync", default=None, action=Checked, check=one_of("--gradient-sync", GRADIENT_SYNCS),
+                       help="with --zero 2 or 3: reduce-scatter the gradients once per step after the last "
+                            "micro-batch, accumulating them unsharded (step), or after every micro-batch's backward, "
+                            f"accumulating them sharded (microbatch) (default: {default}microbatch with one stage as "
+                            "FSDP2 and DeepSpeed run it, step with a pipeline as torch's pipeline schedules do)")
 
 
 def add_tensor_parallel_argument(group: Any, default: int | None, said: str,
@@ -255,6 +270,10 @@ def add_search_space_arguments(parser: argparse.ArgumentParser) -> Any:
     space.add_argument("--shard-group-options", default=None, metavar="LIST",
                        help="with ZeRO-2/3, HSDP shard groups to try beside all replicas: shard within groups of N "
                             "replicas, replicate across them (each N dividing D; default none)")
+    space.add_argument("--gradient-sync-options", default="auto", metavar="LIST",
+                       help="with ZeRO-2/3, when gradients are reduce-scattered: step (once, after the last "
+                            "micro-batch), microbatch (after each); default auto: the trainers' default only "
+                            "(microbatch with one stage, step with a pipeline); step,microbatch ranks both")
     space.add_argument("--placements", default=",".join(PLACEMENTS), metavar="LIST",
                        help="placements to try where they differ (several nodes, D > 1, K > 1)")
     space.add_argument("--tensor-parallel-options", default=None, metavar="LIST",
@@ -281,12 +300,15 @@ def virtual_stages_of(args: argparse.Namespace) -> int:
     return default_virtual_stages(args.schedule)
 
 
-def check_zero(zero: int, replicas: int | None = None, shard_group: int | None = None) -> None:
+def check_zero(zero: int, replicas: int | None = None, shard_group: int | None = None,
+               gradient_sync: str | None = None) -> None:
     """``--zero`` 0-3, sharding only with two replicas or more (where ``replicas`` is known), and
-    ``--shard-group`` only with ZeRO-2/3, dividing D (:func:`sim.formats.layout.check_sharding`)."""
-    from sim.formats.layout import check_sharding
+    ``--shard-group`` and ``--gradient-sync`` only with ZeRO-2/3, the group dividing D
+    (:func:`sim.formats.layout.check_sharding`, :func:`sim.formats.layout.check_gradient_sync`)."""
+    from sim.formats.layout import check_gradient_sync, check_sharding
 
     check_sharding(zero, replicas, shard_group)
+    check_gradient_sync(gradient_sync, zero)
 
 
 # ----------------------------------------------------------------------------- the hardware

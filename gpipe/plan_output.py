@@ -80,6 +80,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
         tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel,
         context_parallel=c.context_parallel, dp_overlap=dp_overlap, shard_group=c.shard_group,
+        gradient_sync=c.gradient_sync,
     )
 
 

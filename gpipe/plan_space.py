@@ -152,6 +152,19 @@ def _zero_list(text: str) -> tuple[tuple[int, ...], bool]:
     return tuple(sorted(set(values))), False
 
 
+def _gradient_sync_list(text: str) -> tuple[str | None, ...]:
+    """``auto`` (the trainers' default alone: None), or the syncs listed, each step or microbatch."""
+    from sim.formats.layout import GRADIENT_SYNCS
+
+    if text.strip() == "auto":
+        return (None,)
+    values = {part.strip() for part in text.split(",")}
+    if not values <= set(GRADIENT_SYNCS):
+        raise GpipeInputError(f"--gradient-sync-options {text!r}: give auto, or step, microbatch or both separated "
+                              "by a comma, e.g. --gradient-sync-options step,microbatch")
+    return tuple(s for s in GRADIENT_SYNCS if s in values)
+
+
 def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
     return tuple(parse_int_list(text, flag)) if text else None
 
@@ -171,6 +184,7 @@ def search_space_of(args: argparse.Namespace, hardware: list[str],
         virtual_stages=_int_list(args.virtual_stages_options, "--virtual-stages-options"),
         zero=_zero_list(args.zero_options)[0], zero_escalates=_zero_list(args.zero_options)[1], placements=placements,
         shard_groups=_int_list(args.shard_group_options, "--shard-group-options") or (),
+        gradient_syncs=_gradient_sync_list(args.gradient_sync_options),
         tensor_parallel=_int_list(args.tensor_parallel_options, "--tensor-parallel-options"),
         context_parallel=args.context_parallel, sequence_parallel=args.sequence_parallel,
         partitioner=args.partitioner, dp_overlap=args.dp_overlap)

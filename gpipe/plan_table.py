@@ -8,7 +8,7 @@ replace it (the days are the tokens over it).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from gpipe.plan_notes import days_text
 from gpipe.plan_rows import PlanRow, compact_partition
@@ -74,6 +74,15 @@ def table_lines(tables: Sequence[Sequence[tuple[str, PlanRow]]], costed: bool, d
     return [text for table in cells if table for text in (header, *(line(c) for c in table))]
 
 
+def _zero_cell(c: Any) -> str:
+    """The ZeRO stage, ``g`` and its HSDP shard group, ``/step`` or ``/mb`` where a gradient sync was
+    searched (``--gradient-sync-options``; the trainers' default shows nothing)."""
+    cell = f"{c.zero}g{c.shard_group}" if c.shard_group else str(c.zero)
+    if c.gradient_sync is not None:
+        cell += "/mb" if c.gradient_sync == "microbatch" else "/step"
+    return cell
+
+
 def _cells(rank: str, row: PlanRow, costed: bool, days: bool, zero: bool) -> list[str]:
     option = row.option
     c, r = option.candidate, option.result
@@ -83,7 +92,7 @@ def _cells(rank: str, row: PlanRow, costed: bool, days: bool, zero: bool) -> lis
         tensor += f"x{c.context_parallel}"
     cells = [rank, *([option.hardware] if costed else []), tensor, str(c.replicas), str(c.stages),
              str(c.virtual_stages), str(c.microbatches), c.checkpoint, c.schedule]
-    cells += [f"{c.zero}g{c.shard_group}" if c.shard_group else str(c.zero)] * zero + [row.placement, f"{r.step_time_s * 1e3:.3f}", f"{r.bubble_fraction:.1%}"]
+    cells += [_zero_cell(c)] * zero + [row.placement, f"{r.step_time_s * 1e3:.3f}", f"{r.bubble_fraction:.1%}"]
     if not costed:
         cells.append(f"{r.throughput_samples_per_s:.1f}")
     cells.append(gib(option.max_peak_memory_bytes))

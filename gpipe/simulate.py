@@ -178,7 +178,7 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     virtual = virtual_stages_of(args)
     check_virtual_stages(args.schedule, virtual)
     check_placement(args.placement)
-    check_zero(args.zero, args.replicas, args.shard_group)
+    check_zero(args.zero, args.replicas, args.shard_group, args.gradient_sync)
     partition = parse_partition(args.partition) if args.partition is not None else None
     if partition is not None:
         check_chunked_partition(partition, virtual, "--partition")
@@ -211,11 +211,13 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                 f"{stages * virtual} stages for a model of {workload.num_layers} layers leaves a stage empty; "
                 f"use --stages {workload.num_layers // virtual} or fewer")
         candidate = ParallelLayout(stages, args.microbatches, args.checkpoint, args.schedule, args.replicas, virtual,
-                                   args.zero, args.placement, shard_group=args.shard_group)
+                                   args.zero, args.placement, shard_group=args.shard_group,
+                                   gradient_sync=args.gradient_sync)
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
     layout = ParallelLayout.for_partition(partition, args.microbatches, args.checkpoint, args.schedule,
                                           virtual_stages=virtual, replicas=args.replicas, zero=args.zero,
-                                          placement=args.placement, shard_group=args.shard_group)
+                                          placement=args.placement, shard_group=args.shard_group,
+                                          gradient_sync=args.gradient_sync)
     result = simulate(workload, system, partition, batch, layout, allreduce_link=calibrated_allreduce(workload, system),
                       dp_overlap=args.dp_overlap, actions=given)
     return result, system, workload, precision, attention_note

@@ -146,7 +146,7 @@ def check_flags(args: argparse.Namespace) -> None:
         if value < 0:
             raise GpipeInputError(f"{flag} must be {meaning} or more, got {value}")
     if args.zero is not None:
-        check_zero(args.zero, shard_group=args.shard_group)
+        check_zero(args.zero, shard_group=args.shard_group, gradient_sync=args.gradient_sync)
     from sim.catalog.user_systems import resolve_system
 
     resolve_system(hardware_of(args))  # an unknown --hardware is one line even where a plan or partition leaves it unused
@@ -195,7 +195,7 @@ def config_from_args(args: argparse.Namespace):
     ref = model_ref(config.model, config.options, config.seed)
     config.options = dict(ref.options)
     for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "shard_group",
-                 "placement", "tensor_parallel", "sequence_parallel"):
+                 "gradient_sync", "placement", "tensor_parallel", "sequence_parallel"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
     if config.tensor_parallel == 1 and args.sequence_parallel is None:

@@ -100,6 +100,7 @@ class ReplicaSettings(Protocol):
     batch_size: int
     zero: int
     shard_group: int | None
+    gradient_sync: str | None
     schedule: str
     checkpoint: str
     placement: str

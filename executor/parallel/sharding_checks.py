@@ -8,7 +8,7 @@ from typing import Protocol, Sequence
 from torch import nn
 
 from sim.errors import GpipeInputError
-from sim.formats.layout import check_sharding
+from sim.formats.layout import check_gradient_sync, check_sharding
 from sim.schedules.schedule import SPLIT_BACKWARD_SCHEDULES
 
 
@@ -18,6 +18,7 @@ class ShardingSettings(Protocol):
     zero: int
     replicas: int
     shard_group: int | None
+    gradient_sync: str | None
     schedule: str
     checkpoint: str
     stages: int
@@ -26,7 +27,8 @@ class ShardingSettings(Protocol):
 def check_fully_sharded(config: ShardingSettings) -> None:
     """ZeRO-2/3's needs of the settings, one line each: a shard group dividing D, no split-backward
     schedule (its weight pass adds to the sharded parameters, not the gathered ones FSDP computes
-    with: :mod:`executor.parallel.fully_sharded`)."""
+    with: :mod:`executor.parallel.fully_sharded`); a gradient sync only with ZeRO-2/3."""
+    check_gradient_sync(config.gradient_sync, config.zero)
     if config.zero < 2:
         return
     check_sharding(config.zero, config.replicas, config.shard_group)

@@ -131,6 +131,7 @@ class SimResult:
     placement: str = DEFAULT_PLACEMENT
     replica_rows: list[int] = field(default_factory=list)  # rows of the global batch each replica trains
     shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
+    gradient_sync: str | None = None  # ZeRO-2/3: reduce-scattered once per "step" or per "microbatch"; None otherwise
 
     @property
     def fits(self) -> bool:
@@ -154,6 +155,7 @@ class SimResult:
             "placement": self.placement,
             "replica_rows": self.replica_rows,
             **({"shard_group": self.shard_group} if self.shard_group else {}),
+            **({"gradient_sync": self.gradient_sync} if self.gradient_sync else {}),
             "fits": self.fits,
             "stages": [s.to_dict() for s in self.stages],
         }
@@ -276,6 +278,7 @@ def simulate(workload: Workload, system: System, partition: Sequence[int], batch
                  checkpoint if dp_overlap else None, fsdp)
     result = step.result(batch_size, schedule, checkpoint, zero)
     result.shard_group = layout.shard_group if fsdp is not None else None
+    result.gradient_sync = layout.resolved_gradient_sync if fsdp is not None else None
     return result
 
 

@@ -19,12 +19,22 @@ stage) each unit's parameters, gradients and optimizer state are split N ways, a
 When: ZeRO-2, and any ZeRO under a pipeline (K > 1, torchtitan's policy: no reshard after forward),
 gathers once per step, overlapped with the stage's first micro-batch's forward; ZeRO-3 with K = 1
 gathers before every micro-batch's forward and again before its backward. ZeRO-3 therefore costs
-what ZeRO-2 does when K > 1. Gradients of the M micro-batches accumulate unsharded (in fp32, memory
-held until the reduction) and are reduce-scattered once per step, unit by unit beside the stage's
-last micro-batch's backward (with a pipeline, beside that backward as a whole), as the executor runs it (:mod:`executor.parallel.fully_sharded`) and torch's
-pipeline schedules do; FSDP2's default without a pipeline, a reduce-scatter after every
-micro-batch's backward, is not modelled (it trades the accumulated gradients' memory for M - 1 more
-reductions).
+what ZeRO-2 does when K > 1.
+
+The gradients of the M micro-batches are reduced in one of two ways
+(:attr:`sim.formats.layout.ParallelLayout.resolved_gradient_sync`):
+
+- ``step`` (torch's pipeline schedules, torchtitan with a pipeline: the default when K > 1): they
+  accumulate unsharded (fp32, held until the reduction: :attr:`ShardedMemory.accumulated_gradient_bytes`)
+  and are reduce-scattered once per step, unit by unit beside the stage's last micro-batch's
+  backward (with a pipeline, beside that backward as a whole), as the executor runs it
+  (:mod:`executor.parallel.fully_sharded`);
+- ``microbatch`` (FSDP2's and DeepSpeed ZeRO-2/3's gradient accumulation without a pipeline: the
+  default when K = 1): every micro-batch's backward reduce-scatters as the last one does, unit by
+  unit beside that backward (with a pipeline, beside the backward as a whole), into the sharded
+  gradient; what outlasts the backward shows after it (:attr:`StageCost.fsdp_backward_reduce_s`,
+  before the device's next action), the device's last backward's in the step's tail. No unsharded
+  gradient outlasts a backward: M - 1 more reductions for the accumulated gradients' memory.
 
 Collectives are rings (NCCL's all-gather and reduce-scatter): each of p ranks puts (p-1)/p of the
 unsharded bytes on its link and pays p-1 latencies, inside a node on its link; a group spanning
@@ -34,9 +44,10 @@ collective replaces the catalog's link where it has one.
 
 Limits: units of one stage are taken in layer order with weightless layers' compute counted with the
 unit before them; a gather or a reduce-scatter never slows the compute it overlaps, and the two share
-no bandwidth with each other or with pipeline transfers; a micro-batch's last reduce-scatter (K = 1)
-every replica's shard group is priced as
-replica 0's; dim 0 padding of each parameter to a multiple of N is not counted (bytes / N rounded up).
+no bandwidth with each other or with pipeline transfers; every replica's shard group is priced as
+replica 0's; dim 0 padding of each parameter to a multiple of N is not counted (bytes / N rounded up);
+the unsharded gradient of the unit a backward is computing (and of the one being reduce-scattered)
+is not counted in memory, with either gradient sync, as at M = 1.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import group_allreduce_s, ring_allreduce_s
 from sim.engine.memory import sharding_of
 from sim.engine.placement import device_of
-from sim.engine.stage_costs import CostTable, StageCost, stage_bounds
+from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.workloads.workload import LayerCost
 
@@ -256,6 +267,7 @@ class FsdpPricing:
         self.bounds = stage_bounds(partition)
         self.positions = list(positions)
         self.gathers_once = sharding_of(layout).holds_all  # else ZeRO-3 on one stage: every micro-batch
+        self.every_microbatch = layout.resolved_gradient_sync == "microbatch"  # else once per step
         self.ranks = layout.shard_ranks
         self.collectives = [Collectives(tuple(shard_group(k, 0, layout)), tuple(replicate_group(k, 0, layout)),
                                         system, *links) for k in range(layout.stages)]
@@ -272,19 +284,40 @@ class FsdpPricing:
         return self._units[key]
 
     def stage_cost(self, rows: int, virtual_stage: int, cost: StageCost) -> StageCost:
-        """``cost`` with the communication its actions leave exposed (module docstring)."""
+        """``cost`` with the communication its actions leave exposed (module docstring): with gradient
+        sync ``microbatch`` each backward's reductions too, by what they outlast it (the device's last
+        backward's are the step's tail instead, :meth:`tail_s`)."""
         units = self.units(rows, virtual_stage)
         gathered = forward_exposed_s(units)
-        if self.gathers_once:  # gathered once per step; every stage reduces after its last backward (tail_s)
-            return replace(cost, fsdp_first_forward_gather_s=gathered)
+        reduce_s = self.backward_reduce_s(units, backward_time_s(cost, self.layout.checkpoint))
+        if self.gathers_once:  # gathered once per step
+            return replace(cost, fsdp_first_forward_gather_s=gathered, fsdp_backward_reduce_s=reduce_s)
         gather_s, _reduce_s, _last = backward_exposed_s(units, True, False)
-        return replace(cost, fsdp_forward_gather_s=gathered, fsdp_backward_gather_s=gather_s)
+        return replace(cost, fsdp_forward_gather_s=gathered, fsdp_backward_gather_s=gather_s,
+                       fsdp_backward_reduce_s=reduce_s)
+
+    def backward_reduce_s(self, units: Sequence[Unit], backward_s: float) -> float:
+        """Gradient sync ``microbatch``: what one backward's reductions leave exposed after it (0 with
+        ``step``), as the last backward's are with ``step``: one stage, each unit's beside the backward
+        of the units before it, the first unit's whole (ZeRO-3's gathers priced apart, as they are
+        there); a pipeline, all of them beside the backward as a whole. So at M = 1 the two syncs
+        are one plan."""
+        if not self.every_microbatch:
+            return 0.0
+        if self.layout.stages > 1:
+            return pipelined_reduce_exposed_s(units, backward_s)
+        _gathers, reduce_shown, last = backward_exposed_s(units, False, True)
+        return reduce_shown + last
 
     def tail_s(self, rows: int, chunks: Sequence[int], last_backward_s: float) -> float:
         """Device's reductions left after its last backward. One stage: each unit's reduce-scatter runs
         beside the last micro-batch's backward of the units before it (FSDP2 with gradient sync on for
         that micro-batch), so what outlasts its neighbour's backward shows, and the first unit's whole.
-        A pipeline: the once-per-step reductions of its chunks, by what they outlast that backward."""
+        A pipeline: the once-per-step reductions of its chunks, by what they outlast that backward;
+        with gradient sync ``microbatch`` only its first chunk's, the others' having followed their
+        own backwards."""
+        if self.every_microbatch:
+            return self.backward_reduce_s(self.units(rows, chunks[0]), last_backward_s)
         if self.layout.stages == 1:
             _gathers, reduce_shown, last = backward_exposed_s(self.units(rows, chunks[0]), False, True)
             return reduce_shown + last

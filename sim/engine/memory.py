@@ -149,8 +149,9 @@ def static_bytes(stage_static_bytes: int, optimizer_bytes: int, replicas: int = 
 class Sharding(NamedTuple):
     """What a layout's ZeRO stage does to a device's static bytes: the stage (0: nothing sharded),
     the ranks it shards over, and under ZeRO-2/3 whether every unit's parameters are held gathered
-    at once (ZeRO-2, or K > 1) and whether unsharded gradients accumulate over micro-batches (M > 1:
-    reduce-scattered once per step, sim.engine.fsdp)."""
+    at once (ZeRO-2, or K > 1) and whether unsharded gradients accumulate over micro-batches (M > 1
+    and reduce-scattered once per step, gradient sync ``step``; with ``microbatch`` each micro-batch's
+    are reduce-scattered after its backward into the sharded gradient: sim.engine.fsdp)."""
 
     zero: int = 0
     ranks: int = 1
@@ -166,7 +167,8 @@ def sharding_of(layout: Any, microbatches: int | None = None) -> Sharding:
     if layout.zero == 1:
         return Sharding(1, layout.replicas)
     m = layout.microbatches if microbatches is None else microbatches
-    return Sharding(layout.zero, layout.shard_ranks, layout.zero == 2 or layout.stages > 1, m > 1)
+    return Sharding(layout.zero, layout.shard_ranks, layout.zero == 2 or layout.stages > 1,
+                    m > 1 and layout.resolved_gradient_sync == "step")
 
 
 def sharded_static_bytes(param_bytes: int, gradient_bytes: int, optimizer_bytes: int, gathered_bytes: int,

@@ -53,6 +53,12 @@ from sim.schedules.schedule import Action, Kind, cold_starts, device_of_virtual_
 GAP_INDEX = {kind: i for i, kind in enumerate(Kind)}  # StageCost.gap_after_s is in this order
 
 
+def final_gradient_index(actions: Sequence[Action]) -> int:
+    """Index of a device's last backward (or W) in ``actions``: the one whose ZeRO-2/3 reduce-scatter
+    is the step's tail (:meth:`sim.engine.fsdp.FsdpPricing.tail_s`), not priced after it; -1 if none."""
+    return max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD or a.kind is Kind.WEIGHT), default=-1)
+
+
 class Links:
     """The links of one replica as FIFO channels, one per device pair and direction, or one per
     node and direction where the link is shared (PCIe through the host).
@@ -157,6 +163,7 @@ class ReplicaRun:
         position = [0] * stages
         lengths = [len(actions) for actions in per_device_actions]
         cold = [cold_starts(actions) for actions in per_device_actions]
+        final = [final_gradient_index(actions) for actions in per_device_actions]
         sizes = {rows: [held_sizes(cost, self.checkpoint) for cost in row] for rows, row in self.costs.items()}
         remaining = sum(lengths)
         while remaining:
@@ -179,10 +186,8 @@ class ReplicaRun:
                     duration = self.action_s(device, cost, kind, s, cold[device][i], ready_s - free_s)
                     t = ready_s if ready_s > free_s else free_s
                     gather_s, reduce_s = self.communication_s(cost, kind, s)
-                    if gather_s > 0:  # one after the other, as the SimPy walk's timeouts add them
+                    if gather_s > 0:  # as the SimPy walk's timeout adds it
                         t += gather_s
-                    if reduce_s > 0:
-                        t += reduce_s
                     held = sizes[self.rows[m]][s]
                     if kind is Kind.BACKWARD and held[2]:
                         self._hold(device, held[2])
@@ -195,6 +200,8 @@ class ReplicaRun:
                         if own_s:
                             t += own_s
                         arrival_s[forward][target][m] = self._arrival_s(device, target, t, nbytes)
+                    if reduce_s > 0 and i != final[device]:  # after the send, before the next action
+                        t += reduce_s
                     i += 1
                 advanced += i - position[device]
                 position[device], now_s[device] = i, t
@@ -229,9 +236,10 @@ class ReplicaRun:
         return seconds
 
     def communication_s(self, cost: StageCost, kind: Kind, virtual_stage: int) -> tuple[float, float]:
-        """(gather, reduction) seconds ZeRO-2/3 leaves exposed before an action (:mod:`sim.engine.fsdp`):
-        a forward's gathers (the chunk's first forward alone pays the once-per-step gather), a
-        backward's or W's gathers and reduce-scatters; (0, 0) without sharding."""
+        """(gather, reduction) seconds ZeRO-2/3 leaves exposed around an action (:mod:`sim.engine.fsdp`):
+        before it, a forward's gathers (the chunk's first forward alone pays the once-per-step gather)
+        or a backward's or W's; after a backward or W, its reduce-scatters (gradient sync microbatch;
+        the walks leave out the device's last, which the step's tail prices); (0, 0) without sharding."""
         if kind is Kind.FORWARD:
             gather_s = cost.fsdp_forward_gather_s
             if cost.fsdp_first_forward_gather_s and virtual_stage not in self._gathered:
@@ -296,6 +304,7 @@ class ReplicaRun:
         if self.record:
             self.memory.append((device, 0.0, 0))
         cold = cold_starts(actions)
+        final = final_gradient_index(actions)
         for i, action in enumerate(actions):
             m, s, kind = action.microbatch, action.stage, action.kind
             cost = self.costs[self.rows[m]][s]
@@ -312,11 +321,11 @@ class ReplicaRun:
                 if self.record and env.now > wait_start:
                     self.records.append((device, RECV_WAIT, m, wait_start, env.now, s))
             duration = self.action_s(device, cost, kind, s, cold[i], env.now - wait_start)
-            for span, seconds in zip((DP_ALL_GATHER, DP_REDUCE_SCATTER), self.communication_s(cost, kind, s)):
-                if seconds > 0:
-                    if self.record:
-                        self.records.append((device, span, m, env.now, env.now + seconds, s))
-                    yield env.timeout(seconds)
+            gather_s, reduce_s = self.communication_s(cost, kind, s)
+            if gather_s > 0:
+                if self.record:
+                    self.records.append((device, DP_ALL_GATHER, m, env.now, env.now + gather_s, s))
+                yield env.timeout(gather_s)
             held = held_sizes(cost, self.checkpoint)
             if kind is Kind.BACKWARD and held[2]:
                 self._hold(device, held[2])  # the layer being recomputed, on top of what is held
@@ -332,6 +341,10 @@ class ReplicaRun:
                 if own_s:
                     yield env.timeout(own_s)  # the sender's own time
                 self._send(device, target, m, nbytes, forward)
+            if reduce_s > 0 and i != final:  # after the send, before the next action
+                if self.record:
+                    self.records.append((device, DP_REDUCE_SCATTER, m, env.now, env.now + reduce_s, s))
+                yield env.timeout(reduce_s)
         self.last_backward_s[device] = env.now
 
     def _send(self, device: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:

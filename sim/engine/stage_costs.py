@@ -79,9 +79,10 @@ class StageCost:
     # calibration, none in the analytic models
     replica_spread: tuple[float, ...] = ()
     # ZeRO-2/3 (sim.engine.fsdp): the parameter gathers and gradient reductions an action leaves
-    # exposed beyond the compute they overlap, paid before it as communication, not busy time: every
-    # forward's gathers (K = 1), the chunk's first forward's alone (K > 1: gathered once per step),
-    # and a backward's (or W's) gathers (ZeRO-3, K = 1) and reduce-scatters
+    # exposed beyond the compute they overlap, paid as communication, not busy time: before it, every
+    # forward's gathers (K = 1), the chunk's first forward's alone (K > 1: gathered once per step)
+    # and a backward's (or W's) gathers (ZeRO-3, K = 1); after a backward (or W), its reduce-scatters
+    # (gradient sync microbatch; the device's last backward's are the step's tail instead)
     fsdp_forward_gather_s: float = 0.0
     fsdp_first_forward_gather_s: float = 0.0
     fsdp_backward_gather_s: float = 0.0

@@ -30,6 +30,11 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   default, ZeRO-3); priced as FSDP2 runs them (:mod:`sim.engine.fsdp`).
 - ``shard_group`` (optional, with ``zero`` 2 or 3): HSDP, sharded within groups of this many
   replicas and replicated across them; null shards over all replicas.
+- ``gradient_sync`` (optional, with ``zero`` 2 or 3): ``step`` where the gradients of a step's
+  micro-batches accumulate unsharded and are reduce-scattered once after the last, ``microbatch``
+  where each micro-batch's are reduce-scattered after its backward into the sharded gradient; null
+  is the trainers' default, ``microbatch`` with one stage (FSDP2, DeepSpeed), ``step`` with a
+  pipeline (torch's pipeline schedules).
 
 ``null`` (or a left-out optional key) means the source does not say. ``attention`` is then flash
 on a GPU trainers run it on (eager elsewhere), ``compile`` false, and ``checkpoint``,
@@ -67,7 +72,7 @@ from sim.workloads.workload import Workload
 REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "pipeline_stages", "replicas",
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
-OPTIONAL = ("attention", "compile", "zero", "shard_group")  # keys a run may leave out, which then mean null
+OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync")  # keys a run may leave out, which then mean null
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -170,6 +175,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
                   "context_parallel": context, "replicas": replicas, "pipeline_stages": stages,
                   "virtual_stages": candidate.virtual_stages, "microbatches": candidate.microbatches,
                   "zero": candidate.zero, **({"shard_group": candidate.shard_group} if candidate.shard_group else {}),
+                  **({"gradient_sync": candidate.resolved_gradient_sync} if candidate.zero >= 2 else {}),
                   "microbatch_rows": split_rows(batch // replicas, candidate.microbatches)[0],
                   "checkpoint": candidate.checkpoint, "schedule": candidate.schedule,
                   "partition": list(found.partition)}

@@ -15,6 +15,9 @@ replica's share of the batch, and ZeRO 0 or 1 where D > 1 (a distributed optimiz
 shard gradients and parameters where memory needs it: ZeRO-2 and 3 add collectives the model takes as
 perfectly overlapped and step the optimizer on the shard, where ZeRO-1's shard step is taken to cancel
 its gather, so ranked by time alone they would win where a trainer would not have used them.
+ZeRO-2/3's gradients are reduce-scattered as the run's ``gradient_sync`` says, null meaning the
+trainers' default (after every micro-batch with one stage, once per step with a pipeline:
+:attr:`sim.formats.layout.ParallelLayout.resolved_gradient_sync`); it is never searched.
 
 Limits: a run whose trainer did not tune is predicted as if it had (too fast, where its choices
 were slower); a plan that fits nowhere is timed all the same, at the values that hold least memory
@@ -28,7 +31,7 @@ from typing import Any
 
 from sim.catalog.hardware import System
 from sim.engine.engine import SimResult, simulate
-from sim.formats.layout import ZERO_STAGES, ParallelLayout, check_sharding
+from sim.formats.layout import ZERO_STAGES, ParallelLayout, check_gradient_sync, check_sharding
 from sim.errors import GpipeInputError
 from sim.planner.search import Candidate, default_partition, search
 from sim.schedules.microbatch import split_rows
@@ -52,6 +55,7 @@ class Space:
     zero_options: tuple[int, ...]
     shard_group: int | None = None  # HSDP's groups of replicas (zero 2 or 3); None: all of them
     zero_escalates: bool = False  # a plan that fits at no ZeRO stage listed is tried at the next (2, then 3)
+    gradient_sync: str | None = None  # ZeRO-2/3's reduce-scatter per "step" or per "microbatch"; None: the trainers' default
 
 
 @dataclass
@@ -107,7 +111,11 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     else:
         zeros = (2, 3) if group is not None else (0, 1)
     escalates = zero is None and group is None and replicas > 1  # 2, then 3, where neither 0 nor 1 fits
-    return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates)
+    sync = run.get("gradient_sync")
+    if sync is not None:
+        check_gradient_sync(sync, zero if zero is not None else 2)
+    return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates,
+                 sync)
 
 
 def count_of(run: dict[str, Any], key: str) -> int | None:
@@ -130,7 +138,8 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
         found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
                        list(space.schedules), top=1, replica_options=[replicas],
                        virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
-                       dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates).best
+                       dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates,
+                       gradient_sync_options=(space.gradient_sync,)).best
         if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
             assert found.result is not None and found.partition is not None
             best = Found(found.candidate, found.partition, found.result, sequence, True)
@@ -146,13 +155,15 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
     zero = 3 if space.zero_escalates else space.zero_options[-1]
     candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,
                           space.virtual_options[0] if schedule == "interleaved" else 1, zero,
-                          shard_group=space.shard_group if zero >= 2 else None)
+                          shard_group=space.shard_group if zero >= 2 else None,
+                          gradient_sync=space.gradient_sync if zero >= 2 else None)
     partition = default_partition(split, groups, batch, candidate)
     result = simulate(split, groups, partition, batch,
                       ParallelLayout.for_partition(partition, candidate.microbatches,
                                                    checkpoint=candidate.checkpoint, schedule=schedule,
                                                    virtual_stages=candidate.virtual_stages, replicas=replicas,
-                                                   zero=candidate.zero, shard_group=candidate.shard_group),
+                                                   zero=candidate.zero, shard_group=candidate.shard_group,
+                                                   gradient_sync=candidate.gradient_sync),
                       record=False, dp_overlap=True)
     return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages))
 

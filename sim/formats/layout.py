@@ -48,6 +48,7 @@ class ParallelLayout:
     sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
     context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
     shard_group: int | None = None  # ZeRO-2/3 over groups of this many replicas, replicated across them (HSDP)
+    gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
 
     def __post_init__(self) -> None:
         require_positive("stages (K)", self.stages, "use --stages 1 or more")
@@ -58,6 +59,7 @@ class ParallelLayout:
         require_positive("virtual stages (V)", self.virtual_stages, "use --virtual-stages 1 or more")
         check_virtual_stages(self.schedule, self.virtual_stages)
         check_sharding(self.zero, self.replicas, self.shard_group)
+        check_gradient_sync(self.gradient_sync, self.zero)
         check_placement(self.placement)
         require_positive("tensor_parallel (T)", self.tensor_parallel, "use --tensor-parallel 1 or more")
         if not isinstance(self.sequence_parallel, bool):
@@ -80,6 +82,16 @@ class ParallelLayout:
         if not self.zero:
             return 1
         return self.shard_group or self.replicas
+
+    @property
+    def resolved_gradient_sync(self) -> str:
+        """When ZeRO-2/3 reduce-scatters the gradients (:data:`GRADIENT_SYNCS`): as given, else the
+        trainers' default, ``microbatch`` without a pipeline (FSDP2, DeepSpeed) and ``step`` with one
+        (torch's pipeline schedules, torchtitan). Below ZeRO-2 ``step``: whole replicas and ZeRO-1
+        reduce their gradients once per step, after the last backward."""
+        if self.gradient_sync is not None:
+            return self.gradient_sync
+        return default_gradient_sync(self.stages) if self.zero >= 2 else "step"
 
     @property
     def devices_per_stage(self) -> int:
@@ -130,6 +142,29 @@ def check_sharding(zero: object, replicas: int | None = None, shard_group: objec
     if replicas is not None and replicas % shard_group:
         raise GpipeInputError(f"--shard-group {shard_group} does not divide --replicas {replicas}; give a divisor "
                               "of D (D itself shards over all replicas)")
+
+
+# When ZeRO-2/3 reduce-scatters a stage's gradients: once per step after the last micro-batch's backward,
+# the micro-batches' gradients accumulated unsharded ("step"), or after every micro-batch's backward,
+# accumulated into the sharded gradient ("microbatch")
+GRADIENT_SYNCS = ("step", "microbatch")
+
+
+def default_gradient_sync(stages: int) -> str:
+    """The trainers' default: ``microbatch`` on one stage (FSDP2's gradient accumulation, DeepSpeed's
+    ZeRO-2/3), ``step`` under a pipeline (torch's pipeline schedules sync on the last micro-batch)."""
+    return "microbatch" if stages == 1 else "step"
+
+
+def check_gradient_sync(gradient_sync: object, zero: int) -> None:
+    """``step``, ``microbatch`` or None; a value given only with ZeRO-2/3, which shard the gradients."""
+    if gradient_sync is None:
+        return
+    if gradient_sync not in GRADIENT_SYNCS:
+        raise GpipeInputError(f"--gradient-sync must be step or microbatch, got {gradient_sync!r}")
+    if zero < 2:
+        raise GpipeInputError(f"--gradient-sync {gradient_sync} says when sharded gradients are reduce-scattered, "
+                              f"which needs --zero 2 or 3 (got --zero {zero}); drop --gradient-sync or use --zero 2 or 3")
 
 
 def check_chunked_partition(partition: Sequence[int], virtual_stages: int, name: str = "partition") -> None:

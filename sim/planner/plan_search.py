@@ -143,7 +143,7 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
                           space.partitioner, top, progress, list(degrees.replicas), list(degrees.virtual_stages),
                           list(degrees.zero), list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
                           max_groups=max_groups, step_limit_s=step_limit, escalate_zero=space.zero_escalates,
-                          shard_group_options=space.shard_groups)
+                          shard_group_options=space.shard_groups, gradient_sync_options=space.gradient_syncs)
         for option in part.ranked + part.unfit_examples:
             option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
                                        context_parallel=space.context_parallel)
@@ -164,7 +164,8 @@ def _search_each_stage_count(workload: MeasuredCosts, system: System, batch: int
                                 list(degrees.schedules), space.partitioner, top, progress, [d],
                                 list(degrees.virtual_stages), list(degrees.zero), list(space.placements),
                                 bound.allreduce_link(bound_system),  # type: ignore[attr-defined]
-                                escalate_zero=space.zero_escalates, shard_group_options=space.shard_groups))
+                                escalate_zero=space.zero_escalates, shard_group_options=space.shard_groups,
+                                gradient_sync_options=space.gradient_syncs))
     return _merged(parts, top)
 
 

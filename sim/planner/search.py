@@ -127,14 +127,17 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                replica_options: Iterable[int] = (1,), virtual_options: Iterable[int] = (2,),
                zero_options: Iterable[int] = (0,), placements: Sequence[str] = PLACEMENTS,
                system: System | None = None, num_layers: int | None = None,
-               shard_group: int | None = None, shard_group_options: Sequence[int] = ()) -> list[Candidate]:
+               shard_group: int | None = None, shard_group_options: Sequence[int] = (),
+               gradient_sync_options: Sequence[str | None] = (None,)) -> list[Candidate]:
     """Every combination worth simulating: M values that torch.chunk would turn into the same
     splits appear once, D x K beyond the system's devices, placements that are the same devices,
     ZeRO with one replica, ZeRO-3 with K > 1 beside ZeRO-2 (the same plan under torchtitan's policy: no
     reshard after forward when pipelined), and interleaving that cannot run (V x K over the layers, M
     not a multiple of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule;
     ``shard_group`` (HSDP) is given to the ZeRO-2/3 candidates whose D it divides; without it, those
-    candidates shard over all D replicas and over each of ``shard_group_options`` that divides D."""
+    candidates shard over all D replicas and over each of ``shard_group_options`` that divides D; each
+    ZeRO-2/3 candidate is tried with each of ``gradient_sync_options`` (None: the trainers' default),
+    once where every replica runs one micro-batch (the two syncs are then the same plan)."""
     stage_options, microbatch_options = list(stage_options), list(microbatch_options)
     virtual_options = [v for v in virtual_options if v >= 2]
     out = []
@@ -166,9 +169,18 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
                                 continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
                             for placement in where:
                                 for group in _shard_groups(zero, d, shard_group, shard_group_options):
-                                    out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
-                                                         shard_group=group))
+                                    for sync in gradient_syncs(zero, counts, gradient_sync_options):
+                                        out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
+                                                             shard_group=group, gradient_sync=sync))
     return out
+
+
+def gradient_syncs(zero: int, counts: set[int], options: Sequence[str | None]) -> list[str | None]:
+    """The gradient syncs a candidate of ``zero`` whose replicas run ``counts`` micro-batches is tried
+    with: None below ZeRO-2; the first of ``options`` alone where every replica runs one micro-batch."""
+    if zero < 2:
+        return [None]
+    return list(options)[:1] if counts == {1} else list(options)
 
 
 def _shard_groups(zero: int, replicas: int, given: int | None, options: Sequence[int]) -> list[int | None]:
@@ -393,7 +405,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
            max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
            escalate_zero: bool = False, shard_group: int | None = None,
-           shard_group_options: Sequence[int] = ()) -> SearchResult:
+           shard_group_options: Sequence[int] = (), gradient_sync_options: Sequence[str | None] = (None,)) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -423,7 +435,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     unfit: list[PlanOption] = []
     all_candidates = candidates(stage_options, microbatch_options, batch_size, checkpoints, schedules,
                                 replica_options, virtual_options, zero_options, placements, system,
-                                workload.num_layers, shard_group, shard_group_options)
+                                workload.num_layers, shard_group, shard_group_options, gradient_sync_options)
     if max_groups is not None:
         all_candidates = [c for c in all_candidates if c.stages * c.replicas <= max_groups]
     weigh = weight or (lambda _candidate: 1.0)
@@ -444,13 +456,15 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
             return
         zero = candidate.zero + 1
         group = shard_group if zero >= 2 and shard_group and candidate.replicas % shard_group == 0 else None
-        sharded = replace(candidate, zero=zero, shard_group=group)
-        bound = balanced(sharded)
-        if bound > limit(sharded):
-            over_limit += 1
-            return
-        bisect.insort(waiting, (bound * weigh(sharded), extra, sharded), lo=next_waiting)
-        extra += 1
+        counts = {len(split_rows(rows, candidate.microbatches)) for rows in split_rows(batch_size, candidate.replicas)}
+        for sync in gradient_syncs(zero, counts, gradient_sync_options):
+            sharded = replace(candidate, zero=zero, shard_group=group, gradient_sync=sync)
+            bound = balanced(sharded)
+            if bound > limit(sharded):
+                over_limit += 1
+                continue
+            bisect.insort(waiting, (bound * weigh(sharded), extra, sharded), lo=next_waiting)
+            extra += 1
 
     partitioned: list[tuple[float, int, PlanOption]] = []  # min-heap by lower bound
     kept: list[tuple[float, int, PlanOption]] = []  # max-heap of the top fitting, by -step time

@@ -72,6 +72,7 @@ class SearchSpace:
     zero: tuple[int, ...] = (0,)
     zero_escalates: bool = False  # a layout that does not fit is tried at the next ZeRO stage (--zero-options auto)
     shard_groups: tuple[int, ...] = ()  # HSDP's shard groups tried beside all replicas with ZeRO-2/3
+    gradient_syncs: tuple[str | None, ...] = (None,)  # ZeRO-2/3's gradient syncs tried; None: the trainers' default
     placements: tuple[str, ...] = PLACEMENTS
     tensor_parallel: tuple[int, ...] | None = None  # T; default the powers of two the model splits into
     context_parallel: int = 1  # C, one value per search

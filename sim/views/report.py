@@ -52,7 +52,9 @@ def _scale_out_lines(result: SimResult) -> list[str]:
         rows = ",".join(map(str, result.replica_rows))
         lines.append(f"replicas     {result.replicas} x {len(result.partition) // result.virtual_stages} stages, "
                      f"{result.placement}, rows per replica {rows}, zero {result.zero}"
-                     + (f", shard group {result.shard_group}" if result.shard_group else ""))
+                     + (f", shard group {result.shard_group}" if result.shard_group else "")
+                     + (f", gradients reduce-scattered per {'micro-batch' if result.gradient_sync == 'microbatch' else 'step'}"
+                        if result.gradient_sync else ""))
     return lines
 
 

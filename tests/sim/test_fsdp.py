@@ -42,10 +42,10 @@ def system(devices_per_node: int = 8, nodes: int = 1, memory_bytes: float = floa
 
 
 def run(zero: int, stages: int = 1, microbatches: int = 1, replicas: int = 2, shard_group: int | None = None,
-        where: System | None = None, batch: int = 4):
+        where: System | None = None, batch: int = 4, gradient_sync: str | None = None):
     partition = [len(PARAMS)] if stages == 1 else [2, 2]
     layout = ParallelLayout.for_partition(partition, microbatches, checkpoint="never", replicas=replicas, zero=zero,
-                                          shard_group=shard_group)
+                                          shard_group=shard_group, gradient_sync=gradient_sync)
     return simulate(Units(), where or system(), partition, batch, layout)
 
 
@@ -63,6 +63,8 @@ def test_sharded_memory_per_rank_is_the_hand_count():
     # K > 1 with M > 1: all of a stage's units gathered once, its gradients accumulated unsharded
     first = run(3, stages=2, microbatches=2).stages[0].sharded
     assert first.gathered_parameter_bytes_peak == 400 and first.accumulated_gradient_bytes == 400
+    # reduce-scattered after every micro-batch instead: no unsharded gradient outlasts a backward
+    assert run(3, stages=2, microbatches=2, gradient_sync="microbatch").stages[0].sharded.accumulated_gradient_bytes == 0
 
 
 def reduce_tail_s(reduces_s, rows=2):
@@ -78,7 +80,7 @@ def _kinds(result, kind):
 
 
 def test_zero3_gathers_again_before_each_backward_with_one_stage():
-    two, three = run(2, microbatches=2), run(3, microbatches=2)
+    two, three = run(2, microbatches=2, gradient_sync="step"), run(3, microbatches=2, gradient_sync="step")
     # ZeRO-2 gathers once a step; ZeRO-3 before each micro-batch's forward and again before its backward
     assert len(_kinds(two, DP_ALL_GATHER)) == 1 and len(_kinds(three, DP_ALL_GATHER)) == 4
     for result in (two, three):  # the micro-batches' gradients reduce-scattered once, after the last backward
@@ -91,6 +93,35 @@ def test_zero3_gathers_again_before_each_backward_with_one_stage():
     gather = [ring_gather_s(p, 2, INTRA) for p in PARAMS]
     shown = gather[0] + sum(max(0.0, g - 1e-3) for g in gather[1:])  # one row per micro-batch: 1 ms a unit
     assert _kinds(two, DP_ALL_GATHER)[0].end_s - _kinds(two, DP_ALL_GATHER)[0].start_s == pytest.approx(shown)
+
+
+def test_gradient_sync_per_microbatch_reduces_after_every_backward_and_accumulates_sharded():
+    for zero in (2, 3):
+        step, each = run(zero, microbatches=2, gradient_sync="step"), run(zero, microbatches=2)  # K = 1: the default
+        assert each.to_dict() == run(zero, microbatches=2, gradient_sync="microbatch").to_dict()
+        assert each.to_dict()["gradient_sync"] == "microbatch" and step.to_dict()["gradient_sync"] == "step"
+        spans = _kinds(each, DP_REDUCE_SCATTER)
+        # after the first backward (before the second), and the second's as the step's tail
+        first, second = sorted(_kinds(each, "B"), key=lambda r: r.start_s)
+        assert [r.microbatch for r in spans] == [first.microbatch, -1]
+        assert spans[0].start_s == pytest.approx(first.end_s) and spans[0].end_s <= second.start_s
+        assert spans[0].end_s - spans[0].start_s == pytest.approx(spans[1].end_s - spans[1].start_s)
+        if zero == 2:  # beside the backward as the last one's: the same exposure
+            assert spans[1].end_s - spans[1].start_s == pytest.approx(reduce_tail_s([ring_gather_s(p, 2, INTRA)
+                                                                                      for p in PARAMS], rows=1))
+        assert each.step_time_s > step.step_time_s  # one more reduction for ...
+        memory, held = each.stages[0].sharded, step.stages[0].sharded
+        assert memory.accumulated_gradient_bytes == 0 and held.accumulated_gradient_bytes == sum(PARAMS)
+        assert each.stages[0].static_bytes == step.stages[0].static_bytes - sum(PARAMS)  # ... no unsharded gradients
+    # with a pipeline the default is once per step; per micro-batch, each backward's beside it as a whole
+    piped = run(2, stages=2, microbatches=4, gradient_sync="microbatch", batch=8)
+    assert run(2, stages=2, microbatches=4).to_dict()["gradient_sync"] == "step"
+    spans = _kinds(piped, DP_REDUCE_SCATTER)
+    assert len(spans) == 4 and spans[-1].microbatch == -1
+    backward_s = 2 * 2e-3 * 1  # two units of 2 ms a row, one row per micro-batch
+    assert spans[0].end_s - spans[0].start_s == pytest.approx(
+        max(sum(ring_gather_s(p, 2, INTRA) for p in PARAMS[:2]) - backward_s, ring_gather_s(PARAMS[0], 2, INTRA)))
+    assert piped.stages[0].sharded.accumulated_gradient_bytes == 0
 
 
 def test_with_a_pipeline_each_stage_gathers_once_and_zero3_costs_what_zero2_does():
