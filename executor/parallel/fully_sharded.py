@@ -19,12 +19,18 @@ What is done when (the contract with the simulator, ``sim/``):
   the current one's (forward and backward prefetch of one unit).
 * with K > 1 (torchtitan's policy for pipelines): no reshard after forward, so ``--zero 3`` runs as
   ``--zero 2`` in time and memory; each stage gathers once per step.
-* gradients of a stage's M micro-batches accumulate unsharded (``set_requires_gradient_sync(False)``)
-  and are reduce-scattered once per step, right after the chunk's last backward (as torch's own
-  pipeline schedules reduce after the last micro-batch, ``perform_reduce_grad``), replacing the
-  all-reduce of whole replicas. Each rank multiplies its gradients by its replica's share of the
-  global batch ``rows_d / B`` before a summing reduce-scatter, so uneven splits train what one
-  process trains, exactly as the all-reduce of :mod:`executor.parallel.replicas` does.
+* ``--gradient-sync step`` (the default with K > 1): gradients of a stage's M micro-batches
+  accumulate unsharded (``set_requires_gradient_sync(False)``) and are reduce-scattered once per
+  step, right after the chunk's last backward (as torch's own pipeline schedules reduce after the
+  last micro-batch, ``perform_reduce_grad``), replacing the all-reduce of whole replicas.
+* ``--gradient-sync microbatch`` (the default with K = 1, as FSDP2's and DeepSpeed's gradient
+  accumulation run): the same reduce-scatter after every micro-batch's backward, FSDP2 adding each
+  into the sharded gradient and freeing the unsharded one, so no unsharded gradient outlasts a
+  backward; ZeRO-2's units stay gathered until the step's last backward reshards them.
+* Each rank multiplies its gradients by its replica's share of the global batch ``rows_d / B``
+  before a summing reduce-scatter, so uneven splits train what one process trains, exactly as the
+  all-reduce of :mod:`executor.parallel.replicas` does; the weighting is linear, so weighting each
+  micro-batch's gradients before their reduction sums to the same as weighting the accumulated ones.
 
 The optimizer is the configured torch.optim class over the sharded (DTensor) parameters; clipping
 takes each gradient's norm over its shards (a DTensor's norm made whole: each element counted once,
@@ -51,9 +57,11 @@ group's backend.
 Limits: the gathers and reduce-scatters run synchronously (a prefetched gather is issued early but
 not overlapped with compute on the host) and are timed as spans of their own
 (:data:`~sim.formats.timeline.DP_ALL_GATHER`, :data:`~sim.formats.timeline.DP_REDUCE_SCATTER`);
-the gradient norm takes one small all-reduce per parameter; the peak of gathered parameters is
-sampled at each unit's forward (after its gather and prefetch) and after every action, so a peak
-inside a backward alone is not seen. The driving of FSDP's post-backward (:meth:`ShardedChunk.reduce`)
+a backward's reduce-scatters run unit by unit after the chunk's backward, not inside it as FSDP2's
+hooks would issue them; the gradient norm takes one small all-reduce per parameter; the peak of
+gathered parameters is sampled at each unit's forward (after its gather and prefetch) and after
+every action, and the unsharded gradients held after every action's reduction, so a peak inside a
+backward alone is not seen. The driving of FSDP's post-backward (:meth:`ShardedChunk.reduce`)
 and the gathered-bytes probe read FSDP2's private state, as torch's own pipeline schedules do.
 """
 
@@ -86,6 +94,7 @@ class Sharding:
     mesh: DeviceMesh
     reshard_after_forward: bool  # ZeRO-3 on one stage; False for ZeRO-2 and under a pipeline
     weight: float  # rows_d / B: this replica's share of the global batch
+    reduce_every_microbatch: bool = False  # --gradient-sync microbatch; else once per step, after the last backward
 
 
 def shard_module(module: nn.Sequential, sharding: Sharding) -> nn.Sequential:
@@ -187,7 +196,7 @@ class _WeightedReduceScatter(ReduceScatter):
 
 class ShardedChunk:
     """One chunk's FSDP units at run time: gradients accumulated over the step's micro-batches and
-    reduce-scattered after its last backward."""
+    reduce-scattered after its last backward (:meth:`reduce`), or after each (:meth:`reduce_microbatch`)."""
 
     def __init__(self, part: Any, sharding: Sharding) -> None:
         self.part = part  # the PipelineStage: its recorder is looked up at each call (a device may swap it)
@@ -223,6 +232,35 @@ class ShardedChunk:
         state._root_post_backward_final_callback()
         self.accumulate()
 
+    def reduce_microbatch(self) -> None:
+        """One micro-batch's gradients reduce-scattered (and all-reduced across HSDP groups) into the
+        sharded gradients, the unsharded ones freed; not the step's last backward, so nothing is
+        finalized and ZeRO-2's units stay gathered for the next micro-batch."""
+        root = self.root
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)
+        for unit_state in state._state_ctx.all_states:
+            for group in unit_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        self.accumulate()
+
+    def unsharded_gradient_bytes(self) -> int:
+        """Bytes of unsharded gradients this chunk's units hold now (this rank's part of a DTensor's)."""
+        nbytes = 0
+        for module in fsdp_modules(self.root):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else []:
+                if not hasattr(fsdp_param, "_unsharded_param"):
+                    continue
+                grad = fsdp_param.unsharded_accumulated_grad
+                if grad is None:
+                    grad = fsdp_param._unsharded_param.grad
+                if grad is not None:
+                    local = grad.to_local() if is_dtensor(grad) else grad
+                    nbytes += local.numel() * local.element_size()
+        return nbytes
+
     def gathered(self) -> tuple[int, list[torch.Tensor]]:
         """Bytes of the unit parameters this chunk holds gathered now (a prefetched unit's all-gather
         issued counts), and the gathered tensors, this rank's part of each."""
@@ -242,12 +280,15 @@ class ShardedChunk:
 class GatheredPeak:
     """The largest sum of gathered parameters a rank's chunks hold at once, sampled at each unit's
     forward (after its gather and prefetch) and after every action; the gathered tensors are kept
-    out of the activation count (``counter``), as the parameters they stand for are."""
+    out of the activation count (``counter``), as the parameters they stand for are. Beside it, the
+    most unsharded gradients held after an action and its reduction (:meth:`sample_gradients`):
+    those accumulated across micro-batches, none where each backward reduces its own."""
 
     def __init__(self, chunks: Sequence[ShardedChunk], counter: Any) -> None:
         self.chunks = list(chunks)
         self.counter = counter
         self.peak_bytes = 0
+        self.gradient_peak_bytes = 0
         for chunk in self.chunks:
             for unit in fsdp_modules(chunk.root):
                 unit.register_forward_pre_hook(lambda module, args: self.sample())  # after FSDP's own
@@ -261,11 +302,16 @@ class GatheredPeak:
                 self.counter.exclude(held)
         self.peak_bytes = max(self.peak_bytes, total)
 
+    def sample_gradients(self) -> None:
+        total = sum(chunk.unsharded_gradient_bytes() for chunk in self.chunks)
+        self.gradient_peak_bytes = max(self.gradient_peak_bytes, total)
+
 
 def attach(stage: Any, parts: Sequence[Any], sharding: Sharding) -> tuple[GatheredPeak, Callable[[int, Action], None]]:
     """What drives the FSDP units of ``stage`` (a PipelineStage, or a device of chunks ``parts``)
     through each step: the probe of gathered bytes, and the hook to run after each action (the
-    caller chains it), which reduces each chunk after its last backward of the step."""
+    caller chains it), which reduces each chunk after its last backward of the step, and with
+    ``--gradient-sync microbatch`` after each of its backwards before that too."""
     chunks = {part.config.stage: ShardedChunk(part, sharding) for part in parts}
     peak = GatheredPeak(list(chunks.values()), stage.counter)
     gradients = (Kind.BACKWARD, Kind.INPUT, Kind.WEIGHT)
@@ -275,6 +321,9 @@ def attach(stage: Any, parts: Sequence[Any], sharding: Sharding) -> tuple[Gather
         peak.sample()
         if last.get(action.stage) == index:
             chunks[action.stage].reduce()
+        elif sharding.reduce_every_microbatch and action.kind in (Kind.BACKWARD, Kind.WEIGHT):
+            chunks[action.stage].reduce_microbatch()
+        peak.sample_gradients()
 
     return peak, after
 
@@ -283,7 +332,8 @@ def memory_bytes(parts: Sequence[Any], peak: GatheredPeak) -> dict[str, int]:
     """This rank's bytes as the contract with the simulator counts them: parameter and gradient
     shards padded as FSDP pads them (dim 0 rounded up to a multiple of the shard ranks), optimizer
     state tensors of a parameter's shape at that size (AdamW: 2 per parameter; the scalar step
-    counters left out), and the largest sum of gathered unit parameters seen at once."""
+    counters left out), the largest sum of gathered unit parameters seen at once, and the most
+    unsharded gradients held after an action (accumulated across micro-batches)."""
     parameter = gradient = optimizer = 0
     for part in parts:
         padded = {}
@@ -301,4 +351,4 @@ def memory_bytes(parts: Sequence[Any], peak: GatheredPeak) -> dict[str, int]:
                 optimizer += sum(padded.get(id(param), 0) for value in state.values()
                                  if torch.is_tensor(value) and value.dim())
     return {"parameter_bytes": parameter, "gradient_bytes": gradient, "optimizer_state_bytes": optimizer,
-            "gathered_parameter_bytes_peak": peak.peak_bytes}
+            "gathered_parameter_bytes_peak": peak.peak_bytes, "accumulated_gradient_bytes": peak.gradient_peak_bytes}

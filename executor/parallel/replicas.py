@@ -40,7 +40,8 @@ weight decay and the learning-rate schedule act as without it.
 
 ZeRO-2 and ZeRO-3 (``--zero 2|3``, ``--shard-group N``): each stage's layers are sharded over its dp
 group by FSDP2 when they are made, and their gradients reduce-scattered by it instead of the
-all-reduce here (:mod:`executor.parallel.fully_sharded`); with a shard group below D the mesh's dp
+all-reduce here (:mod:`executor.parallel.fully_sharded`: once per step, or after every micro-batch's
+backward with ``--gradient-sync microbatch``, one stage's default); with a shard group below D the mesh's dp
 dimension is made of two, ``dp_replicate`` x ``dp_shard`` (HSDP), and ``dp`` is their flattening.
 
 Checkpoints: replica 0 of each stage writes the stage's shard (the replicas hold the same values).
@@ -82,6 +83,7 @@ from executor.transport.shm_allreduce import SharedSum
 from executor.transport.shm_transport import HostLinks
 from sim.engine.placement import device_of, replica_and_stage
 from sim.errors import GpipeInputError
+from sim.formats.layout import default_gradient_sync
 from sim.formats.timeline import DP_ALLREDUCE
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import Action, Kind, device_of_virtual_stage
@@ -161,6 +163,7 @@ class Layout:
     tp_rank: int = 0  # t, this rank's place among them
     shard_group: int | None = None  # ZeRO-2/3: shard within groups of this many replicas (HSDP); None: all D
     reshard_after_forward: bool = False  # ZeRO-3 on one stage (executor.parallel.fully_sharded)
+    reduce_every_microbatch: bool = False  # ZeRO-2/3, gradient sync "microbatch": reduce-scatter after each backward
 
     @property
     def hsdp(self) -> bool:
@@ -176,7 +179,7 @@ class Layout:
         from executor.parallel.fully_sharded import Sharding  # FSDP is slow to import: ZeRO-2/3 runs only
 
         mesh = self.mesh[(DP_REPLICATE, DP_SHARD)] if self.hsdp else self.mesh[DP]
-        return Sharding(mesh, self.reshard_after_forward, self.weight)
+        return Sharding(mesh, self.reshard_after_forward, self.weight, self.reduce_every_microbatch)
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -265,7 +268,8 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     stage_ranks = tuple(grid[replica][k][tp_rank] for k in range(stages))
     return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, stage_ranks,
                   mesh, boundary, shared_groups, parts, tp_rank, shard_group,
-                  reshards_after_forward(config.zero, stages))
+                  reshards_after_forward(config.zero, stages),
+                  config.zero >= 2 and (config.gradient_sync or default_gradient_sync(stages)) == "microbatch")
 
 
 class GradientAverage:

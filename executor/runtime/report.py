@@ -19,7 +19,9 @@ every rank's spans, each record carrying its ``replica`` (the data-parallel all-
 With ``--zero 2`` or ``3`` (:mod:`executor.parallel.fully_sharded`) each rank's entry also has
 ``parameter_bytes``, ``gradient_bytes`` (its padded shards), ``optimizer_state_bytes`` (state of a
 parameter's shape at the shard's size; scalar step counters left out) and
-``gathered_parameter_bytes_peak`` (the most gathered unit parameters it held at once), its gradient
+``gathered_parameter_bytes_peak`` (the most gathered unit parameters it held at once) and
+``accumulated_gradient_bytes`` (the most unsharded gradients it held after an action: those of a
+step's micro-batches with ``--gradient-sync step``, none with ``microbatch``), its gradient
 sum is ``"reduce-scatter (gloo)"``, and the gathers and reduce-scatters are spans of the kinds
 ``all_gather_dp`` and ``reduce_scatter_dp``.
 

@@ -10,7 +10,8 @@ embedding row's gradient into a step of about lr) losses rtol 1e-3, parameters a
 replicas' micro-batches hold other rows than one process's, and autocast rounds each micro-batch's
 weight gradient to bf16 before they are added. The launches share the matrix between them (K in {1, 2}, T in {1, 2}, gpipe,
 1F1B and interleaved, every recompute policy, AdamW with clipping, bf16, a tied embedding and head,
-HSDP), and the first also saves a ZeRO-3 checkpoint that is resumed at D = 1 and at ZeRO-1.
+HSDP, gradients reduce-scattered once per step and after every micro-batch), and the first also saves
+a ZeRO-3 checkpoint that is resumed at D = 1, at ZeRO-1 and at ZeRO-2 on two stages.
 """
 
 import json
@@ -77,13 +78,15 @@ def assert_parameters(root, expected, atol):
 @pytest.mark.slow
 def test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1(tmp_path):
     """ZeRO-3 at K = 1 (gathered per unit, resharded after each forward and backward), D = 2 on an
-    uneven batch (6 + 5 rows), AdamW with clipping; the checkpoint after 2 steps resumes at D = 1,
-    at ZeRO-1 and at ZeRO-2 on two stages, each continuing the uninterrupted run; the report counts
-    the shards' bytes."""
+    uneven batch (6 + 5 rows), AdamW with clipping, each of the M = 2 micro-batches' gradients
+    reduce-scattered after its backward (--gradient-sync microbatch); the checkpoint after 2 steps
+    resumes at D = 1, at ZeRO-1 and at ZeRO-2 on two stages (also reducing every micro-batch), each
+    continuing the uninterrupted run; the report counts the shards' bytes, and no unsharded gradient
+    held across micro-batches, as the simulator predicts."""
     common = ["--model", "mlp", *option_flags(MLP), "--microbatches", "2", "--batch", "11", "--stages", "1",
               *optimizer_flags(ADAMW)]
     report, root = train(tmp_path, "zero3", *common, "--replicas", "2", "--zero", "3", "--steps", "2",
-                         "--save-every", "2", "--trace", str(tmp_path / "t.json"))
+                         "--gradient-sync", "microbatch", "--save-every", "2", "--trace", str(tmp_path / "t.json"))
     losses, norms, expected = one_process("mlp", MLP, (8,), 11, 2, 4, ADAMW)
     assert report["losses"] == pytest.approx(losses[:2], rel=1e-5)
     assert report["grad_norms"] == pytest.approx(norms[:2], rel=1e-5)
@@ -99,21 +102,28 @@ def test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1(tmp
         assert entry["parameter_bytes"] == entry["gradient_bytes"] == shard_bytes
         assert entry["optimizer_state_bytes"] == 2 * shard_bytes
         assert entry["gathered_parameter_bytes_peak"] == max(a + b for a, b in zip(sizes, sizes[1:]))
+        assert entry["accumulated_gradient_bytes"] == 0  # each micro-batch's reduced and freed after its backward
         assert entry["gradient_sum"] == "reduce-scatter (gloo)"
     kinds = {r["kind"] for r in report["timeline"]["records"]}
     assert {"all_gather_dp", "reduce_scatter_dp"} <= kinds and "allreduce_dp" not in kinds
+    scatters = [r for r in report["timeline"]["records"] if r["kind"] == "reduce_scatter_dp" and r["stage"] == 0
+                and r.get("replica", 0) == 0 and r.get("step", 0) == 0]
+    assert len(scatters) == 2 * len(units)  # every unit's, after each of the 2 micro-batches' backwards
     # the simulator's sharded memory of the same run, rank by rank: the shards and the gathered units in
     # flight (activations: the calibrated costs file's, held to the executor's count by gpipe validate)
     predicted = gpipe("simulate", "--model", "mlp", *option_flags(MLP), "--microbatches", "2", "--batch", "11",
-                      "--optimizer", "adamw", "--replicas", "2", "--zero", "3", "--partition", "8", "--json")
+                      "--optimizer", "adamw", "--replicas", "2", "--zero", "3", "--partition", "8", "--json",
+                      "--gradient-sync", "microbatch")
     assert predicted.returncode == 0, predicted.stderr
     devices = json.loads(predicted.stdout)["stages"]
     assert len(devices) == len(report["ranks"]) == 2
     for device, entry in zip(devices, report["ranks"]):
-        for field in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "gathered_parameter_bytes_peak"):
+        for field in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "gathered_parameter_bytes_peak",
+                      "accumulated_gradient_bytes"):
             assert device[field] == entry[field], (field, device["replica"])
     for other, flags in (("one", ["--replicas", "1"]), ("zero1", ["--replicas", "2", "--zero", "1"]),
-                         ("pipelined", ["--replicas", "2", "--zero", "2", "--stages", "2"])):
+                         ("pipelined", ["--replicas", "2", "--zero", "2", "--stages", "2", "--gradient-sync",
+                                        "microbatch"])):
         shutil.copytree(root, tmp_path / other)
         resumed, _ = train(tmp_path, other, *common, *flags, "--steps", "4", "--resume", "--save-every", "4")
         assert resumed["losses"] == pytest.approx(losses, rel=1e-5), other
@@ -129,14 +139,21 @@ def test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1(tmp
     # ZeRO-2 with tensor parallelism (FSDP over dp of the (dp, pp, tp) mesh), selective recompute
     (["--zero", "2", "--stages", "2", "--tensor-parallel", "2", "--schedule", "1f1b", "--checkpoint", "selective"],
      "transformer", TRANSFORMER, (3, 3), 2, ADAMW, dict(schedule="1f1b", checkpoint="selective")),
+    # ZeRO-2 on two stages, each micro-batch's gradients reduce-scattered after its backward (not a
+    # pipeline's default), the units kept gathered until the step's last backward
+    (["--zero", "2", "--stages", "2", "--schedule", "1f1b", "--gradient-sync", "microbatch"], "mlp", MLP, (4, 4), 2,
+     ADAMW, dict(schedule="1f1b")),
     # a tied embedding and head on two stages, their shards summed; no recompute
     (["--zero", "2", "--stages", "2", "--schedule", "gpipe", "--checkpoint", "never", "--data", TIED_DATA, "--loss",
       "cross_entropy"],
      TIED, {}, (2, 2), 2, SGD, dict(checkpoint="never", data=TIED_DATA, loss="cross_entropy")),
-    # the same on one stage: the tied weight in the stage's root unit, gathered and resharded with ZeRO-3
-    (["--zero", "3", "--stages", "1", "--schedule", "1f1b", "--data", TIED_DATA, "--loss", "cross_entropy"],
+    # the same on one stage: the tied weight in the stage's root unit, gathered and resharded with ZeRO-3;
+    # the micro-batches' gradients accumulated unsharded and reduce-scattered once (not one stage's default)
+    (["--zero", "3", "--stages", "1", "--schedule", "1f1b", "--data", TIED_DATA, "--loss", "cross_entropy",
+      "--gradient-sync", "step"],
      TIED, {}, (4,), 2, ADAMW, dict(schedule="1f1b", data=TIED_DATA, loss="cross_entropy")),
-    # HSDP: shard within groups of 2 of D = 4, all-reduce across them; recompute of every micro-batch
+    # HSDP: shard within groups of 2 of D = 4, all-reduce across them after every micro-batch (one
+    # stage's default); recompute of every micro-batch
     (["--zero", "3", "--replicas", "4", "--shard-group", "2", "--stages", "1", "--checkpoint", "always"],
      "mlp", MLP, (8,), 2, SGD, dict(checkpoint="always")),
 ])
@@ -153,6 +170,9 @@ def test_sharded_replicas_train_what_one_process_trains(tmp_path, argv, model, o
     assert report["grad_norms"] == pytest.approx(norms, rel=1e-2 if bf16 else 1e-5)
     assert_parameters(root, expected, 1e-3 if bf16 else 1e-4 if optim is ADAMW else 1e-6)
     assert all(entry["gradient_sum"] == "reduce-scatter (gloo)" for entry in report["ranks"])
+    # unsharded gradients outlast a backward only where they accumulate until the step's reduce-scatter
+    once = "step" in argv or ("microbatch" not in argv and "--stages" in argv and argv[argv.index("--stages") + 1] != "1")
+    assert all((entry["accumulated_gradient_bytes"] > 0) == once for entry in report["ranks"])
 
 
 def one_line_error(capsys, *argv):
