@@ -37,6 +37,7 @@ class RunSpec:
     tensor_parallel: int = 1
     virtual_stages: int = 1
     zero: int = 0  # 3: parameters, gradients and optimizer state sharded over the D replicas (FSDP2)
+    gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
 
     @property
     def stages(self) -> int:
@@ -46,7 +47,8 @@ class RunSpec:
     def layout(self) -> ParallelLayout:
         """The run's parallel layout, as the simulator takes it (the partition beside it)."""
         return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
-                              self.virtual_stages, self.zero, tensor_parallel=self.tensor_parallel)
+                              self.virtual_stages, self.zero, tensor_parallel=self.tensor_parallel,
+                              gradient_sync=self.gradient_sync)
 
     @property
     def processes(self) -> int:
@@ -138,4 +140,4 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
                      warmup_steps=WARMUP_STEPS, device=device, timeout_s=120.0, optimizer=optimizer,
                      precision=precision, replicas=spec.replicas,
                      tensor_parallel=spec.tensor_parallel, virtual_stages=spec.virtual_stages,
-                     zero=spec.zero).validate()
+                     zero=spec.zero, gradient_sync=spec.gradient_sync).validate()

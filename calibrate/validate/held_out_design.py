@@ -52,12 +52,14 @@ HELD_OUT_REPLICAS = [
     (2, 1, 3, "balanced", "except_last", "gpipe"),
     (2, 2, 4, "balanced", "never", "1f1b"),
 ]
-# (replicas, stages, microbatches, partition kind, checkpoint, schedule): ZeRO-3 (FSDP2) runs, one stage
-# (gathered per unit, again before each backward) and a pipeline (gathered once a step), priced with the
-# costs file's fitted all-gather and reduce-scatter and their sharded memory compared rank by rank
+# (replicas, stages, microbatches, partition kind, checkpoint, schedule, gradient sync): ZeRO-3 (FSDP2)
+# runs, one stage (gathered per unit, again before each backward) and a pipeline (gathered once a step),
+# both reduce-scattering once per step after the last micro-batch (the one-stage run states it: the
+# trainers' default there is after every micro-batch), priced with the costs file's fitted all-gather
+# and reduce-scatter and their sharded memory compared rank by rank
 HELD_OUT_SHARDED = [
-    (2, 1, 4, "balanced", "never", "gpipe"),
-    (2, 2, 4, "balanced", "never", "1f1b"),
+    (2, 1, 4, "balanced", "never", "gpipe", "step"),
+    (2, 2, 4, "balanced", "never", "1f1b", None),
 ]
 # (tensor-parallel ranks, stages, microbatches, partition kind, checkpoint, schedule): each stage
 # split over T ranks, priced from the costs file's profile of the split layers (calibrate.measure.tp_profile)
@@ -79,12 +81,13 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
     module). Tensor-parallel runs come last.
     """
     seen = set(calibration_design(num_layers, batch_size, max_stages, tensor_parallel, split_backward=True))
-    wanted = ([(1, 1, *run, 0) for run in HELD_OUT]
-              + [(1, *run, 0) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
-              + [(1, *run, 3) for run in HELD_OUT_SHARDED if run[0] <= max_replicas]
-              + [(t, 1, *run[1:], 0) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]] if t in tensor_parallel])
+    wanted = ([(1, 1, *run, 0, None) for run in HELD_OUT]
+              + [(1, *run, 0, None) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
+              + [(1, *run[:-1], 3, run[-1]) for run in HELD_OUT_SHARDED if run[0] <= max_replicas]
+              + [(t, 1, *run[1:], 0, None) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]]
+                 if t in tensor_parallel])
     specs = []
-    for parts, replicas, stages, m, kind, checkpoint, schedule, zero in wanted:
+    for parts, replicas, stages, m, kind, checkpoint, schedule, zero, sync in wanted:
         if stages > min(max_stages, num_layers) or batch_size < replicas * m:
             continue
         if checkpoint == "selective" and not attention_core:
@@ -94,7 +97,7 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
         if stages * virtual > num_layers:
             continue
         spec = RunSpec(split(num_layers, stages * virtual), m, checkpoint, schedule, batch_size, replicas, parts,
-                       virtual, zero)
+                       virtual, zero, sync)
         if spec not in seen and spec not in specs:
             specs.append(spec)
     return specs[:limit] if limit else specs

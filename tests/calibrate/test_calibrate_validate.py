@@ -67,6 +67,9 @@ def test_held_out_design_adds_two_replicas_with_one_and_two_stages():
     assert all(s.label().startswith("D=2 ") for s in replicated)
     assert [s.label().startswith("D=2 ZeRO-3 ") for s in replicated] == [False, False, True, True]
     assert all(s.layout.zero == s.zero for s in replicated)
+    # the ZeRO-3 runs reduce-scatter once per step, as before one stage's default became every micro-batch
+    assert [s.layout.resolved_gradient_sync for s in replicated if s.zero] == ["step", "step"]
+    assert [run_config("mlp", {"layers": 6}, s, steps=1).gradient_sync for s in replicated if s.zero] == ["step", None]
     assert not any(s.label().startswith("D=") for s in held_out if s.replicas == 1)
     assert [s for s in validation_design(6, 32, max_replicas=1) if s.replicas > 1] == []
     assert [(s.replicas, s.stages) for s in validation_design(6, 32, max_stages=1) if s.replicas > 1] == [(2, 1)] * 2
