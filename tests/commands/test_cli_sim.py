@@ -110,6 +110,8 @@ def test_plan_writes_a_plan_that_simulate_reads_back(tmp_path):
     (["--schedules", "interleaved", "--stages-options", "2", "--microbatch-options", "3,5"], "a multiple of stages (K)"),
     (["--zero-options", "1", "--replicas-options", "1"], "--zero-options 1 shards optimizer state"),
     (["--zero-options", "0,4"], "give auto, or ZeRO stages 0 to 3"),
+    (["--gradient-sync-options", "step,often"], "--gradient-sync-options 'step,often': give auto, or step"),
+    (["--gradient-sync", "step"], "write --gradient-sync-options step"),
 ])
 def test_plan_bad_input(args, message):
     proc = run("plan", "--model", "transformer", *args)
@@ -141,6 +143,45 @@ def test_plan_searches_replicas_and_interleaving_and_writes_them(tmp_path):
     table = run("plan", "--model", "transformer", "--layers", "8", "--hardware", "h100-nvlink", "--nodes", "2",
                 "--batch", "64", "--microbatch-options", "1,2,4,8", "--quiet")
     assert "   D   K  V   M" in table.stdout and "placement" in table.stdout
+
+
+def test_gradient_sync_in_simulate_plan_and_the_plan_file(tmp_path):
+    """--gradient-sync on simulate; plan ranks both syncs where listed and writes the one chosen (the
+    default alone otherwise, the plan file then without the key); a ZeRO-0/1 run refuses it in one line."""
+    flags = ["--model", "transformer", "--layers", "4", "--hardware", "h100-nvlink", "--batch", "64"]
+    bad = run("simulate", *flags, "--stages", "1", "--replicas", "2", "--zero", "1", "--gradient-sync", "microbatch")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "needs --zero 2 or 3" in bad.stderr
+    bad = run("simulate", *flags, "--gradient-sync", "often")
+    assert bad.returncode == 2 and "unknown --gradient-sync 'often'" in bad.stderr
+    steps = {}
+    for sync in ("step", "microbatch"):
+        proc = run("simulate", *flags, "--stages", "1", "--replicas", "2", "--zero", "3", "--microbatches", "4",
+                   "--gradient-sync", sync, "--json")
+        assert proc.returncode == 0, proc.stderr
+        steps[sync] = json.loads(proc.stdout)
+    assert steps["step"]["gradient_sync"] == "step" and steps["microbatch"]["gradient_sync"] == "microbatch"
+    assert steps["microbatch"]["step_time_s"] > steps["step"]["step_time_s"]
+    assert steps["microbatch"]["stages"][0]["accumulated_gradient_bytes"] == 0
+    assert steps["step"]["stages"][0]["accumulated_gradient_bytes"] > 0
+    space = [*flags, "--stages-options", "1", "--replicas-options", "2", "--microbatch-options", "4", "--checkpoints",
+             "never", "--schedules", "gpipe", "--zero-options", "3", "--tensor-parallel-options", "1", "--quiet"]
+    out = tmp_path / "plan.json"
+    proc = run("plan", *space, "--gradient-sync-options", "step,microbatch", "--json", "--top", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    ranked = json.loads(proc.stdout)["ranked"]
+    assert sorted(e["gradient_sync"] for e in ranked) == ["microbatch", "step"]
+    assert json.loads(out.read_text())["gradient_sync"] == ranked[0]["gradient_sync"] == "step"  # memory is free here
+    again = run("simulate", "--plan", str(out), "--json")
+    assert json.loads(again.stdout)["gradient_sync"] == "step"
+    from executor.config import RunConfig
+    from sim.formats.plan import load_plan
+
+    assert RunConfig.from_plan(load_plan(str(out))).gradient_sync == "step"  # what gpipe train --plan runs
+    table = run("plan", *space, "--gradient-sync-options", "step,microbatch")
+    assert "3/step" in table.stdout and "3/mb" in table.stdout
+    proc = run("plan", *space, "--json", "--out", str(out))
+    assert [e["gradient_sync"] for e in json.loads(proc.stdout)["ranked"]] == ["microbatch"]  # one stage's default
+    assert "gradient_sync" not in json.loads(out.read_text())
 
 
 def test_plan_that_nothing_fits_names_the_overflowing_stage():

@@ -189,6 +189,8 @@ def one_line_error(capsys, *argv):
       "full"], "share a parameter"),
     (["--zero", "1", "--replicas", "2", "--tensor-parallel", "2", "--model", "transformer"], "--zero 2 or 3"),
     (["--zero", "3", "--replicas", "2", "--model", "tests.helpers.sample_models:scalar_gain_mlp"], "is a scalar"),
+    (["--zero", "1", "--replicas", "2", "--gradient-sync", "step"], "--gradient-sync step says when sharded"),
+    (["--replicas", "2", "--gradient-sync", "microbatch"], "needs --zero 2 or 3 (got --zero 0)"),
 ])
 def test_what_zero2_and_zero3_cannot_run_is_one_line_before_any_worker(capsys, flags, message):
     argv = ["--model", "mlp", "--stages", "1", "--batch", "8", "--steps", "1"]

@@ -38,6 +38,10 @@ def test_the_planner_candidate_is_the_layout():
     (dict(stages=2, microbatches=1, replicas=4, zero=1, shard_group=2), "--shard-group 2 shards parameters and gradients"),
     (dict(stages=2, microbatches=1, replicas=4, zero=3, shard_group=3), "--shard-group 3 does not divide --replicas 4"),
     (dict(stages=2, microbatches=1, zero=1), "--zero 1 shards optimizer state"),
+    (dict(stages=2, microbatches=1, replicas=2, zero=3, gradient_sync="often"),
+     "--gradient-sync must be step or microbatch, got 'often'"),
+    (dict(stages=2, microbatches=1, replicas=2, zero=1, gradient_sync="step"),
+     "--gradient-sync step says when sharded gradients are reduce-scattered, which needs --zero 2 or 3"),
     (dict(stages=2, microbatches=1, placement="random"), "unknown placement 'random'"),
     (dict(stages=2, microbatches=1, tensor_parallel=0), "tensor_parallel (T) must be a positive integer"),
     (dict(stages=2, microbatches=1, context_parallel=0), "context_parallel (C) must be a positive integer"),
@@ -48,6 +52,14 @@ def test_a_bad_degree_is_refused_in_one_line_where_it_is_built(kwargs, message):
         ParallelLayout(**kwargs)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_the_gradient_sync_is_the_trainers_default_unless_given():
+    assert ParallelLayout(1, 4, replicas=2, zero=3).resolved_gradient_sync == "microbatch"  # FSDP2, DeepSpeed
+    assert ParallelLayout(2, 4, replicas=2, zero=2).resolved_gradient_sync == "step"  # torch's pipeline schedules
+    assert ParallelLayout(1, 4, replicas=2, zero=3, gradient_sync="step").resolved_gradient_sync == "step"
+    assert ParallelLayout(2, 4, replicas=2, zero=3, gradient_sync="microbatch").resolved_gradient_sync == "microbatch"
+    assert ParallelLayout(1, 4, replicas=2, zero=1).resolved_gradient_sync == "step"  # whole gradients: once a step
 
 
 def test_for_partition_reads_k_from_the_partition_and_v():

@@ -146,6 +146,8 @@ def test_bf16_in_a_runs_file_is_the_trainers_mixed_precision(tmp_path, capsys):
     ({"zero": "3"}, "zero '3'; give 0, 1"),
     ({"zero": 3, "shard_group": 3}, "--shard-group 3 does not divide --replicas 2"),
     ({"zero": 1, "shard_group": 2}, "shard_group 2 with zero 1"),
+    ({"zero": 1, "gradient_sync": "step"}, "--gradient-sync step says when sharded gradients"),
+    ({"zero": 3, "gradient_sync": "sometimes"}, "--gradient-sync must be step or microbatch"),
     ({"microbatch_size": 0}, "microbatch_size 0; give a positive integer"),
     ({"compile": "yes"}, "compile='yes' for model transformer; use true"),
     ({"tensor_parallel": "two"}, "tensor_parallel 'two'; give a positive integer"),
@@ -175,3 +177,18 @@ def test_zero_and_shard_group_are_read_and_priced_as_fsdp(tmp_path, capsys):
     assert runs["hsdp"]["layout"]["shard_group"] == 2 and "shard_group" not in runs["fsdp"]["layout"]
     # gathers and reduce-scatters in place of the all-reduce, the optimizer on the shard: another step
     assert runs["fsdp"]["predicted_step_s"] != runs["one"]["predicted_step_s"]
+
+
+def test_gradient_sync_is_read_and_null_is_the_trainers_default(tmp_path, capsys):
+    one_stage = dict(pipeline_stages=1, zero=3, microbatch_size=1, checkpoint="never")
+    runs = replayed(tmp_path, [row("default", **one_stage), row("step", **one_stage, gradient_sync="step"),
+                               row("each", **one_stage, gradient_sync="microbatch"),
+                               row("piped", zero=3), row("piped-each", zero=3, gradient_sync="microbatch")], capsys)
+    assert all(run["modelled"] for run in runs.values())
+    assert [runs[n]["layout"]["gradient_sync"] for n in runs] == ["microbatch", "step", "microbatch", "step",
+                                                                  "microbatch"]
+    assert runs["default"]["predicted_step_s"] == runs["each"]["predicted_step_s"]
+    # 8 micro-batches a replica: 7 more reduce-scatters than once a step
+    assert runs["each"]["predicted_step_s"] > runs["step"]["predicted_step_s"]
+    assert runs["piped-each"]["predicted_step_s"] > runs["piped"]["predicted_step_s"]
+    assert "gradient_sync" not in replayed(tmp_path, [row("zero1")], capsys)["zero1"]["layout"]
