@@ -47,7 +47,10 @@ unit before them; a gather or a reduce-scatter never slows the compute it overla
 no bandwidth with each other or with pipeline transfers; every replica's shard group is priced as
 replica 0's; dim 0 padding of each parameter to a multiple of N is not counted (bytes / N rounded up);
 the unsharded gradient of the unit a backward is computing (and of the one being reduce-scattered)
-is not counted in memory, with either gradient sync, as at M = 1.
+is not counted in memory, with either gradient sync, as at M = 1; a backward's reduce-scatters are
+priced beside its compute alone, apart from ZeRO-3's gathers before it (as the step's last are), and
+what outlasts it delays the device's next action rather than overlapping it (FSDP2 waits for the
+last in its post-backward callback).
 """
 
 from __future__ import annotations
@@ -227,7 +230,8 @@ def layer_backward_s(layer: LayerCost, checkpoint: str) -> float:
 class ShardedMemory:
     """One device's bytes under ZeRO-2/3, as the executor reports them per rank: its shards of the
     parameters, gradients and optimizer state, the unsharded parameters it holds at once at most, and
-    (M > 1) the unsharded gradients accumulated until the once-per-step reduce-scatter."""
+    (M > 1, gradient sync ``step``) the unsharded gradients accumulated until the once-per-step
+    reduce-scatter (what the executor's report counts as held after an action)."""
 
     parameter_bytes: int
     gradient_bytes: int

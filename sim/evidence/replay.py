@@ -72,7 +72,8 @@ from sim.workloads.workload import Workload
 REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "pipeline_stages", "replicas",
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
-OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync")  # keys a run may leave out, which then mean null
+# keys a run may leave out, which then mean null
+OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)

@@ -55,7 +55,7 @@ class Space:
     zero_options: tuple[int, ...]
     shard_group: int | None = None  # HSDP's groups of replicas (zero 2 or 3); None: all of them
     zero_escalates: bool = False  # a plan that fits at no ZeRO stage listed is tried at the next (2, then 3)
-    gradient_sync: str | None = None  # ZeRO-2/3's reduce-scatter per "step" or per "microbatch"; None: the trainers' default
+    gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
 
 
 @dataclass

@@ -164,7 +164,8 @@ def check_gradient_sync(gradient_sync: object, zero: int) -> None:
         raise GpipeInputError(f"--gradient-sync must be step or microbatch, got {gradient_sync!r}")
     if zero < 2:
         raise GpipeInputError(f"--gradient-sync {gradient_sync} says when sharded gradients are reduce-scattered, "
-                              f"which needs --zero 2 or 3 (got --zero {zero}); drop --gradient-sync or use --zero 2 or 3")
+                              f"which needs --zero 2 or 3 (got --zero {zero}); drop --gradient-sync or use "
+                              "--zero 2 or 3")
 
 
 def check_chunked_partition(partition: Sequence[int], virtual_stages: int, name: str = "partition") -> None:

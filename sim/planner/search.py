@@ -405,7 +405,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
            max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
            escalate_zero: bool = False, shard_group: int | None = None,
-           shard_group_options: Sequence[int] = (), gradient_sync_options: Sequence[str | None] = (None,)) -> SearchResult:
+           shard_group_options: Sequence[int] = (),
+           gradient_sync_options: Sequence[str | None] = (None,)) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their

@@ -53,9 +53,13 @@ def _scale_out_lines(result: SimResult) -> list[str]:
         lines.append(f"replicas     {result.replicas} x {len(result.partition) // result.virtual_stages} stages, "
                      f"{result.placement}, rows per replica {rows}, zero {result.zero}"
                      + (f", shard group {result.shard_group}" if result.shard_group else "")
-                     + (f", gradients reduce-scattered per {'micro-batch' if result.gradient_sync == 'microbatch' else 'step'}"
+                     + (f", gradients reduce-scattered per {_sync_words(result.gradient_sync)}"
                         if result.gradient_sync else ""))
     return lines
+
+
+def _sync_words(gradient_sync: str) -> str:
+    return "micro-batch" if gradient_sync == "microbatch" else "step"
 
 
 def describe_precision(precision: str) -> str:

@@ -171,7 +171,8 @@ def test_sharded_replicas_train_what_one_process_trains(tmp_path, argv, model, o
     assert_parameters(root, expected, 1e-3 if bf16 else 1e-4 if optim is ADAMW else 1e-6)
     assert all(entry["gradient_sum"] == "reduce-scatter (gloo)" for entry in report["ranks"])
     # unsharded gradients outlast a backward only where they accumulate until the step's reduce-scatter
-    once = "step" in argv or ("microbatch" not in argv and "--stages" in argv and argv[argv.index("--stages") + 1] != "1")
+    pipelined = argv[argv.index("--stages") + 1] != "1"
+    once = "step" in argv or ("microbatch" not in argv and pipelined)
     assert all((entry["accumulated_gradient_bytes"] > 0) == once for entry in report["ranks"])
 
 
