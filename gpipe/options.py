@@ -213,7 +213,8 @@ def add_gradient_sync_argument(group: Any, recorded: str | None = None) -> None:
     from sim.formats.layout import GRADIENT_SYNCS
 
     default = f"{recorded}, else " if recorded else ""
-    group.add_argument("--gradient-sync", default=None, action=Checked, check=one_of("--gradient-sync", GRADIENT_SYNCS),
+    group.add_argument("--gradient-sync", default=None, metavar="step|microbatch", action=Checked,
+                       check=one_of("--gradient-sync", GRADIENT_SYNCS),
                        help="with --zero 2 or 3: reduce-scatter the gradients once per step after the last "
                             "micro-batch, accumulating them unsharded (step), or after every micro-batch's backward, "
                             f"accumulating them sharded (microbatch) (default: {default}microbatch with one stage as "
