@@ -14,10 +14,14 @@ config's fields as the MoE transformer (:mod:`sim.workloads.moe.workload`, with 
 positions and the config's biases); ``published`` keeps the total and active parameters their
 makers state, which the tests hold the counts to.
 
-Limits of the shape: the config's norms (RMSNorm, LayerNorm without bias), biases, rotary or ALiBi
-positions and tied embeddings are the built-in transformer's (biases, LayerNorms and a learned
-position table: well under 1% of a large model's parameters). Encoder-decoders are refused. ``--model hf-config:PATH`` of the same file prices those too, read
-from the model's structure (:mod:`sim.workloads.decoder_shape`; it takes torch and transformers).
+Each dense model's features (:mod:`sim.workloads.decoder_features`: RMSNorm or LayerNorm, which
+linear layers have biases, learned or rotary positions and the rotary fraction, a sliding window,
+a tied head) are kept beside its config in ``index.json``, as transformers' own model of the config
+has them on the meta device (:mod:`sim.workloads.decoder_shape`); a test reads them again, so the
+torch-free planner prices what the model is. Limits: a config field given with ``--option`` changes
+the shape, not the features (a window or a bias the override would add is not priced).
+Encoder-decoders are refused. ``--model hf-config:PATH`` of the same file reads everything from the
+model's structure (it takes torch and transformers).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class NamedModel:
     moe: bool = False  # a mixture of experts: planned by sim.workloads.moe.workload
     # what its makers state: total and active parameters, and whether their active count has the input embedding
     published: dict[str, Any] | None = None
+    # how a dense model's blocks differ from the built-in transformer's (sim.workloads.decoder_features):
+    # its norms, biases, positions, window and tied head, as transformers' own model of the config has them
+    features: dict[str, Any] | None = None
 
 
 @lru_cache(maxsize=1)
@@ -59,7 +66,7 @@ def named_models() -> dict[str, NamedModel]:
         with open(path) as handle:
             experts = _field(json.load(handle), "num_local_experts", "num_experts", "n_routed_experts")
         models[name] = NamedModel(name, path, int(entry["seq"]), entry["source"], bool(experts),
-                                  entry.get("published"))
+                                  entry.get("published"), entry.get("features"))
     return models
 
 
@@ -84,7 +91,7 @@ def named_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
                               f"{', '.join(sorted(k for k in config if isinstance(config[k], int)))} or seq")
     config.update(given)
     shaped = transformer_shape(config, int(options.get("seq", model.seq)), name)
-    return {**shaped, **{k: options[k] for k in ANALYSIS_KEYS if k in options}}
+    return {**shaped, **(model.features or {}), **{k: options[k] for k in ANALYSIS_KEYS if k in options}}
 
 
 def _field(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
