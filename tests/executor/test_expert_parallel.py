@@ -9,7 +9,8 @@ at 2e-3, as tests/executor/test_moe_parallel.py holds experts under T and D (E =
 launches share the matrix: K in {1, 2}, T in {1, 2}, top-1 and top-2, shared experts on and off,
 AdamW with clipping, fp32 and bf16, D = E and D = 2E (experts summed over their own replicas) on an
 uneven batch. The first is traced (dispatch and combine spans), counts each rank's bytes, and its
-checkpoint resumes without expert parallelism, continuing one process's run.
+checkpoint resumes without expert parallelism; the second resumes a checkpoint saved without it under
+it: both continue one process's run.
 """
 
 import json
@@ -95,15 +96,19 @@ def test_two_stages_of_experts_sharded_over_two_replicas_train_as_one_process_an
     assert_trains_as_one_process(resumed, tmp_path / "resumed", 2, reference(options, 8, 2, 2, 3), 3)
 
 
-def test_experts_split_by_tensor_parallelism_and_sharded_over_replicas_train_as_one_process(tmp_path):
-    """K = 1, T = 2 (each expert split as the dense MLP is), D = E = 2, top-1 without shared experts, GELU,
-    1F1B. (In bf16, T = 2 alone, at E = 1, already routes a token of this model otherwise than one
+def test_experts_split_by_tensor_parallelism_resume_from_one_rank_each_into_two_and_train_as_one_process(tmp_path):
+    """K = 1, T = 2 (each expert split as the dense MLP is), D = 2, top-1 without shared experts, GELU,
+    1F1B: two steps at E = 1 saved, the third at E = 2 from that checkpoint (each rank takes its experts
+    from the whole stage). (In bf16, T = 2 alone already routes a token of this model otherwise than one
     process at step 0: the row-parallel partial sums round in bf16; so bf16 is held at T = 1 below.)"""
     options = {**MOE, "top_k": 1, "shared_experts": 0, "activation": "gelu"}
-    report, root = train(tmp_path, "ep", options, "--stages", "1", "--replicas", "2", "--tensor-parallel", "2",
-                         "--expert-parallel", "2", "--batch", "8", "--microbatches", "2", "--schedule", "1f1b",
-                         "--steps", "3", "--save-every", "3")
-    assert_trains_as_one_process(report, root, 1, reference(options, 8, 2, 2, 3), 3)
+    common = ["--stages", "1", "--replicas", "2", "--tensor-parallel", "2", "--batch", "8", "--microbatches", "2",
+              "--schedule", "1f1b"]
+    report, root = train(tmp_path, "ep", options, *common, "--steps", "2", "--save-every", "2")
+    assert report["losses"] == pytest.approx(reference(options, 8, 2, 2, 2)[0], rel=1e-5)
+    resumed, _ = train(tmp_path, "ep", options, *common, "--expert-parallel", "2", "--steps", "3", "--resume",
+                       "--save-every", "3")
+    assert_trains_as_one_process(resumed, root, 1, reference(options, 8, 2, 2, 3), 3)
 
 
 def test_experts_summed_over_their_own_replicas_train_as_one_process_on_an_uneven_batch(tmp_path):
