@@ -229,7 +229,7 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
     if layout.expert_parallel > 1:  # the bytes the simulator predicts: n/E experts (executor.parallel.expert_parallel)
         from executor.parallel.expert_parallel import memory_bytes as expert_bytes
 
-        payload["sharded"] = expert_bytes(shards(stage), payload["optimizer_state_bytes"])
+        payload["sharded"] = expert_bytes(shards(stage))
     if gathered is not None:  # ZeRO-2/3: the bytes the simulator predicts (executor.parallel.fully_sharded)
         from executor.parallel.fully_sharded import memory_bytes
 

@@ -7,7 +7,7 @@ A block's forward on every one of the E ranks of its expert-parallel group (:mod
    each destination rank's are contiguous (rank j holds experts ``j x n/E`` to ``(j+1) x n/E - 1``);
 2. exchange the per-expert counts (an all-to-all of n integers), then **dispatch**: the sorted
    assignments' hidden states, each rank's part to its rank (an all-to-all of uneven splits);
-3. run each local expert once over every row it received, from every rank;
+3. run each local expert over the rows each rank sent it;
 4. **combine**: the outputs back to the ranks the rows came from (the reverse all-to-all), where each
    assignment's output is added to its token at its router weight, expert by expert in the order the
    one-process loop adds them (:mod:`executor.models.moe`).
@@ -32,6 +32,7 @@ completion, inside the F, R or B span that issued it (a backward's are its rever
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -105,22 +106,29 @@ def exchange_counts(counts: torch.Tensor, exchange: Exchange) -> torch.Tensor:
 
 
 def run_local_experts(block: Any, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Each of this rank's experts once over the rows it received; the outputs (fp32) in the order the
-    rows came (by source rank, then expert). ``counts`` (E, n/E) as :func:`exchange_counts` gives."""
-    local = block.named_experts()
-    order = torch.arange(received.shape[0], device=received.device)
-    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)  # each (source, expert) segment's first row
-    pieces, outputs = [], []
-    for position, (_, expert) in enumerate(local):
-        rows = torch.cat([order[int(starts[s * len(local) + position]):][:int(counts[s, position])]
-                          for s in range(counts.shape[0])])
-        if rows.numel():
-            pieces.append(rows)
-            outputs.append(expert(received[rows]).float())
-    if not pieces:
+    """Each of this rank's experts over the rows each rank sent it, one call per (rank, expert): the
+    outputs (fp32) in the order the rows came (by source rank, then expert). ``counts`` (E, n/E) as
+    :func:`exchange_counts` gives. One call per source, not one over every source's rows: so each
+    weight gradient a call adds is one replica's micro-batch's, rounded as one process rounds it
+    under bf16 autocast (each call casts the weights anew: autocast's cache would give the calls one
+    bf16 copy, whose gradient would add theirs in bf16)."""
+    local = [expert for _, expert in block.named_experts()]
+    outputs, first = [], 0
+    with _uncached_autocast(received.device.type):
+        for count, expert in zip(counts.reshape(-1).tolist(), local * counts.shape[0]):
+            if count:
+                outputs.append(expert(received[first:first + count]).float())
+            first += count
+    if not outputs:
         return received.new_zeros((0, received.shape[1]), dtype=torch.float32)
-    rows = torch.cat(pieces)
-    return torch.cat(outputs).index_select(0, torch.argsort(rows))
+    return torch.cat(outputs)
+
+
+def _uncached_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast as the stage runs it, without its cache of cast weights (nothing where autocast is off)."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
 
 
 def routed_output(exchange: Exchange, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,

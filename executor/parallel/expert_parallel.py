@@ -138,12 +138,20 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def memory_bytes(parts: Sequence[Any], optimizer_state_bytes: int) -> dict[str, int]:
-    """This rank's bytes as the simulator counts them per device: its parameters and their gradients
-    (a gradient per trained parameter, the parameter's size: the non-expert ones whole, n/E experts),
-    and its optimizer state."""
-    parameter = sum(_local_bytes(p) for part in parts for p in part.params)
-    return {"parameter_bytes": parameter, "gradient_bytes": parameter, "optimizer_state_bytes": optimizer_state_bytes}
+def memory_bytes(parts: Sequence[Any]) -> dict[str, int]:
+    """This rank's bytes as the contract with the simulator counts them (as ZeRO-2/3's,
+    :func:`executor.parallel.fully_sharded.memory_bytes`): its parameters and a gradient of each
+    trained one's size (the non-expert ones whole, n/E experts; a tensor-parallel shard's local part),
+    and optimizer state tensors of a parameter's shape (AdamW: 2 per parameter; the scalar step
+    counters left out)."""
+    parameter = gradient = optimizer = 0
+    for part in parts:
+        parameter += sum(_local_bytes(p) for p in part.module.parameters())
+        gradient += sum(_local_bytes(p) for p in part.params)
+        if part.optimizer is not None:
+            optimizer += sum(_local_bytes(value) for state in part.optimizer.state.values()
+                             for value in state.values() if torch.is_tensor(value) and value.dim())
+    return {"parameter_bytes": parameter, "gradient_bytes": gradient, "optimizer_state_bytes": optimizer}
 
 
 def _template(name: str) -> str:
