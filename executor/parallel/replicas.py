@@ -340,12 +340,15 @@ class GradientAverage:
         return result
 
     def launch(self) -> None:
+        self._close = self.recorder.open_span(DP_ALLREDUCE)  # one span, with the experts' sum (also)
+        self._start()
         if self.also is not None:
             from executor.parallel.expert_parallel import fill_missing_gradients
 
             fill_missing_gradients(self.also.params)  # every replica sums the same tensors
-            self.also.launch()
-        self._close = self.recorder.open_span(DP_ALLREDUCE)
+            self.also._start()
+
+    def _start(self) -> None:
         if self._shared:
             for shared_sum, indices in self._shared:
                 shared_sum.launch([_local_grad(self.params[i]) for i in indices], self.weight)
@@ -358,8 +361,14 @@ class GradientAverage:
             self._pending.append((work, flat, bucket))  # type: ignore[arg-type]
 
     def wait(self) -> None:
+        self._finish()
         if self.also is not None:
-            self.also.wait()
+            self.also._finish()
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+    def _finish(self) -> None:
         for shared_sum, indices in self._shared:
             shared_sum.finish([_local_grad(self.params[i]) for i in indices])
         for work, flat, bucket in self._pending:
@@ -369,9 +378,6 @@ class GradientAverage:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self._pending.clear()
-        if self._close is not None:
-            self._close()
-            self._close = None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
