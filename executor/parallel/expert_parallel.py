@@ -11,10 +11,11 @@ expert grid the same way, with the expert-data-parallel replicas (``edp``: the D
 the same experts, d mod E equal) beside it.
 
 Gradients: the non-expert parameters' are summed over all D replicas with weights ``rows_d / B`` as
-today; each expert's already holds its group's weighted sum (the exchange scales what it sends back),
+without experts; each expert's already holds its group's weighted sum (the exchange scales what it sends back),
 so it is summed over its ``edp`` replicas with weight 1, in the same step phase. The global norm for
-clipping counts each expert once: its squares are summed over the group. A expert's gradient that is
-None on a rank (no row reached it this step) is taken as zero so its replicas add the same tensors.
+clipping counts each expert once: its squares are summed over the group. With D > E an expert's
+gradient that is None on a rank (no row reached it this step) is taken as zero so its replicas add
+the same tensors.
 
 Checkpoints hold the whole stage (every expert, their optimizer state in the unsharded model's order):
 the E ranks of replica 0's group gather their parts before replica 0 writes
@@ -23,9 +24,10 @@ without it resumes under it (each rank takes its experts by name,
 :func:`executor.state.checkpoint.repartitioned_state`).
 
 Limits: the built-in transformer's experts only (:mod:`executor.parallel.expert_checks` refuses the
-rest in one line); an expert unused on every replica of a step still takes its optimizer step (weight
-decay, moments) with a zero gradient, where one process would skip it; the gather for a checkpoint
-moves the group's experts through one process (``all_gather_object``).
+rest in one line); with D > E an expert no row reached on any replica in a step still takes its
+optimizer step (weight decay, moments) with a zero gradient, where one process would skip it; the
+gather for a checkpoint moves the group's experts through one process (``all_gather_object``); the
+experts run in a Python loop, once per (source rank, expert), correct rather than fast.
 """
 
 from __future__ import annotations
