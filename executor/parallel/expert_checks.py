@@ -33,8 +33,8 @@ def check_expert_parallel(config: ExpertSettings) -> None:
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise GpipeInputError(f"--expert-parallel {parts!r} is not a positive integer; use 1 (none) or more")
     if etp is not None and etp != config.tensor_parallel:
-        raise GpipeInputError(f"--expert-tensor-parallel {etp} differs from --tensor-parallel {config.tensor_parallel}: "
-                              "gpipe train splits each expert as tensor parallelism splits the dense layers; drop "
+        raise GpipeInputError(f"--expert-tensor-parallel {etp} differs from --tensor-parallel "
+                              f"{config.tensor_parallel}: gpipe train splits each expert as tensor parallelism splits the dense layers; drop "
                               f"--expert-tensor-parallel or use {config.tensor_parallel}")
     if parts == 1:
         return

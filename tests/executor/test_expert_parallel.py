@@ -74,9 +74,9 @@ def test_two_stages_of_experts_sharded_over_two_replicas_train_as_one_process_an
     exchanges = [r for r in records if r["kind"] in ("dispatch_ep", "combine_ep")]
     assert {r["kind"] for r in exchanges} == {"dispatch_ep", "combine_ep"}
     for r in exchanges:
-        assert any(c["kind"] in ("F", "R", "B") and c.get("replica", 0) == r.get("replica", 0) and c["stage"] == r["stage"]
-                   and c["microbatch"] == r["microbatch"] and c["start_s"] <= r["start_s"] <= r["end_s"] <= c["end_s"]
-                   for c in records), r
+        assert any(c["kind"] in ("F", "R", "B") and c.get("replica", 0) == r.get("replica", 0)
+                   and c["stage"] == r["stage"] and c["microbatch"] == r["microbatch"]
+                   and c["start_s"] <= r["start_s"] <= r["end_s"] <= c["end_s"] for c in records), r
     # every rank: its stage's non-expert parameters whole and half of its routed experts, a gradient each,
     # AdamW's two moments per parameter (the scalar step counters left out, as ZeRO-2/3's are counted)
     model = reference(options, 8, 2, 2, 0)[3]
