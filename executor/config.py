@@ -76,6 +76,8 @@ class RunConfig:
     placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which rank runs which replica's stage
     tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.parallel.tensor_parallel)
     sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
+    expert_parallel: int = 1  # E: each stage's routed experts sharded over E of its replicas (expert_parallel.py)
+    expert_tensor_parallel: int | None = None  # each expert's own T; None: T (the only value trained)
     transport: str = "auto"  # stage messages: auto (shared memory between CPU ranks of one host), or dist (gloo/NCCL)
     progress: bool = False  # set by gpipe train: the reporting rank draws a bar over the steps (a terminal watches)
     quiet: bool = False  # no per-step loss lines; the final line only
@@ -128,6 +130,9 @@ class RunConfig:
         check_data_parallel(self)
         self.check_virtual_stages()
         check_tensor_parallel(self.tensor_parallel, self.zero, self.sequence_parallel)
+        from executor.parallel.expert_checks import check_expert_parallel
+
+        check_expert_parallel(self)
         return self
 
     def check_virtual_stages(self) -> None:

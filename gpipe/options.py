@@ -227,6 +227,16 @@ def add_tensor_parallel_argument(group: Any, default: int | None, said: str,
     group.add_argument("--tensor-parallel", "-T", type=int, default=default, metavar="T", help=f"{meaning} ({said})")
 
 
+def add_expert_parallel_arguments(group: Any, default: int | None = 1, said: str = "default 1") -> None:
+    """--expert-parallel and --expert-tensor-parallel: routed experts sharded over E ranks of each stage's
+    data-parallel group, each expert split over its own tensor-parallel degree."""
+    group.add_argument("--expert-parallel", type=int, default=default, metavar="E",
+                       help=f"routed experts sharded over E of each stage's data-parallel ranks, tokens exchanged "
+                            f"by all-to-all ({said})")
+    group.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="N",
+                       help="each expert split over N ranks (default: --tensor-parallel, as Megatron-Core)")
+
+
 def add_context_parallel_arguments(group: Any) -> None:
     """--context-parallel and --dp-overlap, which simulate and plan share."""
     group.add_argument("--context-parallel", "-C", type=int, default=1,

@@ -25,10 +25,10 @@ from typing import Any
 
 from executor.launch.agent import check_capacity, check_nodes, run_ranks, start_fork_server
 from gpipe.options import (ANALYTIC_ONLY_OPTIONS, Checked, add_data_argument, add_device_argument,
-                           add_hardware_argument, add_html_argument, add_json_argument, add_model_arguments,
-                           add_optimizer_argument, add_pipeline_arguments, add_plan_argument, add_precision_argument,
-                           add_scale_out_arguments, add_steps_argument, add_trace_argument, check_zero, hardware_of,
-                           model_options, one_of)
+                           add_expert_parallel_arguments, add_hardware_argument, add_html_argument, add_json_argument,
+                           add_model_arguments, add_optimizer_argument, add_pipeline_arguments, add_plan_argument,
+                           add_precision_argument, add_scale_out_arguments, add_steps_argument, add_trace_argument,
+                           check_zero, hardware_of, model_options, one_of)
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.plan import load_plan, parse_partition
 from sim.planner.partition import even_partition
@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, costs=False)
     add_pipeline_arguments(parser, stages="the plan's, else 1", microbatches=4, recorded="the plan's")
     add_scale_out_arguments(parser, recorded="the plan's", sequence_parallel="the plan's, else off", context=False)
+    add_expert_parallel_arguments(parser.add_argument_group("expert parallelism"), None, "the plan's, else 1")
     what = parser.add_argument_group("what to train on, and how it starts")
     add_hardware_argument(what, use="the system whose analytic costs choose the partition when --partition is not "
                                     "given, as gpipe simulate does", files=False)
@@ -195,7 +196,8 @@ def config_from_args(args: argparse.Namespace):
     ref = model_ref(config.model, config.options, config.seed)
     config.options = dict(ref.options)
     for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "shard_group",
-                 "gradient_sync", "placement", "tensor_parallel", "sequence_parallel"):
+                 "gradient_sync", "placement", "tensor_parallel", "sequence_parallel", "expert_parallel",
+                 "expert_tensor_parallel"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
     if config.tensor_parallel == 1 and args.sequence_parallel is None:

@@ -178,14 +178,16 @@ def measure_links(data: dict[str, Any], device: str, quick: bool, max_stages: in
     """Time the links and collectives the executor uses, into ``data`` (in place): the ping-pong between
     two ranks (``link``) where two stages fit, the data-parallel all-reduce among as many ranks as fit
     (``allreduce``) and, in a full calibration, the tensor-parallel collectives among 2 (``tensor_parallel``)
-    and ZeRO-2/3's all-gather and reduce-scatter among as many as the all-reduce (``sharded``)."""
+    and ZeRO-2/3's all-gather and reduce-scatter among as many as the all-reduce (``sharded``), and
+    expert parallelism's all-to-all among as many (``expert_parallel``)."""
     from calibrate.measure.collective import available_parties, calibrate_allreduce, calibrate_sharded, party_counts
+    from calibrate.measure.ep_collectives import calibrate_expert_parallel
     from calibrate.measure.link import ping_pong
     from calibrate.measure.tp_collectives import calibrate_tensor_parallel
     from executor.device import device_api
 
     parties = party_counts(available_parties(device))
-    links = phase("measuring links", total=(max_stages >= 2) + (len(parties) > 0) * (1 if quick else 3),
+    links = phase("measuring links", total=(max_stages >= 2) + (len(parties) > 0) * (1 if quick else 4),
                   unit="link")
     if max_stages >= 2:
         say("ping-pong between two ranks")
@@ -204,6 +206,9 @@ def measure_links(data: dict[str, Any], device: str, quick: bool, max_stages: in
             links.update(1)
             say(f"all-gather and reduce-scatter among {', '.join(map(str, parties))} ranks (ZeRO-2/3's collectives)")
             data["sharded"] = calibrate_sharded(device, quick, parties)
+            links.update(1)
+            say(f"all-to-all among {', '.join(map(str, parties))} ranks (expert parallelism's token exchange)")
+            data["expert_parallel"] = calibrate_expert_parallel(device, quick, parties)
             links.update(1)
     links.close()
 

@@ -38,6 +38,8 @@ class RunSpec:
     virtual_stages: int = 1
     zero: int = 0  # 3: parameters, gradients and optimizer state sharded over the D replicas (FSDP2)
     gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
+    expert_parallel: int = 1  # E: each stage's routed experts sharded over E of its D replicas
+    expert_tensor_parallel: int | None = None  # each expert's T; None: T (the only value the executor trains)
 
     @property
     def stages(self) -> int:
@@ -59,6 +61,7 @@ class RunSpec:
         parts = ",".join(map(str, self.partition))
         replicas = f"D={self.replicas} " if self.replicas > 1 else ""
         replicas += f"ZeRO-{self.zero} " if self.zero else ""
+        replicas += f"E={self.expert_parallel} " if self.expert_parallel > 1 else ""
         split = f" T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         chunks = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (f"{replicas}K={self.stages}{split}{chunks} M={self.microbatches} [{parts}] {self.checkpoint} "
@@ -140,4 +143,5 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
                      warmup_steps=WARMUP_STEPS, device=device, timeout_s=120.0, optimizer=optimizer,
                      precision=precision, replicas=spec.replicas,
                      tensor_parallel=spec.tensor_parallel, virtual_stages=spec.virtual_stages,
-                     zero=spec.zero, gradient_sync=spec.gradient_sync).validate()
+                     zero=spec.zero, gradient_sync=spec.gradient_sync, expert_parallel=spec.expert_parallel,
+                     expert_tensor_parallel=spec.expert_tensor_parallel).validate()

@@ -117,8 +117,9 @@ def _save(config: RunConfig, stage: PipelineStage | ChunkedDevice, step: int, hi
     """Replica 0 of each stage writes its shards, one per (virtual) stage (with ZeRO, its optimizer
     state gathered first)."""
     replicas.consolidate(stage)
-    # a stage's T ranks gather its shards (with ZeRO-2/3 its D x T ranks); replica 0's rank t = 0 writes them
-    if layout.replica == 0 or layout.zero >= 2:
+    # a stage's T ranks gather its shards (with ZeRO-2/3 its D x T ranks, with expert parallelism the
+    # E x T of replica 0's expert group); replica 0's rank t = 0 writes them
+    if layout.replica < layout.expert_parallel or layout.zero >= 2:
         for shard in shards(stage):
             checkpoint.save_shard(config.checkpoint_dir, step, shard,
                                   write=layout.tp_rank == 0 and layout.replica == 0)
@@ -225,6 +226,10 @@ def _finish(config: RunConfig, stage: PipelineStage | ChunkedDevice, history: Hi
         "gradient_sum": replicas.gradient_sum_route(stage),
         "aux_losses": aux_losses,
     }
+    if layout.expert_parallel > 1:  # the bytes the simulator predicts: n/E experts (executor.parallel.expert_parallel)
+        from executor.parallel.expert_parallel import memory_bytes as expert_bytes
+
+        payload["sharded"] = expert_bytes(shards(stage))
     if gathered is not None:  # ZeRO-2/3: the bytes the simulator predicts (executor.parallel.fully_sharded)
         from executor.parallel.fully_sharded import memory_bytes
 

@@ -90,6 +90,7 @@ from sim.schedules.schedule import Action, Kind, device_of_virtual_stage
 
 DP, PP, TP = "dp", "pp", "tp"  # the mesh's dimension names: data-parallel, pipeline, tensor-parallel
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"  # HSDP: dp as (groups replicated, ranks sharded within one)
+EDP, EP = "edp", "ep"  # expert parallelism: dp as (replicas holding the same experts, the E sharing a stage's)
 BUCKET_BYTES = 25 * 2**20  # largest all-reduce message, as DDP's bucket_cap_mb default
 REPLICA_SEED = 0x5EED  # mixed with the replica into replica d > 0's dropout seed
 
@@ -164,6 +165,8 @@ class Layout:
     shard_group: int | None = None  # ZeRO-2/3: shard within groups of this many replicas (HSDP); None: all D
     reshard_after_forward: bool = False  # ZeRO-3 on one stage (executor.parallel.fully_sharded)
     reduce_every_microbatch: bool = False  # ZeRO-2/3, gradient sync "microbatch": reduce-scatter after each backward
+    expert_parallel: int = 1  # E: the stage's experts sharded over E replicas (executor.parallel.expert_parallel)
+    traced: bool = False  # --trace: the experts' all-to-alls recorded as spans of their own
 
     @property
     def hsdp(self) -> bool:
@@ -180,6 +183,18 @@ class Layout:
 
         mesh = self.mesh[(DP_REPLICATE, DP_SHARD)] if self.hsdp else self.mesh[DP]
         return Sharding(mesh, self.reshard_after_forward, self.weight, self.reduce_every_microbatch)
+
+    @property
+    def experts(self) -> Any:
+        """With E > 1: this rank's place in its stage's expert grid
+        (:class:`executor.parallel.expert_parallel.ExpertSharding`); None otherwise."""
+        if self.expert_parallel == 1:
+            return None
+        from executor.parallel.expert_parallel import ExpertSharding
+
+        data = self.mesh.get_group(EDP) if self.replicas > self.expert_parallel else None
+        return ExpertSharding(self.mesh.get_group(EP), self.mesh.get_local_rank(EP), self.expert_parallel, data,
+                              self.weight)
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -237,10 +252,15 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
         ranks_grid, names = ranks_grid[..., 0], (DP, PP)
     shard_group = getattr(config, "shard_group", None)
     hsdp = config.zero >= 2 and shard_group is not None and shard_group < replicas
+    experts = getattr(config, "expert_parallel", 1)
     if hsdp:  # dp as (replicate, shard): replicas r*N .. r*N + N-1 shard among themselves
         ranks_grid = ranks_grid.reshape(replicas // shard_group, shard_group, *ranks_grid.shape[1:])
         mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=(DP_REPLICATE, DP_SHARD, *names[1:]))
         mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)  # the dp group of every D ranks, as without HSDP
+    elif experts > 1:  # dp as (edp, ep): replicas g*E .. g*E + E-1 hold the stage's experts between them
+        ranks_grid = ranks_grid.reshape(replicas // experts, experts, *ranks_grid.shape[1:])
+        mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=(EDP, EP, *names[1:]))
+        mesh[(EDP, EP)]._flatten(DP)
     else:
         mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=names)
     boundary: dict[tuple[int, str], dist.ProcessGroup] = {}
@@ -269,7 +289,8 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, stage_ranks,
                   mesh, boundary, shared_groups, parts, tp_rank, shard_group,
                   reshards_after_forward(config.zero, stages),
-                  config.zero >= 2 and (config.gradient_sync or default_gradient_sync(stages)) == "microbatch")
+                  config.zero >= 2 and (config.gradient_sync or default_gradient_sync(stages)) == "microbatch",
+                  experts, bool(getattr(config, "trace", "")))
 
 
 class GradientAverage:
@@ -292,6 +313,8 @@ class GradientAverage:
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
         self._close: Callable[[], None] | None = None
+        # another sum launched and awaited with this one (expert parallelism: the experts' over their replicas)
+        self.also: GradientAverage | None = None
         # ranks of one host, each with a core: the sum goes through shared memory, a bucket per dtype
         ranks = dist.get_process_group_ranks(group)
         self._shared: list[tuple[SharedSum, list[int]]] = []
@@ -323,7 +346,15 @@ class GradientAverage:
         return result
 
     def launch(self) -> None:
-        self._close = self.recorder.open_span(DP_ALLREDUCE)
+        self._close = self.recorder.open_span(DP_ALLREDUCE)  # one span, with the experts' sum (also)
+        self._start()
+        if self.also is not None:
+            from executor.parallel.expert_parallel import fill_missing_gradients
+
+            fill_missing_gradients(self.also.params)  # every replica sums the same tensors
+            self.also._start()
+
+    def _start(self) -> None:
         if self._shared:
             for shared_sum, indices in self._shared:
                 shared_sum.launch([_local_grad(self.params[i]) for i in indices], self.weight)
@@ -336,6 +367,14 @@ class GradientAverage:
             self._pending.append((work, flat, bucket))  # type: ignore[arg-type]
 
     def wait(self) -> None:
+        self._finish()
+        if self.also is not None:
+            self.also._finish()
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+    def _finish(self) -> None:
         for shared_sum, indices in self._shared:
             shared_sum.finish([_local_grad(self.params[i]) for i in indices])
         for work, flat, bucket in self._pending:
@@ -345,9 +384,6 @@ class GradientAverage:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self._pending.clear()
-        if self._close is not None:
-            self._close()
-            self._close = None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -399,8 +435,17 @@ def attach(stage: Any, layout: Layout) -> Any:
         stage.after_action = chain(stage.after_action, reduce_after_last_backward)
         return gathered
     links = next((part.transport.links for part in parts if getattr(part.transport, "links", None) is not None), None)
-    average = GradientAverage([p for part in parts for p in part.params], layout.dp_group, layout.weight,
-                              stage.recorder, links=links)
+    params = [p for part in parts for p in part.params]
+    experts, expert_sum = layout.experts, None
+    if experts is not None:  # the experts' gradients over their own replicas, already weighted
+        from executor.parallel import expert_parallel
+
+        expert_params = expert_parallel.attach(stage, parts, experts, layout.traced)
+        params = [p for p in params if all(p is not q for q in expert_params)]
+        if experts.data_group is not None:
+            expert_sum = GradientAverage(expert_params, experts.data_group, 1.0, stage.recorder, links=links)
+    average = GradientAverage(params, layout.dp_group, layout.weight, stage.recorder, links=links)
+    average.also = expert_sum
     last = last_backward_index(stage.actions)
 
     def launch_after_last_backward(index: int, action: Action) -> None:

@@ -114,7 +114,7 @@ def _mlp_widths(mlp: nn.Module) -> list[tuple[str, int]]:
     """The FFN widths a rank's share must divide: the dense MLP's, or each expert's and the shared MLP's."""
     if not isinstance(mlp, MixtureOfExperts):
         return [("ff", mlp[2].in_features)]
-    widths = [("expert_ff", mlp.experts[0][2].in_features)]
+    widths = [("expert_ff", mlp.named_experts()[0][1][2].in_features)]
     return widths + ([("shared_experts x expert_ff", mlp.shared[2].in_features)] if mlp.shared is not None else [])
 
 
@@ -130,7 +130,7 @@ def moe_plan(moe: MixtureOfExperts, parts: int) -> dict[str, Any]:
     """Every expert and the shared MLP split as the dense MLP is (column- then row-parallel, expert
     tensor parallelism equal to T); the router replicated, so every rank routes the same tokens."""
     plan: dict[str, Any] = {}
-    for index, expert in enumerate(moe.experts):
+    for index, expert in moe.named_experts():  # this rank's, under expert parallelism
         plan.update(_mlp_plan(expert, f"mlp.experts.{index}", parts))
     if moe.shared is not None:
         plan.update(_mlp_plan(moe.shared, "mlp.shared", parts))

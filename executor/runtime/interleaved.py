@@ -145,7 +145,9 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
 
     tp_mesh = layout.tp_mesh if layout is not None else None
     sharding = layout.sharding if layout is not None else None
-    chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh, sharding=sharding)
+    experts = layout.experts if layout is not None else None
+    chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh, sharding=sharding,
+                         experts=experts)
               for s in virtual_stages_of_device(rank, devices, config.virtual_stages, config.schedule)]
     chunked = ChunkedDevice(chunks, recorder)
     chunked.reduce_shared = chunk_reducer(chunks, prepared.shared, shared)

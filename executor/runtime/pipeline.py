@@ -34,6 +34,7 @@ from executor.runtime.data import batch_for_step
 from executor.runtime.prefetch import StepBatches
 from executor.runtime.recording import Recorder
 from executor.runtime.shapes import dry_run
+from executor.parallel.expert_checks import check_model_experts
 from executor.parallel.sharding_checks import check_wrappable
 from executor.parallel.sharing import (SharedGroup, dist_reducer, duplicates_on, find_shared, process_groups,
                                        reduce_in_process)
@@ -49,6 +50,7 @@ from sim.schedules.schedule import Action, format_grid, walk_in_rounds
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from executor.parallel.expert_parallel import ExpertSharding
     from executor.parallel.fully_sharded import Sharding
     from executor.parallel.replicas import Layout
 
@@ -78,6 +80,7 @@ def prepare(config: RunConfig) -> Prepared:
         from executor.parallel.tensor_parallel import check_model
 
         check_model(model, config.tensor_parallel, config.sequence_parallel)
+    check_model_experts(model, config.expert_parallel)
     shared = find_shared(model, tuple(config.partition))
     check_wrappable(model, tuple(config.partition), config.zero, config.checkpoint)  # what FSDP cannot wrap (ZeRO-2/3)
     check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))
@@ -104,16 +107,22 @@ def stage_layers(config: RunConfig, prepared: Prepared, stage: int) -> nn.Sequen
 
 def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Transport,
                device: torch.device = torch.device("cpu"), recorder: Recorder | None = None,
-               tp_mesh: "DeviceMesh | None" = None, sharding: "Sharding | None" = None) -> PipelineStage:
-    """Stage ``stage`` with its first values; with ``tp_mesh`` (its T ranks) its layers sharded over
+               tp_mesh: "DeviceMesh | None" = None, sharding: "Sharding | None" = None,
+               experts: "ExpertSharding | None" = None) -> PipelineStage:
+    """Stage ``stage`` with its first values; with ``experts`` only its share of the routed experts
+    (:mod:`executor.parallel.expert_parallel`), with ``tp_mesh`` (its T ranks) its layers sharded over
     them (:mod:`executor.parallel.tensor_parallel`) and with ``sharding`` (ZeRO-2/3) over its
-    data-parallel ranks (:mod:`executor.parallel.fully_sharded`), both before its optimizer is made."""
+    data-parallel ranks (:mod:`executor.parallel.fully_sharded`), all before its optimizer is made."""
     stages = len(config.partition)  # virtual stages: K, or V*K under the interleaved schedule
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
                                microbatches=config.microbatches, schedule=config.schedule,
                                checkpoint=config.checkpoint, seed=config.seed, precision=config.precision,
                                virtual_stages=config.virtual_stages)
     module = stage_layers(config, prepared, stage)
+    if experts is not None:
+        from executor.parallel.expert_parallel import keep_local_experts
+
+        keep_local_experts(module, experts)
     if tp_mesh is not None:
         from executor.parallel.tensor_parallel import parallelize_stage
 
@@ -147,7 +156,8 @@ def make_dist_stage(config: RunConfig, prepared: Prepared, rank: int, device: to
     links = host_links(device, config.transport, config.timeout_s)
     transport = stage_transport(Peers(rank, config.stages, groups, ranks), device, pipeline_group, links)
     stage = make_stage(config, prepared, rank, transport, device, recorder,
-                       layout.tp_mesh if layout is not None else None, layout.sharding if layout is not None else None)
+                       layout.tp_mesh if layout is not None else None, layout.sharding if layout is not None else None,
+                       layout.experts if layout is not None else None)
     if any(rank in group.owners for group in prepared.shared):
         stage.reduce_shared = dist_reducer(rank, stage.module, prepared.shared, shared_groups)
     return stage

@@ -23,7 +23,10 @@ parameter's shape at the shard's size; scalar step counters left out) and
 ``accumulated_gradient_bytes`` (the most unsharded gradients it held after an action: those of a
 step's micro-batches with ``--gradient-sync step``, none with ``microbatch``), its gradient
 sum is ``"reduce-scatter (gloo)"``, and the gathers and reduce-scatters are spans of the kinds
-``all_gather_dp`` and ``reduce_scatter_dp``.
+``all_gather_dp`` and ``reduce_scatter_dp``. With ``--expert-parallel E``
+(:mod:`executor.parallel.expert_parallel`) each entry has ``parameter_bytes``, ``gradient_bytes`` and
+``optimizer_state_bytes`` counted the same way (its stage's non-expert parameters whole, n/E of its
+routed experts), and a traced run's token exchanges are spans of the kinds ``dispatch_ep`` and ``combine_ep``.
 
 A step's time is the gap between the end of its last span on any rank and the end of the
 previous step's (the first measured step counts from its first span), so steady-state step times

@@ -32,6 +32,11 @@ state in the model's own layout: such a checkpoint resumes at any D, ZeRO stage 
 plain (ZeRO-0) one resumes under ZeRO-2/3 at any D; the losses continue the uninterrupted run's to
 float rounding (exactly the same draws only for a model without dropout).
 
+With expert parallelism (:mod:`executor.parallel.expert_parallel`) a shard also holds every expert of its
+stage, gathered from the E ranks of replica 0's expert group, the optimizer's state in the unsharded
+model's order: it resumes at any E, or without expert parallelism, and each rank of a run under it takes
+its own experts by name (:func:`repartitioned_state`).
+
 With T tensor-parallel ranks per stage (:mod:`executor.parallel.tensor_parallel`) a shard still holds the
 whole stage in the model's own layout: its T ranks gather their parts, rank 0 writes. So a run
 saved at one T resumes at any other that divides the heads and FFN width (or at T = 1).
@@ -58,6 +63,7 @@ import torch
 
 from executor.device import device_api
 from executor.models.loaded_types import is_sharded
+from executor.parallel.expert_parallel import full_stage_state
 from executor.runtime.stage import PipelineStage
 from executor.state import state_file
 from sim.errors import GpipeInputError
@@ -85,6 +91,11 @@ def save_shard(root: str, step: int, stage: PipelineStage, write: bool = True) -
     else:
         module_state = stage.module.state_dict()
         optimizer_state = stage.optimizer.state_dict() if stage.optimizer is not None else None
+    # each optimizer index's parameter by its names in the model (several when tied in the stage),
+    # so another partition's stages can find their parameters' state (:func:`load_shard`)
+    names = param_names(stage.module, stage.optimizer) if stage.optimizer is not None else []
+    # with expert parallelism, every expert gathered from the stage's expert group
+    module_state, optimizer_state, names = full_stage_state(stage.module, module_state, optimizer_state, names)
     if not write:
         return
     directory = step_dir(root, step)
@@ -92,9 +103,7 @@ def save_shard(root: str, step: int, stage: PipelineStage, write: bool = True) -
     state: dict[str, Any] = {
         "module": module_state,
         "optimizer": optimizer_state,
-        # each optimizer index's parameter by its names in the model (several when tied in the stage),
-        # so another partition's stages can find their parameters' state (:func:`load_shard`)
-        "param_names": param_names(stage.module, stage.optimizer) if stage.optimizer is not None else [],
+        "param_names": names,
         "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
         "cpu_rng": torch.get_rng_state(),
         "cuda_rng": device_api(stage.device).all_rng_states(),  # the accelerator's generators (None on CPU)

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from calibrate.measure import collective
 from calibrate.measure.collective import calibrate_allreduce, measure_allreduce, party_counts
 from sim.formats.costs import allreduce_link
 
@@ -70,3 +71,29 @@ def test_the_sharded_entry_fits_the_gather_and_the_reduce_scatter_the_simulator_
     assert gather.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6) and gather.latency_s == pytest.approx(2e-5)
     assert reduce.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
     assert collective.calibrate_sharded("cpu", parties=[]) is None
+
+
+def test_the_expert_parallel_entry_fits_the_all_to_all_as_a_pairwise_exchange(monkeypatch):
+    """Points made by the model (E-1) x latency + (E-1)/E x bytes / bandwidth give back its two figures."""
+    from calibrate.measure import ep_collectives, rank_timing
+
+    def fake_run(module, parties, device_type, sizes, repeats, what):
+        assert module == "calibrate.measure.ep_collectives"
+        return [{"bytes": b, "seconds": (parties - 1) * 3e-5 + (parties - 1) / parties * b / 2e9} for b in sizes]
+
+    monkeypatch.setattr(rank_timing, "run_ranks", fake_run)
+    entry = ep_collectives.calibrate_expert_parallel("cpu", quick=True, parties=[2, 4])
+    assert entry["backend"] == "gloo" and entry["parties"] == [2, 4]
+    link = entry["all_to_all"]
+    assert link["latency_s"] == pytest.approx(3e-5, rel=1e-6) and link["bytes_per_s"] == pytest.approx(2e9, rel=1e-6)
+    assert len(link["measured"]) == 2 * len(collective.QUICK_SIZES_BYTES)
+    assert ep_collectives.calibrate_expert_parallel("cpu", parties=[]) is None
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_time_the_all_to_all():
+    from calibrate.measure.ep_collectives import calibrate_expert_parallel
+
+    entry = calibrate_expert_parallel("cpu", quick=True, parties=[2])
+    assert [p["bytes"] for p in entry["all_to_all"]["measured"]] == list(collective.QUICK_SIZES_BYTES)
+    assert all(p["seconds"] > 0 for p in entry["all_to_all"]["measured"])

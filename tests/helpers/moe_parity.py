@@ -19,11 +19,19 @@ MOE = {"layers": 2, "d_model": 32, "ff": 64, "heads": 4, "seq": 8, "vocab": 64, 
        "expert_ff": 32, "aux_loss_coef": 0.05}
 
 
-def accumulate(model, inputs, targets, loss_fn, microbatches: int, bf16: bool = False) -> tuple[float, float]:
-    """Gradients of the mean loss over ``microbatches`` chunks added to ``.grad``; (loss, auxiliary loss)."""
+def chunks(inputs, targets, microbatches: int, replicas: int = 1):
+    """The micro-batches D replicas train: each replica's ``torch.chunk`` share split into ``microbatches``."""
+    for share_x, share_t in zip(split(inputs, replicas), split(targets, replicas)):
+        yield from zip(split(share_x, microbatches), split(share_t, microbatches))
+
+
+def accumulate(model, inputs, targets, loss_fn, microbatches: int, bf16: bool = False,
+               replicas: int = 1) -> tuple[float, float]:
+    """Gradients of the mean loss over ``microbatches`` chunks (of each of ``replicas`` shares) added to
+    ``.grad``; (loss, auxiliary loss)."""
     take_aux_loss()
     total, rows = 0.0, inputs.shape[0]
-    for x, t in zip(split(inputs, microbatches), split(targets, microbatches)):
+    for x, t in chunks(inputs, targets, microbatches, replicas):
         set_micro_batch_weight(x.shape[0] / rows)
         cast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with cast:
@@ -35,9 +43,10 @@ def accumulate(model, inputs, targets, loss_fn, microbatches: int, bf16: bool = 
     return total, take_aux_loss()
 
 
-def one_process(config: RunConfig, batches, loss_fn, microbatches: int, steps: int):
+def one_process(config: RunConfig, batches, loss_fn, microbatches: int, steps: int, replicas: int = 1):
     """``steps`` of ``config``'s optimizer (sgd or adamw, clipping by the global norm, constant lr) on
-    ``batches(step)``; (losses, aux losses, norms, model, near-zero masks): the masks mark elements
+    ``batches(step)``, each of ``replicas`` shares in ``microbatches`` chunks; (losses, aux losses, norms,
+    model, near-zero masks): the masks mark elements
     whose gradient was below :data:`tests.helpers.parity.NEAR_ZERO_GRADIENT` at some step
     (:func:`tests.helpers.parity.assert_adam_close` says why they are held to a bound only)."""
     model = build_model(config.model, config.options, config.seed)
@@ -50,7 +59,7 @@ def one_process(config: RunConfig, batches, loss_fn, microbatches: int, steps: i
     for step in range(steps):
         optimizer.zero_grad()
         inputs, targets = batches(step)
-        loss, aux = accumulate(model, inputs, targets, loss_fn, microbatches, config.precision == "bf16")
+        loss, aux = accumulate(model, inputs, targets, loss_fn, microbatches, config.precision == "bf16", replicas)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm or float("inf"))
         for mask, p in zip(near_zero, model.parameters()):
             mask |= p.grad.abs() < NEAR_ZERO_GRADIENT

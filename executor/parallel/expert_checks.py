@@ -1,0 +1,73 @@
+"""What expert parallelism (:mod:`executor.parallel.expert_parallel`) cannot run, refused in one line
+before any worker starts; kept apart so that checking a run's settings imports no process groups."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import nn
+
+from sim.errors import GpipeInputError
+from sim.schedules.microbatch import split_rows
+from sim.schedules.schedule import SPLIT_BACKWARD_SCHEDULES
+
+
+class ExpertSettings(Protocol):
+    """What this module reads of a run's settings (an :class:`executor.config.RunConfig`)."""
+
+    expert_parallel: int
+    expert_tensor_parallel: int | None
+    replicas: int
+    tensor_parallel: int
+    zero: int
+    schedule: str
+    batch_size: int
+    microbatches: int
+
+
+def check_expert_parallel(config: ExpertSettings) -> None:
+    """The settings E needs, one line each: E dividing D, expert tensor parallelism equal to T, no
+    ZeRO, no split backward, the same number of micro-batches on every replica (the replicas of a
+    group run their all-to-alls together, action by action)."""
+    parts, etp = config.expert_parallel, config.expert_tensor_parallel
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise GpipeInputError(f"--expert-parallel {parts!r} is not a positive integer; use 1 (none) or more")
+    if etp is not None and etp != config.tensor_parallel:
+        raise GpipeInputError(f"--expert-tensor-parallel {etp} differs from --tensor-parallel "
+                              f"{config.tensor_parallel}: gpipe train splits each expert as tensor parallelism splits the dense layers; drop "
+                              f"--expert-tensor-parallel or use {config.tensor_parallel}")
+    if parts == 1:
+        return
+    if config.replicas % parts:
+        raise GpipeInputError(f"--expert-parallel {parts} does not divide --replicas {config.replicas}: the experts "
+                              "are sharded over E of each stage's replicas; use an E that divides D")
+    if config.zero:
+        raise GpipeInputError(f"--expert-parallel {parts} with --zero {config.zero} is not supported yet: the "
+                              "sharded optimizer or FSDP would shard the experts over replicas holding other ones; "
+                              "drop --zero or use --expert-parallel 1")
+    if config.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise GpipeInputError(f"--expert-parallel {parts} with --schedule {config.schedule} is not supported: the "
+                              "split backward's halves would run the expert exchange's reverse all-to-alls apart; "
+                              "use gpipe, 1f1b or interleaved")
+    executed = {len(split_rows(rows, config.microbatches)) for rows in split_rows(config.batch_size, config.replicas)}
+    if len(executed) > 1:
+        raise GpipeInputError(f"--batch {config.batch_size} gives the replicas {sorted(executed)} micro-batches, not "
+                              f"the same number, and the replicas of an expert-parallel group exchange tokens "
+                              f"micro-batch by micro-batch; use a batch that is a multiple of --replicas "
+                              f"{config.replicas} x --microbatches {config.microbatches}")
+
+
+def check_model_experts(model: nn.Sequential, parts: int) -> None:
+    """The model (on the meta device) has built-in mixture-of-experts blocks whose experts E divides."""
+    if parts == 1:
+        return
+    from executor.models.moe import MixtureOfExperts
+
+    blocks = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    if not blocks:
+        raise GpipeInputError(f"--expert-parallel {parts} shards routed experts, but this model has none that gpipe "
+                              "train shards (the built-in transformer's experts option); use --expert-parallel 1")
+    for block in blocks:
+        if block.num_experts % parts:
+            raise GpipeInputError(f"--expert-parallel {parts} does not divide experts={block.num_experts}: each rank "
+                                  f"holds experts / E whole experts; use an E that divides {block.num_experts}")

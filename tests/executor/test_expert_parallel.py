@@ -1,0 +1,166 @@
+"""Expert parallelism (``gpipe train --expert-parallel E``, gloo, torchrun) against one process.
+
+One process accumulates over the micro-batches the replicas train (:mod:`tests.helpers.moe_parity`):
+each replica's ``torch.chunk`` share of the batch split into M. Losses, the routers' auxiliary losses
+and gradient norms rtol 1e-5 (bf16: 1e-3), every parameter from the checkpoint as
+:func:`tests.helpers.parity.assert_adam_close` holds them, at atol 1e-4 (an expert's gradient adds
+its replicas' rows in another order; T = 2 splits each expert as the tensor-parallel tests do) and bf16
+at 2e-3, as tests/executor/test_moe_parallel.py holds experts under T and D (E = 1 there). Three
+launches share the matrix: K in {1, 2}, T in {1, 2}, top-1 and top-2, shared experts on and off,
+AdamW with clipping, fp32 and bf16, D = E and D = 2E (experts summed over their own replicas) on an
+uneven batch. The first is traced (dispatch and combine spans), counts each rank's bytes, and its
+checkpoint resumes without expert parallelism; the second resumes a checkpoint saved without it under
+it: both continue one process's run (two launches each: marked slow; the other two run in the quick suite).
+"""
+
+import json
+import shutil
+
+import pytest
+
+from executor.config import RunConfig
+from executor.runtime.pipeline import LocalPipeline
+from gpipe.main import main
+from tests.executor.test_executor_tensor_parallel import checkpoint_parameters, option_flags
+from tests.helpers.in_process import gpipe
+from tests.helpers.moe_parity import MOE, assert_parameters_equal, one_process
+
+ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--clip-grad-norm", "0.5"]
+
+
+def reference(options, batch, replicas, microbatches, steps, precision="fp32"):
+    config = RunConfig(model="transformer", options=options, partition=(4,), batch_size=batch, microbatches=4,
+                       optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, precision=precision)
+    pipe = LocalPipeline(config)  # its batches and loss
+    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas)
+
+
+def train(tmp_path, name, options, *argv):
+    root, report = tmp_path / name, tmp_path / f"{name}.json"
+    result = gpipe("train", "--model", "transformer", *option_flags(options), *ADAMW, *argv,
+                   "--checkpoint-dir", str(root), "--report", str(report))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(report.read_text()), root
+
+
+def assert_trains_as_one_process(report, root, chunks, expected, steps, precision="fp32"):
+    losses, auxes, norms, model, near_zero = expected
+    rel = 1e-5 if precision == "fp32" else 1e-3
+    assert report["losses"] == pytest.approx(losses, rel=rel)
+    measured = [aux for aux in report["aux_losses"] if aux is not None]  # a resumed run's: from its first step
+    assert measured == pytest.approx(auxes[-len(measured):], rel=rel) and min(auxes) > 0
+    assert report["grad_norms"] == pytest.approx(norms, rel=rel) and min(norms) > 0.5
+    atol = 1e-4 if precision == "fp32" else 2e-3
+    assert_parameters_equal(checkpoint_parameters(root, chunks), model, near_zero, 0.01 * steps, atol)
+
+
+def expert_share_bytes(model, first, end, experts):
+    """Parameter bytes (fp32) one rank holds of layers first..end-1: its routed experts' divided by E."""
+    return sum(p.numel() * 4 // (experts if ".experts." in name else 1) for name, p in model.named_parameters()
+               if first <= int(name.split(".")[0]) < end)
+
+
+@pytest.mark.slow
+def test_two_stages_of_experts_sharded_over_two_replicas_train_as_one_process_and_resume_without(tmp_path):
+    """K = 2, D = E = 2, top-2 with a shared expert, SwiGLU, fp32: traced; saved after two steps, resumed
+    at E = 1 for the third; each rank's bytes hold n/E experts."""
+    options = {**MOE, "top_k": 2, "shared_experts": 1, "activation": "swiglu"}
+    common = ["--stages", "2", "--partition", "2,2", "--replicas", "2", "--batch", "8", "--microbatches", "2"]
+    report, root = train(tmp_path, "ep", options, *common, "--expert-parallel", "2", "--steps", "2",
+                         "--save-every", "2", "--trace", str(tmp_path / "trace.json"))
+    assert_trains_as_one_process(report, root, 2, reference(options, 8, 2, 2, 2), 2)
+    # dispatch and combine: spans of their own inside the forward, recompute or backward that issued them
+    records = report["timeline"]["records"]
+    exchanges = [r for r in records if r["kind"] in ("dispatch_ep", "combine_ep")]
+    assert {r["kind"] for r in exchanges} == {"dispatch_ep", "combine_ep"}
+    for r in exchanges:
+        assert any(c["kind"] in ("F", "R", "B") and c.get("replica", 0) == r.get("replica", 0)
+                   and c["stage"] == r["stage"] and c["microbatch"] == r["microbatch"]
+                   and c["start_s"] <= r["start_s"] <= r["end_s"] <= c["end_s"] for c in records), r
+    # every rank: its stage's non-expert parameters whole and half of its routed experts, a gradient each,
+    # AdamW's two moments per parameter (the scalar step counters left out, as ZeRO-2/3's are counted)
+    model = reference(options, 8, 2, 2, 0)[3]
+    bounds = {0: (0, 2), 1: (2, 4)}
+    for entry in report["ranks"]:
+        nbytes = expert_share_bytes(model, *bounds[entry["stage"]], 2)
+        assert entry["parameter_bytes"] == entry["gradient_bytes"] == nbytes, entry
+        assert entry["optimizer_state_bytes"] == 2 * nbytes, entry
+    shutil.copytree(root, tmp_path / "resumed")
+    resumed, _ = train(tmp_path, "resumed", options, *common, "--steps", "3", "--resume", "--save-every", "3")
+    assert_trains_as_one_process(resumed, tmp_path / "resumed", 2, reference(options, 8, 2, 2, 3), 3)
+
+
+@pytest.mark.slow
+def test_experts_split_by_tensor_parallelism_resume_from_one_rank_each_into_two_and_train_as_one_process(tmp_path):
+    """K = 1, T = 2 (each expert split as the dense MLP is), D = 2, top-1 without shared experts, GELU,
+    1F1B: two steps at E = 1 saved, the third at E = 2 from that checkpoint (each rank takes its experts
+    from the whole stage). (In bf16, T = 2 alone already routes a token of this model otherwise than one
+    process at step 0: the row-parallel partial sums round in bf16; so bf16 is held at T = 1 below.)"""
+    options = {**MOE, "top_k": 1, "shared_experts": 0, "activation": "gelu"}
+    common = ["--stages", "1", "--replicas", "2", "--tensor-parallel", "2", "--batch", "8", "--microbatches", "2",
+              "--schedule", "1f1b"]
+    report, root = train(tmp_path, "ep", options, *common, "--steps", "2", "--save-every", "2")
+    assert report["losses"] == pytest.approx(reference(options, 8, 2, 2, 2)[0], rel=1e-5)
+    resumed, _ = train(tmp_path, "ep", options, *common, "--expert-parallel", "2", "--steps", "3", "--resume",
+                       "--save-every", "3")
+    assert_trains_as_one_process(resumed, root, 1, reference(options, 8, 2, 2, 3), 3)
+
+
+def test_experts_summed_over_their_own_replicas_train_as_one_process_on_an_uneven_batch(tmp_path):
+    """K = 1, D = 4, E = 2: each expert on two replicas, its gradient summed over them; a batch of 11 rows
+    (3, 3, 3, 2 per replica, each in two micro-batches), top-2 with a shared expert."""
+    options = {**MOE, "top_k": 2, "shared_experts": 1}
+    report, root = train(tmp_path, "ep", options, "--stages", "1", "--replicas", "4", "--expert-parallel", "2",
+                         "--batch", "11", "--microbatches", "2", "--schedule", "1f1b", "--steps", "3",
+                         "--save-every", "3")
+    assert_trains_as_one_process(report, root, 1, reference(options, 11, 4, 2, 3), 3)
+
+
+def test_experts_sharded_over_two_replicas_train_as_one_process_in_bf16(tmp_path):
+    """K = 1, D = E = 2, top-1 with a shared expert, bf16 (autocast). (AdamW in bf16 on micro-batches of
+    one row, as the uneven batch above has, leaves one process's parameters by more than 2e-3 at E = 1
+    already: each micro-batch's weight gradient is rounded to bf16.)"""
+    options = {**MOE, "top_k": 1, "shared_experts": 1}
+    report, root = train(tmp_path, "ep", options, "--stages", "1", "--replicas", "2", "--expert-parallel", "2",
+                         "--batch", "8", "--microbatches", "2", "--precision", "bf16", "--steps", "3",
+                         "--save-every", "3")
+    assert_trains_as_one_process(report, root, 1, reference(options, 8, 2, 2, 3, "bf16"), 3, "bf16")
+
+
+def one_line_error(capsys, *argv):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("gpipe: error: ")
+    return err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--expert-tensor-parallel", "2"], "differs from --tensor-parallel 1"),
+    (["--replicas", "3", "--batch", "6"], "does not divide --replicas 3"),
+    (["--replicas", "3", "--expert-parallel", "3", "--batch", "6"], "does not divide experts=4"),
+    (["--model", "mlp"], "has none that gpipe train shards"),
+    (["--option", "top_k=5"], "top_k=5 is above experts=4"),
+    (["--zero", "1"], "with --zero 1 is not supported yet"),
+    (["--zero", "3"], "with --zero 3 is not supported yet"),
+    (["--schedule", "zb-h1", "--stages", "2"], "split backward"),
+    (["--replicas", "4", "--batch", "7", "--microbatches", "2"], "not the same number"),
+    (["--expert-parallel", "0"], "not a positive integer"),
+])
+def test_what_expert_parallelism_cannot_run_is_one_line_before_any_worker(capsys, flags, message):
+    options = [] if "mlp" in flags else option_flags({**MOE, "layers": 2})
+    argv = ["--model", "transformer", *options, "--stages", "1", "--replicas", "2", "--expert-parallel", "2",
+            "--batch", "8", "--steps", "1"]
+    for flag, value in zip(flags[::2], flags[1::2]):
+        if flag in argv and flag != "--option":
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    assert message in one_line_error(capsys, *argv)
+
+
+def test_expert_parallelism_on_a_hugging_face_mixture_is_one_line(capsys):
+    from tests.executor.test_hf_moe import CONFIGS
+
+    err = one_line_error(capsys, "--model", "hf:mixtral", *option_flags({**CONFIGS["mixtral"], "seq": 8}), "--stages",
+                         "1", "--replicas", "2", "--expert-parallel", "2", "--batch", "8", "--steps", "1")
+    assert "has none that gpipe train shards" in err
