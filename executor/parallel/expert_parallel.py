@@ -14,8 +14,9 @@ Gradients: the non-expert parameters' are summed over all D replicas with weight
 without experts; each expert's already holds its group's weighted sum (the exchange scales what it sends back),
 so it is summed over its ``edp`` replicas with weight 1, in the same step phase. The global norm for
 clipping counts each expert once: its squares are summed over the group. With D > E an expert's
-gradient that is None on a rank (no row reached it this step) is taken as zero so its replicas add
-the same tensors.
+gradient absent on a replica (no row reached it this step) is taken as zero where another replica
+has one, and stays absent where none has (:class:`executor.parallel.replicas.GradientAverage`), so
+the optimizer skips it as one process would.
 
 Checkpoints hold the whole stage (every expert, their optimizer state in the unsharded model's order):
 the E ranks of replica 0's group gather their parts before replica 0 writes
@@ -24,8 +25,7 @@ without it resumes under it (each rank takes its experts by name,
 :func:`executor.state.checkpoint.repartitioned_state`).
 
 Limits: the built-in transformer's experts only (:mod:`executor.parallel.expert_checks` refuses the
-rest in one line); with D > E an expert no row reached on any replica in a step still takes its
-optimizer step (weight decay, moments) with a zero gradient, where one process would skip it; the
+rest in one line); the
 gather for a checkpoint moves the group's experts through one process (``all_gather_object``); the
 experts run in a Python loop, once per (source rank, expert), correct rather than fast.
 """
@@ -126,13 +126,6 @@ def _norm_with_experts(part: Any, own: Any, experts: list[nn.Parameter], group: 
         return local + total
 
     return grad_sq_norm
-
-
-def fill_missing_gradients(params: Sequence[nn.Parameter]) -> None:
-    """A zero gradient for each expert no row reached this step, so its replicas sum the same tensors."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

@@ -79,6 +79,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's comm hooks
 
 from executor.models.loaded_types import is_dtensor
+from executor.models.moe import MixtureOfExperts
 from executor.parallel.sharding_checks import units_of
 from executor.transport.shm_allgather import SharedGather
 from executor.transport.shm_allreduce import SharedSum
@@ -194,6 +195,21 @@ class _WeightedReduceScatter(ReduceScatter):
         return self._shared
 
 
+def _unit_params(module: FSDPModule) -> list[Any]:
+    """The FSDP parameters of ``module``'s own unit (not its children's)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
+
+
+def _unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
+    """The unsharded gradient an FSDP parameter holds (accumulated or just computed), or None."""
+    if not hasattr(fsdp_param, "_unsharded_param"):
+        return None
+    if fsdp_param.unsharded_accumulated_grad is not None:
+        return fsdp_param.unsharded_accumulated_grad
+    return fsdp_param._unsharded_param.grad
+
+
 class ShardedChunk:
     """One chunk's FSDP units at run time: gradients accumulated over the step's micro-batches and
     reduce-scattered after its last backward (:meth:`reduce`), or after each (:meth:`reduce_microbatch`)."""
@@ -202,6 +218,9 @@ class ShardedChunk:
         self.part = part  # the PipelineStage: its recorder is looked up at each call (a device may swap it)
         self.root = part.module
         self.reshard_each_backward = sharding.reshard_after_forward
+        # routed experts: a replica's rows may reach none of an expert, whose gradient it then lacks
+        routed = any(isinstance(m, MixtureOfExperts) for m in self.root.modules())
+        self.presence_groups = [sharding.mesh.get_group(dim) for dim in range(sharding.mesh.ndim)] if routed else []
         recorder = lambda: self.part.recorder  # noqa: E731
         links = getattr(part.transport, "links", None)  # ranks of this host reached through shared memory
         for module in fsdp_modules(self.root):
@@ -226,6 +245,7 @@ class ShardedChunk:
         root.set_requires_gradient_sync(True)
         root.set_reshard_after_backward(True)
         state = fully_shard.state(root)
+        self.agree_on_absent_gradients()
         for unit_state in state._state_ctx.all_states:
             for group in unit_state._fsdp_param_groups:
                 group.post_backward()
@@ -239,11 +259,27 @@ class ShardedChunk:
         root = self.root
         root.set_requires_gradient_sync(True)
         state = fully_shard.state(root)
+        self.agree_on_absent_gradients()
         for unit_state in state._state_ctx.all_states:
             for group in unit_state._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
         self.accumulate()
+
+    def agree_on_absent_gradients(self) -> None:
+        """Every rank reduce-scatters the same gradients (FSDP2 reduces those present, and ranks that
+        disagree would wait on each other for ever): one absent here but present on another rank is
+        taken as zero; one absent on every rank stays absent, so the optimizer skips it as one process
+        would (a routed expert no row of the batch reached). Only for chunks with routed experts."""
+        if not self.presence_groups:
+            return
+        params = [p for module in fsdp_modules(self.root) for p in _unit_params(module)]
+        present = torch.tensor([float(_unsharded_grad(p) is not None) for p in params])
+        for group in self.presence_groups:
+            dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
+        for fsdp_param, count in zip(params, present.tolist()):
+            if count > 0 and _unsharded_grad(fsdp_param) is None:
+                fsdp_param._unsharded_param.grad = torch.zeros_like(fsdp_param._unsharded_param)
 
     def unsharded_gradient_bytes(self) -> int:
         """Bytes of unsharded gradients this chunk's units hold now (this rank's part of a DTensor's)."""

@@ -71,6 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from executor.device import backend_device
 from executor.models.loaded_types import is_dtensor, is_zero_optimizer
+from executor.models.moe import MixtureOfExperts
 from executor.parallel.sharding_checks import check_fully_sharded, reshards_after_forward
 from executor.parallel.sharing import SharedGroup
 from executor.runtime.data import split
@@ -305,8 +306,11 @@ class GradientAverage:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, weight: float,
-                 recorder: Recorder, bucket_bytes: int = BUCKET_BYTES, links: HostLinks | None = None) -> None:
+                 recorder: Recorder, bucket_bytes: int = BUCKET_BYTES, links: HostLinks | None = None,
+                 sparse: bool = False) -> None:
         self.params = list(params)
+        # some gradients may be absent on some replicas (a routed expert no row of this replica reached)
+        self.sparse = sparse
         self.group = group
         self.weight = weight
         self.recorder = recorder
@@ -349,12 +353,21 @@ class GradientAverage:
         self._close = self.recorder.open_span(DP_ALLREDUCE)  # one span, with the experts' sum (also)
         self._start()
         if self.also is not None:
-            from executor.parallel.expert_parallel import fill_missing_gradients
-
-            fill_missing_gradients(self.also.params)  # every replica sums the same tensors
             self.also._start()
 
+    def _agree_on_absent(self) -> None:
+        """Every replica sums the same gradients: one absent here but present on another replica is
+        taken as zero; one absent on every replica stays absent, so the optimizer skips it as one
+        process would (a routed expert no row of the batch reached)."""
+        present = torch.tensor([float(p.grad is not None) for p in self.params])
+        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=self.group)
+        for param, count in zip(self.params, present.tolist()):
+            if count > 0 and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
     def _start(self) -> None:
+        if self.sparse:
+            self._agree_on_absent()
         if self._shared:
             for shared_sum, indices in self._shared:
                 shared_sum.launch([_local_grad(self.params[i]) for i in indices], self.weight)
@@ -443,8 +456,11 @@ def attach(stage: Any, layout: Layout) -> Any:
         expert_params = expert_parallel.attach(stage, parts, experts, layout.traced)
         params = [p for p in params if all(p is not q for q in expert_params)]
         if experts.data_group is not None:
-            expert_sum = GradientAverage(expert_params, experts.data_group, 1.0, stage.recorder, links=links)
-    average = GradientAverage(params, layout.dp_group, layout.weight, stage.recorder, links=links)
+            expert_sum = GradientAverage(expert_params, experts.data_group, 1.0, stage.recorder, links=links,
+                                         sparse=True)
+    # routed experts: a replica's rows may reach none of an expert, whose gradient it then lacks
+    routed = any(isinstance(m, MixtureOfExperts) for part in parts for m in part.module.modules())
+    average = GradientAverage(params, layout.dp_group, layout.weight, stage.recorder, links=links, sparse=routed)
     average.also = expert_sum
     last = last_backward_index(stage.actions)
 

@@ -28,11 +28,11 @@ from tests.helpers.moe_parity import MOE, assert_parameters_equal, one_process
 ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--clip-grad-norm", "0.5"]
 
 
-def reference(options, batch, replicas, microbatches, steps, precision="fp32"):
+def reference(options, batch, replicas, microbatches, steps, precision="fp32", absent=None):
     config = RunConfig(model="transformer", options=options, partition=(4,), batch_size=batch, microbatches=4,
                        optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, precision=precision)
     pipe = LocalPipeline(config)  # its batches and loss
-    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas)
+    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas, absent)
 
 
 def train(tmp_path, name, options, *argv):
@@ -125,6 +125,27 @@ def test_experts_sharded_over_two_replicas_train_as_one_process_in_bf16(tmp_path
                          "--batch", "8", "--microbatches", "2", "--precision", "bf16", "--steps", "3",
                          "--save-every", "3")
     assert_trains_as_one_process(report, root, 1, reference(options, 8, 2, 2, 3, "bf16"), 3, "bf16")
+
+
+@pytest.mark.parametrize("flags", [["--replicas", "4"], ["--replicas", "4", "--expert-parallel", "2"],
+                                   ["--replicas", "2", "--zero", "3", "--microbatches", "2"]],
+                         ids=["replicas", "expert-parallel", "zero-3"])
+def test_experts_no_row_reached_are_skipped_as_one_process_skips_them(tmp_path, flags):
+    """16 experts, top-1, micro-batches of one row (8 tokens): some expert is reached on one replica only
+    (the others add a zero gradient) and some on none (no gradient anywhere: AdamW skips it, its moments
+    and step count untouched, as one process's does): with whole replicas, with expert parallelism
+    (D = 4: E = 2 sums each expert over its own two replicas) and with ZeRO-3 (FSDP2 reduce-scatters
+    the same gradients on every rank, per micro-batch)."""
+    options = {**MOE, "experts": 16, "top_k": 1, "shared_experts": 0}
+    replicas = int(flags[1])
+    microbatches = 2 if "--microbatches" in flags else 1
+    argv = flags if "--microbatches" in flags else [*flags, "--microbatches", "1"]
+    report, root = train(tmp_path, "sparse", options, "--stages", "1", *argv, "--batch", "4", "--steps", "3",
+                         "--save-every", "3")
+    absent: set[str] = set()
+    expected = reference(options, 4, replicas, microbatches, 3, absent=absent)
+    assert_trains_as_one_process(report, root, 1, expected, 3)
+    assert any(".experts." in name for name in absent)  # the case this test is for did occur
 
 
 def one_line_error(capsys, *argv):
