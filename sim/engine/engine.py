@@ -69,6 +69,7 @@ from sim.engine.stragglers import straggle_fraction
 from sim.formats.timeline import (DP_ALLREDUCE, DP_REDUCE_SCATTER, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE,
                                   STEP_OVERHEAD, MemorySample,
                                   Record, Timeline)
+from sim.workloads.moe.expert_parallel import expert_replica_stride
 from sim.workloads.workload import Workload, shared_parameters
 
 __all__ = ["SimResult", "StageResult", "SharedReduction", "ring_allreduce_s", "shared_reductions", "simulate"]
@@ -351,9 +352,18 @@ class _Step:
                 last = backward_time_s(self.chunk_costs[k][0], fsdp.layout.checkpoint)  # chunk 0 ends last
                 self.allreduce_s.append(fsdp.tail_s(rows0, layout.chunks(k), last))
                 continue
-            self.static.append(static_bytes(chunk_static, optimizer_bytes, D, zero))
             group = data_parallel_group(k, D, K, layout.placement)
-            allreduce_s = group_allreduce_s(gradient_bytes, group, system, allreduce_link)
+            expert_bytes = sum(table.expert_gradient_bytes(rows0, *bounds[s]) for s in layout.chunks(k))
+            if expert_bytes:  # expert parallelism: routed experts over their expert-data-parallel group
+                stride = expert_replica_stride(workload)
+                expert_state = optimizer_bytes * expert_bytes // max(1, gradient_bytes)
+                self.static.append(static_bytes(chunk_static - expert_state, optimizer_bytes - expert_state, D, zero)
+                                   + static_bytes(expert_state, expert_state, D // stride, zero))
+                allreduce_s = (group_allreduce_s(gradient_bytes - expert_bytes, group, system, allreduce_link)
+                               + group_allreduce_s(expert_bytes, group[::stride], system, allreduce_link))
+            else:
+                self.static.append(static_bytes(chunk_static, optimizer_bytes, D, zero))
+                allreduce_s = group_allreduce_s(gradient_bytes, group, system, allreduce_link)
             if overlap_checkpoint is not None:  # the last backward on device k is its first chunk's
                 last = self.chunk_costs[k][0]
                 layers = sum(partition[s] for s in layout.chunks(k))

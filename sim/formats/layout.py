@@ -48,6 +48,8 @@ class ParallelLayout:
     sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
     context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
     shard_group: int | None = None  # ZeRO-2/3 over groups of this many replicas, replicated across them (HSDP)
+    expert_parallel: int = 1  # E: each MoE layer's routed experts split over E ranks of the T x C x D group
+    expert_tensor_parallel: int | None = None  # ETP: the experts' own TP degree; None: T (Megatron-Core's default)
 
     def __post_init__(self) -> None:
         require_positive("stages (K)", self.stages, "use --stages 1 or more")
@@ -63,6 +65,8 @@ class ParallelLayout:
         if not isinstance(self.sequence_parallel, bool):
             raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         require_positive("context_parallel (C)", self.context_parallel, "use --context-parallel 1 or more")
+        check_expert_grid(self.expert_parallel, self.expert_tensor_parallel, self.tensor_parallel,
+                          self.context_parallel, self.replicas)
 
     @classmethod
     def for_partition(cls, partition: Sequence[int], microbatches: int, checkpoint: str = "except_last",
@@ -80,6 +84,16 @@ class ParallelLayout:
         if not self.zero:
             return 1
         return self.shard_group or self.replicas
+
+    @property
+    def expert_tensor_degree(self) -> int:
+        """ETP as priced: the given degree, else T."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """The ranks holding the same expert shard, over which its gradients are reduced: T x C x D / (E x ETP)."""
+        return self.devices_per_stage * self.replicas // (self.expert_parallel * self.expert_tensor_degree)
 
     @property
     def devices_per_stage(self) -> int:
@@ -130,6 +144,25 @@ def check_sharding(zero: object, replicas: int | None = None, shard_group: objec
     if replicas is not None and replicas % shard_group:
         raise GpipeInputError(f"--shard-group {shard_group} does not divide --replicas {replicas}; give a divisor "
                               "of D (D itself shards over all replicas)")
+
+
+def check_expert_grid(expert_parallel: object, expert_tensor_parallel: object, tensor_parallel: int,
+                      context_parallel: int, replicas: int) -> None:
+    """E and ETP positive, and E x ETP dividing T x C x D: Megatron-Core folds the expert grid (ETP x E x
+    expert-DP) over the same ranks as one pipeline stage's T x C x D; one line otherwise. Whether the model
+    has experts, and E divides them, is checked where the model is known
+    (:func:`sim.workloads.moe.expert_parallel.check_expert_parallel`)."""
+    _require_count("expert_parallel (E)", expert_parallel, "use --expert-parallel 1 or more")
+    if expert_tensor_parallel is not None:
+        _require_count("expert_tensor_parallel (ETP)", expert_tensor_parallel,
+                       "use --expert-tensor-parallel 1 or more, or leave it out for T")
+    etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+    group = tensor_parallel * context_parallel * replicas
+    grid = expert_parallel * etp  # type: ignore[operator]
+    if group % grid:
+        raise GpipeInputError(f"--expert-parallel {expert_parallel} x --expert-tensor-parallel {etp} = {grid} does "
+                              f"not divide T x C x D = {tensor_parallel} x {context_parallel} x {replicas} = {group}, "
+                              "the ranks of one pipeline stage the expert grid is folded over; give E x ETP dividing it")
 
 
 def check_chunked_partition(partition: Sequence[int], virtual_stages: int, name: str = "partition") -> None:
