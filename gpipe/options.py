@@ -201,8 +201,19 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser, recorded: str | Non
                        help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} ({said})")
     add_tensor_parallel_argument(group, *_default(1, recorded))
     add_sequence_parallel_argument(group, sequence_parallel)
+    add_expert_parallel_arguments(group, *_default(1, recorded))
     if context:
         add_context_parallel_arguments(group)
+
+
+def add_expert_parallel_arguments(group: Any, default: int | None, said: str) -> None:
+    """--expert-parallel and --expert-tensor-parallel: a mixture of experts' routed experts split over E ranks
+    of the T x C x D group of one stage, each expert over ETP of them (Megatron-Core's expert grid)."""
+    group.add_argument("--expert-parallel", type=int, default=default, metavar="E",
+                       help=f"split each MoE layer's routed experts over E ranks of a stage's T x C x D group, tokens "
+                            f"sent to their experts' ranks and back by all-to-alls; E divides the experts ({said})")
+    group.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="ETP",
+                       help="the experts' own tensor-parallel degree; E x ETP divides T x C x D (default T)")
 
 
 def add_tensor_parallel_argument(group: Any, default: int | None, said: str,
