@@ -41,6 +41,8 @@ RENAMED_IN_PLAN = {"--stages": ("--stages-options", "K"), "--microbatches": ("--
                    "--replicas": ("--replicas-options", "D"), "--virtual-stages": ("--virtual-stages-options", "V"),
                    "--tensor-parallel": ("--tensor-parallel-options", "T"), "--zero": ("--zero-options", "ZeRO stages"),
                    "--shard-group": ("--shard-group-options", "shard groups"),
+                   "--expert-parallel": ("--expert-parallel-options", "E"),
+                   "--expert-tensor-parallel": ("--expert-tensor-parallel-options", "ETP"),
                    "--checkpoint": ("--checkpoints", "policies"), "--schedule": ("--schedules", "schedules"),
                    "--placement": ("--placements", "placements")}
 
@@ -271,6 +273,11 @@ def add_search_space_arguments(parser: argparse.ArgumentParser) -> Any:
     space.add_argument("--tensor-parallel-options", default=None, metavar="LIST",
                        help="T values to try, devices of one node per stage (the built-in transformer; default: "
                             "the powers of two up to a node that divide its heads and FFN width; 1 for other models)")
+    space.add_argument("--expert-parallel-options", default="auto", metavar="LIST",
+                       help="E values to try for a mixture of experts, each dividing its routed experts and T x C x D "
+                            "(default auto: every such divisor; 1 for a model without experts)")
+    space.add_argument("--expert-tensor-parallel-options", default="auto", metavar="LIST",
+                       help="the experts' own TP degrees to try, E x ETP dividing T x C x D (default auto: 1 and T)")
     for old, (new, meaning) in RENAMED_IN_PLAN.items():
         space.add_argument(old, action=Renamed, renamed=new, meaning=meaning,
                            dest="renamed_" + old[2:].replace("-", "_"))

@@ -23,11 +23,12 @@ from typing import Any
 from sim.catalog.hardware import System
 from sim.errors import GpipeInputError
 from sim.planner.search import PlanOption, Progress, SearchResult, search
-from sim.planner.space import (MeasuredCosts, SearchSpace, SystemSpace, Target, check_fits, on_system, policies_for,
-                               stage_values, tensor_parallel_values)
+from sim.planner.space import (MeasuredCosts, SearchSpace, SystemSpace, Target, check_fits, expert_values, on_system,
+                               policies_for, stage_values, tensor_parallel_values)
 from sim.planner.training_cost import Costing, dollars, format_token_count, plan_cost, price_of
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import MULTI_CHUNK_SCHEDULES
+from sim.workloads.moe.expert_parallel import OVERLAPPING_SCHEDULES, with_expert_parallel
 from sim.workloads.tensor_parallel import check_context_parallel, default_sequence_parallel, with_tensor_parallel
 from sim.workloads.workload import Workload
 
@@ -67,7 +68,8 @@ class PlanSearch:
 
 def layout_text(option: PlanOption) -> str:
     c = option.candidate
-    return f"T={c.tensor_parallel} D={c.replicas} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
+    experts = f" E={c.expert_parallel}" if c.expert_parallel > 1 else ""
+    return f"T={c.tensor_parallel} D={c.replicas}{experts} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
 
 
 def ranking_key(option: PlanOption) -> tuple:
@@ -138,17 +140,42 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
             continue
         if split.measured_costs:
             part = _search_each_stage_count(split, groups, batch, stages, checkpoints, degrees, space, top, progress)
-        else:
-            part = search(split, groups, batch, stages, list(space.microbatches), checkpoints, list(degrees.schedules),
-                          space.partitioner, top, progress, list(degrees.replicas), list(degrees.virtual_stages),
-                          list(degrees.zero), list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
-                          max_groups=max_groups, step_limit_s=step_limit, escalate_zero=space.zero_escalates,
-                          shard_group_options=space.shard_groups)
-        for option in part.ranked + part.unfit_examples:
-            option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
-                                       context_parallel=space.context_parallel)
-        parts.append(part)
+            _label(part, t, sequence_parallel, space.context_parallel)
+            parts.append(part)
+            continue
+        for e, etp in expert_values(space, workload, t):
+            replicas = [d for d in degrees.replicas if (t * space.context_parallel * d) % (e * (etp or t)) == 0]
+            for schedules in _by_overlap(list(degrees.schedules), e):
+                if not replicas:
+                    continue
+                experts = with_expert_parallel(split, system, e, etp, schedules[0])
+                part = search(experts, groups, batch, stages, list(space.microbatches), checkpoints, schedules,
+                              space.partitioner, top, progress, replicas, list(degrees.virtual_stages),
+                              list(degrees.zero) if e == 1 else [z for z in degrees.zero if z < 2] or [1],
+                              list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
+                              max_groups=max_groups, step_limit_s=step_limit,
+                              escalate_zero=space.zero_escalates and e == 1, shard_group_options=space.shard_groups)
+                _label(part, t, sequence_parallel, space.context_parallel, e, etp)
+                parts.append(part)
     return _merged(parts, top)
+
+
+def _by_overlap(schedules: list[str], expert_parallel: int) -> list[list[str]]:
+    """The schedules in groups priced alike: with E > 1 those that overlap the all-to-alls apart from the
+    others (:mod:`sim.workloads.moe.expert_parallel`); all together otherwise."""
+    if expert_parallel == 1:
+        return [schedules]
+    groups = [[s for s in schedules if s not in OVERLAPPING_SCHEDULES], [s for s in schedules if s in OVERLAPPING_SCHEDULES]]
+    return [g for g in groups if g]
+
+
+def _label(part: SearchResult, t: int, sequence_parallel: bool, context_parallel: int, e: int = 1,
+           etp: int | None = None) -> None:
+    """Each option of ``part`` with the degrees its workload was split by."""
+    for option in part.ranked + part.unfit_examples:
+        option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
+                                   context_parallel=context_parallel, expert_parallel=e,
+                                   expert_tensor_parallel=etp)
 
 
 def _search_each_stage_count(workload: MeasuredCosts, system: System, batch: int, stage_options: list[int],
