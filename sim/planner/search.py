@@ -393,7 +393,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
            max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
            escalate_zero: bool = False, shard_group: int | None = None,
-           shard_group_options: Sequence[int] = ()) -> SearchResult:
+           shard_group_options: Sequence[int] = (), ceiling_score: float = float("inf")) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -414,6 +414,10 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     ``escalate_zero`` (``gpipe plan``'s default ``--zero-options auto``): a candidate of D > 1 that
     does not fit memory is tried again at the next ZeRO stage (0, 1, 2, 3 in turn), so each layout
     is ranked at the least sharding it fits with, and layouts that fit only sharded are found.
+
+    ``ceiling_score``: the ``top``-th best score other searches of the same question have found (the
+    planner's searches of several E): nothing scoring above it can enter the merged ranking, so the
+    search ends once every bound left exceeds it, as it does past its own ``top``-th best.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
@@ -457,7 +461,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     simulated = examined = 0
     next_waiting = 0
     while True:
-        worst_kept = -kept[0][0] if len(kept) >= top else float("inf")
+        worst_kept = min(-kept[0][0] if len(kept) >= top else float("inf"), ceiling_score)
         cheapest_waiting = waiting[next_waiting][0] if next_waiting < len(waiting) else float("inf")
         if partitioned and partitioned[0][0] <= cheapest_waiting:
             bound, index, option = heapq.heappop(partitioned)
