@@ -115,7 +115,8 @@ def option_dict(option: PlanOption) -> dict:
             "partition": option.partition, "hardware": getattr(option, "hardware", None),
             "training": option.cost.to_dict() if getattr(option, "cost", None) is not None else None,
             **({"expert_parallel": c.expert_parallel} if c.expert_parallel > 1 else {}),
-            **({"expert_tensor_parallel": c.expert_tensor_parallel} if c.expert_tensor_parallel is not None else {}), **{
+            **({"expert_tensor_parallel": c.expert_tensor_parallel}
+               if c.expert_tensor_parallel is not None else {}), **{
                 k: v for k, v in option.result.to_dict().items()
                 if k not in ("partition", "schedule", "checkpoint", "replicas", "virtual_stages", "zero", "placement")}}
 

@@ -179,7 +179,8 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
             found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
                            list(space.schedules), top=1, replica_options=[replicas],
                            virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
-                           dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates).best
+                           dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates,
+                           max_zero=3 if e == 1 else 1).best
             if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
                 assert found.result is not None and found.partition is not None
                 best = Found(found.candidate, found.partition, found.result, sequence, True, (e, etp))

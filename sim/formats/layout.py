@@ -67,6 +67,10 @@ class ParallelLayout:
         require_positive("context_parallel (C)", self.context_parallel, "use --context-parallel 1 or more")
         check_expert_grid(self.expert_parallel, self.expert_tensor_parallel, self.tensor_parallel,
                           self.context_parallel, self.replicas)
+        if self.expert_parallel > 1 and self.zero >= 2:
+            raise GpipeInputError(f"--zero {self.zero} with --expert-parallel {self.expert_parallel}: sharding the experts' "
+                                  "parameters or gradients over their expert-data-parallel group is not modelled; use "
+                                  "--zero 0 or 1 (a distributed optimizer)")
 
     @classmethod
     def for_partition(cls, partition: Sequence[int], microbatches: int, checkpoint: str = "except_last",

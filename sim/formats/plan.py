@@ -110,7 +110,7 @@ class Plan:
     dp_overlap: bool = False  # timed with the data-parallel reduction inside the last backward (Megatron's)
     costs: CostsRef | None = None  # the measured costs it was priced with; None: the catalog's models
     shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
-    expert_parallel: int = 1  # E: each MoE layer's routed experts split over E ranks (sim.workloads.moe.expert_parallel)
+    expert_parallel: int = 1  # E: each MoE layer's routed experts split over E ranks (sim.workloads.moe)
     expert_tensor_parallel: int | None = None  # ETP: the experts' own TP degree; None: T
 
     @property

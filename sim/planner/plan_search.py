@@ -147,16 +147,16 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
             continue
         for e, etp in _near_a_domain_first(expert_values(space, workload, t), t, system.devices_per_node):
             replicas = [d for d in degrees.replicas if (t * space.context_parallel * d) % (e * (etp or t)) == 0]
+            zeros = list(degrees.zero) if e == 1 else [z for z in degrees.zero if z < 2]
             for schedules in _by_overlap(list(degrees.schedules), e):
-                if not replicas:
+                if not replicas or not zeros:
                     continue
                 experts = with_expert_parallel(split, system, e, etp, schedules[0])
                 part = search(experts, groups, batch, stages, list(space.microbatches), checkpoints, schedules,
                               space.partitioner, top, progress, replicas, list(degrees.virtual_stages),
-                              list(degrees.zero) if e == 1 else [z for z in degrees.zero if z < 2] or [1],
-                              list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
-                              max_groups=max_groups, step_limit_s=step_limit,
-                              escalate_zero=space.zero_escalates and e == 1, shard_group_options=space.shard_groups,
+                              zeros, list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
+                              max_groups=max_groups, step_limit_s=step_limit, escalate_zero=space.zero_escalates,
+                              max_zero=3 if e == 1 else 1, shard_group_options=space.shard_groups,
                               ceiling_score=_ceiling(parts, top) if shares_ceiling else float("inf"))
                 _label(part, t, sequence_parallel, space.context_parallel, e, etp)
                 parts.append(part)
@@ -181,8 +181,9 @@ def _by_overlap(schedules: list[str], expert_parallel: int) -> list[list[str]]:
     others (:mod:`sim.workloads.moe.expert_parallel`); all together otherwise."""
     if expert_parallel == 1:
         return [schedules]
-    groups = [[s for s in schedules if s not in OVERLAPPING_SCHEDULES], [s for s in schedules if s in OVERLAPPING_SCHEDULES]]
-    return [g for g in groups if g]
+    hiding = [s for s in schedules if s in OVERLAPPING_SCHEDULES]
+    showing = [s for s in schedules if s not in OVERLAPPING_SCHEDULES]
+    return [g for g in (showing, hiding) if g]
 
 
 def _label(part: SearchResult, t: int, sequence_parallel: bool, context_parallel: int, e: int = 1,

@@ -393,7 +393,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            dp_overlap: bool = False, weight: Callable[[Candidate], float] | None = None,
            max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
            escalate_zero: bool = False, shard_group: int | None = None,
-           shard_group_options: Sequence[int] = (), ceiling_score: float = float("inf")) -> SearchResult:
+           shard_group_options: Sequence[int] = (), ceiling_score: float = float("inf"),
+           max_zero: int = ZERO_STAGES[-1]) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -417,7 +418,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
 
     ``ceiling_score``: the ``top``-th best score other searches of the same question have found (the
     planner's searches of several E): nothing scoring above it can enter the merged ranking, so the
-    search ends once every bound left exceeds it, as it does past its own ``top``-th best.
+    search ends once every bound left exceeds it, as it does past its own ``top``-th best. ``max_zero``:
+    the highest ZeRO stage ``escalate_zero`` goes to (1 with expert parallelism, whose sharded state
+    ZeRO-2/3 is not modelled for).
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
@@ -444,7 +447,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     def escalate(candidate: Candidate) -> None:
         """Queue ``candidate`` at the next ZeRO stage, where asked and there is one."""
         nonlocal extra, over_limit
-        if not escalate_zero or candidate.replicas < 2 or candidate.zero >= ZERO_STAGES[-1]:
+        if not escalate_zero or candidate.replicas < 2 or candidate.zero >= max_zero:
             return
         zero = candidate.zero + 1
         group = shard_group if zero >= 2 and shard_group and candidate.replicas % shard_group == 0 else None

@@ -33,6 +33,11 @@ def test_layout_refuses_e_times_etp_not_dividing_the_group():
         ParallelLayout(1, 1, replicas=2, expert_parallel=4)
 
 
+def test_layout_refuses_zero_2_with_expert_parallelism():
+    with pytest.raises(GpipeInputError, match="not modelled; use --zero 0 or 1"):
+        ParallelLayout(1, 1, replicas=2, zero=2, expert_parallel=2)
+
+
 def test_e_not_dividing_the_experts_is_one_line():
     with pytest.raises(GpipeInputError, match="does not divide .* 8 routed experts"):
         with_expert_parallel(_moe(), get_system("h100-nvlink"), 3, None, "1f1b")
@@ -107,3 +112,21 @@ def test_planner_finds_an_expert_parallel_plan_where_e1_does_not_fit():
     assert found.returncode == 0, found.stderr
     best = json.loads(found.stdout)["ranked"][0]
     assert best["expert_parallel"] > 1
+
+
+def test_simulate_refuses_expert_parallelism_on_a_dense_model_in_one_line():
+    from tests.helpers.in_process import gpipe
+
+    done = gpipe("simulate", "--model", "transformer", "--replicas", "2", "--stages", "1", "--batch", "4",
+                 "--expert-parallel", "2")
+    assert done.returncode == 2 and "has none" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_plan_file_keeps_expert_keys_only_when_set():
+    from sim.formats.plan import ModelRef, Plan
+
+    model = ModelRef(name="transformer", options={}, num_layers=4, parameter_count=1)
+    plain = Plan(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2)
+    assert "expert_parallel" not in plain.to_dict() and "expert_tensor_parallel" not in plain.to_dict()
+    split = Plan(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2, expert_parallel=2)
+    assert split.to_dict()["expert_parallel"] == 2 and split.layout.expert_parallel == 2
