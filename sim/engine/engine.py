@@ -55,7 +55,7 @@ from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
 from sim.engine.fsdp import FsdpPricing, ShardedMemory, sharded_layout
 from sim.engine.host import HostPaid
-from sim.engine.memory import static_bytes
+from sim.engine.memory import expert_static_bytes, static_bytes
 from sim.engine.placement import DEFAULT_PLACEMENT, device_of
 from sim.engine.replica_run import ReplicaRun
 from sim.errors import GpipeInputError
@@ -356,9 +356,8 @@ class _Step:
             expert_bytes = sum(table.expert_gradient_bytes(rows0, *bounds[s]) for s in layout.chunks(k))
             if expert_bytes:  # expert parallelism: routed experts over their expert-data-parallel group
                 stride = expert_replica_stride(workload)
-                expert_state = optimizer_bytes * expert_bytes // max(1, gradient_bytes)
-                self.static.append(static_bytes(chunk_static - expert_state, optimizer_bytes - expert_state, D, zero)
-                                   + static_bytes(expert_state, expert_state, D // stride, zero))
+                self.static.append(expert_static_bytes(chunk_static, optimizer_bytes, gradient_bytes, expert_bytes, D,
+                                                       zero, stride))
                 allreduce_s = (group_allreduce_s(gradient_bytes - expert_bytes, group, system, allreduce_link)
                                + group_allreduce_s(expert_bytes, group[::stride], system, allreduce_link))
             else:

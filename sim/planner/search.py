@@ -29,8 +29,8 @@ from sim.catalog.hardware import Link, System
 from sim.engine.engine import SimResult, simulate
 from sim.formats.layout import ZERO_STAGES, ParallelLayout
 from sim.engine.fsdp import gathered_in_flight_bytes
-from sim.engine.memory import (Sharding, chunk_coefficients, peak_coefficients, peak_from_coefficients,
-                               sharded_static_bytes, sharding_of, static_bytes)
+from sim.engine.memory import (Sharding, chunk_coefficients, expert_static_bytes, peak_coefficients,
+                               peak_from_coefficients, sharded_static_bytes, sharding_of)
 from sim.engine.placement import PLACEMENTS
 from sim.errors import GpipeInputError
 from sim.planner.bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
@@ -41,6 +41,7 @@ from sim.schedules.schedule import (CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLI
                                     virtual_stages_of_device)
 from sim.engine.range_memory import RangeMemory
 from sim.engine.stage_costs import CostTable, held_sizes, stage_bounds
+from sim.workloads.moe.expert_parallel import expert_replica_stride
 from sim.workloads.workload import Workload, shared_parameters
 
 __all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",
@@ -213,6 +214,7 @@ class Partitions:
 
     def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max") -> None:
         self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
+        self.expert_stride = expert_replica_stride(table.workload)  # ZeRO-1 splits expert state over D / this
         self._free: dict[tuple, list[int] | None] = {}
         self._ends: dict[tuple, list[int]] = {}
         self._ranges: dict[tuple, RangeMemory] = {}
@@ -251,7 +253,8 @@ class Partitions:
         if sharding.zero >= 2:  # the shards alone: the gathered units come on top
             params = max(0, whole - gradient - optimizer)
             return sharded_static_bytes(params, gradient, optimizer, 0, sharding) / c.stages
-        return static_bytes(whole, optimizer, sharding.ranks, sharding.zero) / c.stages
+        return expert_static_bytes(whole, optimizer, gradient, self.table.expert_gradient_bytes(rows, 0, layers),
+                                   sharding.ranks, sharding.zero, self.expert_stride) / c.stages
 
     def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:
         """For each first layer, the furthest end whose layers fit one chunk holding ``counts`` (a
@@ -263,7 +266,7 @@ class Partitions:
             key = (rows, c.checkpoint, _sharding(c))
             if key not in self._ranges:
                 self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
-                                                c.checkpoint, _sharding(c))
+                                                c.checkpoint, _sharding(c), self.expert_stride)
             return self._ranges[key].furthest_ends(counts, capacity)
 
         def fits(first: int, end: int) -> bool:
@@ -302,7 +305,9 @@ class Partitions:
             gathered = gathered_in_flight_bytes([layer.param_bytes for layer in self.table.layers(rows)[first:end]],
                                                 sharding.holds_all)
             return sharded_static_bytes(params, gradient_bytes, optimizer_bytes, gathered, sharding)
-        return static_bytes(cost.static_bytes, optimizer_bytes, sharding.ranks, sharding.zero)
+        return expert_static_bytes(cost.static_bytes, optimizer_bytes, gradient_bytes,
+                                   self.table.expert_gradient_bytes(rows, first, end), sharding.ranks, sharding.zero,
+                                   self.expert_stride)
 
     def _devices_fit(self, partition: Sequence[int], rows: int, held, c: Candidate) -> bool:
         bounds = stage_bounds(partition)

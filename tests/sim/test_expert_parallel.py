@@ -130,3 +130,23 @@ def test_a_plan_file_keeps_expert_keys_only_when_set():
     assert "expert_parallel" not in plain.to_dict() and "expert_tensor_parallel" not in plain.to_dict()
     split = Plan(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2, expert_parallel=2)
     assert split.to_dict()["expert_parallel"] == 2 and split.layout.expert_parallel == 2
+
+
+def test_zero1_splits_expert_state_over_the_expert_data_parallel_group_alike_in_planner_and_engine():
+    from sim.engine.range_memory import RangeMemory
+    from sim.planner.search import Partitions, _sharding
+
+    system = get_system("h100-nvlink")
+    workload, groups = with_tensor_parallel(_moe(), system, 1)
+    split = with_expert_parallel(workload, system, 4, None, "1f1b")  # E = 4 of D = 4: no expert-DP peers
+    layout = ParallelLayout(1, 1, "never", "1f1b", replicas=4, zero=1, expert_parallel=4)
+    table = CostTable(split, groups.device)
+    engine = simulate(split, groups, [split.num_layers], 4, layout, costs=table).stages[0].static_bytes
+    layers = split.num_layers
+    planner = Partitions(table, groups, 4)._chunk_static(1, 0, layers, layout)
+    ranges = RangeMemory(table.layers(1), (), "never", _sharding(layout), 4).static[0, layers]
+    assert engine == planner == ranges
+    gradient, optimizer = table.gradient_and_optimizer_bytes(1, 0, layers)
+    experts = table.expert_gradient_bytes(1, 0, layers)
+    held_whole = optimizer * experts // gradient  # the experts' state is not split: each rank holds its own
+    assert engine > table.stage(1, 0, layers).static_bytes - optimizer + held_whole
