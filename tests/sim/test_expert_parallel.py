@@ -150,3 +150,12 @@ def test_zero1_splits_expert_state_over_the_expert_data_parallel_group_alike_in_
     experts = table.expert_gradient_bytes(1, 0, layers)
     held_whole = optimizer * experts // gradient  # the experts' state is not split: each rank holds its own
     assert engine > table.stage(1, 0, layers).static_bytes - optimizer + held_whole
+
+
+def test_dualpipev_shows_less_all_to_all_than_1f1b():
+    system = get_system("h100-nvlink", 2)
+    workload, groups = with_tensor_parallel(_moe(), system, 1)
+    device = groups.device
+    hidden = with_expert_parallel(workload, system, 8, None, "dualpipev").layer_costs(1, device)[1]
+    shown = with_expert_parallel(workload, system, 8, None, "1f1b").layer_costs(1, device)[1]
+    assert shown.ep_forward_s > 0 and hidden.ep_forward_s < shown.ep_forward_s
