@@ -159,3 +159,13 @@ def test_dualpipev_shows_less_all_to_all_than_1f1b():
     hidden = with_expert_parallel(workload, system, 8, None, "dualpipev").layer_costs(1, device)[1]
     shown = with_expert_parallel(workload, system, 8, None, "1f1b").layer_costs(1, device)[1]
     assert shown.ep_forward_s > 0 and hidden.ep_forward_s < shown.ep_forward_s
+
+
+def test_a_costs_files_all_to_all_is_read_as_a_link_and_a_bad_one_is_one_line():
+    from sim.formats.costs_links import expert_parallel_link
+
+    assert expert_parallel_link({}) is None
+    link = expert_parallel_link({"expert_parallel": {"all_to_all": {"latency_s": 1e-4, "bytes_per_s": 2e9}}})
+    assert (link.latency_s, link.bandwidth_bytes_per_s) == (1e-4, 2e9)
+    with pytest.raises(GpipeInputError, match="no bytes_per_s"):
+        expert_parallel_link({"expert_parallel": {"all_to_all": {"latency_s": 1e-4}}})

@@ -39,7 +39,8 @@ Limits: all-to-alls are not contended by the pipeline's sends, the data-parallel
 a DualPipe warm-up or cool-down action without a partner is priced as overlapped all the same; the
 imbalance estimate is a router balanced in expectation (real routers, and DeepSeek's node-limited routing,
 differ); the placement of the expert group is Megatron-Core's rank order whatever the pipeline's
-``--placement``; a fitted all-to-all (a costs file's ``expert_parallel`` entry) is not read yet.
+``--placement``; a fitted all-to-all (a costs file's ``expert_parallel`` entry,
+:func:`sim.formats.costs_links.expert_parallel_link`) is not priced yet: ``--costs`` with E > 1 is refused.
 """
 
 from __future__ import annotations
