@@ -274,6 +274,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data["tensor_parallel"] = getattr(workload, "tensor_parallel", 1)
         data["sequence_parallel"] = getattr(workload, "sequence_parallel", False)
         data["context_parallel"] = getattr(workload, "context_parallel", 1)
+        split = getattr(workload, "experts_split", None)
+        if split is not None:  # only where set: outputs without expert parallelism stay as they were
+            data["expert_parallel"] = split.expert_parallel
+            data["expert_tensor_parallel"] = split.expert_tensor_parallel
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
@@ -321,6 +325,13 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
                      f"{system.nodes_per_device} nodes, its ring on the inter-node link")
             print(f"context parallel C={context_parallel}: each sequence split over {context_parallel} devices of "
                   f"{where} ({tensor_parallel * context_parallel} per stage); memory and busy time are one device's")
+        split = getattr(workload, "experts_split", None)
+        if split is not None:
+            where = ("on NVLink" if split.per_domain == split.expert_parallel else
+                     f"{split.per_domain} per scale-up domain, the rest over the inter-node link")
+            overlap = "hidden behind another micro-batch's compute where it can be" if split.overlapped else "shown whole"
+            print(f"expert parallel E={split.expert_parallel} (ETP {split.expert_tensor_parallel}): each MoE layer's "
+                  f"experts split over {split.expert_parallel} ranks, {where}; its all-to-alls {overlap}")
         for flag, path in (("trace", args.trace), ("timeline", args.html)):
             if path:
                 print(f"{flag} written to {path}")

@@ -169,3 +169,21 @@ def test_a_costs_files_all_to_all_is_read_as_a_link_and_a_bad_one_is_one_line():
     assert (link.latency_s, link.bandwidth_bytes_per_s) == (1e-4, 2e9)
     with pytest.raises(GpipeInputError, match="no bytes_per_s"):
         expert_parallel_link({"expert_parallel": {"all_to_all": {"latency_s": 1e-4}}})
+
+
+def test_a_planned_expert_parallel_layout_is_simulated_again_from_its_plan_file(tmp_path):
+    from tests.helpers.in_process import gpipe
+
+    path = tmp_path / "plan.json"
+    planned = gpipe("plan", "--model", "qwen3-30b-a3b", "--hardware", "h100-nvlink", "--nodes", "2", "--batch", "16",
+                    "--stages-options", "1", "--replicas-options", "16", "--microbatch-options", "1",
+                    "--checkpoints", "full", "--tensor-parallel-options", "1", "--zero-options", "0,1",
+                    "--expert-parallel-options", "16", "--quiet", "--out", str(path))
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(path.read_text())
+    assert plan["expert_parallel"] == 16 and "expert_tensor_parallel" not in plan
+    again = gpipe("simulate", "--plan", str(path), "--json")
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    assert result["expert_parallel"] == 16
+    assert result["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-9)
