@@ -96,7 +96,8 @@ WEIGHT_GRAD_SHARE = 0.5  # of the backward of a layer with weights
 
 
 def layer_weight_grad_s(backward_s: float, param_bytes: int) -> float:
-    """The weight-gradient part (W) of a layer's backward, by the analytic rule: a layer with weights
+    """The weight-gradient part (W) of a layer's backward (less its all-to-alls under expert
+    parallelism, which the input gradient's I action runs), by the analytic rule: a layer with weights
     spends half its backward on them (a matmul's weight gradient costs as many FLOPs as its input
     gradient), a layer without weights none. Limits: a layer that also runs weightless work (an
     attention core inside a transformer block) has that work counted half in W too, so W is
@@ -194,7 +195,7 @@ def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
         optimizer_s=sum(c.optimizer_s for c in layers),
         layer_inputs_bytes=inputs, layer_transient_bytes=transient,
         core_saved_bytes=sum(c.core_saved_bytes for c in layers), core_recompute_s=sum(c.core_recompute_s for c in layers),
-        weight_grad_s=sum(layer_weight_grad_s(c.backward_s, c.param_bytes) for c in layers),
+        weight_grad_s=sum(layer_weight_grad_s(c.backward_s - c.ep_backward_s, c.param_bytes) for c in layers),
         ep_forward_s=sum(c.ep_forward_s for c in layers), ep_backward_s=sum(c.ep_backward_s for c in layers),
     )
 
@@ -242,7 +243,7 @@ class CostTable:
                 sums.append((f + c.forward_s, b + c.backward_s, r + c.recompute_s, saved + c.saved_bytes,
                              static + c.param_bytes + c.grad_bytes + c.optimizer_bytes, opt + c.optimizer_s,
                              core + c.core_saved_bytes, core_s + c.core_recompute_s,
-                             weight + layer_weight_grad_s(c.backward_s, c.param_bytes)))
+                             weight + layer_weight_grad_s(c.backward_s - c.ep_backward_s, c.param_bytes)))
             self._prefix[rows] = sums
         return self._prefix[rows]
 
