@@ -23,6 +23,7 @@ import bisect
 import heapq
 import time
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence
 
 from sim.catalog.hardware import Link, System
@@ -136,40 +137,53 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
     not a multiple of K, K = 1) are left out. ``virtual_options`` are the V tried with the interleaved schedule;
     ``shard_group`` (HSDP) is given to the ZeRO-2/3 candidates whose D it divides; without it, those
     candidates shard over all D replicas and over each of ``shard_group_options`` that divides D."""
-    stage_options, microbatch_options = list(stage_options), list(microbatch_options)
-    virtual_options = [v for v in virtual_options if v >= 2]
-    out = []
-    for d in replica_options:
-        parts = split_rows(batch_size, d)
-        if len(parts) < d:
-            continue  # torch.chunk gives fewer parts than replicas
-        distinct = sorted(set(parts), reverse=True)
-        for k in stage_options:
-            if system is not None and d * k > system.total_devices:
+    options = (tuple(stage_options), tuple(microbatch_options), batch_size, tuple(checkpoints), tuple(schedules),
+               tuple(v for v in virtual_options if v >= 2), tuple(zero_options), tuple(placements),
+               None if system is None else (system.total_devices, system.devices_per_node), num_layers,
+               shard_group, tuple(shard_group_options))
+    return [c for d in replica_options for c in _replica_candidates(d, *options)]
+
+
+@lru_cache(maxsize=256)
+def _replica_candidates(d: int, stage_options: tuple[int, ...], microbatch_options: tuple[int, ...], batch_size: int,
+                        checkpoints: tuple[str, ...], schedules: tuple[str, ...], virtual_options: tuple[int, ...],
+                        zero_options: tuple[int, ...], placements: tuple[str, ...], devices: tuple[int, int] | None,
+                        num_layers: int | None, shard_group: int | None,
+                        shard_group_options: tuple[int, ...]) -> tuple[Candidate, ...]:
+    """:func:`candidates` of D = ``d`` on a system of ``devices`` (all, per node; None: unbounded), kept:
+    the planner asks again for each E it searches."""
+    out: list[Candidate] = []
+    parts = split_rows(batch_size, d)
+    if len(parts) < d:
+        return ()  # torch.chunk gives fewer parts than replicas
+    distinct = sorted(set(parts), reverse=True)
+    for k in stage_options:
+        if devices is not None and d * k > devices[0]:
+            continue
+        differ = d > 1 and k > 1 and (devices is None or d * k > devices[1])  # placements_differ
+        where = list(placements) if differ else [placements[0]]
+        zeros = [z for z in zero_options if z == 0 or d > 1]
+        seen_splits = set()
+        for m in microbatch_options:
+            splits = tuple(tuple(split_rows(r, m)) for r in distinct)
+            if splits in seen_splits:
                 continue
-            where = list(placements) if placements_differ(system, d, k) else [placements[0]]
-            zeros = [z for z in zero_options if z == 0 or d > 1]
-            seen_splits = set()
-            for m in microbatch_options:
-                splits = tuple(tuple(split_rows(r, m)) for r in distinct)
-                if splits in seen_splits:
-                    continue
-                seen_splits.add(splits)
-                counts = {len(split) for split in splits}
-                for checkpoint in checkpoints:
-                    if checkpoint == "except_last" and counts == {1}:
-                        continue  # identical to never with one micro-batch
-                    for schedule, v in _schedule_options(schedules, virtual_options, k, counts, num_layers):
-                        if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
-                            continue  # refused: a per-layer recompute's backward is not split
-                        for zero in zeros:
-                            if zero == 3 and k > 1 and 2 in zeros:
-                                continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
-                            for placement in where:
-                                for group in _shard_groups(zero, d, shard_group, shard_group_options):
-                                    out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
-                                                         shard_group=group))
-    return out
+            seen_splits.add(splits)
+            counts = {len(split) for split in splits}
+            for checkpoint in checkpoints:
+                if checkpoint == "except_last" and counts == {1}:
+                    continue  # identical to never with one micro-batch
+                for schedule, v in _schedule_options(schedules, virtual_options, k, counts, num_layers):
+                    if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
+                        continue  # refused: a per-layer recompute's backward is not split
+                    for zero in zeros:
+                        if zero == 3 and k > 1 and 2 in zeros:
+                            continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
+                        for placement in where:
+                            for group in _shard_groups(zero, d, shard_group, shard_group_options):
+                                out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
+                                                     shard_group=group))
+    return tuple(out)
 
 
 def _shard_groups(zero: int, replicas: int, given: int | None, options: Sequence[int]) -> list[int | None]:
