@@ -4,7 +4,12 @@
 V, M, policy, schedule, placement and partition) once per hardware system and tensor-parallel degree
 T, each T on its split workload and its system of T x C-device groups; a measured workload
 (:class:`sim.planner.space.MeasuredCosts`) once per K and D as well, since its fits are those of D x K
-processes. Each part's ranking is exact, so the merged ranking's top is exact too.
+processes. A mixture of experts is searched once more per (E, ETP) inside each T
+(:func:`sim.planner.space.expert_values`), on its workload with the experts split
+(:mod:`sim.workloads.moe.expert_parallel`), with D restricted to those E x ETP divides T x C x D and ZeRO
+to 0 and 1, and an overlapping schedule (``dualpipev``) apart from the others; these searches share the
+``top``-th best score found so far as a ceiling, so one ends as soon as none of its bounds can beat it.
+Each part's ranking is exact, so the merged ranking's top is exact too.
 
 With days and dollars (:class:`sim.planner.training_cost.Costing`) every ranked plan is priced;
 ranked by cost, each candidate's step is weighed by its devices and their price inside the search,
