@@ -94,6 +94,9 @@ class StageResult:
     host: HostPaid | None = None
     # ZeRO-2/3: its shards, the unsharded parameters in flight (sim.engine.fsdp); None otherwise
     sharded: ShardedMemory | None = None
+    # expert parallelism: its (parameter, gradient, optimizer state) bytes, as the executor reports each rank's;
+    # None otherwise
+    state_bytes: tuple[int, int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         capacity = self.memory_capacity_bytes
@@ -110,6 +113,8 @@ class StageResult:
             entry["host"] = self.host.to_dict()
         if self.sharded is not None:
             entry.update(self.sharded.to_dict())
+        if self.state_bytes is not None:
+            entry.update(zip(("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"), self.state_bytes))
         return entry
 
 
@@ -331,6 +336,7 @@ class _Step:
         self.system, self.layout, self.partition, self.runs = system, layout, partition, runs
         self.fsdp = fsdp
         self.sharded: list[ShardedMemory | None] = [None] * layout.stages
+        self.state_bytes: list[tuple[int, int, int] | None] = [None] * layout.stages
         self.per_replica_rows = per_replica_rows
         self.record = record
         self.records: list[tuple] = []
@@ -358,6 +364,8 @@ class _Step:
                 stride = expert_replica_stride(workload)
                 self.static.append(expert_static_bytes(chunk_static, optimizer_bytes, gradient_bytes, expert_bytes, D,
                                                        zero, stride))
+                params = chunk_static - gradient_bytes - optimizer_bytes
+                self.state_bytes[k] = (params, gradient_bytes, self.static[-1] - params - gradient_bytes)
                 allreduce_s = (group_allreduce_s(gradient_bytes - expert_bytes, group, system, allreduce_link)
                                + group_allreduce_s(expert_bytes, group[::stride], system, allreduce_link))
             else:
@@ -431,7 +439,7 @@ class _Step:
                     stage=k, layers=layers[k], busy_s=self.busy_s[d][k], peak_memory_bytes=peak,
                     peak_activation_bytes=run.peak_bytes[k], static_bytes=self.static[k],
                     memory_capacity_bytes=capacity, fits=peak <= capacity, replica=d, device=device,
-                    host=run.host_paid(k), sharded=self.sharded[k]))
+                    host=run.host_paid(k), sharded=self.sharded[k], state_bytes=self.state_bytes[k]))
         stage_results.sort(key=lambda s: s.device)
         rows0 = self.per_replica_rows[0]
         return SimResult(

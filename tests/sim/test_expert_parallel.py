@@ -187,3 +187,20 @@ def test_a_planned_expert_parallel_layout_is_simulated_again_from_its_plan_file(
     result = json.loads(again.stdout)
     assert result["expert_parallel"] == 16
     assert result["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-9)
+
+
+def test_simulate_reports_each_ranks_state_bytes_under_expert_parallelism():
+    from tests.helpers.in_process import gpipe
+
+    def stage(*flags):
+        done = gpipe("simulate", "--model", "transformer", "--option", "experts=4", "--option", "top_k=2",
+                     "--layers", "2", "--replicas", "2", "--stages", "1", "--batch", "4", "--microbatches", "1",
+                     "--hardware", "cpu", "--json", *flags)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["stages"][0]
+
+    whole, split = stage(), stage("--expert-parallel", "2")
+    assert "parameter_bytes" not in whole  # without expert parallelism the output is as it was
+    assert split["parameter_bytes"] + split["gradient_bytes"] + split["optimizer_state_bytes"] == split["static_bytes"]
+    assert split["static_bytes"] < whole["static_bytes"]
+    assert split["optimizer_state_bytes"] == 2 * split["parameter_bytes"]  # Adam's two fp32 slots, no ZeRO
