@@ -204,3 +204,15 @@ def test_simulate_reports_each_ranks_state_bytes_under_expert_parallelism():
     assert split["parameter_bytes"] + split["gradient_bytes"] + split["optimizer_state_bytes"] == split["static_bytes"]
     assert split["static_bytes"] < whole["static_bytes"]
     assert split["optimizer_state_bytes"] == 2 * split["parameter_bytes"]  # Adam's two fp32 slots, no ZeRO
+
+
+@pytest.mark.parametrize("model, value, message", [
+    ("qwen3-30b-a3b", "3", "does not divide qwen3-30b-a3b's 128 routed experts"),
+    ("transformer", "2", "has none"),
+])
+def test_plan_refuses_an_expert_parallel_option_the_model_cannot_take_in_one_line(model, value, message):
+    from tests.helpers.in_process import gpipe
+
+    done = gpipe("plan", "--model", model, "--hardware", "h100-nvlink", "--batch", "8", "--stages-options", "1",
+                 "--tensor-parallel-options", "1", "--expert-parallel-options", value, "--quiet")
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
