@@ -94,7 +94,8 @@ class RunConfig:
         return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
                               self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
                               self.sequence_parallel, shard_group=self.shard_group,
-                              gradient_sync=self.gradient_sync)
+                              gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
+                              expert_tensor_parallel=self.expert_tensor_parallel)
 
     @property
     def world_size(self) -> int:
@@ -180,7 +181,8 @@ class RunConfig:
                     precision=self.precision, replicas=self.replicas, virtual_stages=self.virtual_stages,
                     zero=self.zero, placement=self.placement, tensor_parallel=self.tensor_parallel,
                     sequence_parallel=self.sequence_parallel, shard_group=self.shard_group,
-                    gradient_sync=self.gradient_sync)
+                    gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
+                    expert_tensor_parallel=self.expert_tensor_parallel)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
@@ -202,7 +204,8 @@ class RunConfig:
                    predicted=dict(plan.predicted),
                    **{"precision": plan.precision, "replicas": plan.replicas,
                       "virtual_stages": plan.virtual_stages, "zero": plan.zero, "shard_group": plan.shard_group,
-                      "gradient_sync": plan.gradient_sync,
+                      "gradient_sync": plan.gradient_sync, "expert_parallel": plan.expert_parallel,
+                      "expert_tensor_parallel": plan.expert_tensor_parallel,
                       "placement": plan.placement,
                       "tensor_parallel": plan.tensor_parallel,
                       "sequence_parallel": plan.sequence_parallel and plan.tensor_parallel > 1,

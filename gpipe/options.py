@@ -42,6 +42,8 @@ RENAMED_IN_PLAN = {"--stages": ("--stages-options", "K"), "--microbatches": ("--
                    "--tensor-parallel": ("--tensor-parallel-options", "T"), "--zero": ("--zero-options", "ZeRO stages"),
                    "--shard-group": ("--shard-group-options", "shard groups"),
                    "--gradient-sync": ("--gradient-sync-options", "gradient syncs"),
+                   "--expert-parallel": ("--expert-parallel-options", "E"),
+                   "--expert-tensor-parallel": ("--expert-tensor-parallel-options", "ETP"),
                    "--checkpoint": ("--checkpoints", "policies"), "--schedule": ("--schedules", "schedules"),
                    "--placement": ("--placements", "placements")}
 
@@ -203,6 +205,7 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser, recorded: str | Non
                        help=f"which device runs which replica's stage: {', '.join(PLACEMENTS)} ({said})")
     add_tensor_parallel_argument(group, *_default(1, recorded))
     add_sequence_parallel_argument(group, sequence_parallel)
+    add_expert_parallel_arguments(group, *_default(1, recorded))
     if context:
         add_context_parallel_arguments(group)
 
@@ -221,20 +224,20 @@ def add_gradient_sync_argument(group: Any, recorded: str | None = None) -> None:
                             "FSDP2 and DeepSpeed run it, step with a pipeline as torch's pipeline schedules do)")
 
 
+def add_expert_parallel_arguments(group: Any, default: int | None = 1, said: str = "default 1") -> None:
+    """--expert-parallel and --expert-tensor-parallel: a mixture of experts' routed experts split over E ranks
+    of the T x C x D group of one stage, each expert over ETP of them (Megatron-Core's expert grid)."""
+    group.add_argument("--expert-parallel", type=int, default=default, metavar="E",
+                       help=f"split each MoE layer's routed experts over E ranks of a stage's T x C x D group, tokens "
+                            f"sent to their experts' ranks and back by all-to-alls; E divides the experts ({said})")
+    group.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="ETP",
+                       help="the experts' own tensor-parallel degree; E x ETP divides T x C x D (default T)")
+
+
 def add_tensor_parallel_argument(group: Any, default: int | None, said: str,
                                  meaning: str = "T devices of one node per stage, each layer's heads and MLP split "
                                                 "over them as Megatron-LM splits them") -> None:
     group.add_argument("--tensor-parallel", "-T", type=int, default=default, metavar="T", help=f"{meaning} ({said})")
-
-
-def add_expert_parallel_arguments(group: Any, default: int | None = 1, said: str = "default 1") -> None:
-    """--expert-parallel and --expert-tensor-parallel: routed experts sharded over E ranks of each stage's
-    data-parallel group, each expert split over its own tensor-parallel degree."""
-    group.add_argument("--expert-parallel", type=int, default=default, metavar="E",
-                       help=f"routed experts sharded over E of each stage's data-parallel ranks, tokens exchanged "
-                            f"by all-to-all ({said})")
-    group.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="N",
-                       help="each expert split over N ranks (default: --tensor-parallel, as Megatron-Core)")
 
 
 def add_context_parallel_arguments(group: Any) -> None:
@@ -290,6 +293,11 @@ def add_search_space_arguments(parser: argparse.ArgumentParser) -> Any:
     space.add_argument("--tensor-parallel-options", default=None, metavar="LIST",
                        help="T values to try, devices of one node per stage (the built-in transformer; default: "
                             "the powers of two up to a node that divide its heads and FFN width; 1 for other models)")
+    space.add_argument("--expert-parallel-options", default="auto", metavar="LIST",
+                       help="E values to try for a mixture of experts, each dividing its routed experts and T x C x D "
+                            "(default auto: every such divisor; 1 for a model without experts)")
+    space.add_argument("--expert-tensor-parallel-options", default="auto", metavar="LIST",
+                       help="the experts' own TP degrees to try, E x ETP dividing T x C x D (default auto: 1 and T)")
     for old, (new, meaning) in RENAMED_IN_PLAN.items():
         space.add_argument(old, action=Renamed, renamed=new, meaning=meaning,
                            dest="renamed_" + old[2:].replace("-", "_"))

@@ -81,6 +81,7 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel,
         context_parallel=c.context_parallel, dp_overlap=dp_overlap, shard_group=c.shard_group,
         gradient_sync=c.gradient_sync,
+        expert_parallel=c.expert_parallel, expert_tensor_parallel=c.expert_tensor_parallel,
     )
 
 
@@ -113,7 +114,10 @@ def option_dict(option: PlanOption) -> dict:
             "placement": c.placement, "tensor_parallel": c.tensor_parallel,
             "sequence_parallel": c.sequence_parallel, "context_parallel": c.context_parallel,
             "partition": option.partition, "hardware": getattr(option, "hardware", None),
-            "training": option.cost.to_dict() if getattr(option, "cost", None) is not None else None, **{
+            "training": option.cost.to_dict() if getattr(option, "cost", None) is not None else None,
+            **({"expert_parallel": c.expert_parallel} if c.expert_parallel > 1 else {}),
+            **({"expert_tensor_parallel": c.expert_tensor_parallel}
+               if c.expert_tensor_parallel is not None else {}), **{
                 k: v for k, v in option.result.to_dict().items()
                 if k not in ("partition", "schedule", "checkpoint", "replicas", "virtual_stages", "zero", "placement")}}
 

@@ -165,6 +165,11 @@ def _gradient_sync_list(text: str) -> tuple[str | None, ...]:
     return tuple(s for s in GRADIENT_SYNCS if s in values)
 
 
+def _auto_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """``auto`` (None: the planner's default) or the listed positive integers."""
+    return None if text is None or text.strip() == "auto" else tuple(parse_int_list(text, flag))
+
+
 def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
     return tuple(parse_int_list(text, flag)) if text else None
 
@@ -187,7 +192,9 @@ def search_space_of(args: argparse.Namespace, hardware: list[str],
         gradient_syncs=_gradient_sync_list(args.gradient_sync_options),
         tensor_parallel=_int_list(args.tensor_parallel_options, "--tensor-parallel-options"),
         context_parallel=args.context_parallel, sequence_parallel=args.sequence_parallel,
-        partitioner=args.partitioner, dp_overlap=args.dp_overlap)
+        partitioner=args.partitioner, dp_overlap=args.dp_overlap,
+        expert_parallel=_auto_list(args.expert_parallel_options, "--expert-parallel-options"),
+        expert_tensor_parallel=_auto_list(args.expert_tensor_parallel_options, "--expert-tensor-parallel-options"))
     by_shape = costing.train_tokens is not None or space.splits_by_shape
     targets, notes = [], {}
     for system, options, precision, note in inputs:

@@ -51,7 +51,11 @@ def table_lines(tables: Sequence[Sequence[tuple[str, PlanRow]]], costed: bool, d
     """Each table's header and one line per (rank text, row), all in the same columns."""
     ranked = [item for table in tables for item in table]
     zero = any(row.option.candidate.zero for _, row in ranked)
+    experts = any(row.option.candidate.expert_parallel > 1 or row.option.candidate.expert_tensor_parallel is not None
+                  for _, row in ranked)
     columns = list(_LAYOUT)
+    if experts:  # E (xETP where it is not T), beside D: plans without expert parallelism print as before
+        columns.insert(3, ("E", ">", 0))
     if costed:
         columns.insert(1, ("hardware", "<", 0))
     columns += [("zero", ">", 0)] * zero + [("placement", "<", 0), ("step ms", ">", 0), ("bubble", ">", 0)]
@@ -62,7 +66,7 @@ def table_lines(tables: Sequence[Sequence[tuple[str, PlanRow]]], costed: bool, d
         columns += [("devices", ">", 0), ("MFU", ">", 0)]
         columns += [("days", ">", 0), ("cost $", ">", 0)] if days else [("tokens/s", ">", 0)]
     columns.append(("partition", "<", 0))
-    cells = [[_cells(rank, row, costed, days, zero) for rank, row in table] for table in tables]
+    cells = [[_cells(rank, row, costed, days, zero, experts) for rank, row in table] for table in tables]
     widths = [max(minimum, len(header), *(len(line[i]) for table in cells for line in table))
               for i, (header, _, minimum) in enumerate(columns)]
 
@@ -83,7 +87,7 @@ def _zero_cell(c: Any) -> str:
     return cell
 
 
-def _cells(rank: str, row: PlanRow, costed: bool, days: bool, zero: bool) -> list[str]:
+def _cells(rank: str, row: PlanRow, costed: bool, days: bool, zero: bool, experts: bool = False) -> list[str]:
     option = row.option
     c, r = option.candidate, option.result
     assert r is not None
@@ -92,6 +96,9 @@ def _cells(rank: str, row: PlanRow, costed: bool, days: bool, zero: bool) -> lis
         tensor += f"x{c.context_parallel}"
     cells = [rank, *([option.hardware] if costed else []), tensor, str(c.replicas), str(c.stages),
              str(c.virtual_stages), str(c.microbatches), c.checkpoint, c.schedule]
+    if experts:
+        etp = f"x{c.expert_tensor_parallel}" if c.expert_tensor_parallel is not None else ""
+        cells.insert(4 if costed else 3, f"{c.expert_parallel}{etp}")
     cells += [_zero_cell(c)] * zero + [row.placement, f"{r.step_time_s * 1e3:.3f}", f"{r.bubble_fraction:.1%}"]
     if not costed:
         cells.append(f"{r.throughput_samples_per_s:.1f}")

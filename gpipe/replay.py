@@ -80,8 +80,9 @@ def format_table(results: list[Replayed], report: dict) -> str:
     for r in results:
         if r.modelled:
             layout = r.layout
+            experts = f" E={layout['expert_parallel']}" if layout.get("expert_parallel", 1) > 1 else ""
             shape = (f"T={layout['tensor_parallel']}{'s' if layout['sequence_parallel'] else ''} "
-                     f"D={layout['replicas']} K={layout['pipeline_stages']} V={layout['virtual_stages']} "
+                     f"D={layout['replicas']}{experts} K={layout['pipeline_stages']} V={layout['virtual_stages']} "
                      f"M={layout['microbatches']}")
             rows.append(f"{r.id:<28} {r.measured_step_s:>10.3f} {r.predicted_step_s:>11.3f} {r.error:>+8.1%}  {shape}")
         else:

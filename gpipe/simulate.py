@@ -14,7 +14,7 @@ from gpipe.options import (add_compile_argument, add_hardware_arguments, add_htm
 from sim.catalog.hardware import Link, System
 from sim.catalog.user_systems import resolve_system
 from sim.engine.engine import SimResult, simulate
-from sim.formats.layout import ParallelLayout, check_chunked_partition
+from sim.formats.layout import ParallelLayout, check_chunked_partition, check_expert_grid
 from sim.engine.placement import check_placement
 from sim.errors import GpipeInputError, require_positive
 from sim.formats.costs import measured_precision, read_costs
@@ -29,6 +29,7 @@ from sim.views.report import fit_advice, format_summary
 from sim.workloads.tensor_parallel import (check_context_parallel, check_tensor_parallel, default_sequence_parallel,
                                            with_tensor_parallel)
 from sim.planner.whatif import with_efficiency
+from sim.workloads.moe.expert_parallel import with_expert_parallel
 from sim.workloads.workload import Workload, check_checkpoint_for
 from gpipe.workload_flags import (calibrated_allreduce, chosen_precision, compiled_note, model_name, planned_from_note,
                                   resolve_workload, with_attention_default, with_precision, workload_and_batch)
@@ -119,8 +120,11 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
     system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel * plan.context_parallel)
     tp_link = plan_tensor_parallel_link(plan, system, plan_path)
+    physical = system
     workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel,
                                             plan.context_parallel, tp_link)
+    workload = with_expert_parallel(workload, physical, plan.expert_parallel, plan.expert_tensor_parallel,
+                                    plan.schedule)
     check_checkpoint_for(workload, plan.checkpoint)
     result = simulate(workload, system, plan.partition, plan.batch_size, plan.layout,
                       allreduce_link=calibrated_allreduce(workload, system), dp_overlap=dp_overlap or plan.dp_overlap)
@@ -196,9 +200,14 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
     check_context_parallel(args.context_parallel, workload, system, args.tensor_parallel)
     check_checkpoint_for(workload, args.checkpoint)
     system.check_fits(stages, args.replicas, args.tensor_parallel * args.context_parallel)
+    check_expert_grid(args.expert_parallel, args.expert_tensor_parallel, args.tensor_parallel, args.context_parallel,
+                      args.replicas)
+    physical = system
     workload, system = with_tensor_parallel(workload, system, args.tensor_parallel,
                                             default_sequence_parallel(args.tensor_parallel, args.sequence_parallel, workload),
                                             args.context_parallel)
+    workload = with_expert_parallel(workload, physical, args.expert_parallel, args.expert_tensor_parallel,
+                                    args.schedule)
     if args.schedule == "interleaved":
         check_interleaving(stages, args.microbatches, virtual, workload.num_layers)
     if given is None:
@@ -212,12 +221,16 @@ def simulate_from_flags(args: argparse.Namespace) -> tuple[SimResult, System, Wo
                 f"use --stages {workload.num_layers // virtual} or fewer")
         candidate = ParallelLayout(stages, args.microbatches, args.checkpoint, args.schedule, args.replicas, virtual,
                                    args.zero, args.placement, shard_group=args.shard_group,
-                                   gradient_sync=args.gradient_sync)
+                                   gradient_sync=args.gradient_sync,
+                                   expert_parallel=args.expert_parallel,
+                                   expert_tensor_parallel=args.expert_tensor_parallel)
         partition = default_partition(workload, system, batch, candidate, args.partitioner)
     layout = ParallelLayout.for_partition(partition, args.microbatches, args.checkpoint, args.schedule,
                                           virtual_stages=virtual, replicas=args.replicas, zero=args.zero,
                                           placement=args.placement, shard_group=args.shard_group,
-                                          gradient_sync=args.gradient_sync)
+                                          gradient_sync=args.gradient_sync,
+                                          expert_parallel=args.expert_parallel,
+                                          expert_tensor_parallel=args.expert_tensor_parallel)
     result = simulate(workload, system, partition, batch, layout, allreduce_link=calibrated_allreduce(workload, system),
                       dp_overlap=args.dp_overlap, actions=given)
     return result, system, workload, precision, attention_note
@@ -263,6 +276,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data["tensor_parallel"] = getattr(workload, "tensor_parallel", 1)
         data["sequence_parallel"] = getattr(workload, "sequence_parallel", False)
         data["context_parallel"] = getattr(workload, "context_parallel", 1)
+        split = getattr(workload, "experts_split", None)
+        if split is not None:  # only where set: outputs without expert parallelism stay as they were
+            data["expert_parallel"] = split.expert_parallel
+            data["expert_tensor_parallel"] = split.expert_tensor_parallel
         described = workload.describe()
         data["model"] = {k: described[k] for k in ("name", "options", "num_layers", "parameter_count")}
         data["parameter_count"] = described["parameter_count"]
@@ -310,6 +327,13 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
                      f"{system.nodes_per_device} nodes, its ring on the inter-node link")
             print(f"context parallel C={context_parallel}: each sequence split over {context_parallel} devices of "
                   f"{where} ({tensor_parallel * context_parallel} per stage); memory and busy time are one device's")
+        split = getattr(workload, "experts_split", None)
+        if split is not None:
+            where = ("on NVLink" if split.per_domain == split.expert_parallel else
+                     f"{split.per_domain} per scale-up domain, the rest over the inter-node link")
+            overlap = "hidden behind another micro-batch's compute where it can be" if split.overlapped else "shown whole"
+            print(f"expert parallel E={split.expert_parallel} (ETP {split.expert_tensor_parallel}): each MoE layer's "
+                  f"experts split over {split.expert_parallel} ranks, {where}; its all-to-alls {overlap}")
         for flag, path in (("trace", args.trace), ("timeline", args.html)):
             if path:
                 print(f"{flag} written to {path}")

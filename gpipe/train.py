@@ -25,7 +25,7 @@ from typing import Any
 
 from executor.launch.agent import check_capacity, check_nodes, run_ranks, start_fork_server
 from gpipe.options import (ANALYTIC_ONLY_OPTIONS, Checked, add_data_argument, add_device_argument,
-                           add_expert_parallel_arguments, add_hardware_argument, add_html_argument, add_json_argument,
+                           add_hardware_argument, add_html_argument, add_json_argument,
                            add_model_arguments, add_optimizer_argument, add_pipeline_arguments, add_plan_argument,
                            add_precision_argument, add_scale_out_arguments, add_steps_argument, add_trace_argument,
                            check_zero, hardware_of, model_options, one_of)
@@ -49,7 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, costs=False)
     add_pipeline_arguments(parser, stages="the plan's, else 1", microbatches=4, recorded="the plan's")
     add_scale_out_arguments(parser, recorded="the plan's", sequence_parallel="the plan's, else off", context=False)
-    add_expert_parallel_arguments(parser.add_argument_group("expert parallelism"), None, "the plan's, else 1")
     what = parser.add_argument_group("what to train on, and how it starts")
     add_hardware_argument(what, use="the system whose analytic costs choose the partition when --partition is not "
                                     "given, as gpipe simulate does", files=False)

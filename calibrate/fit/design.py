@@ -50,7 +50,8 @@ class RunSpec:
         """The run's parallel layout, as the simulator takes it (the partition beside it)."""
         return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
                               self.virtual_stages, self.zero, tensor_parallel=self.tensor_parallel,
-                              gradient_sync=self.gradient_sync)
+                              gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
+                              expert_tensor_parallel=self.expert_tensor_parallel)
 
     @property
     def processes(self) -> int:

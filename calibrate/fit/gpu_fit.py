@@ -23,6 +23,11 @@ says to what:
   terms to the A100's fit. A device with one row has a development error of zero by construction; only
   the validation set says how well it is modelled.
 
+The development set's mixtures of experts (:func:`is_mixture_of_experts`) are predicted and
+listed beside the others but fit no kernel fraction: the fractions are those of dense runs, and the
+MoE rows test what expert parallelism adds (:mod:`sim.workloads.moe.expert_parallel`) on top of them,
+so adding them moves no dense run's prediction.
+
 Limits: a few configurations of four devices, one row for each but the A100; the fractions absorb
 whatever the kernel model leaves out (concurrent streams, wave quantisation, Megatron's bf16 residual
 stream, which the simulator keeps in fp32 as torch autocast does; CUDA graphs, which the B200 row
@@ -62,6 +67,7 @@ class Target:
     hardware: str
     measured_s: float
     predict: Callable[[KernelEfficiency], float]
+    fitted: bool = True  # False: predicted and listed, not fitted on (a mixture of experts' run)
 
 
 def load_development_set(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -103,13 +109,26 @@ def targets(runs: Sequence[dict[str, Any]], layers: Sequence[dict[str, Any]], re
             if not result.modelled:
                 raise GpipeInputError(f"development run {run['id']!r} is not modelled: {result.reason}")
             return float(result.predicted_step_s)  # type: ignore[arg-type]
-        out.append(Target(run["id"], fitted_name(run["hardware"]), float(run["measured_step_s"]), whole))
+        out.append(Target(run["id"], fitted_name(run["hardware"]), float(run["measured_step_s"]), whole,
+                          fitted=not is_mixture_of_experts(run)))
     for row in layers:
         out.append(Target(row["id"] + ":forward", fitted_name(row["hardware"]), row["forward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[0]))
         out.append(Target(row["id"] + ":backward", fitted_name(row["hardware"]), row["backward_ms"] / 1e3,
                           lambda k, row=row: layer_seconds(row, k)[1]))
     return out
+
+
+def is_mixture_of_experts(run: dict[str, Any]) -> bool:
+    """Whether a development run trains a mixture of experts: a Hugging Face MoE type or a named MoE model."""
+    from sim.workloads.moe.config import MOE_TYPES
+    from sim.workloads.named_models import named_models
+
+    model = str(run["model"])
+    if model.startswith("hf:"):
+        return model[3:] in MOE_TYPES
+    named = named_models().get(model)
+    return bool(named and named.moe) or bool(run.get("options", {}).get("experts"))
 
 
 def fit_device(device_targets: Sequence[Target], free: Sequence[str], base: KernelEfficiency) -> KernelEfficiency:
@@ -137,7 +156,8 @@ def fit(path: str, resolve: Resolve) -> dict[str, Any]:
     all_targets = targets(runs, layers, resolve)
     by_hardware: dict[str, list[Target]] = {}
     for t in all_targets:
-        by_hardware.setdefault(t.hardware, []).append(t)
+        if t.fitted:
+            by_hardware.setdefault(t.hardware, []).append(t)
     if "a100-nvlink" not in by_hardware:
         raise GpipeInputError(f"the development set {path!r} has no a100-nvlink row: the A100's fit gives every "
                               "other device the terms its rows do not determine")

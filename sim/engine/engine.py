@@ -55,7 +55,7 @@ from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import data_parallel_group, exposed_allreduce_s, group_allreduce_s, ring_allreduce_s
 from sim.engine.fsdp import FsdpPricing, ShardedMemory, sharded_layout
 from sim.engine.host import HostPaid
-from sim.engine.memory import static_bytes
+from sim.engine.memory import expert_static_bytes, static_bytes
 from sim.engine.placement import DEFAULT_PLACEMENT, device_of
 from sim.engine.replica_run import ReplicaRun
 from sim.errors import GpipeInputError
@@ -69,6 +69,7 @@ from sim.engine.stragglers import straggle_fraction
 from sim.formats.timeline import (DP_ALLREDUCE, DP_REDUCE_SCATTER, OPTIMIZER, RECV_WAIT, SHARED_ALLREDUCE,
                                   STEP_OVERHEAD, MemorySample,
                                   Record, Timeline)
+from sim.workloads.moe.expert_parallel import expert_replica_stride
 from sim.workloads.workload import Workload, shared_parameters
 
 __all__ = ["SimResult", "StageResult", "SharedReduction", "ring_allreduce_s", "shared_reductions", "simulate"]
@@ -93,6 +94,9 @@ class StageResult:
     host: HostPaid | None = None
     # ZeRO-2/3: its shards, the unsharded parameters in flight (sim.engine.fsdp); None otherwise
     sharded: ShardedMemory | None = None
+    # expert parallelism: its (parameter, gradient, optimizer state) bytes, as the executor reports each rank's;
+    # None otherwise
+    state_bytes: tuple[int, int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         capacity = self.memory_capacity_bytes
@@ -109,6 +113,8 @@ class StageResult:
             entry["host"] = self.host.to_dict()
         if self.sharded is not None:
             entry.update(self.sharded.to_dict())
+        if self.state_bytes is not None:
+            entry.update(zip(("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"), self.state_bytes))
         return entry
 
 
@@ -333,6 +339,7 @@ class _Step:
         self.system, self.layout, self.partition, self.runs = system, layout, partition, runs
         self.fsdp = fsdp
         self.sharded: list[ShardedMemory | None] = [None] * layout.stages
+        self.state_bytes: list[tuple[int, int, int] | None] = [None] * layout.stages
         self.per_replica_rows = per_replica_rows
         self.record = record
         self.records: list[tuple] = []
@@ -354,9 +361,19 @@ class _Step:
                 last = backward_time_s(self.chunk_costs[k][0], fsdp.layout.checkpoint)  # chunk 0 ends last
                 self.allreduce_s.append(fsdp.tail_s(rows0, layout.chunks(k), last))
                 continue
-            self.static.append(static_bytes(chunk_static, optimizer_bytes, D, zero))
             group = data_parallel_group(k, D, K, layout.placement)
-            allreduce_s = group_allreduce_s(gradient_bytes, group, system, allreduce_link)
+            expert_bytes = sum(table.expert_gradient_bytes(rows0, *bounds[s]) for s in layout.chunks(k))
+            if expert_bytes:  # expert parallelism: routed experts over their expert-data-parallel group
+                stride = expert_replica_stride(workload)
+                self.static.append(expert_static_bytes(chunk_static, optimizer_bytes, gradient_bytes, expert_bytes, D,
+                                                       zero, stride))
+                params = chunk_static - gradient_bytes - optimizer_bytes
+                self.state_bytes[k] = (params, gradient_bytes, self.static[-1] - params - gradient_bytes)
+                allreduce_s = (group_allreduce_s(gradient_bytes - expert_bytes, group, system, allreduce_link)
+                               + group_allreduce_s(expert_bytes, group[::stride], system, allreduce_link))
+            else:
+                self.static.append(static_bytes(chunk_static, optimizer_bytes, D, zero))
+                allreduce_s = group_allreduce_s(gradient_bytes, group, system, allreduce_link)
             if overlap_checkpoint is not None:  # the last backward on device k is its first chunk's
                 last = self.chunk_costs[k][0]
                 layers = sum(partition[s] for s in layout.chunks(k))
@@ -425,7 +442,7 @@ class _Step:
                     stage=k, layers=layers[k], busy_s=self.busy_s[d][k], peak_memory_bytes=peak,
                     peak_activation_bytes=run.peak_bytes[k], static_bytes=self.static[k],
                     memory_capacity_bytes=capacity, fits=peak <= capacity, replica=d, device=device,
-                    host=run.host_paid(k), sharded=self.sharded[k]))
+                    host=run.host_paid(k), sharded=self.sharded[k], state_bytes=self.state_bytes[k]))
         stage_results.sort(key=lambda s: s.device)
         rows0 = self.per_replica_rows[0]
         return SimResult(

@@ -146,6 +146,19 @@ def static_bytes(stage_static_bytes: int, optimizer_bytes: int, replicas: int = 
     return stage_static_bytes
 
 
+def expert_static_bytes(stage_static_bytes: int, optimizer_bytes: int, gradient_bytes: int, expert_gradient_bytes: int,
+                        replicas: int = 1, zero: int = 0, expert_stride: int = 1) -> int:
+    """:func:`static_bytes` with expert parallelism: under ZeRO-1 the routed experts' optimizer state
+    (its share of the optimizer bytes, as its gradients' of the gradients) is split over the D /
+    ``expert_stride`` replicas holding the same experts (their expert-data-parallel group,
+    :func:`sim.workloads.moe.expert_parallel.expert_replica_stride`), the rest over all D."""
+    if not expert_gradient_bytes:
+        return static_bytes(stage_static_bytes, optimizer_bytes, replicas, zero)
+    expert_state = optimizer_bytes * expert_gradient_bytes // max(1, gradient_bytes)
+    return (static_bytes(stage_static_bytes - expert_state, optimizer_bytes - expert_state, replicas, zero)
+            + static_bytes(expert_state, expert_state, max(1, replicas // expert_stride), zero))
+
+
 class Sharding(NamedTuple):
     """What a layout's ZeRO stage does to a device's static bytes: the stage (0: nothing sharded),
     the ranks it shards over, and under ZeRO-2/3 whether every unit's parameters are held gathered

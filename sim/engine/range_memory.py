@@ -57,7 +57,7 @@ class RangeMemory:
     saved, transient) sizes of ``checkpoint``."""
 
     def __init__(self, layers: Sequence[LayerCost], shared: Sequence[SharedParameter], checkpoint: str,
-                 sharding: Sharding = Sharding()) -> None:
+                 sharding: Sharding = Sharding(), expert_stride: int = 1) -> None:
         n = len(layers)
         static = _range(_prefix([c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in layers]))
         optimizer = _range(_prefix([c.optimizer_bytes for c in layers]))
@@ -71,7 +71,13 @@ class RangeMemory:
             gradient = gradient - extra * parameter.param_bytes
         optimizer = np.maximum(optimizer, 0)
         gradient = np.maximum(gradient, 0)
-        if sharding.zero == 1:  # sim.engine.memory.static_bytes
+        experts = _range(_prefix([c.expert_grad_bytes for c in layers]))
+        if sharding.zero == 1 and experts.any():  # sim.engine.memory.expert_static_bytes
+            expert_state = optimizer * experts // np.maximum(gradient, 1)
+            rest = optimizer - expert_state
+            static = (static - optimizer + (-(-rest // sharding.ranks))
+                      + (-(-expert_state // max(1, sharding.ranks // expert_stride))))
+        elif sharding.zero == 1:  # sim.engine.memory.static_bytes
             static = static - optimizer + (-(-optimizer // sharding.ranks))
         elif sharding.zero >= 2:  # every range at once: sharded_static_bytes takes arrays as it takes ints
             params = np.maximum(static - gradient - optimizer, 0)

@@ -47,7 +47,8 @@ import simpy
 from sim.catalog.hardware import Link, System
 from sim.engine.host import HostLedger, HostPaid
 from sim.engine.stage_costs import StageCost, backward_time_s, held_sizes, input_grad_time_s, weight_grad_time_s
-from sim.formats.timeline import DP_ALL_GATHER, DP_REDUCE_SCATTER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
+from sim.formats.timeline import (DP_ALL_GATHER, DP_REDUCE_SCATTER, EP_COMBINE, EP_DISPATCH, RECV_WAIT, SEND_ACTIVATION,
+                                  SEND_GRADIENT)
 from sim.schedules.schedule import Action, Kind, cold_starts, device_of_virtual_stage, receives_gradient, recomputes
 
 GAP_INDEX = {kind: i for i, kind in enumerate(Kind)}  # StageCost.gap_after_s is in this order
@@ -335,6 +336,7 @@ class ReplicaRun:
             self.busy_s[device] += duration
             if self.record:
                 self.records.append((device, kind.value, m, start, env.now, s))
+                self._record_all_to_alls(device, cost, kind, m, start, env.now, s)
             message = self._finish(device, kind, s, cost, held, m)
             if message is not None:
                 target, nbytes, forward, own_s = message
@@ -346,6 +348,23 @@ class ReplicaRun:
                     self.records.append((device, DP_REDUCE_SCATTER, m, env.now, env.now + reduce_s, s))
                 yield env.timeout(reduce_s)
         self.last_backward_s[device] = env.now
+
+    def _record_all_to_alls(self, device: int, cost: StageCost, kind: Kind, microbatch: int, start_s: float,
+                            end_s: float, virtual_stage: int) -> None:
+        """Expert parallelism's exposed all-to-alls inside the action that issued them: the dispatch
+        opening it, the combine closing it, half each (:mod:`sim.workloads.moe.expert_parallel`); a
+        forward's (or recompute's) in F and R, a backward's in B and I."""
+        if kind is Kind.FORWARD or kind is Kind.RECOMPUTE:
+            seconds = cost.ep_forward_s
+        elif kind is Kind.BACKWARD or kind is Kind.INPUT:
+            seconds = cost.ep_backward_s
+        else:
+            return
+        if seconds <= 0:
+            return
+        half = min(seconds, end_s - start_s) / 2
+        self.records.append((device, EP_DISPATCH, microbatch, start_s, start_s + half, virtual_stage))
+        self.records.append((device, EP_COMBINE, microbatch, end_s - half, end_s, virtual_stage))
 
     def _send(self, device: int, target: int, microbatch: int, nbytes: int, forward: bool) -> None:
         """Hand virtual stage ``target`` its input (or gradient) of ``microbatch``."""

@@ -87,13 +87,18 @@ class StageCost:
     fsdp_first_forward_gather_s: float = 0.0
     fsdp_backward_gather_s: float = 0.0
     fsdp_backward_reduce_s: float = 0.0
+    # expert parallelism: of forward_s and backward_s, the all-to-alls no compute hides (dispatch and combine,
+    # shown as spans of their own inside the action; sim.workloads.moe.expert_parallel)
+    ep_forward_s: float = 0.0
+    ep_backward_s: float = 0.0
 
 
 WEIGHT_GRAD_SHARE = 0.5  # of the backward of a layer with weights
 
 
 def layer_weight_grad_s(backward_s: float, param_bytes: int) -> float:
-    """The weight-gradient part (W) of a layer's backward, by the analytic rule: a layer with weights
+    """The weight-gradient part (W) of a layer's backward (less its all-to-alls under expert
+    parallelism, which the input gradient's I action runs), by the analytic rule: a layer with weights
     spends half its backward on them (a matmul's weight gradient costs as many FLOPs as its input
     gradient), a layer without weights none. Limits: a layer that also runs weightless work (an
     attention core inside a transformer block) has that work counted half in W too, so W is
@@ -191,7 +196,8 @@ def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
         optimizer_s=sum(c.optimizer_s for c in layers),
         layer_inputs_bytes=inputs, layer_transient_bytes=transient,
         core_saved_bytes=sum(c.core_saved_bytes for c in layers), core_recompute_s=sum(c.core_recompute_s for c in layers),
-        weight_grad_s=sum(layer_weight_grad_s(c.backward_s, c.param_bytes) for c in layers),
+        weight_grad_s=sum(layer_weight_grad_s(c.backward_s - c.ep_backward_s, c.param_bytes) for c in layers),
+        ep_forward_s=sum(c.ep_forward_s for c in layers), ep_backward_s=sum(c.ep_backward_s for c in layers),
     )
 
 
@@ -221,6 +227,7 @@ class CostTable:
         self._exact = workload.stage_cost
         self._shared = shared_parameters(workload)
         self._state_bytes: dict[tuple[int, int], tuple[int, int]] = {}
+        self._experts_split = workload.expert_parallel > 1
 
     def layers(self, rows: int) -> tuple[LayerCost, ...]:
         if rows not in self._layers:
@@ -237,7 +244,7 @@ class CostTable:
                 sums.append((f + c.forward_s, b + c.backward_s, r + c.recompute_s, saved + c.saved_bytes,
                              static + c.param_bytes + c.grad_bytes + c.optimizer_bytes, opt + c.optimizer_s,
                              core + c.core_saved_bytes, core_s + c.core_recompute_s,
-                             weight + layer_weight_grad_s(c.backward_s, c.param_bytes)))
+                             weight + layer_weight_grad_s(c.backward_s - c.ep_backward_s, c.param_bytes)))
             self._prefix[rows] = sums
         return self._prefix[rows]
 
@@ -262,6 +269,10 @@ class CostTable:
                                  weight_grad_s=high[8] - low[8])
             if self._shared:
                 cost = replace(cost, static_bytes=cost.static_bytes - duplicate_static_bytes(self._shared, first, end))
+            if self._experts_split and self._exact is None:
+                layers = self.layers(rows)[first:end]
+                cost = replace(cost, ep_forward_s=sum(c.ep_forward_s for c in layers),
+                               ep_backward_s=sum(c.ep_backward_s for c in layers))
             self._stages[key] = cost
         return cost
 
@@ -284,3 +295,10 @@ class CostTable:
                     optimizer -= extra * max(0, parameter.static_bytes - 2 * parameter.param_bytes)
             found = self._state_bytes[key] = (max(0, gradient), max(0, optimizer))
         return found
+
+    def expert_gradient_bytes(self, rows: int, first: int, end: int) -> int:
+        """The routed experts' gradient bytes of the layers [first, end) (0 without expert parallelism):
+        what is reduced over the expert-data-parallel group rather than all D replicas."""
+        if not self._experts_split:
+            return 0
+        return sum(c.expert_grad_bytes for c in self.layers(rows)[first:end])

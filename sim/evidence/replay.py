@@ -35,6 +35,10 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   where each micro-batch's are reduce-scattered after its backward into the sharded gradient; null
   is the trainers' default, ``microbatch`` with one stage (FSDP2, DeepSpeed), ``step`` with a
   pipeline (torch's pipeline schedules).
+- ``expert_parallel``, ``expert_tensor_parallel`` (optional, a mixture of experts): E ranks each MoE
+  layer's routed experts are split over and the experts' own TP degree
+  (:mod:`sim.workloads.moe.expert_parallel`); null searched (E among the divisors of the experts whose
+  E x ETP divides T x C x D, ETP among 1 and T); left out on a model without experts: 1.
 
 ``null`` (or a left-out optional key) means the source does not say. ``attention`` is then flash
 on a GPU trainers run it on (eager elsewhere), ``compile`` false, and ``checkpoint``,
@@ -73,7 +77,7 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
-OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync")
+OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "expert_parallel", "expert_tensor_parallel")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -135,7 +139,8 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
-    from sim.evidence.replay_search import chosen_lines, count_of, fastest_fitting, space_of
+    from sim.evidence.replay_search import (chosen_lines, count_of, expert_lines, expert_options, fastest_fitting,
+                                            space_of)
     from sim.schedules.microbatch import split_rows
     from sim.workloads.tensor_parallel import check_context_parallel, check_tensor_parallel
 
@@ -164,8 +169,10 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     check_tensor_parallel(tensor, workload, system)
     check_context_parallel(context, workload, system, tensor)
     system.check_fits(stages, replicas, tensor * context)
-    found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space)
+    experts = expert_options(run, workload, tensor, context, replicas)
+    found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space, experts)
     out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
+    out.assumed += expert_lines(run, workload, found)
     if not found.fits:
         peak = max(s.peak_memory_bytes for s in found.result.stages)
         out.assumed.append(f"does not fit the simulated memory ({peak / 2**30:.1f} GiB on the fullest device): "
@@ -179,7 +186,9 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
                   **({"gradient_sync": candidate.resolved_gradient_sync} if candidate.zero >= 2 else {}),
                   "microbatch_rows": split_rows(batch // replicas, candidate.microbatches)[0],
                   "checkpoint": candidate.checkpoint, "schedule": candidate.schedule,
-                  "partition": list(found.partition)}
+                  "partition": list(found.partition),
+                  **({"expert_parallel": found.experts[0], "expert_tensor_parallel": found.experts[1]}
+                     if workload.has_experts else {})}
 
 
 def chooses_kernels(model: str) -> bool:

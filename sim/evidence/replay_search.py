@@ -36,6 +36,7 @@ from sim.errors import GpipeInputError
 from sim.planner.search import Candidate, default_partition, search
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import CHECKPOINT_POLICIES
+from sim.workloads.moe.expert_parallel import with_expert_parallel
 from sim.workloads.tensor_parallel import with_tensor_parallel
 from sim.workloads.workload import Workload, check_checkpoint_for
 
@@ -67,6 +68,51 @@ class Found:
     result: SimResult
     sequence_parallel: bool
     fits: bool
+    experts: tuple[int, int | None] = (1, None)  # (E, ETP) taken
+
+
+def expert_options(run: dict[str, Any], workload: Workload, tensor: int, context: int,
+                   replicas: int) -> list[tuple[int, int | None]]:
+    """The (E, ETP) pairs a run's ``expert_parallel`` and ``expert_tensor_parallel`` leave: the stated
+    value alone, a null searched (E the divisors of the experts whose E x ETP divides T x C x D, ETP 1 or
+    T); (1, None) for a model without experts. One line for a stated value the layout refuses."""
+    from sim.formats.layout import check_expert_grid
+    from sim.workloads.moe.expert_parallel import check_expert_parallel, expert_count
+
+    stated_e = count_of(run, "expert_parallel") if "expert_parallel" in run else 1
+    stated_etp = count_of(run, "expert_tensor_parallel") if "expert_tensor_parallel" in run else None
+    experts = expert_count(workload)
+    if not experts:
+        check_expert_parallel(workload, stated_e or 1, stated_etp, tensor)
+        return [(1, None)]
+    group = tensor * context * replicas
+    etps = [stated_etp] if stated_etp is not None else sorted({1, tensor})
+    es = [stated_e] if stated_e is not None else [e for e in range(1, experts + 1) if experts % e == 0]
+    pairs = []
+    for e in es:
+        for etp in etps:
+            if group % (e * etp) == 0:
+                pairs.append((e, etp))
+    if stated_e is not None and stated_etp is not None:
+        check_expert_grid(stated_e, stated_etp, tensor, context, replicas)
+        check_expert_parallel(workload, stated_e, stated_etp, tensor)
+    if not pairs:
+        raise GpipeInputError(f"expert_parallel {stated_e} with expert_tensor_parallel {etps}: no E x ETP divides "
+                              f"T x C x D = {group}; give values that do")
+    return pairs
+
+
+def expert_lines(run: dict[str, Any], workload: Workload, found: Found) -> list[str]:
+    """What a null ``expert_parallel`` or ``expert_tensor_parallel`` took, one line each."""
+    if not workload.has_experts:
+        return []
+    e, etp = found.experts
+    lines = []
+    if "expert_parallel" not in run or run["expert_parallel"] is None:
+        lines.append(f"expert_parallel null: {e}, the fastest of the divisors of the experts that fits")
+    if "expert_tensor_parallel" not in run or run["expert_tensor_parallel"] is None:
+        lines.append(f"expert_tensor_parallel null: {etp}, the fastest of 1 and T that fits")
+    return lines
 
 
 def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int, tensor: int) -> Space:
@@ -129,28 +175,32 @@ def count_of(run: dict[str, Any], key: str) -> int | None:
 
 
 def fastest_fitting(workload: Workload, system: System, batch: int, stages: int, replicas: int, tensor: int,
-                    context: int, space: Space) -> Found:
-    """The fastest plan of ``space`` that fits memory, each value of sequence parallelism searched on
-    its own split workload as ``gpipe plan`` searches them; else the one holding least, timed."""
+                    context: int, space: Space, experts: list[tuple[int, int | None]] | None = None) -> Found:
+    """The fastest plan of ``space`` that fits memory, each value of sequence parallelism (and each (E, ETP)
+    of ``experts``) searched on its own split workload as ``gpipe plan`` searches them; else the one
+    holding least, timed."""
     best: Found | None = None
     for sequence in space.sequence_parallel:
-        split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
-        found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
-                       list(space.schedules), top=1, replica_options=[replicas],
-                       virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
-                       dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates,
-                       gradient_sync_options=(space.gradient_sync,)).best
-        if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
-            assert found.result is not None and found.partition is not None
-            best = Found(found.candidate, found.partition, found.result, sequence, True)
+        tp_split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
+        for e, etp in experts or [(1, None)]:
+            split = with_expert_parallel(tp_split, system, e, etp, "1f1b")  # no replayed schedule overlaps
+            found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
+                           list(space.schedules), top=1, replica_options=[replicas],
+                           virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
+                           dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates,
+                           max_zero=3 if e == 1 else 1, gradient_sync_options=(space.gradient_sync,)).best
+            if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
+                assert found.result is not None and found.partition is not None
+                best = Found(found.candidate, found.partition, found.result, sequence, True, (e, etp))
     return best if best is not None else _holding_least(workload, system, batch, stages, replicas, tensor,
-                                                          context, space)
+                                                          context, space, (experts or [(1, None)])[-1])
 
 
 def _holding_least(workload: Workload, system: System, batch: int, stages: int, replicas: int, tensor: int,
-                   context: int, space: Space) -> Found:
+                   context: int, space: Space, experts: tuple[int, int | None] = (1, None)) -> Found:
     sequence = space.sequence_parallel[-1]
     split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
+    split = with_expert_parallel(split, system, experts[0], experts[1], "1f1b")
     schedule = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the fewest micro-batches in flight
     zero = 3 if space.zero_escalates else space.zero_options[-1]
     candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,
@@ -165,7 +215,7 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
                                                    zero=candidate.zero, shard_group=candidate.shard_group,
                                                    gradient_sync=candidate.gradient_sync),
                       record=False, dp_overlap=True)
-    return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages))
+    return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages), experts)
 
 
 def chosen_lines(run: dict[str, Any], found: Found, batch: int, stages: int, replicas: int, tensor: int) -> list[str]:

@@ -1,5 +1,5 @@
 """The links a costs file measured, as the simulator prices them: the all-reduce, the tensor-parallel
-collectives and ZeRO-2/3's all-gather and reduce-scatter.
+collectives, ZeRO-2/3's all-gather and reduce-scatter and expert parallelism's all-to-all.
 
 Each is fitted as a ring (latency, bandwidth) by calibration (:mod:`calibrate.measure.collective`,
 :mod:`calibrate.measure.tp_collectives`); an entry that is not a link is refused with one line.
@@ -71,6 +71,26 @@ def sharded_links(data: dict[str, Any]) -> tuple[Link | None, Link | None]:
         latency_s, bandwidth = _fitted_ring(entry[op], f"sharded {op}")
         links.append(Link(f"fitted {entry.get('backend', '?')} {op.replace('_', '-')}", bandwidth, latency_s))
     return links[0], links[1]
+
+
+def expert_parallel_link(data: dict[str, Any]) -> Link | None:
+    """The all-to-all the costs file measured over the expert-parallel group (its ``expert_parallel``
+    entry, ``{"all_to_all": {"latency_s": ..., "bytes_per_s": ...}}``, what one rank sends of its
+    payload per second) as a :class:`Link`; None where the file has none, and then the catalog's links
+    price the all-to-all (:mod:`sim.workloads.moe.expert_parallel`). Limits: measured idle on one host."""
+    entry = data.get("expert_parallel")
+    if entry is None:
+        return None
+    fit = entry.get("all_to_all") if isinstance(entry, dict) else None
+    if not isinstance(fit, dict):
+        raise GpipeInputError("the costs file's expert_parallel entry has no all_to_all fit; re-run gpipe calibrate "
+                              "--force")
+    renamed = {"latency_s": fit.get("latency_s"), "bandwidth_bytes_per_s": fit.get("bytes_per_s")}
+    if renamed["bandwidth_bytes_per_s"] is None:
+        raise GpipeInputError("the costs file's expert_parallel all_to_all entry has no bytes_per_s; re-run gpipe "
+                              "calibrate --force to measure it again")
+    latency_s, bandwidth = _fitted_ring(renamed, "expert_parallel all_to_all")
+    return Link(f"fitted {entry.get('backend', '?')} all-to-all", bandwidth, latency_s)
 
 
 def _fitted_ring(entry: Any, what: str) -> tuple[float, float]:

@@ -49,6 +49,8 @@ class ParallelLayout:
     context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
     shard_group: int | None = None  # ZeRO-2/3 over groups of this many replicas, replicated across them (HSDP)
     gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
+    expert_parallel: int = 1  # E: each MoE layer's routed experts split over E ranks of the T x C x D group
+    expert_tensor_parallel: int | None = None  # ETP: the experts' own TP degree; None: T (Megatron-Core's default)
 
     def __post_init__(self) -> None:
         require_positive("stages (K)", self.stages, "use --stages 1 or more")
@@ -65,6 +67,12 @@ class ParallelLayout:
         if not isinstance(self.sequence_parallel, bool):
             raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         require_positive("context_parallel (C)", self.context_parallel, "use --context-parallel 1 or more")
+        check_expert_grid(self.expert_parallel, self.expert_tensor_parallel, self.tensor_parallel,
+                          self.context_parallel, self.replicas)
+        if self.expert_parallel > 1 and self.zero >= 2:
+            raise GpipeInputError(f"--zero {self.zero} with --expert-parallel {self.expert_parallel}: sharding the experts' "
+                                  "parameters or gradients over their expert-data-parallel group is not modelled; use "
+                                  "--zero 0 or 1 (a distributed optimizer)")
 
     @classmethod
     def for_partition(cls, partition: Sequence[int], microbatches: int, checkpoint: str = "except_last",
@@ -92,6 +100,16 @@ class ParallelLayout:
         if self.gradient_sync is not None:
             return self.gradient_sync
         return default_gradient_sync(self.stages) if self.zero >= 2 else "step"
+
+    @property
+    def expert_tensor_degree(self) -> int:
+        """ETP as priced: the given degree, else T."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """The ranks holding the same expert shard, over which its gradients are reduced: T x C x D / (E x ETP)."""
+        return self.devices_per_stage * self.replicas // (self.expert_parallel * self.expert_tensor_degree)
 
     @property
     def devices_per_stage(self) -> int:
@@ -166,6 +184,25 @@ def check_gradient_sync(gradient_sync: object, zero: int) -> None:
         raise GpipeInputError(f"--gradient-sync {gradient_sync} says when sharded gradients are reduce-scattered, "
                               f"which needs --zero 2 or 3 (got --zero {zero}); drop --gradient-sync or use "
                               "--zero 2 or 3")
+
+
+def check_expert_grid(expert_parallel: object, expert_tensor_parallel: object, tensor_parallel: int,
+                      context_parallel: int, replicas: int) -> None:
+    """E and ETP positive, and E x ETP dividing T x C x D: Megatron-Core folds the expert grid (ETP x E x
+    expert-DP) over the same ranks as one pipeline stage's T x C x D; one line otherwise. Whether the model
+    has experts, and E divides them, is checked where the model is known
+    (:func:`sim.workloads.moe.expert_parallel.check_expert_parallel`)."""
+    _require_count("expert_parallel (E)", expert_parallel, "use --expert-parallel 1 or more")
+    if expert_tensor_parallel is not None:
+        _require_count("expert_tensor_parallel (ETP)", expert_tensor_parallel,
+                       "use --expert-tensor-parallel 1 or more, or leave it out for T")
+    etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+    group = tensor_parallel * context_parallel * replicas
+    grid = expert_parallel * etp  # type: ignore[operator]
+    if group % grid:
+        raise GpipeInputError(f"--expert-parallel {expert_parallel} x --expert-tensor-parallel {etp} = {grid} does "
+                              f"not divide T x C x D = {tensor_parallel} x {context_parallel} x {replicas} = {group}, "
+                              "the ranks of one pipeline stage the expert grid is folded over; give E x ETP dividing it")
 
 
 def check_chunked_partition(partition: Sequence[int], virtual_stages: int, name: str = "partition") -> None:

@@ -33,7 +33,8 @@ from typing import Any
 
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
 from sim.errors import GpipeInputError, require_positive
-from sim.formats.layout import ParallelLayout, check_chunked_partition, check_gradient_sync, check_sharding
+from sim.formats.layout import (ParallelLayout, check_chunked_partition, check_expert_grid, check_gradient_sync,
+                                check_sharding)
 from sim.formats.timeline import read_json, write_json_atomic
 from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
@@ -111,6 +112,8 @@ class Plan:
     costs: CostsRef | None = None  # the measured costs it was priced with; None: the catalog's models
     shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
     gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
+    expert_parallel: int = 1  # E: each MoE layer's routed experts split over E ranks (sim.workloads.moe)
+    expert_tensor_parallel: int | None = None  # ETP: the experts' own TP degree; None: T
 
     @property
     def stages(self) -> int:
@@ -123,7 +126,8 @@ class Plan:
         return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
                               self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
                               self.sequence_parallel, self.context_parallel, self.shard_group,
-                              gradient_sync=self.gradient_sync)
+                              gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
+                              expert_tensor_parallel=self.expert_tensor_parallel)
 
     def __post_init__(self) -> None:
         validate_partition(self.partition, self.model.num_layers)
@@ -138,6 +142,8 @@ class Plan:
         check_chunked_partition(self.partition, self.virtual_stages)
         check_sharding(self.zero, self.replicas, self.shard_group)
         check_gradient_sync(self.gradient_sync, self.zero)
+        check_expert_grid(self.expert_parallel, self.expert_tensor_parallel, self.tensor_parallel,
+                          self.context_parallel, self.replicas)
         check_placement(self.placement)
         check_hardware(self.hardware)
         require_positive("batch size", self.batch_size, "use --batch 1 or more")
@@ -160,6 +166,10 @@ class Plan:
             del data["shard_group"]
         if self.gradient_sync is None:  # the trainers' default: the files of plans that name none stay as they were
             del data["gradient_sync"]
+        if self.expert_parallel == 1:  # the files of plans without expert parallelism stay as they were
+            del data["expert_parallel"]
+        if self.expert_tensor_parallel is None:
+            del data["expert_tensor_parallel"]
         return data
 
 
@@ -241,6 +251,8 @@ def plan_from_dict(data: Any) -> Plan:
             costs=costs_ref_from_dict(data.get("costs"), "costs"),
             shard_group=data.get("shard_group"),
             gradient_sync=data.get("gradient_sync"),
+            expert_parallel=data.get("expert_parallel", 1),
+            expert_tensor_parallel=data.get("expert_tensor_parallel"),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None

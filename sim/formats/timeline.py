@@ -34,8 +34,9 @@ TP_ALL_REDUCE = "tp_all_reduce"
 TP_REDUCE_SCATTER = "tp_reduce_scatter"
 TP_ALL_GATHER = "tp_all_gather"
 TP_COLLECTIVES = (TP_ALL_REDUCE, TP_REDUCE_SCATTER, TP_ALL_GATHER)
-# expert parallelism: the all-to-alls that send each token's hidden state to the ranks holding its experts
-# and bring the outputs back (in the backward, the same two in reverse)
+# expert parallelism: the all-to-alls sending each token's hidden state to the ranks holding its experts and
+# bringing the outputs back (in a backward, their gradients the same way), inside the F/B span that issued
+# them; simulated spans show the part no compute hides
 EP_DISPATCH = "dispatch_ep"
 EP_COMBINE = "combine_ep"
 

@@ -4,7 +4,12 @@
 V, M, policy, schedule, placement and partition) once per hardware system and tensor-parallel degree
 T, each T on its split workload and its system of T x C-device groups; a measured workload
 (:class:`sim.planner.space.MeasuredCosts`) once per K and D as well, since its fits are those of D x K
-processes. Each part's ranking is exact, so the merged ranking's top is exact too.
+processes. A mixture of experts is searched once more per (E, ETP) inside each T
+(:func:`sim.planner.space.expert_values`), on its workload with the experts split
+(:mod:`sim.workloads.moe.expert_parallel`), with D restricted to those E x ETP divides T x C x D and ZeRO
+to 0 and 1, and an overlapping schedule (``dualpipev``) apart from the others; these searches share the
+``top``-th best score found so far as a ceiling, so one ends as soon as none of its bounds can beat it.
+Each part's ranking is exact, so the merged ranking's top is exact too.
 
 With days and dollars (:class:`sim.planner.training_cost.Costing`) every ranked plan is priced;
 ranked by cost, each candidate's step is weighed by its devices and their price inside the search,
@@ -17,17 +22,19 @@ fastest and the cheapest plan under the other objective come from a second searc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from sim.catalog.hardware import System
 from sim.errors import GpipeInputError
 from sim.planner.search import PlanOption, Progress, SearchResult, search
-from sim.planner.space import (MeasuredCosts, SearchSpace, SystemSpace, Target, check_fits, on_system, policies_for,
-                               stage_values, tensor_parallel_values)
+from sim.planner.space import (MeasuredCosts, SearchSpace, SystemSpace, Target, check_fits, expert_values, on_system,
+                               policies_for, stage_values, tensor_parallel_values)
 from sim.planner.training_cost import Costing, dollars, format_token_count, plan_cost, price_of
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import MULTI_CHUNK_SCHEDULES
+from sim.workloads.moe.expert_parallel import OVERLAPPING_SCHEDULES, with_expert_parallel
 from sim.workloads.tensor_parallel import check_context_parallel, default_sequence_parallel, with_tensor_parallel
 from sim.workloads.workload import Workload
 
@@ -67,7 +74,8 @@ class PlanSearch:
 
 def layout_text(option: PlanOption) -> str:
     c = option.candidate
-    return f"T={c.tensor_parallel} D={c.replicas} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
+    experts = f" E={c.expert_parallel}" if c.expert_parallel > 1 else ""
+    return f"T={c.tensor_parallel} D={c.replicas}{experts} K={c.stages} V={c.virtual_stages} M={c.microbatches}"
 
 
 def ranking_key(option: PlanOption) -> tuple:
@@ -118,8 +126,9 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
     rankings. Ranked by cost, each candidate's step is weighed by its devices and their price;
     ``--max-devices`` bounds D x K x T x C. Measured costs are searched K by K and D by D inside each T."""
     workload, system, batch = target.workload, target.system, target.batch
-    parts = []
+    parts: list[SearchResult] = []
     price = price_of(system, costing) if costing is not None else None
+    shares_ceiling = workload.has_experts  # the searches of several E end at the best found so far
     for t in tensor_options:
         devices_per_group = t * space.context_parallel
         weight = None
@@ -138,17 +147,58 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
             continue
         if split.measured_costs:
             part = _search_each_stage_count(split, groups, batch, stages, checkpoints, degrees, space, top, progress)
-        else:
-            part = search(split, groups, batch, stages, list(space.microbatches), checkpoints, list(degrees.schedules),
-                          space.partitioner, top, progress, list(degrees.replicas), list(degrees.virtual_stages),
-                          list(degrees.zero), list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
-                          max_groups=max_groups, step_limit_s=step_limit, escalate_zero=space.zero_escalates,
-                          shard_group_options=space.shard_groups, gradient_sync_options=space.gradient_syncs)
-        for option in part.ranked + part.unfit_examples:
-            option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
-                                       context_parallel=space.context_parallel)
-        parts.append(part)
+            _label(part, t, sequence_parallel, space.context_parallel)
+            parts.append(part)
+            continue
+        for e, etp in _near_a_domain_first(expert_values(space, workload, t), t, system.devices_per_node):
+            replicas = [d for d in degrees.replicas if (t * space.context_parallel * d) % (e * (etp or t)) == 0]
+            zeros = list(degrees.zero) if e == 1 else [z for z in degrees.zero if z < 2]
+            for schedules in _by_overlap(list(degrees.schedules), e):
+                if not replicas or not zeros:
+                    continue
+                experts = with_expert_parallel(split, system, e, etp, schedules[0])
+                part = search(experts, groups, batch, stages, list(space.microbatches), checkpoints, schedules,
+                              space.partitioner, top, progress, replicas, list(degrees.virtual_stages),
+                              zeros, list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
+                              max_groups=max_groups, step_limit_s=step_limit, escalate_zero=space.zero_escalates,
+                              max_zero=3 if e == 1 else 1, shard_group_options=space.shard_groups,
+                              gradient_sync_options=space.gradient_syncs,
+                              ceiling_score=_ceiling(parts, top) if shares_ceiling else float("inf"))
+                _label(part, t, sequence_parallel, space.context_parallel, e, etp)
+                parts.append(part)
     return _merged(parts, top)
+
+
+def _near_a_domain_first(pairs: list[tuple[int, int | None]], t: int, per_domain: int) -> list[tuple[int, int | None]]:
+    """(E, ETP) in the order likely fastest first: groups filling about one scale-up domain (all-to-alls on
+    NVLink, the fewest experts per rank), so the shared ceiling (:func:`_ceiling`) prunes the rest early.
+    The order changes how much is simulated, never the ranking."""
+    return sorted(pairs, key=lambda p: abs(math.log2(p[0] * (p[1] or t)) - math.log2(per_domain)))
+
+
+def _ceiling(parts: list[SearchResult], top: int) -> float:
+    """The ``top``-th best score of the searches so far: no plan above it enters the merged ranking."""
+    scores = sorted(o.score for part in parts for o in part.ranked)
+    return scores[top - 1] if len(scores) >= top else float("inf")
+
+
+def _by_overlap(schedules: list[str], expert_parallel: int) -> list[list[str]]:
+    """The schedules in groups priced alike: with E > 1 those that overlap the all-to-alls apart from the
+    others (:mod:`sim.workloads.moe.expert_parallel`); all together otherwise."""
+    if expert_parallel == 1:
+        return [schedules]
+    hiding = [s for s in schedules if s in OVERLAPPING_SCHEDULES]
+    showing = [s for s in schedules if s not in OVERLAPPING_SCHEDULES]
+    return [g for g in (showing, hiding) if g]
+
+
+def _label(part: SearchResult, t: int, sequence_parallel: bool, context_parallel: int, e: int = 1,
+           etp: int | None = None) -> None:
+    """Each option of ``part`` with the degrees its workload was split by."""
+    for option in part.ranked + part.unfit_examples:
+        option.candidate = replace(option.candidate, tensor_parallel=t, sequence_parallel=sequence_parallel,
+                                   context_parallel=context_parallel, expert_parallel=e,
+                                   expert_tensor_parallel=etp)
 
 
 def _search_each_stage_count(workload: MeasuredCosts, system: System, batch: int, stage_options: list[int],

@@ -23,14 +23,15 @@ import bisect
 import heapq
 import time
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence
 
 from sim.catalog.hardware import Link, System
 from sim.engine.engine import SimResult, simulate
 from sim.formats.layout import ZERO_STAGES, ParallelLayout
 from sim.engine.fsdp import gathered_in_flight_bytes
-from sim.engine.memory import (Sharding, chunk_coefficients, peak_coefficients, peak_from_coefficients,
-                               sharded_static_bytes, sharding_of, static_bytes)
+from sim.engine.memory import (Sharding, chunk_coefficients, expert_static_bytes, peak_coefficients,
+                               peak_from_coefficients, sharded_static_bytes, sharding_of)
 from sim.engine.placement import PLACEMENTS
 from sim.errors import GpipeInputError
 from sim.planner.bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
@@ -41,6 +42,7 @@ from sim.schedules.schedule import (CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLI
                                     virtual_stages_of_device)
 from sim.engine.range_memory import RangeMemory
 from sim.engine.stage_costs import CostTable, held_sizes, stage_bounds
+from sim.workloads.moe.expert_parallel import expert_replica_stride
 from sim.workloads.workload import Workload, shared_parameters
 
 __all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",
@@ -138,41 +140,55 @@ def candidates(stage_options: Iterable[int], microbatch_options: Iterable[int], 
     candidates shard over all D replicas and over each of ``shard_group_options`` that divides D; each
     ZeRO-2/3 candidate is tried with each of ``gradient_sync_options`` (None: the trainers' default),
     once where every replica runs one micro-batch (the two syncs are then the same plan)."""
-    stage_options, microbatch_options = list(stage_options), list(microbatch_options)
-    virtual_options = [v for v in virtual_options if v >= 2]
-    out = []
-    for d in replica_options:
-        parts = split_rows(batch_size, d)
-        if len(parts) < d:
-            continue  # torch.chunk gives fewer parts than replicas
-        distinct = sorted(set(parts), reverse=True)
-        for k in stage_options:
-            if system is not None and d * k > system.total_devices:
+    options = (tuple(stage_options), tuple(microbatch_options), batch_size, tuple(checkpoints), tuple(schedules),
+               tuple(v for v in virtual_options if v >= 2), tuple(zero_options), tuple(placements),
+               None if system is None else (system.total_devices, system.devices_per_node), num_layers,
+               shard_group, tuple(shard_group_options), tuple(gradient_sync_options))
+    return [c for d in replica_options for c in _replica_candidates(d, *options)]
+
+
+@lru_cache(maxsize=256)
+def _replica_candidates(d: int, stage_options: tuple[int, ...], microbatch_options: tuple[int, ...], batch_size: int,
+                        checkpoints: tuple[str, ...], schedules: tuple[str, ...], virtual_options: tuple[int, ...],
+                        zero_options: tuple[int, ...], placements: tuple[str, ...], devices: tuple[int, int] | None,
+                        num_layers: int | None, shard_group: int | None,
+                        shard_group_options: tuple[int, ...],
+                        gradient_sync_options: tuple[str | None, ...]) -> tuple[Candidate, ...]:
+    """:func:`candidates` of D = ``d`` on a system of ``devices`` (all, per node; None: unbounded), kept:
+    the planner asks again for each E it searches."""
+    out: list[Candidate] = []
+    parts = split_rows(batch_size, d)
+    if len(parts) < d:
+        return ()  # torch.chunk gives fewer parts than replicas
+    distinct = sorted(set(parts), reverse=True)
+    for k in stage_options:
+        if devices is not None and d * k > devices[0]:
+            continue
+        differ = d > 1 and k > 1 and (devices is None or d * k > devices[1])  # placements_differ
+        where = list(placements) if differ else [placements[0]]
+        zeros = [z for z in zero_options if z == 0 or d > 1]
+        seen_splits = set()
+        for m in microbatch_options:
+            splits = tuple(tuple(split_rows(r, m)) for r in distinct)
+            if splits in seen_splits:
                 continue
-            where = list(placements) if placements_differ(system, d, k) else [placements[0]]
-            zeros = [z for z in zero_options if z == 0 or d > 1]
-            seen_splits = set()
-            for m in microbatch_options:
-                splits = tuple(tuple(split_rows(r, m)) for r in distinct)
-                if splits in seen_splits:
-                    continue
-                seen_splits.add(splits)
-                counts = {len(split) for split in splits}
-                for checkpoint in checkpoints:
-                    if checkpoint == "except_last" and counts == {1}:
-                        continue  # identical to never with one micro-batch
-                    for schedule, v in _schedule_options(schedules, virtual_options, k, counts, num_layers):
-                        if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
-                            continue  # refused: a per-layer recompute's backward is not split
-                        for zero in zeros:
-                            if zero == 3 and k > 1 and 2 in zeros:
-                                continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
-                            for placement in where:
-                                for group in _shard_groups(zero, d, shard_group, shard_group_options):
-                                    for sync in gradient_syncs(zero, counts, gradient_sync_options):
-                                        out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
-                                                             shard_group=group, gradient_sync=sync))
-    return out
+            seen_splits.add(splits)
+            counts = {len(split) for split in splits}
+            for checkpoint in checkpoints:
+                if checkpoint == "except_last" and counts == {1}:
+                    continue  # identical to never with one micro-batch
+                for schedule, v in _schedule_options(schedules, virtual_options, k, counts, num_layers):
+                    if schedule in SPLIT_BACKWARD_SCHEDULES and recomputes_per_layer(checkpoint):
+                        continue  # refused: a per-layer recompute's backward is not split
+                    for zero in zeros:
+                        if zero == 3 and k > 1 and 2 in zeros:
+                            continue  # pipelined, ZeRO-3 gathers once per step: the ZeRO-2 plan (sim.engine.fsdp)
+                        for placement in where:
+                            for group in _shard_groups(zero, d, shard_group, shard_group_options):
+                                for sync in gradient_syncs(zero, counts, gradient_sync_options):
+                                    out.append(Candidate(k, m, checkpoint, schedule, d, v, zero, placement,
+                                                         shard_group=group, gradient_sync=sync))
+    return tuple(out)
 
 
 def gradient_syncs(zero: int, counts: set[int], options: Sequence[str | None]) -> list[str | None]:
@@ -225,6 +241,7 @@ class Partitions:
 
     def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max") -> None:
         self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
+        self.expert_stride = expert_replica_stride(table.workload)  # ZeRO-1 splits expert state over D / this
         self._free: dict[tuple, list[int] | None] = {}
         self._ends: dict[tuple, list[int]] = {}
         self._ranges: dict[tuple, RangeMemory] = {}
@@ -263,7 +280,8 @@ class Partitions:
         if sharding.zero >= 2:  # the shards alone: the gathered units come on top
             params = max(0, whole - gradient - optimizer)
             return sharded_static_bytes(params, gradient, optimizer, 0, sharding) / c.stages
-        return static_bytes(whole, optimizer, sharding.ranks, sharding.zero) / c.stages
+        return expert_static_bytes(whole, optimizer, gradient, self.table.expert_gradient_bytes(rows, 0, layers),
+                                   sharding.ranks, sharding.zero, self.expert_stride) / c.stages
 
     def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:
         """For each first layer, the furthest end whose layers fit one chunk holding ``counts`` (a
@@ -275,7 +293,7 @@ class Partitions:
             key = (rows, c.checkpoint, _sharding(c))
             if key not in self._ranges:
                 self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
-                                                c.checkpoint, _sharding(c))
+                                                c.checkpoint, _sharding(c), self.expert_stride)
             return self._ranges[key].furthest_ends(counts, capacity)
 
         def fits(first: int, end: int) -> bool:
@@ -314,7 +332,9 @@ class Partitions:
             gathered = gathered_in_flight_bytes([layer.param_bytes for layer in self.table.layers(rows)[first:end]],
                                                 sharding.holds_all)
             return sharded_static_bytes(params, gradient_bytes, optimizer_bytes, gathered, sharding)
-        return static_bytes(cost.static_bytes, optimizer_bytes, sharding.ranks, sharding.zero)
+        return expert_static_bytes(cost.static_bytes, optimizer_bytes, gradient_bytes,
+                                   self.table.expert_gradient_bytes(rows, first, end), sharding.ranks, sharding.zero,
+                                   self.expert_stride)
 
     def _devices_fit(self, partition: Sequence[int], rows: int, held, c: Candidate) -> bool:
         bounds = stage_bounds(partition)
@@ -406,7 +426,8 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            max_groups: int | None = None, step_limit_s: Callable[[Candidate], float] | None = None,
            escalate_zero: bool = False, shard_group: int | None = None,
            shard_group_options: Sequence[int] = (),
-           gradient_sync_options: Sequence[str | None] = (None,)) -> SearchResult:
+           gradient_sync_options: Sequence[str | None] = (None,), ceiling_score: float = float("inf"),
+           max_zero: int = ZERO_STAGES[-1]) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -427,6 +448,12 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     ``escalate_zero`` (``gpipe plan``'s default ``--zero-options auto``): a candidate of D > 1 that
     does not fit memory is tried again at the next ZeRO stage (0, 1, 2, 3 in turn), so each layout
     is ranked at the least sharding it fits with, and layouts that fit only sharded are found.
+
+    ``ceiling_score``: the ``top``-th best score other searches of the same question have found (the
+    planner's searches of several E): nothing scoring above it can enter the merged ranking, so the
+    search ends once every bound left exceeds it, as it does past its own ``top``-th best. ``max_zero``:
+    the highest ZeRO stage ``escalate_zero`` goes to (1 with expert parallelism, whose sharded state
+    ZeRO-2/3 is not modelled for).
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
@@ -453,7 +480,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     def escalate(candidate: Candidate) -> None:
         """Queue ``candidate`` at the next ZeRO stage, where asked and there is one."""
         nonlocal extra, over_limit
-        if not escalate_zero or candidate.replicas < 2 or candidate.zero >= ZERO_STAGES[-1]:
+        if not escalate_zero or candidate.replicas < 2 or candidate.zero >= max_zero:
             return
         zero = candidate.zero + 1
         group = shard_group if zero >= 2 and shard_group and candidate.replicas % shard_group == 0 else None
@@ -472,7 +499,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     simulated = examined = 0
     next_waiting = 0
     while True:
-        worst_kept = -kept[0][0] if len(kept) >= top else float("inf")
+        worst_kept = min(-kept[0][0] if len(kept) >= top else float("inf"), ceiling_score)
         cheapest_waiting = waiting[next_waiting][0] if next_waiting < len(waiting) else float("inf")
         if partitioned and partitioned[0][0] <= cheapest_waiting:
             bound, index, option = heapq.heappop(partitioned)

@@ -79,6 +79,8 @@ class SearchSpace:
     sequence_parallel: bool | None = None  # None: on wherever T > 1 and the model allows it
     partitioner: str = "min_max"
     dp_overlap: bool = False  # the all-reduce bucket by bucket inside the last backward
+    expert_parallel: tuple[int, ...] | None = None  # E; default the divisors of the experts (1 without experts)
+    expert_tensor_parallel: tuple[int, ...] | None = None  # ETP; default 1 and T
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -202,3 +204,24 @@ def tensor_parallel_values(space: SearchSpace, workload: Workload, system: Syste
             continue
         options.append(t)
     return options
+
+
+def expert_values(space: SearchSpace, workload: Workload, tensor_parallel: int) -> list[tuple[int, int | None]]:
+    """The (E, ETP) pairs to search at T = ``tensor_parallel`` (ETP None: T, the default): E among those
+    asked for (default the divisors of the routed experts), ETP among those asked for (default 1 and T);
+    (1, None) alone for a model without experts. Each E is checked against the model in one line; which
+    pairs divide T x C x D is left to the replicas searched."""
+    from sim.workloads.moe.expert_parallel import check_expert_parallel, expert_count
+
+    experts = expert_count(workload)
+    if not experts or workload.measured_costs:
+        for e in space.expert_parallel or ():
+            check_expert_parallel(workload, e)
+        return [(1, None)]
+    es = list(space.expert_parallel) if space.expert_parallel is not None else \
+        [e for e in range(1, experts + 1) if experts % e == 0]
+    for e in es:
+        check_expert_parallel(workload, e)
+    etps = list(space.expert_tensor_parallel) if space.expert_tensor_parallel is not None else \
+        sorted({1, tensor_parallel})
+    return [(e, None if etp == tensor_parallel else etp) for e in es for etp in etps]

@@ -114,7 +114,11 @@ class AnalyticWorkload(WorkloadCapabilities):
             raise GpipeInputError(f"micro-batch rows must be a positive integer, got {rows!r}")
         flops_s = device.achieved_flops(self.precision)
         bytes_s = device.achieved_bandwidth()
-        return [self._cost(spec, rows, flops_s, bytes_s, device) for spec in self.layers]
+        priced: dict[LayerSpec, LayerCost] = {}  # a model's blocks are mostly alike: each distinct one priced once
+        for spec in self.layers:
+            if spec not in priced:
+                priced[spec] = self._cost(spec, rows, flops_s, bytes_s, device)
+        return [priced[spec] for spec in self.layers]
 
     def _cost(self, spec: LayerSpec, rows: int, flops_s: float, bytes_s: float, device: Device) -> LayerCost:
         collective_s = 0.0

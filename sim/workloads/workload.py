@@ -42,6 +42,12 @@ class LayerCost:
     # and the time to recompute it; 0 for a layer without attention
     core_saved_bytes: int = 0
     core_recompute_s: float = 0.0
+    # expert parallelism (sim.workloads.moe.expert_parallel): the all-to-alls' exposed seconds counted in
+    # forward_s (and recompute_s) and backward_s, and the routed experts' gradient bytes, reduced over the
+    # expert-data-parallel group rather than all D replicas
+    ep_forward_s: float = 0.0
+    ep_backward_s: float = 0.0
+    expert_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class WorkloadCapabilities:
     has_attention_core: bool = False  # a core --checkpoint selective drops and recomputes
     shared_parameters: tuple[SharedParameter, ...] = ()  # parameters several layers use (SharedParameter)
     planned_from: str | None = None  # the Hugging Face model it prices by its shape, if any
+    has_experts: bool = False  # a mixture of experts, whose routed experts expert parallelism splits
+    expert_parallel: int = 1  # E its experts are split over (sim.workloads.moe.expert_parallel)
     measured_costs: bool = False  # priced from a costs file: bound to a K before simulating
     # measured per-stage costs (rows, first, end, device) -> StageCost, in place of summing layers; None: sum them
     stage_cost: Any = None
@@ -117,6 +125,8 @@ class Workload(Protocol):
     has_attention_core: bool
     shared_parameters: tuple[SharedParameter, ...]
     planned_from: str | None
+    has_experts: bool
+    expert_parallel: int
     measured_costs: bool
     stage_cost: Any
 

@@ -156,8 +156,8 @@ def one_line_error(capsys, *argv):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--expert-tensor-parallel", "2"], "differs from --tensor-parallel 1"),
-    (["--replicas", "3", "--batch", "6"], "does not divide --replicas 3"),
+    (["--replicas", "4", "--expert-tensor-parallel", "2"], "differs from --tensor-parallel 1"),
+    (["--replicas", "3", "--batch", "6"], "does not divide T x C x D = 1 x 1 x 3"),
     (["--replicas", "3", "--expert-parallel", "3", "--batch", "6"], "does not divide experts=4"),
     (["--model", "mlp"], "has none that gpipe train shards"),
     (["--option", "top_k=5"], "top_k=5 is above experts=4"),
@@ -165,7 +165,7 @@ def one_line_error(capsys, *argv):
     (["--zero", "3"], "with --zero 3 is not supported yet"),
     (["--schedule", "zb-h1", "--stages", "2"], "split backward"),
     (["--replicas", "4", "--batch", "7", "--microbatches", "2"], "not the same number"),
-    (["--expert-parallel", "0"], "not a positive integer"),
+    (["--expert-parallel", "0"], "must be a positive integer, got 0"),
 ])
 def test_what_expert_parallelism_cannot_run_is_one_line_before_any_worker(capsys, flags, message):
     options = [] if "mlp" in flags else option_flags({**MOE, "layers": 2})

@@ -82,12 +82,20 @@ def test_the_development_set_replays(capsys, tmp_path):
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     by_id = {r["id"]: r for r in report["runs"]}
-    assert set(by_id) == {"korth-22b-full", "korth-22b-selective-sp", "narayanan-1.7b-dp32", "nemotron4-15b-h100",
-                          "mbridge2511-llama3-8b-b200-fp8cs-8g", "dgxc-llama31-405b-gb200-bf16-128g",
-                          "tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac"}
+    dense = {"korth-22b-full", "korth-22b-selective-sp", "narayanan-1.7b-dp32", "nemotron4-15b-h100",
+             "mbridge2511-llama3-8b-b200-fp8cs-8g", "dgxc-llama31-405b-gb200-bf16-128g",
+             "tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac"}
+    experts = {"dgxc-dsv3-h100-nemo2504-bf16-1024g": 64, "dgxc-llama4mav-gb200-nemo2504-bf16-256g": 64,
+               "mbridge2604-qwen3-30b-h100-fp8-16g": 16}
+    assert set(by_id) == dense | set(experts)
     assert all(run["modelled"] for run in report["runs"])
     assert by_id["nemotron4-15b-h100"]["layout"]["tensor_parallel"] == 4  # kv_heads 8 and squared ReLU modelled
     assert [by_id[i]["layout"]["zero"] for i in ("tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac")] == [3, 3]
-    assert all(abs(run["error"]) < 0.05 for run in report["runs"])  # the development set within 5%
+    assert all(abs(by_id[i]["error"]) < 0.05 for i in dense)  # the dense development set within 5%
+    assert {i: by_id[i]["layout"]["expert_parallel"] for i in experts} == experts
+    assert abs(by_id["dgxc-dsv3-h100-nemo2504-bf16-1024g"]["error"]) < 0.07  # issue 51's goal: 7%
+    # Llama 4 Maverick (-13.1%) and Qwen3-30B-A3B (+13.7%) miss the 7% goal (docs/simulator.md says why):
+    # held at their present errors so that they do not drift unseen
+    assert all(abs(by_id[i]["error"]) < 0.15 for i in experts)
     assert report["worst_abs_error"] >= report["median_abs_error"] > 0
     assert (tmp_path / "r.html").stat().st_size > 1000

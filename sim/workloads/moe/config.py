@@ -136,7 +136,7 @@ def assumed_lines(config: dict[str, Any]) -> list[str]:
     """What the MoE shape prices as a plainer form than the family runs, one line each."""
     model_type = str(config.get("model_type", ""))
     lines = ["routed experts dropless (every token reaches its top-k experts) unless --option capacity_factor=C; "
-             "all experts' weights held on every stage (no expert parallelism)"]
+             "each stage holds all its layers' experts unless --expert-parallel E splits them"]
     if model_type == "deepseek_v3":
         lines.append("DeepSeek's group-limited routing and score-correction bias priced as plain top-k over sigmoid "
                      "scores; multi-token prediction modules share the embedding and the head")

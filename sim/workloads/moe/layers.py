@@ -25,10 +25,11 @@ chosen indices per token; the shared MLP's as a dense MLP's. Parameters: every e
 parallelism every stage holds all its layers' experts.
 
 Tensor parallelism splits every expert as the dense MLP is split (expert tensor parallelism equal to
-T, Megatron-Core's default), with the same collectives; the router is replicated. Load imbalance
-does not change a step here: one device runs every expert of its layers, and the grouped matmul's
-time follows the assignments it is given, not how they spread; :func:`expected_max_load` is the
-figure expert parallelism will need (the slowest expert's device sets the layer's time).
+T, Megatron-Core's default), with the same collectives; the router is replicated. Without expert
+parallelism load imbalance does not change a step: one device runs every expert of its layers, and
+the grouped matmul's time follows the assignments it is given, not how they spread. Expert
+parallelism (:mod:`sim.workloads.moe.expert_parallel`) splits the experts over E ranks: there the most
+loaded rank sets the layer's time (:func:`expected_max_load`).
 
 Limits: no token dropping is modelled beyond the capacity's padding (dropped tokens still cost their
 share of the padded matmuls); the router's auxiliary loss, its z-loss and DeepSeek's group-limited
@@ -75,17 +76,29 @@ def expected_max_load(tokens: int, experts: int, top_k: int, imbalance: float = 
     return 1.0 + math.sqrt(2.0 * mean * math.log(max(experts, 2))) / mean
 
 
-def moe_ffn_delta(o: dict[str, Any], s: int, t: int, p: Precision) -> LayerSpec:
+def expert_parameters(o: dict[str, Any], t: int, ep: int = 1, etp: int | None = None) -> int:
+    """One rank's routed experts' weights and biases of one MoE layer: E / ``ep`` experts, each split
+    over ``etp`` ranks (default ``t``, the experts split as the dense MLP is)."""
+    d, E, f, g = o["d_model"], o["experts"], o["expert_ff"], 2
+    split = t if etp is None else etp
+    held = E // ep
+    return held * (g + 1) * d * f // split + o.get("expert_biases", False) * held * (g * f // split + d)
+
+
+def moe_ffn_delta(o: dict[str, Any], s: int, t: int, p: Precision, ep: int = 1, etp: int | None = None) -> LayerSpec:
     """What a MoE MLP adds to the block whose MLP has width 0, for ``s`` tokens per row on one of
-    ``t`` devices (see the module docstring)."""
+    ``t`` devices (see the module docstring); with expert parallelism (``ep`` > 1, or ``etp`` given) one
+    rank holds E / ``ep`` experts split ``etp`` ways (:mod:`sim.workloads.moe.expert_parallel`); the
+    mean work per rank is the same, every rank's tokens spread over the group's experts."""
     d, E, f, fs = o["d_model"], o["experts"], o["expert_ff"], o.get("shared_ff", 0)
     c, g = p.compute_bytes, 2  # gated (SwiGLU) experts: fc1 writes the gate and the value
     a = s * assignments_per_token(o)  # assignments per row
     router_weights = d * E
-    expert_weights = E * (g + 1) * d * f // t
+    split = t if etp is None else etp
+    expert_weights = (E // ep) * (g + 1) * d * f // split
     shared_weights = (g + 1) * d * fs // t
     biases = (o.get("router_bias", False) * E
-              + o.get("expert_biases", False) * E * (g * f // t + d))
+              + o.get("expert_biases", False) * (E // ep) * (g * f // split + d))
     matmul_weights = router_weights + expert_weights + shared_weights
     # traffic: router (reads its input, scores in fp32), permute (gather a rows), experts (fc1 in and out,
     # the SwiGLU's 8 elements per f as the dense block counts them, fc2 in and out), combine (reads the
@@ -165,16 +178,28 @@ def _mtp_module(block: LayerSpec, head: LayerSpec, o: dict[str, Any], s: int, t:
                                output_bytes_per_row=block.output_bytes_per_row)
 
 
-def moe_transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int = 1) -> list[LayerSpec]:
+def _without_mlp_collectives(block: LayerSpec) -> LayerSpec:
+    """A block whose MLP issues no tensor-parallel collective (experts whole on a rank, ETP = 1 < T, no
+    shared expert): the attention's half of the block's collectives kept."""
+    return dataclasses.replace(block, tp_allreduces_forward=block.tp_allreduces_forward / 2,
+                               tp_allreduces_backward=block.tp_allreduces_backward / 2,
+                               tp_allreduces_backward_waited=block.tp_allreduces_backward_waited / 2)
+
+
+def moe_transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1,
+                           etp: int | None = None) -> list[LayerSpec]:
     """[Embedding, ``layers`` blocks (dense or MoE), ``mtp_layers`` MTP modules, Head] for the MoE
-    transformer's options ``o`` (:mod:`sim.workloads.moe.options`), one of T x C devices' share."""
+    transformer's options ``o`` (:mod:`sim.workloads.moe.options`), one of T x C devices' share, the
+    routed experts split over ``ep`` ranks of ``etp`` each (:mod:`sim.workloads.moe.expert_parallel`)."""
     base = _base_options(o)
     dense = transformer_layers(base, tp, sp, cp)
     sparse = transformer_layers({**base, "ff": 0}, tp, sp, cp)
+    if etp is not None and etp < tp and not o.get("shared_ff"):
+        sparse = [_without_mlp_collectives(spec) if spec.name == "block" else spec for spec in sparse]
     p = precision_of(o["precision"])
     s, moe = o["seq"] // cp, moe_layer_set(o)
     flash = o.get("attention") == "flash"
-    ffn = moe_ffn_delta(o, s, tp, p)
+    ffn = moe_ffn_delta(o, s, tp, p, ep, etp)
     mla = latent_attention_delta(o, s, o["seq"], tp, p, flash) if is_latent(o) else None
     blocks = []
     for i in range(o["layers"]):

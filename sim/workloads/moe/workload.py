@@ -18,13 +18,21 @@ at their own widths (MLA: qk and v per head). Published parameter counts leave t
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
-from sim.catalog.hardware import Link
+from sim.catalog.hardware import Device, Link
+from sim.workloads.layer_spec import LayerSpec
+from sim.workloads.moe.expert_parallel import ExpertSplit
 from sim.workloads.moe.latent_attention import is_latent, qk_head_dim
 from sim.workloads.models import AnalyticWorkload
-from sim.workloads.moe.layers import expected_max_load, moe_layer_set, moe_transformer_layers
+from sim.workloads.moe.layers import (assignments_per_token, expected_max_load, expert_parameters, moe_layer_set,
+                                      moe_transformer_layers)
 from sim.workloads.moe.options import resolve_moe_options
+from sim.workloads.precision import FP32_BYTES, precision_of
+from sim.workloads.workload import LayerCost
+
+MOE_SPECS = ("moe_block", "mtp")  # the layers whose MLP is the mixture
 
 
 class MoEWorkload(AnalyticWorkload):
@@ -40,6 +48,8 @@ class MoEWorkload(AnalyticWorkload):
         self.planned_from = planned_from or name
         self.assumed = list(assumed or [])
         self.shape_line = shape_line(name, options)
+        self.has_experts = True
+        self.experts_split: ExpertSplit | None = None  # expert parallelism (sim.workloads.moe.expert_parallel)
 
     @property
     def parameter_count(self) -> int:
@@ -86,13 +96,56 @@ class MoEWorkload(AnalyticWorkload):
                    cp_ranks_per_node: int | None = None) -> "MoEWorkload":
         """As :meth:`sim.workloads.models.AnalyticWorkload.split_over`, the MoE blocks split too."""
         split = copy.copy(self)
-        split.layers = tuple(moe_transformer_layers(self.options, tensor_parallel, sequence_parallel,
-                                                    context_parallel))
         split.tensor_parallel, split.sequence_parallel = tensor_parallel, sequence_parallel
         split.tp_link, split.context_parallel = tp_link, context_parallel
         split.cp_link = cp_link
         split.cp_ranks_per_node = context_parallel if cp_ranks_per_node is None else cp_ranks_per_node
+        split.layers = split._split_layers()
         return split
+
+    def _split_layers(self) -> tuple[LayerSpec, ...]:
+        ep = self.experts_split
+        return tuple(moe_transformer_layers(self.options, self.tensor_parallel, self.sequence_parallel,
+                                            self.context_parallel, ep.expert_parallel if ep else 1,
+                                            ep.expert_tensor_parallel if ep else None))
+
+    @property
+    def expert_parallel(self) -> int:
+        """E: the ranks each MoE layer's routed experts are split over (1 without expert parallelism)."""
+        return self.experts_split.expert_parallel if self.experts_split else 1
+
+    def split_experts(self, split: ExpertSplit) -> "MoEWorkload":
+        """This workload (split over T x C already) with its experts split as ``split`` says
+        (:func:`sim.workloads.moe.expert_parallel.with_expert_parallel`)."""
+        out = copy.copy(self)
+        out.experts_split = split
+        out.layers = out._split_layers()
+        return out
+
+    def expert_tokens_per_row(self) -> float:
+        """Tokens one rank routes per row of a micro-batch: its s / C of the sequence, / T under tensor
+        parallelism (sequence-parallel, as Megatron-Core runs MoE with T > 1)."""
+        return self.options["seq"] / self.context_parallel / self.tensor_parallel
+
+    def _cost(self, spec: LayerSpec, rows: int, flops_s: float, bytes_s: float, device: Device) -> LayerCost:
+        ep = self.experts_split
+        if ep is None or spec.name not in MOE_SPECS:
+            return super()._cost(spec, rows, flops_s, bytes_s, device)
+        o = self.options
+        tokens = rows * self.expert_tokens_per_row()
+        load = (expected_max_load(round(tokens * ep.expert_parallel), ep.expert_parallel, o["top_k"],
+                                  o["expert_imbalance"]) if ep.expert_parallel > 1 else 1.0)
+        grouped = spec.grouped_matmul_flops_per_row
+        spec = dataclasses.replace(spec, flops_per_row=spec.flops_per_row + (load - 1) * grouped,
+                                   grouped_matmul_flops_per_row=load * grouped)
+        cost = super()._cost(spec, rows, flops_s, bytes_s, device)
+        payload = tokens * assignments_per_token(o) * o["d_model"] * precision_of(self.precision).compute_bytes
+        exchange_s = 2 * ep.exchange_s(payload)  # dispatch and combine
+        forward_s, backward_s = ep.exposed_s(exchange_s, exchange_s, cost.forward_s, cost.backward_s)
+        experts = expert_parameters(o, self.tensor_parallel, ep.expert_parallel, ep.expert_tensor_parallel)
+        return dataclasses.replace(cost, forward_s=cost.forward_s + forward_s, backward_s=cost.backward_s + backward_s,
+                                   recompute_s=cost.recompute_s + forward_s, ep_forward_s=forward_s,
+                                   ep_backward_s=backward_s, expert_grad_bytes=experts * FP32_BYTES)
 
     def describe(self) -> dict:
         counts = self.parameter_counts()

@@ -1,0 +1,218 @@
+"""Expert parallelism in the simulator, planner and replay (sim.workloads.moe.expert_parallel)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.catalog.hardware import Link, get_system
+from sim.engine.engine import simulate
+from sim.engine.stage_costs import CostTable
+from sim.errors import GpipeInputError
+from sim.evidence.replay_search import expert_options
+from sim.formats.layout import ParallelLayout
+from sim.formats.timeline import EP_COMBINE, EP_DISPATCH, KIND_NAMES
+from sim.workloads.models import get_workload
+from sim.workloads.moe.expert_parallel import ExpertSplit, all_to_all_s, with_expert_parallel
+from sim.workloads.moe.workload import builtin_workload
+from sim.workloads.tensor_parallel import with_tensor_parallel
+
+MOE = {"layers": 2, "d_model": 64, "ff": 128, "heads": 4, "seq": 32, "vocab": 128, "experts": 8, "top_k": 2,
+       "expert_ff": 32, "precision": "bf16"}
+FAST = Link("fast", 1e9, 0.0)
+SLOW = Link("slow", 1e8, 0.0)
+
+
+def _moe():
+    return builtin_workload("transformer", dict(MOE))
+
+
+def test_layout_refuses_e_times_etp_not_dividing_the_group():
+    with pytest.raises(GpipeInputError, match="does not divide T x C x D"):
+        ParallelLayout(1, 1, replicas=2, expert_parallel=4)
+
+
+def test_layout_refuses_zero_2_with_expert_parallelism():
+    with pytest.raises(GpipeInputError, match="not modelled; use --zero 0 or 1"):
+        ParallelLayout(1, 1, replicas=2, zero=2, expert_parallel=2)
+
+
+def test_e_not_dividing_the_experts_is_one_line():
+    with pytest.raises(GpipeInputError, match="does not divide .* 8 routed experts"):
+        with_expert_parallel(_moe(), get_system("h100-nvlink"), 3, None, "1f1b")
+
+
+def test_e_on_a_dense_model_is_one_line():
+    with pytest.raises(GpipeInputError, match="has none"):
+        with_expert_parallel(get_workload("transformer"), get_system("h100-nvlink"), 2, None, "1f1b")
+
+
+def test_all_to_all_by_hand():
+    # 4 ranks in one domain: 3/4 of 1 MB over 1 GB/s
+    assert all_to_all_s(1e6, 4, 4, FAST, SLOW) == pytest.approx(0.75e-3)
+    # 4 ranks, 2 per domain: 1/4 inside (0.25 ms), 2/4 across at 100 MB/s (5 ms): the slower part
+    assert all_to_all_s(1e6, 4, 2, FAST, SLOW) == pytest.approx(5e-3)
+    assert all_to_all_s(1e6, 1, 1, FAST, SLOW) == 0.0
+
+
+def test_workload_prices_two_all_to_alls_of_tokens_topk_dmodel_bytes():
+    split = _moe().split_experts(ExpertSplit(4, 1, 4, FAST, SLOW))
+    cost = split.layer_costs(1, get_system("h100-nvlink").device)[1]
+    payload = 32 * 2 * 64 * 2  # tokens x top_k x d_model x bf16 bytes, for one row
+    assert cost.ep_forward_s == pytest.approx(2 * payload * 3 / 4 / 1e9)
+    assert cost.ep_backward_s == pytest.approx(cost.ep_forward_s)
+
+
+def test_overlapping_schedule_hides_the_all_to_all_behind_compute():
+    shown = ExpertSplit(4, 1, 4, FAST, SLOW, overlapped=True).exposed_s(1.0, 1.0, 0.5, 0.5)
+    assert shown == pytest.approx((0.5, 0.5))
+    assert ExpertSplit(4, 1, 4, FAST, SLOW, overlapped=True).exposed_s(1.0, 1.0, 2.0, 2.0) == (0.0, 0.0)
+    assert ExpertSplit(4, 1, 4, FAST, SLOW).exposed_s(1.0, 1.0, 2.0, 2.0) == (1.0, 1.0)
+
+
+def test_expert_state_shrinks_by_e():
+    device = get_system("h100-nvlink").device
+    whole = _moe().layer_costs(1, device)[1]
+    split = _moe().split_experts(ExpertSplit(4, 1, 4, FAST, SLOW)).layer_costs(1, device)[1]
+    experts = 8 * (3 * 64 * 32 + 2 * 32 + 64)  # E x ((gate, up, down) x d x f + biases): the built-in's experts
+    assert whole.param_bytes - split.param_bytes == experts * 3 // 4 * 4  # fp32 weights, 3/4 of them gone
+    assert split.expert_grad_bytes == experts // 4 * 4
+
+
+def test_simulated_timeline_shows_dispatch_and_combine():
+    system = get_system("h100-nvlink")
+    workload, groups = with_tensor_parallel(_moe(), system, 1)
+    workload = with_expert_parallel(workload, system, 2, None, "1f1b")
+    layout = ParallelLayout(1, 2, "never", "1f1b", replicas=2, expert_parallel=2)
+    result = simulate(workload, groups, [workload.num_layers], 4, layout, costs=CostTable(workload, groups.device))
+    kinds = {r.kind for r in result.timeline.records}
+    assert {EP_DISPATCH, EP_COMBINE} <= kinds
+    assert KIND_NAMES[EP_DISPATCH] == "expert dispatch (all-to-all)"
+
+
+def test_replay_searches_null_expert_keys_and_refuses_them_on_a_dense_model():
+    run = {"expert_parallel": None, "expert_tensor_parallel": None}
+    pairs = expert_options(run, _moe(), 1, 1, 4)
+    assert pairs == [(1, 1), (2, 1), (4, 1)]
+    assert expert_options({"expert_parallel": 2, "expert_tensor_parallel": 1}, _moe(), 1, 1, 4) == [(2, 1)]
+    with pytest.raises(GpipeInputError, match="has none"):
+        expert_options({"expert_parallel": 2}, get_workload("transformer"), 1, 1, 4)
+
+
+def test_planner_finds_an_expert_parallel_plan_where_e1_does_not_fit():
+    from tests.helpers.in_process import gpipe
+
+    narrow = ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h100-nvlink", "--nodes", "2", "--batch", "16",
+              "--stages-options", "1", "--replicas-options", "16", "--microbatch-options", "1",
+              "--checkpoints", "full", "--tensor-parallel-options", "1", "--zero-options", "0,1", "--quiet", "--json"]
+    alone = gpipe(*narrow, "--expert-parallel-options", "1")
+    assert alone.returncode == 2 and "fits" in alone.stderr
+    found = gpipe(*narrow)
+    assert found.returncode == 0, found.stderr
+    best = json.loads(found.stdout)["ranked"][0]
+    assert best["expert_parallel"] > 1
+
+
+def test_simulate_refuses_expert_parallelism_on_a_dense_model_in_one_line():
+    from tests.helpers.in_process import gpipe
+
+    done = gpipe("simulate", "--model", "transformer", "--replicas", "2", "--stages", "1", "--batch", "4",
+                 "--expert-parallel", "2")
+    assert done.returncode == 2 and "has none" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_plan_file_keeps_expert_keys_only_when_set():
+    from sim.formats.plan import ModelRef, Plan
+
+    model = ModelRef(name="transformer", options={}, num_layers=4, parameter_count=1)
+    plain = Plan(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2)
+    assert "expert_parallel" not in plain.to_dict() and "expert_tensor_parallel" not in plain.to_dict()
+    split = Plan(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2, expert_parallel=2)
+    assert split.to_dict()["expert_parallel"] == 2 and split.layout.expert_parallel == 2
+
+
+def test_zero1_splits_expert_state_over_the_expert_data_parallel_group_alike_in_planner_and_engine():
+    from sim.engine.range_memory import RangeMemory
+    from sim.planner.search import Partitions, _sharding
+
+    system = get_system("h100-nvlink")
+    workload, groups = with_tensor_parallel(_moe(), system, 1)
+    split = with_expert_parallel(workload, system, 4, None, "1f1b")  # E = 4 of D = 4: no expert-DP peers
+    layout = ParallelLayout(1, 1, "never", "1f1b", replicas=4, zero=1, expert_parallel=4)
+    table = CostTable(split, groups.device)
+    engine = simulate(split, groups, [split.num_layers], 4, layout, costs=table).stages[0].static_bytes
+    layers = split.num_layers
+    planner = Partitions(table, groups, 4)._chunk_static(1, 0, layers, layout)
+    ranges = RangeMemory(table.layers(1), (), "never", _sharding(layout), 4).static[0, layers]
+    assert engine == planner == ranges
+    gradient, optimizer = table.gradient_and_optimizer_bytes(1, 0, layers)
+    experts = table.expert_gradient_bytes(1, 0, layers)
+    held_whole = optimizer * experts // gradient  # the experts' state is not split: each rank holds its own
+    assert engine > table.stage(1, 0, layers).static_bytes - optimizer + held_whole
+
+
+def test_dualpipev_shows_less_all_to_all_than_1f1b():
+    system = get_system("h100-nvlink", 2)
+    workload, groups = with_tensor_parallel(_moe(), system, 1)
+    device = groups.device
+    hidden = with_expert_parallel(workload, system, 8, None, "dualpipev").layer_costs(1, device)[1]
+    shown = with_expert_parallel(workload, system, 8, None, "1f1b").layer_costs(1, device)[1]
+    assert shown.ep_forward_s > 0 and hidden.ep_forward_s < shown.ep_forward_s
+
+
+def test_a_costs_files_all_to_all_is_read_as_a_link_and_a_bad_one_is_one_line():
+    from sim.formats.costs_links import expert_parallel_link
+
+    assert expert_parallel_link({}) is None
+    link = expert_parallel_link({"expert_parallel": {"all_to_all": {"latency_s": 1e-4, "bytes_per_s": 2e9}}})
+    assert (link.latency_s, link.bandwidth_bytes_per_s) == (1e-4, 2e9)
+    with pytest.raises(GpipeInputError, match="no bytes_per_s"):
+        expert_parallel_link({"expert_parallel": {"all_to_all": {"latency_s": 1e-4}}})
+
+
+def test_a_planned_expert_parallel_layout_is_simulated_again_from_its_plan_file(tmp_path):
+    from tests.helpers.in_process import gpipe
+
+    path = tmp_path / "plan.json"
+    planned = gpipe("plan", "--model", "qwen3-30b-a3b", "--hardware", "h100-nvlink", "--nodes", "2", "--batch", "16",
+                    "--stages-options", "1", "--replicas-options", "16", "--microbatch-options", "1",
+                    "--checkpoints", "full", "--tensor-parallel-options", "1", "--zero-options", "0,1",
+                    "--expert-parallel-options", "16", "--quiet", "--out", str(path))
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(path.read_text())
+    assert plan["expert_parallel"] == 16 and "expert_tensor_parallel" not in plan
+    again = gpipe("simulate", "--plan", str(path), "--json")
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    assert result["expert_parallel"] == 16
+    assert result["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-9)
+
+
+def test_simulate_reports_each_ranks_state_bytes_under_expert_parallelism():
+    from tests.helpers.in_process import gpipe
+
+    def stage(*flags):
+        done = gpipe("simulate", "--model", "transformer", "--option", "experts=4", "--option", "top_k=2",
+                     "--layers", "2", "--replicas", "2", "--stages", "1", "--batch", "4", "--microbatches", "1",
+                     "--hardware", "cpu", "--json", *flags)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["stages"][0]
+
+    whole, split = stage(), stage("--expert-parallel", "2")
+    assert "parameter_bytes" not in whole  # without expert parallelism the output is as it was
+    assert split["parameter_bytes"] + split["gradient_bytes"] + split["optimizer_state_bytes"] == split["static_bytes"]
+    assert split["static_bytes"] < whole["static_bytes"]
+    assert split["optimizer_state_bytes"] == 2 * split["parameter_bytes"]  # Adam's two fp32 slots, no ZeRO
+
+
+@pytest.mark.parametrize("model, value, message", [
+    ("qwen3-30b-a3b", "3", "does not divide qwen3-30b-a3b's 128 routed experts"),
+    ("transformer", "2", "has none"),
+])
+def test_plan_refuses_an_expert_parallel_option_the_model_cannot_take_in_one_line(model, value, message):
+    from tests.helpers.in_process import gpipe
+
+    done = gpipe("plan", "--model", model, "--hardware", "h100-nvlink", "--batch", "8", "--stages-options", "1",
+                 "--tensor-parallel-options", "1", "--expert-parallel-options", value, "--quiet")
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
