@@ -11,7 +11,7 @@ stage and kind of action takes the median duration over the measured steps of th
 follow one of their own kind (``warm``), follow another kind (``after_other``), or open the step
 (``first``). The figures say how a cold start grows with the stage (the partition gives stages of
 one, three and five layers); what the model should do with them is for the calibration to test on
-held-out runs (benchmarks/README.md: one constant per kind was tried and put one-layer stages of
+held-out runs (docs/notes/2026-11-26-cold-starts.md: one constant per kind was tried and put one-layer stages of
 held-out 1F1B runs 44-60% high).
 
     .venv/bin/python benchmarks/cold_starts.py [--repeats 2] [--microbatches 16] [out.json]

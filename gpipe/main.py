@@ -11,11 +11,13 @@ import argparse
 import atexit
 import importlib
 import os
+import re
 import signal
 import sys
 import threading
+from typing import Any, NoReturn
 
-from sim.errors import GpipeInputError
+from sim.errors import GpipeInputError, did_you_mean
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -74,17 +76,99 @@ def _pyproject_version() -> str:
     return found.group(1) if found else "unknown"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """The parser of ``gpipe`` and of every subcommand (a subparser takes its parent's class): what
+    argparse itself refuses (a value of the wrong type, an unknown flag or command, a flag without its
+    value, a missing argument) becomes one line naming the value and the fix, a GpipeInputError that
+    :func:`main` prints with exit status 2, where argparse would print its usage block.
+
+    argparse's refusals are told apart by its messages (:func:`refusal`); one it words in a way not
+    known here keeps its words and points at ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.subcommands: dict[str, argparse.ArgumentParser] = {}  # name -> parser, filled by build_parser
+
+    def error(self, message: str) -> NoReturn:
+        raise GpipeInputError(refusal(self, message))
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # argparse reports them on the root parser; the subcommand's flags say what was meant
+            raise GpipeInputError(unknown_arguments(self.subcommands.get(getattr(parsed, "command", None), self),
+                                                    extras))
+        return parsed
+
+
+# argparse's words for a value of the wrong type, one left out, an unknown subcommand, a required argument
+_INVALID = re.compile(r"argument (?P<flag>[^:]+): invalid (?P<kind>\S+) value: (?P<value>.*)$")
+_NO_VALUE = re.compile(r"argument (?P<flag>[^:]+): expected (?:one|at least one|at most one|\d+) arguments?$")
+_CHOICE = re.compile(r"argument (?P<flag>[^:]+): invalid choice: '?(?P<value>[^' ]*)'?")
+_REQUIRED = re.compile(r"the following arguments are required: (?P<names>.+)$")
+_EXPLICIT = re.compile(r"argument (?P<flag>[^:]+): ignored explicit argument (?P<value>.*)$")
+_KINDS = {"int": "a whole number", "float": "a number"}
+
+
+def refusal(parser: argparse.ArgumentParser, message: str) -> str:
+    """One line for argparse's ``message`` about ``parser``'s arguments: the value and the fix."""
+    see = f"see {parser.prog} --help"
+    if found := _INVALID.match(message):
+        flag = found["flag"].split("/")[0]
+        return f"{flag} takes {_KINDS.get(found['kind'], 'a ' + found['kind'])}, got {found['value']}; {see}"
+    if found := _NO_VALUE.match(message):
+        return f"{found['flag'].split('/')[0]} needs a value after it; {see}"
+    if (found := _CHOICE.match(message)) and isinstance(parser, OneLineParser) and parser.subcommands:
+        names = list(parser.subcommands)
+        return (f"unknown command {found['value']!r}{did_you_mean(found['value'], names)}; choose one of "
+                f"{', '.join(names)}")
+    if found := _REQUIRED.match(message):
+        return f"{parser.prog} needs {_named(parser, found['names'])}; {see}"
+    if found := _EXPLICIT.match(message):
+        flag = found["flag"].split("/")[0]
+        return f"{flag} takes no value, got {found['value']}; write {flag} alone"
+    return f"{message}; {see}"
+
+
+def _named(parser: argparse.ArgumentParser, names: str) -> str:
+    """The required arguments argparse names, each with its help where it has one."""
+    helps = {("/".join(a.option_strings) or a.metavar or a.dest): (a.help or "").split(";")[0]  # its first clause
+             for a in parser._actions}  # by argparse's names for them
+    return " and ".join(f"{name} ({helps[name]})" if helps.get(name) else name for name in names.split(", "))
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """One line for what ``parser`` (a subcommand's, or the root's) did not take: the first unknown
+    flag with the flags it may have meant, else the first stray word."""
+    see = f"see {parser.prog} --help"
+    flags = [word for word in extras if word.startswith("-") and not _is_number(word)]
+    if flags:
+        flag = flags[0].split("=")[0]
+        known = sorted(o for a in parser._actions if a.help != argparse.SUPPRESS for o in a.option_strings
+                       if o.startswith("--"))
+        return f"{parser.prog} takes no flag {flag}{did_you_mean(flag, known)}; {see}"
+    return f"{parser.prog} takes no argument {extras[0]!r} here (a value follows the flag it is for); {see}"
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     # no abbreviations: a flag is the name written in full, so no prefix of another command's flag
     # (plan's --stages-options for simulate's --stages) stands in for it unseen
-    parser = argparse.ArgumentParser(prog="gpipe", description="GPipe pipeline planning, simulation and training",
-                                     allow_abbrev=False)
+    parser = OneLineParser(prog="gpipe", description="GPipe pipeline planning, simulation and training",
+                           allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"gpipe {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         sub_parser.set_defaults(module=module_name)
+        parser.subcommands[name] = sub_parser
         if name == wanted:  # only the chosen subcommand's module is imported
             try:
                 module = importlib.import_module(module_name)
@@ -101,7 +185,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:  # a flag's value is checked as it is parsed (gpipe.options.Checked): one line
+    try:  # a flag's value is checked as it is parsed (gpipe.options.Checked), argparse's own refusals
+        # by OneLineParser: one line each
         parser = build_parser(argv)
         if not argv:  # a newcomer's first try: what it does, then how to ask
             print(TOUR)

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tests.helpers.scenarios import ListWorkload
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread_in_the_test_process():
+    """Torch in this process (the in-process pipelines, the references they are compared with) on one
+    thread. Why: their tensors are tiny, and on a 2-core machine that other jobs load, two threads
+    meeting at every operator wait for each other (one small transformer's five AdamW steps took 15
+    times as long on two as on one). Both sides of every comparison run in this process, so they still
+    run alike; workers, calibration's profile and its speed probe set their own thread counts. Only
+    where torch is loaded already: a test that needs no torch does not import it for this."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture

@@ -19,10 +19,11 @@ goal is a relative error. The models, each affine in what was measured:
   (docs/notes/2026-11-27-figures-behind-the-code.md).
   ``cold`` is 1 for the step's first action on its device (:func:`sim.schedules.schedule.cold_starts`),
   after the optimizer: within one run the step's first forward took longer than the forwards after
-  it (benchmarks/README.md, ``cold_starts.py``). A line without the
+  it (docs/notes/2026-11-26-cold-starts.md, ``benchmarks/cold_starts.py``). A line without the
   term spreads that time over every action, so a run of few micro-batches is priced short.
   Beside the lines, per K, the warm-up after a long wait (:mod:`sim.engine.host`): the amount whose
-  payments, taken out of the points, leave the lines fitting best (:func:`fit_warm_up`). Without it
+  payments, taken out of the points, leave the lines fitting best
+  (:func:`calibrate.noise.warm_up_fit.fit_warm_up`, with this host's other quirks). Without it
   the per-action overhead carried it, and K = 2's forward line missed its worst design point several
   times as far (docs/notes/2026-11-27-warm-up-after-waits.md).
 * sends inside the pipeline, per K: ``send_s = a + bytes * b`` (the sender's own time in isend)
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from scipy.optimize import least_squares, lsq_linear
@@ -190,17 +191,6 @@ def fit_action(profiled: Sequence[float], fixed: Sequence[float], measured: Sequ
     if split:
         return ActionLine(coefficients[0], coefficients[2], coefficients[1], residuals, cold_start, cost)
     return ActionLine(coefficients[0], coefficients[1], None, residuals, cold_start, cost)
-
-
-def fit_warm_up(cost_of: Callable[[float], float], most_s: float = 2e-3, step_s: float = 5e-6) -> float:
-    """The warm-up after a long wait (:mod:`sim.engine.host`) whose action lines fit the measured
-    actions best: ``cost_of(warm_up_s)`` fits every line with that warm-up taken out of the points
-    and returns their summed weighted squares; the smallest over a grid from 0 to ``most_s`` by
-    ``step_s`` wins (the cost is piecewise smooth in the warm-up, as each point's share of it is
-    clipped, so a grid rather than a local search)."""
-    candidates = np.arange(0.0, most_s + step_s / 2, step_s)
-    costs = [cost_of(float(w)) for w in candidates]
-    return float(candidates[int(np.argmin(costs))])
 
 
 def replica_spread(runs: Sequence[Sequence[Sequence[float]]], quantiles: int = 20) -> list[float]:

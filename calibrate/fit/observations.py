@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from calibrate.fit.design import RunSpec
-from calibrate.fit.step_components import action_gaps_s, busy_since_wait_s, compute_per_step_s, measured_records
+from calibrate.fit.step_components import action_gaps_s, compute_per_step_s, measured_records
+from calibrate.noise.warm_up_fit import busy_since_wait_s
 from sim.engine.stage_costs import stage_bounds
 from sim.engine.host import IDLE_S, measured_paid_s
 from sim.formats.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, MeasuredWorkload
@@ -39,7 +40,7 @@ class ActionPoints:
     # 1.0 where the action starts cold (sim.schedules.schedule.cold_starts), else 0.0
     cold: list[float] = field(default_factory=list)
     # the compute seconds its device ran since its last long wait before it (inf where none came):
-    # what the action paid of a warm-up (calibrate.fit.step_components.busy_since_wait_s)
+    # what the action paid of a warm-up (calibrate.noise.warm_up_fit.busy_since_wait_s)
     since_wait: list[float] = field(default_factory=list)
     # the run's after-wait probe over the calibration's, over its speed factor: the warm-up it paid in
     # seconds at the reference speed is this times the warm-up at the calibration's probe (1.0 without)

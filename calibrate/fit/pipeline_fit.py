@@ -13,8 +13,9 @@ import math
 import statistics
 from typing import Any
 
-from calibrate.fit.least_squares import AffineFit, fit_action, fit_affine, fit_warm_up, replica_spread
+from calibrate.fit.least_squares import AffineFit, fit_action, fit_affine, replica_spread
 from calibrate.fit.observations import ActionPoints, Observations
+from calibrate.noise.warm_up_fit import fit_warm_up
 from sim.engine.stragglers import straggle_fraction
 from sim.engine.host import IDLE_S
 from sim.formats.costs import BACKWARD_WITH_RECOMPUTE, FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, ActionFit

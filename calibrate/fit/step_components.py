@@ -14,7 +14,6 @@ span (:func:`calibrate.fit.step_fit.fit_step_overhead`) and fits the model's gap
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any, Sequence
 
@@ -82,28 +81,6 @@ def action_gaps_s(records: Sequence[Any], steps: Sequence[int]) -> dict[tuple[in
             elif previous_end is not None and r.kind in (SEND_ACTIVATION, SEND_GRADIENT):
                 previous_end = max(previous_end, r.end_s)
     return gaps
-
-
-def busy_since_wait_s(records: Sequence[Any], steps: Sequence[int], idle_s: float) -> dict[tuple, float]:
-    """Per action (stage, virtual stage or None, kind, micro-batch), the median over ``steps`` of the
-    compute seconds its device ran in the step since its last wait of at least ``idle_s`` for an
-    input before it (0 for the action right after one; inf where no such wait came before it in the
-    step): what calibration reads of the warm-up each action paid (:func:`sim.engine.host.measured_paid_s`).
-    Replica 0's first tensor-parallel ranks; the waits are the timeline's ``recv_wait`` spans between
-    two compute actions, summed."""
-    seen: dict[tuple, list[float]] = {}
-    for spans in device_spans(records, steps).values():
-        since, waited = math.inf, 0.0
-        for r in spans:
-            if r.kind == RECV_WAIT:
-                waited += r.end_s - r.start_s
-            elif r.kind in COMPUTE_KINDS:
-                if waited >= idle_s:
-                    since = 0.0
-                seen.setdefault((r.stage, r.virtual_stage, r.kind, r.microbatch), []).append(since)
-                since += r.end_s - r.start_s
-                waited = 0.0
-    return {key: statistics.median(values) for key, values in seen.items()}
 
 
 def measured_records(report: dict[str, Any]) -> tuple[list[Any], list[int]]:

@@ -122,7 +122,16 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-class _TimedAllGather(AllGather):
+class _PlainBuffers:
+    """FSDP's communication hooks' buffers (the ``allocate`` of torch's ``Comm``) as plain empty
+    tensors: both hooks below copy through the group's backend or shared memory of their own, which
+    need no memory pool."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _TimedAllGather(_PlainBuffers, AllGather):
     """FSDP's all-gather, synchronous and timed as a span of its own; through shared memory where
     the group's ranks share a host, each with a core (:class:`executor.transport.shm_allgather.SharedGather`),
     else through the group's backend."""
@@ -131,9 +140,6 @@ class _TimedAllGather(AllGather):
         self.recorder = recorder
         self.links = links
         self._shared: SharedGather | None = None  # made at the first call, when the group is known
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
@@ -156,7 +162,7 @@ def _covered(links: HostLinks | None, tensor: torch.Tensor, group: dist.ProcessG
     return ranks if all(r == links.rank or links.covers(r) for r in ranks) else None
 
 
-class _WeightedReduceScatter(ReduceScatter):
+class _WeightedReduceScatter(_PlainBuffers, ReduceScatter):
     """FSDP's reduce-scatter as a weighted sum: this rank's gradients times ``weight`` (its replica's
     share of the global batch), summed over the shard group; timed as a span of its own. Where the
     group's ranks share a host, each with a core (``links`` covers them), the sum goes through shared
@@ -168,9 +174,6 @@ class _WeightedReduceScatter(ReduceScatter):
         self.recorder = recorder
         self.links = links
         self._shared: SharedSum | None = None  # made at the first call, when the group is known
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> None:

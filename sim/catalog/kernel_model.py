@@ -38,13 +38,13 @@ so in the file's ``tied`` list.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sim.errors import GpipeInputError
+from sim.formats.timeline import read_devices_file
 
 # Assumption, not fitted: the routed experts' grouped matmuls achieve this fraction of what a dense matmul
 # achieves on the same device. MegaBlocks (Gale et al. 2023, "MegaBlocks: Efficient Sparse Training with
@@ -110,14 +110,7 @@ def read_efficiencies(path: str = EFFICIENCY_FILE) -> dict[str, KernelEfficiency
     """Fitted fractions per device name from ``path`` (``{"devices": {name: {...}}}``); none if absent."""
     if not os.path.exists(path):
         return {}
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise GpipeInputError(f"efficiency file {path!r} cannot be read ({exc}); rewrite it with gpipe fit-gpu") from None
-    devices = data.get("devices") if isinstance(data, dict) else None
-    if not isinstance(devices, dict):
-        raise GpipeInputError(f"efficiency file {path!r} has no \"devices\" object; rewrite it with gpipe fit-gpu")
+    devices = read_devices_file(path, "efficiency file", "rewrite it with gpipe fit-gpu")["devices"]
     return {name: KernelEfficiency.from_dict(entry, f"{path} [{name}]") for name, entry in devices.items()}
 
 

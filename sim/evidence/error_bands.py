@@ -18,13 +18,13 @@ layout; a few runs make a wide or a lucky band, and the count says how many ther
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
 
 from sim.errors import GpipeInputError
+from sim.formats.timeline import read_devices_file
 
 MIN_RUNS = 5  # a regime cell with fewer runs falls back to the device's band
 LOW_PERCENTILE, HIGH_PERCENTILE = 5, 95
@@ -93,15 +93,8 @@ def bands_path() -> str:
 def load_bands(path: str | None = None) -> dict[str, Any]:
     """A bands file checked for the fields :func:`band_for` reads; one line naming what is wrong."""
     path = path or bands_path()
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise GpipeInputError(f"error bands file {path!r} cannot be read: {exc}") from None
-    devices = data.get("devices") if isinstance(data, dict) else None
-    if not isinstance(devices, dict):
-        raise GpipeInputError(f"error bands file {path!r} has no \"devices\" object; rebuild it with gpipe error-bands")
-    for device, entry in devices.items():
+    data = read_devices_file(path, "error bands file", "rebuild it with gpipe error-bands")
+    for device, entry in data["devices"].items():
         cells = [("all", entry.get("all") if isinstance(entry, dict) else None)]
         regimes = entry.get("regimes", {}) if isinstance(entry, dict) else {}
         if not isinstance(regimes, dict):

@@ -234,6 +234,20 @@ def read_json(path: str | os.PathLike[str], what: str, missing_fix: str) -> Any:
         raise GpipeInputError(f"{what} {os.fspath(path)!r} is not valid JSON ({exc})") from None
 
 
+def read_devices_file(path: str | os.PathLike[str], what: str, fix: str) -> dict[str, Any]:
+    """A JSON file of one entry per device, ``{"devices": {name: {...}}, ...}`` (the GPU fit's kernel
+    fractions, the error bands), whole; one line naming ``what`` it is and ``fix`` where it cannot be
+    read, is not JSON or has no ``devices`` object. Its entries are for the caller to check."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise GpipeInputError(f"{what} {os.fspath(path)!r} cannot be read ({exc}); {fix}") from None
+    if not isinstance(data.get("devices") if isinstance(data, dict) else None, dict):
+        raise GpipeInputError(f"{what} {os.fspath(path)!r} has no \"devices\" object; {fix}")
+    return data
+
+
 def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
     """``write(tmp)`` to a temporary file beside ``path``, flushed to disk, then renamed to ``path``:
     a crash mid-write never leaves a truncated file."""

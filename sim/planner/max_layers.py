@@ -6,7 +6,9 @@ options admits a partition whose every stage holds its weights, gradients, optim
 inputs and saved activations within the device's memory (the partitioner's own memory check,
 :func:`sim.planner.search.choose_partition`, so this agrees with ``gpipe plan``). The search packs layers
 greedily, which is exact for feasibility and cheap; the partition reported is the planner's. Fitting is assumed
-monotone in depth: a model that fits still fits with a layer fewer.
+monotone in depth: a model that fits still fits with a layer fewer. The doubling stops at
+:data:`MAX_DEPTH` layers: a small model on a large device fits deeper than any model is trained, and is
+reported as fitting at least that deep.
 
 "With re-materialization" is the GPipe paper's setting, ``checkpoint=always`` (every micro-batch
 keeps only its boundary input until its backward); "without" is ``never``. M is tried largest
@@ -29,7 +31,12 @@ from sim.schedules.microbatch import split_rows
 from sim.workloads.workload import Workload
 
 WITH_REMAT, WITHOUT_REMAT = "always", "never"
-MAX_DEPTH = 1 << 20  # a bound on the doubling search; no catalog system holds this many layers
+# The deepest model searched: beyond any model trained (the GPipe paper's deepest, a 1,663-layer
+# Transformer, ran on 128 cores), and the planner's partition of this many layers is still quick; a
+# model that fits this deep is reported as fitting at least this deep (DepthLimit.capped). Unbounded,
+# a small model on an 80 GB device doubled past 100,000 layers, where one partition's candidate
+# bottlenecks (every contiguous segment's cost, O(L^2)) take minutes and gigabytes.
+MAX_DEPTH = 2048
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,8 @@ class StageMemory:
 
 @dataclass(frozen=True)
 class DepthLimit:
-    """The deepest model that fits on ``stages`` stages with ``checkpoint``; depth 0: none fits."""
+    """The deepest model that fits on ``stages`` stages with ``checkpoint``; depth 0: none fits;
+    ``capped``: it still fits at :data:`MAX_DEPTH`, the deepest searched, so it fits at least that deep."""
 
     stages: int
     checkpoint: str
@@ -62,6 +70,7 @@ class DepthLimit:
     partition: tuple[int, ...]
     parameter_count: int
     memory: tuple[StageMemory, ...]
+    capped: bool = False
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -151,24 +160,25 @@ def max_depth(make_workload: Callable[[int], Workload], system: System, batch_si
               microbatches: Sequence[int], checkpoint: str, schedule: str = "gpipe") -> DepthLimit:
     """The largest ``layers`` for which ``make_workload(layers)`` fits on ``stages`` stages."""
     microbatches = [m for m in microbatches if m <= batch_size] or [batch_size]
-    cache: dict[int, tuple | None] = {}
+    cache: dict[int, bool] = {}  # whether each depth tried fits (its cost table is not kept)
 
-    def fit(depth: int):
+    def fit(depth: int) -> bool:
         if depth not in cache:
             cache[depth] = _fit(make_workload(depth), system, batch_size, stages, microbatches,
-                                checkpoint, schedule)
+                                checkpoint, schedule) is not None
         return cache[depth]
 
     extra_layers = make_workload(1).num_layers - 1  # e.g. a transformer's embedding and head
     low = max(1, stages - extra_layers)
-    if fit(low) is None:
+    if not fit(low):
         return DepthLimit(stages, checkpoint, 0, 0, (), 0, ())
-    high = low * 2
-    while high <= MAX_DEPTH and fit(high) is not None:
-        low, high = high, high * 2
+    high = min(low * 2, MAX_DEPTH)
+    while high > low and fit(high):
+        low, high = high, min(high * 2, MAX_DEPTH)
+    capped = low == MAX_DEPTH
     while high - low > 1:  # fit(low) holds, fit(high) does not
         middle = (low + high) // 2
-        if fit(middle) is not None:
+        if fit(middle):
             low = middle
         else:
             high = middle
@@ -181,7 +191,7 @@ def max_depth(make_workload: Callable[[int], Workload], system: System, batch_si
     candidate, partition, table = final
     memory = stage_memory(table, system, batch_size, candidate, partition)
     return DepthLimit(stages, checkpoint, low, candidate.microbatches, tuple(partition),
-                      int(table.workload.describe()["parameter_count"]), tuple(memory))
+                      int(table.workload.describe()["parameter_count"]), tuple(memory), capped and low == MAX_DEPTH)
 
 
 def depth_limits(make_workload: Callable[[int], Workload], system: System, batch_size: int,
@@ -202,9 +212,12 @@ def format_limits(limits: Sequence[tuple[DepthLimit, DepthLimit]], system: Syste
              f"({system.device.name}, {capacity:.1f} GiB per device)",
              f"{'K':>4}  {'re-materialization (always)':>34}  {'none (never)':>34}"]
     for pair in limits:
-        cells = [f"{d.depth:>6} layers, M={d.microbatches:<3} {d.parameter_count / 1e9:>7.2f}B params"
+        cells = [f"{('>=' if d.capped else '') + str(d.depth):>6} layers, M={d.microbatches:<3} "
+                 f"{d.parameter_count / 1e9:>7.2f}B params"
                  if d.depth else f"{'does not fit even one layer':>34}" for d in pair]
         lines.append(f"{pair[0].stages:>4}  {cells[0]:>34}  {cells[1]:>34}")
+    if any(d.capped for pair in limits for d in pair):
+        lines.append(f">=: still fits at {MAX_DEPTH} layers, the deepest searched")
     lines.append("per-stage memory at the limit (GiB): weights, gradients, optimizer state, "
                  "activations, stashed inputs, total")
     for pair in limits:

@@ -436,9 +436,9 @@ def cold_starts(actions: Sequence[Action]) -> list[bool]:
     after the optimizer and the executor's work between steps have displaced its weights' and
     activations' cache lines and the code it runs. Within one run the step's first forward took
     longer than the forwards after it on stages of one and three layers, while an action
-    after another kind of action was not measurably slower on three layers (benchmarks/README.md,
-    ``cold_starts.py``). The simulator adds the stage's ``cold_start_s`` for it and calibration fits
-    that time on the same marks."""
+    after another kind of action was not measurably slower on three layers
+    (docs/notes/2026-11-26-cold-starts.md, ``benchmarks/cold_starts.py``). The simulator adds the
+    stage's ``cold_start_s`` for it and calibration fits that time on the same marks."""
     return [i == 0 for i in range(len(actions))]
 
 

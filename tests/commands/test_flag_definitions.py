@@ -134,7 +134,7 @@ def test_plan_takes_its_lists_under_their_own_names_and_no_abbreviation_stands_i
     assert {(o["replicas"], o["tensor_parallel"], o["pipeline_stages"]) for o in ranked} <= {
         (d, t, 2) for d in (1, 2) for t in (1, 2)}
     abbreviated = in_process.gpipe("simulate", "--model", "uniform", "--stage", "2")
-    assert abbreviated.returncode == 2 and "unrecognized arguments: --stage 2" in abbreviated.stderr
+    assert abbreviated.returncode == 2 and "gpipe simulate takes no flag --stage (did you mean --stages?)" in abbreviated.stderr
 
 
 def test_one_hardware_default_for_every_command_and_a_costs_file_s_system_wins(tmp_path):

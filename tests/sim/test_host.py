@@ -46,7 +46,7 @@ def test_calibration_reads_back_from_a_timeline_what_each_action_paid():
     """Simulate with a warm-up, then read each action's time since its device's last long wait from
     the timeline, as calibration reads the executor's: what :func:`measured_paid_s` says it paid is
     the time it took beyond the same run without the warm-up, action by action."""
-    from calibrate.fit.step_components import busy_since_wait_s
+    from calibrate.noise.warm_up_fit import busy_since_wait_s
 
     for schedule, warm_s in (("gpipe", 1.5e-3), ("1f1b", 0.4e-3), ("1f1b", 5e-3)):
         runs = [simulate(GappedWorkload(4, 0.0, warm_s=w), IDEAL, [1, 2, 1], batch_size=6,
@@ -82,7 +82,7 @@ def test_each_stage_reports_the_warm_up_it_paid_as_part_of_its_busy_time():
 
 
 def test_the_time_since_a_long_wait_counts_compute_only_and_restarts_at_each_long_wait():
-    from calibrate.fit.step_components import busy_since_wait_s
+    from calibrate.noise.warm_up_fit import busy_since_wait_s
 
     ms = 1e-3
     records = [Record(0, "F", 0, 0, 1 * ms, step=1), Record(0, "recv_wait", 0, 1 * ms, 4 * ms, step=1),

@@ -32,6 +32,40 @@ def test_depth_matches_a_hand_count(list_workload):
     m = always.memory[0]
     assert (m.weights_bytes, m.gradient_bytes, m.activation_bytes, m.stash_bytes) == (1100, 1100, 110, 3)
     assert m.total_bytes <= 2400
+    assert not never.capped and not always.capped
+
+
+def test_a_model_that_fits_deeper_than_the_search_is_reported_as_fitting_at_least_that_deep(list_workload,
+                                                                                          monkeypatch):
+    import sim.planner.max_layers as max_layers
+
+    monkeypatch.setattr(max_layers, "MAX_DEPTH", 48)
+    tried = []
+
+    def make(n):
+        tried.append(n)
+        return list_workload([1e-3] * n)
+
+    limit = max_depth(make, _system(1e15), 4, 2, [1, 4], "never")
+    assert (limit.depth, limit.capped, sum(m.layers for m in limit.memory)) == (48, True, 48)
+    assert max(tried) == 48 and len(set(tried)) <= 8  # doubled up to the bound, never past it
+    table = max_layers.format_limits([(limit, limit)], _system(1e15), 4, "list", "fp32")
+    assert "   >=48 layers" in table and table.count(">=: still fits at 48 layers, the deepest searched") == 1
+    assert max_depth(make, _system(2400), 4, 1, [1], "never").depth == 10  # below the bound: exact, as before
+
+
+def test_a_small_model_on_a_large_device_answers_at_the_bound(capsys):
+    """The default transformer on an 80 GB A100 fits far deeper than any model is trained: the search
+    stops at MAX_DEPTH (it once doubled past 100,000 layers, for minutes and gigabytes)."""
+    from sim.planner.max_layers import MAX_DEPTH
+
+    assert main(["plan", "--max-layers", "--model", "transformer", "--hardware", "a100-nvlink",
+                 "--stages-options", "1,2", "--microbatch-options", "16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["limits"]
+    for row in rows:
+        for limit in (row["with_rematerialization"], row["without"]):
+            assert (limit["depth"], limit["capped"]) == (MAX_DEPTH, True)
+            assert sum(m["layers"] for m in limit["memory"]) == MAX_DEPTH + 2  # the embedding and the head
 
 
 TRANSFORMER = {"d_model": 1024, "ff": 4096, "heads": 8, "seq": 256, "vocab": 8000}
@@ -53,7 +87,7 @@ def test_limits_are_exact_against_the_partitioner(limits):
                 table = CostTable(make(depth), system.device)
                 assert (choose_partition(table, system, 64, candidate) is not None) is expected
             assert all(m.total_bytes <= system.device.memory_bytes for m in limit.memory)
-            assert sum(m.layers for m in limit.memory) == limit.depth + 2
+            assert sum(m.layers for m in limit.memory) == limit.depth + 2 and not limit.capped
 
 
 def test_rematerialization_and_more_stages_fit_deeper_models(limits):
