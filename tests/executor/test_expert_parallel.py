@@ -108,12 +108,24 @@ def test_experts_split_by_tensor_parallelism_resume_from_one_rank_each_into_two_
 
 def test_experts_summed_over_their_own_replicas_train_as_one_process_on_an_uneven_batch(tmp_path):
     """K = 1, D = 4, E = 2: each expert on two replicas, its gradient summed over them; a batch of 11 rows
-    (3, 3, 3, 2 per replica, each in two micro-batches), top-2 with a shared expert."""
-    options = {**MOE, "top_k": 2, "shared_experts": 1}
+    (3, 3, 3, 2 per replica, each in two micro-batches), top-2 with a shared expert. The simulator's
+    per-rank parameter, gradient and optimizer-state bytes of the same layout equal the executor's."""
+    options = {**MOE, "top_k": 2, "shared_experts": 1, "activation": "swiglu"}  # gated: as the simulator prices experts
     report, root = train(tmp_path, "ep", options, "--stages", "1", "--replicas", "4", "--expert-parallel", "2",
                          "--batch", "11", "--microbatches", "2", "--schedule", "1f1b", "--steps", "3",
                          "--save-every", "3")
     assert_trains_as_one_process(report, root, 1, reference(options, 11, 4, 2, 3), 3)
+    # the simulator's per-rank bytes of the same run (its routed experts split by E) equal the executor's count
+    predicted = gpipe("simulate", "--model", "transformer", *option_flags(options), "--stages", "1", "--replicas",
+                      "4", "--nodes", "2", "--expert-parallel", "2", "--batch", "11", "--microbatches", "2",
+                      "--schedule", "1f1b", "--optimizer", "adamw", "--json")
+    assert predicted.returncode == 0, predicted.stderr
+    devices = json.loads(predicted.stdout)["stages"]
+    assert len(devices) == len(report["ranks"]) == 4
+    for device, entry in zip(sorted(devices, key=lambda d: d["replica"]),
+                             sorted(report["ranks"], key=lambda r: r.get("replica", 0))):
+        for field in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"):
+            assert device[field] == entry[field], (field, device["replica"])
 
 
 def test_experts_sharded_over_two_replicas_train_as_one_process_in_bf16(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from sim.errors import GpipeInputError
+from sim.workloads.decoder_features import BIASES
 
 MOE_OPTION_DEFAULTS: dict[str, Any] = {"experts": 0, "top_k": 0, "shared_experts": 0, "expert_ff": 0,
                                        "aux_loss_coef": 0.01}
@@ -67,10 +68,13 @@ def is_moe(options: dict[str, Any]) -> bool:
 def priced_moe_options(options: dict[str, Any]) -> dict[str, Any]:
     """The MoE workload's options (:mod:`sim.workloads.moe.options`) for the built-in transformer's
     ``options`` (the dense ones resolved, the MoE ones checked, ``experts`` > 0): every layer a MoE
-    layer, gated experts with biases (a non-gated ``activation``'s experts are priced as gated ones: the
-    MoE pricing knows gated experts only)."""
+    layer, gated experts with biases, the shared MLP's biases its own (a non-gated ``activation``'s experts
+    are priced as gated ones: the MoE pricing knows gated experts only)."""
     dense = {k: v for k, v in options.items() if k not in MOE_OPTION_DEFAULTS}
     expert_ff = options.get("expert_ff") or dense["ff"]
+    # the block's MLP output bias belongs to the experts and the shared MLP (expert_biases), not the block
+    biases = [b for b in str(dense.get("biases", ",".join(BIASES))).split(",") if b in BIASES and b != "fc2"]
+    dense["biases"] = ",".join(biases) or "none"
     moe = {"experts": options["experts"], "top_k": options["top_k"], "expert_ff": expert_ff,
            "shared_ff": options.get("shared_experts", 0) * expert_ff,
            "moe_layers": ",".join(str(i) for i in range(dense["layers"])), "expert_biases": True}

@@ -97,8 +97,10 @@ def moe_ffn_delta(o: dict[str, Any], s: int, t: int, p: Precision, ep: int = 1, 
     split = t if etp is None else etp
     expert_weights = (E // ep) * (g + 1) * d * f // split
     shared_weights = (g + 1) * d * fs // t
+    # with expert biases the shared MLP has its own too: fc1's split over t, fc2's whole (the block's MLP
+    # output bias is the shared MLP's, or none without shared experts: the transformer's fc2 bias is off)
     biases = (o.get("router_bias", False) * E
-              + o.get("expert_biases", False) * (E // ep) * (g * f // split + d))
+              + o.get("expert_biases", False) * ((E // ep) * (g * f // split + d) + ((g * fs // t + d) if fs else 0)))
     matmul_weights = router_weights + expert_weights + shared_weights
     # traffic: router (reads its input, scores in fp32), permute (gather a rows), experts (fc1 in and out,
     # the SwiGLU's 8 elements per f as the dense block counts them, fc2 in and out), combine (reads the
