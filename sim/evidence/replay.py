@@ -140,7 +140,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
     from sim.evidence.replay_search import (chosen_lines, count_of, expert_lines, expert_options, fastest_fitting,
-                                            space_of)
+                                            modelled_experts, space_of)
     from sim.schedules.microbatch import split_rows
     from sim.workloads.tensor_parallel import check_context_parallel, check_tensor_parallel
 
@@ -169,7 +169,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     check_tensor_parallel(tensor, workload, system)
     check_context_parallel(context, workload, system, tensor)
     system.check_fits(stages, replicas, tensor * context)
-    experts = expert_options(run, workload, tensor, context, replicas)
+    experts = modelled_experts(space, expert_options(run, workload, tensor, context, replicas))
     found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space, experts)
     out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
     out.assumed += expert_lines(run, workload, found)

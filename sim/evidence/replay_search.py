@@ -102,6 +102,19 @@ def expert_options(run: dict[str, Any], workload: Workload, tensor: int, context
     return pairs
 
 
+def modelled_experts(space: Space, experts: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    """The (E, ETP) pairs of ``experts`` whose layout is modelled with the ZeRO stages of ``space``: with
+    ZeRO-2/3 alone E = 1 (:func:`sim.formats.layout.check_expert_sharding`); one line if none is left, so a
+    run the layout refuses is reported not modelled, never priced."""
+    from sim.formats.layout import check_expert_sharding
+
+    lowest = min(space.zero_options)
+    kept = [(e, etp) for e, etp in experts if e == 1 or lowest < 2]
+    if not kept:
+        check_expert_sharding(lowest, experts[0][0])
+    return kept
+
+
 def expert_lines(run: dict[str, Any], workload: Workload, found: Found) -> list[str]:
     """What a null ``expert_parallel`` or ``expert_tensor_parallel`` took, one line each."""
     if not workload.has_experts:

@@ -28,6 +28,7 @@ from typing import Any
 
 from sim.catalog.hardware import System
 from sim.errors import GpipeInputError
+from sim.formats.layout import check_expert_sharding
 from sim.planner.search import PlanOption, Progress, SearchResult, search
 from sim.planner.space import (MeasuredCosts, SearchSpace, SystemSpace, Target, check_fits, expert_values, on_system,
                                policies_for, stage_values, tensor_parallel_values)
@@ -150,7 +151,10 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
             _label(part, t, sequence_parallel, space.context_parallel)
             parts.append(part)
             continue
-        for e, etp in _near_a_domain_first(expert_values(space, workload, t), t, system.devices_per_node):
+        pairs = expert_values(space, workload, t)
+        if degrees.zero and min(degrees.zero) >= 2 and all(e > 1 for e, _etp in pairs):
+            check_expert_sharding(min(degrees.zero), pairs[0][0])  # ZeRO-2/3 alone with E > 1 alone: one line
+        for e, etp in _near_a_domain_first(pairs, t, system.devices_per_node):
             replicas = [d for d in degrees.replicas if (t * space.context_parallel * d) % (e * (etp or t)) == 0]
             zeros = list(degrees.zero) if e == 1 else [z for z in degrees.zero if z < 2]
             for schedules in _by_overlap(list(degrees.schedules), e):

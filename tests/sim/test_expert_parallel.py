@@ -216,3 +216,35 @@ def test_plan_refuses_an_expert_parallel_option_the_model_cannot_take_in_one_lin
     done = gpipe("plan", "--model", model, "--hardware", "h100-nvlink", "--batch", "8", "--stages-options", "1",
                  "--tensor-parallel-options", "1", "--expert-parallel-options", value, "--quiet")
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+AM_ROW = {"id": "am-style", "hardware": "h100-nvlink", "nodes": 1, "model": "transformer",
+          "options": {"layers": 4, "d_model": 256, "ff": 512, "heads": 4, "seq": 128, "vocab": 512, "experts": 8,
+                      "top_k": 2, "expert_ff": 128},
+          "tensor_parallel": 1, "pipeline_stages": 1, "replicas": 4, "context_parallel": 1, "expert_parallel": 2,
+          "expert_tensor_parallel": 1, "virtual_stages": None, "microbatch_size": 1, "global_batch": 8,
+          "checkpoint": "never", "sequence_parallel": False, "precision": "bf16", "zero": 3, "measured_step_s": 1.0}
+
+
+def _resolve(model, options):
+    return builtin_workload(model, options)
+
+
+def test_replay_of_zero3_with_expert_parallelism_is_never_priced_silently():
+    from sim.evidence.replay import replay
+
+    done = replay(dict(AM_ROW), _resolve)
+    assert not done.modelled and done.predicted_step_s is None
+    assert "--zero 3 with --expert-parallel 2" in done.reason and "\n" not in done.reason
+    searched = replay({**AM_ROW, "expert_parallel": None}, _resolve)  # E null: only E = 1 is modelled with ZeRO-3
+    assert searched.modelled and searched.layout["expert_parallel"] == 1 and searched.layout["zero"] == 3
+
+
+def test_plan_refuses_zero3_with_expert_parallelism_alone_in_one_line():
+    from tests.helpers.in_process import gpipe
+
+    done = gpipe("plan", "--model", "transformer", "--option", "experts=4", "--option", "top_k=2", "--hardware",
+                 "h100-nvlink", "--nodes", "1", "--batch", "8", "--zero-options", "3", "--expert-parallel-options", "2",
+                 "--quiet")
+    assert done.returncode == 2 and "--zero 3 with --expert-parallel 2" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
