@@ -169,7 +169,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     check_tensor_parallel(tensor, workload, system)
     check_context_parallel(context, workload, system, tensor)
     system.check_fits(stages, replicas, tensor * context)
-    experts = modelled_experts(space, expert_options(run, workload, tensor, context, replicas))
+    experts = modelled_experts(space, expert_options(run, workload, tensor, context, replicas), replicas)
     found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space, experts)
     out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
     out.assumed += expert_lines(run, workload, found)
