@@ -36,6 +36,18 @@ The gradients of the M micro-batches are reduced in one of two ways
   before the device's next action), the device's last backward's in the step's tail. No unsharded
   gradient outlasts a backward: M - 1 more reductions for the accumulated gradients' memory.
 
+With expert parallelism (E > 1, :mod:`sim.workloads.moe.expert_parallel`), as torchtitan and NeMo
+AutoModel compose FSDP2 with it: the routed experts' parameters, gradients and optimizer state (each
+rank's experts / E, each split by ETP) are sharded over their expert-data-parallel group, the ranks
+holding the same experts (:func:`sim.workloads.moe.expert_parallel.expert_data_ranks`: T x C x D / (E x
+ETP)), the rest of each unit over the shard group as above. The experts' part of a layer is its
+gradients' share (``expert_grad_bytes``) of its parameter and optimizer bytes. Each unit's experts
+are gathered and reduce-scattered on their own group, after the rest of the unit's on the same links
+(the two add up in the unit's gather and reduction): in Megatron-Core's rank order the group's
+members are E x ETP GPUs apart, every (E x ETP / (T x C))-th replica's stage device, so it usually
+spans nodes and is priced as such a group is below. The optimizer steps the experts' state over the
+expert-data-parallel ranks and the rest over the shard group.
+
 Collectives are rings (NCCL's all-gather and reduce-scatter): each of p ranks puts (p-1)/p of the
 unsharded bytes on its link and pays p-1 latencies, inside a node on its link; a group spanning
 nodes runs one ring per rail, so the inter-node link (one per device) carries 1/g of the bytes where
@@ -50,7 +62,11 @@ the unsharded gradient of the unit a backward is computing (and of the one being
 is not counted in memory, with either gradient sync, as at M = 1; a backward's reduce-scatters are
 priced beside its compute alone, apart from ZeRO-3's gathers before it (as the step's last are), and
 what outlasts it delays the device's next action rather than overlapping it (FSDP2 waits for the
-last in its post-backward callback).
+last in its post-backward callback). With E > 1: the experts are taken as part of their block's unit
+(NeMo AutoModel wraps them as a unit of their own, gathered beside the block's); an expert-data-parallel
+group inside one T x C group (E x ETP < T x C) is priced over the stage devices alone, as if one member
+per device; HSDP with E > 1 (a shard group below D) is refused in one line; the executor does not run
+ZeRO-2/3 with E > 1.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
 - ``zero`` (optional): 0, 1 for a distributed optimizer (ZeRO-1), 2 for gradients sharded too with
   parameters kept whole from a unit's forward to its backward (FSDP's ``reshard_after_forward=False``,
   Llama 3 405B's setting), 3 for parameters sharded and gathered again for the backward (FSDP's
-  default, ZeRO-3); priced as FSDP2 runs them (:mod:`sim.engine.fsdp`).
+  default, ZeRO-3); priced as FSDP2 runs them (:mod:`sim.engine.fsdp`), with expert parallelism the
+  routed experts sharded over their expert-data-parallel group (HSDP with it: not modelled).
 - ``shard_group`` (optional, with ``zero`` 2 or 3): HSDP, sharded within groups of this many
   replicas and replicated across them; null shards over all replicas.
 - ``gradient_sync`` (optional, with ``zero`` 2 or 3): ``step`` where the gradients of a step's
