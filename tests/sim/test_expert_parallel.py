@@ -303,3 +303,17 @@ def test_the_experts_reduce_scatter_runs_on_their_own_group():
     assert expert_unit.reduce_s == pytest.approx(whole.reduce_scatter_s(rest)
                                                  + Collectives((0, 2), (0,), groups).reduce_scatter_s(
                                                      layer.expert_grad_bytes))
+
+
+def test_simulate_prices_zero3_with_expert_parallelism_and_refuses_hsdp_of_the_experts_in_one_line():
+    from tests.helpers.in_process import gpipe
+
+    flags = ["simulate", "--model", "transformer", "--option", "experts=4", "--option", "top_k=2", "--layers", "2",
+             "--replicas", "4", "--stages", "1", "--batch", "8", "--expert-parallel", "2", "--zero", "3",
+             "--hardware", "h100-nvlink"]
+    done = gpipe(*flags, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stages"][0]["gathered_parameter_bytes_peak"] > 0
+    refused = gpipe(*flags, "--shard-group", "2")
+    assert refused.returncode == 2 and "--shard-group 2 with --expert-parallel 2" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
