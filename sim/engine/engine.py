@@ -350,11 +350,14 @@ class _Step:
                                                    for k in range(K)]
         self.static: list[int] = []
         self.allreduce_s: list[float] = []
+        self.expert_fraction: list[float] = []  # the routed experts' share of each device's gradients
         for k in range(K):
             state = [table.gradient_and_optimizer_bytes(rows0, *bounds[s]) for s in layout.chunks(k)]
             gradient_bytes = sum(g for g, _ in state)
             optimizer_bytes = sum(o for _, o in state)
             chunk_static = sum(c.static_bytes for c in self.chunk_costs[k])
+            expert_bytes = sum(table.expert_gradient_bytes(rows0, *bounds[s]) for s in layout.chunks(k))
+            self.expert_fraction.append(expert_bytes / gradient_bytes if gradient_bytes else 0.0)
             if fsdp is not None:  # ZeRO-2/3: shards, gathered units and reductions (sim.engine.fsdp)
                 self.sharded[k] = fsdp.memory(rows0, layout.chunks(k), len(per_replica_rows[0]))
                 self.static.append(self.sharded[k].total_bytes)
@@ -362,7 +365,6 @@ class _Step:
                 self.allreduce_s.append(fsdp.tail_s(rows0, layout.chunks(k), last))
                 continue
             group = data_parallel_group(k, D, K, layout.placement)
-            expert_bytes = sum(table.expert_gradient_bytes(rows0, *bounds[s]) for s in layout.chunks(k))
             if expert_bytes:  # expert parallelism: routed experts over their expert-data-parallel group
                 stride = expert_replica_stride(workload)
                 self.static.append(expert_static_bytes(chunk_static, optimizer_bytes, gradient_bytes, expert_bytes, D,
@@ -410,7 +412,7 @@ class _Step:
             for k in range(K):
                 optimizer_s = sum(c.optimizer_s for c in self.chunk_costs[k])
                 if self.fsdp is not None:
-                    optimizer_s = self.fsdp.optimizer_s(optimizer_s)  # on the shard
+                    optimizer_s = self.fsdp.optimizer_s(optimizer_s, self.expert_fraction[k])  # on the shard
                 overhead_s = max(c.step_overhead_s for c in self.chunk_costs[k])
                 self._span(d, k, OPTIMIZER, t[k], t[k] + optimizer_s)
                 replica_busy[k] += optimizer_s

@@ -36,6 +36,18 @@ The gradients of the M micro-batches are reduced in one of two ways
   before the device's next action), the device's last backward's in the step's tail. No unsharded
   gradient outlasts a backward: M - 1 more reductions for the accumulated gradients' memory.
 
+With expert parallelism (E > 1, :mod:`sim.workloads.moe.expert_parallel`), as torchtitan and NeMo
+AutoModel compose FSDP2 with it: the routed experts' parameters, gradients and optimizer state (each
+rank's experts / E, each split by ETP) are sharded over their expert-data-parallel group, the ranks
+holding the same experts (:func:`sim.workloads.moe.expert_parallel.expert_data_ranks`: T x C x D / (E x
+ETP)), the rest of each unit over the shard group as above. The experts' part of a layer is its
+gradients' share (``expert_grad_bytes``) of its parameter and optimizer bytes. Each unit's experts
+are gathered and reduce-scattered on their own group, after the rest of the unit's on the same links
+(the two add up in the unit's gather and reduction): in Megatron-Core's rank order the group's
+members are E x ETP GPUs apart, every (E x ETP / (T x C))-th replica's stage device, so it usually
+spans nodes and is priced as such a group is below. The optimizer steps the experts' state over the
+expert-data-parallel ranks and the rest over the shard group.
+
 Collectives are rings (NCCL's all-gather and reduce-scatter): each of p ranks puts (p-1)/p of the
 unsharded bytes on its link and pays p-1 latencies, inside a node on its link; a group spanning
 nodes runs one ring per rail, so the inter-node link (one per device) carries 1/g of the bytes where
@@ -50,7 +62,11 @@ the unsharded gradient of the unit a backward is computing (and of the one being
 is not counted in memory, with either gradient sync, as at M = 1; a backward's reduce-scatters are
 priced beside its compute alone, apart from ZeRO-3's gathers before it (as the step's last are), and
 what outlasts it delays the device's next action rather than overlapping it (FSDP2 waits for the
-last in its post-backward callback).
+last in its post-backward callback). With E > 1: the experts are taken as part of their block's unit
+(NeMo AutoModel wraps them as a unit of their own, gathered beside the block's); an expert-data-parallel
+group inside one T x C group (E x ETP < T x C) is priced over the stage devices alone, as if one member
+per device; HSDP with E > 1 (a shard group below D) is refused in one line; the executor does not run
+ZeRO-2/3 with E > 1.
 """
 
 from __future__ import annotations
@@ -60,9 +76,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import group_allreduce_s, ring_allreduce_s
-from sim.engine.memory import sharding_of
+from sim.engine.memory import expert_share, sharding_of
 from sim.engine.placement import device_of
 from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
+from sim.errors import GpipeInputError
+from sim.workloads.moe.expert_parallel import expert_data_ranks, expert_replica_stride
 from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
 from sim.workloads.workload import LayerCost
 
@@ -124,6 +142,7 @@ class Collectives:
     gather_link: Link | None = None  # a fitted all-gather (costs file); None: the catalog's links
     reduce_link: Link | None = None  # a fitted reduce-scatter
     allreduce_link: Link | None = None  # a fitted all-reduce, for HSDP's across the groups
+    expert_devices: tuple[int, ...] = ()  # E > 1: the stage devices holding the same experts; (): no experts split
 
     _seconds: dict[tuple[str, float], float] = field(default_factory=dict, compare=False, repr=False)
 
@@ -133,6 +152,9 @@ class Collectives:
         if key not in self._seconds:
             if kind == "replicate":
                 seconds = group_allreduce_s(nbytes, list(self.replicate_devices), self.system, self.allreduce_link)
+            elif kind.startswith("expert"):  # the experts' own group (module docstring)
+                link = self.gather_link if kind == "expert gather" else self.reduce_link
+                seconds = group_gather_s(nbytes, self.expert_devices, self.system, link)
             else:
                 link = self.gather_link if kind == "gather" else self.reduce_link
                 seconds = group_gather_s(nbytes, self.shard_devices, self.system, link)
@@ -150,15 +172,22 @@ class Collectives:
         return self._priced("replicate", nbytes)
 
     def units(self, layers: Sequence[LayerCost], checkpoint_backward_s: Sequence[float]) -> list[Unit]:
-        """The stage's units, first to last, from its ``layers`` and each layer's backward seconds."""
+        """The stage's units, first to last, from its ``layers`` and each layer's backward seconds; with
+        experts split (``expert_devices``) a layer's routed experts gathered and reduce-scattered over
+        their own group, after the rest of the layer's on the same links."""
         n = len(self.shard_devices)
         out: list[list[float]] = []
         for layer, backward_s in zip(layers, checkpoint_backward_s):
             if layer.param_bytes or not out:
-                shard = layer.grad_bytes / n
-                out.append([self.gather_s(layer.param_bytes),
-                            self.reduce_scatter_s(layer.grad_bytes) + self.replicate_s(shard),
-                            layer.forward_s, backward_s])
+                expert_grad = layer.expert_grad_bytes if self.expert_devices else 0
+                expert_param = expert_share(layer.param_bytes, expert_grad, layer.grad_bytes)
+                grad = layer.grad_bytes - expert_grad
+                gather_s = self.gather_s(layer.param_bytes - expert_param)
+                reduce_s = self.reduce_scatter_s(grad) + self.replicate_s(grad / n)
+                if expert_grad:
+                    gather_s += self._priced("expert gather", expert_param)
+                    reduce_s += self._priced("expert reduce", expert_grad)
+                out.append([gather_s, reduce_s, layer.forward_s, backward_s])
             else:  # a weightless layer's compute hides the communication of the unit before it
                 out[-1][2] += layer.forward_s
                 out[-1][3] += backward_s
@@ -252,11 +281,24 @@ class ShardedMemory:
 
 
 def sharded_memory(param_bytes: int, gradient_bytes: int, optimizer_bytes: int, unit_param_bytes: Sequence[int],
-                   ranks: int, holds_all: bool, accumulates: bool) -> ShardedMemory:
-    """A device's :class:`ShardedMemory` from its unsharded totals and its units' parameter bytes."""
-    return ShardedMemory(sharded_bytes(param_bytes, ranks), sharded_bytes(gradient_bytes, ranks),
-                         sharded_bytes(optimizer_bytes, ranks), gathered_in_flight_bytes(unit_param_bytes, holds_all),
-                         gradient_bytes if accumulates else 0)
+                   ranks: int, holds_all: bool, accumulates: bool, expert_gradient_bytes: int = 0,
+                   expert_ranks: int = 0) -> ShardedMemory:
+    """A device's :class:`ShardedMemory` from its unsharded totals and its units' parameter bytes; with
+    ``expert_ranks`` the routed experts' part (``expert_gradient_bytes`` of the gradients, the same share
+    of the parameters and optimizer state) sharded over those ranks, the rest over ``ranks``."""
+    gathered = gathered_in_flight_bytes(unit_param_bytes, holds_all)
+    accumulated = gradient_bytes if accumulates else 0
+    if not expert_ranks:
+        return ShardedMemory(sharded_bytes(param_bytes, ranks), sharded_bytes(gradient_bytes, ranks),
+                             sharded_bytes(optimizer_bytes, ranks), gathered, accumulated)
+    expert_params = expert_share(param_bytes, expert_gradient_bytes, gradient_bytes)
+    expert_state = expert_share(optimizer_bytes, expert_gradient_bytes, gradient_bytes)
+
+    def split(total: int, experts: int) -> int:
+        return sharded_bytes(total - experts, ranks) + sharded_bytes(experts, expert_ranks)
+
+    return ShardedMemory(split(param_bytes, expert_params), split(gradient_bytes, expert_gradient_bytes),
+                         split(optimizer_bytes, expert_state), gathered, accumulated)
 
 
 class FsdpPricing:
@@ -273,8 +315,16 @@ class FsdpPricing:
         self.gathers_once = sharding_of(layout).holds_all  # else ZeRO-3 on one stage: every micro-batch
         self.every_microbatch = layout.resolved_gradient_sync == "microbatch"  # else once per step
         self.ranks = layout.shard_ranks
+        self.expert_ranks = expert_data_ranks(table.workload, layout.replicas)  # 0: no experts split
+        if self.expert_ranks and self.ranks < layout.replicas:
+            raise GpipeInputError(f"--shard-group {layout.shard_group} with expert parallelism: HSDP of the routed "
+                                  "experts over their expert-data-parallel group is not modelled; leave --shard-group out")
+        stride = expert_replica_stride(table.workload)
         self.collectives = [Collectives(tuple(shard_group(k, 0, layout)), tuple(replicate_group(k, 0, layout)),
-                                        system, *links) for k in range(layout.stages)]
+                                        system, *links,
+                                        expert_devices=tuple(shard_group(k, 0, layout)[::stride])
+                                        if self.expert_ranks else ())
+                            for k in range(layout.stages)]
         self._units: dict[tuple[int, int], list[Unit]] = {}
 
     def units(self, rows: int, virtual_stage: int) -> list[Unit]:
@@ -328,17 +378,21 @@ class FsdpPricing:
         units = [u for s in chunks for u in self.units(rows, s)]
         return pipelined_reduce_exposed_s(units, last_backward_s)  # chunk 0's first unit reduces last
 
-    def optimizer_s(self, optimizer_s: float) -> float:
-        """The optimizer steps the shard alone."""
-        return optimizer_s / self.ranks
+    def optimizer_s(self, optimizer_s: float, expert_fraction: float = 0.0) -> float:
+        """The optimizer steps the shard alone: with experts split, their ``expert_fraction`` of the
+        state over the expert-data-parallel ranks, the rest over the shard group."""
+        if not self.expert_ranks:
+            return optimizer_s / self.ranks
+        return optimizer_s * ((1 - expert_fraction) / self.ranks + expert_fraction / self.expert_ranks)
 
     def memory(self, rows: int, chunks: Sequence[int], microbatches: int) -> ShardedMemory:
         """Device's :class:`ShardedMemory` over its ``chunks``."""
-        params = gradients = optimizer = 0
+        params = gradients = optimizer = experts = 0
         units: list[int] = []
         for s in chunks:
             first, end = self.bounds[s]
             gradient, state = self.table.gradient_and_optimizer_bytes(rows, first, end)
+            experts += self.table.expert_gradient_bytes(rows, first, end)
             static = self.table.stage(rows, first, end).static_bytes
             params += max(0, static - gradient - state)
             gradients += gradient
@@ -346,7 +400,7 @@ class FsdpPricing:
             units += [layer.param_bytes for layer in self.table.layers(rows)[first:end]]
         sharding = sharding_of(self.layout, microbatches)
         return sharded_memory(params, gradients, optimizer, units, sharding.ranks, sharding.holds_all,
-                              sharding.accumulates)
+                              sharding.accumulates, experts, self.expert_ranks)
 
 
 def sharded_layout(layout: Any) -> bool:

@@ -9,7 +9,8 @@ simulator's own accounting (:mod:`sim.engine.engine`) is the reference; a test c
 
 Static bytes (weights, gradients, optimizer state) are held all step; with ZeRO-1 over D replicas
 a device keeps 1/D of its optimizer state (:func:`static_bytes`); with ZeRO-2/3 over N shard ranks
-1/N of each, plus the unsharded parameters in flight (:func:`sharded_static_bytes`, :mod:`sim.engine.fsdp`).
+1/N of each, plus the unsharded parameters in flight (:func:`sharded_static_bytes`, :mod:`sim.engine.fsdp`);
+with expert parallelism the routed experts' 1/EDP of theirs instead (their expert-data-parallel group).
 
 Uses the largest micro-batch's sizes for every micro-batch, so with an uneven split it may
 overestimate slightly (never underestimate).
@@ -170,6 +171,7 @@ class Sharding(NamedTuple):
     ranks: int = 1
     holds_all: bool = True
     accumulates: bool = False
+    expert_ranks: int = 0  # ZeRO-2/3 with E > 1: the routed experts' expert-data-parallel ranks; 0: as the rest
 
 
 def sharding_of(layout: Any, microbatches: int | None = None) -> Sharding:
@@ -184,10 +186,32 @@ def sharding_of(layout: Any, microbatches: int | None = None) -> Sharding:
                     m > 1 and layout.resolved_gradient_sync == "step")
 
 
-def sharded_static_bytes(param_bytes: int, gradient_bytes: int, optimizer_bytes: int, gathered_bytes: int,
-                         sharding: Sharding) -> int:
+def with_expert_ranks(sharding: Sharding, expert_ranks: int) -> Sharding:
+    """``sharding`` with the routed experts sharded over ``expert_ranks`` under ZeRO-2/3 (0: no experts split)."""
+    return sharding._replace(expert_ranks=expert_ranks) if sharding.zero >= 2 and expert_ranks else sharding
+
+
+def expert_share(total: Any, expert_gradient_bytes: Any, gradient_bytes: Any) -> Any:
+    """The routed experts' part of ``total`` parameter or optimizer bytes: their gradients' share of the
+    gradients (the experts' parameters are in the same dtypes as the rest). Takes arrays as it takes ints."""
+    return total * expert_gradient_bytes // (gradient_bytes + (gradient_bytes == 0))
+
+
+def sharded_static_bytes(param_bytes: Any, gradient_bytes: Any, optimizer_bytes: Any, gathered_bytes: Any,
+                         sharding: Sharding, expert_gradient_bytes: Any = 0) -> Any:
     """ZeRO-2/3: a device's shards of its parameters, gradients and optimizer state (each rounded up),
-    the unsharded parameters it holds at once (``gathered_bytes``), and accumulated unsharded gradients."""
+    the unsharded parameters it holds at once (``gathered_bytes``), and accumulated unsharded gradients.
+    With ``sharding.expert_ranks`` the routed experts' part (``expert_gradient_bytes`` of the gradients,
+    the same share of the parameters and optimizer state) is sharded over those ranks instead."""
     n = sharding.ranks
-    return (-(-param_bytes // n) - (-gradient_bytes // n) - (-optimizer_bytes // n) + gathered_bytes
-            + (gradient_bytes if sharding.accumulates else 0))
+    accumulated = gradient_bytes if sharding.accumulates else 0
+    experts = 0
+    if sharding.expert_ranks:
+        e = sharding.expert_ranks
+        expert_params = expert_share(param_bytes, expert_gradient_bytes, gradient_bytes)
+        expert_state = expert_share(optimizer_bytes, expert_gradient_bytes, gradient_bytes)
+        experts = -(-expert_params // e) - (-expert_gradient_bytes // e) - (-expert_state // e)
+        param_bytes, optimizer_bytes = param_bytes - expert_params, optimizer_bytes - expert_state
+        gradient_bytes = gradient_bytes - expert_gradient_bytes
+    return (-(-param_bytes // n) - (-gradient_bytes // n) - (-optimizer_bytes // n) + experts + gathered_bytes
+            + accumulated)

@@ -82,7 +82,7 @@ class RangeMemory:
         elif sharding.zero >= 2:  # every range at once: sharded_static_bytes takes arrays as it takes ints
             params = np.maximum(static - gradient - optimizer, 0)
             gathered = params if sharding.holds_all else _gathered([c.param_bytes for c in layers])
-            static = sharded_static_bytes(params, gradient, optimizer, gathered, sharding)
+            static = sharded_static_bytes(params, gradient, optimizer, gathered, sharding, experts)
         inputs = np.array([c.input_bytes for c in layers], dtype=np.int64)
         zeros = np.zeros((n, n + 1), dtype=np.int64)
         if recomputes_per_layer(checkpoint):  # sim.engine.stage_costs.per_layer_bytes, for all ranges

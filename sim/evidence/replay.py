@@ -27,7 +27,8 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
 - ``zero`` (optional): 0, 1 for a distributed optimizer (ZeRO-1), 2 for gradients sharded too with
   parameters kept whole from a unit's forward to its backward (FSDP's ``reshard_after_forward=False``,
   Llama 3 405B's setting), 3 for parameters sharded and gathered again for the backward (FSDP's
-  default, ZeRO-3); priced as FSDP2 runs them (:mod:`sim.engine.fsdp`).
+  default, ZeRO-3); priced as FSDP2 runs them (:mod:`sim.engine.fsdp`), with expert parallelism the
+  routed experts sharded over their expert-data-parallel group (HSDP with it: not modelled).
 - ``shard_group`` (optional, with ``zero`` 2 or 3): HSDP, sharded within groups of this many
   replicas and replicated across them; null shards over all replicas.
 - ``gradient_sync`` (optional, with ``zero`` 2 or 3): ``step`` where the gradients of a step's
@@ -140,7 +141,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
     from sim.evidence.replay_search import (chosen_lines, count_of, expert_lines, expert_options, fastest_fitting,
-                                            space_of)
+                                            modelled_experts, space_of)
     from sim.schedules.microbatch import split_rows
     from sim.workloads.tensor_parallel import check_context_parallel, check_tensor_parallel
 
@@ -169,7 +170,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     check_tensor_parallel(tensor, workload, system)
     check_context_parallel(context, workload, system, tensor)
     system.check_fits(stages, replicas, tensor * context)
-    experts = expert_options(run, workload, tensor, context, replicas)
+    experts = modelled_experts(space, expert_options(run, workload, tensor, context, replicas), replicas)
     found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space, experts)
     out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
     out.assumed += expert_lines(run, workload, found)

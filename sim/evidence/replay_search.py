@@ -102,6 +102,21 @@ def expert_options(run: dict[str, Any], workload: Workload, tensor: int, context
     return pairs
 
 
+def modelled_experts(space: Space, experts: list[tuple[int, int | None]],
+                     replicas: int) -> list[tuple[int, int | None]]:
+    """The (E, ETP) pairs of ``experts`` whose layout is modelled with the sharding of ``space``: with a
+    shard group (HSDP) E = 1 alone (:func:`sim.formats.layout.check_expert_sharding`); one line if none
+    is left, so a run the layout refuses is reported not modelled, never priced."""
+    from sim.formats.layout import check_expert_sharding
+
+    if space.shard_group is None or space.shard_group == replicas:
+        return experts
+    kept = [(e, etp) for e, etp in experts if e == 1]
+    if not kept:
+        check_expert_sharding(max(space.zero_options), experts[0][0], space.shard_group, replicas)
+    return kept
+
+
 def expert_lines(run: dict[str, Any], workload: Workload, found: Found) -> list[str]:
     """What a null ``expert_parallel`` or ``expert_tensor_parallel`` took, one line each."""
     if not workload.has_experts:
@@ -188,7 +203,7 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
                            list(space.schedules), top=1, replica_options=[replicas],
                            virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
                            dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates,
-                           max_zero=3 if e == 1 else 1, gradient_sync_options=(space.gradient_sync,)).best
+                           gradient_sync_options=(space.gradient_sync,)).best
             if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
                 assert found.result is not None and found.partition is not None
                 best = Found(found.candidate, found.partition, found.result, sequence, True, (e, etp))

@@ -69,10 +69,7 @@ class ParallelLayout:
         require_positive("context_parallel (C)", self.context_parallel, "use --context-parallel 1 or more")
         check_expert_grid(self.expert_parallel, self.expert_tensor_parallel, self.tensor_parallel,
                           self.context_parallel, self.replicas)
-        if self.expert_parallel > 1 and self.zero >= 2:
-            raise GpipeInputError(f"--zero {self.zero} with --expert-parallel {self.expert_parallel}: sharding the experts' "
-                                  "parameters or gradients over their expert-data-parallel group is not modelled; use "
-                                  "--zero 0 or 1 (a distributed optimizer)")
+        check_expert_sharding(self.zero, self.expert_parallel, self.shard_group, self.replicas)
 
     @classmethod
     def for_partition(cls, partition: Sequence[int], microbatches: int, checkpoint: str = "except_last",
@@ -184,6 +181,18 @@ def check_gradient_sync(gradient_sync: object, zero: int) -> None:
         raise GpipeInputError(f"--gradient-sync {gradient_sync} says when sharded gradients are reduce-scattered, "
                               f"which needs --zero 2 or 3 (got --zero {zero}); drop --gradient-sync or use "
                               "--zero 2 or 3")
+
+
+def check_expert_sharding(zero: int, expert_parallel: int, shard_group: int | None = None,
+                          replicas: int | None = None) -> None:
+    """ZeRO-2/3 with E > 1 shards the routed experts over their expert-data-parallel group
+    (:mod:`sim.engine.fsdp`); HSDP (a shard group smaller than D) with E > 1 is not modelled: one line.
+    Every place a layout's ZeRO stage, shard group and E meet calls this (the layout, the replay), so
+    none prices it silently."""
+    if expert_parallel > 1 and zero >= 2 and shard_group is not None and shard_group != replicas:
+        raise GpipeInputError(f"--shard-group {shard_group} with --expert-parallel {expert_parallel}: HSDP of the "
+                              "routed experts over their expert-data-parallel group is not modelled; leave "
+                              "--shard-group out (experts and the rest sharded over their whole groups)")
 
 
 def check_expert_grid(expert_parallel: object, expert_tensor_parallel: object, tensor_parallel: int,

@@ -38,6 +38,7 @@ from sim.engine.allreduce import data_parallel_group, group_allreduce_s
 from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import SPLIT_BACKWARD_SCHEDULES, recomputes, virtual_stages_of_device
+from sim.workloads.moe.expert_parallel import expert_data_ranks
 
 
 def replica_rows(batch_size: int, replicas: int, microbatches: int) -> list[int]:
@@ -68,6 +69,12 @@ def stage_allreduce_s(table: CostTable, rows: int, partition: Sequence[int], sta
     return out
 
 
+def shard_share(table: CostTable, candidate) -> float:
+    """The least share of a device's optimizer step ZeRO-2/3 leaves it: 1 over the larger of its shard
+    group and (experts split) the routed experts' expert-data-parallel ranks, so a bound whatever the split."""
+    return 1 / max(candidate.shard_ranks, expert_data_ranks(table.workload, candidate.replicas))
+
+
 def lower_bound_s(table: CostTable, batch_size: int, candidate, partition: Sequence[int],
                   system: System | None = None, allreduce_link: Link | None = None) -> float:
     """A bound on ``candidate``'s step with ``partition`` (module docstring); without ``system``
@@ -81,7 +88,7 @@ def lower_bound_s(table: CostTable, batch_size: int, candidate, partition: Seque
     sharded = c.zero >= 2 and c.replicas > 1  # ZeRO-2/3: reduce-scatters, bounded below by nothing
     allreduce = (stage_allreduce_s(table, rows[0], partition, K, c.replicas, c.placement, system, allreduce_link,
                                    c.schedule) if system is not None and not sharded else [0.0] * K)
-    optimizer_share = 1 / c.shard_ranks if sharded else 1.0  # the optimizer steps the shard
+    optimizer_share = shard_share(table, c) if sharded else 1.0  # the optimizer steps the shard
     tails, computes = [], []
     # micro-batches by rows (at most two sizes), and those of them recomputed: a device's work is their
     # counts times each size's costs, summed without walking every micro-batch
@@ -185,7 +192,7 @@ class BalancedBounds:
         rows = _replica_rows(self.batch_size, c.replicas, c.microbatches)
         layers = self.table.workload.num_layers
         sharded = c.zero >= 2 and c.replicas > 1  # ZeRO-2/3: the optimizer on the shard, no all-reduce
-        total = (self._whole_work_s(rows, c.checkpoint, 1 / c.shard_ranks if sharded else 1.0)
+        total = (self._whole_work_s(rows, c.checkpoint, shard_share(self.table, c) if sharded else 1.0)
                  + self.table.stage(rows[0], 0, layers).step_overhead_s * c.stages)  # every device has it
         if c.replicas > 1 and self.system is not None and not sharded:
             slope, constant = _allreduce_affine(c.stages, c.replicas, c.placement, self.system, self.allreduce_link)

@@ -6,8 +6,9 @@ T, each T on its split workload and its system of T x C-device groups; a measure
 (:class:`sim.planner.space.MeasuredCosts`) once per K and D as well, since its fits are those of D x K
 processes. A mixture of experts is searched once more per (E, ETP) inside each T
 (:func:`sim.planner.space.expert_values`), on its workload with the experts split
-(:mod:`sim.workloads.moe.expert_parallel`), with D restricted to those E x ETP divides T x C x D and ZeRO
-to 0 and 1, and an overlapping schedule (``dualpipev``) apart from the others; these searches share the
+(:mod:`sim.workloads.moe.expert_parallel`), with D restricted to those E x ETP divides T x C x D (ZeRO-2/3
+sharding the routed experts over their expert-data-parallel group, :mod:`sim.engine.fsdp`; no HSDP shard
+groups with E > 1), and an overlapping schedule (``dualpipev``) apart from the others; these searches share the
 ``top``-th best score found so far as a ceiling, so one ends as soon as none of its bounds can beat it.
 Each part's ranking is exact, so the merged ranking's top is exact too.
 
@@ -152,16 +153,16 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
             continue
         for e, etp in _near_a_domain_first(expert_values(space, workload, t), t, system.devices_per_node):
             replicas = [d for d in degrees.replicas if (t * space.context_parallel * d) % (e * (etp or t)) == 0]
-            zeros = list(degrees.zero) if e == 1 else [z for z in degrees.zero if z < 2]
             for schedules in _by_overlap(list(degrees.schedules), e):
-                if not replicas or not zeros:
+                if not replicas:
                     continue
                 experts = with_expert_parallel(split, system, e, etp, schedules[0])
                 part = search(experts, groups, batch, stages, list(space.microbatches), checkpoints, schedules,
                               space.partitioner, top, progress, replicas, list(degrees.virtual_stages),
-                              zeros, list(space.placements), dp_overlap=space.dp_overlap, weight=weight,
-                              max_groups=max_groups, step_limit_s=step_limit, escalate_zero=space.zero_escalates,
-                              max_zero=3 if e == 1 else 1, shard_group_options=space.shard_groups,
+                              list(degrees.zero), list(space.placements), dp_overlap=space.dp_overlap,
+                              weight=weight, max_groups=max_groups, step_limit_s=step_limit,
+                              escalate_zero=space.zero_escalates,
+                              shard_group_options=space.shard_groups if e == 1 else (),  # HSDP of experts: not modelled
                               gradient_sync_options=space.gradient_syncs,
                               ceiling_score=_ceiling(parts, top) if shares_ceiling else float("inf"))
                 _label(part, t, sequence_parallel, space.context_parallel, e, etp)

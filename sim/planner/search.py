@@ -31,7 +31,7 @@ from sim.engine.engine import SimResult, simulate
 from sim.formats.layout import ZERO_STAGES, ParallelLayout
 from sim.engine.fsdp import gathered_in_flight_bytes
 from sim.engine.memory import (Sharding, chunk_coefficients, expert_static_bytes, peak_coefficients,
-                               peak_from_coefficients, sharded_static_bytes, sharding_of)
+                               peak_from_coefficients, sharded_static_bytes, sharding_of, with_expert_ranks)
 from sim.engine.placement import PLACEMENTS
 from sim.errors import GpipeInputError
 from sim.planner.bounds import BalancedBounds, balanced_bound_s, lower_bound_s, replica_rows
@@ -42,7 +42,7 @@ from sim.schedules.schedule import (CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SPLI
                                     virtual_stages_of_device)
 from sim.engine.range_memory import RangeMemory
 from sim.engine.stage_costs import CostTable, held_sizes, stage_bounds
-from sim.workloads.moe.expert_parallel import expert_replica_stride
+from sim.workloads.moe.expert_parallel import expert_data_ranks, expert_replica_stride
 from sim.workloads.workload import Workload, shared_parameters
 
 __all__ = ["Candidate", "PlanOption", "SearchResult", "balanced_bound_s", "candidates", "choose_partition",
@@ -242,6 +242,7 @@ class Partitions:
     def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max") -> None:
         self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
         self.expert_stride = expert_replica_stride(table.workload)  # ZeRO-1 splits expert state over D / this
+        self._shardings: dict[Candidate, Sharding] = {}
         self._free: dict[tuple, list[int] | None] = {}
         self._ends: dict[tuple, list[int]] = {}
         self._ranges: dict[tuple, RangeMemory] = {}
@@ -276,12 +277,22 @@ class Partitions:
         layers = self.table.workload.num_layers
         whole = self.table.stage(rows, 0, layers).static_bytes
         gradient, optimizer = self.table.gradient_and_optimizer_bytes(rows, 0, layers)
-        sharding = _sharding(c)
+        sharding = self._sharding(c)
+        experts = self.table.expert_gradient_bytes(rows, 0, layers)
         if sharding.zero >= 2:  # the shards alone: the gathered units come on top
             params = max(0, whole - gradient - optimizer)
-            return sharded_static_bytes(params, gradient, optimizer, 0, sharding) / c.stages
-        return expert_static_bytes(whole, optimizer, gradient, self.table.expert_gradient_bytes(rows, 0, layers),
-                                   sharding.ranks, sharding.zero, self.expert_stride) / c.stages
+            return sharded_static_bytes(params, gradient, optimizer, 0, sharding, experts) / c.stages
+        return expert_static_bytes(whole, optimizer, gradient, experts, sharding.ranks, sharding.zero,
+                                   self.expert_stride) / c.stages
+
+    def _sharding(self, c: Candidate) -> Sharding:
+        """:func:`_sharding` of ``c``, under ZeRO-2/3 with the routed experts over their expert-data-parallel
+        ranks where the workload splits them (:func:`sim.workloads.moe.expert_parallel.expert_data_ranks`)."""
+        found = self._shardings.get(c)
+        if found is None:
+            found = self._shardings[c] = with_expert_ranks(_sharding(c), expert_data_ranks(self.table.workload,
+                                                                                              c.replicas))
+        return found
 
     def _memory_ends(self, rows: int, counts: tuple[tuple[int, int, int], ...], c: Candidate) -> list[int]:
         """For each first layer, the furthest end whose layers fit one chunk holding ``counts`` (a
@@ -290,10 +301,10 @@ class Partitions:
         capacity = self.system.device.memory_bytes
         layers = self.table.workload.num_layers
         if self.table.workload.stage_cost is None:
-            key = (rows, c.checkpoint, _sharding(c))
+            key = (rows, c.checkpoint, self._sharding(c))
             if key not in self._ranges:
                 self._ranges[key] = RangeMemory(self.table.layers(rows), shared_parameters(self.table.workload),
-                                                c.checkpoint, _sharding(c), self.expert_stride)
+                                                c.checkpoint, self._sharding(c), self.expert_stride)
             return self._ranges[key].furthest_ends(counts, capacity)
 
         def fits(first: int, end: int) -> bool:
@@ -326,12 +337,13 @@ class Partitions:
     def _chunk_static(self, rows: int, first: int, end: int, c: Candidate) -> int:
         cost = self.table.stage(rows, first, end)
         gradient_bytes, optimizer_bytes = self.table.gradient_and_optimizer_bytes(rows, first, end)
-        sharding = _sharding(c)
+        sharding = self._sharding(c)
         if sharding.zero >= 2:
             params = max(0, cost.static_bytes - gradient_bytes - optimizer_bytes)
             gathered = gathered_in_flight_bytes([layer.param_bytes for layer in self.table.layers(rows)[first:end]],
                                                 sharding.holds_all)
-            return sharded_static_bytes(params, gradient_bytes, optimizer_bytes, gathered, sharding)
+            return sharded_static_bytes(params, gradient_bytes, optimizer_bytes, gathered, sharding,
+                                        self.table.expert_gradient_bytes(rows, first, end))
         return expert_static_bytes(cost.static_bytes, optimizer_bytes, gradient_bytes,
                                    self.table.expert_gradient_bytes(rows, first, end), sharding.ranks, sharding.zero,
                                    self.expert_stride)
@@ -353,7 +365,7 @@ class Partitions:
         ends = []
         for part in range(c.stages * c.virtual_stages):
             device, chunk = device_of_virtual_stage(part, c.stages, c.schedule), part // c.stages
-            key = (rows, c.checkpoint, _sharding(c), chunk_coefficients(held[device], chunk, c.checkpoint))
+            key = (rows, c.checkpoint, self._sharding(c), chunk_coefficients(held[device], chunk, c.checkpoint))
             if key not in self._ends:
                 self._ends[key] = self._memory_ends(rows, key[-1], c)
             ends.append(self._ends[key])
@@ -452,8 +464,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     ``ceiling_score``: the ``top``-th best score other searches of the same question have found (the
     planner's searches of several E): nothing scoring above it can enter the merged ranking, so the
     search ends once every bound left exceeds it, as it does past its own ``top``-th best. ``max_zero``:
-    the highest ZeRO stage ``escalate_zero`` goes to (1 with expert parallelism, whose sharded state
-    ZeRO-2/3 is not modelled for).
+    the highest ZeRO stage ``escalate_zero`` goes to.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")

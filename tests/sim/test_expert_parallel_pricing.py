@@ -33,9 +33,11 @@ def test_layout_refuses_e_times_etp_not_dividing_the_group():
         ParallelLayout(1, 1, replicas=2, expert_parallel=4)
 
 
-def test_layout_refuses_zero_2_with_expert_parallelism():
-    with pytest.raises(GpipeInputError, match="not modelled; use --zero 0 or 1"):
-        ParallelLayout(1, 1, replicas=2, zero=2, expert_parallel=2)
+def test_layout_takes_zero_2_with_expert_parallelism_and_refuses_hsdp_of_the_experts():
+    assert ParallelLayout(1, 1, replicas=2, zero=2, expert_parallel=2).expert_data_parallel == 1
+    assert ParallelLayout(1, 1, replicas=4, zero=3, expert_parallel=2).expert_data_parallel == 2
+    with pytest.raises(GpipeInputError, match="HSDP of the routed experts .* is not modelled"):
+        ParallelLayout(1, 1, replicas=4, zero=3, expert_parallel=2, shard_group=2)
 
 
 def test_e_not_dividing_the_experts_is_one_line():
@@ -216,3 +218,102 @@ def test_plan_refuses_an_expert_parallel_option_the_model_cannot_take_in_one_lin
     done = gpipe("plan", "--model", model, "--hardware", "h100-nvlink", "--batch", "8", "--stages-options", "1",
                  "--tensor-parallel-options", "1", "--expert-parallel-options", value, "--quiet")
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+AM_ROW = {"id": "am-style", "hardware": "h100-nvlink", "nodes": 1, "model": "transformer",
+          "options": {"layers": 4, "d_model": 256, "ff": 512, "heads": 4, "seq": 128, "vocab": 512, "experts": 8,
+                      "top_k": 2, "expert_ff": 128},
+          "tensor_parallel": 1, "pipeline_stages": 1, "replicas": 4, "context_parallel": 1, "expert_parallel": 2,
+          "expert_tensor_parallel": 1, "virtual_stages": None, "microbatch_size": 1, "global_batch": 8,
+          "checkpoint": "never", "sequence_parallel": False, "precision": "bf16", "zero": 3, "measured_step_s": 1.0}
+
+
+def _resolve(model, options):
+    return builtin_workload(model, options)
+
+
+def test_replay_of_an_fsdp_row_with_expert_parallelism_is_modelled_with_its_layout():
+    from sim.evidence.replay import replay
+
+    done = replay(dict(AM_ROW), _resolve)
+    assert done.modelled and done.predicted_step_s > 0
+    layout = done.layout
+    assert (layout["zero"], layout["expert_parallel"], layout["expert_tensor_parallel"], layout["replicas"]) == (3, 2, 1, 4)
+    assert not any("zero null" in line or "expert_parallel null" in line for line in done.assumed)  # all stated
+    hsdp = replay({**AM_ROW, "shard_group": 2}, _resolve)  # HSDP of the experts: not modelled, said in one line
+    assert not hsdp.modelled and hsdp.predicted_step_s is None
+    assert "--shard-group 2 with --expert-parallel 2" in hsdp.reason and "\n" not in hsdp.reason
+    searched = replay({**AM_ROW, "shard_group": 2, "expert_parallel": None}, _resolve)  # E null: E = 1 with HSDP
+    assert searched.modelled and searched.layout["expert_parallel"] == 1
+
+
+def test_plan_searches_zero3_with_expert_parallelism():
+    from tests.helpers.in_process import gpipe
+
+    done = gpipe("plan", "--model", "transformer", "--option", "experts=4", "--option", "top_k=2", "--hardware",
+                 "h100-nvlink", "--nodes", "1", "--batch", "8", "--zero-options", "3", "--expert-parallel-options", "2",
+                 "--schedules", "gpipe,1f1b", "--quiet", "--json")
+    assert done.returncode == 0, done.stderr
+    ranked = json.loads(done.stdout)["ranked"]
+    assert ranked and all(p["expert_parallel"] == 2 and p["zero"] == 3 for p in ranked)
+
+
+def _zero3_e2_d4():
+    system = get_system("h100-nvlink")
+    workload, groups = with_tensor_parallel(_moe(), system, 1)
+    split = with_expert_parallel(workload, system, 2, None, "1f1b")
+    return split, groups, ParallelLayout(1, 1, "never", "1f1b", replicas=4, zero=3, expert_parallel=2)
+
+
+def test_zero3_shards_the_rest_over_d_and_the_experts_over_their_expert_data_parallel_group_by_hand():
+    split, groups, layout = _zero3_e2_d4()
+    sharded = simulate(split, groups, [split.num_layers], 4, layout).stages[0].sharded
+    params = _moe().parameter_count  # fp32 weights, gradients; Adam's two fp32 slots
+    experts = 2 * 8 * (3 * 64 * 32 + 2 * 32 + 64)  # layers x experts x ((gate, up, down) x d x f + biases)
+    edp = 4 // 2  # T x C x D / (E x ETP)
+    per_rank = (params - experts) // 4 + experts // 2 // edp  # the rest over D, the experts over E, then EDP
+    assert (sharded.parameter_bytes, sharded.gradient_bytes, sharded.optimizer_state_bytes) == (
+        4 * per_rank, 4 * per_rank, 8 * per_rank)
+
+
+def test_zero3_with_expert_parallelism_alike_in_planner_and_engine():
+    from sim.engine.range_memory import RangeMemory
+    from sim.planner.search import Partitions
+
+    split, groups, layout = _zero3_e2_d4()
+    table = CostTable(split, groups.device)
+    layers = split.num_layers
+    engine = simulate(split, groups, [layers], 4, layout, costs=table).stages[0].static_bytes
+    partitions = Partitions(table, groups, 4)
+    planner = partitions._chunk_static(1, 0, layers, layout)
+    ranges = RangeMemory(table.layers(1), (), "never", partitions._sharding(layout), 4).static[0, layers]
+    assert engine == planner == ranges
+
+
+def test_the_experts_reduce_scatter_runs_on_their_own_group():
+    from sim.engine.fsdp import Collectives
+
+    split, groups, _layout = _zero3_e2_d4()
+    layer = CostTable(split, groups.device).layers(1)[1]  # a MoE block
+    whole = Collectives((0, 1, 2, 3), (0,), groups)
+    apart = Collectives((0, 1, 2, 3), (0,), groups, expert_devices=(0, 2))
+    unit, expert_unit = whole.units([layer], [1.0])[0], apart.units([layer], [1.0])[0]
+    assert unit.reduce_s == whole.reduce_scatter_s(layer.grad_bytes)
+    rest = layer.grad_bytes - layer.expert_grad_bytes
+    assert expert_unit.reduce_s == pytest.approx(whole.reduce_scatter_s(rest)
+                                                 + Collectives((0, 2), (0,), groups).reduce_scatter_s(
+                                                     layer.expert_grad_bytes))
+
+
+def test_simulate_prices_zero3_with_expert_parallelism_and_refuses_hsdp_of_the_experts_in_one_line():
+    from tests.helpers.in_process import gpipe
+
+    flags = ["simulate", "--model", "transformer", "--option", "experts=4", "--option", "top_k=2", "--layers", "2",
+             "--replicas", "4", "--stages", "1", "--batch", "8", "--expert-parallel", "2", "--zero", "3",
+             "--hardware", "h100-nvlink"]
+    done = gpipe(*flags, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stages"][0]["gathered_parameter_bytes_peak"] > 0
+    refused = gpipe(*flags, "--shard-group", "2")
+    assert refused.returncode == 2 and "--shard-group 2 with --expert-parallel 2" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1

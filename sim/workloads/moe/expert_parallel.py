@@ -118,6 +118,17 @@ def expert_replica_stride(workload: Any) -> int:
     return max(1, split.expert_parallel * split.expert_tensor_parallel // per_stage)
 
 
+def expert_data_ranks(workload: Any, replicas: int) -> int:
+    """The ranks holding the same expert shard, T x C x D / (E x ETP) (the layout's
+    :attr:`sim.formats.layout.ParallelLayout.expert_data_parallel`), for a workload split by E; 0 without
+    expert parallelism. ZeRO-2/3 shards the routed experts' state over them."""
+    split = getattr(workload, "experts_split", None)
+    if split is None:
+        return 0
+    group = workload.tensor_parallel * workload.context_parallel * replicas
+    return max(1, group // (split.expert_parallel * split.expert_tensor_parallel))
+
+
 def expert_count(workload: Any) -> int:
     """The routed experts of a MoE workload's layers; 0 for a model without experts."""
     options = getattr(workload, "options", None) or {}
