@@ -2,7 +2,7 @@
 ZeRO-2/3's all-gather and reduce-scatter over the same groups are timed beside it (:func:`calibrate_sharded`).
 
 The executor sums each stage's gradients over its data-parallel group with
-:class:`executor.parallel.replicas.GradientAverage`: through shared memory where the group's ranks share a
+:class:`executor.parallel.gradient_average.GradientAverage`: through shared memory where the group's ranks share a
 host and each has a core (:mod:`executor.transport.shm_allreduce`), otherwise an all-reduce (sum, fp32) on its
 backend, gloo for CPU tensors, NCCL for CUDA tensors (one GPU per rank), in buckets. Here n fresh
 processes on this host, started by torchrun as the executor's workers are, sum one fp32 gradient per
@@ -57,7 +57,7 @@ def _measure(device_type: str, sizes: list[int], repeats: int, out_path: str) ->
     import torch.distributed as dist
 
     from executor.runtime.recording import Recorder
-    from executor.parallel.replicas import GradientAverage
+    from executor.parallel.gradient_average import GradientAverage
     from executor.transport.shm_transport import host_links
 
     device = join_measurement(device_type)

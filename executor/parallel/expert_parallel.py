@@ -15,7 +15,7 @@ without experts; each expert's already holds its group's weighted sum (the excha
 so it is summed over its ``edp`` replicas with weight 1, in the same step phase. The global norm for
 clipping counts each expert once: its squares are summed over the group. With D > E an expert's
 gradient absent on a replica (no row reached it this step) is taken as zero where another replica
-has one, and stays absent where none has (:class:`executor.parallel.replicas.GradientAverage`), so
+has one, and stays absent where none has (:class:`executor.parallel.gradient_average.GradientAverage`), so
 the optimizer skips it as one process would.
 
 Checkpoints hold the whole stage (every expert, their optimizer state in the unsharded model's order):

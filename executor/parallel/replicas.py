@@ -54,14 +54,14 @@ whose shards hold each stage whole (gathered by every replica, written by replic
 Dropout: replica d > 0 draws its masks from its own seed, so replicas do not repeat each other's
 masks; replica 0 draws what a single pipeline draws.
 
-Limits: a parameter whose gradient is None on a step takes no part in that step's average (every
-replica runs the same graph, so all leave out the same ones); the all-reduce adds the rows' weights
+Limits: a parameter whose gradient is None on a step takes no part in that step's average where every
+replica lacks it (a routed expert a replica's rows missed is taken as zero there where another has it:
+:class:`executor.parallel.gradient_average.GradientAverage`); the all-reduce adds the rows' weights
 in fp32, so an uneven split agrees with one process to float rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol, Sequence
 
@@ -70,29 +70,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from executor.device import backend_device
-from executor.models.loaded_types import is_dtensor, is_zero_optimizer
+from executor.models.loaded_types import is_zero_optimizer
 from executor.models.moe import MixtureOfExperts
+from executor.parallel.gradient_average import GradientAverage, local_tensor
 from executor.parallel.sharding_checks import check_fully_sharded, reshards_after_forward
 from executor.parallel.sharing import SharedGroup
 from executor.runtime.data import split
 from executor.runtime.optim import make_scheduler, optimizer_class_and_kwargs
-from executor.runtime.recording import Recorder
 from executor.runtime.seeds import mix_seed
 from executor.runtime.stage import PipelineStage
 from executor.transport.p2p import ACT, GRAD
-from executor.transport.shm_allreduce import SharedSum
-from executor.transport.shm_transport import HostLinks
 from sim.engine.placement import device_of, replica_and_stage
 from sim.errors import GpipeInputError
 from sim.formats.layout import default_gradient_sync
-from sim.formats.timeline import DP_ALLREDUCE
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import Action, Kind, device_of_virtual_stage
 
 DP, PP, TP = "dp", "pp", "tp"  # the mesh's dimension names: data-parallel, pipeline, tensor-parallel
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"  # HSDP: dp as (groups replicated, ranks sharded within one)
 EDP, EP = "edp", "ep"  # expert parallelism: dp as (replicas holding the same experts, the E sharing a stage's)
-BUCKET_BYTES = 25 * 2**20  # largest all-reduce message, as DDP's bucket_cap_mb default
 REPLICA_SEED = 0x5EED  # mixed with the replica into replica d > 0's dropout seed
 
 
@@ -294,121 +290,6 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
                   experts, bool(getattr(config, "trace", "")))
 
 
-class GradientAverage:
-    """The weighted sum of one stage's gradients over its dp group: asynchronous, in buckets.
-
-    :meth:`launch` after the stage's last backward of a step, :meth:`wait` before anything reads
-    the gradients. Buckets hold consecutive gradients of one dtype, at most ``bucket_bytes`` each
-    (a larger gradient is a bucket of its own); through shared memory (``links`` covering the
-    group), a bucket per run of one dtype, whatever its size. The span
-    :data:`~sim.formats.timeline.DP_ALLREDUCE` runs from the launch to the end of the wait: on the host's
-    clock, the time the all-reduce was in flight, bounded above by when the stage came to wait for it.
-    """
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, weight: float,
-                 recorder: Recorder, bucket_bytes: int = BUCKET_BYTES, links: HostLinks | None = None,
-                 sparse: bool = False) -> None:
-        self.params = list(params)
-        # some gradients may be absent on some replicas (a routed expert no row of this replica reached)
-        self.sparse = sparse
-        self.group = group
-        self.weight = weight
-        self.recorder = recorder
-        self.bucket_bytes = bucket_bytes
-        self._pending: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
-        self._close: Callable[[], None] | None = None
-        # another sum launched and awaited with this one (expert parallelism: the experts' over their replicas)
-        self.also: GradientAverage | None = None
-        # ranks of one host, each with a core: the sum goes through shared memory, a bucket per dtype
-        ranks = dist.get_process_group_ranks(group)
-        self._shared: list[tuple[SharedSum, list[int]]] = []
-        if links is not None and all(r == links.rank or links.covers(r) for r in ranks):
-            locals_ = [_local(p) for p in self.params]
-            for number, bucket in enumerate(self.buckets(list(range(len(locals_))), locals_, math.inf)):
-                shapes = [tuple(locals_[i].shape) for i in bucket]
-                self._shared.append((SharedSum(links, ranks, shapes, locals_[bucket[0]].dtype, str(number)), bucket))
-
-    @property
-    def through_shared_memory(self) -> bool:
-        """Whether the sum goes through shared memory (:mod:`executor.transport.shm_allreduce`) rather than the
-        process group's backend."""
-        return bool(self._shared)
-
-    def buckets(self, items: list, tensors: Sequence[torch.Tensor], bucket_bytes: float | None = None) -> list[list]:
-        """``items`` (one per tensor) in buckets of consecutive tensors of one dtype, at most
-        ``bucket_bytes`` each (default :attr:`bucket_bytes`; a larger tensor is a bucket of its own)."""
-        cap = self.bucket_bytes if bucket_bytes is None else bucket_bytes
-        result: list[list] = []
-        size, dtype = 0, None
-        for item, tensor in zip(items, tensors):
-            nbytes = tensor.numel() * tensor.element_size()
-            if not result or tensor.dtype != dtype or size + nbytes > cap:
-                result.append([])
-                size, dtype = 0, tensor.dtype
-            result[-1].append(item)
-            size += nbytes
-        return result
-
-    def launch(self) -> None:
-        self._close = self.recorder.open_span(DP_ALLREDUCE)  # one span, with the experts' sum (also)
-        self._start()
-        if self.also is not None:
-            self.also._start()
-
-    def _agree_on_absent(self) -> None:
-        """Every replica sums the same gradients: one absent here but present on another replica is
-        taken as zero; one absent on every replica stays absent, so the optimizer skips it as one
-        process would (a routed expert no row of the batch reached)."""
-        present = torch.tensor([float(p.grad is not None) for p in self.params])
-        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=self.group)
-        for param, count in zip(self.params, present.tolist()):
-            if count > 0 and param.grad is None:
-                param.grad = torch.zeros_like(param)
-
-    def _start(self) -> None:
-        if self.sparse:
-            self._agree_on_absent()
-        if self._shared:
-            for shared_sum, indices in self._shared:
-                shared_sum.launch([_local_grad(self.params[i]) for i in indices], self.weight)
-            return
-        # a tensor-parallel gradient's shard: the same shard on every replica of this stage's rank t
-        grads = [_local_grad(p) for p in self.params if p.grad is not None]
-        for bucket in self.buckets(grads, grads):
-            flat = torch.cat([g.reshape(-1) for g in bucket]).mul_(self.weight)
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            self._pending.append((work, flat, bucket))  # type: ignore[arg-type]
-
-    def wait(self) -> None:
-        self._finish()
-        if self.also is not None:
-            self.also._finish()
-        if self._close is not None:
-            self._close()
-            self._close = None
-
-    def _finish(self) -> None:
-        for shared_sum, indices in self._shared:
-            shared_sum.finish([_local_grad(self.params[i]) for i in indices])
-        for work, flat, bucket in self._pending:
-            work.wait()
-            offset = 0
-            for grad in bucket:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
-        self._pending.clear()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel tensor's shard on this rank (the same shard on every replica of its rank t),
-    or the tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
-
-
-def _local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    return None if param.grad is None else _local(param.grad)
-
-
 def last_backward_index(actions: Sequence[Action]) -> int:
     """Position of the last action in a device's list that adds to the weights' gradients, a
     backward or (split-backward schedules) an I or W (-1 when it has none)."""
@@ -512,7 +393,7 @@ def optimizer_state_bytes(stage: Any) -> int:
         if optimizer is None:
             continue
         local = optimizer.optim if is_zero_optimizer(optimizer) else optimizer
-        total += sum(_local(value).numel() * value.element_size() for state in local.state.values()
+        total += sum(local_tensor(value).numel() * value.element_size() for state in local.state.values()
                      for value in state.values() if torch.is_tensor(value))
     return total
 
