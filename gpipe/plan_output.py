@@ -153,7 +153,8 @@ def plan_band(planned: Planned, option: PlanOption | None) -> dict | None:
 
     if option is None:
         return None
-    return band_field(planned.system.name, planned.system.device.name, planned.precision, option.candidate.stages)
+    return band_field(planned.system.name, planned.system.device.name, planned.precision, option.candidate.stages,
+                      experts=planned.workload.has_experts)
 
 
 def print_json(args: argparse.Namespace, found: PlanSearch, ranked: list[PlanOption], searched: SearchResult,

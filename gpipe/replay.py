@@ -64,8 +64,11 @@ def run_band(published: dict[str, Any]) -> dict | None:
         system = get_system(catalog_name(published["hardware"]))
     except (GpipeInputError, TypeError):
         return None
+    from sim.workloads.moe.config import names_experts
+
     return band_field(system.name, system.device.name, str(published["precision"]),
-                      int(published["pipeline_stages"] or 1))
+                      int(published["pipeline_stages"] or 1),
+                      experts=names_experts(str(published["model"]), published.get("options") or {}))
 
 
 def resolve_run_model(model: str, options: dict[str, Any]) -> Workload:

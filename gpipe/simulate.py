@@ -244,12 +244,13 @@ def assumed_efficiency_note(system: System) -> str | None:
             f"{system.device.bandwidth_efficiency:.0%} of its memory bandwidth (no published run of it has been fitted)")
 
 
-def error_band(result: SimResult, system: System, precision: str) -> dict | None:
-    """The spread of the replayed published runs behind this device and regime (None off accelerators)."""
+def error_band(result: SimResult, system: System, precision: str, experts: bool = False) -> dict | None:
+    """The spread of the replayed published runs behind this device and regime, of its mixtures of
+    experts with ``experts`` (None off accelerators)."""
     from sim.evidence.error_bands import band_field
 
     stages = len([stage for stage in result.stages if stage.replica == 0])
-    return band_field(system.name, system.device.name, precision, stages)
+    return band_field(system.name, system.device.name, precision, stages, experts=experts)
 
 
 def recorded_efficiency(args: argparse.Namespace) -> tuple[float | None, str | None]:
@@ -285,7 +286,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data["parameter_count"] = described["parameter_count"]
         data["planned_from"] = workload.planned_from
         data["efficiency"] = efficiency_kind(system, *recorded_efficiency(args), args.costs)
-        data["error_band"] = error_band(result, system, precision)
+        data["error_band"] = error_band(result, system, precision, workload.has_experts)
         data["costs"] = asdict(costs_ref(args.costs)) if args.costs else None  # what priced it, as a plan records
         if args.plan:
             data["plan_note"] = note  # None where the step is the plan's, priced alike
@@ -305,7 +306,7 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
                 print(format_grid(build_schedule(devices, args.microbatches, args.schedule, args.checkpoint,
                                                  result.virtual_stages)))
         print(format_summary(result, system, precision))
-        band = error_band(result, system, precision)
+        band = error_band(result, system, precision, workload.has_experts)
         if band:
             print(f"error band   {result.step_time_s:.4g} s, {band['text']}")
         given, calibrated_from = recorded_efficiency(args)

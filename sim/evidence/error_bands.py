@@ -5,7 +5,10 @@ with the spread of the validation set's replay errors on that device (``gpipe er
 file from ``benchmarks/published_runs/validation.json`` alone; the development set, which the
 kernel fractions are fitted on, would flatter the band and never enters it).
 
-The regime key is small on purpose: the precision the trainers ran (``bf16`` or ``fp8``) and whether
+A mixture of experts is banded apart from the dense models on the same device (its device key is
+``<device> mixture-of-experts``, built from the mixture-of-experts validation runs): its all-to-alls,
+load imbalance and grouped matmuls miss in ways a dense model's layers do not, and a dense band would
+flatter it. The regime key is small on purpose: the precision the trainers ran (``bf16`` or ``fp8``) and whether
 the layout is pipelined (``pipelined`` for more than one stage, else ``flat``). Precision changes
 which kernels dominate; a pipeline adds the bubble and the stage boundaries the model times
 differently from the layers. A cell with fewer than :data:`MIN_RUNS` runs falls back to the device's
@@ -27,6 +30,7 @@ from sim.errors import GpipeInputError
 from sim.formats.timeline import read_devices_file
 
 MIN_RUNS = 5  # a regime cell with fewer runs falls back to the device's band
+MOE_FAMILY = "mixture-of-experts"  # appended to a device's name for the bands of mixtures of experts
 LOW_PERCENTILE, HIGH_PERCENTILE = 5, 95
 UNKNOWN = "no published run replayed: error unknown"
 BANDS_FILE = "error_bands.json"  # in this package, next to this module
@@ -50,6 +54,11 @@ class Band:
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "regime": self.regime, "low": self.low, "high": self.high,
                 "count": self.count, "text": self.text()}
+
+
+def device_key(device: str, experts: bool = False) -> str:
+    """The bands file's key of ``device``'s dense runs, or of its mixtures of experts'."""
+    return f"{device} {MOE_FAMILY}" if experts else device
 
 
 def regime_key(precision: str, pipeline_stages: int) -> str:
@@ -76,7 +85,8 @@ def build_bands(rows: Iterable[tuple[str, str, float]], source: str) -> dict[str
         devices[device] = {"all": _cell(every),
                            "regimes": {key: _cell(regimes[key]) for key in sorted(regimes)
                                        if len(regimes[key]) >= MIN_RUNS}}
-    return {"about": f"Replay errors (predicted / measured - 1) of the published runs of {source}, per device and "
+    return {"about": f"Replay errors (predicted / measured - 1) of the published runs of {source}, per device (its "
+                     f"mixtures of experts apart, '<device> {MOE_FAMILY}') and "
                      f"regime (precision, pipelined or flat; a regime with fewer than {MIN_RUNS} runs is left to the "
                      f"device's 'all'): the {LOW_PERCENTILE}th..{HIGH_PERCENTILE}th percentile and the count. Built "
                      f"from the validation set alone; rebuild with: gpipe error-bands {source} --out "
@@ -108,8 +118,11 @@ def load_bands(path: str | None = None) -> dict[str, Any]:
     return data
 
 
-def band_for(device: str, precision: str, pipeline_stages: int, bands: dict[str, Any] | None = None) -> Band | None:
-    """The band of ``device`` in its regime, else over all its runs; None where no run was replayed."""
+def band_for(device: str, precision: str, pipeline_stages: int, bands: dict[str, Any] | None = None,
+             experts: bool = False) -> Band | None:
+    """The band of ``device`` in its regime, else over all its runs; None where no run was replayed;
+    ``experts``: of its mixtures of experts."""
+    device = device_key(device, experts)
     entry = (bands if bands is not None else load_bands())["devices"].get(device)
     if entry is None:
         return None
@@ -129,10 +142,11 @@ def has_band(system_name: str) -> bool:
 
 
 def band_field(system_name: str, device: str, precision: str, pipeline_stages: int,
-               bands: dict[str, Any] | None = None) -> dict[str, Any] | None:
+               bands: dict[str, Any] | None = None, experts: bool = False) -> dict[str, Any] | None:
     """The ``error_band`` of a ``--json`` output: None off accelerators, ``known`` false where no
-    published run of the device was replayed."""
+    published run of the device (of its mixtures of experts, with ``experts``) was replayed."""
     if not has_band(system_name):
         return None
-    band = band_for(device, precision, pipeline_stages, bands)
-    return {"known": True, **band.to_dict()} if band else {"known": False, "device": device, "text": UNKNOWN}
+    band = band_for(device, precision, pipeline_stages, bands, experts)
+    return ({"known": True, **band.to_dict()} if band else
+            {"known": False, "device": device_key(device, experts), "text": UNKNOWN})

@@ -135,7 +135,7 @@ COVERED: dict[str, str] = {
     "gpipe plan --model llama3-8b --hardware h100-nvlink,h100-96gb.json --nodes 2 --batch 256 --top 3 --out plan.json":
         "tests/commands/test_hardware_files.py::test_the_documented_files_and_commands_run",
     "gpipe fit-gpu benchmarks/published_runs/dev.json": "tests/sim/test_gpu_model.py::test_the_committed_fractions_are_the_fit_of_the_development_set_alone",
-    "gpipe error-bands benchmarks/published_runs/validation.json --out sim/evidence/error_bands.json":
+    "gpipe error-bands benchmarks/published_runs/validation.json benchmarks/published_runs/validation_moe.json --out sim/evidence/error_bands.json":
         "tests/commands/test_error_bands_command.py::test_building_gives_the_shipped_file_and_the_development_set_is_refused",
     ".venv/bin/python -m pytest -q tests/sim/test_notebooks.py": "tests/sim/test_notebooks.py::test_notebook_runs_top_to_bottom",
 }

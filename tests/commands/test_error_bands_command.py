@@ -16,7 +16,8 @@ def test_building_gives_the_shipped_file_and_the_development_set_is_refused(tmp_
     """A build equals the shipped file, built by another process before: the bands are reproducible."""
     monkeypatch.chdir(ROOT)  # the file records the runs file's path as given
     first = tmp_path / "a.json"
-    assert main(["error-bands", "benchmarks/published_runs/validation.json", "--out", str(first)]) == 0
+    assert main(["error-bands", "benchmarks/published_runs/validation.json",
+                 "benchmarks/published_runs/validation_moe.json", "--out", str(first)]) == 0
     with open(bands_path()) as handle:
         assert json.loads(first.read_text()) == json.load(handle)
     copy = tmp_path / "dev.json"
@@ -51,3 +52,19 @@ def test_plan_json_carries_the_band_on_each_plan_and_hardware(capsys):
     assert data["hardware"]["h100-nvlink"]["error_band"]["known"] is True
     assert data["hardware"]["mi300x"]["error_band"]["known"] is False
     assert all(plan["error_band"]["text"] for plan in data["ranked"])
+
+
+def test_a_mixture_of_experts_prints_the_band_of_its_own_runs(capsys):
+    """A MoE prediction on an H100 is banded by the published MoE runs replayed on H100s, not by the
+    dense ones, which would flatter it; a device without MoE runs says its error is unknown."""
+    args = ["simulate", "--model", "hf:mixtral", "--option", "num_hidden_layers=4", "--stages", "2",
+            "--microbatches", "4", "--batch", "8", "--json", "--hardware"]
+    assert main([*args, "h100-nvlink"]) == 0
+    band = json.loads(capsys.readouterr().out)["error_band"]
+    assert band["known"] and band["device"] == "H100-SXM-80GB mixture-of-experts"
+    assert "published H100-SXM-80GB mixture-of-experts" in band["text"]
+    assert main([*args, "a100-nvlink"]) == 0
+    band = json.loads(capsys.readouterr().out)["error_band"]
+    assert band == {"known": False, "device": "A100-SXM-80GB mixture-of-experts",
+                    "text": "no published run replayed: error unknown"}
+

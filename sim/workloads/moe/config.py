@@ -146,3 +146,26 @@ def assumed_lines(config: dict[str, Any]) -> list[str]:
     if model_type == "gpt_oss":
         lines.append("gpt-oss's clamped SwiGLU priced as SwiGLU; attention sinks as parameters, not work")
     return lines
+
+
+def names_experts(model: str, options: dict[str, Any] | None = None) -> bool:
+    """Whether ``model`` (a runs file's or ``--model``'s name, with its ``options``) is a mixture of
+    experts: an ``hf:`` type or an ``hf-config:`` file of :data:`MOE_TYPES`, a named MoE model, or the
+    built-in transformer with ``experts``. Torch-free: read from names and files, nothing built."""
+    import json
+
+    from sim.workloads.named_models import is_named, named_models
+
+    options = options or {}
+    if model.startswith("hf:"):
+        return model[3:] in MOE_TYPES
+    if model.startswith("hf-config:"):
+        try:
+            with open(model[len("hf-config:"):]) as handle:
+                return json.load(handle).get("model_type") in MOE_TYPES
+        except (OSError, ValueError, AttributeError):
+            return False
+    if is_named(model):
+        return named_models()[model].moe
+    return bool(options.get("experts"))
+
