@@ -247,21 +247,19 @@ class ShardedChunk:
         root.set_is_last_backward(True)
         root.set_requires_gradient_sync(True)
         root.set_reshard_after_backward(True)
-        state = fully_shard.state(root)
-        self.agree_on_absent_gradients()
-        for unit_state in state._state_ctx.all_states:
-            for group in unit_state._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
-        self.accumulate()
+        self.post_backward()
 
     def reduce_microbatch(self) -> None:
         """One micro-batch's gradients reduce-scattered (and all-reduced across HSDP groups) into the
         sharded gradients, the unsharded ones freed; not the step's last backward, so nothing is
         finalized and ZeRO-2's units stay gathered for the next micro-batch."""
-        root = self.root
-        root.set_requires_gradient_sync(True)
-        state = fully_shard.state(root)
+        self.root.set_requires_gradient_sync(True)
+        self.post_backward()
+
+    def post_backward(self) -> None:
+        """FSDP's post-backward of every unit, run here rather than by autograd: the gradients
+        reduce-scattered as the root's settings say, then accumulation on again for what follows."""
+        state = fully_shard.state(self.root)
         self.agree_on_absent_gradients()
         for unit_state in state._state_ctx.all_states:
             for group in unit_state._fsdp_param_groups:
