@@ -14,16 +14,12 @@ and the best plan.
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import resource
-import shutil
-import subprocess
 import sys
-import time
 
-from sim.formats.timeline import write_json_atomic
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.plan_timing import one_core, timed_plan, write_results  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "plan_405b.json")
 SHAPE = {"num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128,
@@ -33,40 +29,9 @@ COMMAND = ["plan", "--model", "hf:llama", *[f"--option={k}={v}" for k, v in SHAP
            "--tensor-parallel-options", "1,2,4,8", "--zero-options", "0,1,2,3", "--dp-overlap", "--quiet", "--json"]
 
 
-def run(top: int, pin: list[str]) -> dict:
-    """One timed command: ``--top`` plans ranked (each of them simulated in full)."""
-    command = [*COMMAND, "--top", str(top)]
-    started = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([*pin, sys.executable, "-m", "gpipe.main", *command], capture_output=True, text=True)
-    wall_s = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)  # the core's own time
-    if proc.returncode:
-        raise SystemExit(proc.stderr)
-    report = json.loads(proc.stdout)
-    best = report["ranked"][0]
-    row = {"command": "gpipe " + " ".join(command), "top": top, "wall_s": wall_s, "cpu_s": cpu_s,
-           "search_s": report["elapsed_s"],
-           "candidates": report["candidates"], "simulated": report["simulated"],
-           "parameter_count": report["parameter_count"],
-           "best": {k: best[k] for k in ("tensor_parallel", "replicas", "pipeline_stages", "virtual_stages",
-                                         "microbatches", "checkpoint", "schedule", "zero", "step_time_s")}}
-    b = row["best"]
-    print(f"--top {top}: {report['candidates']} candidates, {report['simulated']} simulated: search "
-          f"{report['elapsed_s']:.1f} s, whole command {wall_s:.1f} s ({cpu_s:.1f} s of CPU); "
-          f"best T={b['tensor_parallel']} "
-          f"D={b['replicas']} K={b['pipeline_stages']} V={b['virtual_stages']} M={b['microbatches']} "
-          f"{b['checkpoint']} {b['schedule']} ZeRO-{b['zero']}: {b['step_time_s']:.1f} s per step")
-    return row
-
-
 def main() -> int:
-    pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    rows = [run(top, pin) for top in (1, 10)]
-    write_json_atomic(RESULTS, {"one_core": bool(pin), "runs": rows,
-                                "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                                            "processor": platform.processor() or platform.machine()}})
+    pin = one_core()
+    write_results(RESULTS, [timed_plan(COMMAND, top, pin) for top in (1, 10)], pin)
     return 0
 
 
