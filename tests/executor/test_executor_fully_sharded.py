@@ -23,8 +23,7 @@ import torch
 from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
 from executor.state import state_file
-from gpipe.main import main
-from tests.helpers.in_process import gpipe
+from tests.helpers.in_process import gpipe, train_refusal
 
 MLP = {"width": 16}
 TRANSFORMER = {"layers": 4, "d_model": 32, "ff": 64, "heads": 4, "kv_heads": 2, "activation": "swiglu", "seq": 8,
@@ -176,13 +175,6 @@ def test_sharded_replicas_train_what_one_process_trains(tmp_path, argv, model, o
     assert all((entry["accumulated_gradient_bytes"] > 0) == once for entry in report["ranks"])
 
 
-def one_line_error(capsys, *argv):
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("gpipe: error: ")
-    return err
-
-
 @pytest.mark.parametrize("flags,message", [
     (["--zero", "3", "--replicas", "4", "--shard-group", "3", "--batch", "8"], "does not divide --replicas 4"),
     (["--zero", "2", "--replicas", "2", "--schedule", "zb-h1", "--stages", "2"], "split backward"),
@@ -200,4 +192,4 @@ def test_what_zero2_and_zero3_cannot_run_is_one_line_before_any_worker(capsys, f
             argv[argv.index(flag) + 1] = value
         else:
             argv += [flag, value]
-    assert message in one_line_error(capsys, *argv)
+    assert message in train_refusal(capsys, *argv)

@@ -20,8 +20,7 @@ from executor.parallel.replicas import replica_rows
 from executor.runtime.data import batch_for_step
 from executor.runtime.optim import OptimSettings, make_optimizer, make_scheduler
 from executor.state import state_file
-from gpipe.main import main
-from tests.helpers.in_process import gpipe
+from tests.helpers.in_process import gpipe, train_refusal
 
 OPTIONS = {"width": 16}
 MLP = ["--model", "mlp", "--option", "width=16", "--microbatches", "2"]
@@ -150,32 +149,25 @@ def test_zero_equals_plain_and_resumes_exactly_after_a_kill(tmp_path, capsys):
     assert "gpipe: step 2 loss" in resumed.stdout and "gpipe: step 1 loss" not in resumed.stdout
     ours = json.loads((tmp_path / "resumed.json").read_text())
     assert ours["losses"] == theirs["losses"] and ours["grad_norms"] == theirs["grad_norms"]
-    assert one_line_error(capsys, *common, "--resume", "--replicas", "1", "--zero", "0") == (
+    assert train_refusal(capsys, *common, "--resume", "--replicas", "1", "--zero", "0") == (
         "gpipe: error: the checkpoint was trained with --replicas 2 but this run asks for 1; resume with "
         "--replicas 2 or use a new --checkpoint-dir")
-
-
-def one_line_error(capsys, *argv):
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("gpipe: error: "), err
-    return err[0]
 
 
 def test_bad_replica_settings_are_refused_in_one_line_before_any_worker(tmp_path, capsys):
     base = [*MLP, "--stages", "2", "--steps", "1"]
     cores = os.cpu_count() or 1
-    assert "cores" in one_line_error(capsys, *base, "--batch", str(64 * cores), "--replicas", str(4 * cores))
-    assert "--zero 1 shards optimizer state" in one_line_error(capsys, *base, "--batch", "8", "--zero", "1")
-    assert "fewer rows than --replicas 4" in one_line_error(capsys, *base, "--batch", "3", "--replicas", "4")
-    assert "splits by torch.chunk into 3 chunks" in one_line_error(capsys, *base, "--batch", "5", "--replicas", "4")
+    assert "cores" in train_refusal(capsys, *base, "--batch", str(64 * cores), "--replicas", str(4 * cores))
+    assert "--zero 1 shards optimizer state" in train_refusal(capsys, *base, "--batch", "8", "--zero", "1")
+    assert "fewer rows than --replicas 4" in train_refusal(capsys, *base, "--batch", "3", "--replicas", "4")
+    assert "splits by torch.chunk into 3 chunks" in train_refusal(capsys, *base, "--batch", "5", "--replicas", "4")
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = one_line_error(capsys, *base, "--batch", "8", "--resume", "--checkpoint-dir", str(empty))
+    line = train_refusal(capsys, *base, "--batch", "8", "--resume", "--checkpoint-dir", str(empty))
     assert f"--checkpoint-dir {empty} holds no checkpoint" in line and "drop --resume" in line
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    line = one_line_error(capsys, *base, "--batch", "8", "--save-every", "1", "--checkpoint-dir",
+    line = train_refusal(capsys, *base, "--batch", "8", "--save-every", "1", "--checkpoint-dir",
                           str(blocked / "ck"))
     assert f"--checkpoint-dir {blocked / 'ck'} cannot be written" in line
 

@@ -20,9 +20,8 @@ import pytest
 
 from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
-from gpipe.main import main
 from tests.executor.test_executor_tensor_parallel import checkpoint_parameters, option_flags
-from tests.helpers.in_process import gpipe
+from tests.helpers.in_process import gpipe, train_refusal
 from tests.helpers.moe_parity import MOE, assert_parameters_equal, one_process
 
 ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--clip-grad-norm", "0.5"]
@@ -160,13 +159,6 @@ def test_experts_no_row_reached_are_skipped_as_one_process_skips_them(tmp_path, 
     assert any(".experts." in name for name in absent)  # the case this test is for did occur
 
 
-def one_line_error(capsys, *argv):
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("gpipe: error: ")
-    return err
-
-
 @pytest.mark.parametrize("flags,message", [
     (["--replicas", "4", "--expert-tensor-parallel", "2"], "differs from --tensor-parallel 1"),
     (["--replicas", "3", "--batch", "6"], "does not divide T x C x D = 1 x 1 x 3"),
@@ -188,12 +180,12 @@ def test_what_expert_parallelism_cannot_run_is_one_line_before_any_worker(capsys
             argv[argv.index(flag) + 1] = value
         else:
             argv += [flag, value]
-    assert message in one_line_error(capsys, *argv)
+    assert message in train_refusal(capsys, *argv)
 
 
 def test_expert_parallelism_on_a_hugging_face_mixture_is_one_line(capsys):
     from tests.executor.test_hf_moe import CONFIGS
 
-    err = one_line_error(capsys, "--model", "hf:mixtral", *option_flags({**CONFIGS["mixtral"], "seq": 8}), "--stages",
+    err = train_refusal(capsys, "--model", "hf:mixtral", *option_flags({**CONFIGS["mixtral"], "seq": 8}), "--stages",
                          "1", "--replicas", "2", "--expert-parallel", "2", "--batch", "8", "--steps", "1")
     assert "has none that gpipe train shards" in err

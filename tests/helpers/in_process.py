@@ -79,3 +79,14 @@ def gpipe(*args: str, env: dict[str, str] | None = None, cwd: str | os.PathLike 
         err.seek(0)
         stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
     return subprocess.CompletedProcess(["gpipe", *map(str, args)], code, stdout, stderr)
+
+
+def train_refusal(capsys, *argv: str) -> str:
+    """``gpipe train ARGV`` refused before any worker: exit 2 and one line, ``gpipe: error: ...``;
+    that line."""
+    from gpipe.main import main
+
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("gpipe: error: "), err
+    return err
