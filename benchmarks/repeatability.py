@@ -23,8 +23,8 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results", "repeatability.json
 
 def main() -> int:
     name, options = MODEL
-    skewed = RunSpec((1, 5), 16, "never", "1f1b", 32)
-    balanced = RunSpec((3, 3), 12, "except_last", "gpipe", 32)
+    skewed = RunSpec.of((1, 5), 16, "never", "1f1b", 32)
+    balanced = RunSpec.of((3, 3), 12, "except_last", "gpipe", 32)
     order = [skewed, balanced, skewed, balanced, skewed]
     times: dict[str, list[float]] = {skewed.label(): [], balanced.label(): []}
     for _ in range(3):

@@ -45,8 +45,8 @@ from calibrate.noise.speed import run_probes, speed_factor  # noqa: E402
 from sim.errors import GpipeInputError  # noqa: E402
 from sim.formats.timeline import write_json_atomic  # noqa: E402
 
-SPECS = [RunSpec((1, 5), 6, "except_last", "1f1b", 32), RunSpec((1, 5), 16, "never", "1f1b", 32),
-         RunSpec((3, 3), 6, "never", "1f1b", 32)]
+SPECS = [RunSpec.of((1, 5), 6, "except_last", "1f1b", 32), RunSpec.of((1, 5), 16, "never", "1f1b", 32),
+         RunSpec.of((3, 3), 6, "never", "1f1b", 32)]
 STEPS = 10
 
 

@@ -46,16 +46,16 @@ def main() -> int:
     with open(args.costs) as handle:
         costs = json.load(handle)
     name, options = costs["model"]["name"], costs["model"]["options"]  # the model the costs were measured on
-    specs = {s: RunSpec(PARTITIONS[s], args.microbatches, "never", s, int(costs["batch_size"]),
+    specs = {s: RunSpec.of(PARTITIONS[s], args.microbatches, "never", s, int(costs["batch_size"]),
                         virtual_stages=len(PARTITIONS[s]) // 2) for s in SCHEDULES}
     order = [specs[s] for s in SCHEDULES] * args.rounds  # alternating
     reports = run_configs([run_config(name, options, spec, args.steps) for spec in order])
     measured: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     bubbles: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     for spec, report in zip(order, reports):
-        measured[spec.schedule].append(report["step_time_s"])
+        measured[spec.layout.schedule].append(report["step_time_s"])
         busy = [stage["busy_s"] for stage in report["stages"]]
-        bubbles[spec.schedule].append(1 - statistics.mean(busy) / report["step_time_s"])
+        bubbles[spec.layout.schedule].append(1 - statistics.mean(busy) / report["step_time_s"])
     rows = {}
     for schedule in SCHEDULES:
         predicted = predict(costs, specs[schedule])

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from sim.engine.placement import DEFAULT_PLACEMENT
 from sim.errors import GpipeInputError, require_positive
-from sim.formats.layout import ParallelLayout
+from sim.formats.layout import LAYOUT_KEYS, ParallelLayout, flat_layout
 from sim.formats.plan import ModelRef, Plan
 from sim.schedules.microbatch import split_rows
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER
@@ -40,9 +41,6 @@ class RunConfig:
     options: dict[str, Any] = field(default_factory=dict)
     partition: tuple[int, ...] = ()
     batch_size: int = 32
-    microbatches: int = 4
-    schedule: str = "gpipe"
-    checkpoint: str = "except_last"
     seed: int = 0
     loss: str = ""  # "" = the model's default
     optimizer: str = DEFAULT_OPTIMIZER  # sgd | adam | adamw (torch.optim); see executor.runtime.optim
@@ -68,42 +66,38 @@ class RunConfig:
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
     precision: str = DEFAULT_PRECISION  # fp32, or bf16: autocast compute, fp32 weights (executor.runtime.precision)
-    replicas: int = 1  # D data-parallel copies of the pipeline; batch_size is the global batch
-    virtual_stages: int = 1  # V chunks per device (interleaved schedule); partition has V*K entries
-    zero: int = 0  # sharded over each stage's data-parallel group: 1 optimizer state, 2 and gradients, 3 and parameters
-    shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
-    gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
-    placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which rank runs which replica's stage
-    tensor_parallel: int = 1  # T ranks per stage, each layer split over them (executor.parallel.tensor_parallel)
-    sequence_parallel: bool = False  # with T > 1: norms and the residual stream split along the sequence
-    expert_parallel: int = 1  # E: each stage's routed experts sharded over E of its replicas (expert_parallel.py)
-    expert_tensor_parallel: int | None = None  # each expert's own T; None: T (the only value trained)
+    # D, K, V, T, E, M, schedule, policy, ZeRO, placement: the record the planner and the simulator take; its K
+    # is the partition's length over V (:meth:`of` builds both from flat keys, as the run's file spells them)
+    layout: ParallelLayout = field(default_factory=lambda: ParallelLayout(1, 4))
     transport: str = "auto"  # stage messages: auto (shared memory between CPU ranks of one host), or dist (gloo/NCCL)
     progress: bool = False  # set by gpipe train: the reporting rank draws a bar over the steps (a terminal watches)
     quiet: bool = False  # no per-step loss lines; the final line only
 
+    @classmethod
+    def of(cls, model: str, partition: Sequence[int] = (), **settings: Any) -> "RunConfig":
+        """A run from flat keys, the layout's (:data:`sim.formats.layout.LAYOUT_KEYS`: ``microbatches``,
+        ``replicas``, ``zero``...) among the others, as ``gpipe train``'s flags and the run's file spell
+        them; its K is ``partition``'s length over V. A bad degree is one line."""
+        degrees = {key: settings.pop(key) for key in LAYOUT_KEYS if key in settings}
+        degrees.setdefault("microbatches", 4)
+        layout = ParallelLayout.for_partition(tuple(partition), **degrees)
+        return cls(model=model, partition=tuple(partition), layout=layout, **settings)
+
     @property
     def stages(self) -> int:
         """K, processes in one pipeline."""
-        return len(self.partition) // max(1, self.virtual_stages)
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """The run's parallel layout, the record the planner and the simulator take (its partition
-        beside it); refused in one line where a degree is bad."""
-        return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
-                              self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
-                              self.sequence_parallel, shard_group=self.shard_group,
-                              gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
-                              expert_tensor_parallel=self.expert_tensor_parallel)
+        return self.layout.stages
 
     @property
     def world_size(self) -> int:
         """D x K x T ranks."""
-        return self.replicas * self.stages * self.tensor_parallel
+        return self.layout.replicas * self.stages * self.layout.tensor_parallel
 
     def validate(self) -> "RunConfig":
         require_positive("steps", self.steps, "use --steps 1 or more")
+        if self.partition and self.layout.virtual_stage_count != len(self.partition):
+            raise GpipeInputError(f"partition has {len(self.partition)} entries but the layout has K={self.stages} x "
+                                  f"V={self.layout.virtual_stages} chunks; give V x K entries")
         self.optim_settings().validate()
         if self.device not in DEVICES:
             raise GpipeInputError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
@@ -117,7 +111,7 @@ class RunConfig:
         from executor.models.initial_weights import check_init
 
         check_init(self.init)
-        if self.checkpoint == "selective" and self.model != "transformer":
+        if self.layout.checkpoint == "selective" and self.model != "transformer":
             raise GpipeInputError(f"--checkpoint selective recomputes the attention core of the built-in transformer "
                                   f"only, not {self.model}; use full (every layer recomputed) or never")
         if self.model == "transformer" and self.options.get("attention") == "fused":
@@ -130,7 +124,7 @@ class RunConfig:
 
         check_data_parallel(self)
         self.check_virtual_stages()
-        check_tensor_parallel(self.tensor_parallel, self.zero, self.sequence_parallel)
+        check_tensor_parallel(self.layout.tensor_parallel, self.layout.zero, self.layout.sequence_parallel)
         from executor.parallel.expert_checks import check_expert_parallel
 
         check_expert_parallel(self)
@@ -140,32 +134,32 @@ class RunConfig:
         """The multi-chunk schedules' needs, in one line each: V only with them (2 in a V), V*K chunks
         at most one per layer, and M as executed (``torch.chunk`` may make fewer micro-batches than
         asked) a multiple of K under the interleaved schedule, at least 2K under dualpipev."""
-        check_virtual_stages(self.schedule, self.virtual_stages)
-        check_split_backward(self.schedule, self.checkpoint)
-        if self.schedule not in MULTI_CHUNK_SCHEDULES or not self.partition:
+        check_virtual_stages(self.layout.schedule, self.layout.virtual_stages)
+        check_split_backward(self.layout.schedule, self.layout.checkpoint)
+        if self.layout.schedule not in MULTI_CHUNK_SCHEDULES or not self.partition:
             return
-        if len(self.partition) % self.virtual_stages:
+        if len(self.partition) % self.layout.virtual_stages:
             raise GpipeInputError(f"partition has {len(self.partition)} entries, not a multiple of "
-                                  f"--virtual-stages {self.virtual_stages}; give V x K entries")
+                                  f"--virtual-stages {self.layout.virtual_stages}; give V x K entries")
         stages = self.stages
-        if self.schedule != "interleaved":
+        if self.layout.schedule != "interleaved":
             for executed in self.executed_microbatches:
-                check_v_schedule(self.schedule, stages, executed)
+                check_v_schedule(self.layout.schedule, stages, executed)
             return
-        for rows, executed in zip(split_rows(self.batch_size, self.replicas), self.executed_microbatches):
-            if executed != self.microbatches and executed % stages and self.microbatches % stages == 0:
-                size = -(-rows // self.microbatches)
-                share = f"--batch {self.batch_size}" if self.replicas == 1 else f"a replica's {rows} rows"
+        for rows, executed in zip(split_rows(self.batch_size, self.layout.replicas), self.executed_microbatches):
+            if executed != self.layout.microbatches and executed % stages and self.layout.microbatches % stages == 0:
+                size = -(-rows // self.layout.microbatches)
+                share = f"--batch {self.batch_size}" if self.layout.replicas == 1 else f"a replica's {rows} rows"
                 raise GpipeInputError(f"{share} splits into {executed} micro-batches of up to {size} rows, not the "
-                                      f"{self.microbatches} asked, and the interleaved schedule needs a multiple of "
-                                      f"K={stages}; use --batch {self.replicas * self.microbatches * size}")
-            check_interleaving(stages, executed, self.virtual_stages, sum(self.partition))
+                                      f"{self.layout.microbatches} asked, and the interleaved schedule needs a multiple of "
+                                      f"K={stages}; use --batch {self.layout.replicas * self.layout.microbatches * size}")
+            check_interleaving(stages, executed, self.layout.virtual_stages, sum(self.partition))
 
     @property
     def executed_microbatches(self) -> list[int]:
         """M as run by each replica: ``torch.chunk`` makes fewer micro-batches than asked when a
         replica's share of the batch is small."""
-        return [len(split_rows(rows, self.microbatches)) for rows in split_rows(self.batch_size, self.replicas)]
+        return [len(split_rows(rows, self.layout.microbatches)) for rows in split_rows(self.batch_size, self.layout.replicas)]
 
     def optim_settings(self) -> "OptimSettings":
         from executor.runtime.optim import OptimSettings
@@ -175,22 +169,17 @@ class RunConfig:
                              lr_warmup_steps=self.lr_warmup_steps, total_steps=self.steps)
 
     def plan(self, model_ref: ModelRef) -> Plan:
-        return Plan(model=model_ref, partition=tuple(self.partition), batch_size=self.batch_size,
-                    microbatches=self.microbatches, checkpoint=self.checkpoint, schedule=self.schedule,
+        return Plan(model=model_ref, partition=tuple(self.partition), batch_size=self.batch_size, layout=self.layout,
                     hardware=self.hardware, predicted=self.predicted, optimizer=self.optimizer,
-                    precision=self.precision, replicas=self.replicas, virtual_stages=self.virtual_stages,
-                    zero=self.zero, placement=self.placement, tensor_parallel=self.tensor_parallel,
-                    sequence_parallel=self.sequence_parallel, shard_group=self.shard_group,
-                    gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
-                    expert_tensor_parallel=self.expert_tensor_parallel)
+                    precision=self.precision)
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides: Any) -> "RunConfig":
         """The plan's run (its optimizer too) with ``overrides``; the options that only told the
         simulator how to analyse the model (its dtype, optimizer state, sample shape) are not the
         model's and are dropped; the precision is the plan's own field."""
-        if plan.context_parallel > 1:
-            raise GpipeInputError(f"the plan splits each sequence over {plan.context_parallel} devices "
+        if plan.layout.context_parallel > 1:
+            raise GpipeInputError(f"the plan splits each sequence over {plan.layout.context_parallel} devices "
                                   "(context_parallel), which gpipe train does not run; plan again without "
                                   "--context-parallel for a plan it trains")
         options = dict(plan.model.options)
@@ -198,30 +187,24 @@ class RunConfig:
             options.pop(name, None)
         settings: dict[str, Any] = dict(optimizer=plan.optimizer)
         settings.update(overrides)
+        layout = plan.layout
+        if layout.tensor_parallel == 1 and layout.sequence_parallel:
+            layout = replace(layout, sequence_parallel=False)
         return cls(model=plan.model.name, options=options, partition=tuple(plan.partition),
-                   batch_size=plan.batch_size, microbatches=plan.microbatches, schedule=plan.schedule,
-                   checkpoint=plan.checkpoint, hardware=dict(plan.hardware),
-                   predicted=dict(plan.predicted),
-                   **{"precision": plan.precision, "replicas": plan.replicas,
-                      "virtual_stages": plan.virtual_stages, "zero": plan.zero, "shard_group": plan.shard_group,
-                      "gradient_sync": plan.gradient_sync, "expert_parallel": plan.expert_parallel,
-                      "expert_tensor_parallel": plan.expert_tensor_parallel,
-                      "placement": plan.placement,
-                      "tensor_parallel": plan.tensor_parallel,
-                      "sequence_parallel": plan.sequence_parallel and plan.tensor_parallel > 1,
-                      **settings})
+                   batch_size=plan.batch_size, layout=layout, hardware=dict(plan.hardware),
+                   predicted=dict(plan.predicted), **{"precision": plan.precision, **settings})
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        """The run's file: flat keys, the layout's beside the others (:meth:`from_dict` reads them back)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layout"}
         data["partition"] = list(self.partition)
-        return data
+        data.update(flat_layout(self.layout))
+        return json.loads(json.dumps(data))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
-        known = {f.name for f in fields(cls)}
-        config = cls(**{k: v for k, v in data.items() if k in known})
-        config.partition = tuple(config.partition)
-        return config
+        known = {f.name for f in fields(cls)} | set(LAYOUT_KEYS)
+        return cls.of(**{k: v for k, v in data.items() if k in known and k != "layout"})
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_json_atomic(path, self.to_dict())

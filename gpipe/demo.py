@@ -142,10 +142,8 @@ def run(args: argparse.Namespace) -> int:
     predicted = simulate_candidate(workload, system, option.partition, DEMO_BATCH, c, record=True)
     say(f"    predicted step {predicted.step_time_s * 1e3:.1f} ms, bubble {predicted.bubble_fraction:.1%}")
     ref = model_ref(DEMO_MODEL, DEMO_OPTIONS)
-    plan = Plan(model=ref, partition=tuple(option.partition), batch_size=DEMO_BATCH, microbatches=c.microbatches,
-                checkpoint=c.checkpoint, schedule=c.schedule, optimizer=workload.optimizer,
-                replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
-                hardware={"system": system.name, "nodes": 1}, costs=costs_ref(costs_path),
+    plan = Plan(model=ref, partition=tuple(option.partition), batch_size=DEMO_BATCH, layout=c,
+                optimizer=workload.optimizer, hardware={"system": system.name, "nodes": 1}, costs=costs_ref(costs_path),
                 predicted={"step_time_s": predicted.step_time_s, "bubble_fraction": predicted.bubble_fraction})
     plan_path = os.path.join(args.out_dir, "plan.json")
     save_plan(plan, plan_path)

@@ -72,16 +72,10 @@ def to_plan(option: PlanOption, description: dict, batch: int, system: str, node
         model=ModelRef(name=description["name"], options=options,
                        num_layers=description["num_layers"],
                        parameter_count=description["parameter_count"]),
-        partition=tuple(option.partition), batch_size=batch, microbatches=c.microbatches,
-        checkpoint=c.checkpoint, schedule=c.schedule, hardware={"system": system, "nodes": nodes},
+        partition=tuple(option.partition), batch_size=batch, layout=c, hardware={"system": system, "nodes": nodes},
         predicted={**option.result.to_dict(),
                    **({"training": option.cost.to_dict()} if getattr(option, "cost", None) is not None else {})},
-        optimizer=optimizer, precision=precision,
-        replicas=c.replicas, virtual_stages=c.virtual_stages, zero=c.zero, placement=c.placement,
-        tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel,
-        context_parallel=c.context_parallel, dp_overlap=dp_overlap, shard_group=c.shard_group,
-        gradient_sync=c.gradient_sync,
-        expert_parallel=c.expert_parallel, expert_tensor_parallel=c.expert_tensor_parallel,
+        optimizer=optimizer, precision=precision, dp_overlap=dp_overlap,
     )
 
 

@@ -115,17 +115,17 @@ def predict_plan(plan: Plan, plan_path: str, costs: str | None = None, precision
     workload = resolve_workload(plan.model.name, with_precision(plan.model.name, options, precision, costs),
                                 costs)
     if workload.measured_costs:  # fits for this K, fitted link (sim.formats.costs)
-        workload, system = workload.bind(system, plan.stages, plan.checkpoint, plan.microbatches, plan.replicas)
-    check_tensor_parallel(plan.tensor_parallel, workload, system)
-    check_context_parallel(plan.context_parallel, workload, system, plan.tensor_parallel)
-    system.check_fits(plan.stages, plan.replicas, plan.tensor_parallel * plan.context_parallel)
+        workload, system = workload.bind(system, plan.layout.stages, plan.layout.checkpoint, plan.layout.microbatches, plan.layout.replicas)
+    check_tensor_parallel(plan.layout.tensor_parallel, workload, system)
+    check_context_parallel(plan.layout.context_parallel, workload, system, plan.layout.tensor_parallel)
+    system.check_fits(plan.layout.stages, plan.layout.replicas, plan.layout.tensor_parallel * plan.layout.context_parallel)
     tp_link = plan_tensor_parallel_link(plan, system, plan_path)
     physical = system
-    workload, system = with_tensor_parallel(workload, system, plan.tensor_parallel, plan.sequence_parallel,
-                                            plan.context_parallel, tp_link)
-    workload = with_expert_parallel(workload, physical, plan.expert_parallel, plan.expert_tensor_parallel,
-                                    plan.schedule)
-    check_checkpoint_for(workload, plan.checkpoint)
+    workload, system = with_tensor_parallel(workload, system, plan.layout.tensor_parallel, plan.layout.sequence_parallel,
+                                            plan.layout.context_parallel, tp_link)
+    workload = with_expert_parallel(workload, physical, plan.layout.expert_parallel, plan.layout.expert_tensor_parallel,
+                                    plan.layout.schedule)
+    check_checkpoint_for(workload, plan.layout.checkpoint)
     result = simulate(workload, system, plan.partition, plan.batch_size, plan.layout,
                       allreduce_link=calibrated_allreduce(workload, system), dp_overlap=dp_overlap or plan.dp_overlap)
     return result, system, workload, precision, plan_step_note(plan, result.step_time_s, costs)
@@ -135,14 +135,14 @@ def plan_tensor_parallel_link(plan: Plan, system: System, plan_path: str) -> Lin
     """The tensor-parallel collectives the plan's ``--efficiency-from`` costs file measured, where
     they priced it (T > 1 on the system they were measured on); else None, the catalog's node link."""
     recorded = costs_ref_from_dict(plan.hardware.get("efficiency_from"), "hardware efficiency_from")
-    if plan.tensor_parallel == 1 or recorded is None:
+    if plan.layout.tensor_parallel == 1 or recorded is None:
         return None
     from sim.formats.costs import read_costs, tensor_parallel_link
 
     path = recorded_costs_path(recorded, f"plan {plan_path} (--efficiency-from)",
                                f"re-plan (gpipe plan --efficiency-from {{path}} ... --out {plan_path})")
     data = read_costs(path)
-    return tensor_parallel_link(data, plan.sequence_parallel) if system.name == data.get("system", "cpu") else None
+    return tensor_parallel_link(data, plan.layout.sequence_parallel) if system.name == data.get("system", "cpu") else None
 
 
 def plan_step_note(plan: Plan, step_time_s: float, costs_path: str | None) -> str | None:

@@ -30,6 +30,7 @@ from gpipe.options import (ANALYTIC_ONLY_OPTIONS, Checked, add_data_argument, ad
                            add_precision_argument, add_scale_out_arguments, add_steps_argument, add_trace_argument,
                            check_zero, hardware_of, model_options, one_of)
 from sim.errors import GpipeInputError, require_positive
+from sim.formats.layout import LAYOUT_KEYS, ParallelLayout, flat_layout
 from sim.formats.plan import load_plan, parse_partition
 from sim.planner.partition import even_partition
 from sim.views.progress import bars_shown
@@ -184,7 +185,7 @@ def config_from_args(args: argparse.Namespace):
     else:
         if not args.model:
             raise GpipeInputError("say what to train: --plan plan.json, or --model NAME with --stages K")
-        config = RunConfig(model=args.model, **extra)
+        config = RunConfig.of(model=args.model, **extra)
     if args.model:
         config.model = args.model
     options = _options(args)
@@ -194,28 +195,28 @@ def config_from_args(args: argparse.Namespace):
         config.model = "hf-config:" + named_models()[config.model].config_path
     ref = model_ref(config.model, config.options, config.seed)
     config.options = dict(ref.options)
-    for name in ("microbatches", "checkpoint", "schedule", "virtual_stages", "replicas", "zero", "shard_group",
-                 "gradient_sync", "placement", "tensor_parallel", "sequence_parallel", "expert_parallel",
-                 "expert_tensor_parallel"):
-        if getattr(args, name) is not None:
-            setattr(config, name, getattr(args, name))
-    if config.tensor_parallel == 1 and args.sequence_parallel is None:
-        config.sequence_parallel = False  # a plan's, dropped with its tensor parallelism
-    if args.virtual_stages is None and config.virtual_stages == 1:
-        config.virtual_stages = default_virtual_stages(config.schedule)  # as gpipe simulate defaults it
-    check_virtual_stages(config.schedule, config.virtual_stages)
-    chunks = config.virtual_stages  # layer groups per process: V under the multi-chunk schedules
+    degrees = flat_layout(config.layout)  # the plan's, or the defaults; the flags override them
+    degrees.update({name: getattr(args, name) for name in LAYOUT_KEYS if getattr(args, name, None) is not None})
+    if degrees["tensor_parallel"] == 1 and args.sequence_parallel is None:
+        degrees["sequence_parallel"] = False  # a plan's, dropped with its tensor parallelism
+    if args.virtual_stages is None and degrees["virtual_stages"] == 1:
+        degrees["virtual_stages"] = default_virtual_stages(degrees["schedule"])  # as gpipe simulate defaults it
+    check_virtual_stages(degrees["schedule"], degrees["virtual_stages"])
+    chunks = degrees["virtual_stages"]  # layer groups per process: V under the multi-chunk schedules
+    partition = config.partition
     if args.partition:
-        config.partition = parse_partition(args.partition)
-    elif args.stages or not config.partition:
-        if config.schedule in MULTI_CHUNK_SCHEDULES:  # M is checked once the batch is known (RunConfig.validate)
+        partition = parse_partition(args.partition)
+    elif args.stages or not partition:
+        if degrees["schedule"] in MULTI_CHUNK_SCHEDULES:  # M is checked once the batch is known (RunConfig.validate)
             check_interleaving(args.stages or 1, args.stages or 1, chunks, ref.num_layers)
-        config.partition = default_partition(config, ref.num_layers, args)
-    if args.stages and len(config.partition) != args.stages * chunks:
+        partition = default_partition(config, degrees, ref.num_layers, args)
+    if args.stages and len(partition) != args.stages * chunks:
         if chunks > 1:
-            raise GpipeInputError(f"--partition has {len(config.partition)} chunks but --stages {args.stages} x "
+            raise GpipeInputError(f"--partition has {len(partition)} chunks but --stages {args.stages} x "
                                   f"--virtual-stages {chunks} needs {args.stages * chunks}")
-        raise GpipeInputError(f"--partition has {len(config.partition)} stages but --stages is {args.stages}")
+        raise GpipeInputError(f"--partition has {len(partition)} stages but --stages is {args.stages}")
+    config.partition = tuple(partition)
+    config.layout = ParallelLayout.for_partition(config.partition, **degrees)
     if args.batch is not None:
         config.batch_size = args.batch
     elif not args.plan:
@@ -224,14 +225,15 @@ def config_from_args(args: argparse.Namespace):
     return config.validate()
 
 
-def default_partition(config, num_layers: int, args: argparse.Namespace) -> tuple[int, ...]:
+def default_partition(config, degrees: dict, num_layers: int, args: argparse.Namespace) -> tuple[int, ...]:
     """The partition ``gpipe simulate`` picks for the same flags, so predicted and measured runs
     split the model the same way; an even split for models the simulator has no analytic form of.
-    Under the interleaved schedule the layers are split into V x K chunks."""
+    Under the interleaved schedule the layers are split into V x K chunks. ``degrees``: the layout's
+    flat keys as the flags and plan give them (:data:`sim.formats.layout.LAYOUT_KEYS`)."""
     from sim.workloads.models import BUILTIN_MODELS
     from sim.workloads.moe.workload import builtin_workload
 
-    stages = (args.stages or 1) * config.virtual_stages
+    stages = (args.stages or 1) * degrees["virtual_stages"]
     partition = even_partition(num_layers, stages)  # also rejects more stages than layers
     if config.model not in BUILTIN_MODELS:
         return partition
@@ -240,9 +242,8 @@ def default_partition(config, num_layers: int, args: argparse.Namespace) -> tupl
     from sim.planner.search import default_partition as simulator_partition
 
     batch = args.batch if args.batch is not None else (config.batch_size or _default_batch(config.model))
-    microbatches = args.microbatches or config.microbatches
-    candidate = Candidate(args.stages or 1, microbatches, args.checkpoint or config.checkpoint, config.schedule,
-                          config.replicas, config.virtual_stages, config.zero, config.placement)
+    candidate = Candidate(args.stages or 1, degrees["microbatches"], degrees["checkpoint"], degrees["schedule"],
+                          degrees["replicas"], degrees["virtual_stages"], degrees["zero"], degrees["placement"])
     system = resolve_system(hardware_of(args))
     workload = builtin_workload(config.model, {**config.options, "precision": config.precision})
     try:
@@ -300,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     from executor.models.hf import is_hf, rank_imports
     from executor.runtime.pipeline import prepare
 
-    check_nodes(args, config.world_size, config.tensor_parallel)
+    check_nodes(args, config.world_size, config.layout.tensor_parallel)
     check_capacity(config.world_size, args.nnodes, config.device, os.cpu_count() or 1,
                    device_api(config.device).ranks_per_host())
     for flag, path in (("--report", config.report), ("--trace", config.trace)):

@@ -22,51 +22,43 @@ from sim.workloads.optimizers import DEFAULT_OPTIMIZER
 class RunSpec:
     """One executor run: (D, K, T, V, M, partition, checkpoint, schedule) at a global batch size.
 
-    ``replicas`` D copies of the pipeline train on ``torch.chunk`` of the batch each and average
-    their gradients; each stage runs on ``tensor_parallel`` T ranks (D x K x T processes in all);
-    under a multi-chunk schedule each process runs ``virtual_stages`` V chunks (the partition lists
-    V x K); the calibration design keeps D = T = V = 1.
+    The layout's D copies of the pipeline train on ``torch.chunk`` of the batch each and average
+    their gradients; each stage runs on T ranks (D x K x T processes in all); under a multi-chunk
+    schedule each process runs V chunks (the partition lists V x K); the calibration design keeps
+    D = T = V = 1.
     """
 
     partition: tuple[int, ...]
-    microbatches: int
-    checkpoint: str
-    schedule: str
     batch_size: int
-    replicas: int = 1
-    tensor_parallel: int = 1
-    virtual_stages: int = 1
-    zero: int = 0  # 3: parameters, gradients and optimizer state sharded over the D replicas (FSDP2)
-    gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
-    expert_parallel: int = 1  # E: each stage's routed experts sharded over E of its D replicas
-    expert_tensor_parallel: int | None = None  # each expert's T; None: T (the only value the executor trains)
+    layout: ParallelLayout  # its K: the partition's length over V
+
+    @classmethod
+    def of(cls, partition: Sequence[int], microbatches: int, checkpoint: str, schedule: str, batch_size: int,
+           replicas: int = 1, tensor_parallel: int = 1, virtual_stages: int = 1, **degrees: Any) -> RunSpec:
+        """The run of ``partition`` at ``batch_size`` with the layout these degrees name
+        (:class:`sim.formats.layout.ParallelLayout`'s keys)."""
+        layout = ParallelLayout.for_partition(tuple(partition), microbatches, checkpoint, schedule, replicas=replicas,
+                                              tensor_parallel=tensor_parallel, virtual_stages=virtual_stages, **degrees)
+        return cls(tuple(partition), batch_size, layout)
 
     @property
     def stages(self) -> int:
-        return len(self.partition) // self.virtual_stages
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """The run's parallel layout, as the simulator takes it (the partition beside it)."""
-        return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
-                              self.virtual_stages, self.zero, tensor_parallel=self.tensor_parallel,
-                              gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
-                              expert_tensor_parallel=self.expert_tensor_parallel)
+        return self.layout.stages
 
     @property
     def processes(self) -> int:
         """D x K x T: one process per (replica, stage, tensor-parallel rank)."""
-        return self.replicas * self.stages * self.tensor_parallel
+        return self.layout.processes * self.layout.tensor_parallel
 
     def label(self) -> str:
-        parts = ",".join(map(str, self.partition))
-        replicas = f"D={self.replicas} " if self.replicas > 1 else ""
-        replicas += f"ZeRO-{self.zero} " if self.zero else ""
-        replicas += f"E={self.expert_parallel} " if self.expert_parallel > 1 else ""
-        split = f" T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
-        chunks = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"{replicas}K={self.stages}{split}{chunks} M={self.microbatches} [{parts}] {self.checkpoint} "
-                f"{self.schedule}")
+        layout, parts = self.layout, ",".join(map(str, self.partition))
+        replicas = f"D={layout.replicas} " if layout.replicas > 1 else ""
+        replicas += f"ZeRO-{layout.zero} " if layout.zero else ""
+        replicas += f"E={layout.expert_parallel} " if layout.expert_parallel > 1 else ""
+        split = f" T={layout.tensor_parallel}" if layout.tensor_parallel > 1 else ""
+        chunks = f" V={layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+        return (f"{replicas}K={self.stages}{split}{chunks} M={layout.microbatches} [{parts}] {layout.checkpoint} "
+                f"{layout.schedule}")
 
 
 def skewed(num_layers: int, stages: int) -> tuple[int, ...]:
@@ -100,27 +92,27 @@ def calibration_design(num_layers: int, batch_size: int, max_stages: int = 2,
     after a stage's first adds beyond the backward's and the recompute's lines
     (:func:`calibrate.fit.pipeline_fit.fit_full_backward`)."""
     single = even_partition(num_layers, 1)
-    specs = [RunSpec(single, 2, "never", "gpipe", batch_size),
-             RunSpec(single, 8, "always", "gpipe", batch_size)]
+    specs = [RunSpec.of(single, 2, "never", "gpipe", batch_size),
+             RunSpec.of(single, 8, "always", "gpipe", batch_size)]
     if row_span:
-        specs += [RunSpec(single, 1, "always", "gpipe", batch_size),
-                  RunSpec(single, 16, "never", "gpipe", batch_size)]
+        specs += [RunSpec.of(single, 1, "always", "gpipe", batch_size),
+                  RunSpec.of(single, 16, "never", "gpipe", batch_size)]
     if per_layer_recompute:
-        specs.append(RunSpec(single, 8, "full", "gpipe", batch_size))
+        specs.append(RunSpec.of(single, 8, "full", "gpipe", batch_size))
     if max_stages >= 2 and num_layers >= 2:
-        specs += [RunSpec(even_partition(num_layers, 2), 4, "except_last", "gpipe", batch_size),
-                  RunSpec(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
-                  RunSpec(even_partition(num_layers, 2), 2, "never", "1f1b", batch_size),
-                  RunSpec(even_partition(num_layers, 2), 16, "always", "gpipe", batch_size)]
+        specs += [RunSpec.of(even_partition(num_layers, 2), 4, "except_last", "gpipe", batch_size),
+                  RunSpec.of(skewed(num_layers, 2), 8, "always", "1f1b", batch_size),
+                  RunSpec.of(even_partition(num_layers, 2), 2, "never", "1f1b", batch_size),
+                  RunSpec.of(even_partition(num_layers, 2), 16, "always", "gpipe", batch_size)]
         if row_span:
-            specs.append(RunSpec(even_partition(num_layers, 2), 1, "always", "gpipe", batch_size))
+            specs.append(RunSpec.of(even_partition(num_layers, 2), 1, "always", "gpipe", batch_size))
         if split_backward:
-            specs.append(RunSpec(even_partition(num_layers, 2), 6, "never", "zb-h1", batch_size))
+            specs.append(RunSpec.of(even_partition(num_layers, 2), 6, "never", "zb-h1", batch_size))
         if per_layer_recompute:
-            specs.append(RunSpec(even_partition(num_layers, 2), 8, "full", "gpipe", batch_size))
+            specs.append(RunSpec.of(even_partition(num_layers, 2), 8, "full", "gpipe", batch_size))
     for parts in tensor_parallel:
-        specs += [RunSpec(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size, 1, parts),
-                  RunSpec(even_partition(num_layers, 1), 4, "except_last", "gpipe", batch_size, 1, parts)]
+        specs += [RunSpec.of(even_partition(num_layers, 1), 2, "never", "gpipe", batch_size, 1, parts),
+                  RunSpec.of(even_partition(num_layers, 1), 4, "except_last", "gpipe", batch_size, 1, parts)]
     return specs
 
 
@@ -138,11 +130,6 @@ def run_config(model: str, options: dict[str, Any], spec: RunSpec, steps: int, d
                optimizer: str = DEFAULT_OPTIMIZER, precision: str = "fp32") -> Any:
     from executor.config import RunConfig
 
-    return RunConfig(model=model, options=dict(options), partition=spec.partition,
-                     batch_size=spec.batch_size, microbatches=spec.microbatches,
-                     schedule=spec.schedule, checkpoint=spec.checkpoint, steps=steps,
-                     warmup_steps=WARMUP_STEPS, device=device, timeout_s=120.0, optimizer=optimizer,
-                     precision=precision, replicas=spec.replicas,
-                     tensor_parallel=spec.tensor_parallel, virtual_stages=spec.virtual_stages,
-                     zero=spec.zero, gradient_sync=spec.gradient_sync, expert_parallel=spec.expert_parallel,
-                     expert_tensor_parallel=spec.expert_tensor_parallel).validate()
+    return RunConfig(model=model, options=dict(options), partition=spec.partition, layout=spec.layout,
+                     batch_size=spec.batch_size, steps=steps, warmup_steps=WARMUP_STEPS, device=device, timeout_s=120.0,
+                     optimizer=optimizer, precision=precision).validate()

@@ -23,7 +23,7 @@ def fit_in_pipeline(data: dict[str, Any], specs: Sequence[RunSpec], reports: Seq
                     speeds: Sequence[float], threads_of: dict[int, int]) -> dict[str, Any]:
     """Fit what the design runs measured into ``data`` (in place): ``pipeline`` (per K), each K's step
     overhead, and ``tensor_parallel_fit`` where the design has split runs; the residuals."""
-    whole = [i for i, s in enumerate(specs) if s.tensor_parallel == 1]
+    whole = [i for i, s in enumerate(specs) if s.layout.tensor_parallel == 1]
     obs = Observations()
     for i in whole:
         collect(MeasuredWorkload(data, specs[i].stages), specs[i], reports[i], obs, speeds[i],
@@ -31,7 +31,7 @@ def fit_in_pipeline(data: dict[str, Any], specs: Sequence[RunSpec], reports: Seq
     data["pipeline"], residuals = fit_pipeline(obs, threads_of)
     residuals["step"] = fit_step_overhead(data, [specs[i] for i in whole], [reports[i] for i in whole],
                                           speeds=[speeds[i] for i in whole])
-    if any(s.tensor_parallel > 1 for s in specs):
+    if any(s.layout.tensor_parallel > 1 for s in specs):
         data["tensor_parallel_fit"] = fit_tensor_parallel(data, specs, reports, speeds)
     return residuals
 
@@ -83,9 +83,9 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
     pairs: dict[int, dict[str, tuple[list[float], list[float]]]] = {}
     optimizer_pairs: dict[int, tuple[list[float], list[float]]] = {}  # K's optimizer line's seconds, measured
     for spec, report, speed in zip(specs, reports, speeds):
-        if spec.tensor_parallel == 1:
+        if spec.layout.tensor_parallel == 1:
             continue
-        workload = MeasuredWorkload(data, spec.stages, spec.checkpoint, spec.microbatches, spec.tensor_parallel)
+        workload = MeasuredWorkload(data, spec.stages, spec.layout.checkpoint, spec.layout.microbatches, spec.layout.tensor_parallel)
         bounds = stage_bounds(spec.partition)
         cold = cold_marks(spec)
         for action in report["actions"]:
@@ -93,8 +93,8 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
             if kind not in "FRB":
                 continue
             line = workload.fit.actions[kind]
-            xs, ys = pairs.setdefault(spec.tensor_parallel, {}).setdefault(kind, ([], []))
-            xs.append(profiled_action_s(workload, spec.checkpoint, action, bounds, spec.microbatches))
+            xs, ys = pairs.setdefault(spec.layout.tensor_parallel, {}).setdefault(kind, ([], []))
+            xs.append(profiled_action_s(workload, spec.layout.checkpoint, action, bounds, spec.layout.microbatches))
             ys.append(action["duration_s"] / speed - line.intercept
                       - (line.cold_start_s if starts_cold_in(cold, action) else 0.0))
         measured = set(report.get("measured_steps", ()))
@@ -108,7 +108,7 @@ def fit_tensor_parallel(data: dict[str, Any], specs: Sequence[RunSpec], reports:
         for (stage, _), seconds in sorted(optimizer_s.items()):
             first, end = bounds[stage]
             params = sum(int(workload.memory[i]["param_bytes"]) for i in range(first, end))
-            xs, ys = optimizer_pairs.setdefault(spec.tensor_parallel, ([], []))
+            xs, ys = optimizer_pairs.setdefault(spec.layout.tensor_parallel, ([], []))
             xs.append(whole_line(params))
             ys.append(seconds)
     fits: dict[str, dict[str, float]] = {}

@@ -127,12 +127,12 @@ def collect(workload: MeasuredWorkload, spec: RunSpec, report: dict[str, Any], o
     records, steps = measured_records(report)  # the timeline read once, for the waits and the gaps
     since_wait = busy_since_wait_s(records, steps, IDLE_S)
     for action in report["actions"]:
-        kind = fitted_kind(action, bounds, spec.checkpoint, m_count)
+        kind = fitted_kind(action, bounds, spec.layout.checkpoint, m_count)
         if kind is None:
             if action["kind"] == "I":
                 obs.first_input.setdefault(k_count, []).append(action["duration_s"] / speed)
             continue
-        profiled, fixed = profiled_action_parts(workload, spec.checkpoint, action, bounds, m_count)
+        profiled, fixed = profiled_action_parts(workload, spec.layout.checkpoint, action, bounds, m_count)
         points = obs.actions.setdefault((k_count, kind), ActionPoints())
         points.profiled.append(profiled)
         points.fixed.append(fixed)
@@ -180,8 +180,8 @@ def cold_marks(spec: RunSpec) -> dict[tuple[int, str, int], bool]:
     """Per (virtual stage, kind, micro-batch) of the run's schedule, whether that action starts cold
     (:func:`sim.schedules.schedule.cold_starts`): the simulator walks the same lists."""
     marks: dict[tuple[int, str, int], bool] = {}
-    for actions in build_schedule(spec.stages, spec.microbatches, spec.schedule, spec.checkpoint,
-                                  spec.virtual_stages):
+    for actions in build_schedule(spec.stages, spec.layout.microbatches, spec.layout.schedule, spec.layout.checkpoint,
+                                  spec.layout.virtual_stages):
         for action, is_cold in zip(actions, cold_starts(actions)):
             marks[(action.stage, action.kind.value, action.microbatch)] = is_cold
     return marks
@@ -240,5 +240,5 @@ def profiled_action_parts(workload: MeasuredWorkload, checkpoint: str, action: d
 def _rows_of(spec: RunSpec, microbatch: int) -> int:
     from sim.schedules.microbatch import split_rows
 
-    rows = split_rows(spec.batch_size, spec.microbatches)
+    rows = split_rows(spec.batch_size, spec.layout.microbatches)
     return rows[microbatch] if 0 <= microbatch < len(rows) else rows[0]

@@ -36,10 +36,10 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     system = get_system(system_name)
     if spec.processes > system.total_devices:
         system = replace(system, devices_per_node=spec.processes, nodes=1)
-    workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.tensor_parallel)
-    workload, system = workload.bind(system, spec.stages, spec.checkpoint, spec.microbatches, spec.replicas)
+    workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.layout.tensor_parallel)
+    workload, system = workload.bind(system, spec.stages, spec.layout.checkpoint, spec.layout.microbatches, spec.layout.replicas)
     # one replica has nothing to average, so no all-reduce to price
-    link = workload.allreduce_link(system) if spec.replicas > 1 else None
+    link = workload.allreduce_link(system) if spec.layout.replicas > 1 else None
     return simulate(workload, system, spec.partition, spec.batch_size, spec.layout, allreduce_link=link)
 
 

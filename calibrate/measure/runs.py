@@ -52,7 +52,7 @@ def run_configs(configs: Sequence[Any], timeout_s: float = 900.0,
     """Run every :class:`executor.config.RunConfig`; the reports come back in the same order."""
     by_shape: dict[tuple[int, int, int], list[int]] = {}  # (D, K, T) -> configurations, one launch each
     for index, config in enumerate(configs):
-        by_shape.setdefault((config.replicas, config.stages, config.tensor_parallel), []).append(index)
+        by_shape.setdefault((config.layout.replicas, config.stages, config.layout.tensor_parallel), []).append(index)
     reports: list[dict[str, Any]] = [{} for _ in configs]
     with phase("executor runs", total=len(configs), unit="run") as bar:
         for (replicas, stages, parts), indices in sorted(by_shape.items(),
@@ -214,13 +214,13 @@ def _make_stage(config: Any, prepared: Any, rank: int, device: Any, groups: dict
     from executor.runtime.pipeline import make_dist_stage
     from executor.runtime.recording import Recorder
 
-    if config.replicas == 1 and config.tensor_parallel == 1 and config.virtual_stages == 1:
+    if config.layout.replicas == 1 and config.layout.tensor_parallel == 1 and config.layout.virtual_stages == 1:
         return make_dist_stage(config, prepared, rank, device, Recorder(rank, device), groups), None, None
     from executor.parallel import replicas
 
     layout = replicas.build_layout(config, rank, device.type, prepared.shared)
     recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank)
-    make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage  # several chunks per rank, as gpipe train
+    make = make_dist_chunks if config.layout.virtual_stages > 1 else make_dist_stage  # several chunks per rank, as gpipe train
     stage = make(config, prepared, rank, device, recorder, layout=layout)
     held = replicas.attach(stage, layout)
     return stage, layout, held
@@ -233,9 +233,9 @@ def by_replica_and_stage(config: Any, gathered: Sequence[Any]) -> list[Any]:
     (its T ranks hold equal shares)."""
     from sim.engine.placement import device_of
 
-    parts = config.tensor_parallel
-    return [gathered[device_of(d, k, config.replicas, config.stages, config.placement) * parts]
-            for d in range(config.replicas) for k in range(config.stages)]
+    parts = config.layout.tensor_parallel
+    return [gathered[device_of(d, k, config.layout.replicas, config.stages, config.layout.placement) * parts]
+            for d in range(config.layout.replicas) for k in range(config.stages)]
 
 
 def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]:
@@ -251,7 +251,7 @@ def _report(config: Any, gathered: Sequence[Any], device: Any) -> dict[str, Any]
     allocated = [p["peak_allocated_bytes"] for p in ordered]
     allocated = allocated if any(a is not None for a in allocated) else None
     # replica 0's device of the last (virtual) stage: the global mean with D > 1
-    losses = ordered[device_of_virtual_stage(len(config.partition) - 1, config.stages, config.schedule)]["losses"]
+    losses = ordered[device_of_virtual_stage(len(config.partition) - 1, config.stages, config.layout.schedule)]["losses"]
     report = build_report(timeline, losses, config.to_dict(), plan, [p["peak_activation_bytes"] for p in ordered],
                           allocated, 0, sharded_bytes=[p.get("sharded") for p in ordered])
     report["speed_probe_s"] = [p["speed_probe_s"] for p in gathered]  # per rank: [before, after]
@@ -285,14 +285,14 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(configs[0].threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(api.backend, timeout=timedelta(seconds=configs[0].timeout_s))
     try:
-        groups = boundary_groups(world) if configs[0].replicas == 1 and configs[0].tensor_parallel == 1 else {}
+        groups = boundary_groups(world) if configs[0].layout.replicas == 1 and configs[0].layout.tensor_parallel == 1 else {}
         probes: dict[str, tuple[SpeedProbe, AfterWaitProbe]] = {}
         for position, config in enumerate(configs):
-            if config.world_size != world or (config.replicas, config.tensor_parallel) != \
-                    (configs[0].replicas, configs[0].tensor_parallel):
-                raise ValueError(f"configuration {position} has {config.replicas} replica(s) of {config.stages} "
-                                 f"stage(s) of {config.tensor_parallel} rank(s), the launch {configs[0].replicas} "
-                                 f"replica(s) of {configs[0].tensor_parallel} rank(s) per stage in a world of {world}")
+            if config.world_size != world or (config.layout.replicas, config.layout.tensor_parallel) != \
+                    (configs[0].layout.replicas, configs[0].layout.tensor_parallel):
+                raise ValueError(f"configuration {position} has {config.layout.replicas} replica(s) of {config.stages} "
+                                 f"stage(s) of {config.layout.tensor_parallel} rank(s), the launch {configs[0].layout.replicas} "
+                                 f"replica(s) of {configs[0].layout.tensor_parallel} rank(s) per stage in a world of {world}")
             key = json.dumps([config.model, config.options, config.batch_size, config.loss], sort_keys=True)
             if key not in probes:
                 probe = SpeedProbe.model(config.model, config.options, config.batch_size, config.loss, device)

@@ -149,7 +149,7 @@ def error_rows(costs: dict[str, Any] | None, plan: Any, predicted: Any,
     rows.append(("end-of-step span (last compute to step end, and last step's end to first action)",
                  f"{predicted_end * 1e3:.2f} ms", f"{measured_end * 1e3:.2f} ms", _rel(predicted_end, measured_end)))
     if costs is not None:
-        rows += gap_rows(report, costs.get("pipeline", {}).get(str(plan.stages), {}).get("gap_after_s", {}))
+        rows += gap_rows(report, costs.get("pipeline", {}).get(str(plan.layout.stages), {}).get("gap_after_s", {}))
         overhead = sum(r.duration_s for r in predicted.timeline.records if r.kind == STEP_OVERHEAD and r.stage == 0)
         rows.append(("of it, the fitted per-step overhead (work between steps, at most the span measured there)",
                      f"{overhead * 1e3:.2f} ms", "-", "-"))
@@ -175,10 +175,10 @@ def fit_quality_line(costs: dict[str, Any] | None) -> str:
 def describe_plan(plan: Any, costs: dict[str, Any] | None) -> str:
     """The plan and the machine in words, for the report's heading."""
     options = ", ".join(f"{k}={v}" for k, v in plan.model.options.items())
-    chunks = f" V={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
-    replicas = f"D={plan.replicas} " if plan.replicas > 1 else ""
-    text = (f"Plan {replicas}K={plan.stages}{chunks} M={plan.microbatches}, partition "
-            f"{','.join(map(str, plan.partition))}, {plan.checkpoint}, {plan.schedule}, for {plan.model.name} "
+    chunks = f" V={plan.layout.virtual_stages}" if plan.layout.virtual_stages > 1 else ""
+    replicas = f"D={plan.layout.replicas} " if plan.layout.replicas > 1 else ""
+    text = (f"Plan {replicas}K={plan.layout.stages}{chunks} M={plan.layout.microbatches}, partition "
+            f"{','.join(map(str, plan.partition))}, {plan.layout.checkpoint}, {plan.layout.schedule}, for {plan.model.name} "
             f"({options}), batch {plan.batch_size}, {plan.precision}, {plan.optimizer}.")
     if costs is not None:
         machine = costs.get("machine", {})
@@ -220,25 +220,33 @@ def write_run_report(path: str, title: str, verdict: str, costs: dict[str, Any] 
         from calibrate.report.report_picture import picture_figure, write_png
 
         steps = compare_figure([predicted.timeline, measured_step], ["predicted", "measured"], memory=False)
-        heading = (f"{title}: {plan.model.name} K={plan.stages} M={plan.microbatches} {plan.schedule}, predicted "
+        heading = (f"{title}: {plan.model.name} K={plan.layout.stages} M={plan.layout.microbatches} {plan.layout.schedule}, predicted "
                    f"{predicted.step_time_s * 1e3:.1f} ms, measured {report['step_time_s'] * 1e3:.1f} ms per step")
         write_png(picture_figure(steps, loss, heading), picture)
 
 
-# the fields of a plan that change what trains; flags given to gpipe train beside --plan may change them
-LAYOUT_FIELDS = ("partition", "batch_size", "microbatches", "checkpoint", "schedule", "optimizer", "precision",
-                 "replicas", "virtual_stages", "zero", "placement", "tensor_parallel", "sequence_parallel")
+# the fields of a plan that change what trains, beside its layout's; flags given to gpipe train beside --plan
+# may change them
+TRAINED_FIELDS = ("partition", "batch_size", "optimizer", "precision")
+TRAINED_LAYOUT_FIELDS = ("microbatches", "checkpoint", "schedule", "replicas", "virtual_stages", "zero", "placement",
+                         "tensor_parallel", "sequence_parallel")
 
 
 def trained_plan(planned: Any, trained: Any) -> tuple[Any, list[str]]:
-    """The plan as it trained: ``planned`` with the layout fields of ``trained`` (the run's own plan,
-    from its configuration), and each change as "microbatches 8 -> 4" ([] when it trained as planned)."""
+    """The plan as it trained: ``planned`` with the fields of ``trained`` (the run's own plan, from its
+    configuration) that change what trains, and each change as "microbatches 8 -> 4" ([] when it
+    trained as planned)."""
     from dataclasses import replace
 
-    changes = {name: getattr(trained, name) for name in LAYOUT_FIELDS
-               if getattr(trained, name) != getattr(planned, name)}
-    said = [f"{name} {getattr(planned, name)} -> {value}" for name, value in changes.items()]
-    return (replace(planned, **changes) if changes else planned), said
+    said = [f"{name} {getattr(planned, name)} -> {getattr(trained, name)}" for name in TRAINED_FIELDS
+            if getattr(trained, name) != getattr(planned, name)]
+    said += [f"{name} {getattr(planned.layout, name)} -> {getattr(trained.layout, name)}"
+             for name in TRAINED_LAYOUT_FIELDS if getattr(trained.layout, name) != getattr(planned.layout, name)]
+    if not said:
+        return planned, said
+    layout = replace(planned.layout, **{name: getattr(trained.layout, name) for name in TRAINED_LAYOUT_FIELDS},
+                     stages=trained.layout.stages)
+    return replace(planned, layout=layout, **{name: getattr(trained, name) for name in TRAINED_FIELDS}), said
 
 
 class PlanComparison:

@@ -303,17 +303,17 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
     speeds = [round_speed_factor(data, spec, r) for r in reports]
     loss_reference = after_wait_reference_s(data, spec.processes)
     rounds_busy = [[r["stages"][k]["busy_s"] / speed for r, speed in zip(reports, speeds)] for k in range(len(busy))]
-    waits = [replica_waits(r, spec.replicas) for r in reports]
+    waits = [replica_waits(r, spec.layout.replicas) for r in reports]
     return Comparison(spec.label(), result.step_time_s, measured,
                       replica_zero_peak_bytes(result),
                       [s["peak_activation_bytes"] for s in reports[0]["stages"]],
-                      [r["step_time_s"] for r in reports], speeds, spec.replicas,
+                      [r["step_time_s"] for r in reports], speeds, spec.layout.replicas,
                       processes_available is not None and spec.processes > processes_available,
                       predicted_busy, busy, predicted_end_span_s(result), span, rounds_busy,
                       predicted_kind_s(result, len(busy)), measured_kind_s(reports, speeds, len(busy)), halves,
-                      [statistics.median(w[0][k] for w in waits) for k in range(len(busy))] if spec.replicas > 1
-                      else [], predicted_replica_waits_s(result, len(busy)) if spec.replicas > 1 else [],
-                      statistics.median(w[1] for w in waits) if spec.replicas > 1 else 0.0,
+                      [statistics.median(w[0][k] for w in waits) for k in range(len(busy))] if spec.layout.replicas > 1
+                      else [], predicted_replica_waits_s(result, len(busy)) if spec.layout.replicas > 1 else [],
+                      statistics.median(w[1] for w in waits) if spec.layout.replicas > 1 else 0.0,
                       [s.host.warm_up_s if s.host else 0.0 for s in replica_zero],
                       [warm_up_factor(run_after_wait_probes(r), loss_reference) for r in reports]
                       if loss_reference is not None else [], not_judged,
@@ -326,7 +326,7 @@ SHARDED_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", 
 def sharded_bytes(result: Any, report: dict[str, Any], spec: RunSpec) -> tuple[list[int], list[int]]:
     """ZeRO-2/3 runs: each rank's sharded bytes as the simulator predicts them and as the executor
     counted them (:data:`SHARDED_FIELDS` summed), in (replica, stage) order; empty otherwise."""
-    if spec.zero < 2 or spec.replicas < 2:
+    if spec.layout.zero < 2 or spec.layout.replicas < 2:
         return [], []
     devices = sorted((s for s in result.stages if s.sharded is not None), key=lambda s: (s.replica, s.stage))
     predicted = [sum(getattr(s.sharded, name) for name in SHARDED_FIELDS) for s in devices]

@@ -96,8 +96,8 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
         virtual = default_virtual_stages(schedule)
         if stages * virtual > num_layers:
             continue
-        spec = RunSpec(split(num_layers, stages * virtual), m, checkpoint, schedule, batch_size, replicas, parts,
-                       virtual, zero, sync)
+        spec = RunSpec.of(split(num_layers, stages * virtual), m, checkpoint, schedule, batch_size, replicas, parts,
+                          virtual, zero=zero, gradient_sync=sync)
         if spec not in seen and spec not in specs:
             specs.append(spec)
     return specs[:limit] if limit else specs

@@ -133,10 +133,10 @@ def train(config: RunConfig) -> None:
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     if world != config.world_size:
-        plan = f"{config.stages} stages" if config.replicas == 1 else \
-            f"{config.replicas} replicas x {config.stages} stages"
-        if config.tensor_parallel > 1:
-            plan += f" x {config.tensor_parallel} tensor-parallel ranks"
+        plan = f"{config.stages} stages" if config.layout.replicas == 1 else \
+            f"{config.layout.replicas} replicas x {config.stages} stages"
+        if config.layout.tensor_parallel > 1:
+            plan += f" x {config.layout.tensor_parallel} tensor-parallel ranks"
         if config.world_size != config.stages:
             plan += f" = {config.world_size} ranks"
         raise GpipeInputError(f"the plan has {plan} but torchrun started {world} processes; start exactly one "
@@ -150,8 +150,8 @@ def train(config: RunConfig) -> None:
         writers = nodes.output_writers(views)
         layout = replicas.build_layout(config, rank, device.type, prepared.shared)
         recorder = Recorder(layout.stage, device, replica=layout.replica, tp=layout.tp_rank,
-                            collectives=bool(config.trace) and config.tensor_parallel > 1)
-        make = make_dist_chunks if config.virtual_stages > 1 else make_dist_stage
+                            collectives=bool(config.trace) and config.layout.tensor_parallel > 1)
+        make = make_dist_chunks if config.layout.virtual_stages > 1 else make_dist_stage
         stage = make(config, prepared, rank, device, recorder, layout=layout)
         gathered = replicas.attach(stage, layout)  # ZeRO-2/3: samples the gathered parameters
         recorder.restart(shared_origin_s())  # one time axis for the ranks of a host
@@ -258,8 +258,8 @@ def _report(config: RunConfig, gathered: list[Any], first_step: int, device: tor
     gathered = [p for p in gathered if p["tp"] == 0]  # a stage's figures: its tensor-parallel rank 0's
     gathered = sorted(gathered, key=lambda p: (p["replica"], p["stage"]))  # replica 0's stages first
     timeline.meta.update({"model": config.model, "partition": list(config.partition),
-                          "microbatches": config.microbatches, "schedule": config.schedule,
-                          "checkpoint": config.checkpoint, "device": device.type})
+                          "microbatches": config.layout.microbatches, "schedule": config.layout.schedule,
+                          "checkpoint": config.layout.checkpoint, "device": device.type})
     plan = config.plan(model_ref(config.model, config.options, config.seed)).to_dict()
     allocated = [p["peak_allocated_bytes"] for p in gathered]
     allocated = allocated if any(a is not None for a in allocated) else None

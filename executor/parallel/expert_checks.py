@@ -29,32 +29,32 @@ def check_expert_parallel(config: ExpertSettings) -> None:
     """The settings E needs, one line each: E dividing D, expert tensor parallelism equal to T, no
     ZeRO, no split backward, the same number of micro-batches on every replica (the replicas of a
     group run their all-to-alls together, action by action)."""
-    parts, etp = config.expert_parallel, config.expert_tensor_parallel
+    parts, etp = config.layout.expert_parallel, config.layout.expert_tensor_parallel
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise GpipeInputError(f"--expert-parallel {parts!r} is not a positive integer; use 1 (none) or more")
-    if etp is not None and etp != config.tensor_parallel:
+    if etp is not None and etp != config.layout.tensor_parallel:
         raise GpipeInputError(f"--expert-tensor-parallel {etp} differs from --tensor-parallel "
-                              f"{config.tensor_parallel}: gpipe train splits each expert as tensor parallelism splits the dense layers; drop "
-                              f"--expert-tensor-parallel or use {config.tensor_parallel}")
+                              f"{config.layout.tensor_parallel}: gpipe train splits each expert as tensor parallelism splits the dense layers; drop "
+                              f"--expert-tensor-parallel or use {config.layout.tensor_parallel}")
     if parts == 1:
         return
-    if config.replicas % parts:
-        raise GpipeInputError(f"--expert-parallel {parts} does not divide --replicas {config.replicas}: the experts "
+    if config.layout.replicas % parts:
+        raise GpipeInputError(f"--expert-parallel {parts} does not divide --replicas {config.layout.replicas}: the experts "
                               "are sharded over E of each stage's replicas; use an E that divides D")
-    if config.zero:
-        raise GpipeInputError(f"--expert-parallel {parts} with --zero {config.zero} is not supported yet: the "
+    if config.layout.zero:
+        raise GpipeInputError(f"--expert-parallel {parts} with --zero {config.layout.zero} is not supported yet: the "
                               "sharded optimizer or FSDP would shard the experts over replicas holding other ones; "
                               "drop --zero or use --expert-parallel 1")
-    if config.schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise GpipeInputError(f"--expert-parallel {parts} with --schedule {config.schedule} is not supported: the "
+    if config.layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise GpipeInputError(f"--expert-parallel {parts} with --schedule {config.layout.schedule} is not supported: the "
                               "split backward's halves would run the expert exchange's reverse all-to-alls apart; "
                               "use gpipe, 1f1b or interleaved")
-    executed = {len(split_rows(rows, config.microbatches)) for rows in split_rows(config.batch_size, config.replicas)}
+    executed = {len(split_rows(rows, config.layout.microbatches)) for rows in split_rows(config.batch_size, config.layout.replicas)}
     if len(executed) > 1:
         raise GpipeInputError(f"--batch {config.batch_size} gives the replicas {sorted(executed)} micro-batches, not "
                               f"the same number, and the replicas of an expert-parallel group exchange tokens "
                               f"micro-batch by micro-batch; use a batch that is a multiple of --replicas "
-                              f"{config.replicas} x --microbatches {config.microbatches}")
+                              f"{config.layout.replicas} x --microbatches {config.layout.microbatches}")
 
 
 def check_model_experts(model: nn.Sequential, parts: int) -> None:

@@ -82,7 +82,7 @@ from executor.runtime.stage import PipelineStage
 from executor.transport.p2p import ACT, GRAD
 from sim.engine.placement import device_of, replica_and_stage
 from sim.errors import GpipeInputError
-from sim.formats.layout import default_gradient_sync
+from sim.formats.layout import ParallelLayout
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import Action, Kind, device_of_virtual_stage
 
@@ -96,16 +96,9 @@ class ReplicaSettings(Protocol):
     """What this module reads of a run's settings (an :class:`executor.config.RunConfig`, which
     calls :func:`check_data_parallel` from its ``validate``: so this module does not import it)."""
 
-    replicas: int
+    layout: ParallelLayout
     batch_size: int
-    zero: int
-    shard_group: int | None
-    gradient_sync: str | None
-    schedule: str
-    checkpoint: str
-    placement: str
-    virtual_stages: int
-    tensor_parallel: int
+    trace: str
 
     @property
     def stages(self) -> int: ...
@@ -130,11 +123,11 @@ def replica_rows(batch_size: int, replicas: int) -> list[int]:
 def check_data_parallel(config: ReplicaSettings) -> None:
     """The replica settings of ``config``, one line each: rows for every replica, ZeRO only with D > 1,
     ZeRO-2/3 where FSDP can run it (:mod:`executor.parallel.sharding_checks`)."""
-    if config.zero and config.replicas == 1:
-        raise GpipeInputError(f"--zero {config.zero} shards state over data-parallel replicas but --replicas is 1; "
+    if config.layout.zero and config.layout.replicas == 1:
+        raise GpipeInputError(f"--zero {config.layout.zero} shards state over data-parallel replicas but --replicas is 1; "
                               "add --replicas 2 or more, or drop --zero")
     check_fully_sharded(config)
-    replica_rows(config.batch_size, config.replicas)
+    replica_rows(config.batch_size, config.layout.replicas)
 
 
 def replica_seed(seed: int, replica: int) -> int:
@@ -235,10 +228,10 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     rank t of the other stages. Collective: every rank calls it at the same point (``new_group`` is
     collective, and every rank creates every pipeline's groups in the same order).
     """
-    replicas, stages, placement = config.replicas, config.stages, config.placement
-    parts = getattr(config, "tensor_parallel", 1)
-    chunks = stages * config.virtual_stages  # virtual stages, placed by sim.schedules.schedule.device_of_virtual_stage
-    position = [device_of_virtual_stage(s, stages, config.schedule) for s in range(chunks)]
+    replicas, stages, placement = config.layout.replicas, config.stages, config.layout.placement
+    parts = config.layout.tensor_parallel
+    chunks = stages * config.layout.virtual_stages  # virtual stages, placed by sim.schedules.schedule.device_of_virtual_stage
+    position = [device_of_virtual_stage(s, stages, config.layout.schedule) for s in range(chunks)]
     group_of_ranks, tp_rank = divmod(rank, parts)
     replica, stage = replica_and_stage(group_of_ranks, replicas, stages, placement)
     grid = [[[device_of(d, k, replicas, stages, placement) * parts + t for t in range(parts)] for k in range(stages)]
@@ -247,9 +240,9 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     names: tuple[str, ...] = (DP, PP, TP)
     if parts == 1:
         ranks_grid, names = ranks_grid[..., 0], (DP, PP)
-    shard_group = getattr(config, "shard_group", None)
-    hsdp = config.zero >= 2 and shard_group is not None and shard_group < replicas
-    experts = getattr(config, "expert_parallel", 1)
+    shard_group = config.layout.shard_group
+    hsdp = config.layout.zero >= 2 and shard_group is not None and shard_group < replicas
+    experts = config.layout.expert_parallel
     if hsdp:  # dp as (replicate, shard): replicas r*N .. r*N + N-1 shard among themselves
         ranks_grid = ranks_grid.reshape(replicas // shard_group, shard_group, *ranks_grid.shape[1:])
         mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=(DP_REPLICATE, DP_SHARD, *names[1:]))
@@ -283,11 +276,11 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
                 shared_groups = groups
     rows = replica_rows(config.batch_size, replicas)[replica]
     stage_ranks = tuple(grid[replica][k][tp_rank] for k in range(stages))
-    return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.zero, stage_ranks,
+    return Layout(replicas, stages, replica, stage, rows, config.batch_size, config.layout.zero, stage_ranks,
                   mesh, boundary, shared_groups, parts, tp_rank, shard_group,
-                  reshards_after_forward(config.zero, stages),
-                  config.zero >= 2 and (config.gradient_sync or default_gradient_sync(stages)) == "microbatch",
-                  experts, bool(getattr(config, "trace", "")))
+                  reshards_after_forward(config.layout.zero, stages),
+                  config.layout.zero >= 2 and config.layout.resolved_gradient_sync == "microbatch",
+                  experts, bool(config.trace))
 
 
 def last_backward_index(actions: Sequence[Action]) -> int:

@@ -28,12 +28,12 @@ def check_fully_sharded(config: ShardingSettings) -> None:
     """ZeRO-2/3's needs of the settings, one line each: a shard group dividing D, no split-backward
     schedule (its weight pass adds to the sharded parameters, not the gathered ones FSDP computes
     with: :mod:`executor.parallel.fully_sharded`); a gradient sync only with ZeRO-2/3."""
-    check_gradient_sync(config.gradient_sync, config.zero)
-    if config.zero < 2:
+    check_gradient_sync(config.layout.gradient_sync, config.layout.zero)
+    if config.layout.zero < 2:
         return
-    check_sharding(config.zero, config.replicas, config.shard_group)
-    if config.schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise GpipeInputError(f"--zero {config.zero} with --schedule {config.schedule}: the split backward adds weight "
+    check_sharding(config.layout.zero, config.layout.replicas, config.layout.shard_group)
+    if config.layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise GpipeInputError(f"--zero {config.layout.zero} with --schedule {config.layout.schedule}: the split backward adds weight "
                               "gradients to the sharded parameters, not the gathered ones FSDP computes with; use "
                               "gpipe, 1f1b or interleaved, or --zero 1")
 

@@ -132,15 +132,15 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
         rank, groups, ranks, pipeline_group = layout.stage, layout.boundary_groups, layout.stage_ranks, layout.pp_group
         shared = layout.shared_groups
     else:
-        groups = virtual_boundary_groups(devices, config.virtual_stages, config.schedule) if devices > 1 else {}
-        shared = shared_process_groups(prepared.shared, devices, config.schedule)
+        groups = virtual_boundary_groups(devices, config.layout.virtual_stages, config.layout.schedule) if devices > 1 else {}
+        shared = shared_process_groups(prepared.shared, devices, config.layout.schedule)
     mailboxes = LocalMailboxes()  # hand-offs between this rank's own chunks
     links = host_links(device, config.transport, config.timeout_s)
 
     def transport(virtual_stage: int) -> Transport:
         if devices == 1:
             return mailboxes.endpoint(virtual_stage)
-        peers = chunk_peers(virtual_stage, devices, config.virtual_stages, groups, ranks, config.schedule)
+        peers = chunk_peers(virtual_stage, devices, config.layout.virtual_stages, groups, ranks, config.layout.schedule)
         return stage_transport(peers, device, pipeline_group, links, mailboxes.endpoint(virtual_stage))
 
     tp_mesh = layout.tp_mesh if layout is not None else None
@@ -148,7 +148,7 @@ def make_dist_chunks(config: RunConfig, prepared: Prepared, rank: int, device: t
     experts = layout.experts if layout is not None else None
     chunks = [make_stage(config, prepared, s, transport(s), device, tp_mesh=tp_mesh, sharding=sharding,
                          experts=experts)
-              for s in virtual_stages_of_device(rank, devices, config.virtual_stages, config.schedule)]
+              for s in virtual_stages_of_device(rank, devices, config.layout.virtual_stages, config.layout.schedule)]
     chunked = ChunkedDevice(chunks, recorder)
     chunked.reduce_shared = chunk_reducer(chunks, prepared.shared, shared)
     return chunked

@@ -76,13 +76,13 @@ def prepare(config: RunConfig) -> Prepared:
                                      config.data or None)
     loss_fn = loss_function(loss)
     validate_partition(tuple(config.partition), len(model))
-    if config.tensor_parallel > 1:  # DTensor is slow to import (loaded_types): tensor-parallel runs only
+    if config.layout.tensor_parallel > 1:  # DTensor is slow to import (loaded_types): tensor-parallel runs only
         from executor.parallel.tensor_parallel import check_model
 
-        check_model(model, config.tensor_parallel, config.sequence_parallel)
-    check_model_experts(model, config.expert_parallel)
+        check_model(model, config.layout.tensor_parallel, config.layout.sequence_parallel)
+    check_model_experts(model, config.layout.expert_parallel)
     shared = find_shared(model, tuple(config.partition))
-    check_wrappable(model, tuple(config.partition), config.zero, config.checkpoint)  # what FSDP cannot wrap (ZeRO-2/3)
+    check_wrappable(model, tuple(config.partition), config.layout.zero, config.layout.checkpoint)  # what FSDP cannot wrap (ZeRO-2/3)
     check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))
     to_meta = partial(map_tensors, lambda t: t.to("meta"))
     boundaries = dry_run(model, tuple(config.partition), to_meta(inputs), to_meta(targets), loss_fn,
@@ -115,9 +115,9 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
     data-parallel ranks (:mod:`executor.parallel.fully_sharded`), all before its optimizer is made."""
     stages = len(config.partition)  # virtual stages: K, or V*K under the interleaved schedule
     stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
-                               microbatches=config.microbatches, schedule=config.schedule,
-                               checkpoint=config.checkpoint, seed=config.seed, precision=config.precision,
-                               virtual_stages=config.virtual_stages)
+                               microbatches=config.layout.microbatches, schedule=config.layout.schedule,
+                               checkpoint=config.layout.checkpoint, seed=config.seed, precision=config.precision,
+                               virtual_stages=config.layout.virtual_stages)
     module = stage_layers(config, prepared, stage)
     if experts is not None:
         from executor.parallel.expert_parallel import keep_local_experts
@@ -126,7 +126,7 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
     if tp_mesh is not None:
         from executor.parallel.tensor_parallel import parallelize_stage
 
-        parallelize_stage(module.to(device), tp_mesh, config.sequence_parallel)
+        parallelize_stage(module.to(device), tp_mesh, config.layout.sequence_parallel)
     if sharding is not None:
         from executor.parallel.fully_sharded import shard_module
 
@@ -201,8 +201,8 @@ class LocalPipeline:
                        for s in range(len(config.partition))]
         self.prepared.source = None  # a factory() model built here is not needed once the stages hold copies
         self.devices: list[PipelineStage] | list[ChunkedDevice] = self.stages
-        if config.virtual_stages > 1:
-            self.devices = [ChunkedDevice(chunks_of_device(self.stages, d, config.stages, config.schedule))
+        if config.layout.virtual_stages > 1:
+            self.devices = [ChunkedDevice(chunks_of_device(self.stages, d, config.stages, config.layout.schedule))
                             for d in range(config.stages)]
         self.grad_norms: list[float] = []  # global gradient norm (before clipping) of each clipping step
 

@@ -51,8 +51,8 @@ class StepBatches:
         inputs, targets = batch_for_step(c.model, c.options, c.batch_size, c.seed, step, c.data or None)
         if self.share is not None:
             inputs, targets = self.share(inputs), self.share(targets)
-        return (micro_batches(inputs, c.microbatches, self.device),
-                micro_batches(targets, c.microbatches, self.device))
+        return (micro_batches(inputs, c.layout.microbatches, self.device),
+                micro_batches(targets, c.layout.microbatches, self.device))
 
     def take(self, step: int) -> tuple[Any, Any]:
         self.step = step

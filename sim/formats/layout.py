@@ -19,7 +19,8 @@ are known (:func:`sim.engine.engine.check_layout`, the partitioners).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
 from sim.errors import GpipeInputError, require_positive
@@ -132,6 +133,16 @@ class ParallelLayout:
     def virtual_stage_count(self) -> int:
         """V x K: the chunks the partition splits the model into."""
         return self.stages * self.virtual_stages
+
+
+# The keys a layout is written with where it sits flat beside a partition (the plan file, a run's config):
+# every degree but K, which is the partition's length over V
+LAYOUT_KEYS = tuple(f.name for f in fields(ParallelLayout) if f.name != "stages")
+
+
+def flat_layout(layout: ParallelLayout) -> dict[str, Any]:
+    """``layout`` as the flat keys of :data:`LAYOUT_KEYS` (its K left to the partition beside it)."""
+    return {key: getattr(layout, key) for key in LAYOUT_KEYS}
 
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -29,14 +29,12 @@ import hashlib
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-from sim.engine.placement import DEFAULT_PLACEMENT, check_placement
 from sim.errors import GpipeInputError, require_positive
-from sim.formats.layout import (ParallelLayout, check_chunked_partition, check_expert_grid, check_gradient_sync,
-                                check_sharding)
+from sim.formats.layout import LAYOUT_KEYS, ParallelLayout, check_chunked_partition, flat_layout
 from sim.formats.timeline import read_json, write_json_atomic
-from sim.schedules.schedule import check_checkpoint_policy, check_schedule_name
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER, check_optimizer, optimizer_slots
 from sim.workloads.precision import DEFAULT_PRECISION, check_precision
 
@@ -89,67 +87,45 @@ class ModelRef:
 
 @dataclass(frozen=True)
 class Plan:
+    """What to run: the model, its partition, the batch and the parallel layout, with what it was priced on.
+
+    The layout is the one record every part takes (:class:`sim.formats.layout.ParallelLayout`); the file
+    spells its degrees as flat keys beside the partition (:data:`sim.formats.layout.LAYOUT_KEYS`), as
+    plans have always been written."""
+
     model: ModelRef
     partition: tuple[int, ...]  # layers per (virtual) stage, in model order: V*K entries
-    batch_size: int  # rows per mini-batch (one optimizer step)
-    microbatches: int
-    checkpoint: str = "except_last"
-    schedule: str = "gpipe"
+    batch_size: int  # rows per mini-batch (one optimizer step); with D replicas, the global batch
+    layout: ParallelLayout  # D, K, V, T, C, E, M, schedule, policy, ZeRO, placement; its K is the partition's over V
     optimizer: str = DEFAULT_OPTIMIZER  # what gpipe train trains with; its state is in the memory
     # system, nodes; efficiency, bandwidth_efficiency and efficiency_from (a CostsRef's fields) where given
     hardware: dict[str, Any] = field(default_factory=lambda: {"system": "cpu", "nodes": 1})
     predicted: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
     precision: str = DEFAULT_PRECISION
-    replicas: int = 1  # D data-parallel copies of the pipeline; batch_size is the global batch
-    virtual_stages: int = 1  # V chunks per device (the interleaved schedule); 1 otherwise
-    zero: int = 0  # sharded over each stage's data-parallel group: 1 optimizer state, 2 and gradients, 3 and parameters
-    placement: str = DEFAULT_PLACEMENT  # sim.engine.placement: which device runs which replica's stage
-    tensor_parallel: int = 1  # T devices of one node per stage (sim.workloads.tensor_parallel)
-    sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
-    context_parallel: int = 1  # C more devices of the node per stage, each sequence split over them
     dp_overlap: bool = False  # timed with the data-parallel reduction inside the last backward (Megatron's)
     costs: CostsRef | None = None  # the measured costs it was priced with; None: the catalog's models
-    shard_group: int | None = None  # ZeRO-2/3 within groups of this many replicas (HSDP); None: all of them
-    gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
-    expert_parallel: int = 1  # E: each MoE layer's routed experts split over E ranks (sim.workloads.moe)
-    expert_tensor_parallel: int | None = None  # ETP: the experts' own TP degree; None: T
 
-    @property
-    def stages(self) -> int:
-        """K, devices in one pipeline: the partition has V chunks per device."""
-        return len(self.partition) // self.virtual_stages
-
-    @property
-    def layout(self) -> ParallelLayout:
-        """The plan's parallel layout as the planner and the engine take it (the file keeps its keys flat)."""
-        return ParallelLayout(self.stages, self.microbatches, self.checkpoint, self.schedule, self.replicas,
-                              self.virtual_stages, self.zero, self.placement, self.tensor_parallel,
-                              self.sequence_parallel, self.context_parallel, self.shard_group,
-                              gradient_sync=self.gradient_sync, expert_parallel=self.expert_parallel,
-                              expert_tensor_parallel=self.expert_tensor_parallel)
+    @classmethod
+    def of(cls, model: ModelRef, partition: Sequence[int], batch_size: int, **settings: Any) -> Plan:
+        """A plan from flat keys as its file spells them, the layout's (:data:`sim.formats.layout.LAYOUT_KEYS`)
+        among the others; the layout's K is ``partition``'s length over V. A bad value is one line."""
+        partition = validate_partition(tuple(partition), model.num_layers)
+        degrees = {key: settings.pop(key) for key in LAYOUT_KEYS if key in settings}
+        return cls(model, partition, batch_size, ParallelLayout.for_partition(partition, **degrees), **settings)
 
     def __post_init__(self) -> None:
         validate_partition(self.partition, self.model.num_layers)
-        require_positive("replicas (D)", self.replicas, "use --replicas 1 or more")
-        require_positive("virtual stages (V)", self.virtual_stages, "use --virtual-stages 1 or more")
-        require_positive("tensor_parallel (T)", self.tensor_parallel, "use --tensor-parallel 1 or more")
-        require_positive("context_parallel (C)", self.context_parallel, "use --context-parallel 1 or more")
+        if not isinstance(self.layout, ParallelLayout):
+            raise GpipeInputError(f"plan's layout must be a ParallelLayout, got {type(self.layout).__name__}")
+        check_chunked_partition(self.partition, self.layout.virtual_stages)
+        if self.layout.virtual_stage_count != len(self.partition):
+            raise GpipeInputError(f"partition has {len(self.partition)} entries but the layout has K={self.layout.stages} "
+                                  f"x V={self.layout.virtual_stages} chunks; give V x K entries")
         if not isinstance(self.dp_overlap, bool):
             raise GpipeInputError(f"dp_overlap must be true or false, got {self.dp_overlap!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise GpipeInputError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
-        check_chunked_partition(self.partition, self.virtual_stages)
-        check_sharding(self.zero, self.replicas, self.shard_group)
-        check_gradient_sync(self.gradient_sync, self.zero)
-        check_expert_grid(self.expert_parallel, self.expert_tensor_parallel, self.tensor_parallel,
-                          self.context_parallel, self.replicas)
-        check_placement(self.placement)
         check_hardware(self.hardware)
         require_positive("batch size", self.batch_size, "use --batch 1 or more")
-        require_positive("micro-batches (M)", self.microbatches, "use --microbatches 1 or more")
-        check_checkpoint_policy(self.checkpoint)
-        check_schedule_name(self.schedule)
         check_optimizer(self.optimizer)
         check_precision(self.precision)
         slots = self.model.options.get("optimizer_slots")
@@ -160,16 +136,20 @@ class Plan:
                 f"--optimizer {self.optimizer} --out")
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["partition"] = list(self.partition)
-        if self.shard_group is None:  # sharded over all replicas: the files of plans without HSDP stay as they were
-            del data["shard_group"]
-        if self.gradient_sync is None:  # the trainers' default: the files of plans that name none stay as they were
-            del data["gradient_sync"]
-        if self.expert_parallel == 1:  # the files of plans without expert parallelism stay as they were
-            del data["expert_parallel"]
-        if self.expert_tensor_parallel is None:
-            del data["expert_tensor_parallel"]
+        """The file's keys, in the order plans have always been written; the optional ones (HSDP's shard
+        group, the gradient sync, E, ETP) only where set, so plans without them read as before."""
+        layout = flat_layout(self.layout)
+        data: dict[str, Any] = {"model": asdict(self.model), "partition": list(self.partition),
+                                "batch_size": self.batch_size}
+        data.update({k: layout.pop(k) for k in ("microbatches", "checkpoint", "schedule")})
+        data.update(optimizer=self.optimizer, hardware=self.hardware, predicted=self.predicted, version=self.version,
+                    precision=self.precision)
+        data.update({k: layout.pop(k) for k in ("replicas", "virtual_stages", "zero", "placement", "tensor_parallel",
+                                                "sequence_parallel", "context_parallel")})
+        data.update(dp_overlap=self.dp_overlap, costs=asdict(self.costs) if self.costs is not None else None)
+        optional_defaults = {"shard_group": None, "gradient_sync": None, "expert_parallel": 1,
+                             "expert_tensor_parallel": None}
+        data.update({k: v for k, v in layout.items() if v != optional_defaults[k]})
         return data
 
 
@@ -226,33 +206,19 @@ def plan_from_dict(data: Any) -> Plan:
     if not isinstance(model, dict) or not isinstance(model.get("name"), str):
         raise GpipeInputError("plan's model must be an object with a 'name'")
     try:
-        return Plan(
-            model=ModelRef(name=model["name"], options=dict(model.get("options", {})),
-                           num_layers=int(model.get("num_layers", 0)),
-                           parameter_count=int(model.get("parameter_count", 0))),
-            partition=tuple(data["partition"]),
-            batch_size=data["batch_size"],
-            microbatches=data["microbatches"],
-            checkpoint=data.get("checkpoint", "except_last"),
-            schedule=data.get("schedule", "gpipe"),
+        model_ref = ModelRef(name=model["name"], options=dict(model.get("options", {})),
+                             num_layers=int(model.get("num_layers", 0)),
+                             parameter_count=int(model.get("parameter_count", 0)))
+        return Plan.of(
+            model_ref, tuple(data["partition"]), data["batch_size"],
+            **{key: data[key] for key in LAYOUT_KEYS if key in data},
             optimizer=data.get("optimizer", DEFAULT_OPTIMIZER),
             hardware=dict(data.get("hardware", {"system": "cpu", "nodes": 1})),
             predicted=dict(data.get("predicted", {})),
             version=version,
             precision=data.get("precision", DEFAULT_PRECISION),
-            replicas=data.get("replicas", 1),
-            virtual_stages=data.get("virtual_stages", 1),
-            zero=data.get("zero", 0),
-            placement=data.get("placement", DEFAULT_PLACEMENT),
-            tensor_parallel=data.get("tensor_parallel", 1),
-            sequence_parallel=data.get("sequence_parallel", False),
-            context_parallel=data.get("context_parallel", 1),
             dp_overlap=data.get("dp_overlap", False),
             costs=costs_ref_from_dict(data.get("costs"), "costs"),
-            shard_group=data.get("shard_group"),
-            gradient_sync=data.get("gradient_sync"),
-            expert_parallel=data.get("expert_parallel", 1),
-            expert_tensor_parallel=data.get("expert_tensor_parallel"),
         )
     except TypeError as exc:
         raise GpipeInputError(f"plan has a field of the wrong type ({exc})") from None

@@ -79,7 +79,7 @@ def test_the_factor_is_the_runs_median_probe_over_the_calibrations():
 
 
 def test_the_calibrations_reference_is_the_median_loss_per_process_count():
-    specs = [RunSpec((3,), 2, "never", "gpipe", 8), RunSpec((1, 2), 2, "never", "gpipe", 8)]
+    specs = [RunSpec.of((3,), 2, "never", "gpipe", 8), RunSpec.of((1, 2), 2, "never", "gpipe", 8)]
     reports = [{"speed_probe_s": [[1.0, 1.0]], "after_wait_probe_s": [[1e-4, 3e-4]]},
                {"speed_probe_s": [[2.0, 2.0]] * 2, "after_wait_probe_s": [[5e-4, 6e-4], [7e-4, 9e-4]]}]
     speed = run_speed_reference("transformer", specs, reports)

@@ -115,10 +115,10 @@ def test_the_step_overhead_is_bounded_by_the_measured_end_of_step_span(monkeypat
 
     predicted = {1: 0.080, 2: 0.100}  # by M: predicted steps without overhead
     monkeypatch.setattr(step_fit, "predict",
-                        lambda data, spec, system_name="cpu": SimpleNamespace(step_time_s=predicted[spec.microbatches]))
+                        lambda data, spec, system_name="cpu": SimpleNamespace(step_time_s=predicted[spec.layout.microbatches]))
     monkeypatch.setattr(step_fit, "predicted_end_span_s", lambda result: 0.002)
-    specs = [RunSpec((3, 3), m, "never", "gpipe", 8) for m in (1, 2)]
-    reports = [{"step_time_s": predicted[s.microbatches] + 0.020, "end_span_s": 0.005} for s in specs]
+    specs = [RunSpec.of((3, 3), m, "never", "gpipe", 8) for m in (1, 2)]
+    reports = [{"step_time_s": predicted[s.layout.microbatches] + 0.020, "end_span_s": 0.005} for s in specs]
     monkeypatch.setattr(step_fit, "measured_end_span_s", lambda report: report["end_span_s"])
     data = {"pipeline": {"2": {}}}
     summary = step_fit.fit_step_overhead(data, specs, reports)
@@ -263,7 +263,7 @@ def test_the_calibration_marks_cold_actions_from_the_runs_schedule():
     from calibrate.fit.observations import cold_marks, starts_cold_in
 
     for schedule in ("gpipe", "1f1b"):
-        marks = cold_marks(RunSpec((3, 3), 4, "never", schedule, 8))
+        marks = cold_marks(RunSpec.of((3, 3), 4, "never", schedule, 8))
         assert [key for key, cold in marks.items() if cold] == [(0, "F", 0), (1, "F", 0)]
     report_action = {"stage": 1, "kind": "F", "microbatch": 0, "duration_s": 1e-3}
     assert starts_cold_in(marks, report_action) and not starts_cold_in(marks, {**report_action, "microbatch": 1})
@@ -317,7 +317,7 @@ def test_the_halves_of_a_calibration_fit_its_odd_and_its_even_rounds_apart(monke
         return {}
 
     monkeypatch.setattr(design_fit, "fit_in_pipeline", fake_fit)
-    specs = [RunSpec((3, 3), m, "never", "gpipe", 8) for m in (2, 4)] * 6
+    specs = [RunSpec.of((3, 3), m, "never", "gpipe", 8) for m in (2, 4)] * 6
     reports = [{"round": i // 2 + 1} for i in range(12)]
     data = {"pipeline": {"2": {"rounds": "all"}}, "profile": {"rows": [1, 2]}}
     halves = design_fit.fit_halves(data, 2, specs, reports, [1.0] * 12, {2: 1})

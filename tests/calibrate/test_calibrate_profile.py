@@ -127,7 +127,7 @@ def test_bf16_profile_saves_casts_and_weight_copies(profile, profile_bf16):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_predicted_peak_activation_matches_the_executor(profile, profile_bf16, checkpoint, schedule, precision):
     partition, microbatches = (1, 2, 1), 3
-    config = RunConfig(model=MODEL, options=OPTIONS, partition=partition, batch_size=BATCH,
+    config = RunConfig.of(model=MODEL, options=OPTIONS, partition=partition, batch_size=BATCH,
                        microbatches=microbatches, checkpoint=checkpoint, schedule=schedule, steps=1,
                        precision=precision)
     pipeline = LocalPipeline(config)

@@ -19,8 +19,8 @@ def test_predict_passes_replicas_and_the_measured_allreduce_link_to_the_simulato
     calls = []
     monkeypatch.setattr(sim.engine.engine, "simulate", lambda *args, **kwargs: calls.append((args[4], kwargs)))
     data = synthetic_costs()
-    predict(data, RunSpec((3,), 2, "never", "gpipe", 8, replicas=2))
-    predict(data, RunSpec((3,), 2, "never", "gpipe", 8))
+    predict(data, RunSpec.of((3,), 2, "never", "gpipe", 8, replicas=2))
+    predict(data, RunSpec.of((3,), 2, "never", "gpipe", 8))
     layout, kwargs = calls[0]
     assert (layout.replicas, layout.virtual_stages) == (2, 1)
     assert kwargs == {"allreduce_link": Link("fitted gloo all-reduce", 5e8, 2e-5)}
@@ -38,8 +38,8 @@ def test_a_run_with_more_processes_than_cores_is_predicted_as_if_each_had_a_core
 
     cores = get_system("cpu").total_devices
     data = synthetic_costs()
-    crowded = RunSpec((3,), 1, "never", "gpipe", 8 * (cores + 1), replicas=cores + 1)
-    fitting = RunSpec((3,), 1, "never", "gpipe", 8 * cores, replicas=cores)
+    crowded = RunSpec.of((3,), 1, "never", "gpipe", 8 * (cores + 1), replicas=cores + 1)
+    fitting = RunSpec.of((3,), 1, "never", "gpipe", 8 * cores, replicas=cores)
     shared, alone = predict(data, crowded), predict(data, fitting)
     assert len(shared.stages) == cores + 1
     assert [s.busy_s for s in shared.stages] == [alone.stages[0].busy_s] * (cores + 1)
@@ -61,7 +61,7 @@ def test_a_slower_measured_allreduce_lengthens_a_one_stage_step_by_the_ring_mode
     optimizer step, with nothing to hide behind."""
     fast, slow = synthetic_costs(), synthetic_costs()
     slow["allreduce"] = {**slow["allreduce"], "latency_s": 1e-3, "bandwidth_bytes_per_s": 1e6}
-    spec = RunSpec((3,), 2, "never", "gpipe", 8, replicas=2)
+    spec = RunSpec.of((3,), 2, "never", "gpipe", 8, replicas=2)
     grad_bytes = sum(layer["param_bytes"] for layer in fast["profile"]["memory"])
     extra_s = _ring_s(grad_bytes, 2, 1e-3, 1e6) - _ring_s(grad_bytes, 2, 2e-5, 5e8)
     assert predict(slow, spec).step_time_s - predict(fast, spec).step_time_s == pytest.approx(extra_s, rel=1e-6)
@@ -82,8 +82,8 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs)
     with open(costs) as handle:
         data = json.load(handle)
     held_out = validation_design(data["model"]["num_layers"], data["batch_size"])
-    specs = [s for s in held_out if s.replicas > 1] + [s for s in held_out if s.schedule == "zbv"]
-    assert [(s.replicas, s.stages, s.virtual_stages, s.zero) for s in specs] == [
+    specs = [s for s in held_out if s.layout.replicas > 1] + [s for s in held_out if s.layout.schedule == "zbv"]
+    assert [(s.layout.replicas, s.stages, s.layout.virtual_stages, s.layout.zero) for s in specs] == [
         (2, 1, 1, 0), (2, 2, 1, 0), (2, 1, 1, 3), (2, 2, 1, 3), (1, 2, 2, 0)]
     # a quick calibration leaves I and W out: the split is priced by the analytic rule, memory is exact anyway
     assert all("W" not in kinds for kinds in data["profile"]["times_s"].values())
@@ -94,7 +94,7 @@ def test_validation_measures_and_predicts_two_replicas_and_a_v(tiny_quick_costs)
         assert len(report["speed_probe_s"]) == len(report["after_wait_probe_s"]) == spec.processes  # every rank probed
         assert len(report["stages"]) == spec.stages  # replica 0's stages
         assert comparison.measured_step_s > 0 and comparison.predicted_step_s > 0
-        if spec.zero:  # each rank's shards and gathered units, as the simulator prices them
+        if spec.layout.zero:  # each rank's shards and gathered units, as the simulator prices them
             assert len(comparison.measured_sharded_bytes) == spec.processes
             assert comparison.measured_sharded_bytes == comparison.predicted_sharded_bytes
             # activations are not compared under FSDP2: the counter takes the gathered weights a layer saves

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from calibrate.fit.design import RunSpec, run_config
 from calibrate.measure import runs
@@ -12,7 +13,7 @@ from executor.launch.agent import LaunchOutcome
 
 
 def _config(partition, replicas=1):
-    return run_config("mlp", {"layers": 4, "width": 8}, RunSpec(partition, 2, "never", "gpipe", 8, replicas), 2)
+    return run_config("mlp", {"layers": 4, "width": 8}, RunSpec.of(partition, 2, "never", "gpipe", 8, replicas), 2)
 
 
 def test_each_replicas_and_stages_pair_gets_one_launch_of_d_times_k_ranks(monkeypatch):
@@ -43,6 +44,6 @@ def test_payloads_are_ordered_by_replica_then_stage_as_placed():
     ranks = [f"rank {r}" for r in range(6)]
     config = _config((2, 2), 3)
     assert runs.by_replica_and_stage(config, ranks) == ranks  # stages_adjacent: rank d*K + k
-    config.placement = "replicas_adjacent"  # rank k*D + d
+    config.layout = replace(config.layout, placement="replicas_adjacent")  # rank k*D + d
     assert runs.by_replica_and_stage(config, ranks) == ["rank 0", "rank 3", "rank 1", "rank 4", "rank 2", "rank 5"]
     assert runs.by_replica_and_stage(_config((1, 1, 2)), ranks[:3]) == ranks[:3]

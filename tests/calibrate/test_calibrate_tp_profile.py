@@ -58,7 +58,7 @@ def test_the_split_profile_predicts_the_executors_t2_activation_memory_exactly(p
     whole, split = profiles
     data = profile_record(model={"name": MODEL, "options": OPTIONS, "num_layers": 4}, batch_size=BATCH,
                           profile=whole, tensor_parallel_profile={"2": split})
-    specs = [RunSpec((4,), 2, checkpoint, schedule, BATCH, 1, 2)
+    specs = [RunSpec.of((4,), 2, checkpoint, schedule, BATCH, 1, 2)
              for checkpoint, schedule in [("never", "gpipe"), ("always", "1f1b"), ("except_last", "gpipe"),
                                           ("full", "gpipe"), ("selective", "1f1b")]]
     reports = run_configs([run_config(MODEL, OPTIONS, spec, 2) for spec in specs])

@@ -22,16 +22,16 @@ def test_held_out_design_never_repeats_a_calibration_run():
         held_out = validation_design(layers, 32)
         assert held_out and not set(held_out) & set(calibration_design(layers, 32, split_backward=True))
         assert {s.stages for s in held_out} == {1, 2}
-        assert {s.checkpoint for s in held_out} == {"always", "except_last", "never", "full"}
+        assert {s.layout.checkpoint for s in held_out} == {"always", "except_last", "never", "full"}
         with_core = validation_design(layers, 32, attention_core=True)
-        assert {s.checkpoint for s in with_core} - {s.checkpoint for s in held_out} == {"selective"}
+        assert {s.layout.checkpoint for s in with_core} - {s.layout.checkpoint for s in held_out} == {"selective"}
         # ZB-V where the model has a layer for each of its 2 x 2 chunks
-        assert {s.schedule for s in held_out} == {"gpipe", "1f1b", "zb-h1"} | ({"zbv"} if layers >= 4 else set())
-        assert all(s.virtual_stages == 2 and len(s.partition) == 4 and s.stages == 2 and "V=2" in s.label()
-                   for s in held_out if s.schedule == "zbv")
-        assert any(32 % s.microbatches for s in held_out)  # M that does not divide the batch
+        assert {s.layout.schedule for s in held_out} == {"gpipe", "1f1b", "zb-h1"} | ({"zbv"} if layers >= 4 else set())
+        assert all(s.layout.virtual_stages == 2 and len(s.partition) == 4 and s.stages == 2 and "V=2" in s.label()
+                   for s in held_out if s.layout.schedule == "zbv")
+        assert any(32 % s.layout.microbatches for s in held_out)  # M that does not divide the batch
         # balanced and skewed over two processes
-        assert len({s.partition for s in held_out if s.stages == 2 and s.virtual_stages == 1}) == 2
+        assert len({s.partition for s in held_out if s.stages == 2 and s.layout.virtual_stages == 1}) == 2
 
 
 def test_a_full_calibration_design_spans_the_rows_a_plan_can_give_a_micro_batch():
@@ -40,61 +40,60 @@ def test_a_full_calibration_design_spans_the_rows_a_plan_can_give_a_micro_batch(
     full = calibration_design(6, 32, split_backward=True)
     quick = calibration_design(6, 32, split_backward=True, row_span=False)
     added = [s for s in full if s not in quick]
-    assert [(s.stages, s.microbatches, s.checkpoint) for s in added] == [(1, 1, "always"), (1, 16, "never"),
+    assert [(s.stages, s.layout.microbatches, s.layout.checkpoint) for s in added] == [(1, 1, "always"), (1, 16, "never"),
                                                                           (2, 1, "always")]
     assert set(quick) < set(full) and not set(validation_design(6, 32)) & set(added)
-    rows = {32 // s.microbatches for s in full}
+    rows = {32 // s.layout.microbatches for s in full}
     assert min(rows) == 2 and max(rows) == 32
 
 
 def test_a_full_calibration_has_a_run_under_full_at_each_k_and_the_quick_one_none():
     """Their backwards, each layer recomputed just before its own, measure the factor such a backward
     takes over the two lines; the held-out runs under full stay other runs (other M, other partition)."""
-    full = [s for s in calibration_design(6, 32, split_backward=True) if s.checkpoint == "full"]
-    assert [(s.stages, s.microbatches) for s in full] == [(1, 8), (2, 8)]
-    assert not any(s.checkpoint == "full" for s in calibration_design(6, 32, per_layer_recompute=False))
-    held_out = [s for s in validation_design(6, 32) if s.checkpoint == "full"]
+    full = [s for s in calibration_design(6, 32, split_backward=True) if s.layout.checkpoint == "full"]
+    assert [(s.stages, s.layout.microbatches) for s in full] == [(1, 8), (2, 8)]
+    assert not any(s.layout.checkpoint == "full" for s in calibration_design(6, 32, per_layer_recompute=False))
+    held_out = [s for s in validation_design(6, 32) if s.layout.checkpoint == "full"]
     assert len(held_out) == 2 and not set(held_out) & set(full)
 
 
 def test_held_out_design_adds_two_replicas_with_one_and_two_stages():
     held_out = validation_design(6, 32)
-    replicated = [s for s in held_out if s.replicas > 1]
+    replicated = [s for s in held_out if s.layout.replicas > 1]
     # whole replicas, then the same layouts under ZeRO-3 (FSDP2)
-    assert [(s.replicas, s.stages, s.zero) for s in replicated] == [(2, 1, 0), (2, 2, 0), (2, 1, 3), (2, 2, 3)]
+    assert [(s.layout.replicas, s.stages, s.layout.zero) for s in replicated] == [(2, 1, 0), (2, 2, 0), (2, 1, 3), (2, 2, 3)]
     assert held_out[-4:] == replicated  # after the single-pipeline runs, so --limit keeps those first
-    assert all(s.processes == s.replicas * s.stages for s in held_out)
+    assert all(s.processes == s.layout.replicas * s.stages for s in held_out)
     assert all(s.label().startswith("D=2 ") for s in replicated)
     assert [s.label().startswith("D=2 ZeRO-3 ") for s in replicated] == [False, False, True, True]
-    assert all(s.layout.zero == s.zero for s in replicated)
     # the ZeRO-3 runs reduce-scatter once per step, as before one stage's default became every micro-batch
-    assert [s.layout.resolved_gradient_sync for s in replicated if s.zero] == ["step", "step"]
-    assert [run_config("mlp", {"layers": 6}, s, steps=1).gradient_sync for s in replicated if s.zero] == ["step", None]
-    assert not any(s.label().startswith("D=") for s in held_out if s.replicas == 1)
-    assert [s for s in validation_design(6, 32, max_replicas=1) if s.replicas > 1] == []
-    assert [(s.replicas, s.stages) for s in validation_design(6, 32, max_stages=1) if s.replicas > 1] == [(2, 1)] * 2
+    assert [s.layout.resolved_gradient_sync for s in replicated if s.layout.zero] == ["step", "step"]
+    assert [run_config("mlp", {"layers": 6}, s, steps=1).layout.gradient_sync for s in replicated if s.layout.zero] == ["step", None]
+    assert not any(s.label().startswith("D=") for s in held_out if s.layout.replicas == 1)
+    assert [s for s in validation_design(6, 32, max_replicas=1) if s.layout.replicas > 1] == []
+    assert [(s.layout.replicas, s.stages) for s in validation_design(6, 32, max_stages=1) if s.layout.replicas > 1] == [(2, 1)] * 2
     # every replica needs a row per micro-batch: batch 6 takes D=2 x M=3, not D=2 x M=4
-    assert [(s.stages, s.microbatches) for s in validation_design(6, 6) if s.replicas > 1] == [(1, 3)]
+    assert [(s.stages, s.layout.microbatches) for s in validation_design(6, 6) if s.layout.replicas > 1] == [(1, 3)]
 
 
 def test_a_run_spec_passes_its_replicas_to_the_run_config():
-    spec = RunSpec((2, 2), 4, "never", "1f1b", 8, replicas=2)
+    spec = RunSpec.of((2, 2), 4, "never", "1f1b", 8, replicas=2)
     config = run_config("mlp", {"layers": 4, "width": 8}, spec, steps=3)
-    assert config.replicas == 2 and config.stages == 2 and config.world_size == 4
+    assert config.layout.replicas == 2 and config.stages == 2 and config.world_size == 4
     assert config.batch_size == 8  # the global batch
-    assert run_config("mlp", {"layers": 4, "width": 8}, RunSpec((4,), 2, "never", "gpipe", 8), 3).replicas == 1
+    assert run_config("mlp", {"layers": 4, "width": 8}, RunSpec.of((4,), 2, "never", "gpipe", 8), 3).layout.replicas == 1
 
 
 def test_held_out_design_splits_stages_over_the_tensor_parallel_ranks_the_costs_file_profiled():
-    assert all(s.tensor_parallel == 1 for s in validation_design(6, 32))
+    assert all(s.layout.tensor_parallel == 1 for s in validation_design(6, 32))
     held_out = validation_design(6, 32, tensor_parallel=[2])
-    split = [s for s in held_out if s.tensor_parallel > 1]
+    split = [s for s in held_out if s.layout.tensor_parallel > 1]
     assert held_out[-len(split):] == split and len(split) == 2  # last, so --limit keeps the others first
-    assert {(s.stages, s.checkpoint) for s in split} == {(1, "never"), (1, "always")}
+    assert {(s.stages, s.layout.checkpoint) for s in split} == {(1, "never"), (1, "always")}
     assert all(s.processes == 2 and s.label().startswith("K=1 T=2 ") for s in split)
     config = run_config("transformer", {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32},
                         split[0], steps=3)
-    assert config.tensor_parallel == 2 and config.world_size == 2 and not config.sequence_parallel
+    assert config.layout.tensor_parallel == 2 and config.world_size == 2 and not config.layout.sequence_parallel
 
 
 def _comparison(run: str, predicted: float, measured: float, replicas: int = 1, oversubscribed: bool = False):
@@ -203,8 +202,8 @@ def test_a_run_with_more_processes_than_cores_is_still_predicted(monkeypatch):
     systems = []
     monkeypatch.setattr(sim.engine.engine, "simulate", lambda workload, system, *args, **kwargs: systems.append(system))
     devices = get_system("cpu").total_devices
-    predict(synthetic_costs(), RunSpec((2, 1), 2, "never", "gpipe", 8, replicas=devices))
-    predict(synthetic_costs(), RunSpec((3,), 2, "never", "gpipe", 8))
+    predict(synthetic_costs(), RunSpec.of((2, 1), 2, "never", "gpipe", 8, replicas=devices))
+    predict(synthetic_costs(), RunSpec.of((3,), 2, "never", "gpipe", 8))
     assert (systems[0].nodes, systems[0].devices_per_node) == (1, 2 * devices)
     assert systems[0].intra_link == systems[1].intra_link  # the fitted link, as for a run that fits
     assert systems[1].devices_per_node == devices
@@ -335,7 +334,7 @@ def test_split_runs_fit_the_split_stages_in_pipeline_factor():
     from tests.helpers.costs import synthetic_costs, with_split_profile
 
     data = with_split_profile(synthetic_costs())
-    spec = RunSpec((3,), 2, "except_last", "gpipe", 4, 1, 2)
+    spec = RunSpec.of((3,), 2, "except_last", "gpipe", 4, 1, 2)
     profile = data["tensor_parallel_profile"]["2"]["times_s"]["1"]
 
     def profiled(kind, rows):  # the three layers' times at ``rows`` (affine in the rows measured)
@@ -346,7 +345,7 @@ def test_split_runs_fit_the_split_stages_in_pipeline_factor():
     actions = [{"stage": 0, "kind": kind, "microbatch": m, "rows": 2,
                 "duration_s": 2.0 * (factors[kind] * profiled(kind if (kind, m) != ("F", 1) else "R", 2) + 1e-4)}
                for kind, m in [("F", 0), ("F", 1), ("R", 0), ("B", 0), ("B", 1)]]
-    whole = RunSpec((3,), 2, "never", "gpipe", 4)
+    whole = RunSpec.of((3,), 2, "never", "gpipe", 4)
     fitted = fit_tensor_parallel(data, [whole, spec], [{"actions": []}, {"actions": actions}], [1.0, 2.0])
     assert fitted.keys() == {"2"}
     assert fitted["2"]["R"] == pytest.approx(0.9) and fitted["2"]["B"] == pytest.approx(1.5)
@@ -365,7 +364,7 @@ def test_a_split_stages_optimizer_step_is_scaled_by_the_factor_its_runs_measured
     from tests.helpers.costs import synthetic_costs, with_split_profile
 
     data = with_split_profile(synthetic_costs())
-    spec = RunSpec((3,), 2, "except_last", "gpipe", 4, 1, 2)
+    spec = RunSpec.of((3,), 2, "except_last", "gpipe", 4, 1, 2)
     split = MeasuredWorkload(data, 1, tensor_parallel=2)
     shard = sum(int(layer["param_bytes"]) for layer in split.memory)
     predicted = MeasuredWorkload(data, 1).fit.optimizer(shard)

@@ -12,7 +12,7 @@ from calibrate.fit.design_checks import (SPEED_FACTOR_BOUNDS, CalibrationRefused
 from sim.formats.costs import DESIGN_FIT_GOAL, fit_quality, fit_quality_warning, read_costs, write_costs
 from tests.helpers.costs import synthetic_costs
 
-SPECS = [RunSpec((4,), 2, "never", "gpipe", 8), RunSpec((4,), 8, "always", "gpipe", 8)]
+SPECS = [RunSpec.of((4,), 2, "never", "gpipe", 8), RunSpec.of((4,), 8, "always", "gpipe", 8)]
 
 
 def _report(step_s: float, probes: list[float]) -> dict:
@@ -96,7 +96,7 @@ def test_gpipe_calibrate_refuses_a_run_whose_speed_probe_stays_40x_off_and_write
     def planted(configs, *args, **kwargs):
         reports = real(configs, *args, **kwargs)
         for config, report in zip(configs, reports):
-            if config.stages == 1 and config.microbatches == 8:  # K=1 M=8 [4] always gpipe
+            if config.stages == 1 and config.layout.microbatches == 8:  # K=1 M=8 [4] always gpipe
                 report["speed_probe_s"] = [[pace * 40 for pace in rank] for rank in report["speed_probe_s"]]
         return reports
 

@@ -85,7 +85,7 @@ def _reports(paces: list[float]) -> list[dict]:
 def test_a_held_out_round_out_of_the_speed_bounds_is_measured_again_then_not_judged():
     """Two runs of two processes, two rounds each (run 0, run 1, run 0, run 1) against a reference
     pace of 0.01 s: run 0's first round probed 40x slow, again fine; run 1's second 0.3x, again 0.3x."""
-    specs = [RunSpec((2, 2), m, "never", "gpipe", 8) for m in (3, 5)]
+    specs = [RunSpec.of((2, 2), m, "never", "gpipe", 8) for m in (3, 5)]
     data = {"speed": {"reference_s": {"2": 0.01}}}
     asked, said = [], []
 
@@ -122,7 +122,7 @@ def test_gpipe_validate_reports_a_run_whose_speed_probe_stays_40x_off_as_not_jud
     def planted(configs, *args, **kwargs):
         reports = real(configs, *args, **kwargs)
         for config, report in zip(configs, reports):
-            key = (config.partition, config.microbatches, config.checkpoint, config.schedule)
+            key = (config.partition, config.layout.microbatches, config.layout.checkpoint, config.layout.schedule)
             first[:1] = first[:1] or [key]
             if key == first[0]:
                 report["speed_probe_s"] = [[pace * 40 for pace in rank] for rank in report["speed_probe_s"]]

@@ -201,7 +201,7 @@ def test_train_trains_at_the_plans_precision_unless_told_otherwise(tmp_path):
     assert config_from_args(_train_args("--plan", str(out), "--precision", "fp32")).precision == "fp32"
     assert config_from_args(_train_args("--model", "mlp", "--stages", "2")).precision == "fp32"
     fp32_plan = tmp_path / "old.json"
-    save_plan(Plan(model=load_plan(out).model, partition=(2, 2), batch_size=8, microbatches=2), fp32_plan)
+    save_plan(Plan.of(model=load_plan(out).model, partition=(2, 2), batch_size=8, microbatches=2), fp32_plan)
     assert config_from_args(_train_args("--plan", str(fp32_plan))).precision == "fp32"
 
 

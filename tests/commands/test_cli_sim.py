@@ -176,7 +176,7 @@ def test_gradient_sync_in_simulate_plan_and_the_plan_file(tmp_path):
     from executor.config import RunConfig
     from sim.formats.plan import load_plan
 
-    assert RunConfig.from_plan(load_plan(str(out))).gradient_sync == "step"  # what gpipe train --plan runs
+    assert RunConfig.from_plan(load_plan(str(out))).layout.gradient_sync == "step"  # what gpipe train --plan runs
     table = run("plan", *space, "--gradient-sync-options", "step,microbatch")
     assert "3/step" in table.stdout and "3/mb" in table.stdout
     proc = run("plan", *space, "--json", "--out", str(out))

@@ -18,15 +18,15 @@ def parse(*argv):
 def test_flags_become_a_config():
     config = config_from_args(parse("--model", "transformer", "--layers", "2", "--stages", "2", "--batch", "8",
                                     "--microbatches", "4", "--schedule", "1f1b", "--checkpoint", "never"))
-    assert config.partition == (2, 2) and config.options["layers"] == 2 and config.schedule == "1f1b"
-    assert config.checkpoint == "never" and config.batch_size == 8
+    assert config.partition == (2, 2) and config.options["layers"] == 2 and config.layout.schedule == "1f1b"
+    assert config.layout.checkpoint == "never" and config.batch_size == 8
 
 
 def test_plan_file_is_read_and_flags_override(tmp_path):
-    plan = Plan(model=model_ref("mlp", {"width": 16}), partition=(5, 3), batch_size=12, microbatches=3)
+    plan = Plan.of(model=model_ref("mlp", {"width": 16}), partition=(5, 3), batch_size=12, microbatches=3)
     save_plan(plan, tmp_path / "plan.json")
     config = config_from_args(parse("--plan", str(tmp_path / "plan.json"), "--microbatches", "6"))
-    assert config.partition == (5, 3) and config.options["width"] == 16 and config.microbatches == 6
+    assert config.partition == (5, 3) and config.options["width"] == 16 and config.layout.microbatches == 6
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -90,7 +90,7 @@ def test_an_ipv6_endpoint_is_split_at_the_last_colon():
 def test_a_plan_of_a_measured_torch_model_trains_without_the_analysis_options():
     from executor.config import RunConfig
 
-    plan = Plan(model=ModelRef("mlp", {"layers": 4, "width": 8, "dtype": "fp32", "optimizer_slots": 2,
+    plan = Plan.of(model=ModelRef("mlp", {"layers": 4, "width": 8, "dtype": "fp32", "optimizer_slots": 2,
                                        "input_shape": "8"}, 4, 0),
                 partition=(2, 2), batch_size=4, microbatches=2, checkpoint="never", schedule="gpipe",
                 hardware={"system": "cpu", "nodes": 1})

@@ -16,7 +16,7 @@ CNN = {"layers": 2, "channels": 8, "image": 8}
 @pytest.mark.parametrize("microbatches", [1, 3, 4])
 def test_running_stats_equal_the_whole_mini_batch(checkpoint, microbatches):
     # The first BN sits right after the first conv, so its inputs equal the unpipelined run's.
-    config = RunConfig(model="cnn", options=CNN, partition=(2, 2), batch_size=10, microbatches=microbatches,
+    config = RunConfig.of(model="cnn", options=CNN, partition=(2, 2), batch_size=10, microbatches=microbatches,
                        checkpoint=checkpoint)
     pipe = LocalPipeline(config)
     inputs, targets = pipe.batch(0)

@@ -14,7 +14,7 @@ ADAMW = dict(model="mlp", options={"width": 32}, partition=(3, 5), batch_size=10
 
 
 def test_restored_stages_continue_exactly(tmp_path):
-    config = RunConfig(**ADAMW)
+    config = RunConfig.of(**ADAMW)
     full = LocalPipeline(config)
     full_losses = [full.run_step(s) for s in range(6)]
 
@@ -40,7 +40,7 @@ def test_restored_stages_continue_exactly(tmp_path):
 def test_without_the_optimizer_state_the_run_differs(tmp_path):
     """The check above can fail: restoring the layers alone (fresh Adam moments, schedule at step 0)
     does not continue the run."""
-    config = RunConfig(**ADAMW)
+    config = RunConfig.of(**ADAMW)
     full = LocalPipeline(config)
     full_losses = [full.run_step(s) for s in range(5)]
     first = LocalPipeline(config)
@@ -58,14 +58,14 @@ def test_without_the_optimizer_state_the_run_differs(tmp_path):
     (dict(lr_warmup_steps=0), "--lr-warmup 2"), (dict(steps=10), "--steps 6"),
 ])
 def test_resuming_with_other_optimizer_settings_is_refused(change, flag):
-    manifest = {"config": RunConfig(**ADAMW).to_dict()}
+    manifest = {"config": RunConfig.of(**ADAMW).to_dict()}
     with pytest.raises(GpipeInputError, match=f"trained with {flag} but") as info:
-        checkpoint.check_resumable(manifest, RunConfig(**{**ADAMW, **change}).to_dict())
+        checkpoint.check_resumable(manifest, RunConfig.of(**{**ADAMW, **change}).to_dict())
     assert "\n" not in str(info.value)
 
 
 def test_a_constant_schedule_may_resume_for_more_steps():
-    saved = RunConfig(**{**ADAMW, "lr_schedule": "constant"}).to_dict()
+    saved = RunConfig.of(**{**ADAMW, "lr_schedule": "constant"}).to_dict()
     checkpoint.check_resumable({"config": saved}, {**saved, "steps": 20})
 
 
@@ -91,13 +91,13 @@ def test_a_checkpoint_resumes_under_another_partition(tmp_path, settings, saved,
     """Each new stage takes its layers from the shards that held them and each parameter's AdamW
     state by its names: the continued run is the uninterrupted one, to float rounding (the clipping
     norm and tied gradients add in another order)."""
-    config = RunConfig(**{**settings, "partition": saved})
+    config = RunConfig.of(**{**settings, "partition": saved})
     full = LocalPipeline(config)
     full_losses = [full.run_step(s) for s in range(6)]
     first = LocalPipeline(config)
     losses = [first.run_step(s) for s in range(3)]
     _save(first, config, tmp_path, 2, losses)
-    other = RunConfig(**{**settings, "partition": resumed})
+    other = RunConfig.of(**{**settings, "partition": resumed})
     checkpoint.check_resumable(checkpoint.read_manifest(str(tmp_path)), other.to_dict())
     again = LocalPipeline(other)
     manifest = checkpoint.read_manifest(str(tmp_path))
@@ -113,14 +113,14 @@ def test_a_checkpoint_resumes_under_another_partition(tmp_path, settings, saved,
 
 
 def test_a_zero_checkpoint_resumes_on_its_own_partition_only():
-    saved = RunConfig(**{**ADAMW, "replicas": 2, "zero": 1}).to_dict()
+    saved = RunConfig.of(**{**ADAMW, "replicas": 2, "zero": 1}).to_dict()
     checkpoint.check_resumable({"config": saved}, dict(saved))
     with pytest.raises(GpipeInputError, match=r"--zero 1 on partition \[3, 5\], not \[8\]"):
         checkpoint.check_resumable({"config": saved}, {**saved, "partition": [8]})
 
 
 def test_a_checkpoint_whose_shards_do_not_name_their_parameters_refuses_another_partition(tmp_path):
-    config = RunConfig(**ADAMW)
+    config = RunConfig.of(**ADAMW)
     first = LocalPipeline(config)
     losses = [first.run_step(0)]
     _save(first, config, tmp_path, 0, losses)
@@ -131,6 +131,6 @@ def test_a_checkpoint_whose_shards_do_not_name_their_parameters_refuses_another_
         state = state_file.load(str(path))
         del state["param_names"]
         state_file.save(str(path), state)
-    again = LocalPipeline(RunConfig(**{**ADAMW, "partition": (8,)}))
+    again = LocalPipeline(RunConfig.of(**{**ADAMW, "partition": (8,)}))
     with pytest.raises(GpipeInputError, match="did not name the optimizer's parameters; resume with its own plan"):
         checkpoint.load_shard(str(tmp_path), checkpoint.read_manifest(str(tmp_path)), again.stages[0])

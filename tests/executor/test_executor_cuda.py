@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.cuda,
 def test_in_process_pipeline_on_cuda_matches_unpipelined(checkpoint, schedule):
     torch.backends.cuda.matmul.allow_tf32 = False
     options = {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}
-    config = RunConfig(model="transformer", options=options, partition=(2, 2), batch_size=10,
+    config = RunConfig.of(model="transformer", options=options, partition=(2, 2), batch_size=10,
                        microbatches=4, checkpoint=checkpoint, schedule=schedule, device="cuda")
     pipe = LocalPipeline(config)
     inputs, targets = pipe.batch(0)

@@ -136,7 +136,7 @@ def views(*settings_per_rank, per_node=2):
 
 
 def test_nodes_started_with_other_settings_are_refused_with_one_line():
-    base = RunConfig(model="mlp", partition=(2, 2, 2, 2)).to_dict()
+    base = RunConfig.of(model="mlp", partition=(2, 2, 2, 2)).to_dict()
     ok = views(base, base, {**base, "report": "r1.json", "threads": 3}, {**base, "report": "r1.json"})
     nodes.check_same_settings(ok)  # output paths and threads are each node's own
     other = views(base, base, {**base, "steps": 20}, {**base, "steps": 20})
@@ -147,7 +147,7 @@ def test_nodes_started_with_other_settings_are_refused_with_one_line():
 
 
 def test_the_report_goes_to_the_first_rank_of_each_other_node_that_asked():
-    base = RunConfig(model="mlp", partition=(1,) * 6).to_dict()
+    base = RunConfig.of(model="mlp", partition=(1,) * 6).to_dict()
     asked = {**base, "report": "r.json"}
     traced = {**base, "trace": "t.json"}
     assert nodes.output_writers(views(asked, asked, base, base, traced, traced)) == {4: ("", "t.json")}

@@ -44,7 +44,7 @@ def option_flags(options):
 
 
 def one_process(model, options, partition, batch, microbatches, steps, optim, **settings):
-    pipe = LocalPipeline(RunConfig(model=model, options=options, partition=partition, batch_size=batch,
+    pipe = LocalPipeline(RunConfig.of(model=model, options=options, partition=partition, batch_size=batch,
                                    microbatches=microbatches, steps=steps, **{**optim, **settings}))
     losses = [pipe.run_step(step) for step in range(steps)]
     return losses, pipe.grad_norms, {name: p.detach() for name, p in pipe.model().named_parameters()}

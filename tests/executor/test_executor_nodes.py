@@ -22,7 +22,7 @@ def in_rendezvous(node):
 
 
 def local_losses(stages, steps):
-    config = RunConfig(model="mlp", options={"width": 16}, batch_size=10, microbatches=4,
+    config = RunConfig.of(model="mlp", options={"width": 16}, batch_size=10, microbatches=4,
                        partition=(8 // stages,) * stages)
     pipe = LocalPipeline(config)
     return [pipe.run_step(s) for s in range(steps)]

@@ -195,12 +195,12 @@ def test_a_plan_file_carries_replicas_zero_and_placement(tmp_path):
     from executor.models.build import model_ref
     from sim.formats.plan import Plan, save_plan
 
-    plan = Plan(model=model_ref("mlp", OPTIONS), partition=(4, 4), batch_size=12, microbatches=2, replicas=2,
+    plan = Plan.of(model=model_ref("mlp", OPTIONS), partition=(4, 4), batch_size=12, microbatches=2, replicas=2,
                 zero=1, placement="replicas_adjacent")
     save_plan(plan, tmp_path / "plan.json")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     config = config_from_args(parser.parse_args(["--plan", str(tmp_path / "plan.json")]))
-    assert (config.replicas, config.zero, config.placement, config.world_size) == (2, 1, "replicas_adjacent", 4)
+    assert (config.layout.replicas, config.layout.zero, config.layout.placement, config.world_size) == (2, 1, "replicas_adjacent", 4)
     config = config_from_args(parser.parse_args(["--plan", str(tmp_path / "plan.json"), "--replicas", "3"]))
-    assert config.replicas == 3 and config.world_size == 6
+    assert config.layout.replicas == 3 and config.world_size == 6

@@ -13,7 +13,7 @@ DROPOUT = {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64, "dropout
 
 
 def one_step(checkpoint, schedule="gpipe", seed=0, microbatches=3):
-    config = RunConfig(model="transformer", options=DROPOUT, partition=(2, 2), batch_size=10,
+    config = RunConfig.of(model="transformer", options=DROPOUT, partition=(2, 2), batch_size=10,
                        microbatches=microbatches, checkpoint=checkpoint, schedule=schedule, seed=seed)
     pipe = LocalPipeline(config)
     loss = pipe.run_step(0, update=False)
@@ -37,7 +37,7 @@ def test_dropout_is_reproducible_from_the_seed_and_depends_on_it():
 
 def test_loss_does_not_depend_on_the_number_of_microbatches():
     base = dict(model="mlp", options={"width": 16}, partition=(4, 4), batch_size=12)
-    losses = [LocalPipeline(RunConfig(microbatches=m, **base)).run_step(0) for m in (1, 2, 5, 12)]
+    losses = [LocalPipeline(RunConfig.of(microbatches=m, **base)).run_step(0) for m in (1, 2, 5, 12)]
     for loss in losses[1:]:
         assert abs(loss - losses[0]) < 1e-6
 
@@ -46,7 +46,7 @@ def test_rematerialization_lowers_the_counted_peak():
     base = dict(model="mlp", options={"width": 16}, partition=(4, 4), batch_size=16, microbatches=4)
     peaks = {}
     for policy in ("always", "except_last", "never"):
-        pipe = LocalPipeline(RunConfig(checkpoint=policy, **base))
+        pipe = LocalPipeline(RunConfig.of(checkpoint=policy, **base))
         pipe.run_step(0)
         peaks[policy] = [s.counter.peak_bytes for s in pipe.stages]
     for k in range(2):
@@ -71,8 +71,8 @@ def test_counter_counts_each_storage_once_and_excludes_parameters():
 def test_gpipe_never_holds_every_microbatch_at_once():
     base = dict(model="mlp", options={"width": 16, "layers": 2}, partition=(1, 1), batch_size=8,
                 checkpoint="never")
-    one = LocalPipeline(RunConfig(microbatches=1, **base))
-    four = LocalPipeline(RunConfig(microbatches=4, **base))
+    one = LocalPipeline(RunConfig.of(microbatches=1, **base))
+    four = LocalPipeline(RunConfig.of(microbatches=4, **base))
     one.run_step(0)
     four.run_step(0)
     # Fill-and-drain without recompute keeps all four micro-batches' activations: the same bytes as
@@ -82,14 +82,14 @@ def test_gpipe_never_holds_every_microbatch_at_once():
 
 def test_bad_partition_and_broken_layer_fail_before_training(tmp_path, monkeypatch):
     with pytest.raises(GpipeInputError, match="sums to 7 layers but the model has 8"):
-        prepare(RunConfig(model="mlp", partition=(3, 4)))
+        prepare(RunConfig.of(model="mlp", partition=(3, 4)))
     (tmp_path / "broken_models.py").write_text(
         "import torch\nfrom torch import nn\n"
         "def build():\n    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(5, 2))\n"
         "def example_batch(rows):\n    return torch.randn(rows, 4), torch.randn(rows, 2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(GpipeInputError) as info:
-        prepare(RunConfig(model="broken_models:build", partition=(2, 1)))
+        prepare(RunConfig.of(model="broken_models:build", partition=(2, 1)))
     message = str(info.value)
     assert "layer 2 (Linear, stage 1)" in message and "[2, 8]" in message and "\n" not in message
 
@@ -112,7 +112,7 @@ def test_the_running_count_equals_the_union_of_what_each_microbatch_holds(monkey
         return self.current_bytes
 
     monkeypatch.setattr(memory.ActivationCounter, "sample", union_checked)
-    config = RunConfig(model="transformer", options={"layers": 4, "d_model": 32, "ff": 64, "heads": 2, "seq": 8,
+    config = RunConfig.of(model="transformer", options={"layers": 4, "d_model": 32, "ff": 64, "heads": 2, "seq": 8,
                                                       "vocab": 32},
                        partition=partition, batch_size=16, microbatches=8, schedule=schedule, checkpoint="never",
                        steps=2, virtual_stages=virtual)
@@ -128,7 +128,7 @@ def test_what_a_backward_leaves_is_freed_in_the_next_wait_and_at_the_latest_at_t
     for its gradient; stage 1 never waits in an in-process pipeline and frees at the end of its step."""
     import weakref
 
-    config = RunConfig(model="mlp", options={"width": 16}, partition=(4, 4), batch_size=8, microbatches=2,
+    config = RunConfig.of(model="mlp", options={"width": 16}, partition=(4, 4), batch_size=8, microbatches=2,
                        checkpoint="never")
     pipe = LocalPipeline(config)
     first, last = pipe.stages

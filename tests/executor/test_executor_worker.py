@@ -27,7 +27,7 @@ def gpipe(*args, env=None):
 
 
 def local_losses(steps, **overrides):
-    config = RunConfig(model="mlp", options={"width": 32}, batch_size=10, microbatches=4, **overrides)
+    config = RunConfig.of(model="mlp", options={"width": 32}, batch_size=10, microbatches=4, **overrides)
     pipe = LocalPipeline(config)
     return [pipe.run_step(s) for s in range(steps)]
 
@@ -59,7 +59,7 @@ def test_four_processes_transformer(tmp_path):
                       "--option", "seq=8", "--option", "vocab=64", "--layers", "2", "--stages", "4",
                       "--batch", "6", "--microbatches", "3", "--steps", "2", "--report", str(report))
     assert result.returncode == 0, result.stderr
-    expected = LocalPipeline(RunConfig(model="transformer", options={"d_model": 32, "ff": 64, "seq": 8,
+    expected = LocalPipeline(RunConfig.of(model="transformer", options={"d_model": 32, "ff": 64, "seq": 8,
                                                                       "vocab": 64, "layers": 2},
                                        partition=(1, 1, 1, 1), batch_size=6, microbatches=3))
     losses = [expected.run_step(s) for s in range(2)]
@@ -83,7 +83,7 @@ def test_bad_partition_fails_before_training_with_one_line():
 
 
 def test_wrong_number_of_processes_fails_on_every_rank(tmp_path):
-    config = RunConfig(model="mlp", options={"width": 32}, partition=(4, 4), batch_size=10, steps=1)
+    config = RunConfig.of(model="mlp", options={"width": 32}, partition=(4, 4), batch_size=10, steps=1)
     path = tmp_path / "config.json"
     config.save(path)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

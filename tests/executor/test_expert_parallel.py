@@ -28,7 +28,7 @@ ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--cli
 
 
 def reference(options, batch, replicas, microbatches, steps, precision="fp32", absent=None):
-    config = RunConfig(model="transformer", options=options, partition=(4,), batch_size=batch, microbatches=4,
+    config = RunConfig.of(model="transformer", options=options, partition=(4,), batch_size=batch, microbatches=4,
                        optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, precision=precision)
     pipe = LocalPipeline(config)  # its batches and loss
     return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas, absent)

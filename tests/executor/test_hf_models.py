@@ -41,7 +41,7 @@ def saved_model(tmp_path, family, tie=None):
 
 
 def run_config(tmp_path, stages, microbatches=2, checkpoint="except_last", schedule="gpipe"):
-    return RunConfig(model=f"hf-config:{tmp_path}", options={"seq": SEQ}, partition=PARTITIONS[stages],
+    return RunConfig.of(model=f"hf-config:{tmp_path}", options={"seq": SEQ}, partition=PARTITIONS[stages],
                      batch_size=6, microbatches=microbatches, checkpoint=checkpoint, schedule=schedule,
                      init_from=str(tmp_path))
 
@@ -137,7 +137,7 @@ def test_training_a_hugging_face_model_with_gpipe_train(tmp_path):
                               "--batch", "6", "--microbatches", "3", "--steps", "3", "--optimizer", "adam", "--lr",
                               "0.01", "--report", str(report))
     assert result.returncode == 0, result.stderr
-    local = LocalPipeline(RunConfig(model=f"hf-config:{tmp_path / 'gpt2'}", options={"seq": SEQ}, partition=(4,),
+    local = LocalPipeline(RunConfig.of(model=f"hf-config:{tmp_path / 'gpt2'}", options={"seq": SEQ}, partition=(4,),
                                     batch_size=6, microbatches=3, optimizer="adam", lr=0.01,
                                     init_from=str(tmp_path / "gpt2")))
     expected = [local.run_step(s) for s in range(3)]
@@ -171,7 +171,7 @@ def test_without_a_file_training_starts_from_what_from_config_gives(family, tie)
     options = dict(CONFIGS[family], **({} if tie is None else {"tie_word_embeddings": tie}))
     torch.manual_seed(4)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(family, **options))
-    pipe = LocalPipeline(RunConfig(model=f"hf:{family}", options={**options, "seq": SEQ}, partition=PARTITIONS[2],
+    pipe = LocalPipeline(RunConfig.of(model=f"hf:{family}", options={**options, "seq": SEQ}, partition=PARTITIONS[2],
                                    batch_size=6, microbatches=2, seed=4))
     rename = checkpoint_names(f"hf:{family}", options)
     ours = {rename(name): tensor for name, tensor in pipe.model().state_dict().items()}

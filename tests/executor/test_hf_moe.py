@@ -35,7 +35,7 @@ CONFIGS = {
 ])
 def test_moe_losses_and_gradients_equal_the_models_own(family, partition, schedule, checkpoint):
     options = {**CONFIGS[family], "seq": 8}
-    pipe = LocalPipeline(RunConfig(model=f"hf:{family}", options=options, partition=partition, batch_size=6,
+    pipe = LocalPipeline(RunConfig.of(model=f"hf:{family}", options=options, partition=partition, batch_size=6,
                                    microbatches=3, schedule=schedule, checkpoint=checkpoint))
     rename = checkpoint_names(f"hf:{family}", options)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(family, **CONFIGS[family]))

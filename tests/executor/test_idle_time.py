@@ -55,7 +55,7 @@ class IdleLog:
 
 
 def test_receives_are_posted_in_order_the_first_at_the_start_the_rest_at_the_first_wait():
-    pipe = LocalPipeline(RunConfig(**CONFIG))
+    pipe = LocalPipeline(RunConfig.of(**CONFIG))
     first, last = pipe.stages
     inputs, targets = pipe.batch(0)
     first.begin_step(0, inputs, targets)
@@ -75,7 +75,7 @@ def test_receives_are_posted_in_order_the_first_at_the_start_the_rest_at_the_fir
 
 
 def test_a_message_that_arrives_during_a_chore_is_taken_before_the_next_chore():
-    pipe = LocalPipeline(RunConfig(**CONFIG))
+    pipe = LocalPipeline(RunConfig.of(**CONFIG))
     first, last = pipe.stages
     inputs, targets = pipe.batch(0)
     first.begin_step(0, inputs, targets)
@@ -90,7 +90,7 @@ def test_a_message_that_arrives_during_a_chore_is_taken_before_the_next_chore():
 
 
 def test_a_stage_whose_first_action_receives_nothing_posts_nothing_at_the_start():
-    pipe = LocalPipeline(RunConfig(**CONFIG))
+    pipe = LocalPipeline(RunConfig.of(**CONFIG))
     log = []
     first = pipe.stages[0]
     first.transport = LateTransport(first.transport, log)
@@ -99,12 +99,12 @@ def test_a_stage_whose_first_action_receives_nothing_posts_nothing_at_the_start(
 
 
 def test_prefetched_batches_are_the_steps_own_and_the_run_is_unchanged():
-    config = RunConfig(**CONFIG)
+    config = RunConfig.of(**CONFIG)
     batches = StepBatches(config, needs_data=True)
     for step in range(config.steps):
         inputs, targets = batches.take(step)  # split into the run's micro-batches
         expected = batch_for_step(config.model, config.options, config.batch_size, config.seed, step)
-        assert len(inputs) == len(targets) == config.microbatches
+        assert len(inputs) == len(targets) == config.layout.microbatches
         assert torch.equal(torch.cat(inputs), expected[0]) and torch.equal(torch.cat(targets), expected[1])
         batches.prefetch()
         batches.prefetch()  # idempotent: one batch ahead
@@ -115,7 +115,7 @@ def test_prefetched_batches_are_the_steps_own_and_the_run_is_unchanged():
 
 
 def test_the_next_batch_is_drawn_in_the_wait_that_was_longest_last_step():
-    config = RunConfig(**{**CONFIG, "steps": 5})
+    config = RunConfig.of(**{**CONFIG, "steps": 5})
     batches = StepBatches(config, needs_data=True)
     batches.take(0)
     batches.prefetch("a")  # no step before: the first wait draws
@@ -136,7 +136,7 @@ def test_the_next_batch_is_drawn_in_the_wait_that_was_longest_last_step():
 
 
 def test_a_stale_prefetched_batch_is_dropped():
-    config = RunConfig(**CONFIG)
+    config = RunConfig.of(**CONFIG)
     batches = StepBatches(config, needs_data=True)
     batches.take(0)
     batches.prefetch()  # step 1 drawn, but step 2 asked for next

@@ -50,7 +50,7 @@ def assert_bitwise(actual, expected):
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_every_stage_starts_from_factorys_values_bitwise(stages):
-    pipe = LocalPipeline(RunConfig(model=CUSTOM, partition=PARTITIONS[stages], batch_size=8, microbatches=2,
+    pipe = LocalPipeline(RunConfig.of(model=CUSTOM, partition=PARTITIONS[stages], batch_size=8, microbatches=2,
                                    seed=3))
     assert_bitwise(every_tensor(pipe.model()), every_tensor(users_model(user_init_models.custom_init, seed=3)))
 
@@ -107,7 +107,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_training_equals_the_users_own_training(stages, optimizer):
     settings, make = OPTIMIZERS[optimizer]
-    config = RunConfig(model=CUSTOM, partition=PARTITIONS[stages], batch_size=8, microbatches=4, steps=3,
+    config = RunConfig.of(model=CUSTOM, partition=PARTITIONS[stages], batch_size=8, microbatches=4, steps=3,
                        schedule="1f1b" if stages % 2 else "gpipe", **settings)
     losses, norms, reference = reference_training(user_init_models.custom_init, config, make, config.steps)
     pipe = LocalPipeline(config)
@@ -124,7 +124,7 @@ def test_training_equals_the_users_own_training(stages, optimizer):
 
 def gpt2_config(stages, dropout=0.0, **extra):
     partition = {1: (4,), 2: (2, 2), 4: (1, 1, 1, 1)}[stages]
-    return RunConfig(model=GPT2, options={"dropout": dropout}, data="tests.helpers.user_init_models:gpt2_data", loss="mse",
+    return RunConfig.of(model=GPT2, options={"dropout": dropout}, data="tests.helpers.user_init_models:gpt2_data", loss="mse",
                      partition=partition, batch_size=6, microbatches=3, optimizer="sgd", lr=0.5, steps=2, **extra)
 
 
@@ -157,7 +157,7 @@ def test_gpt2_blocks_with_dropout_replay_their_masks_under_rematerialisation():
 def test_gpt2_blocks_with_dropout_at_one_stage_equal_the_users_model_on_the_same_masks():
     """K = 1, M = 1: the stage seeds its generator for (seed, step, stage 0, micro-batch 0) before
     the forward; the user's model seeded the same way draws the same dropout masks."""
-    config = RunConfig(model=GPT2, options={"dropout": 0.2}, data="tests.helpers.user_init_models:gpt2_data", loss="mse",
+    config = RunConfig.of(model=GPT2, options={"dropout": 0.2}, data="tests.helpers.user_init_models:gpt2_data", loss="mse",
                        partition=(4,), batch_size=6, microbatches=1, optimizer="sgd", lr=0.5)
     pipe = LocalPipeline(config)
     model = users_model(user_init_models.gpt2_blocks, dropout=0.2)
@@ -175,7 +175,7 @@ def test_gpt2_blocks_with_dropout_at_one_stage_equal_the_users_model_on_the_same
 def test_init_meta_starts_from_the_per_layer_seeded_values():
     from executor.models.materialize import materialise
 
-    config = RunConfig(model="mlp", options={"width": 8, "layers": 4}, partition=(2, 2), batch_size=4,
+    config = RunConfig.of(model="mlp", options={"width": 8, "layers": 4}, partition=(2, 2), batch_size=4,
                        microbatches=2, init="meta", seed=2)
     meta = build_meta_model("mlp", {"width": 8, "layers": 4})
     expected = every_tensor(torch.nn.Sequential(*materialise(meta, range(4), seed=2)))
@@ -193,7 +193,7 @@ def test_init_meta_refuses_a_module_without_reset_parameters_and_factory_does_no
 
 def test_an_unknown_init_is_one_line():
     with pytest.raises(GpipeInputError, match="unknown --init 'seeded'"):
-        RunConfig(model="mlp", partition=(8,), init="seeded").validate()
+        RunConfig.of(model="mlp", partition=(8,), init="seeded").validate()
 
 
 def test_a_checkpoint_shard_holding_a_pickle_is_refused_in_one_line(tmp_path):
@@ -233,7 +233,7 @@ def test_state_files_round_trip_what_a_shard_holds(tmp_path):
 def test_four_processes_train_from_factorys_values_as_the_users_model(tmp_path):
     """K = 4 over gloo with AdamW and clipping: the losses, norms and every checkpointed parameter
     after the steps equal the user's own training of ``factory()``."""
-    config = RunConfig(model=CUSTOM, partition=PARTITIONS[4], batch_size=8, microbatches=4, steps=3,
+    config = RunConfig.of(model=CUSTOM, partition=PARTITIONS[4], batch_size=8, microbatches=4, steps=3,
                        **OPTIMIZERS["adamw"][0])
     losses, norms, reference = reference_training(user_init_models.custom_init, config, OPTIMIZERS["adamw"][1], 3)
     done = gpipe("train", "--model", CUSTOM, "--partition", "1,2,2,1", "--batch", "8", "--microbatches", "4",

@@ -47,7 +47,7 @@ GRID = [(model, k, v, m, policy) for (model, k, v) in PARTITIONS for m in MICROB
 
 
 def interleaved(model, stages, virtual_stages, microbatches=None, checkpoint="except_last", **overrides):
-    return RunConfig(model=model, options=OPTIONS.get(model, {}), partition=PARTITIONS[(model, stages, virtual_stages)],
+    return RunConfig.of(model=model, options=OPTIONS.get(model, {}), partition=PARTITIONS[(model, stages, virtual_stages)],
                      batch_size=11, microbatches=microbatches or 2 * stages, checkpoint=checkpoint,
                      schedule="interleaved", virtual_stages=virtual_stages, **overrides)
 
@@ -138,7 +138,7 @@ def test_batch_norm_running_statistics_are_committed_on_every_chunk():
     """Each batch norm's running statistics equal one pass over the whole mini-batch of the inputs it
     saw: every earlier layer normalised per micro-batch, as the pipeline does (GPipe section 2.2)."""
     cnn = {"layers": 2, "channels": 8, "image": 8}  # three conv blocks and a head: 4 layers
-    config = RunConfig(model="cnn", options=cnn, partition=(1, 1, 1, 1), batch_size=11, microbatches=4,
+    config = RunConfig.of(model="cnn", options=cnn, partition=(1, 1, 1, 1), batch_size=11, microbatches=4,
                        schedule="interleaved", virtual_stages=2, checkpoint="except_last")
     pipe = LocalPipeline(config)
     inputs, _ = pipe.batch(0)
@@ -162,7 +162,7 @@ TIED_PARTITIONS = {(1, 2): (2, 2), (2, 2): (1, 1, 1, 1), (1, 4): (1, 1, 1, 1)}  
 
 
 def tied(stages, virtual_stages, microbatches, checkpoint="except_last", **overrides):
-    return RunConfig(model=TIED, data="tests.helpers.sample_models:tied_lm_data", loss="cross_entropy",
+    return RunConfig.of(model=TIED, data="tests.helpers.sample_models:tied_lm_data", loss="cross_entropy",
                      partition=TIED_PARTITIONS[(stages, virtual_stages)], batch_size=11, microbatches=microbatches,
                      checkpoint=checkpoint, schedule="interleaved", virtual_stages=virtual_stages, **overrides)
 
@@ -224,7 +224,7 @@ SEVERAL_PARTITIONS = {(1, 2): (2, 4), (2, 2): (1, 2, 1, 2), (3, 2): (1,) * 6, (2
 def test_several_tensors_between_chunks_match_unpipelined(stages, virtual_stages, checkpoint):
     """Dicts and tuples of tensors (one whose gradient crosses back, integer ids, a gate without a
     gradient) cross every chunk boundary, the wrap from device K-1 to device 0 included."""
-    check_step(RunConfig(model=SEVERAL, partition=SEVERAL_PARTITIONS[(stages, virtual_stages)], batch_size=11,
+    check_step(RunConfig.of(model=SEVERAL, partition=SEVERAL_PARTITIONS[(stages, virtual_stages)], batch_size=11,
                          microbatches=2 * stages, checkpoint=checkpoint, loss="mse", schedule="interleaved",
                          virtual_stages=virtual_stages))
 
@@ -255,16 +255,15 @@ def test_chunks_in_the_wrong_place_break_the_step(monkeypatch):
     (dict(partition=(3, 2, 3)), "partition has 3 entries, not a multiple of --virtual-stages 2"),
 ])
 def test_bad_runs_are_refused_in_one_line(overrides, message):
-    config = interleaved("mlp", 2, 2, 4)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    settings = dict(model="mlp", options=OPTIONS.get("mlp", {}), partition=PARTITIONS[("mlp", 2, 2)], batch_size=11,
+                    microbatches=4, schedule="interleaved", virtual_stages=2)
     with pytest.raises(GpipeInputError, match=message):
-        LocalPipeline(config)
+        LocalPipeline(RunConfig.of(**{**settings, **overrides}))
 
 
 def test_a_small_batch_is_checked_as_executed():
     """Batch 3 asked in 4 micro-batches runs as 3 (torch.chunk): a multiple of K = 3, so it runs."""
-    check_step(RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(1, 1, 2, 1, 1, 2), batch_size=3,
+    check_step(RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(1, 1, 2, 1, 1, 2), batch_size=3,
                          microbatches=4, schedule="interleaved", virtual_stages=2))
 
 
@@ -296,7 +295,7 @@ def test_gpipe_train_flags_are_checked(argv, message):
 
 def test_the_interleaved_schedule_defaults_to_two_chunks_per_process_as_the_simulator_does():
     config = config_from_args(parse("--stages", "2", "--schedule", "interleaved"))
-    assert config.virtual_stages == 2 and len(config.partition) == 4
+    assert config.layout.virtual_stages == 2 and len(config.partition) == 4
 
 
 def test_gpipe_train_refuses_with_one_line_and_exit_2():
@@ -309,7 +308,7 @@ def test_gpipe_train_refuses_with_one_line_and_exit_2():
 
 def test_gpipe_train_splits_the_layers_into_v_times_k_chunks():
     config = config_from_args(parse("--stages", "2", "--schedule", "interleaved", "--virtual-stages", "2"))
-    assert config.partition == (2, 2, 2, 2) and config.stages == 2 and config.virtual_stages == 2
+    assert config.partition == (2, 2, 2, 2) and config.stages == 2 and config.layout.virtual_stages == 2
     config = config_from_args(parse("--stages", "1", "--schedule", "interleaved", "--virtual-stages", "3"))
     assert sum(config.partition) == 8 and len(config.partition) == 3 and config.stages == 1
 

@@ -22,7 +22,7 @@ def params(model):
 
 @pytest.mark.parametrize("partition", [(4,), (2, 2), (1, 2, 1), (1, 1, 1, 1)])
 def test_every_k_starts_from_the_same_parameters(partition):
-    config = RunConfig(model="transformer", options=TRANSFORMER, partition=partition, batch_size=4, microbatches=2,
+    config = RunConfig.of(model="transformer", options=TRANSFORMER, partition=partition, batch_size=4, microbatches=2,
                        init="meta")
     pipelined = params(LocalPipeline(config).model())
     meta = build_meta_model("transformer", TRANSFORMER)
@@ -43,7 +43,7 @@ def test_values_are_a_function_of_seed_and_layer_only():
 
 def test_preparing_a_model_larger_than_memory_allocates_nothing():
     # 64 layers of 16384 x 16384: 69 GB of fp32 weights, more than this machine holds
-    config = RunConfig(model="mlp", options={"layers": 64, "width": 16384}, partition=(32, 32), batch_size=4,
+    config = RunConfig.of(model="mlp", options={"layers": 64, "width": 16384}, partition=(32, 32), batch_size=4,
                        microbatches=2)
     prepared = prepare(config)
     assert all(p.device.type == "meta" for p in prepared.model.parameters())
@@ -73,10 +73,10 @@ def test_under_init_meta_a_parameter_nothing_can_initialise_is_refused_in_one_li
     (tmp_path / "no_reset.py").write_text(BAD)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(GpipeInputError) as info:
-        prepare(RunConfig(model="no_reset:net", partition=(1, 1), batch_size=4, microbatches=2, init="meta"))
+        prepare(RunConfig.of(model="no_reset:net", partition=(1, 1), batch_size=4, microbatches=2, init="meta"))
     assert "'gain' of Scale in layer 1 (Scale) has no reset_parameters()" in str(info.value)
     assert "\n" not in str(info.value)
-    pipe = LocalPipeline(RunConfig(model="no_reset:net", partition=(1, 1), batch_size=4, microbatches=2))
+    pipe = LocalPipeline(RunConfig.of(model="no_reset:net", partition=(1, 1), batch_size=4, microbatches=2))
     assert torch.equal(pipe.model()[1].gain, torch.ones(4))  # the default keeps the constructor's value
 
 
@@ -108,7 +108,7 @@ def test_init_from_loads_every_stage_from_one_file(tmp_path, kind):
         path = tmp_path / ("weights.safetensors" if kind == "safetensors" else "model.safetensors")
         write_safetensors(path, {k: v.to(torch.bfloat16) if k.endswith("weight") else v for k, v in source.items()})
         path = tmp_path if kind == "folder" else path
-    config = RunConfig(model="transformer", options=TRANSFORMER, partition=(1, 2, 1), batch_size=4, microbatches=2,
+    config = RunConfig.of(model="transformer", options=TRANSFORMER, partition=(1, 2, 1), batch_size=4, microbatches=2,
                        init_from=str(path))
     loaded = params(LocalPipeline(config).model())
     for name, value in source.items():
@@ -120,7 +120,7 @@ def test_a_tied_weight_stored_once_reaches_every_copy(tmp_path):
     source = build_model("tests.helpers.sample_models:tied_lm", {}, seed=5).state_dict()
     del source["3.weight"]  # stored once, under the embedding's name, as Hugging Face files do
     torch.save(source, tmp_path / "tied.pt")
-    pipe = LocalPipeline(RunConfig(model="tests.helpers.sample_models:tied_lm", data="tests.helpers.sample_models:tied_lm_data",
+    pipe = LocalPipeline(RunConfig.of(model="tests.helpers.sample_models:tied_lm", data="tests.helpers.sample_models:tied_lm_data",
                                    loss="cross_entropy", partition=(2, 2), batch_size=4, microbatches=2,
                                    init_from=str(tmp_path / "tied.pt")))
     layers = list(pipe.model())
@@ -137,6 +137,6 @@ def test_init_from_that_does_not_match_is_one_line(tmp_path, change, message):
     change(source)
     torch.save(source, tmp_path / "w.pt")
     with pytest.raises(GpipeInputError) as info:
-        prepare(RunConfig(model="transformer", options=TRANSFORMER, partition=(2, 2), batch_size=4,
+        prepare(RunConfig.of(model="transformer", options=TRANSFORMER, partition=(2, 2), batch_size=4,
                           microbatches=2, init_from=str(tmp_path / "w.pt")))
     assert message in str(info.value) and "\n" not in str(info.value)

@@ -35,7 +35,7 @@ def test_one_step_with_experts_matches_one_process(schedule, partition, virtual,
                                                    activation):
     options = {**MOE, "top_k": top_k, "shared_experts": shared, "activation": activation}
     microbatches = 4 if schedule == "interleaved" else 3  # batch 10: micro-batches of 3,3,3,1 or 4,4,2
-    config = RunConfig(model="transformer", options=options, partition=partition, batch_size=10,
+    config = RunConfig.of(model="transformer", options=options, partition=partition, batch_size=10,
                        microbatches=microbatches, schedule=schedule, checkpoint=checkpoint, virtual_stages=virtual)
     pipe = LocalPipeline(config)
     inputs, targets = pipe.batch(0)
@@ -54,7 +54,7 @@ def test_one_step_with_experts_matches_one_process(schedule, partition, virtual,
 def test_the_auxiliary_loss_reaches_the_router_and_only_it():
     """With the coefficient at 0 every router's gradient changes, the last block's experts' do not (the
     auxiliary loss flows back through the routers' inputs into every earlier layer, not forward)."""
-    config = RunConfig(model="transformer", options=MOE, partition=(4,), batch_size=8, microbatches=2)
+    config = RunConfig.of(model="transformer", options=MOE, partition=(4,), batch_size=8, microbatches=2)
     inputs, targets = LocalPipeline(config).batch(0)
     grads = []
     for coef in (MOE["aux_loss_coef"], 0.0):
@@ -70,7 +70,7 @@ def test_the_auxiliary_loss_reaches_the_router_and_only_it():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_adamw_with_clipping_trains_as_one_process(precision):
     options = {**MOE, "shared_experts": 1, "activation": "swiglu"}
-    config = RunConfig(model="transformer", options=options, partition=(2, 2), batch_size=8, microbatches=4,
+    config = RunConfig.of(model="transformer", options=options, partition=(2, 2), batch_size=8, microbatches=4,
                        schedule="1f1b", checkpoint="except_last", optimizer="adamw", lr=0.01, weight_decay=0.1,
                        clip_grad_norm=0.5, steps=3, precision=precision)
     pipe = LocalPipeline(config)

@@ -27,7 +27,7 @@ STEPS = 3
 
 
 def reference(options, precision="fp32"):
-    config = RunConfig(model="transformer", options=options, partition=(4,), batch_size=8, microbatches=4,
+    config = RunConfig.of(model="transformer", options=options, partition=(4,), batch_size=8, microbatches=4,
                        optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, precision=precision)
     pipe = LocalPipeline(config)  # its batches and loss
     return one_process(config, pipe.batch, pipe.prepared.loss_fn, 4, STEPS)
@@ -83,7 +83,7 @@ def test_hugging_face_mixtral_under_data_parallelism_trains_as_one_process(tmp_p
     result = gpipe("train", "--model", "hf:mixtral", *option_flags(options), *ADAMW, "--stages", "2", "--replicas",
                    "2", "--batch", "8", "--microbatches", "2", "--steps", "2", "--report", str(tmp_path / "r.json"))
     assert result.returncode == 0, result.stderr[-3000:]
-    pipe = LocalPipeline(RunConfig(model="hf:mixtral", options=options, partition=(4,), batch_size=8, microbatches=4,
+    pipe = LocalPipeline(RunConfig.of(model="hf:mixtral", options=options, partition=(4,), batch_size=8, microbatches=4,
                                    optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, steps=2))
     from executor.models.moe_aux_loss import take_aux_loss
 

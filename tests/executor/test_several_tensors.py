@@ -23,7 +23,7 @@ GRID = list(itertools.product((1, 2, 3, 6), (1, 3, 4), ("always", "except_last",
 
 
 def config(stages, microbatches=4, checkpoint="except_last", schedule="gpipe", **overrides):
-    return RunConfig(model=MODEL, partition=PARTITIONS[stages], batch_size=10, microbatches=microbatches,
+    return RunConfig.of(model=MODEL, partition=PARTITIONS[stages], batch_size=10, microbatches=microbatches,
                      checkpoint=checkpoint, schedule=schedule, loss="mse", **overrides)
 
 
@@ -84,7 +84,7 @@ def test_what_cannot_cross_a_boundary_is_refused_in_one_line(tmp_path, monkeypat
     (tmp_path / "bad_boundaries.py").write_text(BAD_MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(GpipeInputError) as info:
-        prepare(RunConfig(model=f"bad_boundaries:{factory}", partition=partition, batch_size=4, microbatches=2))
+        prepare(RunConfig.of(model=f"bad_boundaries:{factory}", partition=partition, batch_size=4, microbatches=2))
     assert message in str(info.value) and "\n" not in str(info.value)
     # the same values are fine inside one stage
-    prepare(RunConfig(model=f"bad_boundaries:{factory}", partition=(2, 1), batch_size=4, microbatches=2))
+    prepare(RunConfig.of(model=f"bad_boundaries:{factory}", partition=(2, 1), batch_size=4, microbatches=2))

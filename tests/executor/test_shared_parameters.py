@@ -25,7 +25,7 @@ GRID = list(itertools.product((1, 2, 3, 4), (1, 3, 4), ("always", "except_last",
 
 
 def config(stages, microbatches=4, checkpoint="except_last", schedule="gpipe", **overrides):
-    return RunConfig(model=MODEL, data=DATA, loss="cross_entropy", partition=PARTITIONS[stages], batch_size=10,
+    return RunConfig.of(model=MODEL, data=DATA, loss="cross_entropy", partition=PARTITIONS[stages], batch_size=10,
                      microbatches=microbatches, checkpoint=checkpoint, schedule=schedule, **overrides)
 
 
@@ -96,15 +96,15 @@ def test_sharing_that_cannot_be_kept_equal_is_refused(tmp_path, monkeypatch, fac
     (tmp_path / "sharing_models.py").write_text(SHARING)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(GpipeInputError) as info:
-        prepare(RunConfig(model=f"sharing_models:{factory}", partition=(2, 1), batch_size=4, microbatches=2))
+        prepare(RunConfig.of(model=f"sharing_models:{factory}", partition=(2, 1), batch_size=4, microbatches=2))
     assert message in str(info.value) and "\n" not in str(info.value)
-    prepare(RunConfig(model=f"sharing_models:{factory}", partition=(3,), batch_size=4, microbatches=2))
+    prepare(RunConfig.of(model=f"sharing_models:{factory}", partition=(3,), batch_size=4, microbatches=2))
 
 
 def test_a_shared_module_without_parameters_is_fine(tmp_path, monkeypatch):
     (tmp_path / "sharing_models.py").write_text(SHARING)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert prepare(RunConfig(model="sharing_models:shared_activation", partition=(2, 2), batch_size=4,
+    assert prepare(RunConfig.of(model="sharing_models:shared_activation", partition=(2, 2), batch_size=4,
                              microbatches=2)).shared == []
 
 

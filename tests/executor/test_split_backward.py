@@ -157,7 +157,7 @@ def test_a_zb_h1_step_leaves_no_graph_behind():
     from executor.runtime.pipeline import LocalPipeline
 
     options = {"layers": 2, "d_model": 16, "ff": 32, "heads": 2, "seq": 8, "vocab": 32}
-    pipe = LocalPipeline(RunConfig(model="transformer", options=options, partition=(2, 2), batch_size=8,
+    pipe = LocalPipeline(RunConfig.of(model="transformer", options=options, partition=(2, 2), batch_size=8,
                                    microbatches=4, schedule="zb-h1", checkpoint="never"))
     for step in range(2):
         pipe.run_step(step)

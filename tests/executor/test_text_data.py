@@ -68,7 +68,7 @@ def test_refused_in_one_line(model, options, words):
 
 def test_pipelined_training_on_text_equals_the_model_alone_and_learns():
     steps = 6
-    config = RunConfig(model="transformer", options=OPTIONS, partition=(2, 2), batch_size=8, microbatches=4,
+    config = RunConfig.of(model="transformer", options=OPTIONS, partition=(2, 2), batch_size=8, microbatches=4,
                        schedule="1f1b", checkpoint="except_last", optimizer="adamw", lr=0.01, steps=steps,
                        data="text")
     pipe = LocalPipeline(config)

@@ -38,18 +38,18 @@ GRID += list(itertools.product(("mlp", "transformer"), (2, 4), (3, 8), ("always"
 
 @pytest.mark.parametrize("model,stages,microbatches,checkpoint,schedule", GRID)
 def test_one_step_matches_unpipelined(model, stages, microbatches, checkpoint, schedule):
-    check_step(RunConfig(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)],
+    check_step(RunConfig.of(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)],
                          batch_size=10, microbatches=microbatches, checkpoint=checkpoint, schedule=schedule))
 
 
 @pytest.mark.parametrize("batch_size,microbatches", [(2, 4), (1, 3), (7, 7)])
 def test_batch_smaller_than_or_equal_to_microbatches(batch_size, microbatches):
-    check_step(RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(2, 2, 2, 2), batch_size=batch_size,
+    check_step(RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(2, 2, 2, 2), batch_size=batch_size,
                          microbatches=microbatches, schedule="1f1b"))
 
 
 def test_several_steps_match_unpipelined_sgd():
-    config = RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(3, 5), batch_size=10, microbatches=4,
+    config = RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(3, 5), batch_size=10, microbatches=4,
                        optimizer="sgd", lr=0.1)
     pipe = LocalPipeline(config)
     model = build_model("mlp", OPTIONS["mlp"], 0)
@@ -78,7 +78,7 @@ ADAMW_GRID = [(*case, "cosine") for case in itertools.product(
 
 @pytest.mark.parametrize("model,stages,checkpoint,schedule,lr_schedule", ADAMW_GRID)
 def test_adamw_with_clipping_and_lr_schedule_matches_unpipelined(model, stages, checkpoint, schedule, lr_schedule):
-    config = RunConfig(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)], batch_size=10,
+    config = RunConfig.of(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)], batch_size=10,
                        microbatches=3, checkpoint=checkpoint, schedule=schedule, optimizer="adamw", lr=0.01,
                        weight_decay=0.1, clip_grad_norm=CLIP[model], lr_schedule=lr_schedule, lr_warmup_steps=2,
                        steps=ADAMW_STEPS)
@@ -89,7 +89,7 @@ def test_adamw_with_clipping_and_lr_schedule_matches_unpipelined(model, stages, 
 def test_sgd_clipping_uses_the_norm_over_all_stages(stages):
     """SGD's update is proportional to the clip coefficient (Adam's is nearly blind to a common scale),
     so a stage clipped by its own, smaller norm would move differently from torch's whole-model clip."""
-    config = RunConfig(model="mlp", options=OPTIONS["mlp"], partition=PARTITIONS[("mlp", stages)], batch_size=10,
+    config = RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=PARTITIONS[("mlp", stages)], batch_size=10,
                        microbatches=3, optimizer="sgd", lr=0.5, weight_decay=0.01, clip_grad_norm=CLIP["mlp"],
                        steps=3)
     pipe = LocalPipeline(config)
@@ -111,7 +111,7 @@ def test_sgd_clipping_uses_the_norm_over_all_stages(stages):
 def test_grouped_query_attention_matches_unpipelined(stages, checkpoint, schedule):
     """Two key/value heads for four query heads (``kv_heads``): one step against the whole model."""
     options = {**OPTIONS["transformer"], "heads": 4, "kv_heads": 2}
-    check_step(RunConfig(model="transformer", options=options, partition=PARTITIONS[("transformer", stages)],
+    check_step(RunConfig.of(model="transformer", options=options, partition=PARTITIONS[("transformer", stages)],
                          batch_size=10, microbatches=3, checkpoint=checkpoint, schedule=schedule))
 
 
@@ -131,12 +131,12 @@ SELECTIVE_GRID = list(itertools.product((1, 2, 4), (1, 3, 8), ("gpipe", "1f1b"))
 @pytest.mark.parametrize("stages,microbatches,schedule", SELECTIVE_GRID)
 def test_selective_recompute_matches_unpipelined(stages, microbatches, schedule):
     """``--checkpoint selective``: the attention cores rerun inside the backward; the transformer only."""
-    check_step(RunConfig(model="transformer", options=OPTIONS["transformer"], partition=PARTITIONS[("transformer", stages)],
+    check_step(RunConfig.of(model="transformer", options=OPTIONS["transformer"], partition=PARTITIONS[("transformer", stages)],
                          batch_size=10, microbatches=microbatches, checkpoint="selective", schedule=schedule))
 
 
 def test_selective_recompute_with_adamw_and_grouped_attention():
-    config = RunConfig(model="transformer", options={**OPTIONS["transformer"], "heads": 4, "kv_heads": 2},
+    config = RunConfig.of(model="transformer", options={**OPTIONS["transformer"], "heads": 4, "kv_heads": 2},
                        partition=PARTITIONS[("transformer", 2)], batch_size=10, microbatches=3, checkpoint="selective",
                        schedule="1f1b", optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=CLIP["transformer"],
                        lr_schedule="cosine", lr_warmup_steps=2, steps=ADAMW_STEPS)
@@ -148,7 +148,7 @@ def test_selective_recompute_is_refused_where_there_is_no_attention_core():
 
     with pytest.raises(GpipeInputError, match="--checkpoint selective recomputes the attention core of the built-in "
                                               "transformer only, not mlp; use full"):
-        RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(8,), checkpoint="selective").validate()
+        RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(8,), checkpoint="selective").validate()
 
 
 def test_squared_relu_and_swiglu_match_unpipelined_and_an_unknown_activation_is_one_line():
@@ -158,7 +158,7 @@ def test_squared_relu_and_swiglu_match_unpipelined_and_an_unknown_activation_is_
 
     for activation, checkpoint in (("squared_relu", "full"), ("swiglu", "selective")):
         options = {**OPTIONS["transformer"], "activation": activation}
-        check_step(RunConfig(model="transformer", options=options, partition=PARTITIONS[("transformer", 2)],
+        check_step(RunConfig.of(model="transformer", options=options, partition=PARTITIONS[("transformer", 2)],
                              batch_size=10, microbatches=3, checkpoint=checkpoint, schedule="1f1b"))
     for build in (lambda o: get_workload("transformer", o), lambda o: build_model("transformer", o)):
         with pytest.raises(GpipeInputError, match="activation='swish'"):
@@ -169,5 +169,5 @@ def test_squared_relu_and_swiglu_match_unpipelined_and_an_unknown_activation_is_
 def test_flash_attention_matches_unpipelined(checkpoint, kv_heads):
     """``attention=flash``: ``scaled_dot_product_attention`` in place of the explicit scores."""
     options = {**OPTIONS["transformer"], "heads": 4, "kv_heads": kv_heads, "attention": "flash"}
-    check_step(RunConfig(model="transformer", options=options, partition=PARTITIONS[("transformer", 2)], batch_size=10,
+    check_step(RunConfig.of(model="transformer", options=options, partition=PARTITIONS[("transformer", 2)], batch_size=10,
                          microbatches=3, checkpoint=checkpoint, schedule="1f1b"))

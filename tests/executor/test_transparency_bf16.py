@@ -48,7 +48,7 @@ GRID = list(itertools.product(("mlp", "transformer"), (1, 2, 4), ("always", "exc
 
 
 def bf16_config(model: str, stages: int, checkpoint: str = "except_last", schedule: str = "gpipe") -> RunConfig:
-    return RunConfig(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)],
+    return RunConfig.of(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)],
                      batch_size=BATCH, microbatches=MICROBATCHES, checkpoint=checkpoint, schedule=schedule,
                      precision="bf16")
 
@@ -110,7 +110,7 @@ def test_boundaries_cross_in_the_dtype_autocast_produced():
 def test_several_bf16_steps_keep_fp32_master_weights_and_optimizer_state():
     """Adam over three steps: the pipeline's fp32 weights and moments follow the micro-batched
     unpipelined run's under the same autocast."""
-    config = RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(3, 5), batch_size=BATCH,
+    config = RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(3, 5), batch_size=BATCH,
                        microbatches=MICROBATCHES, optimizer="adam", lr=1e-3, precision="bf16")
     pipe = LocalPipeline(config)
     model = build_model("mlp", OPTIONS["mlp"], 0)
@@ -145,10 +145,10 @@ def test_two_processes_in_bf16_match_one_stage(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(report.read_text())
     assert data["config"]["precision"] == "bf16" and data["plan"]["precision"] == "bf16"
-    one_stage = LocalPipeline(RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(8,), batch_size=BATCH,
+    one_stage = LocalPipeline(RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(8,), batch_size=BATCH,
                                         microbatches=MICROBATCHES, precision="bf16"))
     expected = [one_stage.run_step(step) for step in range(3)]
     assert data["losses"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
-    fp32 = LocalPipeline(RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(8,), batch_size=BATCH,
+    fp32 = LocalPipeline(RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(8,), batch_size=BATCH,
                                    microbatches=MICROBATCHES))
     assert data["losses"][0] != pytest.approx(fp32.run_step(0), rel=1e-6)  # it did train in bf16

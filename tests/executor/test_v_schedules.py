@@ -40,7 +40,7 @@ GRID += [(schedule, "transformer", 2, 4, "selective") for schedule in V_SCHEDULE
 
 
 def v_config(schedule, model, stages, microbatches, checkpoint="never", **overrides):
-    return RunConfig(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)],
+    return RunConfig.of(model=model, options=OPTIONS[model], partition=PARTITIONS[(model, stages)],
                      batch_size=max(3, 2 * microbatches - 1), microbatches=microbatches, checkpoint=checkpoint,
                      schedule=schedule, virtual_stages=2, **overrides)
 
@@ -66,7 +66,7 @@ def test_each_device_holds_the_two_arms_of_the_v(schedule):
 def test_tied_weights_match_unpipelined_under_the_split_backward(schedule, stages, partition):
     """The embedding (virtual stage 0) and the head (the last) share a weight: in a V both on device 0,
     under zb-h1 on the first and the last device, each copy's gradient summed after its W."""
-    config = RunConfig(model=TIED, data="tests.helpers.sample_models:tied_lm_data", loss="cross_entropy",
+    config = RunConfig.of(model=TIED, data="tests.helpers.sample_models:tied_lm_data", loss="cross_entropy",
                        partition=partition, batch_size=11, microbatches=2 * stages + 1, checkpoint="except_last",
                        schedule=schedule, virtual_stages=len(partition) // stages)
     check_tied_step(LocalPipeline(config))
@@ -75,7 +75,7 @@ def test_tied_weights_match_unpipelined_under_the_split_backward(schedule, stage
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 @pytest.mark.parametrize("stages,partition", [(2, (1, 2, 1, 2)), (3, (1,) * 6)])
 def test_several_tensors_cross_the_v_and_its_turn(schedule, stages, partition):
-    check_step(RunConfig(model=SEVERAL, partition=partition, batch_size=2 * stages * 2 - 1,
+    check_step(RunConfig.of(model=SEVERAL, partition=partition, batch_size=2 * stages * 2 - 1,
                          microbatches=2 * stages, checkpoint="always", loss="mse", schedule=schedule,
                          virtual_stages=2))
 
@@ -106,7 +106,7 @@ def test_two_processes_in_a_v_match_in_process(tmp_path, schedule):
     result = gpipe("train", *run, "--report", str(tmp_path / "run.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "run.json").read_text())
-    config = RunConfig(model="mlp", options=OPTIONS["mlp"], partition=(1, 3, 2, 2), batch_size=9, microbatches=5,
+    config = RunConfig.of(model="mlp", options=OPTIONS["mlp"], partition=(1, 3, 2, 2), batch_size=9, microbatches=5,
                        checkpoint="except_last", schedule=schedule, virtual_stages=2, optimizer="adam",
                        clip_grad_norm=0.05, steps=3)
     pipe = LocalPipeline(config)

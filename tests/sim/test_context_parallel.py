@@ -153,7 +153,7 @@ def test_the_plan_carries_c_and_the_executor_refuses_it(tmp_path, capsys):
     ranked = json.loads(capsys.readouterr().out)["ranked"]
     assert ranked and all(r["context_parallel"] == 2 for r in ranked)
     plan = load_plan(out)
-    assert plan.context_parallel == 2 and plan.dp_overlap
+    assert plan.layout.context_parallel == 2 and plan.dp_overlap
     assert main(["simulate", "--plan", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(ranked[0]["step_time_s"], rel=1e-12)
     proc = in_process.gpipe("train", "--plan", str(out))

@@ -20,9 +20,9 @@ from tests.helpers.costs import synthetic_costs, write_v1_costs
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPO_COSTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*costs*.json")))
 # K=1 and 2, 1F1B waiting (the warm-up after waits), interleaved, a split backward and two replicas
-SPECS = [RunSpec((6,), 4, "except_last", "gpipe", 16), RunSpec((3, 3), 8, "never", "1f1b", 16),
-         RunSpec((2, 1, 1, 2), 4, "always", "interleaved", 16, virtual_stages=2),
-         RunSpec((3, 3), 6, "never", "zb-h1", 16), RunSpec((6,), 2, "never", "gpipe", 16, replicas=2)]
+SPECS = [RunSpec.of((6,), 4, "except_last", "gpipe", 16), RunSpec.of((3, 3), 8, "never", "1f1b", 16),
+         RunSpec.of((2, 1, 1, 2), 4, "always", "interleaved", 16, virtual_stages=2),
+         RunSpec.of((3, 3), 6, "never", "zb-h1", 16), RunSpec.of((6,), 2, "never", "gpipe", 16, replicas=2)]
 
 
 def _version(path: str) -> int:

@@ -128,9 +128,9 @@ def test_a_plan_file_keeps_expert_keys_only_when_set():
     from sim.formats.plan import ModelRef, Plan
 
     model = ModelRef(name="transformer", options={}, num_layers=4, parameter_count=1)
-    plain = Plan(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2)
+    plain = Plan.of(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2)
     assert "expert_parallel" not in plain.to_dict() and "expert_tensor_parallel" not in plain.to_dict()
-    split = Plan(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2, expert_parallel=2)
+    split = Plan.of(model=model, partition=(4,), batch_size=4, microbatches=1, replicas=2, expert_parallel=2)
     assert split.to_dict()["expert_parallel"] == 2 and split.layout.expert_parallel == 2
 
 

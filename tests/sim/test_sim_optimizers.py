@@ -102,8 +102,8 @@ def test_plan_file_records_the_optimizer_and_simulate_reads_it(tmp_path, capsys)
     assert main(["simulate", "--plan", path, "--json"]) == 0
     from_plan = json.loads(capsys.readouterr().out)
     direct = simulate_json(capsys, "--model", "mlp", *flags(MODELS["mlp"]), "--optimizer", "sgd",
-                           "--partition", ",".join(map(str, plan.partition)), "--checkpoint", plan.checkpoint,
-                           "--schedule", plan.schedule)
+                           "--partition", ",".join(map(str, plan.partition)), "--checkpoint", plan.layout.checkpoint,
+                           "--schedule", plan.layout.schedule)
     assert [s["static_bytes"] for s in from_plan["stages"]] == [s["static_bytes"] for s in direct["stages"]]
     assert main([*argv]) == 0
     assert load_plan(path).optimizer == "adamw"
@@ -112,9 +112,9 @@ def test_plan_file_records_the_optimizer_and_simulate_reads_it(tmp_path, capsys)
 def test_a_plan_whose_optimizer_contradicts_its_state_is_refused():
     model = ModelRef("mlp", {"layers": 2, "optimizer_slots": 0}, num_layers=2)
     with pytest.raises(GpipeInputError, match="plan's optimizer adamw keeps 2 state tensors per parameter"):
-        Plan(model=model, partition=(1, 1), batch_size=4, microbatches=2, optimizer="adamw")
+        Plan.of(model=model, partition=(1, 1), batch_size=4, microbatches=2, optimizer="adamw")
     with pytest.raises(GpipeInputError, match="unknown optimizer 'rmsprop'"):
-        Plan(model=model, partition=(1, 1), batch_size=4, microbatches=2, optimizer="rmsprop")
+        Plan.of(model=model, partition=(1, 1), batch_size=4, microbatches=2, optimizer="rmsprop")
 
 
 def costs_data(optimizer: str) -> dict:

@@ -182,9 +182,9 @@ def test_the_planner_searches_t_and_every_plan_fits_the_devices(capsys, tmp_path
         assert option["replicas"] * option["pipeline_stages"] * option["tensor_parallel"] <= 8
         assert option["sequence_parallel"] == (option["tensor_parallel"] > 1)
     plan = load_plan(plan_path)
-    assert plan.tensor_parallel == ranked[0]["tensor_parallel"]
+    assert plan.layout.tensor_parallel == ranked[0]["tensor_parallel"]
     code, out, _ = run_cli(capsys, "simulate", "--plan", str(plan_path), "--json")
     assert code == 0
     again = json.loads(out)
     assert again["step_time_s"] == pytest.approx(ranked[0]["step_time_s"], rel=1e-12)
-    assert again["tensor_parallel"] == plan.tensor_parallel
+    assert again["tensor_parallel"] == plan.layout.tensor_parallel

@@ -54,15 +54,15 @@ def test_a_plans_csv_predicts_the_plans_step(tmp_path, capsys):
                  "except_last", "--out", str(plan_path), "--schedule-csv-out", str(csv_path)]) == 0
     assert "schedule written to" in capsys.readouterr().out
     plan = load_plan(str(plan_path))
-    assert plan.schedule == "interleaved" and plan.virtual_stages >= 2
-    lists, m, v = read_schedule_csv(str(csv_path), plan.checkpoint)
+    assert plan.layout.schedule == "interleaved" and plan.layout.virtual_stages >= 2
+    lists, m, v = read_schedule_csv(str(csv_path), plan.layout.checkpoint)
     result = simulate(get_workload("uniform", {"layers": 16}), get_system("v100-nvlink"), plan.partition, 16,
-                      ParallelLayout.for_partition(plan.partition, m, checkpoint=plan.checkpoint,
+                      ParallelLayout.for_partition(plan.partition, m, checkpoint=plan.layout.checkpoint,
                                                    schedule="interleaved", virtual_stages=v),
                       actions=lists)
     assert result.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-12)
     assert main(["simulate", *flags, "--partition", ",".join(map(str, plan.partition)), "--checkpoint",
-                 plan.checkpoint, "--schedule-csv", str(csv_path), "--json"]) == 0
+                 plan.layout.checkpoint, "--schedule-csv", str(csv_path), "--json"]) == 0
 
 
 @pytest.mark.parametrize("stages,virtual,microbatches", [(2, 2, 4), (4, 2, 8), (2, 3, 6)])
