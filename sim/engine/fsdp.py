@@ -13,7 +13,10 @@ stage) each unit's parameters, gradients and optimizer state are split N ways, a
 - **backward**: each unit's gradients are reduce-scattered (in the gradients' dtype: fp32 where the
   trainers reduce in fp32) as its backward ends, beside the backward of the units before it; with
   HSDP the reduce-scattered shard is then all-reduced across the D / N shard groups. What outlasts
-  the compute it runs beside shows, and the last unit's (the stage's first layer) always does.
+  the compute it runs beside shows, and the last unit's (the stage's first layer) always does. With
+  ZeRO-3's gathers in the same backward, a unit's backward has beside it both the next unit's gather
+  and the previous unit's reduce-scatter, on the same links one after the other: they are priced
+  together against it (:meth:`FsdpPricing.one_stage_reduce_s`).
 - the optimizer steps the shard alone: 1/N of its time.
 
 When: ZeRO-2, and any ZeRO under a pipeline (K > 1, torchtitan's policy: no reshard after forward),
@@ -55,8 +58,8 @@ g members share a node (:func:`group_gather_s`, as the all-reduce is priced). A 
 collective replaces the catalog's link where it has one.
 
 Limits: units of one stage are taken in layer order with weightless layers' compute counted with the
-unit before them; a gather or a reduce-scatter never slows the compute it overlaps, and the two share
-no bandwidth with each other or with pipeline transfers; every replica's shard group is priced as
+unit before them; a gather or a reduce-scatter never slows the compute it overlaps, and they share no
+bandwidth with pipeline transfers (with each other only in ZeRO-3's backward, where both run); every replica's shard group is priced as
 replica 0's; dim 0 padding of each parameter to a multiple of N is not counted (bytes / N rounded up);
 the unsharded gradient of the unit a backward is computing (and of the one being reduce-scattered)
 is not counted in memory, with either gradient sync, as at M = 1; a backward's reduce-scatters are
@@ -360,8 +363,23 @@ class FsdpPricing:
             return 0.0
         if self.layout.stages > 1:
             return pipelined_reduce_exposed_s(units, backward_s)
-        _gathers, reduce_shown, last = backward_exposed_s(units, False, True)
-        return reduce_shown + last
+        return self.one_stage_reduce_s(units)
+
+    def one_stage_reduce_s(self, units: Sequence[Unit]) -> float:
+        """One stage: what a backward's reductions add to it, each unit's beside the backward of the units
+        before it and the first unit's whole. With ZeRO-3's gathers in the same backward the two are
+        priced together (:func:`backward_exposed_s` with both), since they cross the same links: FSDP2
+        issues both on the shard group's one process group, and its own comment on the HSDP all-reduce
+        stream ("collectives use different network resources and can overlap") is why only that one is
+        given a stream of its own (torch ``distributed/fsdp/_fully_shard/_fsdp_param_group.py``). The
+        gathers alone are already priced before each backward (``fsdp_backward_gather_s``); this is
+        what the reductions add to them, so a backward shows the two together."""
+        if self.gathers_once:
+            _gathers, reduce_shown, last = backward_exposed_s(units, False, True)
+            return reduce_shown + last
+        gathers_alone, _reduce, _last = backward_exposed_s(units, True, False)
+        gather_shown, reduce_shown, last = backward_exposed_s(units, True, True)
+        return gather_shown + reduce_shown + last - gathers_alone
 
     def tail_s(self, rows: int, chunks: Sequence[int], last_backward_s: float) -> float:
         """Device's reductions left after its last backward. One stage: each unit's reduce-scatter runs
@@ -373,8 +391,7 @@ class FsdpPricing:
         if self.every_microbatch:
             return self.backward_reduce_s(self.units(rows, chunks[0]), last_backward_s)
         if self.layout.stages == 1:
-            _gathers, reduce_shown, last = backward_exposed_s(self.units(rows, chunks[0]), False, True)
-            return reduce_shown + last
+            return self.one_stage_reduce_s(self.units(rows, chunks[0]))
         units = [u for s in chunks for u in self.units(rows, s)]
         return pipelined_reduce_exposed_s(units, last_backward_s)  # chunk 0's first unit reduces last
 

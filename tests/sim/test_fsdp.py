@@ -68,12 +68,18 @@ def test_sharded_memory_per_rank_is_the_hand_count():
     assert each.accumulated_gradient_bytes == 0
 
 
-def reduce_tail_s(reduces_s, rows=2):
+def reduce_tail_s(reduces_s, rows=2, gathers_s=None):
     """One stage's reduce-scatters left after its last backward: each unit's beside the backward of the
-    unit before it (2 ms a row), by what it outlasts it, and the first unit's whole."""
-    units = [Unit(0.0, reduce_s, 1e-3 * rows, 2e-3 * rows) for reduce_s in reduces_s]
-    _gathers, shown, last = backward_exposed_s(units, False, True)
-    return shown + last
+    unit before it (2 ms a row), by what it outlasts it, and the first unit's whole; with ZeRO-3's
+    ``gathers_s`` in the same backward, what the two show together beyond what the gathers show alone."""
+    units = [Unit(g, reduce_s, 1e-3 * rows, 2e-3 * rows) for g, reduce_s in zip(gathers_s or [0.0] * len(reduces_s),
+                                                                              reduces_s)]
+    if gathers_s is None:
+        _gathers, shown, last = backward_exposed_s(units, False, True)
+        return shown + last
+    alone, _reduce, _last = backward_exposed_s(units, True, False)
+    gathers, shown, last = backward_exposed_s(units, True, True)
+    return gathers + shown + last - alone
 
 
 def _kinds(result, kind):
@@ -125,6 +131,16 @@ def test_gradient_sync_per_microbatch_reduces_after_every_backward_and_accumulat
     assert piped.stages[0].sharded.accumulated_gradient_bytes == 0
 
 
+def test_zero3_backward_gathers_and_reduce_scatters_share_the_links():
+    # links far slower than the compute: each unit's gather and reduce-scatter outlast any unit's compute,
+    # so a step shows at least every gather (forward and backward) and every reduction one after another
+    gathers_s = [ring_gather_s(p, 2, INTRA) for p in PARAMS]
+    communication_s = 2 * sum(gathers_s) + sum(gathers_s)  # gradients as large as the weights
+    assert run(3).step_time_s >= communication_s
+    # ZeRO-2 keeps its units from forward to backward: its reductions have the backward's links alone
+    assert run(2).step_time_s < communication_s
+
+
 def test_with_a_pipeline_each_stage_gathers_once_and_zero3_costs_what_zero2_does():
     two, three = run(2, stages=2, microbatches=4), run(3, stages=2, microbatches=4)
     assert three.step_time_s == pytest.approx(two.step_time_s)
@@ -138,11 +154,12 @@ def test_hsdp_adds_the_all_reduce_of_the_shard_across_the_groups():
     whole, hybrid = run(3, replicas=4), run(3, replicas=4, shard_group=2)
     tail = {name: _kinds(result, DP_REDUCE_SCATTER)[-1] for name, result in (("whole", whole), ("hybrid", hybrid))}
     rows = 1  # 4 rows over 4 replicas
-    whole_s = [ring_gather_s(p, 4, INTRA) for p in PARAMS]
-    assert tail["whole"].end_s - tail["whole"].start_s == pytest.approx(reduce_tail_s(whole_s, rows))
+    whole_s = [ring_gather_s(p, 4, INTRA) for p in PARAMS]  # ZeRO-3: the backward's gathers beside them too
+    assert tail["whole"].end_s - tail["whole"].start_s == pytest.approx(reduce_tail_s(whole_s, rows, whole_s))
     # devices 0 and 1 shard together; device 0 all-reduces its half with device 2 of the other group
     hsdp_s = [ring_gather_s(p, 2, INTRA) + group_allreduce_s(p / 2, [0, 2], system()) for p in PARAMS]
-    assert tail["hybrid"].end_s - tail["hybrid"].start_s == pytest.approx(reduce_tail_s(hsdp_s, rows))
+    gathers_s = [ring_gather_s(p, 2, INTRA) for p in PARAMS]
+    assert tail["hybrid"].end_s - tail["hybrid"].start_s == pytest.approx(reduce_tail_s(hsdp_s, rows, gathers_s))
     assert hsdp_s[0] > ring_gather_s(PARAMS[0], 2, INTRA)
 
 
