@@ -59,7 +59,7 @@ def planned_optimizer(args: argparse.Namespace, workload: Any) -> str:
     """``--optimizer``, else the one a costs file measured with, else the default."""
     from sim.workloads.optimizers import DEFAULT_OPTIMIZER
 
-    return args.optimizer or getattr(workload, "optimizer", None) or DEFAULT_OPTIMIZER
+    return args.optimizer or workload.optimizer or DEFAULT_OPTIMIZER
 
 
 def to_plan(option: PlanOption, description: dict, batch: int, system: str, nodes: int, optimizer: str,

@@ -274,10 +274,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         data = result.to_dict()
         data["precision"] = precision
         data["hardware"] = {"system": system.name, "nodes": system.nodes * system.nodes_per_device}
-        data["tensor_parallel"] = getattr(workload, "tensor_parallel", 1)
-        data["sequence_parallel"] = getattr(workload, "sequence_parallel", False)
-        data["context_parallel"] = getattr(workload, "context_parallel", 1)
-        split = getattr(workload, "experts_split", None)
+        data["tensor_parallel"] = workload.tensor_parallel
+        data["sequence_parallel"] = workload.sequence_parallel
+        data["context_parallel"] = workload.context_parallel
+        split = workload.experts_split
         if split is not None:  # only where set: outputs without expert parallelism stay as they were
             data["expert_parallel"] = split.expert_parallel
             data["expert_tensor_parallel"] = split.expert_tensor_parallel
@@ -317,18 +317,18 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
         for line in (note, planned_from_note(workload), compiled_note(workload), efficiency):
             if line:
                 print(line)
-        tensor_parallel = getattr(workload, "tensor_parallel", 1)
+        tensor_parallel = workload.tensor_parallel
         if tensor_parallel > 1:
-            sequence = "on" if workload.sequence_parallel else "off"  # type: ignore[attr-defined]
+            sequence = "on" if workload.sequence_parallel else "off"
             print(f"tensor parallel T={tensor_parallel} (sequence parallel {sequence}): each stage is {tensor_parallel} "
                   "devices of one node; memory and busy time are one device's")
-        context_parallel = getattr(workload, "context_parallel", 1)
+        context_parallel = workload.context_parallel
         if context_parallel > 1:
             where = ("the node" if system.nodes_per_device == 1 else
                      f"{system.nodes_per_device} nodes, its ring on the inter-node link")
             print(f"context parallel C={context_parallel}: each sequence split over {context_parallel} devices of "
                   f"{where} ({tensor_parallel * context_parallel} per stage); memory and busy time are one device's")
-        split = getattr(workload, "experts_split", None)
+        split = workload.experts_split
         if split is not None:
             where = ("on NVLink" if split.per_domain == split.expert_parallel else
                      f"{split.per_domain} per scale-up domain, the rest over the inter-node link")

@@ -118,7 +118,7 @@ def planned_from_note(workload: Workload) -> str | None:
 
 def compiled_note(workload: Workload) -> str | None:
     """One line saying the model is priced as torch.compile runs it, or None."""
-    if not getattr(workload, "options", {}).get("compile"):
+    if not workload.options.get("compile"):
         return None
     return ("compile: torch.compile's fused elementwise regions, each region's memory traffic counted once "
             "(memory as eager autograd saves it)")
@@ -174,7 +174,7 @@ def workload_and_batch(args: argparse.Namespace, options: dict[str, Any],
     workload = resolve_workload(model, with_precision(model, options, precision, costs), costs, by_shape)
     batch = args.batch
     if batch is None:
-        batch = getattr(workload, "batch_size", None) or DEFAULT_BATCH.get(workload.describe()["name"], 32)
+        batch = workload.batch_size or DEFAULT_BATCH.get(workload.describe()["name"], 32)
     return workload, int(batch)
 
 

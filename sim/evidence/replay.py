@@ -159,8 +159,8 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
                        f"{system.device.name}: efficiency assumed ({system.device.efficiency:.0%} of peak FLOP/s), "
                        "not fitted")
     workload = resolve(run["model"], _model_options(run, system.device, out))
-    shaped = getattr(workload, "assumed", None)  # a Hugging Face model priced by its structure: what it leaves out
-    source = getattr(workload, "planned_from", None)
+    shaped = workload.assumed  # a Hugging Face model priced by its structure: what it leaves out
+    source = workload.planned_from
     if shaped is not None:
         out.assumed.extend(shaped)
     elif source is not None:

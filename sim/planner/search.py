@@ -285,7 +285,7 @@ def distinct_policies(workload: Workload, checkpoints: Sequence[str]) -> list[st
     """``selective`` only where it is a plan of its own: where the workload has an attention core to
     recompute, and not beside ``never`` under flash attention, which keeps no attention probabilities
     to drop (the two would be the same plan twice)."""
-    flash = getattr(workload, "options", {}).get("attention") == "flash"
+    flash = workload.options.get("attention") == "flash"
     return [c for c in checkpoints
             if c != "selective" or (workload.has_attention_core and not (flash and "never" in checkpoints))]
 

@@ -74,7 +74,7 @@ def _require_builtin_transformer(flag: str, degree: int, kind: str, workload: Wo
 
     if not isinstance(workload, AnalyticWorkload) or not workload.is_transformer:
         raise GpipeInputError(f"{flag} {degree}: {kind} parallelism is modelled for the built-in transformer only, "
-                              f"not {getattr(workload, 'name', 'this model')}; use {flag} 1")
+                              f"not {workload.name}; use {flag} 1")
 
 
 def check_tensor_parallel(tensor_parallel: int, workload: Workload, system: System) -> None:

@@ -12,7 +12,9 @@ backward. Parameters, gradients and optimizer state are held throughout the step
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol, Sequence
 
 from sim.catalog.hardware import Device, Link, System
@@ -69,7 +71,7 @@ def check_checkpoint_for(workload: "Workload", checkpoint: str) -> str:
     """``selective`` recomputes an attention core, which the built-in transformer's analytic model
     and a costs file that profiled one know of (``has_attention_core``); refused in one line elsewhere."""
     if checkpoint == "selective" and not workload.has_attention_core:
-        name = getattr(workload, "name", "this model")
+        name = workload.name
         raise GpipeInputError(f"--checkpoint selective recomputes the attention core, which {name} has none of "
                               "(the built-in transformer has one; a costs file must profile it: gpipe calibrate "
                               "--force); use full")
@@ -99,6 +101,15 @@ class WorkloadCapabilities:
     measured_costs: bool = False  # priced from a costs file: bound to a K before simulating
     # measured per-stage costs (rows, first, end, device) -> StageCost, in place of summing layers; None: sum them
     stage_cost: Any = None
+    options: Mapping[str, Any] = MappingProxyType({})  # the model's options as given (attention, compile, ...)
+    tensor_parallel: int = 1  # T each layer is split over (sim.workloads.tensor_parallel)
+    sequence_parallel: bool = False  # with T > 1: norms and dropout split along the sequence
+    context_parallel: int = 1  # C each sequence is split over
+    tp_link: Link | None = None  # the link T's collectives cross; None: the system's own
+    experts_split: Any = None  # with E > 1 (or an ETP of its own): the ExpertSplit (sim.workloads.moe.expert_parallel)
+    assumed: Sequence[str] | None = None  # what pricing it by its structure leaves out (a Hugging Face model)
+    optimizer: str | None = None  # the optimizer its costs were measured with; None: the plan's to choose
+    batch_size: int | None = None  # the batch its costs were measured at; None: the model's default
 
     def bind(self, system: System, stages: int, checkpoint: str = "except_last", microbatches: int | None = None,
              replicas: int = 1) -> tuple[Any, System]:
@@ -129,6 +140,15 @@ class Workload(Protocol):
     expert_parallel: int
     measured_costs: bool
     stage_cost: Any
+    options: Mapping[str, Any]
+    tensor_parallel: int
+    sequence_parallel: bool
+    context_parallel: int
+    tp_link: Link | None
+    experts_split: Any
+    assumed: Sequence[str] | None
+    optimizer: str | None
+    batch_size: int | None
 
     def bind(self, system: System, stages: int, checkpoint: str = "except_last", microbatches: int | None = None,
              replicas: int = 1) -> tuple[Any, System]:

@@ -111,7 +111,7 @@ class ExpertSplit:
 def expert_replica_stride(workload: Any) -> int:
     """How many replicas' stage groups one expert-parallel group spans (E x ETP / (T x C), at least 1): the
     replicas holding the same expert shard, its expert-data-parallel group, are every this-many-th."""
-    split = getattr(workload, "experts_split", None)
+    split = workload.experts_split
     if split is None:
         return 1
     per_stage = workload.tensor_parallel * workload.context_parallel
@@ -122,7 +122,7 @@ def expert_data_ranks(workload: Any, replicas: int) -> int:
     """The ranks holding the same expert shard, T x C x D / (E x ETP) (the layout's
     :attr:`sim.formats.layout.ParallelLayout.expert_data_parallel`), for a workload split by E; 0 without
     expert parallelism. ZeRO-2/3 shards the routed experts' state over them."""
-    split = getattr(workload, "experts_split", None)
+    split = workload.experts_split
     if split is None:
         return 0
     group = workload.tensor_parallel * workload.context_parallel * replicas
@@ -131,8 +131,7 @@ def expert_data_ranks(workload: Any, replicas: int) -> int:
 
 def expert_count(workload: Any) -> int:
     """The routed experts of a MoE workload's layers; 0 for a model without experts."""
-    options = getattr(workload, "options", None) or {}
-    return int(options.get("experts", 0)) if getattr(workload, "has_experts", False) else 0
+    return int(workload.options.get("experts", 0)) if workload.has_experts else 0
 
 
 def check_expert_parallel(workload: Any, expert_parallel: int, expert_tensor_parallel: int | None = None,
@@ -141,7 +140,7 @@ def check_expert_parallel(workload: Any, expert_parallel: int, expert_tensor_par
     if expert_parallel == 1 and expert_tensor_parallel in (None, tensor_parallel):
         return
     experts = expert_count(workload)
-    name = getattr(workload, "name", "the model")
+    name = workload.name
     if not experts:
         flag = "--expert-parallel" if expert_parallel > 1 else "--expert-tensor-parallel"
         raise GpipeInputError(f"{flag} splits a mixture of experts' routed experts, and {name} has none; "
@@ -168,10 +167,10 @@ def with_expert_parallel(workload: Any, system: System, expert_parallel: int, ex
     """``workload`` (already split over T x C by :func:`sim.workloads.tensor_parallel.with_tensor_parallel`)
     with its experts split over E ranks of ETP each on ``system`` (the physical system, before T x C
     groups); itself where E = 1 and ETP is T's default."""
-    tensor_parallel = getattr(workload, "tensor_parallel", 1)
+    tensor_parallel = workload.tensor_parallel
     etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
     check_expert_parallel(workload, expert_parallel, expert_tensor_parallel, tensor_parallel)
     if expert_parallel == 1 and etp == tensor_parallel:
         return workload
     return workload.split_experts(expert_split(system, expert_parallel, etp, schedule,
-                                               getattr(workload, "tp_link", None)))
+                                               workload.tp_link))
