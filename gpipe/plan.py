@@ -15,13 +15,12 @@ from dataclasses import replace
 
 from gpipe.options import (Checked, add_batch_argument, add_hardware_arguments, add_html_argument, add_json_argument,
                            add_model_arguments, add_optimizer_argument, add_out_argument, add_partitioner_argument,
-                           add_precision_argument, add_search_space_arguments, one_of,
-                           add_compile_argument)
+                           add_precision_argument, one_of, add_compile_argument)
 from gpipe.plan_output import (SearchBar, format_named_models, named_model_rows, planned_optimizer, print_json,
                                print_plans, priced_with, to_plan)
 from gpipe.plan_rows import fold_placements
-from gpipe.plan_space import (check_outputs, costing_of, hardware_list, planning_inputs, search_space_of,
-                              searched_top)
+from gpipe.plan_space import (add_search_space_arguments, check_outputs, costing_of, hardware_list, planning_inputs,
+                              search_space_of, searched_top)
 from sim.errors import GpipeInputError, require_positive
 from sim.catalog.user_systems import system_record
 from sim.formats.plan import save_plan

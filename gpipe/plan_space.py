@@ -13,7 +13,8 @@ import argparse
 from dataclasses import replace
 from typing import Any, Callable
 
-from gpipe.options import check_output_path, hardware_of, parse_int_list, simulation_options
+from gpipe.options import (RENAMED_IN_PLAN, Renamed, add_context_parallel_arguments, add_sequence_parallel_argument,
+                           check_output_path, hardware_of, parse_int_list, simulation_options)
 from gpipe.workload_flags import chosen_precision, model_name, with_attention_default, workload_and_batch
 from sim.catalog.hardware import Link, System
 from sim.catalog.user_systems import resolve_system
@@ -23,6 +24,57 @@ from sim.planner.space import SearchSpace, Target
 from sim.planner.training_cost import Costing, price_of
 from sim.schedules.schedule import CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SCHEDULES, check_checkpoint_policy, \
     check_schedule_name
+
+
+def add_search_space_arguments(parser: argparse.ArgumentParser) -> Any:
+    """``gpipe plan``'s lists of values to try, each named ``FLAG-options`` after the single value's
+    flag of ``gpipe simulate``; that flag itself is refused there in one line (:data:`gpipe.options.RENAMED_IN_PLAN`).
+    Returns the group, for the flags plan adds to it."""
+    from sim.engine.placement import PLACEMENTS
+
+    parser.add_argument("--stages-options", default=None, metavar="LIST",
+                        help="K values to try, e.g. 1,2,4,8 (default: powers of two up to devices and layers)")
+    parser.add_argument("--microbatch-options", default="1-64", metavar="LIST",
+                        help="M values to try, e.g. 1-64 or 1,4,32 (default 1-64)")
+    parser.add_argument("--checkpoints", default=",".join(CHECKPOINT_POLICIES), metavar="LIST",
+                        help="policies to try")
+    parser.add_argument("--schedules", default=None, metavar="LIST",
+                        help=f"schedules to try (default with --costs: all of {', '.join(SCHEDULES)}; otherwise "
+                             f"{', '.join(PLANNED_SCHEDULES)}: the split-backward ones only where calibration "
+                             "measured what splitting costs; name them to search them)")
+    space = parser.add_argument_group("replicas and interleaving (D x K devices at most the system's)")
+    space.add_argument("--replicas-options", default=None, metavar="LIST",
+                       help="D values to try, data-parallel copies of the pipeline; --batch is the global batch "
+                            "(default: powers of two up to the devices)")
+    space.add_argument("--virtual-stages-options", default=None, metavar="LIST",
+                       help="V values to try: 1 runs gpipe and 1f1b, 2 or more the interleaved schedule (default 1,2,4)")
+    space.add_argument("--zero-options", default="auto", metavar="LIST",
+                       help="ZeRO stages to try where D > 1: 0 (whole replicas), 1 (optimizer state sharded), 2 (and "
+                            "gradients), 3 (and parameters, FSDP); default auto: each layout at the least stage "
+                            "that fits memory; a list such as 0,1,2,3 ranks every stage listed by time")
+    space.add_argument("--shard-group-options", default=None, metavar="LIST",
+                       help="with ZeRO-2/3, HSDP shard groups to try beside all replicas: shard within groups of N "
+                            "replicas, replicate across them (each N dividing D; default none)")
+    space.add_argument("--gradient-sync-options", default="auto", metavar="LIST",
+                       help="with ZeRO-2/3, when gradients are reduce-scattered: step (once, after the last "
+                            "micro-batch), microbatch (after each); default auto: the trainers' default only "
+                            "(microbatch with one stage, step with a pipeline); step,microbatch ranks both")
+    space.add_argument("--placements", default=",".join(PLACEMENTS), metavar="LIST",
+                       help="placements to try where they differ (several nodes, D > 1, K > 1)")
+    space.add_argument("--tensor-parallel-options", default=None, metavar="LIST",
+                       help="T values to try, devices of one node per stage (the built-in transformer; default: "
+                            "the powers of two up to a node that divide its heads and FFN width; 1 for other models)")
+    space.add_argument("--expert-parallel-options", default="auto", metavar="LIST",
+                       help="E values to try for a mixture of experts, each dividing its routed experts and T x C x D "
+                            "(default auto: every such divisor; 1 for a model without experts)")
+    space.add_argument("--expert-tensor-parallel-options", default="auto", metavar="LIST",
+                       help="the experts' own TP degrees to try, E x ETP dividing T x C x D (default auto: 1 and T)")
+    for old, (new, meaning) in RENAMED_IN_PLAN.items():
+        space.add_argument(old, action=Renamed, renamed=new, meaning=meaning,
+                           dest="renamed_" + old[2:].replace("-", "_"))
+    add_sequence_parallel_argument(space)
+    add_context_parallel_arguments(space)
+    return space
 
 
 def hardware_list(args: argparse.Namespace) -> list[str]:
