@@ -57,6 +57,7 @@ class Space:
     shard_group: int | None = None  # HSDP's groups of replicas (zero 2 or 3); None: all of them
     zero_escalates: bool = False  # a plan that fits at no ZeRO stage listed is tried at the next (2, then 3)
     gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
+    pipeline_split: Any = None  # the run's stated split (sim.evidence.pipeline_split); None: balanced
 
 
 @dataclass
@@ -176,7 +177,7 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     if sync is not None:
         check_gradient_sync(sync, zero if zero is not None else 2)
     return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates,
-                 sync)
+                 sync, run.get("pipeline_split"))
 
 
 def count_of(run: dict[str, Any], key: str) -> int | None:
@@ -199,11 +200,17 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
         tp_split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
         for e, etp in experts or [(1, None)]:
             split = with_expert_parallel(tp_split, system, e, etp, "1f1b")  # no replayed schedule overlaps
-            found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
-                           list(space.schedules), top=1, replica_options=[replicas],
-                           virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
-                           dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates,
-                           gradient_sync_options=(space.gradient_sync,)).best
+            found = None
+            for virtual, schedules in _split_options(space, stages):
+                given = _given_partition(space, split, stages * virtual)
+                option = search(split, groups, batch, [stages], list(space.microbatch_options),
+                                list(space.checkpoints), schedules, top=1, replica_options=[replicas],
+                                virtual_options=[virtual] if virtual > 1 else list(space.virtual_options),
+                                zero_options=list(space.zero_options), dp_overlap=True, shard_group=space.shard_group,
+                                escalate_zero=space.zero_escalates, gradient_sync_options=(space.gradient_sync,),
+                                partition=given).best
+                if option is not None and (found is None or option.step_time_s < found.step_time_s):
+                    found = option
             if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
                 assert found.result is not None and found.partition is not None
                 best = Found(found.candidate, found.partition, found.result, sequence, True, (e, etp))
@@ -222,7 +229,8 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
                           space.virtual_options[0] if schedule == "interleaved" else 1, zero,
                           shard_group=space.shard_group if zero >= 2 else None,
                           gradient_sync=space.gradient_sync if zero >= 2 else None)
-    partition = default_partition(split, groups, batch, candidate)
+    partition = (_given_partition(space, split, stages * candidate.virtual_stages)
+                 or default_partition(split, groups, batch, candidate))
     result = simulate(split, groups, partition, batch,
                       ParallelLayout.for_partition(partition, candidate.microbatches,
                                                    checkpoint=candidate.checkpoint, schedule=schedule,
@@ -231,6 +239,29 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
                                                    gradient_sync=candidate.gradient_sync),
                       record=False, dp_overlap=True)
     return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages), experts)
+
+
+def _split_options(space: Space, stages: int) -> list[tuple[int, list[str]]]:
+    """The (V, schedules) searches of ``space``: one over all of them, or with a stated pipeline split (whose
+    partition depends on V) one per V the schedules take (V = 1 for gpipe and 1f1b)."""
+    if space.pipeline_split is None or stages == 1:
+        return [(1, list(space.schedules))]
+    options = []
+    flat = [s for s in space.schedules if s != "interleaved"]
+    if flat:
+        options.append((1, flat))
+    if "interleaved" in space.schedules:
+        options += [(v, ["interleaved"]) for v in space.virtual_options]
+    return options
+
+
+def _given_partition(space: Space, workload: Workload, chunks: int) -> list[int] | None:
+    """The partition of the run's stated pipeline split over ``chunks`` virtual stages, or None (balanced)."""
+    from sim.evidence.pipeline_split import stated_partition
+
+    if space.pipeline_split is None:
+        return None
+    return stated_partition({"pipeline_split": space.pipeline_split}, [spec.name for spec in workload.layers], chunks)
 
 
 def chosen_lines(run: dict[str, Any], found: Found, batch: int, stages: int, replicas: int, tensor: int) -> list[str]:

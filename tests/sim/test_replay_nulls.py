@@ -192,3 +192,30 @@ def test_gradient_sync_is_read_and_null_is_the_trainers_default(tmp_path, capsys
     assert runs["each"]["predicted_step_s"] > runs["step"]["predicted_step_s"]
     assert runs["piped-each"]["predicted_step_s"] > runs["piped"]["predicted_step_s"]
     assert "gradient_sync" not in replayed(tmp_path, [row("zero1")], capsys)["zero1"]["layout"]
+
+
+def test_a_stated_pipeline_split_is_the_partition_and_null_is_balanced_and_said(tmp_path, capsys):
+    runs = replayed(tmp_path, [row("balanced"), row("even", pipeline_split="even"),
+                               row("listed", pipeline_split=[1, 3]),
+                               row("interleaved", virtual_stages=2, microbatch_size=1, pipeline_split="even"),
+                               row("one-stage", pipeline_stages=1, replicas=4, nodes=1)], capsys)
+    assert all(run["modelled"] for run in runs.values()), [run["reason"] for run in runs.values()]
+    # the embedding with the first chunk, the head with the last, the layers as stated
+    assert runs["even"]["layout"]["partition"] == [3, 3]
+    assert runs["listed"]["layout"]["partition"] == [2, 4]
+    assert runs["interleaved"]["layout"]["partition"] == [2, 1, 1, 2]
+    assert runs["listed"]["predicted_step_s"] > runs["even"]["predicted_step_s"]
+    split_lines = {name: [a for a in run["assumed"] if a.startswith("pipeline_split")] for name, run in runs.items()}
+    assert split_lines["balanced"] == ["pipeline_split null: the layers balanced by their time (min-max), as gpipe "
+                                       "plan splits them"]
+    assert split_lines["even"] == split_lines["listed"] == split_lines["one-stage"] == []
+
+
+@pytest.mark.parametrize("split,message", [
+    ("even", "4 transformer layers do not split evenly over K x V = 3 chunks"),
+    ([1, 1, 1], "give K x V = 3 counts summing to the model's 4 transformer layers"),
+    ("balanced", "pipeline_split 'balanced'; give \"even\""),
+])
+def test_a_pipeline_split_the_layout_cannot_take_is_one_line(tmp_path, capsys, split, message):
+    run = replayed(tmp_path, [row("bad", pipeline_stages=3, replicas=1, pipeline_split=split)], capsys)["bad"]
+    assert not run["modelled"] and message in run["reason"] and "\n" not in run["reason"]

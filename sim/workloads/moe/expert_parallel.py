@@ -27,7 +27,8 @@ a shared expert drops the dense MLP's (the shared expert, split by T, keeps them
 
 The slowest expert rank sets the grouped matmul's time: the routed experts' compute is scaled by the
 expected most loaded rank's assignments over the mean (:func:`sim.workloads.moe.layers.expected_max_load`,
-E ranks as the bins, the E ranks' tokens as the balls) or by ``expert_imbalance`` where given.
+E ranks as the bins, the E ranks' tokens as the balls) or by ``expert_imbalance`` where given; with a
+``capacity_factor`` every expert computes its padded capacity, and no rank more than another.
 
 A schedule that overlaps one micro-batch's all-to-all with another micro-batch's compute (``dualpipev``,
 DeepSeek-V3's DualPipe) hides it: per MoE layer, exposed = max(0, all-to-alls of a forward and a backward
