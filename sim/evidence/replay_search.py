@@ -201,8 +201,7 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
         for e, etp in experts or [(1, None)]:
             split = with_expert_parallel(tp_split, system, e, etp, "1f1b")  # no replayed schedule overlaps
             found = None
-            for virtual, schedules in _split_options(space, stages):
-                given = _given_partition(space, split, stages * virtual)
+            for virtual, schedules, given in _split_options(space, stages, split):
                 option = search(split, groups, batch, [stages], list(space.microbatch_options),
                                 list(space.checkpoints), schedules, top=1, replica_options=[replicas],
                                 virtual_options=[virtual] if virtual > 1 else list(space.virtual_options),
@@ -229,8 +228,8 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
                           space.virtual_options[0] if schedule == "interleaved" else 1, zero,
                           shard_group=space.shard_group if zero >= 2 else None,
                           gradient_sync=space.gradient_sync if zero >= 2 else None)
-    partition = (_given_partition(space, split, stages * candidate.virtual_stages)
-                 or default_partition(split, groups, batch, candidate))
+    given = {v: part for v, _, part in _split_options(space, stages, split)}.get(candidate.virtual_stages)
+    partition = given or default_partition(split, groups, batch, candidate)
     result = simulate(split, groups, partition, batch,
                       ParallelLayout.for_partition(partition, candidate.microbatches,
                                                    checkpoint=candidate.checkpoint, schedule=schedule,
@@ -241,17 +240,26 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
     return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages), experts)
 
 
-def _split_options(space: Space, stages: int) -> list[tuple[int, list[str]]]:
-    """The (V, schedules) searches of ``space``: one over all of them, or with a stated pipeline split (whose
-    partition depends on V) one per V the schedules take (V = 1 for gpipe and 1f1b)."""
+def _split_options(space: Space, stages: int, workload: Workload) -> list[tuple[int, list[str], list[int] | None]]:
+    """The (V, schedules, partition) searches of ``space``: one over all of them with the balanced split, or
+    with a stated pipeline split (whose partition depends on V) one per V the schedules take (V = 1 for
+    gpipe and 1f1b) and the split allows; one line if it allows none."""
     if space.pipeline_split is None or stages == 1:
-        return [(1, list(space.schedules))]
-    options = []
+        return [(1, list(space.schedules), _given_partition(space, workload, stages))]
+    virtuals = []
     flat = [s for s in space.schedules if s != "interleaved"]
     if flat:
-        options.append((1, flat))
+        virtuals.append((1, flat))
     if "interleaved" in space.schedules:
-        options += [(v, ["interleaved"]) for v in space.virtual_options]
+        virtuals += [(v, ["interleaved"]) for v in space.virtual_options]
+    options, refusal = [], None
+    for virtual, schedules in virtuals:
+        try:
+            options.append((virtual, schedules, _given_partition(space, workload, stages * virtual)))
+        except GpipeInputError as exc:
+            refusal = refusal or exc
+    if not options and refusal is not None:
+        raise refusal
     return options
 
 

@@ -198,13 +198,18 @@ def test_a_stated_pipeline_split_is_the_partition_and_null_is_balanced_and_said(
     runs = replayed(tmp_path, [row("balanced"), row("even", pipeline_split="even"),
                                row("listed", pipeline_split=[1, 3]),
                                row("interleaved", virtual_stages=2, microbatch_size=1, pipeline_split="even"),
-                               row("one-stage", pipeline_stages=1, replicas=4, nodes=1)], capsys)
+                               row("one-stage", pipeline_stages=1, replicas=4, nodes=1),
+                               row("v-searched", virtual_stages=None, microbatch_size=1, pipeline_split="even")],
+                      capsys)
     assert all(run["modelled"] for run in runs.values()), [run["reason"] for run in runs.values()]
     # the embedding with the first chunk, the head with the last, the layers as stated
     assert runs["even"]["layout"]["partition"] == [3, 3]
     assert runs["listed"]["layout"]["partition"] == [2, 4]
     assert runs["interleaved"]["layout"]["partition"] == [2, 1, 1, 2]
     assert runs["listed"]["predicted_step_s"] > runs["even"]["predicted_step_s"]
+    # a null V searches the Vs the split allows (1 and 2 of 1, 2 and 4: 4 layers do not split over 8 chunks)
+    searched = runs["v-searched"]["layout"]
+    assert (searched["virtual_stages"], searched["partition"]) in ((1, [3, 3]), (2, [2, 1, 1, 2]))
     split_lines = {name: [a for a in run["assumed"] if a.startswith("pipeline_split")] for name, run in runs.items()}
     assert split_lines["balanced"] == ["pipeline_split null: the layers balanced by their time (min-max), as gpipe "
                                        "plan splits them"]
