@@ -218,11 +218,16 @@ def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str,
     options = {**run["options"], "precision": trainers_precision(run["precision"])}
     capacity = run.get("moe_capacity_factor")
     if capacity is not None:
+        from sim.workloads.moe.config import names_experts
+
+        if not names_experts(str(run["model"]), run["options"]):
+            raise GpipeInputError(f"moe_capacity_factor {capacity!r} for {run['model']}, which has no experts; "
+                                  "leave it out (or null)")
         given = options.get("capacity_factor")
         if given is not None and given != capacity:
             raise GpipeInputError(f"moe_capacity_factor is {capacity!r} but the options' capacity_factor {given!r}; "
                                   "give one")
-        options["capacity_factor"] = capacity  # the MoE pricing's option; refused in one line by a dense model
+        options["capacity_factor"] = capacity  # the MoE pricing's option
     model = run["model"]
     attention = _one_of(run, "attention")
     compiled = _one_of(run, "compile")

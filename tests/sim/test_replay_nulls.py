@@ -224,3 +224,25 @@ def test_a_stated_pipeline_split_is_the_partition_and_null_is_balanced_and_said(
 def test_a_pipeline_split_the_layout_cannot_take_is_one_line(tmp_path, capsys, split, message):
     run = replayed(tmp_path, [row("bad", pipeline_stages=3, replicas=1, pipeline_split=split)], capsys)["bad"]
     assert not run["modelled"] and message in run["reason"] and "\n" not in run["reason"]
+
+
+QWEN_MOE = {"hidden_size": 256, "num_hidden_layers": 4, "moe_intermediate_size": 128, "num_experts": 16,
+            "num_experts_per_tok": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+            "vocab_size": 1000, "seq": 256}
+
+
+def test_moe_capacity_factor_prices_token_dropping_padded_to_capacity(tmp_path, capsys):
+    moe = dict(model="hf:qwen3_moe", options=QWEN_MOE, tensor_parallel=1, pipeline_stages=1, replicas=8, nodes=2,
+               expert_parallel=8, expert_tensor_parallel=1, sequence_parallel=False, microbatch_size=1,
+               global_batch=16, hardware="h100-nvlink")
+    runs = replayed(tmp_path, [row("dropless", **moe), row("padded", **moe, moe_capacity_factor=1.0),
+                               row("wider", **moe, moe_capacity_factor=1.5),
+                               row("both", **{**moe, "options": {**QWEN_MOE, "capacity_factor": 1.0}},
+                                   moe_capacity_factor=1.5),
+                               row("dense", moe_capacity_factor=1.0)], capsys)
+    # at 1.0 every expert rank computes the mean load: faster than the most loaded rank of a dropless router
+    assert runs["padded"]["predicted_step_s"] < runs["dropless"]["predicted_step_s"]
+    assert runs["wider"]["predicted_step_s"] > runs["padded"]["predicted_step_s"]  # 1.5x the assignments
+    for name, message in (("both", "moe_capacity_factor is 1.5 but the options' capacity_factor 1.0"),
+                          ("dense", "moe_capacity_factor 1.0 for transformer, which has no experts")):
+        assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]
