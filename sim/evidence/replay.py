@@ -44,6 +44,9 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   expert padded to its capacity (Megatron-Core's ``moe_expert_capacity_factor`` with
   ``moe_pad_expert_input_to_capacity``, NeMo's ``MegatronTokenDropCallback``), priced as the model's
   ``capacity_factor`` option; null dropless.
+- ``moe_a2a_overlap`` (optional, a mixture of experts): true where the trainer overlaps one micro-batch's
+  expert all-to-alls with an adjacent one's compute (Megatron-Core's ``overlap_moe_expert_parallel_comm``),
+  priced as DualPipe's overlap (:mod:`sim.workloads.moe.expert_parallel`); null off, the default.
 - ``pipeline_split`` (optional): the transformer layers of each virtual stage as the trainer split them,
   ``"even"`` (Megatron-Core's default) or a list (:mod:`sim.evidence.pipeline_split`); null balanced by
   time as ``gpipe plan`` splits them.
@@ -86,7 +89,7 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
 OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "expert_parallel", "expert_tensor_parallel",
-            "pipeline_split", "moe_capacity_factor")
+            "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)

@@ -58,6 +58,7 @@ class Space:
     zero_escalates: bool = False  # a plan that fits at no ZeRO stage listed is tried at the next (2, then 3)
     gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
     pipeline_split: Any = None  # the run's stated split (sim.evidence.pipeline_split); None: balanced
+    a2a_overlap: bool = False  # the trainer overlaps one micro-batch's all-to-alls with another's compute
 
 
 @dataclass
@@ -85,6 +86,8 @@ def expert_options(run: dict[str, Any], workload: Workload, tensor: int, context
     experts = expert_count(workload)
     if not experts:
         check_expert_parallel(workload, stated_e or 1, stated_etp, tensor)
+        if run.get("moe_a2a_overlap"):
+            raise GpipeInputError("moe_a2a_overlap true for a model without experts; leave it out (or null)")
         return [(1, None)]
     group = tensor * context * replicas
     etps = [stated_etp] if stated_etp is not None else sorted({1, tensor})
@@ -128,6 +131,8 @@ def expert_lines(run: dict[str, Any], workload: Workload, found: Found) -> list[
         lines.append(f"expert_parallel null: {e}, the fastest of the divisors of the experts that fits")
     if "expert_tensor_parallel" not in run or run["expert_tensor_parallel"] is None:
         lines.append(f"expert_tensor_parallel null: {etp}, the fastest of 1 and T that fits")
+    if e > 1 and run.get("moe_a2a_overlap") is None:
+        lines.append("moe_a2a_overlap null: off, every all-to-all exposed (Megatron-Core's default)")
     return lines
 
 
@@ -177,7 +182,15 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     if sync is not None:
         check_gradient_sync(sync, zero if zero is not None else 2)
     return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates,
-                 sync, run.get("pipeline_split"))
+                 sync, run.get("pipeline_split"), _a2a_overlap(run))
+
+
+def _a2a_overlap(run: dict[str, Any]) -> bool:
+    """A run's ``moe_a2a_overlap``: true, false, or null (off, Megatron-Core's default); one line otherwise."""
+    value = run.get("moe_a2a_overlap")
+    if value is not None and not isinstance(value, bool):
+        raise GpipeInputError(f"moe_a2a_overlap {value!r}; give true, false, or null where the source does not say")
+    return bool(value)
 
 
 def count_of(run: dict[str, Any], key: str) -> int | None:
@@ -199,7 +212,7 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
     for sequence in space.sequence_parallel:
         tp_split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
         for e, etp in experts or [(1, None)]:
-            split = with_expert_parallel(tp_split, system, e, etp, "1f1b")  # no replayed schedule overlaps
+            split = with_expert_parallel(tp_split, system, e, etp, "1f1b", space.a2a_overlap)
             found = None
             for virtual, schedules, given in _split_options(space, stages, split):
                 option = search(split, groups, batch, [stages], list(space.microbatch_options),
@@ -221,7 +234,7 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
                    context: int, space: Space, experts: tuple[int, int | None] = (1, None)) -> Found:
     sequence = space.sequence_parallel[-1]
     split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
-    split = with_expert_parallel(split, system, experts[0], experts[1], "1f1b")
+    split = with_expert_parallel(split, system, experts[0], experts[1], "1f1b", space.a2a_overlap)
     schedule = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the fewest micro-batches in flight
     zero = 3 if space.zero_escalates else space.zero_options[-1]
     candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,

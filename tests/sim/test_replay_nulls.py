@@ -246,3 +246,19 @@ def test_moe_capacity_factor_prices_token_dropping_padded_to_capacity(tmp_path, 
     for name, message in (("both", "moe_capacity_factor is 1.5 but the options' capacity_factor 1.0"),
                           ("dense", "moe_capacity_factor 1.0 for transformer, which has no experts")):
         assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]
+
+
+def test_moe_a2a_overlap_hides_the_all_to_alls_behind_another_micro_batchs_compute(tmp_path, capsys):
+    moe = dict(model="hf:qwen3_moe", options=QWEN_MOE, tensor_parallel=1, pipeline_stages=1, replicas=8, nodes=2,
+               expert_parallel=8, expert_tensor_parallel=1, sequence_parallel=False, microbatch_size=1,
+               global_batch=16, hardware="h100-nvlink")
+    runs = replayed(tmp_path, [row("exposed", **moe), row("off", **moe, moe_a2a_overlap=False),
+                               row("overlapped", **moe, moe_a2a_overlap=True),
+                               row("dense", moe_a2a_overlap=True), row("bad", **moe, moe_a2a_overlap="yes")], capsys)
+    assert runs["overlapped"]["predicted_step_s"] < runs["off"]["predicted_step_s"] == runs["exposed"]["predicted_step_s"]
+    lines = {name: [a for a in run["assumed"] if a.startswith("moe_a2a_overlap")] for name, run in runs.items()}
+    assert lines["exposed"] == ["moe_a2a_overlap null: off, every all-to-all exposed (Megatron-Core's default)"]
+    assert lines["off"] == lines["overlapped"] == []
+    for name, message in (("dense", "moe_a2a_overlap true for a model without experts"),
+                          ("bad", "moe_a2a_overlap 'yes'; give true, false")):
+        assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]
