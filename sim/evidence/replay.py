@@ -40,6 +40,16 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   layer's routed experts are split over and the experts' own TP degree
   (:mod:`sim.workloads.moe.expert_parallel`); null searched (E among the divisors of the experts whose
   E x ETP divides T x C x D, ETP among 1 and T); left out on a model without experts: 1.
+- ``moe_capacity_factor`` (optional, a mixture of experts): token dropping at this capacity factor with each
+  expert padded to its capacity (Megatron-Core's ``moe_expert_capacity_factor`` with
+  ``moe_pad_expert_input_to_capacity``, NeMo's ``MegatronTokenDropCallback``), priced as the model's
+  ``capacity_factor`` option; null dropless.
+- ``moe_a2a_overlap`` (optional, a mixture of experts): true where the trainer overlaps one micro-batch's
+  expert all-to-alls with an adjacent one's compute (Megatron-Core's ``overlap_moe_expert_parallel_comm``),
+  priced as DualPipe's overlap (:mod:`sim.workloads.moe.expert_parallel`); null off, the default.
+- ``pipeline_split`` (optional): the transformer layers of each virtual stage as the trainer split them,
+  ``"even"`` (Megatron-Core's default) or a list (:mod:`sim.evidence.pipeline_split`); null balanced by
+  time as ``gpipe plan`` splits them.
 
 ``null`` (or a left-out optional key) means the source does not say. ``attention`` is then flash
 on a GPU trainers run it on (eager elsewhere), ``compile`` false, and ``checkpoint``,
@@ -78,7 +88,8 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
-OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "expert_parallel", "expert_tensor_parallel")
+OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "expert_parallel", "expert_tensor_parallel",
+            "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -140,6 +151,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
+    from sim.evidence.pipeline_split import split_line
     from sim.evidence.replay_search import (chosen_lines, count_of, expert_lines, expert_options, fastest_fitting,
                                             modelled_experts, space_of)
     from sim.schedules.microbatch import split_rows
@@ -174,6 +186,9 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space, experts)
     out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
     out.assumed += expert_lines(run, workload, found)
+    split = split_line(run, stages * found.candidate.virtual_stages)
+    if split is not None:
+        out.assumed.append(split)
     if not found.fits:
         peak = max(s.peak_memory_bytes for s in found.result.stages)
         out.assumed.append(f"does not fit the simulated memory ({peak / 2**30:.1f} GiB on the fullest device): "
@@ -204,6 +219,18 @@ def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str,
     """The run's model options with its precision, attention kernel and compilation as its trainer
     meant them (see the module); what a null took is said in ``out.assumed``."""
     options = {**run["options"], "precision": trainers_precision(run["precision"])}
+    capacity = run.get("moe_capacity_factor")
+    if capacity is not None:
+        from sim.workloads.moe.config import names_experts
+
+        if not names_experts(str(run["model"]), run["options"]):
+            raise GpipeInputError(f"moe_capacity_factor {capacity!r} for {run['model']}, which has no experts; "
+                                  "leave it out (or null)")
+        given = options.get("capacity_factor")
+        if given is not None and given != capacity:
+            raise GpipeInputError(f"moe_capacity_factor is {capacity!r} but the options' capacity_factor {given!r}; "
+                                  "give one")
+        options["capacity_factor"] = capacity  # the MoE pricing's option
     model = run["model"]
     attention = _one_of(run, "attention")
     compiled = _one_of(run, "compile")

@@ -57,6 +57,8 @@ class Space:
     shard_group: int | None = None  # HSDP's groups of replicas (zero 2 or 3); None: all of them
     zero_escalates: bool = False  # a plan that fits at no ZeRO stage listed is tried at the next (2, then 3)
     gradient_sync: str | None = None  # ZeRO-2/3: "step" or "microbatch" reduce-scatter; None: the trainers' default
+    pipeline_split: Any = None  # the run's stated split (sim.evidence.pipeline_split); None: balanced
+    a2a_overlap: bool = False  # the trainer overlaps one micro-batch's all-to-alls with another's compute
 
 
 @dataclass
@@ -84,6 +86,8 @@ def expert_options(run: dict[str, Any], workload: Workload, tensor: int, context
     experts = expert_count(workload)
     if not experts:
         check_expert_parallel(workload, stated_e or 1, stated_etp, tensor)
+        if run.get("moe_a2a_overlap"):
+            raise GpipeInputError("moe_a2a_overlap true for a model without experts; leave it out (or null)")
         return [(1, None)]
     group = tensor * context * replicas
     etps = [stated_etp] if stated_etp is not None else sorted({1, tensor})
@@ -127,6 +131,8 @@ def expert_lines(run: dict[str, Any], workload: Workload, found: Found) -> list[
         lines.append(f"expert_parallel null: {e}, the fastest of the divisors of the experts that fits")
     if "expert_tensor_parallel" not in run or run["expert_tensor_parallel"] is None:
         lines.append(f"expert_tensor_parallel null: {etp}, the fastest of 1 and T that fits")
+    if e > 1 and run.get("moe_a2a_overlap") is None:
+        lines.append("moe_a2a_overlap null: off, every all-to-all exposed (Megatron-Core's default)")
     return lines
 
 
@@ -176,7 +182,15 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     if sync is not None:
         check_gradient_sync(sync, zero if zero is not None else 2)
     return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates,
-                 sync)
+                 sync, run.get("pipeline_split"), _a2a_overlap(run))
+
+
+def _a2a_overlap(run: dict[str, Any]) -> bool:
+    """A run's ``moe_a2a_overlap``: true, false, or null (off, Megatron-Core's default); one line otherwise."""
+    value = run.get("moe_a2a_overlap")
+    if value is not None and not isinstance(value, bool):
+        raise GpipeInputError(f"moe_a2a_overlap {value!r}; give true, false, or null where the source does not say")
+    return bool(value)
 
 
 def count_of(run: dict[str, Any], key: str) -> int | None:
@@ -198,12 +212,17 @@ def fastest_fitting(workload: Workload, system: System, batch: int, stages: int,
     for sequence in space.sequence_parallel:
         tp_split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
         for e, etp in experts or [(1, None)]:
-            split = with_expert_parallel(tp_split, system, e, etp, "1f1b")  # no replayed schedule overlaps
-            found = search(split, groups, batch, [stages], list(space.microbatch_options), list(space.checkpoints),
-                           list(space.schedules), top=1, replica_options=[replicas],
-                           virtual_options=list(space.virtual_options), zero_options=list(space.zero_options),
-                           dp_overlap=True, shard_group=space.shard_group, escalate_zero=space.zero_escalates,
-                           gradient_sync_options=(space.gradient_sync,)).best
+            split = with_expert_parallel(tp_split, system, e, etp, "1f1b", space.a2a_overlap)
+            found = None
+            for virtual, schedules, given in _split_options(space, stages, split):
+                option = search(split, groups, batch, [stages], list(space.microbatch_options),
+                                list(space.checkpoints), schedules, top=1, replica_options=[replicas],
+                                virtual_options=[virtual] if virtual > 1 else list(space.virtual_options),
+                                zero_options=list(space.zero_options), dp_overlap=True, shard_group=space.shard_group,
+                                escalate_zero=space.zero_escalates, gradient_sync_options=(space.gradient_sync,),
+                                partition=given).best
+                if option is not None and (found is None or option.step_time_s < found.step_time_s):
+                    found = option
             if found is not None and (best is None or found.step_time_s < best.result.step_time_s):
                 assert found.result is not None and found.partition is not None
                 best = Found(found.candidate, found.partition, found.result, sequence, True, (e, etp))
@@ -215,14 +234,15 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
                    context: int, space: Space, experts: tuple[int, int | None] = (1, None)) -> Found:
     sequence = space.sequence_parallel[-1]
     split, groups = with_tensor_parallel(workload, system, tensor, sequence, context)
-    split = with_expert_parallel(split, system, experts[0], experts[1], "1f1b")
+    split = with_expert_parallel(split, system, experts[0], experts[1], "1f1b", space.a2a_overlap)
     schedule = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the fewest micro-batches in flight
     zero = 3 if space.zero_escalates else space.zero_options[-1]
     candidate = Candidate(stages, space.microbatch_options[-1], space.checkpoints[-1], schedule, replicas,
                           space.virtual_options[0] if schedule == "interleaved" else 1, zero,
                           shard_group=space.shard_group if zero >= 2 else None,
                           gradient_sync=space.gradient_sync if zero >= 2 else None)
-    partition = default_partition(split, groups, batch, candidate)
+    given = {v: part for v, _, part in _split_options(space, stages, split)}.get(candidate.virtual_stages)
+    partition = given or default_partition(split, groups, batch, candidate)
     result = simulate(split, groups, partition, batch,
                       ParallelLayout.for_partition(partition, candidate.microbatches,
                                                    checkpoint=candidate.checkpoint, schedule=schedule,
@@ -231,6 +251,38 @@ def _holding_least(workload: Workload, system: System, batch: int, stages: int, 
                                                    gradient_sync=candidate.gradient_sync),
                       record=False, dp_overlap=True)
     return Found(candidate, partition, result, sequence, all(s.fits for s in result.stages), experts)
+
+
+def _split_options(space: Space, stages: int, workload: Workload) -> list[tuple[int, list[str], list[int] | None]]:
+    """The (V, schedules, partition) searches of ``space``: one over all of them with the balanced split, or
+    with a stated pipeline split (whose partition depends on V) one per V the schedules take (V = 1 for
+    gpipe and 1f1b) and the split allows; one line if it allows none."""
+    if space.pipeline_split is None or stages == 1:
+        return [(1, list(space.schedules), _given_partition(space, workload, stages))]
+    virtuals = []
+    flat = [s for s in space.schedules if s != "interleaved"]
+    if flat:
+        virtuals.append((1, flat))
+    if "interleaved" in space.schedules:
+        virtuals += [(v, ["interleaved"]) for v in space.virtual_options]
+    options, refusal = [], None
+    for virtual, schedules in virtuals:
+        try:
+            options.append((virtual, schedules, _given_partition(space, workload, stages * virtual)))
+        except GpipeInputError as exc:
+            refusal = refusal or exc
+    if not options and refusal is not None:
+        raise refusal
+    return options
+
+
+def _given_partition(space: Space, workload: Workload, chunks: int) -> list[int] | None:
+    """The partition of the run's stated pipeline split over ``chunks`` virtual stages, or None (balanced)."""
+    from sim.evidence.pipeline_split import stated_partition
+
+    if space.pipeline_split is None:
+        return None
+    return stated_partition({"pipeline_split": space.pipeline_split}, [spec.name for spec in workload.layers], chunks)
 
 
 def chosen_lines(run: dict[str, Any], found: Found, batch: int, stages: int, replicas: int, tensor: int) -> list[str]:

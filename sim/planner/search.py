@@ -101,8 +101,10 @@ def _layer_weights(table: CostTable, rows: int, checkpoint: str) -> list[float]:
 class Partitions:
     """:func:`choose_partition` with the memory-free partitions cached across candidates."""
 
-    def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max") -> None:
+    def __init__(self, table: CostTable, system: System, batch_size: int, partitioner: str = "min_max",
+                 given: Sequence[int] | None = None) -> None:
         self.table, self.system, self.batch_size, self.partitioner = table, system, batch_size, partitioner
+        self.given = list(given) if given is not None else None  # a stated split, taken for its V x K, memory or not
         self.expert_stride = expert_replica_stride(table.workload)  # ZeRO-1 splits expert state over D / this
         self._shardings: dict[Candidate, Sharding] = {}
         self._free: dict[tuple, list[int] | None] = {}
@@ -115,6 +117,8 @@ class Partitions:
         parts = c.stages * c.virtual_stages
         if parts > self.table.workload.num_layers:
             return None
+        if self.given is not None and len(self.given) == parts:
+            return list(self.given)
         key = (rows[0], c.checkpoint != "never", parts)
         if key not in self._free:
             weights = _layer_weights(self.table, rows[0], c.checkpoint)
@@ -301,7 +305,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
            escalate_zero: bool = False, shard_group: int | None = None,
            shard_group_options: Sequence[int] = (),
            gradient_sync_options: Sequence[str | None] = (None,), ceiling_score: float = float("inf"),
-           max_zero: int = ZERO_STAGES[-1]) -> SearchResult:
+           max_zero: int = ZERO_STAGES[-1], partition: Sequence[int] | None = None) -> SearchResult:
     """Rank the ``top`` fastest fitting plans among all candidates (exactly; see module doc).
 
     Best-first on two bounds: candidates wait, ordered by :func:`balanced_bound_s`, until their
@@ -326,7 +330,9 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     ``ceiling_score``: the ``top``-th best score other searches of the same question have found (the
     planner's searches of several E): nothing scoring above it can enter the merged ranking, so the
     search ends once every bound left exceeds it, as it does past its own ``top``-th best. ``max_zero``:
-    the highest ZeRO stage ``escalate_zero`` goes to.
+    the highest ZeRO stage ``escalate_zero`` goes to. ``partition``: a split every candidate of its V x K
+    takes in place of the partitioner's (a published run's, :mod:`sim.evidence.pipeline_split`), its memory
+    checked by the simulation alone.
     """
     if partitioner not in PARTITIONERS:
         raise GpipeInputError(f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
@@ -347,7 +353,7 @@ def search(workload: Workload, system: System, batch_size: int, stage_options: S
     within = [(bound, i, c) for bound, i, c in bounded if bound <= limit(c)]
     over_limit = len(bounded) - len(within)
     waiting = sorted(((bound * weigh(c), i, c) for bound, i, c in within), key=lambda entry: entry[:2])
-    partitions = Partitions(table, system, batch_size, partitioner)
+    partitions = Partitions(table, system, batch_size, partitioner, partition)
     extra = len(all_candidates)  # indices of the candidates escalated to a higher ZeRO stage
 
     def escalate(candidate: Candidate) -> None:

@@ -15,7 +15,7 @@ from sim.formats.layout import ParallelLayout
 from sim.formats.timeline import EP_COMBINE, EP_DISPATCH, KIND_NAMES
 from sim.workloads.models import get_workload
 from sim.workloads.moe.expert_parallel import ExpertSplit, all_to_all_s, with_expert_parallel
-from sim.workloads.moe.workload import builtin_workload
+from sim.workloads.moe.workload import MoEWorkload, builtin_workload
 from sim.workloads.tensor_parallel import with_tensor_parallel
 
 MOE = {"layers": 2, "d_model": 64, "ff": 128, "heads": 4, "seq": 32, "vocab": 128, "experts": 8, "top_k": 2,
@@ -64,6 +64,20 @@ def test_workload_prices_two_all_to_alls_of_tokens_topk_dmodel_bytes():
     payload = 32 * 2 * 64 * 2  # tokens x top_k x d_model x bf16 bytes, for one row
     assert cost.ep_forward_s == pytest.approx(2 * payload * 3 / 4 / 1e9)
     assert cost.ep_backward_s == pytest.approx(cost.ep_forward_s)
+
+
+def test_experts_padded_to_capacity_load_every_rank_alike():
+    """Dropless, the most loaded of E ranks sets the grouped matmuls' time; with a capacity factor every expert
+    computes its padded capacity, counted once in the assignments (capacity factor x top-k), never again as
+    imbalance."""
+    whole = _moe()
+    dropless = whole.split_experts(ExpertSplit(4, 1, 4, FAST, SLOW))
+    padded = MoEWorkload("padded", {}, {**whole.options, "capacity_factor": 1.0}).split_experts(
+        ExpertSplit(4, 1, 4, FAST, SLOW))
+    assert dropless.rank_load(32) > 1.1
+    assert padded.rank_load(32) == 1.0
+    device = get_system("h100-nvlink").device
+    assert padded.layer_costs(1, device)[1].forward_s < dropless.layer_costs(1, device)[1].forward_s
 
 
 def test_overlapping_schedule_hides_the_all_to_all_behind_compute():

@@ -192,3 +192,73 @@ def test_gradient_sync_is_read_and_null_is_the_trainers_default(tmp_path, capsys
     assert runs["each"]["predicted_step_s"] > runs["step"]["predicted_step_s"]
     assert runs["piped-each"]["predicted_step_s"] > runs["piped"]["predicted_step_s"]
     assert "gradient_sync" not in replayed(tmp_path, [row("zero1")], capsys)["zero1"]["layout"]
+
+
+def test_a_stated_pipeline_split_is_the_partition_and_null_is_balanced_and_said(tmp_path, capsys):
+    runs = replayed(tmp_path, [row("balanced"), row("even", pipeline_split="even"),
+                               row("listed", pipeline_split=[1, 3]),
+                               row("interleaved", virtual_stages=2, microbatch_size=1, pipeline_split="even"),
+                               row("one-stage", pipeline_stages=1, replicas=4, nodes=1),
+                               row("v-searched", virtual_stages=None, microbatch_size=1, pipeline_split="even")],
+                      capsys)
+    assert all(run["modelled"] for run in runs.values()), [run["reason"] for run in runs.values()]
+    # the embedding with the first chunk, the head with the last, the layers as stated
+    assert runs["even"]["layout"]["partition"] == [3, 3]
+    assert runs["listed"]["layout"]["partition"] == [2, 4]
+    assert runs["interleaved"]["layout"]["partition"] == [2, 1, 1, 2]
+    assert runs["listed"]["predicted_step_s"] > runs["even"]["predicted_step_s"]
+    # a null V searches the Vs the split allows (1 and 2 of 1, 2 and 4: 4 layers do not split over 8 chunks)
+    searched = runs["v-searched"]["layout"]
+    assert (searched["virtual_stages"], searched["partition"]) in ((1, [3, 3]), (2, [2, 1, 1, 2]))
+    split_lines = {name: [a for a in run["assumed"] if a.startswith("pipeline_split")] for name, run in runs.items()}
+    assert split_lines["balanced"] == ["pipeline_split null: the layers balanced by their time (min-max), as gpipe "
+                                       "plan splits them"]
+    assert split_lines["even"] == split_lines["listed"] == split_lines["one-stage"] == []
+
+
+@pytest.mark.parametrize("split,message", [
+    ("even", "4 transformer layers do not split evenly over K x V = 3 chunks"),
+    ([1, 1, 1], "give K x V = 3 counts summing to the model's 4 transformer layers"),
+    ("balanced", "pipeline_split 'balanced'; give \"even\""),
+])
+def test_a_pipeline_split_the_layout_cannot_take_is_one_line(tmp_path, capsys, split, message):
+    run = replayed(tmp_path, [row("bad", pipeline_stages=3, replicas=1, pipeline_split=split)], capsys)["bad"]
+    assert not run["modelled"] and message in run["reason"] and "\n" not in run["reason"]
+
+
+QWEN_MOE = {"hidden_size": 256, "num_hidden_layers": 4, "moe_intermediate_size": 128, "num_experts": 16,
+            "num_experts_per_tok": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+            "vocab_size": 1000, "seq": 256}
+
+
+def test_moe_capacity_factor_prices_token_dropping_padded_to_capacity(tmp_path, capsys):
+    moe = dict(model="hf:qwen3_moe", options=QWEN_MOE, tensor_parallel=1, pipeline_stages=1, replicas=8, nodes=2,
+               expert_parallel=8, expert_tensor_parallel=1, sequence_parallel=False, microbatch_size=1,
+               global_batch=16, hardware="h100-nvlink")
+    runs = replayed(tmp_path, [row("dropless", **moe), row("padded", **moe, moe_capacity_factor=1.0),
+                               row("wider", **moe, moe_capacity_factor=1.5),
+                               row("both", **{**moe, "options": {**QWEN_MOE, "capacity_factor": 1.0}},
+                                   moe_capacity_factor=1.5),
+                               row("dense", moe_capacity_factor=1.0)], capsys)
+    # at 1.0 every expert rank computes the mean load: faster than the most loaded rank of a dropless router
+    assert runs["padded"]["predicted_step_s"] < runs["dropless"]["predicted_step_s"]
+    assert runs["wider"]["predicted_step_s"] > runs["padded"]["predicted_step_s"]  # 1.5x the assignments
+    for name, message in (("both", "moe_capacity_factor is 1.5 but the options' capacity_factor 1.0"),
+                          ("dense", "moe_capacity_factor 1.0 for transformer, which has no experts")):
+        assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]
+
+
+def test_moe_a2a_overlap_hides_the_all_to_alls_behind_another_micro_batchs_compute(tmp_path, capsys):
+    moe = dict(model="hf:qwen3_moe", options=QWEN_MOE, tensor_parallel=1, pipeline_stages=1, replicas=8, nodes=2,
+               expert_parallel=8, expert_tensor_parallel=1, sequence_parallel=False, microbatch_size=1,
+               global_batch=16, hardware="h100-nvlink")
+    runs = replayed(tmp_path, [row("exposed", **moe), row("off", **moe, moe_a2a_overlap=False),
+                               row("overlapped", **moe, moe_a2a_overlap=True),
+                               row("dense", moe_a2a_overlap=True), row("bad", **moe, moe_a2a_overlap="yes")], capsys)
+    assert runs["overlapped"]["predicted_step_s"] < runs["off"]["predicted_step_s"] == runs["exposed"]["predicted_step_s"]
+    lines = {name: [a for a in run["assumed"] if a.startswith("moe_a2a_overlap")] for name, run in runs.items()}
+    assert lines["exposed"] == ["moe_a2a_overlap null: off, every all-to-all exposed (Megatron-Core's default)"]
+    assert lines["off"] == lines["overlapped"] == []
+    for name, message in (("dense", "moe_a2a_overlap true for a model without experts"),
+                          ("bad", "moe_a2a_overlap 'yes'; give true, false")):
+        assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]

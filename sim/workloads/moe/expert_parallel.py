@@ -27,10 +27,12 @@ a shared expert drops the dense MLP's (the shared expert, split by T, keeps them
 
 The slowest expert rank sets the grouped matmul's time: the routed experts' compute is scaled by the
 expected most loaded rank's assignments over the mean (:func:`sim.workloads.moe.layers.expected_max_load`,
-E ranks as the bins, the E ranks' tokens as the balls) or by ``expert_imbalance`` where given.
+E ranks as the bins, the E ranks' tokens as the balls) or by ``expert_imbalance`` where given; with a
+``capacity_factor`` every expert computes its padded capacity, and no rank more than another.
 
 A schedule that overlaps one micro-batch's all-to-all with another micro-batch's compute (``dualpipev``,
-DeepSeek-V3's DualPipe) hides it: per MoE layer, exposed = max(0, all-to-alls of a forward and a backward
+DeepSeek-V3's DualPipe; or any schedule run with Megatron-Core's ``overlap_moe_expert_parallel_comm``, which
+merges one micro-batch's forward with an adjacent one's backward, a replayed run's ``moe_a2a_overlap``) hides it: per MoE layer, exposed = max(0, all-to-alls of a forward and a backward
 - that layer's forward and backward compute), split between the two in proportion. Every other schedule
 shows it whole. The exposed part is counted in the F and B actions' time and shown as ``dispatch_ep`` and
 ``combine_ep`` spans inside them.
@@ -154,23 +156,26 @@ def check_expert_parallel(workload: Any, expert_parallel: int, expert_tensor_par
 
 
 def expert_split(system: System, expert_parallel: int, expert_tensor_parallel: int, schedule: str,
-                 tp_link: Link | None = None) -> ExpertSplit:
-    """The :class:`ExpertSplit` of E x ETP consecutive GPUs of ``system`` (module docstring)."""
+                 tp_link: Link | None = None, overlap: bool = False) -> ExpertSplit:
+    """The :class:`ExpertSplit` of E x ETP consecutive GPUs of ``system`` (module docstring); its all-to-alls
+    overlapped under an overlapping schedule or where ``overlap`` says the trainer overlaps them."""
     span = expert_parallel * expert_tensor_parallel
     domains = max(1, -(-span // system.devices_per_node))
     return ExpertSplit(expert_parallel, expert_tensor_parallel, max(1, expert_parallel // domains),
-                       tp_link or system.intra_link, system.inter_link, schedule in OVERLAPPING_SCHEDULES)
+                       tp_link or system.intra_link, system.inter_link, overlap or schedule in OVERLAPPING_SCHEDULES)
 
 
 def with_expert_parallel(workload: Any, system: System, expert_parallel: int, expert_tensor_parallel: int | None,
-                         schedule: str) -> Any:
+                         schedule: str, overlap: bool = False) -> Any:
     """``workload`` (already split over T x C by :func:`sim.workloads.tensor_parallel.with_tensor_parallel`)
     with its experts split over E ranks of ETP each on ``system`` (the physical system, before T x C
-    groups); itself where E = 1 and ETP is T's default."""
+    groups); itself where E = 1 and ETP is T's default. ``overlap``: the trainer overlaps one micro-batch's
+    all-to-alls with another's compute whatever the schedule (Megatron-Core's
+    ``overlap_moe_expert_parallel_comm``, which merges adjacent micro-batches' forward and backward)."""
     tensor_parallel = workload.tensor_parallel
     etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
     check_expert_parallel(workload, expert_parallel, expert_tensor_parallel, tensor_parallel)
     if expert_parallel == 1 and etp == tensor_parallel:
         return workload
     return workload.split_experts(expert_split(system, expert_parallel, etp, schedule,
-                                               workload.tp_link))
+                                               workload.tp_link, overlap))

@@ -91,6 +91,19 @@ class MoEWorkload(AnalyticWorkload):
         o = self.options
         return expected_max_load(tokens, o["experts"], o["top_k"], o["expert_imbalance"])
 
+    def rank_load(self, tokens: float) -> float:
+        """The most loaded expert rank's assignments over the mean, each of E ranks routing ``tokens``: the
+        balls-into-bins estimate (or ``expert_imbalance``) dropless; 1 with a capacity factor, every expert
+        then computing exactly its capacity (tokens above it dropped, those below it padded, as Megatron-Core
+        runs ``moe_expert_capacity_factor`` with ``moe_pad_expert_input_to_capacity``), which the assignments
+        per token (capacity factor x top-k) already count; 1 without expert parallelism."""
+        ep = self.experts_split
+        o = self.options
+        if ep is None or ep.expert_parallel < 2 or o.get("capacity_factor"):
+            return 1.0
+        return expected_max_load(round(tokens * ep.expert_parallel), ep.expert_parallel, o["top_k"],
+                                 o["expert_imbalance"])
+
     def split_over(self, tensor_parallel: int, sequence_parallel: bool, tp_link: Link | None,
                    context_parallel: int = 1, cp_link: Link | None = None,
                    cp_ranks_per_node: int | None = None) -> "MoEWorkload":
@@ -133,8 +146,7 @@ class MoEWorkload(AnalyticWorkload):
             return super()._cost(spec, rows, flops_s, bytes_s, device)
         o = self.options
         tokens = rows * self.expert_tokens_per_row()
-        load = (expected_max_load(round(tokens * ep.expert_parallel), ep.expert_parallel, o["top_k"],
-                                  o["expert_imbalance"]) if ep.expert_parallel > 1 else 1.0)
+        load = self.rank_load(tokens)
         grouped = spec.grouped_matmul_flops_per_row
         spec = dataclasses.replace(spec, flops_per_row=spec.flops_per_row + (load - 1) * grouped,
                                    grouped_matmul_flops_per_row=load * grouped)
