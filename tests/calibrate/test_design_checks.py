@@ -114,6 +114,7 @@ def test_gpipe_calibrate_refuses_a_run_whose_speed_probe_stays_40x_off_and_write
     assert "Traceback" not in errors.getvalue()
 
 
+@pytest.mark.slow  # a calibration
 def test_the_stored_design_runs_record_their_corrections_within_bounds(tiny_quick_costs):
     data = json.loads(open(tiny_quick_costs[0]).read())
     for run in data["design"]:

@@ -23,6 +23,7 @@ def calibrated_plan(tiny_quick_costs, tmp_path_factory):
     return path, json.loads(path.read_text())
 
 
+@pytest.mark.slow  # a calibration, then gpipe train
 def test_train_plan_prints_the_plans_prediction_beside_the_measured_step_and_writes_the_report(calibrated_plan,
                                                                                                tmp_path):
     path, plan = calibrated_plan
@@ -46,6 +47,7 @@ def test_train_plan_prints_the_plans_prediction_beside_the_measured_step_and_wri
         assert part in text, part
 
 
+@pytest.mark.slow  # a calibration, then gpipe train
 def test_flags_that_change_the_plan_are_re_predicted_and_said(calibrated_plan):
     path, plan = calibrated_plan
     other = 4 if plan["microbatches"] != 4 else 2
@@ -55,6 +57,7 @@ def test_flags_that_change_the_plan_are_re_predicted_and_said(calibrated_plan):
         in proc.stdout
 
 
+@pytest.mark.slow  # a calibration, then gpipe train
 def test_html_without_a_plan_or_with_its_costs_gone_is_one_line_before_training(calibrated_plan, tmp_path):
     proc = in_process.gpipe("train", "--model", "mlp", "--stages", "2", "--html", str(tmp_path / "r.html"))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
