@@ -125,7 +125,7 @@ class ChunkedDevice(StepPhases):
         self.virtual_stages = len(chunks)  # V
         self.devices = first.stages // self.virtual_stages  # K
         self.index = first.stage  # d: chunk 0 is virtual stage d
-        expected = virtual_stages_of_device(self.index, self.devices, self.virtual_stages, first.schedule)
+        expected = virtual_stages_of_device(self.index, self.devices, self.virtual_stages, first.layout.schedule)
         if [chunk.config.stage for chunk in chunks] != expected:
             raise ValueError(f"device {self.index} needs chunks of virtual stages {expected}, "
                              f"got {[chunk.config.stage for chunk in chunks]}")
@@ -136,7 +136,7 @@ class ChunkedDevice(StepPhases):
         for c, chunk in enumerate(chunks):
             chunk.recorder = ChunkRecorder(self.recorder, chunk.config.stage)  # type: ignore[assignment]
             chunk.counter = ChunkCounter(self.counter, c * microbatches)  # type: ignore[assignment]
-        self.actions = build_schedule(self.devices, microbatches, first.schedule, first.checkpoint,
+        self.actions = build_schedule(self.devices, microbatches, first.layout.schedule, first.layout.checkpoint,
                                       self.virtual_stages)[self.index]
         self.after_action: Callable[[int, Action], None] | None = None  # fault-injection hook
         self.reduce_shared: Callable[[], None] | None = None  # set by the worker (executor.runtime.interleaved)

@@ -113,11 +113,8 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
     (:mod:`executor.parallel.expert_parallel`), with ``tp_mesh`` (its T ranks) its layers sharded over
     them (:mod:`executor.parallel.tensor_parallel`) and with ``sharding`` (ZeRO-2/3) over its
     data-parallel ranks (:mod:`executor.parallel.fully_sharded`), all before its optimizer is made."""
-    stages = len(config.partition)  # virtual stages: K, or V*K under the interleaved schedule
-    stage_config = StageConfig(stage=stage, stages=stages, batch_size=config.batch_size,
-                               microbatches=config.layout.microbatches, schedule=config.layout.schedule,
-                               checkpoint=config.layout.checkpoint, seed=config.seed, precision=config.precision,
-                               virtual_stages=config.layout.virtual_stages)
+    stage_config = StageConfig(stage=stage, batch_size=config.batch_size, layout=config.layout, seed=config.seed,
+                               precision=config.precision)
     module = stage_layers(config, prepared, stage)
     if experts is not None:
         from executor.parallel.expert_parallel import keep_local_experts
@@ -134,7 +131,7 @@ def make_stage(config: RunConfig, prepared: Prepared, stage: int, transport: Tra
     return PipelineStage(
         stage_config, module, transport, prepared.loss_fn,
         incoming=prepared.boundaries[stage] if stage > 0 else None,
-        outgoing=prepared.boundaries[stage + 1] if stage < stages - 1 else None,
+        outgoing=prepared.boundaries[stage + 1] if stage < stage_config.stages - 1 else None,
         device=device, optim=config.optim_settings(), recorder=recorder,
         duplicates=duplicates_on(stage, module, prepared.shared))
 

@@ -52,6 +52,7 @@ from executor.runtime.step_phases import IdleWork, StepPhases
 from executor.transport.p2p import ACT, GRAD, Transport
 from sim.schedules.schedule import (Action, Kind, build_schedule, device_of_virtual_stage, receives_gradient,
                                     recomputes, recomputes_attention_core, recomputes_per_layer)
+from sim.formats.layout import ParallelLayout
 from sim.formats.timeline import OPTIMIZER, RECV_WAIT, SEND_ACTIVATION, SEND_GRADIENT
 
 # actions whose autograd calls add to the parameters' .grad (a split I computes input gradients only)
@@ -60,15 +61,18 @@ ADDS_TO_GRAD = frozenset({Kind.BACKWARD, Kind.WEIGHT})
 
 @dataclass(frozen=True)
 class StageConfig:
-    stage: int  # the virtual stage under the interleaved schedule
-    stages: int  # stages in the pipeline: V*K virtual stages under the interleaved schedule
-    batch_size: int
-    microbatches: int
-    schedule: str = "gpipe"
-    checkpoint: str = "except_last"
+    """What one (virtual) stage needs of its run: where it sits, its replica's rows, the run's layout."""
+
+    stage: int  # the virtual stage under the multi-chunk schedules
+    batch_size: int  # this replica's rows of a global batch
+    layout: ParallelLayout  # the run's (M, schedule, checkpoint policy, V, K)
     seed: int = 0
     precision: str = "fp32"  # bf16: layers under autocast, loss in fp32 (executor.runtime.precision)
-    virtual_stages: int = 1  # V chunks per device (the interleaved schedule)
+
+    @property
+    def stages(self) -> int:
+        """Stages in the pipeline: V*K virtual stages under the multi-chunk schedules."""
+        return self.layout.virtual_stage_count
 
 
 class PipelineStage(StepPhases):
@@ -96,14 +100,13 @@ class PipelineStage(StepPhases):
         self.lr: float | None = None  # the learning rate the last step used
         self.recorder = recorder or Recorder(config.stage, device)
         self.counter = ActivationCounter(list(self.module.parameters()) + list(self.module.buffers()))
-        self.rows = split_rows(config.batch_size, config.microbatches)
+        layout = config.layout
+        self.rows = split_rows(config.batch_size, layout.microbatches)
         # This (virtual) stage's share of its device's list: all of it unless the device holds several
         # chunks (executor.runtime.chunks), placed in a loop or a V (sim.schedules.schedule.device_of_virtual_stage).
-        devices = config.stages // config.virtual_stages
-        device = device_of_virtual_stage(config.stage, devices, config.schedule)
-        self.actions = [a for a in build_schedule(devices, len(self.rows), config.schedule, config.checkpoint,
-                                                  config.virtual_stages)[device]
-                        if a.stage == config.stage]
+        device = device_of_virtual_stage(config.stage, layout.stages, layout.schedule)
+        self.actions = [a for a in build_schedule(layout.stages, len(self.rows), layout.schedule, layout.checkpoint,
+                                                  layout.virtual_stages)[device] if a.stage == config.stage]
         self.after_action: Callable[[int, Action], None] | None = None  # fault-injection hook
         self.weight_edges: WeightEdges | None = None  # the split backward's weight accumulators, found once
         # Work for idle time, offered each wait on a receive that has not arrived, and told how long
@@ -349,7 +352,7 @@ class PipelineStage(StepPhases):
         """The stage's layers on ``x`` at the run's precision; forward and recompute alike. Under
         ``selective`` the attention cores keep no probabilities (:mod:`executor.runtime.selective`)."""
         with autocast(self.config.precision, self.device.type), \
-                recompute_attention_core(recomputes_attention_core(self.config.checkpoint)):
+                recompute_attention_core(recomputes_attention_core(self.config.layout.checkpoint)):
             return self.module(x)
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -360,11 +363,11 @@ class PipelineStage(StepPhases):
 
     def _forward(self, m: int) -> None:
         received = [] if self.is_first else self._receive(ACT, m)
-        rematerialize = recomputes(self.config.checkpoint, m, len(self.rows))
+        rematerialize = recomputes(self.config.layout.checkpoint, m, len(self.rows))
         with self.recorder.span(Kind.FORWARD.value, m):
             self._seed(m)
             self.counter.stash(m, self.inputs[m] if self.is_first else received)
-            if recomputes_per_layer(self.config.checkpoint):
+            if recomputes_per_layer(self.config.layout.checkpoint):
                 out = self._forward_keeping_layer_inputs(m, received)
             elif rematerialize:
                 self.stash[m] = received
@@ -455,7 +458,7 @@ class PipelineStage(StepPhases):
     def _backward(self, m: int) -> None:
         grads = self._receive(GRAD, m) if self._receives_gradients else []
         with self.recorder.span(Kind.BACKWARD.value, m):
-            if recomputes_per_layer(self.config.checkpoint):
+            if recomputes_per_layer(self.config.layout.checkpoint):
                 needs_grad = self._backward_layer_by_layer(m, grads)
             else:
                 needs_grad, out = self.graph.pop(m)
