@@ -119,8 +119,8 @@ def run_local_experts(block: Any, received: torch.Tensor, counts: torch.Tensor) 
             if count:
                 outputs.append(expert(received[first:first + count]).float())
             first += count
-    if not outputs:
-        return received.new_zeros((0, received.shape[1]), dtype=torch.float32)
+    if not outputs:  # no row reached this rank's experts: still on the received rows' graph, so its
+        return received[:0].float()  # backward runs the reverse all-to-alls its group runs, sending nothing
     return torch.cat(outputs)
 
 

@@ -27,12 +27,13 @@ from tests.helpers.moe_parity import MOE, assert_parameters_equal, one_process
 ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--clip-grad-norm", "0.5"]
 
 
-def reference(options, batch, replicas, microbatches, steps, precision="fp32", absent=None):
+def reference(options, batch, replicas, microbatches, steps, precision="fp32", absent=None, absent_by_step=None):
     config = RunConfig.of(model="transformer", options=options, partition=(options["layers"] + 2,), batch_size=batch,
                           microbatches=4,
                        optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, precision=precision)
     pipe = LocalPipeline(config)  # its batches and loss
-    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas, absent)
+    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas, absent,
+                       absent_by_step)
 
 
 def train(tmp_path, name, options, *argv):
@@ -195,6 +196,23 @@ def test_experts_no_row_reached_are_skipped_as_one_process_skips_them(tmp_path, 
     expected = reference(options, 4, replicas, microbatches, 3, absent=absent)
     assert_trains_as_one_process(report, root, 1, expected, 3)
     assert any(".experts." in name for name in absent)  # the case this test is for did occur
+
+
+@pytest.mark.slow
+def test_a_rank_whose_experts_no_row_reached_still_runs_its_groups_reverse_all_to_alls(tmp_path):
+    """D = E = 4, 16 experts, top-1, two tokens a replica: in some step no token of the group reaches
+    any of one rank's four experts of a block. That rank receives no rows, and its backward still runs
+    the group's two reverse all-to-alls (sending the gradients of its tokens' outputs to the ranks that
+    computed them, and taking its tokens' hidden states' gradients back), as every rank of the group
+    does: training equals one process."""
+    options = {**MOE, "experts": 16, "top_k": 1, "shared_experts": 0, "seq": 2}
+    report, root = train(tmp_path, "idle", options, "--stages", "1", "--replicas", "4", "--expert-parallel", "4",
+                         "--batch", "4", "--microbatches", "1", "--steps", "3", "--save-every", "3")
+    absent_by_step: list[set[str]] = []
+    assert_trains_as_one_process(report, root, 1, reference(options, 4, 4, 1, 3, absent_by_step=absent_by_step), 3)
+    idle = [(step, block, rank) for step, absent in enumerate(absent_by_step) for block in (1, 2) for rank in range(4)
+            if all(f"{block}.mlp.experts.{e}.0.weight" in absent for e in range(4 * rank, 4 * rank + 4))]
+    assert idle  # the case this test is for did occur
 
 
 @pytest.mark.parametrize("flags,message", [
