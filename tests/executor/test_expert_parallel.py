@@ -11,6 +11,8 @@ AdamW with clipping, fp32 and bf16, D = E and D = 2E (experts summed over their 
 uneven batch. The first is traced (dispatch and combine spans), counts each rank's bytes, and its
 checkpoint resumes without expert parallelism; the second resumes a checkpoint saved without it under
 it: both continue one process's run (two launches each: marked slow; the other two run in the quick suite).
+Two more launches (slow) train under the split backward, zb-h1 and dualpipev, traced; one more (slow)
+at D = E = 4 on two tokens a replica, where some rank's experts receive no row.
 """
 
 import json
