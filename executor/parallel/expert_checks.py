@@ -9,7 +9,6 @@ from torch import nn
 
 from sim.errors import GpipeInputError
 from sim.schedules.microbatch import split_rows
-from sim.schedules.schedule import SPLIT_BACKWARD_SCHEDULES
 
 
 class ExpertSettings(Protocol):
@@ -27,8 +26,14 @@ class ExpertSettings(Protocol):
 
 def check_expert_parallel(config: ExpertSettings) -> None:
     """The settings E needs, one line each: E dividing D, expert tensor parallelism equal to T, no
-    ZeRO, no split backward, the same number of micro-batches on every replica (the replicas of a
-    group run their all-to-alls together, action by action)."""
+    ZeRO, the same number of micro-batches on every replica (the replicas of a group run their
+    all-to-alls together, action by action).
+
+    Every schedule runs, the split-backward ones (zb-h1, zbv, dualpipev) included: the exchange's
+    reverse all-to-alls are on the input-gradient path, so I runs them (W starts below them, at the
+    experts' own nodes, and reaches only weights); on the first stage, whose inputs need no gradient,
+    W is the whole backward and runs them instead. Either way a rank issues them in the action its
+    replicas issue them in, since they walk one action list."""
     parts, etp = config.layout.expert_parallel, config.layout.expert_tensor_parallel
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise GpipeInputError(f"--expert-parallel {parts!r} is not a positive integer; use 1 (none) or more")
@@ -45,10 +50,6 @@ def check_expert_parallel(config: ExpertSettings) -> None:
         raise GpipeInputError(f"--expert-parallel {parts} with --zero {config.layout.zero} is not supported yet: the "
                               "sharded optimizer or FSDP would shard the experts over replicas holding other ones; "
                               "drop --zero or use --expert-parallel 1")
-    if config.layout.schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise GpipeInputError(f"--expert-parallel {parts} with --schedule {config.layout.schedule} is not supported: the "
-                              "split backward's halves would run the expert exchange's reverse all-to-alls apart; "
-                              "use gpipe, 1f1b or interleaved")
     executed = {len(split_rows(rows, config.layout.microbatches)) for rows in split_rows(config.batch_size, config.layout.replicas)}
     if len(executed) > 1:
         raise GpipeInputError(f"--batch {config.batch_size} gives the replicas {sorted(executed)} micro-batches, not "

@@ -28,6 +28,12 @@ Hidden states and outputs travel in fp32 (gloo's all-to-all; a bf16 value round-
 Traced runs (``--trace``) record each all-to-all as a span of the kinds
 :data:`~sim.formats.timeline.EP_DISPATCH` and :data:`~sim.formats.timeline.EP_COMBINE`, from issue to
 completion, inside the F, R or B span that issued it (a backward's are its reverse all-to-alls).
+
+Split backward (:mod:`executor.runtime.split_backward`): both reverse all-to-alls are on the path from
+the stage's outputs to its inputs, so I runs them; W starts at the experts' own nodes (below the
+dispatch's reverse) and reaches only weights, never an all-to-all. On the first stage, whose inputs
+need no gradient, W is the whole backward and runs them. Either way every rank of a group runs them
+in the same action of the one list its group walks.
 """
 
 from __future__ import annotations
@@ -119,8 +125,8 @@ def run_local_experts(block: Any, received: torch.Tensor, counts: torch.Tensor) 
             if count:
                 outputs.append(expert(received[first:first + count]).float())
             first += count
-    if not outputs:
-        return received.new_zeros((0, received.shape[1]), dtype=torch.float32)
+    if not outputs:  # no row reached this rank's experts: still on the received rows' graph, so its
+        return received[:0].float()  # backward runs the reverse all-to-alls its group runs, sending nothing
     return torch.cat(outputs)
 
 

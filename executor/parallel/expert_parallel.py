@@ -107,8 +107,9 @@ def attach(stage: Any, parts: Sequence[Any], sharding: ExpertSharding, traced: b
         expert_params += local
     if traced and exchanges(parts):
         run, microbatch = stage.run, [-1]
-        for exchange in exchanges(parts):
-            exchange.recorder, exchange.microbatch = stage.recorder, microbatch
+        for part in parts:  # a chunk's recorder tags its spans with the chunk's virtual stage
+            for exchange in exchanges_of(part.module):
+                exchange.recorder, exchange.microbatch = part.recorder, microbatch
 
         def run_telling_microbatch(action: Action) -> None:
             microbatch[0] = action.microbatch

@@ -55,6 +55,9 @@ class ChunkRecorder:
     def span(self, kind: str, microbatch: int = -1) -> contextlib.AbstractContextManager[None]:
         return self.device.span(kind, microbatch, self.virtual_stage)
 
+    def open_span(self, kind: str, microbatch: int = -1) -> Callable[[], None]:
+        return self.device.open_span(kind, microbatch, self.virtual_stage)
+
     def memory(self, nbytes: int) -> None:  # after every action: not through __getattr__'s miss
         self.device.memory(nbytes)
 

@@ -135,9 +135,10 @@ class Recorder:
         end.record()
         self._events.append((kind, microbatch, start, end, virtual_stage))
 
-    def open_span(self, kind: str, microbatch: int = -1) -> Callable[[], None]:
+    def open_span(self, kind: str, microbatch: int = -1, virtual_stage: int | None = None) -> Callable[[], None]:
         """A span that starts now and ends when the returned function is called: for work that runs
-        in the background between two calls (an asynchronous all-reduce from launch to its wait)."""
+        in the background between two calls (an asynchronous all-reduce from launch to its wait);
+        ``virtual_stage`` as :meth:`span` takes it."""
         if self.on_events:
             start = self.api.event()
             start.record()
@@ -145,13 +146,13 @@ class Recorder:
             def close_cuda() -> None:
                 end = self.api.event()
                 end.record()
-                self._events.append((kind, microbatch, start, end, None))
+                self._events.append((kind, microbatch, start, end, virtual_stage))
 
             return close_cuda
         start, step = time.perf_counter(), self.step
 
         def close() -> None:
-            self._spans.append((kind, microbatch, start, time.perf_counter(), step, None))
+            self._spans.append((kind, microbatch, start, time.perf_counter(), step, virtual_stage))
 
         return close
 

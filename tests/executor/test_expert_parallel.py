@@ -11,6 +11,8 @@ AdamW with clipping, fp32 and bf16, D = E and D = 2E (experts summed over their 
 uneven batch. The first is traced (dispatch and combine spans), counts each rank's bytes, and its
 checkpoint resumes without expert parallelism; the second resumes a checkpoint saved without it under
 it: both continue one process's run (two launches each: marked slow; the other two run in the quick suite).
+Two more launches (slow) train under the split backward, zb-h1 and dualpipev, traced; one more (slow)
+at D = E = 4 on two tokens a replica, where some rank's experts receive no row.
 """
 
 import json
@@ -27,11 +29,13 @@ from tests.helpers.moe_parity import MOE, assert_parameters_equal, one_process
 ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--clip-grad-norm", "0.5"]
 
 
-def reference(options, batch, replicas, microbatches, steps, precision="fp32", absent=None):
-    config = RunConfig.of(model="transformer", options=options, partition=(4,), batch_size=batch, microbatches=4,
+def reference(options, batch, replicas, microbatches, steps, precision="fp32", absent=None, absent_by_step=None):
+    config = RunConfig.of(model="transformer", options=options, partition=(options["layers"] + 2,), batch_size=batch,
+                          microbatches=4,
                        optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, precision=precision)
     pipe = LocalPipeline(config)  # its batches and loss
-    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas, absent)
+    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas, absent,
+                       absent_by_step)
 
 
 def train(tmp_path, name, options, *argv):
@@ -105,6 +109,43 @@ def test_experts_split_by_tensor_parallelism_resume_from_one_rank_each_into_two_
     assert_trains_as_one_process(resumed, root, 1, reference(options, 8, 2, 2, 3), 3)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,layers,partition,microbatches,checkpoint", [
+    ("zb-h1", 2, "2,2", 2, "except_last"),
+    ("dualpipev", 4, "2,1,1,2", 4, "never"),  # an MoE block on every chunk; device 0 holds the first and the last
+])
+def test_experts_sharded_over_two_replicas_train_as_one_process_under_the_split_backward(tmp_path, schedule, layers,
+                                                                                          partition, microbatches,
+                                                                                          checkpoint):
+    """K = 2, D = E = 2, top-2 with a shared expert, fp32, traced. The reverse all-to-alls run in I, on
+    the input-gradient path (on the first stage, whose inputs need no gradient, in W, the whole
+    backward there); W reaches only weights; dualpipev runs full backwards (B) too."""
+    options = {**MOE, "layers": layers, "top_k": 2, "shared_experts": 1}
+    report, root = train(tmp_path, "ep", options, "--stages", "2", "--partition", partition, "--schedule", schedule,
+                         "--virtual-stages", str(len(partition.split(",")) // 2), "--replicas", "2",
+                         "--expert-parallel", "2", "--batch", "8", "--microbatches", str(microbatches),
+                         "--checkpoint", checkpoint, "--steps", "2", "--save-every", "2",
+                         "--trace", str(tmp_path / "trace.json"))
+    chunks = len(partition.split(","))
+    assert_trains_as_one_process(report, root, chunks, reference(options, 8, 2, microbatches, 2), 2)
+    # each all-to-all a span inside the one action that issued it (the chunk's own, under dualpipev)
+    records = report["timeline"]["records"]
+    issued_by = {}  # (issuing action's kind, virtual stage) -> the all-to-alls' kinds
+    for r in (r for r in records if r["kind"] in ("dispatch_ep", "combine_ep")):
+        spans = [c for c in records if c["kind"] in ("F", "R", "B", "I", "W") and c.get("replica", 0) == r.get("replica", 0)
+                 and (c["stage"], c.get("virtual_stage")) == (r["stage"], r.get("virtual_stage"))
+                 and c["microbatch"] == r["microbatch"] and c["start_s"] <= r["start_s"] <= r["end_s"] <= c["end_s"]]
+        assert len(spans) == 1, r
+        stage = spans[0]["stage"] if spans[0].get("virtual_stage") is None else spans[0]["virtual_stage"]
+        issued_by.setdefault((spans[0]["kind"], stage), set()).add(r["kind"])
+    both = {"dispatch_ep", "combine_ep"}
+    assert all(kinds == both for kinds in issued_by.values()), issued_by
+    # the backward's in I past the first stage, in W on the first only (there W is the whole backward)
+    assert {stage for kind, stage in issued_by if kind == "W"} == {0}, issued_by
+    assert {stage for kind, stage in issued_by if kind == "I"} == set(range(1, chunks)), issued_by
+    assert {stage for kind, stage in issued_by if kind == "F"} == set(range(chunks)), issued_by
+
+
 def test_experts_summed_over_their_own_replicas_train_as_one_process_on_an_uneven_batch(tmp_path):
     """K = 1, D = 4, E = 2: each expert on two replicas, its gradient summed over them; a batch of 11 rows
     (3, 3, 3, 2 per replica, each in two micro-batches), top-2 with a shared expert. The simulator's
@@ -159,6 +200,23 @@ def test_experts_no_row_reached_are_skipped_as_one_process_skips_them(tmp_path, 
     assert any(".experts." in name for name in absent)  # the case this test is for did occur
 
 
+@pytest.mark.slow
+def test_a_rank_whose_experts_no_row_reached_still_runs_its_groups_reverse_all_to_alls(tmp_path):
+    """D = E = 4, 16 experts, top-1, two tokens a replica: in some step no token of the group reaches
+    any of one rank's four experts of a block. That rank receives no rows, and its backward still runs
+    the group's two reverse all-to-alls (sending the gradients of its tokens' outputs to the ranks that
+    computed them, and taking its tokens' hidden states' gradients back), as every rank of the group
+    does: training equals one process."""
+    options = {**MOE, "experts": 16, "top_k": 1, "shared_experts": 0, "seq": 2}
+    report, root = train(tmp_path, "idle", options, "--stages", "1", "--replicas", "4", "--expert-parallel", "4",
+                         "--batch", "4", "--microbatches", "1", "--steps", "3", "--save-every", "3")
+    absent_by_step: list[set[str]] = []
+    assert_trains_as_one_process(report, root, 1, reference(options, 4, 4, 1, 3, absent_by_step=absent_by_step), 3)
+    idle = [(step, block, rank) for step, absent in enumerate(absent_by_step) for block in (1, 2) for rank in range(4)
+            if all(f"{block}.mlp.experts.{e}.0.weight" in absent for e in range(4 * rank, 4 * rank + 4))]
+    assert idle  # the case this test is for did occur
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--replicas", "4", "--expert-tensor-parallel", "2"], "differs from --tensor-parallel 1"),
     (["--replicas", "3", "--batch", "6"], "does not divide T x C x D = 1 x 1 x 3"),
@@ -167,7 +225,6 @@ def test_experts_no_row_reached_are_skipped_as_one_process_skips_them(tmp_path, 
     (["--option", "top_k=5"], "top_k=5 is above experts=4"),
     (["--zero", "1"], "with --zero 1 is not supported yet"),
     (["--zero", "3"], "with --zero 3 is not supported yet"),
-    (["--schedule", "zb-h1", "--stages", "2"], "split backward"),
     (["--replicas", "4", "--batch", "7", "--microbatches", "2"], "not the same number"),
     (["--expert-parallel", "0"], "must be a positive integer, got 0"),
 ])

@@ -44,14 +44,14 @@ def accumulate(model, inputs, targets, loss_fn, microbatches: int, bf16: bool = 
 
 
 def one_process(config: RunConfig, batches, loss_fn, microbatches: int, steps: int, replicas: int = 1,
-                absent: set[str] | None = None):
+                absent: set[str] | None = None, absent_by_step: list[set[str]] | None = None):
     """``steps`` of ``config``'s optimizer (sgd or adamw, clipping by the global norm, constant lr) on
     ``batches(step)``, each of ``replicas`` shares in ``microbatches`` chunks; (losses, aux losses, norms,
     model, near-zero masks): the masks mark elements
     whose gradient was below :data:`tests.helpers.parity.NEAR_ZERO_GRADIENT` at some step
     (:func:`tests.helpers.parity.assert_adam_close` says why they are held to a bound only). A parameter
     without a gradient in a step (an expert no row reached) is skipped by the optimizer, as torch's
-    are; ``absent`` collects the names of those."""
+    are; ``absent`` collects the names of those, ``absent_by_step`` gets one set of them per step."""
     model = build_model(config.model, config.options, config.seed)
     if config.optimizer == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -61,12 +61,14 @@ def one_process(config: RunConfig, batches, loss_fn, microbatches: int, steps: i
     near_zero = [torch.zeros_like(p, dtype=torch.bool) for p in model.parameters()]
     for step in range(steps):
         optimizer.zero_grad()
+        absent_by_step is None or absent_by_step.append(set())
         inputs, targets = batches(step)
         loss, aux = accumulate(model, inputs, targets, loss_fn, microbatches, config.precision == "bf16", replicas)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm or float("inf"))
         for mask, (name, p) in zip(near_zero, model.named_parameters()):
             if p.grad is None:
                 absent is None or absent.add(name)
+                absent_by_step is None or absent_by_step[-1].add(name)
                 continue
             mask |= p.grad.abs() < NEAR_ZERO_GRADIENT
         optimizer.step()
