@@ -35,7 +35,11 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   micro-batches accumulate unsharded and are reduce-scattered once after the last, ``microbatch``
   where each micro-batch's are reduce-scattered after its backward into the sharded gradient; null
   is the trainers' default, ``microbatch`` with one stage (FSDP2, DeepSpeed), ``step`` with a
-  pipeline (torch's pipeline schedules).
+  pipeline (torch's pipeline schedules); under Megatron-FSDP ``microbatch`` with any K.
+- ``use_megatron_fsdp`` (optional): true where the run sharded with Megatron-Core's own FSDP
+  (Megatron-FSDP, its ``data_parallel_sharding_strategy`` written as ``zero``), whose gradient
+  sync a null ``gradient_sync`` then takes (:mod:`sim.evidence.megatron_fsdp`); false or null:
+  FSDP2's and torch's defaults.
 - ``expert_parallel``, ``expert_tensor_parallel`` (optional, a mixture of experts): E ranks each MoE
   layer's routed experts are split over and the experts' own TP degree
   (:mod:`sim.workloads.moe.expert_parallel`); null searched (E among the divisors of the experts whose
@@ -78,7 +82,8 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
-OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "expert_parallel", "expert_tensor_parallel")
+OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "use_megatron_fsdp", "expert_parallel",
+            "expert_tensor_parallel")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -140,6 +145,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
+    from sim.evidence.megatron_fsdp import sync_lines
     from sim.evidence.replay_search import (chosen_lines, count_of, expert_lines, expert_options, fastest_fitting,
                                             modelled_experts, space_of)
     from sim.schedules.microbatch import split_rows
@@ -174,6 +180,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     found = fastest_fitting(workload, system, batch, stages, replicas, tensor, context, space, experts)
     out.assumed += chosen_lines(run, found, batch, stages, replicas, tensor)
     out.assumed += expert_lines(run, workload, found)
+    out.assumed += sync_lines(run, found.candidate.zero)
     if not found.fits:
         peak = max(s.peak_memory_bytes for s in found.result.stages)
         out.assumed.append(f"does not fit the simulated memory ({peak / 2**30:.1f} GiB on the fullest device): "
