@@ -62,10 +62,11 @@ class Comparison:
     # why the run is not judged (a round's speed correction out of bounds after it was measured again,
     # calibrate.validate.held_out.speeds_within_bounds); None for a run judged
     not_judged: str | None = None
-    # ZeRO-2/3: each rank's sharded bytes (its shards of the parameters, gradients and optimizer state,
-    # and the gathered units in flight), simulated and counted by the executor, in (replica, stage) order
-    predicted_sharded_bytes: list[int] = field(default_factory=list)
-    measured_sharded_bytes: list[int] = field(default_factory=list)
+    # ZeRO-2/3: each rank's sharded bytes field by field (SHARDED_FIELDS: its shards of the parameters,
+    # gradients and optimizer state, the gathered units in flight, the unsharded gradients accumulated
+    # until the reduce-scatter), simulated and counted by the executor, in (replica, stage) order
+    predicted_sharded_bytes: list[dict[str, int]] = field(default_factory=list)
+    measured_sharded_bytes: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def replica_wait_points(self) -> tuple[float, float]:
@@ -227,9 +228,12 @@ class Comparison:
 
     @property
     def memory_errors(self) -> list[float]:
-        """Each stage's activation peak, then (ZeRO-2/3) each rank's sharded bytes: predicted / counted - 1."""
+        """Each stage's activation peak, then (ZeRO-2/3) each rank's sharded bytes field by field
+        (:data:`SHARDED_FIELDS`): predicted / counted - 1."""
         pairs = [*zip(self.predicted_peak_bytes, self.measured_peak_bytes),
-                 *zip(self.predicted_sharded_bytes, self.measured_sharded_bytes)]
+                 *((p.get(name, 0), m.get(name, 0)) for p, m in zip(self.predicted_sharded_bytes,
+                                                                     self.measured_sharded_bytes)
+                   for name in SHARDED_FIELDS)]
         return [(p - m) / m if m else (0.0 if p == 0 else float("inf")) for p, m in pairs]
 
     def to_dict(self) -> dict[str, Any]:
@@ -320,17 +324,21 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
                       *sharded_bytes(result, reports[0], spec))
 
 
-SHARDED_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "gathered_parameter_bytes_peak")
+# What a ZeRO-2/3 rank holds, each compared on its own (sim.engine.fsdp.ShardedMemory, the executor's
+# report's "ranks" entries): a field missing from a report counts as 0 bytes.
+SHARDED_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "gathered_parameter_bytes_peak",
+                  "accumulated_gradient_bytes")
 
 
-def sharded_bytes(result: Any, report: dict[str, Any], spec: RunSpec) -> tuple[list[int], list[int]]:
+def sharded_bytes(result: Any, report: dict[str, Any],
+                  spec: RunSpec) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
     """ZeRO-2/3 runs: each rank's sharded bytes as the simulator predicts them and as the executor
-    counted them (:data:`SHARDED_FIELDS` summed), in (replica, stage) order; empty otherwise."""
+    counted them, field by field (:data:`SHARDED_FIELDS`), in (replica, stage) order; empty otherwise."""
     if spec.layout.zero < 2 or spec.layout.replicas < 2:
         return [], []
     devices = sorted((s for s in result.stages if s.sharded is not None), key=lambda s: (s.replica, s.stage))
-    predicted = [sum(getattr(s.sharded, name) for name in SHARDED_FIELDS) for s in devices]
-    measured = [sum(rank.get(name, 0) for name in SHARDED_FIELDS) for rank in report.get("ranks", [])]
+    predicted = [{name: getattr(s.sharded, name) for name in SHARDED_FIELDS} for s in devices]
+    measured = [{name: rank.get(name, 0) for name in SHARDED_FIELDS} for rank in report.get("ranks", [])]
     return predicted, measured
 
 

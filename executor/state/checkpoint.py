@@ -28,8 +28,8 @@ consolidated from the whole data-parallel group (:mod:`executor.parallel.replica
 optimizer's, and D changes the run's dropout draws, so neither would continue the same run exactly.
 With ``--zero 2`` or ``3`` (:mod:`executor.parallel.fully_sharded`) every replica gathers its stage's
 parameters and optimizer state from the shards and replica 0 writes them whole, a plain optimizer's
-state in the model's own layout: such a checkpoint resumes at any D, ZeRO stage (0-3) and K, and a
-plain (ZeRO-0) one resumes under ZeRO-2/3 at any D; the losses continue the uninterrupted run's to
+state in the model's own layout (with T > 1 gathered over the stage's D x T ranks): such a checkpoint
+resumes at any D, ZeRO stage (0-3), K and T, and a plain (ZeRO-0) one resumes under ZeRO-2/3 at any D; the losses continue the uninterrupted run's to
 float rounding (exactly the same draws only for a model without dropout).
 
 With expert parallelism (:mod:`executor.parallel.expert_parallel`) a shard also holds every expert of its

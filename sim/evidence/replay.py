@@ -35,7 +35,11 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   micro-batches accumulate unsharded and are reduce-scattered once after the last, ``microbatch``
   where each micro-batch's are reduce-scattered after its backward into the sharded gradient; null
   is the trainers' default, ``microbatch`` with one stage (FSDP2, DeepSpeed), ``step`` with a
-  pipeline (torch's pipeline schedules).
+  pipeline (torch's pipeline schedules); under Megatron-FSDP ``microbatch`` with any K.
+- ``use_megatron_fsdp`` (optional): true where the run sharded with Megatron-Core's own FSDP
+  (Megatron-FSDP, its ``data_parallel_sharding_strategy`` written as ``zero``), whose gradient
+  sync a null ``gradient_sync`` then takes (:mod:`sim.evidence.megatron_fsdp`); false or null:
+  FSDP2's and torch's defaults.
 - ``expert_parallel``, ``expert_tensor_parallel`` (optional, a mixture of experts): E ranks each MoE
   layer's routed experts are split over and the experts' own TP degree
   (:mod:`sim.workloads.moe.expert_parallel`); null searched (E among the divisors of the experts whose
@@ -88,8 +92,8 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "context_parallel", "virtual_stages", "microbatch_size", "global_batch", "checkpoint",
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
-OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "expert_parallel", "expert_tensor_parallel",
-            "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap")
+OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "use_megatron_fsdp", "expert_parallel",
+            "expert_tensor_parallel", "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -151,6 +155,7 @@ def replay(run: dict[str, Any], resolve: Resolve, kernels: dict[str, KernelEffic
 
 
 def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: KernelEfficiency | None) -> None:
+    from sim.evidence.megatron_fsdp import sync_lines
     from sim.evidence.pipeline_split import split_line
     from sim.evidence.replay_search import (chosen_lines, count_of, expert_lines, expert_options, fastest_fitting,
                                             modelled_experts, space_of)
@@ -189,6 +194,7 @@ def _predict(run: dict[str, Any], resolve: Resolve, out: Replayed, kernels: Kern
     split = split_line(run, stages * found.candidate.virtual_stages)
     if split is not None:
         out.assumed.append(split)
+    out.assumed += sync_lines(run, found.candidate.zero)
     if not found.fits:
         peak = max(s.peak_memory_bytes for s in found.result.stages)
         out.assumed.append(f"does not fit the simulated memory ({peak / 2**30:.1f} GiB on the fullest device): "

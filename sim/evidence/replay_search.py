@@ -17,7 +17,9 @@ perfectly overlapped and step the optimizer on the shard, where ZeRO-1's shard s
 its gather, so ranked by time alone they would win where a trainer would not have used them.
 ZeRO-2/3's gradients are reduce-scattered as the run's ``gradient_sync`` says, null meaning the
 trainers' default (after every micro-batch with one stage, once per step with a pipeline:
-:attr:`sim.formats.layout.ParallelLayout.resolved_gradient_sync`); it is never searched.
+:attr:`sim.formats.layout.ParallelLayout.resolved_gradient_sync`), or for a run stating
+Megatron-FSDP what it runs (after every micro-batch: :mod:`sim.evidence.megatron_fsdp`); it is never
+searched.
 
 Limits: a run whose trainer did not tune is predicted as if it had (too fast, where its choices
 were slower); a plan that fits nowhere is timed all the same, at the values that hold least memory
@@ -31,8 +33,9 @@ from typing import Any
 
 from sim.catalog.hardware import System
 from sim.engine.engine import SimResult, simulate
-from sim.formats.layout import ZERO_STAGES, ParallelLayout, check_gradient_sync, check_sharding
 from sim.errors import GpipeInputError
+from sim.evidence.megatron_fsdp import gradient_sync_of
+from sim.formats.layout import ZERO_STAGES, ParallelLayout, check_sharding
 from sim.planner.search import Candidate, default_partition, search
 from sim.schedules.microbatch import split_rows
 from sim.schedules.schedule import CHECKPOINT_POLICIES
@@ -178,9 +181,7 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     else:
         zeros = (2, 3) if group is not None else (0, 1)
     escalates = zero is None and group is None and replicas > 1  # 2, then 3, where neither 0 nor 1 fits
-    sync = run.get("gradient_sync")
-    if sync is not None:
-        check_gradient_sync(sync, zero if zero is not None else 2)
+    sync = gradient_sync_of(run, zero)
     return Space(checkpoints, sequence_options, schedules, virtual_options, microbatches, zeros, group, escalates,
                  sync, run.get("pipeline_split"), _a2a_overlap(run))
 

@@ -223,6 +223,34 @@ def test_predicted_memory_is_compared_on_replica_zero_stage_by_stage():
     assert replica_zero_peak_bytes(SimpleNamespace(stages=one)) == [0, 5, 10]
 
 
+def test_a_zero3_runs_sharded_bytes_are_compared_field_by_field_with_the_accumulated_gradients():
+    """Each rank's sharded bytes, the unsharded gradients accumulated until the reduce-scatter among
+    them, each held to the executor's count on its own: a prediction off in that field alone, or off
+    in two fields by amounts that cancel in their sum, is a memory error."""
+    from types import SimpleNamespace
+
+    from calibrate.validate.comparison import sharded_bytes
+    from sim.engine.fsdp import ShardedMemory
+
+    spec = RunSpec.of((2, 2), 4, "never", "1f1b", 8, replicas=2, zero=3)
+    counted = {"parameter_bytes": 100, "gradient_bytes": 100, "optimizer_state_bytes": 200,
+               "gathered_parameter_bytes_peak": 400, "accumulated_gradient_bytes": 400}
+
+    def judged(**predicted):
+        devices = [SimpleNamespace(replica=d, stage=k, sharded=ShardedMemory(**{**counted, **predicted}))
+                   for k in range(2) for d in range(2)]
+        report = {"ranks": [{"replica": d, "stage": k, **counted} for d in range(2) for k in range(2)]}
+        ours, theirs = sharded_bytes(SimpleNamespace(stages=devices), report, spec)
+        assert len(ours) == len(theirs) == 4 and theirs[0] == counted
+        comparison = Comparison("D=2 ZeRO-3 K=2", 1.0, 1.0, [1, 1], [1, 1], [1.0], [1.0], 2,
+                                predicted_sharded_bytes=ours, measured_sharded_bytes=theirs)
+        return summarize([comparison])["worst_memory_error"]
+
+    assert judged() == 0.0
+    assert judged(accumulated_gradient_bytes=0) == pytest.approx(1.0)  # predicted none of the 400 held
+    assert judged(accumulated_gradient_bytes=500, gathered_parameter_bytes_peak=300) == pytest.approx(0.25)
+
+
 def test_components_bubble_and_end_of_step_span_from_literal_spans():
     from sim.formats.timeline import Record
 

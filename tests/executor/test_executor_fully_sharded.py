@@ -11,7 +11,8 @@ replicas' micro-batches hold other rows than one process's, and autocast rounds 
 weight gradient to bf16 before they are added. The launches share the matrix between them (K in {1, 2}, T in {1, 2}, gpipe,
 1F1B and interleaved, every recompute policy, AdamW with clipping, bf16, a tied embedding and head,
 HSDP, gradients reduce-scattered once per step and after every micro-batch), and the first also saves
-a ZeRO-3 checkpoint that is resumed at D = 1, at ZeRO-1 and at ZeRO-2 on two stages.
+a ZeRO-3 checkpoint that is resumed at D = 1, at ZeRO-1 and at ZeRO-2 on two stages; a ZeRO-2 and a
+ZeRO-3 run at T = 2 resume at their own layout and at another D, ZeRO stage or T.
 """
 
 import json
@@ -127,6 +128,32 @@ def test_zero3_saves_from_the_shards_and_resumes_at_one_replica_and_at_zero1(tmp
         resumed, _ = train(tmp_path, other, *common, *flags, "--steps", "4", "--resume", "--save-every", "4")
         assert resumed["losses"] == pytest.approx(losses, rel=1e-5), other
         assert_parameters(tmp_path / other, expected, 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero,other", [
+    ("3", ["--replicas", "1", "--zero", "0"]),  # the whole stage on each of its T ranks, no sharding
+    ("2", ["--zero", "3", "--tensor-parallel", "1"]),  # another ZeRO stage and T, the same D
+])
+def test_a_tensor_parallel_sharded_run_resumes_at_its_layout_and_at_another(tmp_path, zero, other):
+    """T = 2, D = 2 under ZeRO-2/3 (each parameter a DTensor over the (dp, tp) mesh, FSDP's shards
+    strided over TP's, uneven: an FFN width whose TP parts split 10 + 9 rows over D, and the embedding
+    and head, whole on each TP rank, 32 + 31), AdamW with clipping: saved after 2 steps, resumed at
+    the same layout and at another D, ZeRO stage or T, each continues the uninterrupted run (losses,
+    gradient norms and every parameter)."""
+    options = {**TRANSFORMER, "ff": 38, "vocab": 63}
+    common = ["--model", "transformer", *option_flags(options), "--partition", "6", "--stages", "1",
+              "--microbatches", "2", "--batch", "8", *optimizer_flags(ADAMW)]
+    layout = ["--replicas", "2", "--zero", zero, "--tensor-parallel", "2"]
+    report, root = train(tmp_path, "saved", *common, *layout, "--steps", "2", "--save-every", "2")
+    losses, norms, expected = one_process("transformer", options, (6,), 8, 2, 4, ADAMW)
+    assert report["losses"] == pytest.approx(losses[:2], rel=1e-5)
+    for name, flags in (("same", layout), ("other", [*layout, *other])):
+        shutil.copytree(root, tmp_path / name)
+        resumed, _ = train(tmp_path, name, *common, *flags, "--steps", "4", "--resume", "--save-every", "4")
+        assert resumed["losses"] == pytest.approx(losses, rel=1e-5), name
+        assert resumed["grad_norms"] == pytest.approx(norms, rel=1e-5), name
+        assert_parameters(tmp_path / name, expected, 1e-4)
 
 
 @pytest.mark.slow

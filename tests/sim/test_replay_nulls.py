@@ -148,6 +148,8 @@ def test_bf16_in_a_runs_file_is_the_trainers_mixed_precision(tmp_path, capsys):
     ({"zero": 1, "shard_group": 2}, "shard_group 2 with zero 1"),
     ({"zero": 1, "gradient_sync": "step"}, "--gradient-sync step says when sharded gradients"),
     ({"zero": 3, "gradient_sync": "sometimes"}, "--gradient-sync must be step or microbatch"),
+    ({"zero": 3, "use_megatron_fsdp": "yes"}, "use_megatron_fsdp 'yes'; give true, false"),
+    ({"zero": 3, "use_megatron_fsdp": True, "gradient_sync": "step"}, "gradient_sync step with use_megatron_fsdp"),
     ({"microbatch_size": 0}, "microbatch_size 0; give a positive integer"),
     ({"compile": "yes"}, "compile='yes' for model transformer; use true"),
     ({"tensor_parallel": "two"}, "tensor_parallel 'two'; give a positive integer"),
@@ -262,3 +264,22 @@ def test_moe_a2a_overlap_hides_the_all_to_alls_behind_another_micro_batchs_compu
     for name, message in (("dense", "moe_a2a_overlap true for a model without experts"),
                           ("bad", "moe_a2a_overlap 'yes'; give true, false")):
         assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]
+def test_a_run_stating_megatron_fsdp_reduces_its_sharded_gradients_after_every_micro_batch(tmp_path, capsys):
+    """Megatron-FSDP reduce-scatters sharded gradients after every backward, under a pipeline too
+    (sim.evidence.megatron_fsdp): a null gradient_sync takes that, not the pipeline's once a step,
+    and says so; stated false or left out, the FSDP2/torch default."""
+    runs = replayed(tmp_path, [row("megatron", zero=3, use_megatron_fsdp=True),
+                               row("each", zero=3, gradient_sync="microbatch"), row("fsdp2", zero=3),
+                               row("not-megatron", zero=3, use_megatron_fsdp=False),
+                               row("megatron-zero1", use_megatron_fsdp=True),
+                               row("one-stage", zero=2, pipeline_stages=1, use_megatron_fsdp=True)], capsys)
+    assert all(run["modelled"] for run in runs.values())
+    syncs = {name: run["layout"].get("gradient_sync") for name, run in runs.items()}
+    assert syncs == {"megatron": "microbatch", "each": "microbatch", "fsdp2": "step", "not-megatron": "step",
+                     "megatron-zero1": None, "one-stage": "microbatch"}
+    assert runs["megatron"]["predicted_step_s"] == runs["each"]["predicted_step_s"]
+    assert runs["megatron"]["predicted_step_s"] > runs["fsdp2"]["predicted_step_s"]  # 3 more reduce-scatters
+    assert runs["fsdp2"]["predicted_step_s"] == runs["not-megatron"]["predicted_step_s"]
+    said = {name: [a for a in run["assumed"] if a.startswith("gradient_sync null")] for name, run in runs.items()}
+    assert [len(said[name]) for name in runs] == [1, 0, 0, 0, 0, 1]
+    assert said["megatron"][0].startswith("gradient_sync null: microbatch, as Megatron-FSDP runs it")
