@@ -353,10 +353,14 @@ class ReplicaRun:
                             end_s: float, virtual_stage: int) -> None:
         """Expert parallelism's exposed all-to-alls inside the action that issued them: the dispatch
         opening it, the combine closing it, half each (:mod:`sim.workloads.moe.expert_parallel`); a
-        forward's (or recompute's) in F and R, a backward's in B and I."""
+        forward's (or recompute's) in F and R, a backward's in B and in I, which runs the exchange's
+        reverse on the input-gradient path, except on virtual stage 0, whose input needs no gradient:
+        there W is the whole backward (:func:`sim.engine.stage_costs.weight_grad_time_s`), as the
+        executor runs it."""
+        backward_half = Kind.WEIGHT if virtual_stage == 0 else Kind.INPUT
         if kind is Kind.FORWARD or kind is Kind.RECOMPUTE:
             seconds = cost.ep_forward_s
-        elif kind is Kind.BACKWARD or kind is Kind.INPUT:
+        elif kind is Kind.BACKWARD or kind is backward_half:
             seconds = cost.ep_backward_s
         else:
             return

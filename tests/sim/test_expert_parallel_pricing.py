@@ -107,6 +107,26 @@ def test_simulated_timeline_shows_dispatch_and_combine():
     assert KIND_NAMES[EP_DISPATCH] == "expert dispatch (all-to-all)"
 
 
+def test_a_split_backward_shows_the_backward_all_to_alls_where_the_executor_runs_them():
+    """Under zb-h1 a backward's all-to-alls sit in I (the exchange's reverse is on the input-gradient
+    path), except on the first stage, whose input needs no gradient: its W is the whole backward."""
+    system = get_system("h100-nvlink")
+    workload, groups = with_tensor_parallel(_moe(), system, 1)
+    workload = with_expert_parallel(workload, system, 2, None, "zb-h1")
+    half = workload.num_layers // 2
+    layout = ParallelLayout(2, 2, "never", "zb-h1", replicas=2, expert_parallel=2)
+    result = simulate(workload, groups, [half, workload.num_layers - half], 4, layout,
+                      costs=CostTable(workload, groups.device))
+    records = result.timeline.records
+    actions = [r for r in records if r.kind in ("F", "I", "W") and r.end_s > r.start_s]
+    issued_in = {}
+    for span in (r for r in records if r.kind in (EP_DISPATCH, EP_COMBINE)):
+        (owner,) = [a for a in actions if (a.stage, a.replica, a.microbatch) == (span.stage, span.replica, span.microbatch)
+                    and a.start_s <= span.start_s and span.end_s <= a.end_s]
+        issued_in.setdefault(span.stage, set()).add(owner.kind)
+    assert issued_in == {0: {"F", "W"}, 1: {"F", "I"}}
+
+
 def test_replay_searches_null_expert_keys_and_refuses_them_on_a_dense_model():
     run = {"expert_parallel": None, "expert_tensor_parallel": None}
     pairs = expert_options(run, _moe(), 1, 1, 4)
