@@ -121,7 +121,9 @@ def test_a_split_backward_shows_the_backward_all_to_alls_where_the_executor_runs
     actions = [r for r in records if r.kind in ("F", "I", "W") and r.end_s > r.start_s]
     issued_in = {}
     for span in (r for r in records if r.kind in (EP_DISPATCH, EP_COMBINE)):
-        (owner,) = [a for a in actions if (a.stage, a.replica, a.microbatch) == (span.stage, span.replica, span.microbatch)
+        assert span.end_s > span.start_s, span  # each shows its time (a 0 s I of the first stage would not)
+        (owner,) = [a for a in actions if (a.stage, a.replica, a.microbatch) == (span.stage, span.replica,
+                                                                                   span.microbatch)
                     and a.start_s <= span.start_s and span.end_s <= a.end_s]
         issued_in.setdefault(span.stage, set()).add(owner.kind)
     assert issued_in == {0: {"F", "W"}, 1: {"F", "I"}}
