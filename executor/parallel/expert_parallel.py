@@ -42,7 +42,7 @@ from torch import nn
 
 from executor.models.loaded_types import is_dtensor
 from executor.models.moe import MixtureOfExperts
-from executor.parallel.expert_exchange import Exchange
+from executor.parallel.expert_exchange import Exchange, LocalExperts
 from executor.runtime.optim import gradients, squared_norm
 from sim.schedules.schedule import Action
 
@@ -75,7 +75,7 @@ def keep_local_experts(module: nn.Module, sharding: ExpertSharding) -> None:
     for block in moe_blocks(module):
         per_rank = block.num_experts // sharding.size
         first = sharding.rank * per_rank
-        block.experts = nn.ModuleDict({str(e): block.experts[e] for e in range(first, first + per_rank)})
+        block.experts = LocalExperts({str(e): block.experts[e] for e in range(first, first + per_rank)})
         block.exchange = Exchange(sharding.group, sharding.rank, sharding.size, sharding.weight)
 
 

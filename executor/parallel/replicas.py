@@ -172,7 +172,8 @@ class Layout:
         from executor.parallel.fully_sharded import Sharding  # FSDP is slow to import: ZeRO-2/3 runs only
 
         mesh = self.mesh[(DP_REPLICATE, DP_SHARD)] if self.hsdp else self.mesh[DP]
-        return Sharding(mesh, self.reshard_after_forward, self.weight, self.reduce_every_microbatch)
+        experts = self.mesh[EDP] if self.expert_parallel > 1 else None  # the replicas holding the same experts
+        return Sharding(mesh, self.reshard_after_forward, self.weight, self.reduce_every_microbatch, experts)
 
     @property
     def experts(self) -> Any:
@@ -320,6 +321,10 @@ def attach(stage: Any, layout: Layout) -> Any:
 
         gathered, reduce_after_last_backward = fully_sharded.attach(stage, parts, layout.sharding)
         stage.after_action = chain(stage.after_action, reduce_after_last_backward)
+        if layout.experts is not None:  # the norm counting each expert once, the exchanges traced; FSDP reduces
+            from executor.parallel import expert_parallel
+
+            expert_parallel.attach(stage, parts, layout.experts, layout.traced)
         return gathered
     links = next((part.transport.links for part in parts if getattr(part.transport, "links", None) is not None), None)
     params = [p for part in parts for p in part.params]
