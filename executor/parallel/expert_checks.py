@@ -20,7 +20,6 @@ class ExpertSettings(Protocol):
     replicas: int
     tensor_parallel: int
     zero: int
-    shard_group: int | None
     schedule: str
     batch_size: int
     microbatches: int
@@ -28,7 +27,8 @@ class ExpertSettings(Protocol):
 
 def check_expert_parallel(config: ExpertSettings) -> None:
     """The settings E needs, one line each: E dividing D, expert tensor parallelism equal to T, no
-    ZeRO-1 and no HSDP (ZeRO-2/3 shard the experts over their own replicas), no split backward, the same number of micro-batches on every replica (the replicas of a
+    ZeRO-1 (ZeRO-2/3 shard the experts over their own replicas; HSDP is refused where the layout is
+    built), no split backward, the same number of micro-batches on every replica (the replicas of a
     group run their all-to-alls together, action by action)."""
     parts, etp = config.layout.expert_parallel, config.layout.expert_tensor_parallel
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
@@ -47,10 +47,6 @@ def check_expert_parallel(config: ExpertSettings) -> None:
                               "steps each parameter on one replica and broadcasts it to all D, over replicas "
                               "holding other experts; use --zero 2 or 3 (the experts sharded over their own "
                               "replicas), or drop --zero")
-    shard_group = config.layout.shard_group
-    if config.layout.zero >= 2 and shard_group is not None and shard_group < config.layout.replicas:
-        raise GpipeInputError(f"--expert-parallel {parts} with --shard-group {shard_group}: sharding within groups "
-                              "of replicas (HSDP) is not run with expert parallelism; leave --shard-group out")
     if config.layout.schedule in SPLIT_BACKWARD_SCHEDULES:
         raise GpipeInputError(f"--expert-parallel {parts} with --schedule {config.layout.schedule} is not supported: the "
                               "split backward's halves would run the expert exchange's reverse all-to-alls apart; "
