@@ -18,6 +18,11 @@ gradient absent on a replica (no row reached it this step) is taken as zero wher
 has one, and stays absent where none has (:class:`executor.parallel.gradient_average.GradientAverage`), so
 the optimizer skips it as one process would.
 
+With ``--zero 2|3`` each block's experts are a FSDP unit of their own over the ``edp`` replicas and
+FSDP reduce-scatters their gradients there, with weight 1 as above
+(:mod:`executor.parallel.fully_sharded`); the norm counts each expert once in the same way, its
+shards' squares whole over ``edp`` first.
+
 Checkpoints hold the whole stage (every expert, their optimizer state in the unsharded model's order):
 the E ranks of replica 0's group gather their parts before replica 0 writes
 (:func:`full_stage_state`), so a run resumes at any E, or without expert parallelism, and one saved

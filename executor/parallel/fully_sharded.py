@@ -10,6 +10,17 @@ tensor parallelism the parameters are DTensors on the mesh's ``tp`` dimension fi
 them over ``dp`` of the same mesh. With ``--shard-group N`` below D (HSDP) the dp ranks form a 2-D
 mesh (replicate, shard): shards within groups of N consecutive replicas, all-reduced across groups.
 
+With expert parallelism (``--expert-parallel E``, :mod:`executor.parallel.expert_parallel`), as
+torchtitan composes FSDP2 with it (``apply_fsdp`` with ``ep_degree``): each block's routed experts,
+the rank's n/E of them (:class:`~executor.parallel.expert_exchange.LocalExperts`), are a unit of
+their own nested in the block's, sharded over the mesh's ``edp`` dimension (the D/E replicas holding
+the same experts; with E = D a mesh of one, so each rank's experts stay whole); the rest of the block
+and the root over ``dp`` as above. An expert's gradient already holds its group's weighted sum (the
+exchange scales what it sends back), so its reduce-scatter over ``edp`` has weight 1, the rest's
+``rows_d / B``: the same sums as the all-reduces without sharding. Which gradients are absent is
+agreed over the ranks each unit reduces over. Under ZeRO-3 on one stage a unit's experts are
+prefetched with the unit (the simulator's unit holds its experts).
+
 What is done when (the contract with the simulator, ``sim/``):
 
 * ``--zero 2``: a unit's parameters are gathered before its first forward of a step and kept until

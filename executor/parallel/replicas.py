@@ -42,7 +42,8 @@ ZeRO-2 and ZeRO-3 (``--zero 2|3``, ``--shard-group N``): each stage's layers are
 group by FSDP2 when they are made, and their gradients reduce-scattered by it instead of the
 all-reduce here (:mod:`executor.parallel.fully_sharded`: once per step, or after every micro-batch's
 backward with ``--gradient-sync microbatch``, one stage's default); with a shard group below D the mesh's dp
-dimension is made of two, ``dp_replicate`` x ``dp_shard`` (HSDP), and ``dp`` is their flattening.
+dimension is made of two, ``dp_replicate`` x ``dp_shard`` (HSDP), and ``dp`` is their flattening. With
+expert parallelism dp is made of ``edp`` x ``ep``, and FSDP shards each block's routed experts over ``edp``.
 
 Checkpoints: replica 0 of each stage writes the stage's shard (the replicas hold the same values).
 With ZeRO the optimizer state is first consolidated onto replica 0 (a collective over the dp group),
