@@ -5,10 +5,12 @@ D = 4 replicas in groups of E = 2: each block's routed experts are a FSDP unit o
 over the D/E = 2 replicas holding the same experts, the rest of each block and the stage's root over
 all four (:mod:`executor.parallel.fully_sharded`). Held as tests/executor/test_expert_parallel.py
 holds expert parallelism without sharding (losses, the routers' auxiliary losses and gradient norms
-rtol 1e-5, every parameter from the gathered checkpoint at atol 1e-4). Four launches share the matrix:
+rtol 1e-5, every parameter from the gathered checkpoint at atol 1e-4). Seven launches share the matrix:
 ZeRO-3 on one stage (gathered per unit, experts with their block) on an uneven batch, whose per-rank
 bytes the simulator predicts and whose checkpoint resumes at E = 1 without ZeRO; ZeRO-2 and ZeRO-3 on
-two stages and ZeRO-2 on one under 1F1B, top-1 without shared experts (all slow: multi-process).
+two stages, ZeRO-2 on one in bf16 (losses rtol 1e-3, parameters atol 2e-3, as the bf16 expert-parallel
+test holds them) and ZeRO-3 on one with T = 2, under 1F1B, top-1 without shared experts; experts no
+token reached under ZeRO-3 (all slow: multi-process).
 """
 
 import json
@@ -55,19 +57,25 @@ def test_zero3_with_experts_sharded_over_their_own_replicas_trains_as_one_proces
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero,partition", [("2", "2,2"), ("3", "2,2"), ("2", "4")],
-                         ids=["zero2-two-stages", "zero3-two-stages", "zero2-one-stage"])
-def test_zero2_and_zero3_with_experts_over_their_own_replicas_train_as_one_process(tmp_path, zero, partition):
-    """D = 4, E = 2, 1F1B, top-1 without shared experts, GELU: ZeRO-2 and ZeRO-3 on two stages (as ZeRO-2
-    under a pipeline: gradients reduce-scattered once per step, after each stage's last backward) and
-    ZeRO-2 on one (each micro-batch's reduce-scattered after its backward): three steps train as one
-    process."""
+@pytest.mark.parametrize("zero,partition,extra,precision", [
+    ("2", "2,2", [], "fp32"),
+    ("3", "2,2", [], "fp32"),
+    ("2", "4", ["--precision", "bf16"], "bf16"),
+    ("3", "4", ["--tensor-parallel", "2"], "fp32"),
+], ids=["zero2-two-stages", "zero3-two-stages", "zero2-one-stage-bf16", "zero3-one-stage-tp2"])
+def test_zero2_and_zero3_with_experts_over_their_own_replicas_train_as_one_process(tmp_path, zero, partition, extra,
+                                                                                   precision):
+    """D = 4, E = 2, 1F1B, top-1 without shared experts, GELU, a batch of 16: ZeRO-2 and ZeRO-3 on two
+    stages (as ZeRO-2 under a pipeline: gradients reduce-scattered once per step, after each stage's
+    last backward); on one stage ZeRO-2 in bf16 (each micro-batch's gradients reduce-scattered after its
+    backward) and ZeRO-3 with T = 2 (each expert split over the stage's two ranks, then sharded over its
+    two replicas): three steps train as one process."""
     options = {**MOE, "top_k": 1, "shared_experts": 0, "activation": "gelu"}
     stages = len(partition.split(","))
     report, root = train(tmp_path, "ep", options, "--stages", str(stages), "--partition", partition, "--replicas",
-                         "4", "--expert-parallel", "2", "--zero", zero, "--batch", "8", "--microbatches", "2",
-                         "--schedule", "1f1b", "--steps", "3", "--save-every", "3")
-    assert_trains_as_one_process(report, root, stages, reference(options, 8, 4, 2, 3), 3)
+                         "4", "--expert-parallel", "2", "--zero", zero, "--batch", "16", "--microbatches", "2",
+                         "--schedule", "1f1b", *extra, "--steps", "3", "--save-every", "3")
+    assert_trains_as_one_process(report, root, stages, reference(options, 16, 4, 2, 3, precision), 3, precision)
     assert all((entry["accumulated_gradient_bytes"] > 0) == (stages > 1) for entry in report["ranks"])
 
 
