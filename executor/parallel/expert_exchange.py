@@ -7,7 +7,7 @@ A block's forward on every one of the E ranks of its expert-parallel group (:mod
    each destination rank's are contiguous (rank j holds experts ``j x n/E`` to ``(j+1) x n/E - 1``);
 2. exchange the per-expert counts (an all-to-all of n integers), then **dispatch**: the sorted
    assignments' hidden states, each rank's part to its rank (an all-to-all of uneven splits);
-3. run each local expert over the rows each rank sent it;
+3. run each local expert over the rows each rank sent it (:class:`LocalExperts`);
 4. **combine**: the outputs back to the ranks the rows came from (the reverse all-to-all), where each
    assignment's output is added to its token at its router weight, expert by expert in the order the
    one-process loop adds them (:mod:`executor.models.moe`).
@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from sim.formats.timeline import EP_COMBINE, EP_DISPATCH
 
@@ -111,14 +112,25 @@ def exchange_counts(counts: torch.Tensor, exchange: Exchange) -> torch.Tensor:
     return received.view(exchange.size, -1)
 
 
-def run_local_experts(block: Any, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Each of this rank's experts over the rows each rank sent it, one call per (rank, expert): the
-    outputs (fp32) in the order the rows came (by source rank, then expert). ``counts`` (E, n/E) as
-    :func:`exchange_counts` gives. One call per source, not one over every source's rows: so each
-    weight gradient a call adds is one replica's micro-batch's, rounded as one process rounds it
-    under bf16 autocast (each call casts the weights anew: autocast's cache would give the calls one
-    bf16 copy, whose gradient would add theirs in bf16)."""
-    local = [expert for _, expert in block.named_experts()]
+class LocalExperts(nn.ModuleDict):
+    """This rank's routed experts of one block, keyed by their index in the block (so their state-dict
+    names stay those of the whole list), and callable: ``forward`` runs them over the rows the group
+    sent (:func:`run_local_experts`). Being called once per forward makes them a module FSDP2 can
+    shard as a unit of its own over their expert-data-parallel replicas (ZeRO-2/3,
+    :mod:`executor.parallel.fully_sharded`): its hooks gather them before the call and before its
+    backward."""
+
+    def forward(self, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return run_local_experts(list(self.values()), received, counts)
+
+
+def run_local_experts(local: list[nn.Module], received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each of this rank's experts ``local`` (in index order) over the rows each rank sent it, one call
+    per (rank, expert): the outputs (fp32) in the order the rows came (by source rank, then expert).
+    ``counts`` (E, n/E) as :func:`exchange_counts` gives. One call per source, not one over every
+    source's rows: so each weight gradient a call adds is one replica's micro-batch's, rounded as one
+    process rounds it under bf16 autocast (each call casts the weights anew: autocast's cache would
+    give the calls one bf16 copy, whose gradient would add theirs in bf16)."""
     outputs, first = [], 0
     with _uncached_autocast(received.device.type):
         for count, expert in zip(counts.reshape(-1).tolist(), local * counts.shape[0]):
@@ -151,7 +163,7 @@ def routed_output(exchange: Exchange, tokens: torch.Tensor, weights: torch.Tenso
     received = received_counts.sum(dim=1).tolist()
     hidden = ScaleGradient.apply(tokens[rows].float(), 1.0 / exchange.weight)
     arrived = AllToAll.apply(hidden, received, sent, exchange, EP_DISPATCH).to(tokens.dtype)
-    outputs = run_local_experts(block, arrived, received_counts)
+    outputs = block.experts(arrived, received_counts)  # LocalExperts
     back = ScaleGradient.apply(AllToAll.apply(outputs, sent, received, exchange, EP_COMBINE), exchange.weight)
     scaled = back * weights.reshape(-1)[order].unsqueeze(1)
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)

@@ -18,6 +18,11 @@ gradient absent on a replica (no row reached it this step) is taken as zero wher
 has one, and stays absent where none has (:class:`executor.parallel.gradient_average.GradientAverage`), so
 the optimizer skips it as one process would.
 
+With ``--zero 2|3`` each block's experts are a FSDP unit of their own over the ``edp`` replicas and
+FSDP reduce-scatters their gradients there, with weight 1 as above
+(:mod:`executor.parallel.fully_sharded`); the norm counts each expert once in the same way, its
+shards' squares whole over ``edp`` first.
+
 Checkpoints hold the whole stage (every expert, their optimizer state in the unsharded model's order):
 the E ranks of replica 0's group gather their parts before replica 0 writes
 (:func:`full_stage_state`), so a run resumes at any E, or without expert parallelism, and one saved
@@ -42,7 +47,7 @@ from torch import nn
 
 from executor.models.loaded_types import is_dtensor
 from executor.models.moe import MixtureOfExperts
-from executor.parallel.expert_exchange import Exchange
+from executor.parallel.expert_exchange import Exchange, LocalExperts
 from executor.runtime.optim import gradients, squared_norm
 from sim.schedules.schedule import Action
 
@@ -75,7 +80,7 @@ def keep_local_experts(module: nn.Module, sharding: ExpertSharding) -> None:
     for block in moe_blocks(module):
         per_rank = block.num_experts // sharding.size
         first = sharding.rank * per_rank
-        block.experts = nn.ModuleDict({str(e): block.experts[e] for e in range(first, first + per_rank)})
+        block.experts = LocalExperts({str(e): block.experts[e] for e in range(first, first + per_rank)})
         block.exchange = Exchange(sharding.group, sharding.rank, sharding.size, sharding.weight)
 
 

@@ -10,6 +10,17 @@ tensor parallelism the parameters are DTensors on the mesh's ``tp`` dimension fi
 them over ``dp`` of the same mesh. With ``--shard-group N`` below D (HSDP) the dp ranks form a 2-D
 mesh (replicate, shard): shards within groups of N consecutive replicas, all-reduced across groups.
 
+With expert parallelism (``--expert-parallel E``, :mod:`executor.parallel.expert_parallel`), as
+torchtitan composes FSDP2 with it (``apply_fsdp`` with ``ep_degree``): each block's routed experts,
+the rank's n/E of them (:class:`~executor.parallel.expert_exchange.LocalExperts`), are a unit of
+their own nested in the block's, sharded over the mesh's ``edp`` dimension (the D/E replicas holding
+the same experts; with E = D a mesh of one, so each rank's experts stay whole); the rest of the block
+and the root over ``dp`` as above. An expert's gradient already holds its group's weighted sum (the
+exchange scales what it sends back), so its reduce-scatter over ``edp`` has weight 1, the rest's
+``rows_d / B``: the same sums as the all-reduces without sharding. Which gradients are absent is
+agreed over the ranks each unit reduces over. Under ZeRO-3 on one stage a unit's experts are
+prefetched with the unit (the simulator's unit holds its experts).
+
 What is done when (the contract with the simulator, ``sim/``):
 
 * ``--zero 2``: a unit's parameters are gathered before its first forward of a step and kept until
@@ -80,6 +91,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from executor.models.loaded_types import is_dtensor
 from executor.models.moe import MixtureOfExperts
+from executor.parallel.expert_exchange import LocalExperts
 from executor.parallel.sharding_checks import units_of
 from executor.transport.shm_allgather import SharedGather
 from executor.transport.shm_allreduce import SharedSum
@@ -96,22 +108,36 @@ class Sharding:
     reshard_after_forward: bool  # ZeRO-3 on one stage; False for ZeRO-2 and under a pipeline
     weight: float  # rows_d / B: this replica's share of the global batch
     reduce_every_microbatch: bool = False  # --gradient-sync microbatch; else once per step, after the last backward
+    expert_mesh: DeviceMesh | None = None  # E > 1: the edp replicas each block's routed experts are sharded over
+
+
+def expert_units(module: nn.Module) -> list[nn.Module]:
+    """The routed experts a rank holds under expert parallelism, one :class:`LocalExperts` per block
+    (none without it): units of their own, sharded over :attr:`Sharding.expert_mesh`."""
+    return [m for m in module.modules() if isinstance(m, LocalExperts)]
 
 
 def shard_module(module: nn.Sequential, sharding: Sharding) -> nn.Sequential:
     """Apply ``fully_shard`` to each unit of ``module`` and then to ``module`` itself (the root), in
-    place; every rank passes the same full values. Under ZeRO-3 each unit prefetches the next one's
-    gather in forward and the previous one's in backward."""
+    place; every rank passes the same full values. With expert parallelism each block's routed
+    experts are a unit of their own, sharded over the expert mesh first (so the block's unit leaves
+    them out), as torchtitan shards them. Under ZeRO-3 each unit prefetches its own experts and the
+    next unit with its experts in forward, the previous one with its experts in backward."""
     reshard = sharding.reshard_after_forward
     units = units_of(module)
+    inner = {id(unit): expert_units(unit) for unit in units}
     for unit in units:
+        for experts in inner[id(unit)]:
+            fully_shard(experts, mesh=sharding.expert_mesh, reshard_after_forward=reshard)
         fully_shard(unit, mesh=sharding.mesh, reshard_after_forward=reshard)
     fully_shard(module, mesh=sharding.mesh, reshard_after_forward=reshard)
     fully_shard.state(module)._lazy_init()  # the chunk is the root, whichever layer runs first (--checkpoint full)
     if reshard and units:
         for before, after in zip(units, units[1:]):
-            before.set_modules_to_forward_prefetch([after])  # type: ignore[operator]
-            after.set_modules_to_backward_prefetch([before])  # type: ignore[operator]
+            before.set_modules_to_forward_prefetch([*inner[id(before)], after, *inner[id(after)]])  # type: ignore[operator]
+            after.set_modules_to_backward_prefetch([before, *inner[id(before)]])  # type: ignore[operator]
+        if len(units) == 1 and inner[id(units[0])]:
+            units[0].set_modules_to_forward_prefetch(inner[id(units[0])])  # type: ignore[operator]
         # not FSDP's default for the first unit, which takes the unit before it in the order of the
         # step's forwards: with M forwards before a backward, the last unit of another micro-batch
         units[0].set_modules_to_backward_prefetch([module])  # type: ignore[operator]
@@ -213,6 +239,20 @@ def _unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
     return fsdp_param._unsharded_param.grad
 
 
+def _groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+def _agree_on_presence(params: Sequence[Any], groups: Sequence[dist.ProcessGroup]) -> None:
+    """A gradient of ``params`` absent here but present on another rank of ``groups`` taken as zero."""
+    present = torch.tensor([float(_unsharded_grad(p) is not None) for p in params])
+    for group in groups:
+        dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
+    for fsdp_param, count in zip(params, present.tolist()):
+        if count > 0 and _unsharded_grad(fsdp_param) is None:
+            fsdp_param._unsharded_param.grad = torch.zeros_like(fsdp_param._unsharded_param)
+
+
 class ShardedChunk:
     """One chunk's FSDP units at run time: gradients accumulated over the step's micro-batches and
     reduce-scattered after its last backward (:meth:`reduce`), or after each (:meth:`reduce_microbatch`)."""
@@ -221,14 +261,18 @@ class ShardedChunk:
         self.part = part  # the PipelineStage: its recorder is looked up at each call (a device may swap it)
         self.root = part.module
         self.reshard_each_backward = sharding.reshard_after_forward
-        # routed experts: a replica's rows may reach none of an expert, whose gradient it then lacks
+        # routed experts: a replica's rows may reach none of an expert, whose gradient it then lacks;
+        # units agree on which are present over the ranks they reduce over (experts: their edp ranks)
         routed = any(isinstance(m, MixtureOfExperts) for m in self.root.modules())
-        self.presence_groups = [sharding.mesh.get_group(dim) for dim in range(sharding.mesh.ndim)] if routed else []
+        self.presence_groups = _groups(sharding.mesh) if routed else []
+        self.expert_presence_groups = _groups(sharding.expert_mesh) if sharding.expert_mesh is not None else []
         recorder = lambda: self.part.recorder  # noqa: E731
         links = getattr(part.transport, "links", None)  # ranks of this host reached through shared memory
         for module in fsdp_modules(self.root):
+            # an expert's gradient holds its group's weighted sum already (executor.parallel.expert_exchange)
+            weight = 1.0 if isinstance(module, LocalExperts) else sharding.weight
             module.set_custom_all_gather(_TimedAllGather(recorder, links))
-            module.set_custom_reduce_scatter(_WeightedReduceScatter(sharding.weight, recorder, links))
+            module.set_custom_reduce_scatter(_WeightedReduceScatter(weight, recorder, links))
             module.set_gradient_divide_factor(1.0)  # the weights are applied before the sum
             module.set_force_sum_reduction_for_comms(True)
         self.accumulate()
@@ -274,13 +318,12 @@ class ShardedChunk:
         would (a routed expert no row of the batch reached). Only for chunks with routed experts."""
         if not self.presence_groups:
             return
-        params = [p for module in fsdp_modules(self.root) for p in _unit_params(module)]
-        present = torch.tensor([float(_unsharded_grad(p) is not None) for p in params])
-        for group in self.presence_groups:
-            dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
-        for fsdp_param, count in zip(params, present.tolist()):
-            if count > 0 and _unsharded_grad(fsdp_param) is None:
-                fsdp_param._unsharded_param.grad = torch.zeros_like(fsdp_param._unsharded_param)
+        experts = [isinstance(module, LocalExperts) for module in fsdp_modules(self.root)]
+        for groups, of_experts in ((self.presence_groups, False), (self.expert_presence_groups, True)):
+            params = [p for module, is_experts in zip(fsdp_modules(self.root), experts) if is_experts == of_experts
+                      for p in _unit_params(module)]
+            if params:
+                _agree_on_presence(params, groups)
 
     def unsharded_gradient_bytes(self) -> int:
         """Bytes of unsharded gradients this chunk's units hold now (this rank's part of a DTensor's)."""

@@ -42,7 +42,8 @@ ZeRO-2 and ZeRO-3 (``--zero 2|3``, ``--shard-group N``): each stage's layers are
 group by FSDP2 when they are made, and their gradients reduce-scattered by it instead of the
 all-reduce here (:mod:`executor.parallel.fully_sharded`: once per step, or after every micro-batch's
 backward with ``--gradient-sync microbatch``, one stage's default); with a shard group below D the mesh's dp
-dimension is made of two, ``dp_replicate`` x ``dp_shard`` (HSDP), and ``dp`` is their flattening.
+dimension is made of two, ``dp_replicate`` x ``dp_shard`` (HSDP), and ``dp`` is their flattening. With
+expert parallelism dp is made of ``edp`` x ``ep``, and FSDP shards each block's routed experts over ``edp``.
 
 Checkpoints: replica 0 of each stage writes the stage's shard (the replicas hold the same values).
 With ZeRO the optimizer state is first consolidated onto replica 0 (a collective over the dp group),
@@ -157,6 +158,7 @@ class Layout:
     reduce_every_microbatch: bool = False  # ZeRO-2/3, gradient sync "microbatch": reduce-scatter after each backward
     expert_parallel: int = 1  # E: the stage's experts sharded over E replicas (executor.parallel.expert_parallel)
     traced: bool = False  # --trace: the experts' all-to-alls recorded as spans of their own
+    flat_dp_mesh: DeviceMesh | None = None  # E > 1: dp as flattened from (edp, ep), kept (torch deprecates slicing it)
 
     @property
     def hsdp(self) -> bool:
@@ -171,8 +173,9 @@ class Layout:
             return None
         from executor.parallel.fully_sharded import Sharding  # FSDP is slow to import: ZeRO-2/3 runs only
 
-        mesh = self.mesh[(DP_REPLICATE, DP_SHARD)] if self.hsdp else self.mesh[DP]
-        return Sharding(mesh, self.reshard_after_forward, self.weight, self.reduce_every_microbatch)
+        mesh = self.mesh[(DP_REPLICATE, DP_SHARD)] if self.hsdp else self.flat_dp_mesh or self.mesh[DP]
+        experts = self.mesh[EDP] if self.expert_parallel > 1 else None  # the replicas holding the same experts
+        return Sharding(mesh, self.reshard_after_forward, self.weight, self.reduce_every_microbatch, experts)
 
     @property
     def experts(self) -> Any:
@@ -243,6 +246,7 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     shard_group = config.layout.shard_group
     hsdp = config.layout.zero >= 2 and shard_group is not None and shard_group < replicas
     experts = config.layout.expert_parallel
+    flat_dp_mesh = None
     if hsdp:  # dp as (replicate, shard): replicas r*N .. r*N + N-1 shard among themselves
         ranks_grid = ranks_grid.reshape(replicas // shard_group, shard_group, *ranks_grid.shape[1:])
         mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=(DP_REPLICATE, DP_SHARD, *names[1:]))
@@ -250,7 +254,7 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
     elif experts > 1:  # dp as (edp, ep): replicas g*E .. g*E + E-1 hold the stage's experts between them
         ranks_grid = ranks_grid.reshape(replicas // experts, experts, *ranks_grid.shape[1:])
         mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=(EDP, EP, *names[1:]))
-        mesh[(EDP, EP)]._flatten(DP)
+        flat_dp_mesh = mesh[(EDP, EP)]._flatten(DP)
     else:
         mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=names)
     boundary: dict[tuple[int, str], dist.ProcessGroup] = {}
@@ -280,7 +284,7 @@ def build_layout(config: ReplicaSettings, rank: int, device_type: str, shared: S
                   mesh, boundary, shared_groups, parts, tp_rank, shard_group,
                   reshards_after_forward(config.layout.zero, stages),
                   config.layout.zero >= 2 and config.layout.resolved_gradient_sync == "microbatch",
-                  experts, bool(config.trace))
+                  experts, bool(config.trace), flat_dp_mesh)
 
 
 def last_backward_index(actions: Sequence[Action]) -> int:
@@ -320,6 +324,10 @@ def attach(stage: Any, layout: Layout) -> Any:
 
         gathered, reduce_after_last_backward = fully_sharded.attach(stage, parts, layout.sharding)
         stage.after_action = chain(stage.after_action, reduce_after_last_backward)
+        if layout.experts is not None:  # the norm counting each expert once, the exchanges traced; FSDP reduces
+            from executor.parallel import expert_parallel
+
+            expert_parallel.attach(stage, parts, layout.experts, layout.traced)
         return gathered
     links = next((part.transport.links for part in parts if getattr(part.transport, "links", None) is not None), None)
     params = [p for part in parts for p in part.params]

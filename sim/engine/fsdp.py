@@ -66,10 +66,10 @@ is not counted in memory, with either gradient sync, as at M = 1; a backward's r
 priced beside its compute alone, apart from ZeRO-3's gathers before it (as the step's last are), and
 what outlasts it delays the device's next action rather than overlapping it (FSDP2 waits for the
 last in its post-backward callback). With E > 1: the experts are taken as part of their block's unit
-(NeMo AutoModel wraps them as a unit of their own, gathered beside the block's); an expert-data-parallel
-group inside one T x C group (E x ETP < T x C) is priced over the stage devices alone, as if one member
-per device; HSDP with E > 1 (a shard group below D) is refused in one line; the executor does not run
-ZeRO-2/3 with E > 1.
+(NeMo AutoModel and the executor, :mod:`executor.parallel.fully_sharded`, wrap them as a unit of their
+own, gathered with the block's); an expert-data-parallel group inside one T x C group (E x ETP < T x C)
+is priced over the stage devices alone, as if one member per device; HSDP with E > 1 (a shard group
+below D) is refused in one line.
 """
 
 from __future__ import annotations

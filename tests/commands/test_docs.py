@@ -96,6 +96,10 @@ COVERED: dict[str, str] = {
     "--replicas 2 --expert-parallel 2 --batch 16 --microbatches 4 --steps 4 --clip-grad-norm 1.0":
         "tests/executor/test_expert_parallel.py::"
         "test_two_stages_of_experts_sharded_over_two_replicas_train_as_one_process_and_resume_without",
+    "gpipe train --model transformer --option experts=4 --option top_k=2 --option shared_experts=1 --stages 1 "
+    "--replicas 4 --expert-parallel 2 --zero 3 --batch 16 --microbatches 2 --steps 4":
+        "tests/executor/test_expert_parallel_sharded.py::"
+        "test_zero3_with_experts_sharded_over_their_own_replicas_trains_as_one_process_and_resumes_without",
     "gpipe train --plan plan.json":
         "tests/executor/test_executor_replicas.py::test_a_plan_file_carries_replicas_zero_and_placement",
     "gpipe train --plan plan.json --steps 4 --save-every 2 --checkpoint-dir ckpt --optimizer adam --lr 0.003":

@@ -223,8 +223,8 @@ def test_a_rank_whose_experts_no_row_reached_still_runs_its_groups_reverse_all_t
     (["--replicas", "3", "--expert-parallel", "3", "--batch", "6"], "does not divide experts=4"),
     (["--model", "mlp"], "has none that gpipe train shards"),
     (["--option", "top_k=5"], "top_k=5 is above experts=4"),
-    (["--zero", "1"], "with --zero 1 is not supported yet"),
-    (["--zero", "3"], "with --zero 3 is not supported yet"),
+    (["--zero", "1"], "with --zero 1 is not supported: the sharded optimizer"),
+    (["--replicas", "4", "--zero", "3", "--shard-group", "2"], "HSDP of the routed experts over their expert-data-parallel group"),
     (["--replicas", "4", "--batch", "7", "--microbatches", "2"], "not the same number"),
     (["--expert-parallel", "0"], "must be a positive integer, got 0"),
 ])
