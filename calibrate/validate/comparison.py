@@ -63,7 +63,8 @@ class Comparison:
     # calibrate.validate.held_out.speeds_within_bounds); None for a run judged
     not_judged: str | None = None
     # ZeRO-2/3: each rank's sharded bytes (its shards of the parameters, gradients and optimizer state,
-    # and the gathered units in flight), simulated and counted by the executor, in (replica, stage) order
+    # and the gathered units in flight), or under expert parallelism each rank's parameter, gradient and
+    # optimizer bytes (its n/E routed experts), simulated and counted by the executor, in (replica, stage) order
     predicted_sharded_bytes: list[int] = field(default_factory=list)
     measured_sharded_bytes: list[int] = field(default_factory=list)
 
@@ -227,7 +228,8 @@ class Comparison:
 
     @property
     def memory_errors(self) -> list[float]:
-        """Each stage's activation peak, then (ZeRO-2/3) each rank's sharded bytes: predicted / counted - 1."""
+        """Each stage's activation peak, then (ZeRO-2/3, expert parallelism) each rank's sharded or state
+        bytes: predicted / counted - 1."""
         pairs = [*zip(self.predicted_peak_bytes, self.measured_peak_bytes),
                  *zip(self.predicted_sharded_bytes, self.measured_sharded_bytes)]
         return [(p - m) / m if m else (0.0 if p == 0 else float("inf")) for p, m in pairs]
@@ -321,11 +323,20 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
 
 
 SHARDED_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "gathered_parameter_bytes_peak")
+# expert parallelism: a rank's own parameters (its n/E routed experts), their gradients and optimizer state
+EXPERT_STATE_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
 
 
 def sharded_bytes(result: Any, report: dict[str, Any], spec: RunSpec) -> tuple[list[int], list[int]]:
     """ZeRO-2/3 runs: each rank's sharded bytes as the simulator predicts them and as the executor
-    counted them (:data:`SHARDED_FIELDS` summed), in (replica, stage) order; empty otherwise."""
+    counted them (:data:`SHARDED_FIELDS` summed); expert-parallel runs: each rank's state bytes
+    (:data:`EXPERT_STATE_FIELDS` summed, the simulator's ``state_bytes``); in (replica, stage) order,
+    empty otherwise."""
+    ranks = sorted(report.get("ranks", []), key=lambda r: (r.get("replica", 0), r.get("stage", 0)))
+    if spec.expert_parallel > 1 and spec.zero < 2:
+        devices = sorted((s for s in result.stages if s.state_bytes is not None), key=lambda s: (s.replica, s.stage))
+        return ([sum(s.state_bytes) for s in devices],
+                [sum(rank.get(name, 0) for name in EXPERT_STATE_FIELDS) for rank in ranks])
     if spec.zero < 2 or spec.replicas < 2:
         return [], []
     devices = sorted((s for s in result.stages if s.sharded is not None), key=lambda s: (s.replica, s.stage))
