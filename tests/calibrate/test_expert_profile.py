@@ -81,3 +81,27 @@ def test_an_expert_parallel_runs_state_bytes_are_predicted_rank_by_rank_exactly(
     routed = sum(layer["param_bytes"] for layer in experts["layers"].values())
     whole = sum(p.numel() * 4 for p in model.parameters())
     assert comparison.measured_sharded_bytes == [4 * (whole - routed // 2)] * 2
+
+
+def test_gpipe_validate_measures_the_expert_parallel_run_of_a_mixture_profiled_apart(monkeypatch):
+    """validate() asks the executor for the E = 2 run where the costs file timed the routed experts apart,
+    and not where it did not (the runs are not started: the launch is stood in for)."""
+    import calibrate.measure.runs
+    from calibrate.validate.held_out import validate
+    from tests.helpers.costs import moe_costs
+
+    class Launched(Exception):
+        pass
+
+    asked = []
+
+    def launch(configs, progress=None):
+        asked.extend(configs)
+        raise Launched
+
+    monkeypatch.setattr(calibrate.measure.runs, "run_configs", launch)
+    for experts, expected in ((True, [2]), (False, [])):
+        asked.clear()
+        with pytest.raises(Launched):
+            validate(moe_costs(experts), rounds=1, progress=lambda _: None)
+        assert [c.expert_parallel for c in asked if c.expert_parallel > 1] == expected

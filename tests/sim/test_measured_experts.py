@@ -15,28 +15,8 @@ from sim.formats.layout import ParallelLayout
 from sim.formats.measured_experts import fitted_all_to_all_s
 from sim.workloads.moe.expert_parallel import check_expert_parallel, with_expert_parallel
 from sim.workloads.moe.layers import expected_max_load
-from tests.helpers.costs import synthetic_costs
+from tests.helpers.costs import MOE_A2A as A2A, MOE_ROUTED_BYTES as ROUTED_BYTES, MOE_SLOPES as SLOPES, moe_costs
 from tests.helpers.in_process import gpipe
-
-OPTIONS = {"layers": 3, "experts": 4, "top_k": 2, "seq": 8, "d_model": 16}
-ROUTED_BYTES = 1600  # of layer 1's 2000 parameter bytes
-SLOPES = {"F": 1e-6, "R": 2e-6, "B": 3e-6}  # seconds per routed assignment
-A2A = {"latency_s": 5e-5, "bytes_per_s": 2e8}
-
-
-def moe_costs(experts: bool = True) -> dict:
-    """The synthetic costs file of tests.helpers.costs with layer 1 a mixture of 4 experts, top-2, seq 8:
-    its routed experts profiled apart (fits at both thread counts) and the all-to-all fitted."""
-    data = synthetic_costs()
-    data["model"] = {**data["model"], "options": OPTIONS}
-    data["optimizer"], data["optimizer_slots"] = "adamw", 2
-    fit = {kind: {"per_assignment_s": slope, "fixed_s": 1e-5, "worst_relative": 0.0} for kind, slope in SLOPES.items()}
-    if experts:
-        data["experts"] = {"rows": [1, 2, 4], "layers": {"1": {
-            "param_bytes": ROUTED_BYTES, "assignments": [16, 32, 64], "times_s": {},
-            "fit": {"1": fit, "2": fit}}}}
-    data["expert_parallel"] = {"backend": "gloo", "parties": [2], "all_to_all": {**A2A, "measured": []}}
-    return data
 
 
 def split(data: dict, expert_parallel: int = 2, replicas: int = 2) -> tuple[MeasuredWorkload, object]:
