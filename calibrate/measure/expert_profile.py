@@ -40,8 +40,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from calibrate.measure.profile import Repeats, layer_inputs
-from executor.device import device_api
+from calibrate.measure.profile import Repeats, _timed, layer_inputs
 from executor.models.moe import MixtureOfExperts
 from executor.runtime.boundary import map_tensors
 from executor.runtime.precision import autocast
@@ -73,17 +72,6 @@ def routed_inputs(layer: nn.Module, moe: MixtureOfExperts, x: Any, device: torch
     finally:
         handle.remove()
     return tokens, weights, chosen
-
-
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    import time
-
-    api = device_api(device)
-    api.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    api.synchronize(device)
-    return time.perf_counter() - start, result
 
 
 def time_routed(moe: MixtureOfExperts, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
