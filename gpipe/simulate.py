@@ -333,6 +333,11 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
             where = ("on NVLink" if split.per_domain == split.expert_parallel else
                      f"{split.per_domain} per scale-up domain, the rest over the inter-node link")
             overlap = "hidden behind another micro-batch's compute where it can be" if split.overlapped else "shown whole"
+            measured = getattr(workload, "experts", None)  # a costs file's: sim.formats.measured_experts
+            if measured is not None:
+                where = ("on the costs file's fitted all-to-all" if measured.link is not None
+                         else "on the catalog's links (the costs file fitted no all-to-all)")
+                overlap = "shown whole, as the executor runs them"
             print(f"expert parallel E={split.expert_parallel} (ETP {split.expert_tensor_parallel}): each MoE layer's "
                   f"experts split over {split.expert_parallel} ranks, {where}; its all-to-alls {overlap}")
         for flag, path in (("trace", args.trace), ("timeline", args.html)):

@@ -107,6 +107,7 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
     from executor.device import device_api
 
     from calibrate.measure.machine import machine_stamp
+    from calibrate.measure.expert_profile import profile_experts
     from calibrate.measure.profile import Repeats, profile_model
     from calibrate.noise.speed import SpeedProbe
     from executor.models.build import build_model, default_loss, example_batch, loss_function, model_ref
@@ -138,6 +139,9 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
                             sorted(set(threads_of.values()), reverse=True), torch.device(device), repeats,
                             progress=say, probe=SpeedProbe.model(model, options, batch_size, device=device),
                             precision=precision)
+    experts = profile_experts(net, lambda r: example_batch(model, options, r, seed=1), rows,
+                              sorted(set(threads_of.values()), reverse=True), torch.device(device), repeats,
+                              precision)
     torch.set_num_threads(cores)
     data: dict[str, Any] = {
         "machine": machine_stamp(device), "system": "cpu" if device == "cpu" else "cuda",
@@ -151,6 +155,8 @@ def calibrate(model: str, options: dict[str, Any], batch_size: int, device: str 
         "shared_parameters": [{"name": f"{layers[0]}.{name}", "layers": list(layers), "param_bytes": numel * 4}
                               for name, layers, numel in shared_tensors(net)],
     }
+    if experts is not None:  # a mixture of experts: its routed experts timed apart, for expert parallelism
+        data["experts"] = experts
     measure_links(data, device, quick, max_stages, say)
     parts = split_profile_parts(model, options, device, quick, tensor_parallel)
     if parts > 1:
@@ -179,7 +185,8 @@ def measure_links(data: dict[str, Any], device: str, quick: bool, max_stages: in
     two ranks (``link``) where two stages fit, the data-parallel all-reduce among as many ranks as fit
     (``allreduce``) and, in a full calibration, the tensor-parallel collectives among 2 (``tensor_parallel``)
     and ZeRO-2/3's all-gather and reduce-scatter among as many as the all-reduce (``sharded``), and
-    expert parallelism's all-to-all among as many (``expert_parallel``)."""
+    expert parallelism's all-to-all among as many (``expert_parallel``; in a quick calibration too where
+    ``data`` holds a mixture of experts' ``experts`` profile, so its expert-parallel runs are priced)."""
     from calibrate.measure.collective import available_parties, calibrate_allreduce, calibrate_sharded, party_counts
     from calibrate.measure.ep_collectives import calibrate_expert_parallel
     from calibrate.measure.link import ping_pong
@@ -187,7 +194,8 @@ def measure_links(data: dict[str, Any], device: str, quick: bool, max_stages: in
     from executor.device import device_api
 
     parties = party_counts(available_parties(device))
-    links = phase("measuring links", total=(max_stages >= 2) + (len(parties) > 0) * (1 if quick else 4),
+    exchange = bool(parties) and (not quick or "experts" in data)  # expert parallelism's all-to-all
+    links = phase("measuring links", total=(max_stages >= 2) + (len(parties) > 0) * (1 if quick else 3) + exchange,
                   unit="link")
     if max_stages >= 2:
         say("ping-pong between two ranks")
@@ -207,9 +215,10 @@ def measure_links(data: dict[str, Any], device: str, quick: bool, max_stages: in
             say(f"all-gather and reduce-scatter among {', '.join(map(str, parties))} ranks (ZeRO-2/3's collectives)")
             data["sharded"] = calibrate_sharded(device, quick, parties)
             links.update(1)
-            say(f"all-to-all among {', '.join(map(str, parties))} ranks (expert parallelism's token exchange)")
-            data["expert_parallel"] = calibrate_expert_parallel(device, quick, parties)
-            links.update(1)
+    if exchange:
+        say(f"all-to-all among {', '.join(map(str, parties))} ranks (expert parallelism's token exchange)")
+        data["expert_parallel"] = calibrate_expert_parallel(device, quick, parties)
+        links.update(1)
     links.close()
 
 

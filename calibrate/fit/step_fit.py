@@ -24,20 +24,27 @@ def predict(data: dict[str, Any], spec: RunSpec, system_name: str = "cpu") -> An
     has (D x K, :attr:`sim.formats.costs.MeasuredWorkload.fit`). The data-parallel all-reduce is priced on
     the measured all-reduce link where the costs file has one (:func:`sim.formats.costs.allreduce_link`).
     With T > 1 each stage is priced from the costs file's profile of the layers split over T ranks
-    (:mod:`calibrate.measure.tp_profile`). A run with more processes than the system has devices (D x K = 4
+    (:mod:`calibrate.measure.tp_profile`); with E > 1 its routed experts are split over E ranks
+    (:mod:`sim.formats.measured_experts`). A run with more processes than the system has devices (D x K = 4
     on two cores) is predicted as if each process had a core of its own, with the fits of the nearest
     fitted process count (a calibration fits no more processes than the machine has cores): the
     cores' sharing is a CPU host's effect the simulator does not model (:mod:`sim.engine.host`).
     """
     from sim.engine.engine import simulate
     from sim.catalog.hardware import get_system
+    from sim.workloads.moe.expert_parallel import with_expert_parallel
     from sim.workloads.tensor_parallel import with_tensor_parallel
 
     system = get_system(system_name)
     if spec.processes > system.total_devices:
         system = replace(system, devices_per_node=spec.processes, nodes=1)
+    physical = system
     workload, system = with_tensor_parallel(MeasuredWorkload(data), system, spec.layout.tensor_parallel)
-    workload, system = workload.bind(system, spec.stages, spec.layout.checkpoint, spec.layout.microbatches, spec.layout.replicas)
+    # E > 1: the routed experts split as sim.formats.measured_experts prices them from the costs file
+    workload = with_expert_parallel(workload, physical, spec.layout.expert_parallel,
+                                    spec.layout.expert_tensor_parallel, spec.layout.schedule)
+    workload, system = workload.bind(system, spec.stages, spec.layout.checkpoint, spec.layout.microbatches,
+                                     spec.layout.replicas)
     # one replica has nothing to average, so no all-reduce to price
     link = workload.allreduce_link(system) if spec.layout.replicas > 1 else None
     return simulate(workload, system, spec.partition, spec.batch_size, spec.layout, allreduce_link=link)

@@ -170,6 +170,11 @@ def _run_one(config: Any, rank: int, groups: dict, device: Any, probe: Any, afte
         from executor.runtime.chunks import shards
 
         payload["sharded"] = memory_bytes(shards(stage), held)
+    elif config.layout.expert_parallel > 1:  # each rank's n/E routed experts' bytes, as gpipe train reports them
+        from executor.parallel.expert_parallel import memory_bytes as expert_bytes
+        from executor.runtime.chunks import shards
+
+        payload["sharded"] = expert_bytes(shards(stage))
     gathered = _gather_through_files(payload, rank, config.world_size, directory)
     return _report(config, gathered, device) if gathered is not None else None
 

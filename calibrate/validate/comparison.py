@@ -64,7 +64,9 @@ class Comparison:
     not_judged: str | None = None
     # ZeRO-2/3: each rank's sharded bytes field by field (SHARDED_FIELDS: its shards of the parameters,
     # gradients and optimizer state, the gathered units in flight, the unsharded gradients accumulated
-    # until the reduce-scatter), simulated and counted by the executor, in (replica, stage) order
+    # until the reduce-scatter); under expert parallelism without ZeRO-2/3 each rank's parameter, gradient
+    # and optimizer bytes (EXPERT_STATE_FIELDS: its n/E routed experts); simulated and counted by the
+    # executor, in (replica, stage) order
     predicted_sharded_bytes: list[dict[str, int]] = field(default_factory=list)
     measured_sharded_bytes: list[dict[str, int]] = field(default_factory=list)
 
@@ -228,8 +230,8 @@ class Comparison:
 
     @property
     def memory_errors(self) -> list[float]:
-        """Each stage's activation peak, then (ZeRO-2/3) each rank's sharded bytes field by field
-        (:data:`SHARDED_FIELDS`): predicted / counted - 1."""
+        """Each stage's activation peak, then (ZeRO-2/3, expert parallelism) each rank's sharded or state
+        bytes field by field (:data:`SHARDED_FIELDS`, :data:`EXPERT_STATE_FIELDS`): predicted / counted - 1."""
         pairs = [*zip(self.predicted_peak_bytes, self.measured_peak_bytes),
                  *((p.get(name, 0), m.get(name, 0)) for p, m in zip(self.predicted_sharded_bytes,
                                                                      self.measured_sharded_bytes)
@@ -328,12 +330,21 @@ def compare(data: dict[str, Any], spec: RunSpec, reports: Sequence[dict[str, Any
 # report's "ranks" entries): a field missing from a report counts as 0 bytes.
 SHARDED_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "gathered_parameter_bytes_peak",
                   "accumulated_gradient_bytes")
+# expert parallelism: a rank's own parameters (its n/E routed experts), their gradients and optimizer state
+EXPERT_STATE_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
 
 
 def sharded_bytes(result: Any, report: dict[str, Any],
                   spec: RunSpec) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
     """ZeRO-2/3 runs: each rank's sharded bytes as the simulator predicts them and as the executor
-    counted them, field by field (:data:`SHARDED_FIELDS`), in (replica, stage) order; empty otherwise."""
+    counted them, field by field (:data:`SHARDED_FIELDS`); expert-parallel runs without ZeRO-2/3: each
+    rank's state bytes (:data:`EXPERT_STATE_FIELDS`, the simulator's ``state_bytes``); in (replica, stage)
+    order, empty otherwise."""
+    ranks = sorted(report.get("ranks", []), key=lambda r: (r.get("replica", 0), r.get("stage", 0)))
+    if spec.layout.expert_parallel > 1 and spec.layout.zero < 2:
+        devices = sorted((s for s in result.stages if s.state_bytes is not None), key=lambda s: (s.replica, s.stage))
+        return ([dict(zip(EXPERT_STATE_FIELDS, s.state_bytes)) for s in devices],
+                [{name: rank.get(name, 0) for name in EXPERT_STATE_FIELDS} for rank in ranks])
     if spec.layout.zero < 2 or spec.layout.replicas < 2:
         return [], []
     devices = sorted((s for s in result.stages if s.sharded is not None), key=lambda s: (s.replica, s.stage))

@@ -74,7 +74,8 @@ def validate(data: dict[str, Any], steps: int = 5, limit: int | None = None,
     workload = MeasuredWorkload(data)
     specs = validation_design(int(model["num_layers"]), int(data["batch_size"]), max_stages, limit,
                               attention_core=workload.has_attention_core,
-                              tensor_parallel=workload.tensor_parallel_options[1:])
+                              tensor_parallel=workload.tensor_parallel_options[1:],
+                              experts=workload.experts_profiled)
     device = data.get("machine", {}).get("device", "cpu")
     configs = [run_config(model["name"], model["options"], s, steps, device, data.get("optimizer", "sgd"),
                           measured_precision(data))

@@ -7,7 +7,10 @@ with K = 1 and K = 2 (their gradients averaged by the all-reduce calibration mea
 layouts under ZeRO-3: FSDP2's gathers and reduce-scatters, their sharded memory compared rank by
 rank), and, where
 the costs file profiled the layers split over T ranks, runs whose stages are split over T ranks
-(tensor parallelism; a stage's measured figures are its rank 0's). Any
+(tensor parallelism; a stage's measured figures are its rank 0's), and, for a mixture of experts whose
+routed experts the costs file profiled apart, a run with its experts split over E = 2 of D = 2 replicas
+(expert parallelism: the all-to-all calibration fitted, each rank's parameter, gradient and optimizer
+bytes compared rank by rank). Any
 configuration that is also in the calibration design is dropped, so no prediction is of a run the
 fit learned from.
 
@@ -67,27 +70,36 @@ HELD_OUT_TENSOR_PARALLEL = [
     (2, 1, 4, "balanced", "never", "gpipe"),
     (2, 1, 8, "balanced", "always", "gpipe"),
 ]
+# (E, replicas, stages, microbatches, partition kind, checkpoint, schedule): each stage's routed experts
+# split over E of its D replicas, tokens exchanged by all-to-alls (one launch of D x K processes)
+HELD_OUT_EXPERT_PARALLEL = [
+    (2, 2, 1, 4, "balanced", "never", "gpipe"),
+]
 
 
 def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
                       limit: int | None = None, max_replicas: int = 2,
-                      attention_core: bool = False, tensor_parallel: Sequence[int] = ()) -> list[RunSpec]:
+                      attention_core: bool = False, tensor_parallel: Sequence[int] = (),
+                      experts: bool = False) -> list[RunSpec]:
     """The held-out runs for a model of ``num_layers`` layers, none of them in the calibration design;
     ``--checkpoint selective`` among them only for a model with an ``attention_core`` to drop, runs
-    with T ranks per stage only for the T in ``tensor_parallel`` (those the costs file profiled).
+    with T ranks per stage only for the T in ``tensor_parallel`` (those the costs file profiled), runs
+    with the routed experts split over E ranks only for a mixture of ``experts`` profiled apart.
 
-    Data-parallel runs come next to last and need every replica to get at least one row per
-    micro-batch (batch >= D x M); they are kept even where D x K oversubscribes the machine (see the
-    module). Tensor-parallel runs come last.
+    Data-parallel runs come after the single-pipeline ones and need every replica to get at least one row
+    per micro-batch (batch >= D x M); they are kept even where D x K oversubscribes the machine (see the
+    module). Tensor-parallel runs come next, expert-parallel runs last.
     """
     seen = set(calibration_design(num_layers, batch_size, max_stages, tensor_parallel, split_backward=True))
-    wanted = ([(1, 1, *run, 0, None) for run in HELD_OUT]
-              + [(1, *run, 0, None) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
-              + [(1, *run[:-1], 3, run[-1]) for run in HELD_OUT_SHARDED if run[0] <= max_replicas]
-              + [(t, 1, *run[1:], 0, None) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]]
-                 if t in tensor_parallel])
+    wanted = ([(1, 1, *run, 0, None, 1) for run in HELD_OUT]
+              + [(1, *run, 0, None, 1) for run in HELD_OUT_REPLICAS if run[0] <= max_replicas]
+              + [(1, *run[:-1], 3, run[-1], 1) for run in HELD_OUT_SHARDED if run[0] <= max_replicas]
+              + [(t, 1, *run[1:], 0, None, 1) for run in HELD_OUT_TENSOR_PARALLEL for t in [run[0]]
+                 if t in tensor_parallel]
+              + [(1, *run[1:], 0, None, run[0]) for run in HELD_OUT_EXPERT_PARALLEL
+                 if experts and run[1] <= max_replicas])
     specs = []
-    for parts, replicas, stages, m, kind, checkpoint, schedule, zero, sync in wanted:
+    for parts, replicas, stages, m, kind, checkpoint, schedule, zero, sync, experts_over in wanted:
         if stages > min(max_stages, num_layers) or batch_size < replicas * m:
             continue
         if checkpoint == "selective" and not attention_core:
@@ -97,7 +109,7 @@ def validation_design(num_layers: int, batch_size: int, max_stages: int = 2,
         if stages * virtual > num_layers:
             continue
         spec = RunSpec.of(split(num_layers, stages * virtual), m, checkpoint, schedule, batch_size, replicas, parts,
-                          virtual, zero=zero, gradient_sync=sync)
+                          virtual, zero=zero, gradient_sync=sync, expert_parallel=experts_over)
         if spec not in seen and spec not in specs:
             specs.append(spec)
     return specs[:limit] if limit else specs

@@ -72,6 +72,20 @@ class MixtureOfExperts(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, chosen, load_balancing_loss(probs, chosen, self.num_experts)
 
+    def routed(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum (fp32) added to ``out`` (zeros when None), expert by expert on
+        this rank: the part of the block expert parallelism moves to other ranks, which calibration times
+        apart (:mod:`calibrate.measure.expert_profile`)."""
+        if out is None:
+            out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        for e, expert in self.named_experts():
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():  # the same on every tensor-parallel rank: they route the same tokens
+                y = expert(tokens[rows])
+                out = out.index_add(0, rows, y.float() * weights[rows, slot].unsqueeze(1))
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         weights, chosen, aux = self.route(tokens)
@@ -83,11 +97,7 @@ class MixtureOfExperts(nn.Module):
         if self.exchange is not None:  # expert parallelism: each assignment to the rank holding its expert
             out = self.exchange(tokens, weights, chosen, self)
         else:
-            for e, expert in self.named_experts():
-                rows, slot = torch.where(chosen == e)
-                if rows.numel():  # the same on every tensor-parallel rank: they route the same tokens
-                    y = expert(tokens[rows])
-                    out = out.index_add(0, rows, y.float() * weights[rows, slot].unsqueeze(1))
+            out = self.routed(tokens, weights, chosen, out)
         if self.shared is not None:
             out = out + self.shared(tokens).float()
         out = attach_aux_loss(out, aux, self.aux_loss_coef)

@@ -13,7 +13,8 @@ What the record holds: the machine stamp, the model and its options, its precisi
 the per-layer profile (times per row count and thread count, exact saved bytes), the fitted link,
 the per-K pipeline fits (:mod:`sim.formats.costs_fits`), a CPU host's effects where it had any
 (:mod:`sim.engine.host`), the fitted roofline efficiency, the measured all-reduce and tensor-parallel
-collectives (:mod:`sim.formats.costs_links`) and calibration's own record of how well its fit holds
+collectives (:mod:`sim.formats.costs_links`), a mixture of experts' routed experts timed apart
+(:mod:`sim.formats.measured_experts`) and calibration's own record of how well its fit holds
 (:mod:`sim.formats.fit_quality`). The workload the simulator runs from it is
 :class:`sim.formats.measured_workload.MeasuredWorkload`.
 """

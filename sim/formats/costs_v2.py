@@ -27,6 +27,10 @@ Optional, and why each may be absent:
   ``sharded`` (ZeRO-2/3's fitted ``all_gather`` and ``reduce_scatter``, read by
   :func:`sim.formats.costs_links.sharded_links`): a machine with room for one process, or a quick
   calibration (``sharded`` also a file from before it was measured);
+- ``expert_parallel`` (the all-to-all's fit, :func:`sim.formats.costs_links.expert_parallel_link`): as
+  ``sharded``, though a quick calibration of a mixture of experts measures it;
+- ``experts`` (each MoE block's routed experts timed apart and their bytes, read by
+  :mod:`sim.formats.measured_experts`): a model without experts, or a file from before they were timed;
 - ``efficiency``: a model without an analytic form, or a device without a peak to fit against;
 - ``design``, ``fit_quality``, ``fit_halves``, ``fit_residuals``, ``speed``: calibration's record of
   itself, which the simulator does not read.

@@ -9,7 +9,10 @@ picks the fits for a stage count K (CPU runs give each of K processes cores/K th
 every time) and puts the fitted link into the ``cpu`` system. On any other catalog device,
 ``layer_costs`` falls back to the analytic model with the fitted efficiency (built-in models only) at
 the file's precision: a what-if, not a measurement. A CPU host's effects, where the file measured
-them, ride on each stage's cost (:mod:`sim.engine.host`).
+them, ride on each stage's cost (:mod:`sim.engine.host`). Split by ``--expert-parallel E``
+(:meth:`MeasuredWorkload.split_experts`), a mixture of experts' blocks are priced as
+:mod:`sim.formats.measured_experts` says: the most loaded rank's excess of routed work, the all-to-alls
+on the fitted exchange, each rank's n/E experts' bytes.
 
 It reads a costs record in the current layout (:func:`sim.formats.costs.read_costs`, or the dict
 calibration builds) without defaults for the keys that layout requires (:mod:`sim.formats.costs_v2`).
@@ -31,8 +34,10 @@ from sim.errors import GpipeInputError
 from sim.formats.costs_fits import (FIRST_STAGE_WEIGHT, FORWARD_WITH_GRAPH, IDENTITY, ActionFit, Affine, PipelineFit,
                                     interpolate)
 from sim.formats.costs_links import allreduce_link, sharded_links
+from sim.formats.measured_experts import MeasuredExperts, measured_experts
 from sim.schedules.schedule import COMPUTE_KINDS
 from sim.workloads.precision import DEFAULT_PRECISION, FP32_BYTES
+from sim.workloads.moe.expert_parallel import ExpertSplit
 from sim.workloads.workload import LayerCost, SharedParameter, WorkloadCapabilities
 
 
@@ -46,12 +51,14 @@ class MeasuredWorkload(WorkloadCapabilities):
     measured_costs = True
 
     def __init__(self, data: dict[str, Any], stages: int | None = None, checkpoint: str = "except_last",
-                 microbatches: int | None = None, tensor_parallel: int = 1, replicas: int = 1) -> None:
+                 microbatches: int | None = None, tensor_parallel: int = 1, replicas: int = 1,
+                 experts_split: ExpertSplit | None = None) -> None:
         self.data = data
         model = data["model"]
         self.tensor_parallel = tensor_parallel
         self.replicas = replicas  # D copies of the pipeline sharing the machine: D x K x T processes
         self.sequence_parallel = False  # the split layers were profiled without it
+        self.context_parallel = 1  # nor with context parallelism
         self.name = f"{model['name']} (measured{f', T={tensor_parallel}' if tensor_parallel > 1 else ''})"
         self.model_name = model["name"]
         self.options = dict(model["options"])
@@ -82,6 +89,31 @@ class MeasuredWorkload(WorkloadCapabilities):
         # rerunning it inside the backward takes (calibrate.measure.profile's core_bytes and C)
         self.has_attention_core = (all("C" in kinds for kinds in self.times.values())
                                    and any(any(m.get("core_bytes", ())) for m in self.memory))
+        self.has_experts = bool(self.options.get("experts"))  # a mixture of experts (the built-in transformer's)
+        self.experts_profiled = "experts" in data  # its routed experts timed apart (calibrate.measure.expert_profile)
+        # --expert-parallel E: the routed experts over E ranks (sim.formats.measured_experts); None: E = 1
+        self.experts_split = experts_split
+        self.experts: MeasuredExperts | None = (None if experts_split is None else
+                                                measured_experts(data, self.options, experts_split, True))
+
+    @property
+    def expert_parallel(self) -> int:  # type: ignore[override]
+        """E: the ranks each MoE block's routed experts are split over (1 without expert parallelism)."""
+        return self.experts.expert_parallel if self.experts is not None else 1
+
+    def split_experts(self, split: ExpertSplit) -> "MeasuredWorkload":
+        """This workload with its routed experts split as ``split`` says
+        (:func:`sim.workloads.moe.expert_parallel.with_expert_parallel`); one line where the costs file
+        cannot price it (:func:`sim.formats.measured_experts.measured_experts`)."""
+        return MeasuredWorkload(self.data, self.stages, self.checkpoint, self.microbatches, self.tensor_parallel,
+                                self.replicas, split)
+
+    def param_bytes(self, layer: int) -> int:
+        """One rank's parameter bytes of ``layer``: the profile's, its routed experts' divided by E."""
+        params = int(self.memory[layer]["param_bytes"])
+        if self.experts is None:
+            return params
+        return params - self.experts.param_bytes(layer) + self.experts.held_bytes(layer)
 
     # ------------------------------------------------------------------ binding to a plan
 
@@ -89,7 +121,8 @@ class MeasuredWorkload(WorkloadCapabilities):
              microbatches: int | None = None, replicas: int = 1) -> tuple["MeasuredWorkload", System]:
         """This workload for K=``stages`` in D=``replicas`` pipelines, and ``system`` with the
         fitted link if it is the one measured."""
-        bound = MeasuredWorkload(self.data, stages, checkpoint, microbatches, self.tensor_parallel, replicas)
+        bound = MeasuredWorkload(self.data, stages, checkpoint, microbatches, self.tensor_parallel, replicas,
+                                 self.experts_split)
         link = self.data.get("link")
         if link and system.name == self.data["system"]:
             fitted = Link(f"fitted {link.get('name', 'link')}", float(link["bandwidth_bytes_per_s"]),
@@ -126,7 +159,7 @@ class MeasuredWorkload(WorkloadCapabilities):
                                   f"split over {tensor_parallel} ranks (it has T in {self.tensor_parallel_options}); "
                                   f"run gpipe calibrate --tensor-parallel {tensor_parallel} --force")
         return MeasuredWorkload(self.data, self.stages, self.checkpoint, self.microbatches, tensor_parallel,
-                                self.replicas)
+                                self.replicas, self.experts_split)
 
     @property
     def fit(self) -> PipelineFit:
@@ -166,9 +199,12 @@ class MeasuredWorkload(WorkloadCapabilities):
     # ------------------------------------------------------------------ per layer
 
     def profiled_s(self, kind: str, layer: int, rows: int) -> float:
-        """The isolated layer's median time for ``kind`` (calibrate.measure.profile.KINDS), interpolated in rows."""
+        """The isolated layer's median time for ``kind`` (calibrate.measure.profile.KINDS), interpolated in
+        rows; under expert parallelism with the most loaded rank's excess of routed work
+        (:meth:`sim.formats.measured_experts.MeasuredExperts.excess_s`)."""
         values = self.times[self._threads()][kind][layer]
-        return _positive(interpolate(self.rows, values, rows), 1e-9)
+        excess = 0.0 if self.experts is None else self.experts.excess_s(kind, layer, rows, self._threads())
+        return _positive(interpolate(self.rows, values, rows), 1e-9) + excess
 
     def profiled_parts_s(self, kind: str, layer: int, rows: int) -> tuple[float, float]:
         """(time, its fixed part) of the isolated layer: the fixed part is the profile's line through
@@ -254,20 +290,23 @@ class MeasuredWorkload(WorkloadCapabilities):
         for i in range(self.num_layers):
             backward = self.profiled_parts_s("B", i, rows)
             in_pipeline = fit.actions["B"].scale(*backward) / backward[0]  # the backward's factor at these rows
-            params = int(self.memory[i]["param_bytes"])
+            params = self.param_bytes(i)
+            ep_forward_s, ep_backward_s = (0.0, 0.0) if self.experts is None else self.experts.exchange_s(i, rows)
             own = self._mem("own_bytes", i, rows)
             inp, out = self._mem("input_bytes", i, rows), self._mem("output_bytes", i, rows)
             saved = own + inp + (out if self.memory[i]["saves_output"] else 0)
             core_bytes, core_s = self._core(i, rows)
             costs.append(LayerCost(
                 name=self.memory[i]["name"],
-                forward_s=self._forward_s(fit, range(i, i + 1), rows, with_intercept=False),
-                backward_s=fit.actions["B"].scale(*backward),
-                recompute_s=fit.actions["R"].scale(*self.profiled_parts_s("R", i, rows)),
+                forward_s=self._forward_s(fit, range(i, i + 1), rows, with_intercept=False) + ep_forward_s,
+                backward_s=fit.actions["B"].scale(*backward) + ep_backward_s,
+                recompute_s=fit.actions["R"].scale(*self.profiled_parts_s("R", i, rows)) + ep_forward_s,
                 saved_bytes=saved, output_bytes=out, input_bytes=inp, param_bytes=params,
                 grad_bytes=params, optimizer_bytes=self.optimizer_slots * params,
                 optimizer_s=fit.optimizer.slope * params, saves_input=bool(self.memory[i]["saves_input"]),
-                core_saved_bytes=core_bytes, core_recompute_s=in_pipeline * core_s))
+                core_saved_bytes=core_bytes, core_recompute_s=in_pipeline * core_s,
+                ep_forward_s=ep_forward_s, ep_backward_s=ep_backward_s,
+                expert_grad_bytes=0 if self.experts is None else self.experts.held_bytes(i)))
         return costs
 
     # ------------------------------------------------------------------ exact stage sums
@@ -296,7 +335,7 @@ class MeasuredWorkload(WorkloadCapabilities):
         layers = range(first, end)
         recompute = self._parts("R", layers, rows)
         backwards = [self.profiled_s("B", i, rows) for i in layers]
-        layer_params = [int(self.memory[i]["param_bytes"]) for i in layers]
+        layer_params = [self.param_bytes(i) for i in layers]
         backward = self._parts("B", layers, rows)
         backward_s, recompute_s = fit.actions["B"](*backward), fit.actions["R"](*recompute)
         # W, the split's cost and the attention core's rerun: the backward's in-pipeline factor at these
@@ -316,12 +355,16 @@ class MeasuredWorkload(WorkloadCapabilities):
         first_weight = (fit.actions[FIRST_STAGE_WEIGHT](*backward)
                         if first == 0 and FIRST_STAGE_WEIGHT in fit.actions else None)
         first_input = fit.first_input_s if first == 0 else 0.0
+        # expert parallelism: the all-to-alls, after the in-pipeline lines (communication, not compute)
+        exchanges = [(0.0, 0.0) if self.experts is None else self.experts.exchange_s(i, rows) for i in layers]
+        ep_forward_s, ep_backward_s = sum(f for f, _ in exchanges), sum(b for _, b in exchanges)
+        backward_s, recompute_s = backward_s + ep_backward_s, recompute_s + ep_forward_s
         full_backward = backward_s + recompute_s + (len(layers) - 1) * fit.full_backward_per_layer_s
         held, transient = per_layer_bytes([self._mem("input_bytes", i, rows) for i in layers],
                                           [self.stage_saved_bytes(rows, i, i + 1) for i in layers])
         cores = [self._core(i, rows) for i in layers]
         return StageCost(
-            forward_s=self._forward_s(fit, layers, rows), backward_s=backward_s,
+            forward_s=self._forward_s(fit, layers, rows) + ep_forward_s, backward_s=backward_s,
             activation_send_s=fit.send(out) if end < self.num_layers else 0.0,
             gradient_send_s=fit.send(inp) if first > 0 else 0.0,
             recompute_s=recompute_s,
@@ -335,7 +378,7 @@ class MeasuredWorkload(WorkloadCapabilities):
             weight_grad_s=weight_grad, split_overhead_s=split_overhead,
             first_weight_grad_s=first_weight, first_input_s=first_input, full_backward_s=full_backward,
             core_saved_bytes=sum(b for b, _ in cores), core_recompute_s=in_pipeline * sum(s for _, s in cores),
-            replica_spread=fit.replica_spread)
+            replica_spread=fit.replica_spread, ep_forward_s=ep_forward_s, ep_backward_s=ep_backward_s)
 
     # ------------------------------------------------------------------ what-if on catalog devices
 
@@ -355,6 +398,8 @@ class MeasuredWorkload(WorkloadCapabilities):
         from sim.workloads.moe.workload import builtin_workload
 
         analytic = builtin_workload(self.model_name, {**self.options, "precision": self.precision})
+        if self.experts_split is not None:  # the analytic MoE workload split as this one is
+            analytic = analytic.split_experts(self.experts_split)  # type: ignore[attr-defined]
         return analytic.layer_costs(rows, self.efficient_device(device))
 
     def describe(self) -> dict:

@@ -147,6 +147,7 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
         if not stages:
             continue
         if split.measured_costs:
+            expert_values(space, workload, t)  # E > 1 asked of a costs file: one line (sim.planner.space)
             part = _search_each_stage_count(split, groups, batch, stages, checkpoints, degrees, space, top, progress)
             _label(part, t, sequence_parallel, space.context_parallel)
             parts.append(part)

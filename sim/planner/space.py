@@ -217,6 +217,10 @@ def expert_values(space: SearchSpace, workload: Workload, tensor_parallel: int) 
     if not experts or workload.measured_costs:
         for e in space.expert_parallel or ():
             check_expert_parallel(workload, e)
+            if e > 1:  # a costs file prices one E at a time (gpipe simulate), not a search over them
+                raise GpipeInputError(f"--expert-parallel-options {e} with --costs: gpipe plan searches expert "
+                                      "parallelism on the analytic model only; price a measured E with gpipe "
+                                      f"simulate --costs FILE --expert-parallel {e}")
         return [(1, None)]
     es = list(space.expert_parallel) if space.expert_parallel is not None else \
         [e for e in range(1, experts + 1) if experts % e == 0]

@@ -99,6 +99,7 @@ class WorkloadCapabilities:
     has_experts: bool = False  # a mixture of experts, whose routed experts expert parallelism splits
     expert_parallel: int = 1  # E its experts are split over (sim.workloads.moe.expert_parallel)
     measured_costs: bool = False  # priced from a costs file: bound to a K before simulating
+    experts_profiled: bool = False  # measured costs that timed the routed experts apart (expert parallelism)
     # measured per-stage costs (rows, first, end, device) -> StageCost, in place of summing layers; None: sum them
     stage_cost: Any = None
     options: Mapping[str, Any] = MappingProxyType({})  # the model's options as given (attention, compile, ...)

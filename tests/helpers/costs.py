@@ -46,6 +46,28 @@ def synthetic_costs() -> dict:
             "efficiency": {"efficiency": 0.25, "bandwidth_efficiency": 0.5}}
 
 
+MOE_OPTIONS = {"layers": 3, "experts": 4, "top_k": 2, "seq": 8, "d_model": 16}
+MOE_ROUTED_BYTES = 1600  # of layer 1's 2000 parameter bytes
+MOE_SLOPES = {"F": 1e-6, "R": 2e-6, "B": 3e-6}  # seconds per routed assignment
+MOE_A2A = {"latency_s": 5e-5, "bytes_per_s": 2e8}
+
+
+def moe_costs(experts: bool = True) -> dict:
+    """The synthetic costs file above with layer 1 a mixture of 4 experts, top-2, seq 8:
+    its routed experts profiled apart (fits at both thread counts) and the all-to-all fitted."""
+    data = synthetic_costs()
+    data["model"] = {**data["model"], "options": MOE_OPTIONS}
+    data["optimizer"], data["optimizer_slots"] = "adamw", 2
+    fit = {kind: {"per_assignment_s": slope, "fixed_s": 1e-5, "worst_relative": 0.0}
+           for kind, slope in MOE_SLOPES.items()}
+    if experts:
+        data["experts"] = {"rows": [1, 2, 4], "layers": {"1": {
+            "param_bytes": MOE_ROUTED_BYTES, "assignments": [16, 32, 64], "times_s": {},
+            "fit": {"1": fit, "2": fit}}}}
+    data["expert_parallel"] = {"backend": "gloo", "parties": [2], "all_to_all": {**MOE_A2A, "measured": []}}
+    return data
+
+
 def design_runs(errors: list[float]) -> dict:
     """A costs file's summary fields with one design run per relative error in ``errors``."""
     return {"model": {"name": "mlp", "options": {}}, "batch_size": 8,

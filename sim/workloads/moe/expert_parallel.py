@@ -41,8 +41,9 @@ Limits: all-to-alls are not contended by the pipeline's sends, the data-parallel
 a DualPipe warm-up or cool-down action without a partner is priced as overlapped all the same; the
 imbalance estimate is a router balanced in expectation (real routers, and DeepSeek's node-limited routing,
 differ); the placement of the expert group is Megatron-Core's rank order whatever the pipeline's
-``--placement``; a fitted all-to-all (a costs file's ``expert_parallel`` entry,
-:func:`sim.formats.costs_links.expert_parallel_link`) is not priced yet: ``--costs`` with E > 1 is refused.
+``--placement``. A measured workload (``--costs``) is split by :mod:`sim.formats.measured_experts`
+instead: its profiled blocks, the fitted all-to-all (the costs file's ``expert_parallel`` entry,
+:func:`sim.formats.costs_links.expert_parallel_link`), whole stages only (T = 1).
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def expert_count(workload: Any) -> int:
 
 def check_expert_parallel(workload: Any, expert_parallel: int, expert_tensor_parallel: int | None = None,
                           tensor_parallel: int = 1) -> None:
-    """E > 1 (or an ETP other than T) only for an analytic model with experts, E dividing them; one line each."""
+    """E > 1 (or an ETP other than T) only for a model with experts, E dividing them (a measured one: its
+    routed experts profiled apart, whole stages); one line each."""
     if expert_parallel == 1 and expert_tensor_parallel in (None, tensor_parallel):
         return
     experts = expert_count(workload)
@@ -150,9 +152,13 @@ def check_expert_parallel(workload: Any, expert_parallel: int, expert_tensor_par
     if experts % expert_parallel:
         raise GpipeInputError(f"--expert-parallel {expert_parallel} does not divide {name}'s {experts} routed "
                               "experts; give a divisor of the experts")
-    if workload.measured_costs:
-        raise GpipeInputError("--expert-parallel with --costs: the costs file profiled every expert on each rank; "
+    if workload.measured_costs and not workload.experts_profiled:
+        raise GpipeInputError("--expert-parallel with --costs: the costs file has no profile of its routed experts "
+                              "apart (calibrated before they were timed apart); re-run gpipe calibrate --force, or "
                               "drop --costs to plan expert parallelism on the analytic model")
+    if workload.measured_costs and tensor_parallel > 1:
+        raise GpipeInputError("--expert-parallel with --costs prices whole experts on whole stages; drop "
+                              "--tensor-parallel (or --costs, to plan it on the analytic model)")
 
 
 def expert_split(system: System, expert_parallel: int, expert_tensor_parallel: int, schedule: str,
