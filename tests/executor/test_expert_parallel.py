@@ -223,7 +223,6 @@ def test_a_rank_whose_experts_no_row_reached_still_runs_its_groups_reverse_all_t
     (["--replicas", "3", "--expert-parallel", "3", "--batch", "6"], "does not divide experts=4"),
     (["--model", "mlp"], "has none that gpipe train shards"),
     (["--option", "top_k=5"], "top_k=5 is above experts=4"),
-    (["--zero", "1"], "with --zero 1 is not supported: the sharded optimizer"),
     (["--replicas", "4", "--zero", "3", "--shard-group", "2"], "HSDP of the routed experts over their expert-data-parallel group"),
     (["--replicas", "4", "--batch", "7", "--microbatches", "2"], "not the same number"),
     (["--expert-parallel", "0"], "must be a positive integer, got 0"),
@@ -238,6 +237,14 @@ def test_what_expert_parallelism_cannot_run_is_one_line_before_any_worker(capsys
         else:
             argv += [flag, value]
     assert message in train_refusal(capsys, *argv)
+
+
+def test_zero1_with_expert_parallelism_passes_the_checks_before_any_worker():
+    """ZeRO-1 with E > 1 is no longer refused: the experts' optimizer state is sharded over their own
+    replicas (tests/executor/test_expert_parallel_zero1.py trains it)."""
+    config = RunConfig.of(model="transformer", options={**MOE, "layers": 2}, partition=(4,), batch_size=8,
+                          microbatches=2, replicas=4, expert_parallel=2, zero=1)
+    config.validate()
 
 
 def test_expert_parallelism_on_a_hugging_face_mixture_is_one_line(capsys):
