@@ -25,9 +25,9 @@ class ExpertSettings(Protocol):
 
 
 def check_expert_parallel(config: ExpertSettings) -> None:
-    """The settings E needs, one line each: E dividing D, expert tensor parallelism equal to T, no
-    ZeRO-1 (ZeRO-2/3 shard the experts over their own replicas; HSDP is refused where the layout is
-    built), the same number of micro-batches on every replica (the replicas of a group run their
+    """The settings E needs, one line each: E dividing D, expert tensor parallelism equal to T (ZeRO-1
+    shards the experts' optimizer state and ZeRO-2/3 the experts over their own replicas; HSDP is
+    refused where the layout is built), the same number of micro-batches on every replica (the replicas of a group run their
     all-to-alls together, action by action).
 
     Every schedule runs, the split-backward ones (zb-h1, zbv, dualpipev) included: the exchange's
@@ -47,11 +47,6 @@ def check_expert_parallel(config: ExpertSettings) -> None:
     if config.layout.replicas % parts:
         raise GpipeInputError(f"--expert-parallel {parts} does not divide --replicas {config.layout.replicas}: the experts "
                               "are sharded over E of each stage's replicas; use an E that divides D")
-    if config.layout.zero == 1:
-        raise GpipeInputError(f"--expert-parallel {parts} with --zero 1 is not supported: the sharded optimizer "
-                              "steps each parameter on one replica and broadcasts it to all D, over replicas "
-                              "holding other experts; use --zero 2 or 3 (the experts sharded over their own "
-                              "replicas), or drop --zero")
     executed = {len(split_rows(rows, config.layout.microbatches)) for rows in split_rows(config.batch_size, config.layout.replicas)}
     if len(executed) > 1:
         raise GpipeInputError(f"--batch {config.batch_size} gives the replicas {sorted(executed)} micro-batches, not "

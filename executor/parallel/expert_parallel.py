@@ -18,7 +18,8 @@ gradient absent on a replica (no row reached it this step) is taken as zero wher
 has one, and stays absent where none has (:class:`executor.parallel.gradient_average.GradientAverage`), so
 the optimizer skips it as one process would.
 
-With ``--zero 2|3`` each block's experts are a FSDP unit of their own over the ``edp`` replicas and
+With ``--zero 1`` the non-expert parameters' optimizer state is sharded over ``dp``, the experts'
+over ``edp`` (:mod:`executor.parallel.expert_zero`). With ``--zero 2|3`` each block's experts are a FSDP unit of their own over the ``edp`` replicas and
 FSDP reduce-scatters their gradients there, with weight 1 as above
 (:mod:`executor.parallel.fully_sharded`); the norm counts each expert once in the same way, its
 shards' squares whole over ``edp`` first.
@@ -48,6 +49,7 @@ from torch import nn
 from executor.models.loaded_types import is_dtensor
 from executor.models.moe import MixtureOfExperts
 from executor.parallel.expert_exchange import Exchange, LocalExperts
+from executor.parallel.expert_zero import held_states
 from executor.runtime.optim import gradients, squared_norm
 from sim.schedules.schedule import Action
 
@@ -143,15 +145,14 @@ def memory_bytes(parts: Sequence[Any]) -> dict[str, int]:
     """This rank's bytes as the contract with the simulator counts them (as ZeRO-2/3's,
     :func:`executor.parallel.fully_sharded.memory_bytes`): its parameters and a gradient of each
     trained one's size (the non-expert ones whole, n/E experts; a tensor-parallel shard's local part),
-    and optimizer state tensors of a parameter's shape (AdamW: 2 per parameter; the scalar step
-    counters left out)."""
+    and optimizer state tensors of a parameter's shape it holds (AdamW: 2 per parameter; with ZeRO-1
+    its shards' only; the scalar step counters left out)."""
     parameter = gradient = optimizer = 0
     for part in parts:
         parameter += sum(_local_bytes(p) for p in part.module.parameters())
         gradient += sum(_local_bytes(p) for p in part.params)
-        if part.optimizer is not None:
-            optimizer += sum(_local_bytes(value) for state in part.optimizer.state.values()
-                             for value in state.values() if torch.is_tensor(value) and value.dim())
+        optimizer += sum(_local_bytes(value) for state in held_states(part.optimizer)
+                         for value in state.values() if torch.is_tensor(value) and value.dim())
     return {"parameter_bytes": parameter, "gradient_bytes": gradient, "optimizer_state_bytes": optimizer}
 
 

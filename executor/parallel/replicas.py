@@ -36,7 +36,8 @@ ZeRO-1 (``--zero 1``): each stage's optimizer is a
 :class:`~torch.distributed.optim.ZeroRedundancyOptimizer` over its dp group with the configured
 torch.optim class and settings; it keeps 1/D of the optimizer state per rank, steps its part of the
 parameters and broadcasts them. Gradients are all-reduced in full as without ZeRO, so clipping,
-weight decay and the learning-rate schedule act as without it.
+weight decay and the learning-rate schedule act as without it. With expert parallelism the routed experts' state is
+sharded over their own ``edp`` replicas instead (:mod:`executor.parallel.expert_zero`).
 
 ZeRO-2 and ZeRO-3 (``--zero 2|3``, ``--shard-group N``): each stage's layers are sharded over its dp
 group by FSDP2 when they are made, and their gradients reduce-scattered by it instead of the
@@ -71,8 +72,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from executor.device import backend_device
-from executor.models.loaded_types import is_zero_optimizer
 from executor.models.moe import MixtureOfExperts
+from executor.parallel.expert_zero import consolidate as consolidate_optimizer
+from executor.parallel.expert_zero import expert_sharded_optimizer, held_states
 from executor.parallel.gradient_average import GradientAverage, local_tensor
 from executor.parallel.sharding_checks import check_fully_sharded, reshards_after_forward
 from executor.parallel.sharing import SharedGroup
@@ -374,29 +376,34 @@ def stage_parts(stage: Any) -> list[PipelineStage]:
 
 def shard_optimizer(stage: PipelineStage, layout: Layout) -> None:
     """Replace the stage's optimizer by a ZeroRedundancyOptimizer over its dp group, with the same
-    torch.optim class and settings, and its learning-rate schedule by one over the new optimizer."""
+    torch.optim class and settings (with expert parallelism, its routed experts' state sharded over
+    their edp group instead: :mod:`executor.parallel.expert_zero`), and its learning-rate schedule by
+    one over the new optimizer."""
     if stage.optimizer is None:
         return
     from torch.distributed.optim import ZeroRedundancyOptimizer  # slow to import (loaded_types): ZeRO runs only
 
     optimizer_class, kwargs = optimizer_class_and_kwargs(stage.optim)
-    stage.optimizer = ZeroRedundancyOptimizer(stage.params, optimizer_class=optimizer_class,
-                                              process_group=layout.dp_group, **kwargs)
+    experts = layout.experts
+    expert_params: list[Any] = []
+    if experts is not None:
+        from executor.parallel.expert_parallel import split_params
+
+        expert_params = split_params(stage)[1]
+    if expert_params and len(expert_params) < len(stage.params):  # the experts over edp, the rest over dp
+        stage.optimizer = expert_sharded_optimizer(stage.params, expert_params, optimizer_class, kwargs,
+                                                   layout.dp_group, experts.data_group)
+    else:
+        stage.optimizer = ZeroRedundancyOptimizer(stage.params, optimizer_class=optimizer_class,
+                                                  process_group=layout.dp_group, **kwargs)
     stage.scheduler = make_scheduler(stage.optim, stage.optimizer)
 
 
 def optimizer_state_bytes(stage: Any) -> int:
     """Bytes of optimizer state this rank holds (over its chunks): with ZeRO its shard only, about
     1/D of the stage's."""
-    total = 0
-    for part in stage_parts(stage):
-        optimizer = part.optimizer
-        if optimizer is None:
-            continue
-        local = optimizer.optim if is_zero_optimizer(optimizer) else optimizer
-        total += sum(local_tensor(value).numel() * value.element_size() for state in local.state.values()
-                     for value in state.values() if torch.is_tensor(value))
-    return total
+    return sum(local_tensor(value).numel() * value.element_size() for part in stage_parts(stage)
+               for state in held_states(part.optimizer) for value in state.values() if torch.is_tensor(value))
 
 
 def consolidate(stage: Any) -> None:
@@ -404,5 +411,4 @@ def consolidate(stage: Any) -> None:
     replica 0 (group rank 0 of the dp group), which writes the shards. Collective over the dp
     group; a no-op otherwise."""
     for part in stage_parts(stage):
-        if is_zero_optimizer(part.optimizer):
-            part.optimizer.consolidate_state_dict(to=0)
+        consolidate_optimizer(part.optimizer)

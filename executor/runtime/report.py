@@ -26,7 +26,8 @@ sum is ``"reduce-scatter (gloo)"``, and the gathers and reduce-scatters are span
 ``all_gather_dp`` and ``reduce_scatter_dp``. With ``--expert-parallel E``
 (:mod:`executor.parallel.expert_parallel`) each entry has ``parameter_bytes``, ``gradient_bytes`` and
 ``optimizer_state_bytes`` counted the same way (its stage's non-expert parameters whole, n/E of its
-routed experts; with ZeRO-2/3 as above, the experts' shards over their D/E replicas), and a traced run's
+routed experts; with ZeRO-1 the optimizer state of its shards, the experts' sharded over their D/E
+replicas, the rest over D; with ZeRO-2/3 as above, the experts' shards over their D/E replicas), and a traced run's
 token exchanges are spans of the kinds ``dispatch_ep`` and ``combine_ep``.
 
 A step's time is the gap between the end of its last span on any rank and the end of the

@@ -35,7 +35,9 @@ float rounding (exactly the same draws only for a model without dropout).
 With expert parallelism (:mod:`executor.parallel.expert_parallel`) a shard also holds every expert of its
 stage, gathered from the E ranks of replica 0's expert group, the optimizer's state in the unsharded
 model's order: it resumes at any E, or without expert parallelism, and each rank of a run under it takes
-its own experts by name (:func:`repartitioned_state`).
+its own experts by name (:func:`repartitioned_state`). Under ``--zero 1`` the experts' optimizer state is first
+consolidated over their own replicas, the rest over all D (:mod:`executor.parallel.expert_zero`): such
+a shard is a consolidated ZeRO-1 one, resumed at the same D and partition, at any E.
 
 With T tensor-parallel ranks per stage (:mod:`executor.parallel.tensor_parallel`) a shard still holds the
 whole stage in the model's own layout: its T ranks gather their parts, rank 0 writes. So a run

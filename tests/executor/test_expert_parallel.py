@@ -12,7 +12,9 @@ uneven batch. The first is traced (dispatch and combine spans), counts each rank
 checkpoint resumes without expert parallelism; the second resumes a checkpoint saved without it under
 it: both continue one process's run (two launches each: marked slow; the other two run in the quick suite).
 Two more launches (slow) train under the split backward, zb-h1 and dualpipev, traced; one more (slow)
-at D = E = 4 on two tokens a replica, where some rank's experts receive no row.
+at D = E = 4 on two tokens a replica, where some rank's experts receive no row, and one (slow) where
+experts no row reached are skipped under ZeRO-1 with E = 2 (more ZeRO-1 in
+tests/executor/test_expert_parallel_zero1.py).
 """
 
 import json
@@ -180,14 +182,17 @@ def test_experts_sharded_over_two_replicas_train_as_one_process_in_bf16(tmp_path
 
 
 @pytest.mark.parametrize("flags", [["--replicas", "4"], ["--replicas", "4", "--expert-parallel", "2"],
-                                   ["--replicas", "2", "--zero", "3", "--microbatches", "2"]],
-                         ids=["replicas", "expert-parallel", "zero-3"])
+                                   ["--replicas", "2", "--zero", "3", "--microbatches", "2"],
+                                   pytest.param(["--replicas", "4", "--expert-parallel", "2", "--zero", "1"],
+                                                marks=pytest.mark.slow)],
+                         ids=["replicas", "expert-parallel", "zero-3", "expert-parallel-zero-1"])
 def test_experts_no_row_reached_are_skipped_as_one_process_skips_them(tmp_path, flags):
     """16 experts, top-1, micro-batches of one row (8 tokens): some expert is reached on one replica only
     (the others add a zero gradient) and some on none (no gradient anywhere: AdamW skips it, its moments
     and step count untouched, as one process's does): with whole replicas, with expert parallelism
-    (D = 4: E = 2 sums each expert over its own two replicas) and with ZeRO-3 (FSDP2 reduce-scatters
-    the same gradients on every rank, per micro-batch)."""
+    (D = 4: E = 2 sums each expert over its own two replicas), with ZeRO-3 (FSDP2 reduce-scatters
+    the same gradients on every rank, per micro-batch) and with ZeRO-1 under E = 2 (the experts'
+    optimizer state sharded over their two replicas, which skip the same experts)."""
     options = {**MOE, "experts": 16, "top_k": 1, "shared_experts": 0}
     replicas = int(flags[1])
     microbatches = 2 if "--microbatches" in flags else 1
@@ -223,7 +228,6 @@ def test_a_rank_whose_experts_no_row_reached_still_runs_its_groups_reverse_all_t
     (["--replicas", "3", "--expert-parallel", "3", "--batch", "6"], "does not divide experts=4"),
     (["--model", "mlp"], "has none that gpipe train shards"),
     (["--option", "top_k=5"], "top_k=5 is above experts=4"),
-    (["--zero", "1"], "with --zero 1 is not supported: the sharded optimizer"),
     (["--replicas", "4", "--zero", "3", "--shard-group", "2"], "HSDP of the routed experts over their expert-data-parallel group"),
     (["--replicas", "4", "--batch", "7", "--microbatches", "2"], "not the same number"),
     (["--expert-parallel", "0"], "must be a positive integer, got 0"),
@@ -238,6 +242,14 @@ def test_what_expert_parallelism_cannot_run_is_one_line_before_any_worker(capsys
         else:
             argv += [flag, value]
     assert message in train_refusal(capsys, *argv)
+
+
+def test_zero1_with_expert_parallelism_passes_the_checks_before_any_worker():
+    """ZeRO-1 with E > 1 is no longer refused: the experts' optimizer state is sharded over their own
+    replicas (tests/executor/test_expert_parallel_zero1.py trains it)."""
+    config = RunConfig.of(model="transformer", options={**MOE, "layers": 2}, partition=(4,), batch_size=8,
+                          microbatches=2, replicas=4, expert_parallel=2, zero=1)
+    config.validate()
 
 
 def test_expert_parallelism_on_a_hugging_face_mixture_is_one_line(capsys):
