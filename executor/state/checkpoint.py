@@ -63,6 +63,7 @@ import torch
 
 from executor.device import device_api
 from executor.models.loaded_types import is_sharded
+from executor.parallel import hf_experts
 from executor.parallel.expert_parallel import full_stage_state
 from executor.runtime.stage import PipelineStage
 from executor.state import state_file
@@ -167,6 +168,10 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
             state = None
     if state is None:
         state = repartitioned_state(directory, manifest, stage)
+    if stage.optimizer is not None:  # Hugging Face experts under expert parallelism: this rank's rows of them
+        state = hf_experts.local_state(stage.module, state, param_names(stage.module, stage.optimizer))
+    else:
+        state = hf_experts.local_state(stage.module, state, [])
     if is_sharded(stage.module.parameters()):  # the shard holds the whole stage: take this rank's part
         from executor.parallel import tensor_parallel
 

@@ -1,0 +1,64 @@
+"""Expert parallelism on Hugging Face mixtures of experts (``--model hf:mixtral``, ``hf:qwen3_moe``,
+``--expert-parallel 2 --replicas 2``, gloo, torchrun) against one process.
+
+Each rank keeps half of every block's 3-D expert tensors and routes with the block's own router
+(:mod:`executor.parallel.hf_experts`). One process accumulates over the micro-batches the replicas
+train (:mod:`tests.helpers.moe_parity`). Losses, the routers' auxiliary losses and gradient norms
+rtol 1e-5, every parameter from the checkpoint (the experts gathered whole) as
+:func:`tests.helpers.parity.assert_adam_close` holds them at atol 1e-4, as
+tests/executor/test_expert_parallel.py holds the built-in's. Two launches: Mixtral (top-2) on one
+stage, Qwen3-MoE (top-1, a dense layer between MoE layers) on two; the Mixtral run's checkpoint
+resumes at E = 1 in a third and continues one process's run.
+"""
+
+import json
+
+import pytest
+
+from executor.config import RunConfig
+from executor.runtime.pipeline import LocalPipeline
+from tests.executor.test_executor_tensor_parallel import checkpoint_parameters, option_flags
+from tests.executor.test_hf_moe import CONFIGS
+from tests.helpers.moe_parity import assert_parameters_equal, one_process
+
+pytestmark = pytest.mark.slow
+ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--clip-grad-norm", "0.5"]
+STEPS = 3
+
+
+def reference(family, options, layers):
+    config = RunConfig.of(model=f"hf:{family}", options=options, partition=(layers,), batch_size=8, microbatches=4,
+                          optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5)
+    pipe = LocalPipeline(config)  # its batches and loss
+    return one_process(config, pipe.batch, pipe.prepared.loss_fn, 2, STEPS, 2)
+
+
+def train(tmp_path, name, family, options, *argv):
+    from tests.helpers.in_process import gpipe
+
+    root, report = tmp_path / "ck", tmp_path / f"{name}.json"
+    result = gpipe("train", "--model", f"hf:{family}", *option_flags(options), *ADAMW, "--replicas", "2",
+                   "--batch", "8", "--microbatches", "2", "--checkpoint-dir", str(root), "--report", str(report), *argv)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(report.read_text()), root
+
+
+def assert_as_one_process(report, expected, root=None, chunks=1):
+    losses, auxes, norms, model, near_zero = expected
+    assert report["losses"] == pytest.approx(losses, rel=1e-5)
+    measured = [aux for aux in report["aux_losses"] if aux is not None]  # a resumed run's: from its first step
+    assert measured == pytest.approx(auxes[-len(measured):], rel=1e-5) and min(auxes) > 0
+    assert report["grad_norms"] == pytest.approx(norms[-len(report["grad_norms"]):], rel=1e-5)
+    if root is not None:
+        assert_parameters_equal(checkpoint_parameters(root, chunks), model, near_zero, 0.01 * STEPS, 1e-4)
+
+
+@pytest.mark.parametrize("family,layers,layout,chunks", [
+    ("mixtral", 4, ["--stages", "1"], 1),
+    ("qwen3_moe", 5, ["--stages", "2", "--partition", "2,3", "--schedule", "1f1b"], 2),
+])
+def test_hugging_face_experts_sharded_over_two_replicas_train_as_one_process(tmp_path, family, layers, layout, chunks):
+    options = {**CONFIGS[family], "seq": 8}
+    report, root = train(tmp_path, "ep", family, options, *layout, "--expert-parallel", "2", "--steps", str(STEPS),
+                         "--save-every", str(STEPS))
+    assert_as_one_process(report, reference(family, options, layers), root, chunks)
