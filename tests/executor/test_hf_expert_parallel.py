@@ -62,3 +62,14 @@ def test_hugging_face_experts_sharded_over_two_replicas_train_as_one_process(tmp
     report, root = train(tmp_path, "ep", family, options, *layout, "--expert-parallel", "2", "--steps", str(STEPS),
                          "--save-every", str(STEPS))
     assert_as_one_process(report, reference(family, options, layers), root, chunks)
+
+
+def test_a_hugging_face_run_saved_without_expert_parallelism_resumes_under_it(tmp_path):
+    """Mixtral saved at E = 1 after two steps, resumed at E = 2 for the third: each rank takes its rows
+    of the whole expert tensors and their optimizer state, and the checkpoint it writes gathers them."""
+    options = {**CONFIGS["mixtral"], "seq": 8}
+    train(tmp_path, "first", "mixtral", options, "--stages", "1", "--steps", "2", "--save-every", "2")
+    report, root = train(tmp_path, "resumed", "mixtral", options, "--stages", "1", "--expert-parallel", "2",
+                         "--steps", str(STEPS), "--save-every", str(STEPS), "--resume")
+    assert report["aux_losses"][:2] == [None, None]
+    assert_as_one_process(report, reference("mixtral", options, 4), root, 1)
