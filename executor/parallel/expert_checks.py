@@ -67,7 +67,7 @@ def check_model_experts(model: nn.Sequential, parts: int, zero: int = 0) -> None
     if parts == 1:
         return
     from executor.models.moe import MixtureOfExperts
-    from executor.parallel.hf_experts import experts_in, hf_blocks
+    from executor.parallel.hf_experts import SUPPORTED, experts_in, hf_blocks, implementation
 
     counts = [m.num_experts for m in model.modules() if isinstance(m, MixtureOfExperts)]
     hf_counts = [experts_in(block) for block in hf_blocks(model)]
@@ -78,6 +78,11 @@ def check_model_experts(model: nn.Sequential, parts: int, zero: int = 0) -> None
     if hf_counts and zero >= 2:
         raise GpipeInputError(f"--expert-parallel {parts} with --zero {zero} on a Hugging Face mixture of experts is not "
                               "supported: its experts are 3-D tensors FSDP would shard over all replicas; drop --zero")
+    for block in hf_blocks(model):
+        if implementation(block.experts) not in SUPPORTED:
+            raise GpipeInputError(f"--expert-parallel {parts} runs a Hugging Face model's experts as "
+                                  f"{' or '.join(SUPPORTED)} computes them, not {implementation(block.experts)!r}; "
+                                  "use --expert-parallel 1")
     for experts in counts + hf_counts:
         if experts % parts:
             raise GpipeInputError(f"--expert-parallel {parts} does not divide experts={experts}: each rank "

@@ -9,7 +9,10 @@ transformers' names, only their first dimension cut by E. The block's forward is
 routes with the block's own router as transformers runs it (its top-k, its normalisation: Mixtral's
 softmax-then-top-k renormalised, Qwen3-MoE's ``norm_topk_prob``) and hands the tokens, weights and
 choices to :func:`executor.parallel.expert_exchange.routed_output`: the same dispatch, the same
-per-(source, expert) calls, the same combine in the one-process loop's expert order. The router's
+per-(source, expert) calls, the same combine in the one-process loop's expert order. Each expert
+computes as the model's experts implementation does: ``grouped_mm`` (transformers' default) in the
+weights' dtype even under bf16 autocast, its weighted outputs added in fp32; the eager loop under
+autocast, added in the hidden states' dtype. Other implementations are refused in one line. The router's
 logits still reach the carried load-balancing sums (:mod:`executor.models.hf_moe` hooks the router).
 
 A local slice's gradient exists whenever the block ran, as the whole tensor's does in one process
@@ -21,7 +24,9 @@ optimizer state likewise (:func:`gathered`); a rank resuming under expert parall
 of them (:func:`local_state`), so runs resume at any E, or without.
 
 Limits: the router's jitter noise (Mixtral's ``router_jitter_noise``, 0 by default) is drawn on each
-rank from its own generator, as in one process it is from one; ZeRO-2/3 with these blocks is refused
+rank from its own generator, as in one process it is from one; a token's top-k outputs are added
+in expert order (grouped_mm adds them in slot order: the same sum for top-2, fp32 rounding apart
+above it); ZeRO-2/3 with these blocks is refused
 (FSDP would shard the slices over all D replicas, not their expert-data-parallel ones); the experts
 run in a Python loop, one call per (source rank, expert).
 """
@@ -36,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.parallel.expert_exchange import Exchange, run_local_experts
+from executor.parallel.expert_exchange import Exchange, routed_output, run_local_experts
 
 FUSED_NAME = re.compile(r"^(.*\.experts\.)(gate_up_proj|down_proj)$")  # a block's 3-D experts' tensor
 
@@ -51,6 +56,14 @@ def is_hf_block(module: nn.Module) -> bool:
     return (type(module).__name__.endswith("SparseMoeBlock") and type(gate).__name__.endswith("TopKRouter")
             and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
             and isinstance(getattr(experts, "down_proj", None), torch.Tensor))
+
+
+SUPPORTED = ("grouped_mm", "eager")  # the experts implementations computed here as transformers computes them
+
+
+def implementation(experts: nn.Module) -> str:
+    """The experts' implementation transformers dispatches to (``config._experts_implementation``)."""
+    return str(getattr(getattr(experts, "config", None), "_experts_implementation", None) or "eager")
 
 
 def hf_blocks(module: nn.Module) -> list[nn.Module]:
@@ -71,11 +84,19 @@ class LocalFusedExperts(nn.Module):
         self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + count].clone())
         self.act_fn = experts.act_fn
         self.first = first
+        self.grouped = implementation(experts) == "grouped_mm"
 
     def expert(self, index: int, rows: torch.Tensor) -> torch.Tensor:
-        """Local expert ``index`` on ``rows``, as transformers' loop computes one expert."""
-        gate, up = F.linear(rows, self.gate_up_proj[index]).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj[index])
+        """Local expert ``index`` on ``rows``, as the model's experts implementation computes one:
+        ``grouped_mm`` (transformers' default) multiplies in the weights' dtype whatever autocast says
+        (its kernel is not autocast-enabled), the eager loop under autocast."""
+        if not self.grouped:
+            gate, up = F.linear(rows, self.gate_up_proj[index]).chunk(2, dim=-1)
+            return F.linear(self.act_fn(gate) * up, self.down_proj[index])
+        with torch.autocast(rows.device.type, enabled=False):
+            gate_up, down = self.gate_up_proj[index], self.down_proj[index]
+            gate, up = F.linear(rows.to(gate_up.dtype), gate_up).chunk(2, dim=-1)
+            return F.linear((self.act_fn(gate) * up).to(down.dtype), down)
 
     def forward(self, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         local = [lambda rows, e=e: self.expert(e, rows) for e in range(self.gate_up_proj.shape[0])]
@@ -91,7 +112,9 @@ def routed_forward(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tenso
         hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
     tokens = hidden_states.reshape(-1, width)
     _, weights, chosen = block.gate(tokens)
-    out = block.exchange(tokens, weights, chosen, block)
+    # grouped_mm adds a token's weighted outputs in fp32, the eager loop in the hidden states' dtype
+    added = torch.float32 if block.experts.grouped else hidden_states.dtype
+    out = routed_output(block.exchange, tokens, weights, chosen, block, dtype=added)
     return out.to(hidden_states.dtype).reshape(batch, sequence, width)
 
 
