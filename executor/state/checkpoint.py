@@ -35,7 +35,8 @@ float rounding (exactly the same draws only for a model without dropout).
 With expert parallelism (:mod:`executor.parallel.expert_parallel`) a shard also holds every expert of its
 stage, gathered from the E ranks of replica 0's expert group, the optimizer's state in the unsharded
 model's order: it resumes at any E, or without expert parallelism, and each rank of a run under it takes
-its own experts by name (:func:`repartitioned_state`).
+its own experts by name (:func:`repartitioned_state`), or its rows of a Hugging Face block's 3-D
+expert tensors (:func:`executor.parallel.hf_experts.local_state`).
 
 With T tensor-parallel ranks per stage (:mod:`executor.parallel.tensor_parallel`) a shard still holds the
 whole stage in the model's own layout: its T ranks gather their parts, rank 0 writes. So a run
@@ -168,10 +169,9 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
             state = None
     if state is None:
         state = repartitioned_state(directory, manifest, stage)
-    if stage.optimizer is not None:  # Hugging Face experts under expert parallelism: this rank's rows of them
-        state = hf_experts.local_state(stage.module, state, param_names(stage.module, stage.optimizer))
-    else:
-        state = hf_experts.local_state(stage.module, state, [])
+    # Hugging Face experts under expert parallelism: this rank's rows of the whole tensors saved
+    names = param_names(stage.module, stage.optimizer) if stage.optimizer is not None else []
+    state = hf_experts.local_state(stage.module, state, names)
     if is_sharded(stage.module.parameters()):  # the shard holds the whole stage: take this rank's part
         from executor.parallel import tensor_parallel
 
