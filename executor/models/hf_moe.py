@@ -1,6 +1,7 @@
 """Hugging Face mixture-of-experts decoders (``hf:mixtral``, ``hf:qwen3_moe``): their router loss across stages.
 
-transformers' own decoder layers run the experts; what a pipeline must add is the load-balancing loss,
+transformers' own decoder layers run the experts (under expert parallelism their blocks' forward is
+replaced, :mod:`executor.parallel.hf_experts`); what a pipeline must add is the load-balancing loss,
 which ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` compute from every layer's router logits at
 once when ``output_router_logits`` is set (``load_balancing_loss_func``): ``experts x sum_e F_e x P_e``,
 with F_e each expert's top-k assignments and P_e its summed softmax probability, both over every MoE

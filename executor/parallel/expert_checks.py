@@ -55,17 +55,32 @@ def check_expert_parallel(config: ExpertSettings) -> None:
                               f"{config.layout.replicas} x --microbatches {config.layout.microbatches}")
 
 
-def check_model_experts(model: nn.Sequential, parts: int) -> None:
-    """The model (on the meta device) has built-in mixture-of-experts blocks whose experts E divides."""
+def check_model_experts(model: nn.Sequential, parts: int, zero: int = 0) -> None:
+    """The model (on the meta device) has mixture-of-experts blocks gpipe train shards (the built-in
+    transformer's, or a Hugging Face Mixtral or Qwen3-MoE's) whose experts E divides; the Hugging Face
+    ones without ZeRO (their slices of 3-D expert tensors are neither FSDP units of their own nor
+    consolidated by the sharded optimizer's checkpoint path, which no test covers)."""
     if parts == 1:
         return
     from executor.models.moe import MixtureOfExperts
+    from executor.parallel.hf_experts import SUPPORTED, experts_in, hf_blocks, implementation
 
-    blocks = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
-    if not blocks:
+    counts = [m.num_experts for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    hf_counts = [experts_in(block) for block in hf_blocks(model)]
+    if not counts and not hf_counts:
         raise GpipeInputError(f"--expert-parallel {parts} shards routed experts, but this model has none that gpipe "
-                              "train shards (the built-in transformer's experts option); use --expert-parallel 1")
-    for block in blocks:
-        if block.num_experts % parts:
-            raise GpipeInputError(f"--expert-parallel {parts} does not divide experts={block.num_experts}: each rank "
-                                  f"holds experts / E whole experts; use an E that divides {block.num_experts}")
+                              "train shards (the built-in transformer's experts option, hf:mixtral, hf:qwen3_moe); "
+                              "use --expert-parallel 1")
+    if hf_counts and zero:
+        raise GpipeInputError(f"--expert-parallel {parts} with --zero {zero} on a Hugging Face mixture of experts is not "
+                              "supported: its experts are slices of 3-D tensors, which ZeRO would shard and "
+                              "consolidate as whole parameters over all replicas; drop --zero")
+    for block in hf_blocks(model):
+        if implementation(block.experts) not in SUPPORTED:
+            raise GpipeInputError(f"--expert-parallel {parts} runs a Hugging Face model's experts as "
+                                  f"{' or '.join(SUPPORTED)} computes them, not {implementation(block.experts)!r}; "
+                                  "use --expert-parallel 1")
+    for experts in counts + hf_counts:
+        if experts % parts:
+            raise GpipeInputError(f"--expert-parallel {parts} does not divide experts={experts}: each rank "
+                                  f"holds experts / E whole experts; use an E that divides {experts}")

@@ -150,9 +150,11 @@ def _uncached_autocast(device_type: str) -> contextlib.AbstractContextManager[An
 
 
 def routed_output(exchange: Exchange, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                  block: Any) -> torch.Tensor:
-    """The routed experts' weighted sum for ``tokens`` (tokens, d_model), fp32, as the one-process loop
-    gives it, the experts run on the ranks holding them. Collective over the group."""
+                  block: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The routed experts' weighted sum for ``tokens`` (tokens, d_model) as the one-process loop gives
+    it, the experts run on the ranks holding them: added in ``dtype`` (the built-in's loop adds in
+    fp32; transformers' adds in the hidden states' dtype, each weighted output cast to it first).
+    Collective over the group."""
     experts, top_k = block.num_experts, chosen.shape[1]
     assigned = chosen.reshape(-1)
     order = torch.argsort(assigned, stable=True)  # by expert; within one, by (token, slot) as torch.where
@@ -166,10 +168,10 @@ def routed_output(exchange: Exchange, tokens: torch.Tensor, weights: torch.Tenso
     outputs = block.experts(arrived, received_counts)  # LocalExperts
     back = ScaleGradient.apply(AllToAll.apply(outputs, sent, received, exchange, EP_COMBINE), exchange.weight)
     scaled = back * weights.reshape(-1)[order].unsqueeze(1)
-    out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    out = torch.zeros(tokens.shape, dtype=dtype, device=tokens.device)
     first = 0
     for count in counts.tolist():  # expert by expert, as the one-process loop adds them
         if count:
-            out = out.index_add(0, rows[first:first + count], scaled[first:first + count])
+            out = out.index_add(0, rows[first:first + count], scaled[first:first + count].to(dtype))
         first += count
     return out

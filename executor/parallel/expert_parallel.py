@@ -30,8 +30,12 @@ the E ranks of replica 0's group gather their parts before replica 0 writes
 without it resumes under it (each rank takes its experts by name,
 :func:`executor.state.checkpoint.repartitioned_state`).
 
-Limits: the built-in transformer's experts only (:mod:`executor.parallel.expert_checks` refuses the
-rest in one line); the
+Hugging Face MoE blocks (``hf:mixtral``, ``hf:qwen3_moe``) keep their experts as 3-D tensors: each
+rank keeps its rows of them under transformers' names and routes through the same exchange
+(:mod:`executor.parallel.hf_experts`).
+
+Limits: the built-in transformer's and those Hugging Face blocks' experts only
+(:mod:`executor.parallel.expert_checks` refuses the rest in one line); the
 gather for a checkpoint moves the group's experts through one process (``all_gather_object``); the
 experts run in a Python loop, once per (source rank, expert), correct rather than fast.
 """
@@ -48,6 +52,7 @@ from torch import nn
 
 from executor.models.loaded_types import is_dtensor
 from executor.models.moe import MixtureOfExperts
+from executor.parallel import hf_experts
 from executor.parallel.expert_exchange import Exchange, LocalExperts
 from executor.parallel.expert_zero import held_states
 from executor.runtime.optim import gradients, squared_norm
@@ -72,8 +77,9 @@ def moe_blocks(module: nn.Module) -> list[MixtureOfExperts]:
 
 
 def is_expert(name: str) -> bool:
-    """Whether a parameter or state-dict name is a routed expert's (not the router's or a shared one's)."""
-    return EXPERT_NAME.match(name) is not None
+    """Whether a parameter or state-dict name is a routed expert's (not the router's or a shared one's):
+    one of the built-in's experts, or a Hugging Face block's 3-D experts' tensor."""
+    return EXPERT_NAME.match(name) is not None or hf_experts.is_fused_expert(name)
 
 
 def keep_local_experts(module: nn.Module, sharding: ExpertSharding) -> None:
@@ -84,11 +90,13 @@ def keep_local_experts(module: nn.Module, sharding: ExpertSharding) -> None:
         first = sharding.rank * per_rank
         block.experts = LocalExperts({str(e): block.experts[e] for e in range(first, first + per_rank)})
         block.exchange = Exchange(sharding.group, sharding.rank, sharding.size, sharding.weight)
+    hf_experts.keep_local(module, lambda block: Exchange(sharding.group, sharding.rank, sharding.size, sharding.weight))
 
 
 def exchanges_of(module: nn.Module) -> list[Exchange]:
     """The exchanges of ``module``'s blocks (none without expert parallelism)."""
-    return [block.exchange for block in moe_blocks(module) if block.exchange is not None]
+    return ([block.exchange for block in moe_blocks(module) if block.exchange is not None]
+            + [block.exchange for block in hf_experts.sharded_blocks(module)])
 
 
 def exchanges(parts: Sequence[Any]) -> list[Exchange]:
@@ -174,6 +182,8 @@ def full_stage_state(module: nn.Module, module_state: dict[str, torch.Tensor], o
     parts: list[Any] = [None] * found[0].size
     dist.all_gather_object(parts, mine, group=group)
     full_module = {key: value for state, _, _ in parts for key, value in state.items()}
+    fused_module, fused_optimizer = hf_experts.gathered(parts)  # Hugging Face blocks: slices joined in rank order
+    full_module.update(fused_module)
     if optimizer_state is None:
         return full_module, None, names
     position = {_template(n[0]): i for i, n in enumerate(names)}
@@ -190,6 +200,9 @@ def full_stage_state(module: nn.Module, module_state: dict[str, torch.Tensor], o
         return block_start[match.group(1)], int(match.group(2)), position[_template(name)]
 
     entries: dict[str, tuple[list[str], Any]] = {}
+    for n in parts[0][2]:
+        if n[0] in fused_optimizer:
+            entries[n[0]] = (n, fused_optimizer[n[0]])
     for _, state, part_names in parts:
         for index, n in enumerate(part_names):
             entries.setdefault(n[0], (n, state.get(index)))

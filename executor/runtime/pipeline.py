@@ -80,7 +80,7 @@ def prepare(config: RunConfig) -> Prepared:
         from executor.parallel.tensor_parallel import check_model
 
         check_model(model, config.layout.tensor_parallel, config.layout.sequence_parallel)
-    check_model_experts(model, config.layout.expert_parallel)
+    check_model_experts(model, config.layout.expert_parallel, config.layout.zero)
     shared = find_shared(model, tuple(config.partition))
     check_wrappable(model, tuple(config.partition), config.layout.zero, config.layout.checkpoint)  # what FSDP cannot wrap (ZeRO-2/3)
     check_source(model, config.init, config.init_from, checkpoint_names(config.model, config.options))

@@ -35,9 +35,11 @@ float rounding (exactly the same draws only for a model without dropout).
 With expert parallelism (:mod:`executor.parallel.expert_parallel`) a shard also holds every expert of its
 stage, gathered from the E ranks of replica 0's expert group, the optimizer's state in the unsharded
 model's order: it resumes at any E, or without expert parallelism, and each rank of a run under it takes
-its own experts by name (:func:`repartitioned_state`). Under ``--zero 1`` the experts' optimizer state is first
-consolidated over their own replicas, the rest over all D (:mod:`executor.parallel.expert_zero`): such
-a shard is a consolidated ZeRO-1 one, resumed at the same D and partition, at any E.
+its own experts by name (:func:`repartitioned_state`), or its rows of a Hugging Face block's 3-D
+expert tensors (:func:`executor.parallel.hf_experts.local_state`). Under ``--zero 1`` the experts'
+optimizer state is first consolidated over their own replicas, the rest over all D
+(:mod:`executor.parallel.expert_zero`): such a shard is a consolidated ZeRO-1 one, resumed at the same D
+and partition, at any E.
 
 With T tensor-parallel ranks per stage (:mod:`executor.parallel.tensor_parallel`) a shard still holds the
 whole stage in the model's own layout: its T ranks gather their parts, rank 0 writes. So a run
@@ -65,6 +67,7 @@ import torch
 
 from executor.device import device_api
 from executor.models.loaded_types import is_sharded
+from executor.parallel import hf_experts
 from executor.parallel.expert_parallel import full_stage_state
 from executor.runtime.stage import PipelineStage
 from executor.state import state_file
@@ -169,6 +172,9 @@ def load_shard(root: str, manifest: dict[str, Any], stage: PipelineStage) -> Non
             state = None
     if state is None:
         state = repartitioned_state(directory, manifest, stage)
+    # Hugging Face experts under expert parallelism: this rank's rows of the whole tensors saved
+    names = param_names(stage.module, stage.optimizer) if stage.optimizer is not None else []
+    state = hf_experts.local_state(stage.module, state, names)
     if is_sharded(stage.module.parameters()):  # the shard holds the whole stage: take this rank's part
         from executor.parallel import tensor_parallel
 

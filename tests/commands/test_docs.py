@@ -100,6 +100,12 @@ COVERED: dict[str, str] = {
     "--replicas 4 --expert-parallel 2 --zero 3 --batch 16 --microbatches 2 --steps 4":
         "tests/executor/test_expert_parallel_sharded.py::"
         "test_zero3_with_experts_sharded_over_their_own_replicas_trains_as_one_process_and_resumes_without",
+    "gpipe train --model hf:mixtral --option hidden_size=32 --option intermediate_size=32 "
+    "--option num_hidden_layers=2 --option num_attention_heads=4 --option num_key_value_heads=2 "
+    "--option vocab_size=64 --option num_local_experts=4 --option num_experts_per_tok=2 "
+    "--option output_router_logits=true --option seq=8 --stages 1 --replicas 2 --expert-parallel 2 --batch 8 "
+    "--microbatches 2 --steps 2":
+        "tests/executor/test_hf_expert_parallel.py::test_hugging_face_experts_sharded_over_two_replicas_train_as_one_process",
     "gpipe train --plan plan.json":
         "tests/executor/test_executor_replicas.py::test_a_plan_file_carries_replicas_zero_and_placement",
     "gpipe train --plan plan.json --steps 4 --save-every 2 --checkpoint-dir ckpt --optimizer adam --lr 0.003":

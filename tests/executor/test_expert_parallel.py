@@ -252,9 +252,21 @@ def test_zero1_with_expert_parallelism_passes_the_checks_before_any_worker():
     config.validate()
 
 
-def test_expert_parallelism_on_a_hugging_face_mixture_is_one_line(capsys):
+@pytest.mark.parametrize("family,argv,message", [
+    ("llama", [], "has none that gpipe train shards"),  # a Hugging Face model without experts
+    ("mixtral", ["--zero", "2"], "on a Hugging Face mixture of experts is not supported"),
+    ("mixtral", ["--zero", "1"], "with --zero 1 on a Hugging Face mixture of experts is not supported"),
+    ("qwen3_moe", ["--replicas", "3", "--expert-parallel", "3", "--batch", "6"], "does not divide experts=4"),
+])
+def test_expert_parallelism_a_hugging_face_model_cannot_run_is_one_line(capsys, family, argv, message):
     from tests.executor.test_hf_moe import CONFIGS
 
-    err = train_refusal(capsys, "--model", "hf:mixtral", *option_flags({**CONFIGS["mixtral"], "seq": 8}), "--stages",
-                         "1", "--replicas", "2", "--expert-parallel", "2", "--batch", "8", "--steps", "1")
-    assert "has none that gpipe train shards" in err
+    options = {**(CONFIGS.get(family) or {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+                                          "max_position_embeddings": 64}), "seq": 8}
+    base = {"--replicas": "2", "--expert-parallel": "2", "--batch": "8"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    err = train_refusal(capsys, "--model", f"hf:{family}", *option_flags(options), "--stages", "1", "--steps", "1",
+                        *[x for pair in base.items() for x in pair])
+    assert message in err
