@@ -85,6 +85,7 @@ def test_the_costs_file_carries_its_fit_quality_and_every_reader_warns_when_it_i
     assert fit_quality_warning(bad) and DESIGN_FIT_GOAL == 0.12
 
 
+@pytest.mark.slow  # a calibration
 def test_gpipe_calibrate_refuses_a_run_whose_speed_probe_stays_40x_off_and_writes_nothing(tmp_path, monkeypatch):
     """End to end: the executor's real reports, with one design run's probe planted 40x slow each time."""
     import calibrate.measure.runs as runs
