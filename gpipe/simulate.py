@@ -330,10 +330,10 @@ def emit(result: SimResult, system: System, workload: Workload, precision: str,
                   f"{where} ({tensor_parallel * context_parallel} per stage); memory and busy time are one device's")
         split = workload.experts_split
         if split is not None:
-            where = ("on NVLink" if split.per_domain == split.expert_parallel else
+            where = ("inside one node (scale-up domain)" if split.per_domain == split.expert_parallel else
                      f"{split.per_domain} per scale-up domain, the rest over the inter-node link")
             overlap = "hidden behind another micro-batch's compute where it can be" if split.overlapped else "shown whole"
-            measured = getattr(workload, "experts", None)  # a costs file's: sim.formats.measured_experts
+            measured = workload.experts  # a costs file's: sim.formats.measured_experts
             if measured is not None:
                 where = ("on the costs file's fitted all-to-all" if measured.link is not None
                          else "on the catalog's links (the costs file fitted no all-to-all)")

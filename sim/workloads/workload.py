@@ -111,6 +111,7 @@ class WorkloadCapabilities:
     assumed: Sequence[str] | None = None  # what pricing it by its structure leaves out (a Hugging Face model)
     optimizer: str | None = None  # the optimizer its costs were measured with; None: the plan's to choose
     batch_size: int | None = None  # the batch its costs were measured at; None: the model's default
+    experts: Any = None  # a costs file's routed experts split by E (sim.formats.measured_experts); None elsewhere
 
     def bind(self, system: System, stages: int, checkpoint: str = "except_last", microbatches: int | None = None,
              replicas: int = 1) -> tuple[Any, System]:
@@ -150,6 +151,7 @@ class Workload(Protocol):
     assumed: Sequence[str] | None
     optimizer: str | None
     batch_size: int | None
+    experts: Any
 
     def bind(self, system: System, stages: int, checkpoint: str = "except_last", microbatches: int | None = None,
              replicas: int = 1) -> tuple[Any, System]:
