@@ -25,10 +25,10 @@ import torch
 
 from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
-from executor.state import state_file
 from gpipe.main import main
 from sim.formats.plan import load_plan
-from tests.helpers.in_process import gpipe
+from tests.helpers.in_process import gpipe, option_flags
+from tests.helpers.parity import checkpoint_parameters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = {"layers": 4, "d_model": 32, "ff": 64, "heads": 4, "kv_heads": 2, "activation": "swiglu", "seq": 8,
@@ -47,24 +47,11 @@ GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions"
 STEPS = 3
 
 
-def option_flags(options):
-    return [part for key, value in options.items()
-            for part in ("--option", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]
-
-
 def one_process(model, options, partition, batch, microbatches, steps=STEPS, optim=ADAMW, **settings):
     pipe = LocalPipeline(RunConfig.of(model=model, options=options, partition=partition, batch_size=batch,
                                    microbatches=microbatches, steps=steps, **{**optim, **settings}))
     losses = [pipe.run_step(step) for step in range(steps)]
     return losses, pipe.grad_norms, {name: p.detach() for name, p in pipe.model().named_parameters()}
-
-
-def checkpoint_parameters(root, chunks):
-    manifest = json.loads((root / "manifest.json").read_text())
-    values = {}
-    for k in range(chunks):
-        values.update(state_file.load(str(root / manifest["dir"] / f"stage-{k}.safetensors"))["module"])
-    return values
 
 
 @pytest.mark.slow

@@ -17,47 +17,14 @@ experts no row reached are skipped under ZeRO-1 with E = 2 (more ZeRO-1 in
 tests/executor/test_expert_parallel_zero1.py).
 """
 
-import json
 import shutil
 
 import pytest
 
 from executor.config import RunConfig
-from executor.runtime.pipeline import LocalPipeline
-from tests.executor.test_executor_tensor_parallel import checkpoint_parameters, option_flags
-from tests.helpers.in_process import gpipe, train_refusal
-from tests.helpers.moe_parity import MOE, assert_parameters_equal, one_process
-
-ADAMW = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--clip-grad-norm", "0.5"]
-
-
-def reference(options, batch, replicas, microbatches, steps, precision="fp32", absent=None, absent_by_step=None):
-    config = RunConfig.of(model="transformer", options=options, partition=(options["layers"] + 2,), batch_size=batch,
-                          microbatches=4,
-                       optimizer="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5, precision=precision)
-    pipe = LocalPipeline(config)  # its batches and loss
-    return one_process(config, pipe.batch, pipe.prepared.loss_fn, microbatches, steps, replicas, absent,
-                       absent_by_step)
-
-
-def train(tmp_path, name, options, *argv):
-    root, report = tmp_path / name, tmp_path / f"{name}.json"
-    result = gpipe("train", "--model", "transformer", *option_flags(options), *ADAMW, *argv,
-                   "--checkpoint-dir", str(root), "--report", str(report))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(report.read_text()), root
-
-
-def assert_trains_as_one_process(report, root, chunks, expected, steps, precision="fp32"):
-    losses, auxes, norms, model, near_zero = expected
-    rel = 1e-5 if precision == "fp32" else 1e-3
-    assert report["losses"] == pytest.approx(losses, rel=rel)
-    measured = [aux for aux in report["aux_losses"] if aux is not None]  # a resumed run's: from its first step
-    assert measured == pytest.approx(auxes[-len(measured):], rel=rel) and min(auxes) > 0
-    assert report["grad_norms"] == pytest.approx(norms, rel=rel) and min(norms) > 0.5
-    atol = 1e-4 if precision == "fp32" else 2e-3
-    assert_parameters_equal(checkpoint_parameters(root, chunks), model, near_zero, 0.01 * steps, atol)
-
+from tests.helpers.expert_runs import assert_bytes_as_simulated, assert_trains_as_one_process, reference, train
+from tests.helpers.in_process import option_flags, train_refusal
+from tests.helpers.moe_parity import MOE
 
 def expert_share_bytes(model, first, end, experts):
     """Parameter bytes (fp32) one rank holds of layers first..end-1: its routed experts' divided by E."""
@@ -158,16 +125,10 @@ def test_experts_summed_over_their_own_replicas_train_as_one_process_on_an_uneve
                          "--save-every", "3")
     assert_trains_as_one_process(report, root, 1, reference(options, 11, 4, 2, 3), 3)
     # the simulator's per-rank bytes of the same run (its routed experts split by E) equal the executor's count
-    predicted = gpipe("simulate", "--model", "transformer", *option_flags(options), "--stages", "1", "--replicas",
-                      "4", "--nodes", "2", "--expert-parallel", "2", "--batch", "11", "--microbatches", "2",
-                      "--schedule", "1f1b", "--optimizer", "adamw", "--json")
-    assert predicted.returncode == 0, predicted.stderr
-    devices = json.loads(predicted.stdout)["stages"]
-    assert len(devices) == len(report["ranks"]) == 4
-    for device, entry in zip(sorted(devices, key=lambda d: d["replica"]),
-                             sorted(report["ranks"], key=lambda r: r.get("replica", 0))):
-        for field in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"):
-            assert device[field] == entry[field], (field, device["replica"])
+    assert len(report["ranks"]) == 4
+    assert_bytes_as_simulated(report, options, ["--stages", "1", "--replicas", "4", "--nodes", "2", "--expert-parallel",
+                                                "2", "--batch", "11", "--microbatches", "2", "--schedule", "1f1b"],
+                              ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"))
 
 
 def test_experts_sharded_over_two_replicas_train_as_one_process_in_bf16(tmp_path):

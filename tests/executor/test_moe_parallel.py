@@ -17,7 +17,8 @@ import torch
 
 from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
-from tests.executor.test_executor_tensor_parallel import checkpoint_parameters, option_flags
+from tests.helpers.in_process import option_flags
+from tests.helpers.parity import checkpoint_parameters
 from tests.helpers.in_process import gpipe
 from tests.helpers.moe_parity import MOE, assert_parameters_equal, one_process
 

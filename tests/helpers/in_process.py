@@ -90,3 +90,9 @@ def train_refusal(capsys, *argv: str) -> str:
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("gpipe: error: "), err
     return err
+
+
+def option_flags(options):
+    """``--option key=value`` for each of ``options`` (booleans as true/false), as gpipe takes them."""
+    return [part for key, value in options.items()
+            for part in ("--option", f"{key}={str(value).lower() if isinstance(value, bool) else value}")]

@@ -4,6 +4,8 @@ schedule against torch alone, and the model whose embedding and head share a wei
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from executor.config import RunConfig
 from executor.models.build import build_model
 from executor.runtime.data import split
 from executor.runtime.pipeline import LocalPipeline
+from executor.state import state_file
 
 # the small mlp and transformer the parity grids train
 OPTIONS = {"mlp": {"width": 32}, "transformer": {"layers": 2, "d_model": 32, "ff": 64, "seq": 8, "vocab": 64}}
@@ -164,3 +167,12 @@ def check_tied_step(pipe: LocalPipeline) -> tuple[list, torch.nn.Module]:
         torch.testing.assert_close(layers[int(index)].get_parameter(rest).grad, p.grad, rtol=1e-5, atol=1e-6,
                                    msg=name)
     return layers, model
+
+
+def checkpoint_parameters(root, chunks):
+    """Every parameter a checkpoint under ``root`` holds, its ``chunks`` stage files read in turn."""
+    manifest = json.loads((root / "manifest.json").read_text())
+    values = {}
+    for k in range(chunks):
+        values.update(state_file.load(str(root / manifest["dir"] / f"stage-{k}.safetensors"))["module"])
+    return values
