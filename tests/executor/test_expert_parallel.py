@@ -220,7 +220,7 @@ def test_zero1_with_expert_parallelism_passes_the_checks_before_any_worker():
     ("qwen3_moe", ["--replicas", "3", "--expert-parallel", "3", "--batch", "6"], "does not divide experts=4"),
 ])
 def test_expert_parallelism_a_hugging_face_model_cannot_run_is_one_line(capsys, family, argv, message):
-    from tests.executor.test_hf_moe import CONFIGS
+    from tests.helpers.moe_parity import HF_MOE_CONFIGS as CONFIGS
 
     options = {**(CONFIGS.get(family) or {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,

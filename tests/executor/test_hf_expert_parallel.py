@@ -20,7 +20,7 @@ from executor.config import RunConfig
 from executor.runtime.pipeline import LocalPipeline
 from tests.helpers.in_process import option_flags
 from tests.helpers.parity import checkpoint_parameters
-from tests.executor.test_hf_moe import CONFIGS
+from tests.helpers.moe_parity import HF_MOE_CONFIGS as CONFIGS
 from tests.helpers.moe_parity import assert_parameters_equal, one_process
 
 pytestmark = pytest.mark.slow

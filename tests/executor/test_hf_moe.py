@@ -17,16 +17,7 @@ from executor.models.build import checkpoint_names  # noqa: E402
 from executor.models.moe_aux_loss import take_aux_loss  # noqa: E402
 from executor.runtime.data import split  # noqa: E402
 from executor.runtime.pipeline import LocalPipeline  # noqa: E402
-
-CONFIGS = {
-    "mixtral": {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64, "num_local_experts": 4,
-                "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.05},
-    "qwen3_moe": {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64,
-                  "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 1,
-                  "output_router_logits": True, "router_aux_loss_coef": 0.05, "mlp_only_layers": [1]},
-}
+from tests.helpers.moe_parity import HF_MOE_CONFIGS as CONFIGS  # noqa: E402
 
 
 @pytest.mark.parametrize("family,partition,schedule,checkpoint", [

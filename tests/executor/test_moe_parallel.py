@@ -78,7 +78,7 @@ def test_a_run_with_experts_resumes_at_another_layout(tmp_path):
 def test_hugging_face_mixtral_under_data_parallelism_trains_as_one_process(tmp_path):
     """K = 2 x D = 2 against the in-process pipeline on one replica's micro-batches (which
     tests/executor/test_hf_moe.py holds to the model's own): the routers' sums cross the stage boundary."""
-    from tests.executor.test_hf_moe import CONFIGS
+    from tests.helpers.moe_parity import HF_MOE_CONFIGS as CONFIGS
 
     options = {**CONFIGS["mixtral"], "seq": 8}
     result = gpipe("train", "--model", "hf:mixtral", *option_flags(options), *ADAMW, "--stages", "2", "--replicas",

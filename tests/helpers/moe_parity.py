@@ -15,6 +15,17 @@ from executor.models.moe_aux_loss import set_micro_batch_weight, take_aux_loss
 from executor.runtime.data import split
 from tests.helpers.parity import NEAR_ZERO_GRADIENT, assert_adam_close
 
+# small Hugging Face MoE configs (transformers' Mixtral and Qwen3-MoE) the executor's tests train
+HF_MOE_CONFIGS = {
+    "mixtral": {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.05},
+    "qwen3_moe": {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64,
+                  "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 1,
+                  "output_router_logits": True, "router_aux_loss_coef": 0.05, "mlp_only_layers": [1]},
+}
+
 MOE = {"layers": 2, "d_model": 32, "ff": 64, "heads": 4, "seq": 8, "vocab": 64, "experts": 4, "top_k": 2,
        "expert_ff": 32, "aux_loss_coef": 0.05}
 
