@@ -51,6 +51,10 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
 - ``moe_a2a_overlap`` (optional, a mixture of experts): true where the trainer overlaps one micro-batch's
   expert all-to-alls with an adjacent one's compute (Megatron-Core's ``overlap_moe_expert_parallel_comm``),
   priced as DualPipe's overlap (:mod:`sim.workloads.moe.expert_parallel`); null off, the default.
+- ``moe_dispatcher`` (optional, a mixture of experts): how the trainer sends tokens to their experts' ranks,
+  ``alltoall`` (Megatron-Core's default) or its ``flex`` dispatcher's backends ``flex/deepep`` and
+  ``flex/hybridep`` (also ``deepep``, ``hybridep``: one copy of a token per destination node across the
+  network), priced as the model's ``dispatcher`` option; null the all-to-all, said in ``assumed``.
 - ``pipeline_split`` (optional): the transformer layers of each virtual stage as the trainer split them,
   ``"even"`` (Megatron-Core's default) or a list (:mod:`sim.evidence.pipeline_split`); null balanced by
   time as ``gpipe plan`` splits them.
@@ -93,7 +97,7 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
 OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "use_megatron_fsdp", "expert_parallel",
-            "expert_tensor_parallel", "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap")
+            "expert_tensor_parallel", "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap", "moe_dispatcher")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -237,6 +241,9 @@ def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str,
             raise GpipeInputError(f"moe_capacity_factor is {capacity!r} but the options' capacity_factor {given!r}; "
                                   "give one")
         options["capacity_factor"] = capacity  # the MoE pricing's option
+    options.update(_dispatcher_option(run, out))
+    if run.get("cuda_graphs") and names_experts_of(run):
+        options["cuda_graphs"] = True  # the MoE layers' host-side fixed time gone (sim.workloads.moe.options)
     model = run["model"]
     attention = _one_of(run, "attention")
     compiled = _one_of(run, "compile")
@@ -254,6 +261,35 @@ def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str,
     if compiled is None:
         out.assumed.append("compile null: not compiled, every elementwise op's memory traffic counted")
     return {**options, "attention": attention, "compile": False if compiled is None else compiled}
+
+
+def names_experts_of(run: dict[str, Any]) -> bool:
+    """Whether a run's model is a mixture of experts."""
+    from sim.workloads.moe.config import names_experts
+
+    return names_experts(str(run["model"]), run["options"])
+
+
+def _dispatcher_option(run: dict[str, Any], out: Replayed) -> dict[str, str]:
+    """A mixture of experts' ``moe_dispatcher`` as the model's ``dispatcher`` option (none for a dense model)."""
+    from sim.workloads.moe.config import names_experts
+    from sim.workloads.moe.options import DISPATCHERS
+
+    given = run.get("moe_dispatcher")
+    if not names_experts(str(run["model"]), run["options"]):
+        if given is not None:
+            raise GpipeInputError(f"moe_dispatcher {given!r} for {run['model']}, which has no experts; leave it out "
+                                  "(or null)")
+        return {}
+    if given is None:
+        if (count_of_experts := run.get("expert_parallel")) is None or count_of_experts > 1:
+            out.assumed.append("moe_dispatcher null: alltoall, one copy of a token per assignment "
+                               "(Megatron-Core's default)")
+        return {}
+    name = str(given).removeprefix("flex/")
+    if name not in DISPATCHERS:
+        raise GpipeInputError(f"moe_dispatcher {given!r}; use alltoall, flex/deepep or flex/hybridep (or null)")
+    return {"dispatcher": name}
 
 
 def _one_of(run: dict[str, Any], key: str) -> Any:

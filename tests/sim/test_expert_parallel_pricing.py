@@ -14,7 +14,8 @@ from sim.evidence.replay_search import expert_options
 from sim.formats.layout import ParallelLayout
 from sim.formats.timeline import EP_COMBINE, EP_DISPATCH, KIND_NAMES
 from sim.workloads.models import get_workload
-from sim.workloads.moe.expert_parallel import ExpertSplit, all_to_all_s, with_expert_parallel
+from sim.workloads.moe.expert_parallel import (ExpertSplit, all_to_all_s, remote_domains_per_token,
+                                               with_expert_parallel)
 from sim.workloads.moe.workload import MoEWorkload, builtin_workload
 from sim.workloads.tensor_parallel import with_tensor_parallel
 
@@ -353,3 +354,30 @@ def test_simulate_prices_zero3_with_expert_parallelism_and_refuses_hsdp_of_the_e
     refused = gpipe(*flags, "--shard-group", "2")
     assert refused.returncode == 2 and "--shard-group 2 with --expert-parallel 2" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_token_reaches_each_other_domain_unless_all_its_experts_are_elsewhere():
+    # 4 experts over 2 domains, top-2: of the 6 pairs, 1 lies wholly in the other domain... and 1 wholly in
+    # one's own, so the other domain is missed with probability C(2, 2) / C(4, 2) = 1/6
+    assert remote_domains_per_token(4, 2, 2) == pytest.approx(5 / 6)
+    assert remote_domains_per_token(128, 8, 1) == 0.0  # one domain: nothing crosses
+    assert remote_domains_per_token(64, 1, 8) == pytest.approx(7 / 8)  # top-1: another domain 7 times in 8
+    # many experts, top-8 over 2 domains: almost always both, so one copy crosses in place of the 4 an
+    # all-to-all sends (8 assignments, half of them in the other domain)
+    assert 0.99 < remote_domains_per_token(128, 8, 2) < 1.0
+
+
+def test_a_deduplicated_dispatch_sends_less_across_domains_and_the_rest_inside():
+    payload = 8e6
+    per_assignment = all_to_all_s(payload, 8, 4, FAST, SLOW)
+    deduplicated = all_to_all_s(payload, 8, 4, FAST, SLOW, across_bytes=payload / 4)
+    assert deduplicated < per_assignment
+    assert deduplicated == pytest.approx(max(payload * 7 / 8 / 1e9, payload / 4 / 1e8), rel=1e-9)
+
+
+def test_the_dispatcher_option_is_checked_in_one_line():
+    from sim.workloads.moe.options import resolve_moe_options
+
+    with pytest.raises(GpipeInputError, match="dispatcher='nccl' for model moe; use one of alltoall, deepep, hybridep"):
+        resolve_moe_options({"d_model": 64, "heads": 4, "dispatcher": "nccl"}, "moe")
+    assert resolve_moe_options({"d_model": 64, "heads": 4, "dispatcher": "deepep"}, "moe")["dispatcher"] == "deepep"

@@ -93,12 +93,12 @@ def test_the_development_set_replays(capsys, tmp_path):
     assert [by_id[i]["layout"]["zero"] for i in ("tt-70b-256gpu-2D", "tt-old-a100-llama2-13b-noac")] == [3, 3]
     assert all(abs(by_id[i]["error"]) < 0.05 for i in dense)  # the dense development set within 5%
     assert {i: by_id[i]["layout"]["expert_parallel"] for i in experts} == experts
-    # The goal for the MoE development rows is 7%. Priced with the pipeline split and the token dropping their
-    # sources state, DeepSeek-V3 (-16.6%; +1.5% came from a memory-constrained split Megatron did not run), Llama 4
-    # Maverick (-11.2%) and Qwen3-30B-A3B (+13.7%) miss it (docs/simulator.md says why): each held within 3 points
-    # of its present error, either way, so that none drifts unseen
-    present = {"dgxc-dsv3-h100-nemo2504-bf16-1024g": -0.166, "dgxc-llama4mav-gb200-nemo2504-bf16-256g": -0.112,
-               "mbridge2604-qwen3-30b-h100-fp8-16g": 0.137}
+    # The goal for the MoE development rows is 7%. Priced with the pipeline split, token dropping, dispatcher and
+    # CUDA graphs their sources state and the MoE layers' fixed time fitted on the three, DeepSeek-V3 misses it
+    # (-10.0%; docs/simulator.md says why), Llama 4 Maverick (-1.6%) and Qwen3-30B-A3B (+4.0%) meet it: each held
+    # within 3 points of its present error, either way, so that none drifts unseen
+    present = {"dgxc-dsv3-h100-nemo2504-bf16-1024g": -0.100, "dgxc-llama4mav-gb200-nemo2504-bf16-256g": -0.016,
+               "mbridge2604-qwen3-30b-h100-fp8-16g": 0.040}
     assert all(abs(by_id[i]["error"] - error) < 0.03 for i, error in present.items())
     assert by_id["dgxc-dsv3-h100-nemo2504-bf16-1024g"]["layout"]["partition"] == [4] * 16  # 3 + embedding, 4, 2 + MTP + head
     assert report["worst_abs_error"] >= report["median_abs_error"] > 0

@@ -264,6 +264,34 @@ def test_moe_a2a_overlap_hides_the_all_to_alls_behind_another_micro_batchs_compu
     for name, message in (("dense", "moe_a2a_overlap true for a model without experts"),
                           ("bad", "moe_a2a_overlap 'yes'; give true, false")):
         assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]
+
+
+def test_moe_dispatcher_sends_one_copy_per_node_and_cuda_graphs_drop_the_layers_fixed_time(tmp_path, capsys):
+    """The flex dispatcher's DeepEP and HybridEP send a token once to each other node its experts are on
+    (E = 8 over two nodes of 4 here: fewer bytes over the network than a copy per assignment); a graphed
+    run pays no MoE layer's fixed per-pass time; a stated dispatcher or graphs say nothing in assumed."""
+    moe = dict(model="hf:qwen3_moe", options=QWEN_MOE, tensor_parallel=1, pipeline_stages=1, replicas=8, nodes=2,
+               expert_parallel=8, expert_tensor_parallel=1, sequence_parallel=False, microbatch_size=1,
+               global_batch=16, hardware={"base": "h100-nvlink", "gpus_per_node": 4})
+    runs = replayed(tmp_path, [row("unstated", **moe), row("alltoall", **moe, moe_dispatcher="alltoall"),
+                               row("hybridep", **moe, moe_dispatcher="flex/hybridep"),
+                               row("deepep", **moe, moe_dispatcher="deepep"),
+                               row("graphed", **moe, moe_dispatcher="alltoall", cuda_graphs=True),
+                               row("bad", **moe, moe_dispatcher="nvshmem"),
+                               row("dense", moe_dispatcher="alltoall")], capsys)
+    step = {name: run["predicted_step_s"] for name, run in runs.items()}
+    assert step["unstated"] == step["alltoall"]
+    assert step["hybridep"] == step["deepep"] < step["alltoall"]
+    assert step["graphed"] < step["alltoall"]
+    lines = {name: [a for a in run["assumed"] if a.startswith("moe_dispatcher")] for name, run in runs.items()}
+    assert lines["unstated"] == ["moe_dispatcher null: alltoall, one copy of a token per assignment "
+                                 "(Megatron-Core's default)"]
+    assert lines["alltoall"] == lines["hybridep"] == []
+    for name, message in (("bad", "moe_dispatcher 'nvshmem'; use alltoall, flex/deepep or flex/hybridep"),
+                          ("dense", "moe_dispatcher 'alltoall' for transformer, which has no experts")):
+        assert not runs[name]["modelled"] and message in runs[name]["reason"] and "\n" not in runs[name]["reason"]
+
+
 def test_a_run_stating_megatron_fsdp_reduces_its_sharded_gradients_after_every_micro_batch(tmp_path, capsys):
     """Megatron-FSDP reduce-scatters sharded gradients after every backward, under a pipeline too
     (sim.evidence.megatron_fsdp): a null gradient_sync takes that, not the pipeline's once a step,

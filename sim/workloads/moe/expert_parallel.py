@@ -65,13 +65,20 @@ def _wire_s(nbytes: float, link: Link) -> float:
     return 0.0 if math.isinf(bandwidth) or nbytes <= 0 else nbytes / bandwidth
 
 
-def all_to_all_s(nbytes: float, members: int, per_domain: int, intra: Link, inter: Link) -> float:
+def all_to_all_s(nbytes: float, members: int, per_domain: int, intra: Link, inter: Link,
+                 across_bytes: float | None = None) -> float:
     """One all-to-all among ``members`` ranks, ``per_domain`` of them in each scale-up domain, each rank
-    holding ``nbytes`` of payload for the group (its own share included): see the module docstring."""
+    holding ``nbytes`` of payload for the group (its own share included): see the module docstring.
+    ``across_bytes``: what crosses the domain's network per rank where a deduplicating dispatcher sends
+    less than the payload's share for other domains; the rest is then carried inside the domain."""
     if members < 2 or nbytes <= 0:
         return 0.0
-    inside = _wire_s(nbytes * (per_domain - 1) / members, intra)
-    across = _wire_s(nbytes * (members - per_domain) / members, inter) if members > per_domain else 0.0
+    if across_bytes is None:
+        inside = _wire_s(nbytes * (per_domain - 1) / members, intra)
+        across_bytes = nbytes * (members - per_domain) / members
+    else:  # every other rank's share crosses the domain's links once, the fan-out to the experts' ranks
+        inside = _wire_s(nbytes * (members - 1) / members, intra) if per_domain > 1 else 0.0
+    across = _wire_s(across_bytes, inter) if members > per_domain else 0.0
     latency = (intra.latency_s if per_domain > 1 else 0.0) + (inter.latency_s if members > per_domain else 0.0)
     return max(inside, across) + latency
 
@@ -88,10 +95,16 @@ class ExpertSplit:
     inter: Link
     overlapped: bool = False
 
-    def exchange_s(self, nbytes: float) -> float:
-        """One dispatch (or combine): the all-to-all of ``nbytes`` per rank, and with ETP > 1 the gather
-        (or reduce-scatter) of what the rank received over its ETP group."""
-        seconds = all_to_all_s(nbytes, self.expert_parallel, self.per_domain, self.intra, self.inter)
+    @property
+    def domains(self) -> int:
+        """The scale-up domains the expert-parallel group spans."""
+        return max(1, self.expert_parallel // max(1, self.per_domain))
+
+    def exchange_s(self, nbytes: float, across_bytes: float | None = None) -> float:
+        """One dispatch (or combine): the all-to-all of ``nbytes`` per rank (``across_bytes`` of it over the
+        network where a dispatcher deduplicates, :func:`all_to_all_s`), and with ETP > 1 the gather (or
+        reduce-scatter) of what the rank received over its ETP group."""
+        seconds = all_to_all_s(nbytes, self.expert_parallel, self.per_domain, self.intra, self.inter, across_bytes)
         if self.expert_tensor_parallel > 1:
             seconds += ring_allreduce_s(nbytes * self.expert_tensor_parallel, self.expert_tensor_parallel,
                                         self.intra) / 2
@@ -109,6 +122,20 @@ class ExpertSplit:
         if total <= 0 or shown <= 0:
             return 0.0, 0.0
         return shown * forward_a2a_s / total, shown * backward_a2a_s / total
+
+
+def remote_domains_per_token(experts: int, top_k: int, domains: int) -> float:
+    """Expected scale-up domains other than its own a token's top-k experts fall in, experts spread evenly
+    over ``domains`` and a router balanced in expectation (k distinct experts drawn uniformly): each other
+    domain is reached unless all k experts are elsewhere, C(n - n/N, k) / C(n, k). DeepEP and HybridEP
+    send a token once to each such domain and fan it out to the experts' ranks inside it (DeepSeek-V3
+    technical report, Section 3.2.2; Megatron-Core's ``flex`` dispatcher); an all-to-all sends one copy
+    per assignment."""
+    if domains < 2:
+        return 0.0
+    per_domain = experts / domains
+    missed = math.comb(experts - round(per_domain), top_k) / math.comb(experts, top_k)
+    return (domains - 1) * (1.0 - missed)
 
 
 def expert_replica_stride(workload: Any) -> int:

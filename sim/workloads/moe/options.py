@@ -9,6 +9,12 @@ latent attention's and multi-token prediction's, each converted and checked, one
   C > 0 pads each expert to C x its mean load and drops what is above it.
 - ``expert_imbalance``: the most loaded expert's tokens over the mean (0: the balls-into-bins figure
   of a router balanced in expectation, :func:`sim.workloads.moe.layers.expected_max_load`).
+- ``dispatcher``: how tokens reach their experts' ranks: ``alltoall`` (Megatron-Core's default, one
+  copy per assignment), ``deepep`` or ``hybridep`` (Megatron-Core's ``flex`` dispatcher with DeepEP or
+  HybridEP: one copy per destination scale-up domain across the network, fanned out inside it;
+  :func:`sim.workloads.moe.expert_parallel.remote_domains_per_token`).
+- ``cuda_graphs``: the trainer captures the layers in CUDA graphs, which removes each MoE layer's fixed
+  per-pass time (:data:`sim.workloads.moe.workload.MOE_LAYER_FIXED_S`).
 - ``expert_biases``, ``router_bias``: gpt-oss's biases on the experts' matmuls and the router.
 - ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``:
   multi-head latent attention when ``kv_lora_rank`` > 0 (:mod:`sim.workloads.moe.latent_attention`).
@@ -25,12 +31,13 @@ from sim.workloads.model_options import resolve_options
 
 MOE_DEFAULTS: dict[str, Any] = {
     "experts": 8, "top_k": 2, "expert_ff": 0, "shared_ff": 0, "moe_layers": "none", "capacity_factor": 0.0,
-    "expert_imbalance": 0.0, "expert_biases": False, "router_bias": False, "q_lora_rank": 0, "kv_lora_rank": 0,
+    "expert_imbalance": 0.0, "dispatcher": "alltoall", "cuda_graphs": False, "expert_biases": False, "router_bias": False, "q_lora_rank": 0, "kv_lora_rank": 0,
     "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0, "mtp_layers": 0,
 }
 # the knobs of the pricing a user may set on any MoE model (--option capacity_factor=1.25)
-MOE_KNOBS = ("capacity_factor", "expert_imbalance")
-_FLAGS = ("expert_biases", "router_bias")
+MOE_KNOBS = ("capacity_factor", "expert_imbalance", "dispatcher", "cuda_graphs")
+DISPATCHERS = ("alltoall", "deepep", "hybridep")
+_FLAGS = ("expert_biases", "router_bias", "cuda_graphs")
 _FRACTIONS = ("capacity_factor", "expert_imbalance")
 
 
@@ -42,6 +49,10 @@ def _number(key: str, value: Any, model: str, least: int) -> int:
 
 
 def _check(key: str, value: Any, model: str) -> Any:
+    if key == "dispatcher":
+        if value not in DISPATCHERS:
+            raise GpipeInputError(f"dispatcher={value!r} for model {model}; use one of {', '.join(DISPATCHERS)}")
+        return value
     if key in _FLAGS:
         return flag_value(key, value, model)
     if key in _FRACTIONS:

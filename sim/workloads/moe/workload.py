@@ -23,12 +23,19 @@ from typing import Any
 
 from sim.catalog.hardware import Device, Link
 from sim.workloads.layer_spec import LayerSpec
-from sim.workloads.moe.expert_parallel import ExpertSplit
+from sim.workloads.moe.expert_parallel import ExpertSplit, remote_domains_per_token
 from sim.workloads.moe.latent_attention import is_latent, qk_head_dim
 from sim.workloads.models import AnalyticWorkload
 from sim.workloads.moe.layers import (assignments_per_token, expected_max_load, expert_parameters, moe_layer_set,
                                       moe_transformer_layers)
 from sim.workloads.moe.options import resolve_moe_options
+
+# A MoE layer's fixed time per forward (twice per backward) beside its kernels' work, where the trainer
+# launches its kernels from the host (no CUDA graphs): the router's and the token permutation's many small
+# kernels, and the host waiting on the device for the routed token counts its grouped matmuls are sized
+# by (Megatron-Core's dropless dispatchers). Fitted on the development set's three mixtures of experts
+# (DeepSeek-V3 on H100, Llama 4 Maverick on GB200, Qwen3-30B-A3B on H100, none graphed; benchmarks/README.md).
+MOE_LAYER_FIXED_S = 0.0013
 from sim.workloads.precision import FP32_BYTES, precision_of
 from sim.workloads.workload import LayerCost
 
@@ -151,12 +158,19 @@ class MoEWorkload(AnalyticWorkload):
         spec = dataclasses.replace(spec, flops_per_row=spec.flops_per_row + (load - 1) * grouped,
                                    grouped_matmul_flops_per_row=load * grouped)
         cost = super()._cost(spec, rows, flops_s, bytes_s, device)
-        payload = tokens * assignments_per_token(o) * o["d_model"] * precision_of(self.precision).compute_bytes
-        exchange_s = 2 * ep.exchange_s(payload)  # dispatch and combine
+        token_bytes = o["d_model"] * precision_of(self.precision).compute_bytes
+        payload = tokens * assignments_per_token(o) * token_bytes
+        across = None
+        if o.get("dispatcher", "alltoall") != "alltoall":  # one copy per destination domain (DeepEP, HybridEP)
+            copies = assignments_per_token(o) / o["top_k"]  # padded to capacity: as many more copies
+            across = tokens * token_bytes * copies * remote_domains_per_token(o["experts"], o["top_k"], ep.domains)
+        exchange_s = 2 * ep.exchange_s(payload, across)  # dispatch and combine
         forward_s, backward_s = ep.exposed_s(exchange_s, exchange_s, cost.forward_s, cost.backward_s)
         experts = expert_parameters(o, self.tensor_parallel, ep.expert_parallel, ep.expert_tensor_parallel)
-        return dataclasses.replace(cost, forward_s=cost.forward_s + forward_s, backward_s=cost.backward_s + backward_s,
-                                   recompute_s=cost.recompute_s + forward_s, ep_forward_s=forward_s,
+        fixed_s = 0.0 if o.get("cuda_graphs") else MOE_LAYER_FIXED_S  # the constant's comment
+        return dataclasses.replace(cost, forward_s=cost.forward_s + forward_s + fixed_s,
+                                   backward_s=cost.backward_s + backward_s + 2 * fixed_s,
+                                   recompute_s=cost.recompute_s + forward_s + fixed_s, ep_forward_s=forward_s,
                                    ep_backward_s=backward_s, expert_grad_bytes=experts * FP32_BYTES)
 
     def describe(self) -> dict:
