@@ -146,11 +146,16 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
         stages = [k for k in stage_options if k <= groups.total_devices]
         if not stages:
             continue
-        if split.measured_costs:
-            expert_values(space, workload, t)  # E > 1 asked of a costs file: one line (sim.planner.space)
-            part = _search_each_stage_count(split, groups, batch, stages, checkpoints, degrees, space, top, progress)
-            _label(part, t, sequence_parallel, space.context_parallel)
-            parts.append(part)
+        if split.measured_costs:  # each E on the profiled experts (sim.formats.measured_experts), whole at T = 1
+            for e, _etp in expert_values(space, workload, t):
+                experts = with_expert_parallel(split, system, e, None, list(degrees.schedules)[0]) if e > 1 else split
+                replicas = [d for d in degrees.replicas if (t * space.context_parallel * d) % e == 0]
+                if not replicas:
+                    continue
+                part = _search_each_stage_count(experts, groups, batch, stages, checkpoints,
+                                                replace(degrees, replicas=tuple(replicas)), space, top, progress)
+                _label(part, t, sequence_parallel, space.context_parallel, e)
+                parts.append(part)
             continue
         for e, etp in _near_a_domain_first(expert_values(space, workload, t), t, system.devices_per_node):
             replicas = [d for d in degrees.replicas if (t * space.context_parallel * d) % (e * (etp or t)) == 0]
@@ -207,7 +212,8 @@ def _search_each_stage_count(workload: MeasuredCosts, system: System, batch: int
                              checkpoints: list[str], degrees: SystemSpace, space: SearchSpace, top: int,
                              progress: Progress | None) -> SearchResult:
     """Search K by K and D by D with the measured workload bound to each (its fits and threads are
-    those of D x K processes), then merge the rankings."""
+    those of D x K processes), then merge the rankings. With its experts split (E > 1) HSDP is not
+    searched (not modelled for the routed experts)."""
     parts = []
     for k in stage_options:
         for d in degrees.replicas:
@@ -216,7 +222,8 @@ def _search_each_stage_count(workload: MeasuredCosts, system: System, batch: int
                                 list(degrees.schedules), space.partitioner, top, progress, [d],
                                 list(degrees.virtual_stages), list(degrees.zero), list(space.placements),
                                 bound.allreduce_link(bound_system),  # type: ignore[attr-defined]
-                                escalate_zero=space.zero_escalates, shard_group_options=space.shard_groups,
+                                escalate_zero=space.zero_escalates,
+                                shard_group_options=space.shard_groups if workload.expert_parallel == 1 else (),
                                 gradient_sync_options=space.gradient_syncs))
     return _merged(parts, top)
 

@@ -214,18 +214,20 @@ def expert_values(space: SearchSpace, workload: Workload, tensor_parallel: int) 
     from sim.workloads.moe.expert_parallel import check_expert_parallel, expert_count
 
     experts = expert_count(workload)
-    if not experts or workload.measured_costs:
+    if not experts:
         for e in space.expert_parallel or ():
             check_expert_parallel(workload, e)
-            if e > 1:  # a costs file prices one E at a time (gpipe simulate), not a search over them
-                raise GpipeInputError(f"--expert-parallel-options {e} with --costs: gpipe plan searches expert "
-                                      "parallelism on the analytic model only; price a measured E with gpipe "
-                                      f"simulate --costs FILE --expert-parallel {e}")
         return [(1, None)]
     es = list(space.expert_parallel) if space.expert_parallel is not None else \
         [e for e in range(1, experts + 1) if experts % e == 0]
     for e in es:
         check_expert_parallel(workload, e)
+    if workload.measured_costs:  # a costs file's experts are whole on whole stages (T = 1): ETP is T
+        for etp in space.expert_tensor_parallel or ():
+            if etp != tensor_parallel:
+                raise GpipeInputError(f"--expert-tensor-parallel-options {etp} with --costs: a costs file prices whole "
+                                      "experts; leave the option out")
+        return [(e, None) for e in es]
     etps = list(space.expert_tensor_parallel) if space.expert_tensor_parallel is not None else \
         sorted({1, tensor_parallel})
     return [(e, None if etp == tensor_parallel else etp) for e in es for etp in etps]

@@ -72,7 +72,8 @@ def test_a_costs_file_without_the_experts_profile_or_split_over_t_is_one_line():
 
 def test_simulate_prices_a_measured_mixture_split_over_two_ranks(tmp_path):
     """`gpipe simulate --costs FILE --expert-parallel 2`: each rank's bytes hold half the routed experts, and
-    the step is longer than at E = 1 by the exchanges; `gpipe plan` refuses to search E over a costs file."""
+    the step is longer than at E = 1 by the exchanges; `gpipe plan --costs` searches E and prices the plan
+    it proposes as simulate does; an ETP other than T over a costs file is one line."""
     path = tmp_path / "costs.json"
     write_costs(moe_costs(), path)
     common = ["simulate", "--costs", str(path), "--stages", "1", "--replicas", "2", "--batch", "8",
@@ -86,7 +87,17 @@ def test_simulate_prices_a_measured_mixture_split_over_two_ranks(tmp_path):
     assert [d["parameter_bytes"] for d in split_run["stages"]] == [params, params]
     assert split_run["expert_parallel"] == 2
     assert split_run["step_time_s"] > whole_run["step_time_s"]
-    refused = gpipe("plan", "--costs", str(path), "--stages-options", "1", "--replicas-options", "2",
-                    "--expert-parallel-options", "2", "--batch", "8")
-    assert refused.returncode == 2 and "searches expert parallelism on the analytic model only" in refused.stderr
+    one = ["plan", "--costs", str(path), "--stages-options", "1", "--replicas-options", "2", "--batch", "8",
+           "--microbatch-options", "2", "--checkpoints", "always", "--schedules", "gpipe", "--zero-options", "0"]
+    planned = gpipe(*one, "--json")
+    assert planned.returncode == 0, planned.stderr
+    by_e = {p.get("expert_parallel", 1): p for p in json.loads(planned.stdout)["ranked"]}
+    assert set(by_e) == {1, 2}  # auto: every E dividing the experts and T x C x D
+    # the search prices a costs file's forwards as under except_last (a plan's own policy rebinds them in
+    # simulate): 0.01% apart here, so the E = 2 plan is the one simulate prices
+    assert by_e[2]["step_time_s"] == pytest.approx(split_run["step_time_s"], rel=1e-3)
+    assert by_e[1]["step_time_s"] == pytest.approx(whole_run["step_time_s"], rel=1e-9)
+    assert [s["parameter_bytes"] for s in by_e[2]["stages"]] == [params, params]
+    refused = gpipe(*one, "--expert-parallel-options", "2", "--expert-tensor-parallel-options", "2")
+    assert refused.returncode == 2 and "a costs file prices whole experts" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
