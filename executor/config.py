@@ -19,8 +19,8 @@ from sim.formats.plan import ModelRef, Plan
 from sim.schedules.microbatch import split_rows
 from sim.workloads.optimizers import DEFAULT_OPTIMIZER
 from sim.workloads.precision import DEFAULT_PRECISION, check_precision
-from sim.schedules.schedule import (MULTI_CHUNK_SCHEDULES, check_interleaving, check_split_backward, check_v_schedule,
-                                    check_virtual_stages)
+from sim.schedules.schedule import (MULTI_CHUNK_SCHEDULES, PRICED_ONLY_POLICIES, check_interleaving,
+                                    check_split_backward, check_v_schedule, check_virtual_stages)
 from sim.formats.timeline import write_json_atomic
 
 # options a plan's model may carry that describe the simulator's analysis, not the torch model
@@ -111,6 +111,9 @@ class RunConfig:
         from executor.models.initial_weights import check_init
 
         check_init(self.init)
+        if self.layout.checkpoint in PRICED_ONLY_POLICIES:
+            raise GpipeInputError(f"--checkpoint {self.layout.checkpoint} (torchtitan's op-level policy) is priced by "
+                                  "gpipe simulate for planning, not trained here; use selective, full or never")
         if self.layout.checkpoint == "selective" and self.model != "transformer":
             raise GpipeInputError(f"--checkpoint selective recomputes the attention core of the built-in transformer "
                                   f"only, not {self.model}; use full (every layer recomputed) or never")

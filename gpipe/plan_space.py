@@ -22,8 +22,8 @@ from sim.engine.placement import check_placement
 from sim.errors import GpipeInputError, require_positive
 from sim.planner.space import SearchSpace, Target
 from sim.planner.training_cost import Costing, price_of
-from sim.schedules.schedule import CHECKPOINT_POLICIES, PLANNED_SCHEDULES, SCHEDULES, check_checkpoint_policy, \
-    check_schedule_name
+from sim.schedules.schedule import CHECKPOINT_POLICIES, PLANNED_SCHEDULES, PRICED_ONLY_POLICIES, SCHEDULES, \
+    check_checkpoint_policy, check_schedule_name
 
 
 def add_search_space_arguments(parser: argparse.ArgumentParser) -> Any:
@@ -230,6 +230,11 @@ def search_space_of(args: argparse.Namespace, hardware: list[str],
                     costing: Costing) -> tuple[SearchSpace, dict[str, str | None]]:
     """The space the flags name, every system's model resolved, and each system's attention line."""
     checkpoints = tuple(check_checkpoint_policy(c) for c in args.checkpoints.split(","))
+    for checkpoint in checkpoints:
+        if checkpoint in PRICED_ONLY_POLICIES:
+            raise GpipeInputError(f"--checkpoints {checkpoint}: priced by gpipe simulate and replay for what-if and "
+                                  "published runs, not planned (gpipe train does not run it); choose among "
+                                  f"{', '.join(CHECKPOINT_POLICIES)}")
     schedules = tuple(check_schedule_name(s) for s in default_schedules(args).split(","))
     placements = tuple(check_placement(p) for p in args.placements.split(","))
     inputs = [planning_inputs(args, name) for name in hardware]  # every system's precision checked first

@@ -119,6 +119,7 @@ class KernelTimes:
     forward_s: float
     backward_s: float
     core_recompute_s: float  # the attention core rerun by selective recompute
+    op_recompute_s: float = 0.0  # what selective_op reruns: its matmuls and every elementwise op of the forward
 
 
 def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kernels: KernelEfficiency,
@@ -163,7 +164,12 @@ def layer_times(spec: Any, rows: int, peak_flops: float, bandwidth: float, kerne
         core_bytes = max(0.0, (spec.core_traffic_bytes_per_row - spec.core_matmul_traffic_bytes_per_row) * rows)
         core_s = (spec.core_flops_per_row * rows / gemm_rate + 2 * kernels.matmul_launch_s
                   + core_bytes / (bandwidth * kernels.memory))
-    return KernelTimes(forward_s, backward_s, core_s)
+    op_s = 0.0
+    if spec.op_checkpointed:
+        recomputed = spec.op_recompute_flops_per_row * rows
+        op_s = (recomputed / projection_rate + memory_s + overhead_s
+                + kernels.matmul_launch_s * spec.matmuls * min(1.0, recomputed / max(projections, 1e-30)))
+    return KernelTimes(forward_s, backward_s, core_s, op_s)
 
 
 def ring_exposed_s(steps: int, send_s: float, attention_forward_s: float,

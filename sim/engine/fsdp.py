@@ -84,7 +84,7 @@ from sim.engine.placement import device_of
 from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
 from sim.errors import GpipeInputError
 from sim.workloads.moe.expert_parallel import expert_data_ranks, expert_replica_stride
-from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
+from sim.schedules.schedule import recomputes_attention_core, recomputes_ops, recomputes_per_layer
 from sim.workloads.workload import LayerCost
 
 if TYPE_CHECKING:
@@ -255,6 +255,8 @@ def layer_backward_s(layer: LayerCost, checkpoint: str) -> float:
         return layer.backward_s + layer.recompute_s
     if recomputes_attention_core(checkpoint):
         return layer.backward_s + layer.core_recompute_s
+    if recomputes_ops(checkpoint):
+        return layer.backward_s + layer.op_recompute_s
     return layer.backward_s
 
 

@@ -37,8 +37,9 @@ def peak_coefficients(stages: int, microbatches: int, schedule: str, checkpoint:
 
     GPipe's devices all run the same list, and a 1F1B device's depends only on its warm-up
     (min(K - k - 1, M) forwards), so those are computed once per list, not once per device; and
-    ``selective`` keeps whole micro-batches as ``never`` does (its smaller saved size is the cost's)."""
-    if checkpoint == "selective":
+    ``selective`` and ``selective_op`` keep whole micro-batches as ``never`` does (their smaller saved size is
+    the cost's)."""
+    if checkpoint in ("selective", "selective_op"):
         checkpoint = "never"
     if schedule == "gpipe":
         return _peak_coefficients(1, microbatches, schedule, checkpoint, 0, 1)

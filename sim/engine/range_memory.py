@@ -19,7 +19,7 @@ import numpy as np
 
 from sim.engine.memory import Sharding, sharded_static_bytes
 from sim.engine.stage_costs import held_input_bytes, layer_alone_bytes
-from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
+from sim.schedules.schedule import recomputes_attention_core, recomputes_ops, recomputes_per_layer
 from sim.workloads.workload import LayerCost, SharedParameter
 
 
@@ -100,6 +100,8 @@ class RangeMemory:
             saved = _range(_prefix([c.saved_bytes for c in layers])) + held[:, None]
             if recomputes_attention_core(checkpoint):
                 saved = saved - _range(_prefix([c.core_saved_bytes for c in layers]))
+            if recomputes_ops(checkpoint):
+                saved = saved - _range(_prefix([c.op_dropped_bytes for c in layers]))
             self.stash = np.broadcast_to(inputs[:, None], (n, n + 1))
             self.saved = saved
             self.transient = zeros

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from sim.catalog.hardware import Device
 from sim.engine.host import NO_HOST_EFFECTS, HostEffects
-from sim.schedules.schedule import recomputes_attention_core, recomputes_per_layer
+from sim.schedules.schedule import recomputes_attention_core, recomputes_ops, recomputes_per_layer
 from sim.workloads.workload import LayerCost, SharedParameter, Workload, shared_parameters
 
 
@@ -61,6 +61,9 @@ class StageCost:
     # --checkpoint selective: the attention cores' saved bytes, not held, and their recompute time
     core_saved_bytes: int = 0
     core_recompute_s: float = 0.0
+    # --checkpoint selective_op: the blocks' bytes not kept, and their rerun inside the backward
+    op_dropped_bytes: int = 0
+    op_recompute_s: float = 0.0
     # split-backward schedules: the part of backward_s that is the weight gradients (W), and what
     # splitting adds to I + W beyond the whole backward (a second autograd call, the kept graph; measured
     # by calibration, 0 in the analytic models)
@@ -169,6 +172,8 @@ def backward_time_s(cost: StageCost, checkpoint: str) -> float:
         return cost.backward_s + cost.recompute_s if cost.full_backward_s is None else cost.full_backward_s
     if recomputes_attention_core(checkpoint):
         return cost.backward_s + cost.core_recompute_s
+    if recomputes_ops(checkpoint):
+        return cost.backward_s + cost.op_recompute_s
     return cost.backward_s
 
 
@@ -180,6 +185,8 @@ def held_sizes(cost: StageCost, checkpoint: str) -> tuple[int, int, int]:
         return 0, cost.layer_inputs_bytes, cost.layer_transient_bytes
     if recomputes_attention_core(checkpoint):
         return cost.stash_bytes, cost.saved_bytes - cost.core_saved_bytes, 0
+    if recomputes_ops(checkpoint):
+        return cost.stash_bytes, cost.saved_bytes - cost.op_dropped_bytes, 0
     return cost.stash_bytes, cost.saved_bytes, 0
 
 
@@ -196,6 +203,7 @@ def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
         optimizer_s=sum(c.optimizer_s for c in layers),
         layer_inputs_bytes=inputs, layer_transient_bytes=transient,
         core_saved_bytes=sum(c.core_saved_bytes for c in layers), core_recompute_s=sum(c.core_recompute_s for c in layers),
+        op_dropped_bytes=sum(c.op_dropped_bytes for c in layers), op_recompute_s=sum(c.op_recompute_s for c in layers),
         weight_grad_s=sum(layer_weight_grad_s(c.backward_s - c.ep_backward_s, c.param_bytes) for c in layers),
         ep_forward_s=sum(c.ep_forward_s for c in layers), ep_backward_s=sum(c.ep_backward_s for c in layers),
     )
@@ -223,7 +231,7 @@ class CostTable:
         self.device = device
         self._layers: dict[int, tuple[LayerCost, ...]] = {}
         self._stages: dict[tuple[int, int, int], StageCost] = {}
-        self._prefix: dict[int, list[tuple[float, float, float, int, int, float, int, float, float]]] = {}
+        self._prefix: dict[int, list[tuple[float, float, float, int, int, float, int, float, float, int, float]]] = {}
         self._exact = workload.stage_cost
         self._shared = shared_parameters(workload)
         self._state_bytes: dict[tuple[int, int], tuple[int, int]] = {}
@@ -234,17 +242,18 @@ class CostTable:
             self._layers[rows] = tuple(self.workload.layer_costs(rows, self.device))
         return self._layers[rows]
 
-    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float, int, float, float]]:
+    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float, int, float, float, int, float]]:
         """Running sums of (forward, backward, recompute, saved, static, optimizer, core saved, core
-        recompute, weight gradients) over layers."""
+        recompute, weight gradients, selective_op's dropped bytes, its recompute) over layers."""
         if rows not in self._prefix:
-            sums = [(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0.0, 0.0)]
+            sums = [(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0.0, 0.0, 0, 0.0)]
             for c in self.layers(rows):
-                f, b, r, saved, static, opt, core, core_s, weight = sums[-1]
+                f, b, r, saved, static, opt, core, core_s, weight, dropped, op_s = sums[-1]
                 sums.append((f + c.forward_s, b + c.backward_s, r + c.recompute_s, saved + c.saved_bytes,
                              static + c.param_bytes + c.grad_bytes + c.optimizer_bytes, opt + c.optimizer_s,
                              core + c.core_saved_bytes, core_s + c.core_recompute_s,
-                             weight + layer_weight_grad_s(c.backward_s - c.ep_backward_s, c.param_bytes)))
+                             weight + layer_weight_grad_s(c.backward_s - c.ep_backward_s, c.param_bytes),
+                             dropped + c.op_dropped_bytes, op_s + c.op_recompute_s))
             self._prefix[rows] = sums
         return self._prefix[rows]
 
@@ -266,7 +275,8 @@ class CostTable:
                                  layers[first].input_bytes, layers[end - 1].output_bytes, high[4] - low[4],
                                  high[5] - low[5], layer_inputs_bytes=inputs, layer_transient_bytes=transient,
                                  core_saved_bytes=high[6] - low[6], core_recompute_s=high[7] - low[7],
-                                 weight_grad_s=high[8] - low[8])
+                                 weight_grad_s=high[8] - low[8], op_dropped_bytes=high[9] - low[9],
+                                 op_recompute_s=high[10] - low[10])
             if self._shared:
                 cost = replace(cost, static_bytes=cost.static_bytes - duplicate_static_bytes(self._shared, first, end))
             if self._experts_split and self._exact is None:

@@ -38,7 +38,7 @@ from sim.evidence.megatron_fsdp import gradient_sync_of
 from sim.formats.layout import ZERO_STAGES, ParallelLayout, check_sharding
 from sim.planner.search import Candidate, default_partition, search
 from sim.schedules.microbatch import split_rows
-from sim.schedules.schedule import CHECKPOINT_POLICIES
+from sim.schedules.schedule import CHECKPOINT_POLICIES, PRICED_ONLY_POLICIES
 from sim.workloads.moe.expert_parallel import with_expert_parallel
 from sim.workloads.tensor_parallel import with_tensor_parallel
 from sim.workloads.workload import Workload, check_checkpoint_for
@@ -144,11 +144,12 @@ def space_of(run: dict[str, Any], workload: Workload, stages: int, replicas: int
     checkpoint = run["checkpoint"]
     if checkpoint is None:
         checkpoints = TRAINER_POLICIES
-    elif checkpoint in CHECKPOINT_POLICIES:
+    elif checkpoint in CHECKPOINT_POLICIES + PRICED_ONLY_POLICIES:
         checkpoints = (check_checkpoint_for(workload, checkpoint),)
     else:
-        raise GpipeInputError(f"checkpoint {checkpoint!r}; give one of {', '.join(CHECKPOINT_POLICIES)}, or null "
-                              "where the source does not say")
+        raise GpipeInputError(f"checkpoint {checkpoint!r}; give one of "
+                              f"{', '.join(CHECKPOINT_POLICIES + PRICED_ONLY_POLICIES)}, or null where the source "
+                              "does not say")
     sequence = run["sequence_parallel"]
     sequence_options = (False, True) if sequence is None and tensor > 1 else (bool(sequence),)
     virtual = count_of(run, "virtual_stages")

@@ -68,6 +68,11 @@ PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s not in SPLIT_BACKWARD_SCHEDU
 # selective: only the attention core (QK^T, softmax, attention over V) recomputed inside the backward
 # (Korthikanti et al. 2022), everything else kept: no R action either
 CHECKPOINT_POLICIES = ("always", "except_last", "never", "full", "selective")
+# selective_op: torchtitan's op-level selective activation checkpointing (its "selective op" policy: every
+# op's output saved but every second matmul's and the elementwise ops', which the backward reruns from the
+# block's input; the flash attention kernel's saved). Priced by the simulator (gpipe simulate, replay) for
+# what-if and published runs; not planned, and gpipe train does not run it (one line)
+PRICED_ONLY_POLICIES = ("selective_op",)
 
 
 class Kind(str, enum.Enum):
@@ -118,9 +123,10 @@ def check_schedule_name(schedule: str) -> str:
 
 
 def check_checkpoint_policy(checkpoint: str) -> str:
-    if checkpoint not in CHECKPOINT_POLICIES:
+    if checkpoint not in CHECKPOINT_POLICIES + PRICED_ONLY_POLICIES:
         raise GpipeInputError(
-            f"unknown checkpoint policy {checkpoint!r}; choose one of {', '.join(CHECKPOINT_POLICIES)}"
+            f"unknown checkpoint policy {checkpoint!r}; choose one of "
+            f"{', '.join(CHECKPOINT_POLICIES + PRICED_ONLY_POLICIES)}"
         )
     return checkpoint
 
@@ -134,6 +140,12 @@ def recomputes_per_layer(checkpoint: str) -> bool:
 def recomputes_attention_core(checkpoint: str) -> bool:
     """Whether only the attention core is recomputed, inside the backward (``selective``)."""
     return checkpoint == "selective"
+
+
+def recomputes_ops(checkpoint: str) -> bool:
+    """Whether every second matmul and the elementwise ops are recomputed, inside the backward
+    (``selective_op``, torchtitan's op-level policy)."""
+    return checkpoint == "selective_op"
 
 
 def recomputes(checkpoint: str, microbatch: int, microbatches: int) -> bool:

@@ -83,6 +83,13 @@ class LayerSpec:
     tp_allreduces_backward_waited: float = 0.0
     # fp8 (sim.workloads.precision): the layer's matmuls other than the attention core run at the fp8 peak
     fp8_matmuls: bool = False
+    # torchtitan's op-level selective checkpointing (selective_op) of a block: what the backward reruns (every
+    # second matmul's FLOPs, or all of them where they are fp8 scaled matmuls, which its save list leaves out;
+    # every elementwise op besides) and what the block keeps for its backward; a layer not checkpointed
+    # (op_checkpointed False: the embedding, the head) keeps all it saves
+    op_checkpointed: bool = False
+    op_recompute_flops_per_row: float = 0.0
+    op_kept_bytes_per_row: float = 0.0
     # the attention core (QK^T, softmax, attention over V): what selective recompute drops and reruns
     core_saved_bytes_per_row: float = 0.0
     core_flops_per_row: float = 0.0

@@ -71,6 +71,11 @@ class AnalyticWorkload(WorkloadCapabilities):
         self.has_attention_core = self.is_transformer  # what --checkpoint selective recomputes
 
     @property
+    def checkpoints_ops(self) -> bool:  # type: ignore[override]
+        """Whether its blocks price ``selective_op`` (a dense transformer's with flash attention)."""
+        return not self.has_experts and any(spec.op_checkpointed for spec in self.layers)
+
+    @property
     def parameter_count(self) -> int:
         """The whole model's parameters (a tensor-parallel layer's whole, not one device's share; a
         tied embedding and head's weight once)."""
@@ -137,6 +142,7 @@ class AnalyticWorkload(WorkloadCapabilities):
                                 device.memory_bandwidth_bytes_per_s, device.kernels, collective_s, LAYER_OVERHEAD_S,
                                 ring_send_s, projection_peak_flops=device.peak_flops[matmul_peak])
             forward_s, backward_s, core_s = times.forward_s, times.backward_s, times.core_recompute_s
+            op_s = times.op_recompute_s
             bytes_s = device.memory_bandwidth_bytes_per_s * device.kernels.memory
         else:  # the roofline; the matmuls wait for the collectives: no overlap
             attention = spec.attention_flops_per_row * rows
@@ -154,6 +160,9 @@ class AnalyticWorkload(WorkloadCapabilities):
             ring_forward_s, ring_backward_s = ring_exposed_s(spec.cp_steps, ring_send_s, attention_s, 2 * attention_s)
             forward_s += ring_forward_s
             backward_s += ring_backward_s
+            elementwise = max(0.0, (spec.traffic_bytes_per_row - spec.matmul_traffic_bytes_per_row) * rows)
+            op_s = max(spec.op_recompute_flops_per_row * rows / device.achieved_flops(matmul_peak),
+                       elementwise / bytes_s) + LAYER_OVERHEAD_S
         param_bytes = spec.params * precision.weight_bytes  # fp32 weights (the master copy) unless a bf16 model
         grad_bytes = spec.params * FP32_BYTES  # fp32 gradients (a bf16 model's main gradients too)
         optimizer_bytes = (self.optimizer_slots + precision.master_copy) * spec.params * FP32_BYTES
@@ -179,9 +188,13 @@ class AnalyticWorkload(WorkloadCapabilities):
             extra["core_recompute_s"] = max(spec.core_flops_per_row * rows / flops_s,
                                             spec.core_traffic_bytes_per_row * rows / bytes_s)
             extra["core_saved_bytes"] = round(spec.core_saved_bytes_per_row * rows)
+        saved_bytes = round(spec.saved_bytes_per_row * rows + spec.fixed_saved_bytes)
+        if spec.op_checkpointed:  # selective_op: the block keeps its input and the outputs of the ops it saves
+            extra["op_recompute_s"] = op_s
+            extra["op_dropped_bytes"] = max(0, saved_bytes - round(spec.op_kept_bytes_per_row * rows))
         return LayerCost(
             name=spec.name, forward_s=forward_s, backward_s=backward_s, recompute_s=forward_s,
-            saved_bytes=round(spec.saved_bytes_per_row * rows + spec.fixed_saved_bytes),
+            saved_bytes=saved_bytes,
             output_bytes=round(spec.output_bytes_per_row * rows),
             input_bytes=round(spec.input_bytes_per_row * rows),
             param_bytes=param_bytes, grad_bytes=grad_bytes,

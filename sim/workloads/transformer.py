@@ -235,6 +235,17 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
                    + z.norms * z.stats * STAT_BYTES * s / split_seq + drop * MASK_BYTES * 2 * s * d / split_seq
                    + norms_saved + z.qk_norm * c * s * (dq + e) / t)
     norm_params = norms_params + z.extra_block_params  # read in fp32 where the matmul weights are cast
+    # selective_op (torchtitan's op-level policy, flash attention only): the matmuls counted in a Llama block's
+    # order q, k, v, o, the MLP's first projection (w1), its second (w3 gated, fc2 otherwise), w2; the even
+    # ones (k, o and the MLP's second: d*e, dq*d and d*f wide) are rerun, or every one where they are fp8
+    # scaled matmuls, which the save list (aten.mm) does not name; the block keeps its input, the odd
+    # matmuls' outputs (q, v, w1, and gated w2, whose output is whole on each device before its reduction),
+    # the flash kernel's output and log-sum-exp, and with sequence parallelism the reduce-scatters' outputs
+    projection_flops = 2.0 * s * (d * (dq + 2 * e) + dq * d + (g + 1) * d * f) / t
+    op_recompute_flops = projection_flops if p.fp8_casts else 2.0 * s * (d * e + dq * d + d * f) / t
+    kept_matmuls = 0.0 if p.fp8_casts else (s * (dq + e + f) * c / t + (g == 2) * s * d * c)
+    op_kept = (s * d * F / split_seq + kept_matmuls + s * dq * c / t + h * s * STAT_BYTES / t
+               + sp * 2 * s * d * c / t)
 
     def block(keys: int) -> LayerSpec:
         """The block whose queries attend to ``keys`` keys each (a flash kernel's sliding window)."""
@@ -260,6 +271,8 @@ def transformer_layers(o: dict[str, Any], tp: int = 1, sp: bool = False, cp: int
                                           + scores_matmul_traffic / t),
             matmuls=4 + (1 if flash else 2), fp8_matmuls=p.fp8_casts,
             core_matmul_traffic_bytes_per_row=scores_matmul_traffic / t,
+            op_checkpointed=flash, op_recompute_flops_per_row=op_recompute_flops if flash else 0.0,
+            op_kept_bytes_per_row=op_kept if flash else 0.0,
         )
 
     # a flash kernel skips the blocks outside a sliding window; with context parallelism the ring passes

@@ -44,6 +44,11 @@ class LayerCost:
     # and the time to recompute it; 0 for a layer without attention
     core_saved_bytes: int = 0
     core_recompute_s: float = 0.0
+    # --checkpoint selective_op (torchtitan's op-level policy): what the block does not keep (saved_bytes less
+    # what the policy saves) and the time to rerun what it dropped inside the backward; 0 for a layer not
+    # checkpointed
+    op_dropped_bytes: int = 0
+    op_recompute_s: float = 0.0
     # expert parallelism (sim.workloads.moe.expert_parallel): the all-to-alls' exposed seconds counted in
     # forward_s (and recompute_s) and backward_s, and the routed experts' gradient bytes, reduced over the
     # expert-data-parallel group rather than all D replicas
@@ -69,12 +74,17 @@ class SharedParameter:
 
 def check_checkpoint_for(workload: "Workload", checkpoint: str) -> str:
     """``selective`` recomputes an attention core, which the built-in transformer's analytic model
-    and a costs file that profiled one know of (``has_attention_core``); refused in one line elsewhere."""
+    and a costs file that profiled one know of (``has_attention_core``); ``selective_op`` needs blocks that
+    price it (``checkpoints_ops``); refused in one line elsewhere."""
     if checkpoint == "selective" and not workload.has_attention_core:
         name = workload.name
         raise GpipeInputError(f"--checkpoint selective recomputes the attention core, which {name} has none of "
                               "(the built-in transformer has one; a costs file must profile it: gpipe calibrate "
                               "--force); use full")
+    if checkpoint == "selective_op" and not workload.checkpoints_ops:
+        raise GpipeInputError(f"--checkpoint selective_op (torchtitan's op-level policy) is priced for a dense "
+                              f"transformer with attention=flash on the analytic model, not {workload.name}; "
+                              "use selective or full")
     return checkpoint
 
 
@@ -94,6 +104,7 @@ class WorkloadCapabilities:
     """
 
     has_attention_core: bool = False  # a core --checkpoint selective drops and recomputes
+    checkpoints_ops: bool = False  # blocks --checkpoint selective_op prices (torchtitan's op-level policy)
     shared_parameters: tuple[SharedParameter, ...] = ()  # parameters several layers use (SharedParameter)
     planned_from: str | None = None  # the Hugging Face model it prices by its shape, if any
     has_experts: bool = False  # a mixture of experts, whose routed experts expert parallelism splits
@@ -136,6 +147,7 @@ class Workload(Protocol):
     name: str
     num_layers: int
     has_attention_core: bool
+    checkpoints_ops: bool
     shared_parameters: tuple[SharedParameter, ...]
     planned_from: str | None
     has_experts: bool

@@ -135,6 +135,8 @@ def add_specs(a: LayerSpec, b: LayerSpec, name: str | None = None) -> LayerSpec:
             values["name"] = name or a.name
         elif field.name in ("saves_input", "fp8_matmuls"):
             values[field.name] = x
+        elif field.name == "op_checkpointed":  # selective_op is not priced for a mixture (checkpoints_ops)
+            values[field.name] = False
         elif field.name == "cp_steps":
             values[field.name] = max(x, y)
         elif field.name.startswith("tp_allreduces"):
