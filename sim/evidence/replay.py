@@ -55,6 +55,8 @@ trainers that ran the published runs mean by them (Megatron-LM, NeMo, torchtitan
   ``alltoall`` (Megatron-Core's default) or its ``flex`` dispatcher's backends ``flex/deepep`` and
   ``flex/hybridep`` (also ``deepep``, ``hybridep``: one copy of a token per destination node across the
   network), priced as the model's ``dispatcher`` option; null the all-to-all, said in ``assumed``.
+- ``cuda_graphs`` (optional, a mixture of experts): true where the trainer captures CUDA graphs, which
+  removes the MoE layers' fixed per-pass time (the model's ``cuda_graphs`` option); null or false not.
 - ``pipeline_split`` (optional): the transformer layers of each virtual stage as the trainer split them,
   ``"even"`` (Megatron-Core's default) or a list (:mod:`sim.evidence.pipeline_split`); null balanced by
   time as ``gpipe plan`` splits them.
@@ -97,7 +99,7 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
 OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "use_megatron_fsdp", "expert_parallel",
-            "expert_tensor_parallel", "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap", "moe_dispatcher")
+            "expert_tensor_parallel", "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap", "moe_dispatcher", "cuda_graphs")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
