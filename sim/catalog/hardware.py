@@ -71,6 +71,14 @@ class Device:
     kernels: KernelEfficiency | None = None  # fitted fractions by kind of kernel (sim.catalog.kernel_model)
     flash_attention: bool = False  # trainers run flash attention here: the transformer's default kernel
     source: str = ""  # where the public figures come from
+    # a fitted device of the same silicon whose kernel fractions price this one where it has none of its own
+    # (the H200: the H100's compute with more and faster memory); None: its own name's
+    kernels_of: str | None = None
+
+    @property
+    def fitted_as(self) -> str:
+        """The name its fitted kernel fractions are kept under: its own, else the device it borrows them from."""
+        return self.name if self.kernels_of is None or self.name in _FITTED else self.kernels_of
 
     def achieved_flops(self, dtype: str) -> float:
         dtype = PEAK_DTYPES.get(dtype, dtype)
@@ -241,7 +249,7 @@ def _fitted(device: Device, fitted: dict[str, KernelEfficiency], key: str | None
     """``device`` with the fitted fractions (``gpipe fit-gpu``) the efficiency file has for it (by
     ``key``, default its own name): the roofline's efficiencies become the fitted matmul and memory
     fractions, for models the kernel model does not split (measured and meta workloads)."""
-    kernels = fitted.get(device.name if key is None else key)
+    kernels = fitted.get(device.fitted_as if key is None else key)
     if kernels is None:
         return device
     return replace(device, kernels=kernels, efficiency=kernels.matmul, bandwidth_efficiency=kernels.memory)
@@ -300,7 +308,7 @@ def place(system: System, nodes: int = 1, kernels: KernelEfficiency | None = Non
         raise GpipeInputError(f"nodes must be a positive integer, got {nodes!r}; use --nodes 1 or more")
     if not fitted:
         return replace(system, nodes=nodes)
-    key = fitted_as or system.device.name
+    key = fitted_as or system.device.fitted_as
     device = _fitted(system.device, {key: kernels} if kernels is not None else _FITTED, key)
     return replace(achieved_links(replace(system, device=device)), nodes=nodes)
 

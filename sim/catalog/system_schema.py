@@ -49,6 +49,8 @@ KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "memory_bandwidth_gb_s": ("memory bandwidth per device in GB/s", (int, float)),
     "memory_bandwidth_tb_s": ("memory bandwidth per device in TB/s", (int, float)),
     "efficiency": ("the achieved fraction of peak FLOP/s (default 0.5, assumed)", (int, float)),
+    "kernels_of": ("a fitted device of the same silicon whose kernel fractions price this one (its source says "
+                   "why)", (str,)),
     "bandwidth_efficiency": ("the achieved fraction of peak memory bandwidth (default 0.8, assumed)", (int, float)),
     "default_precision": ("the precision people train in here (default bf16 where a bf16 peak is given)", (str,)),
     "flash_attention": ("whether trainers run flash attention here (default false)", (bool,)),
@@ -72,7 +74,8 @@ LINK_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
 }
 LINK_REQUIRED = ("name", "bandwidth_gb_s", "latency_s")
 DEVICE_FIGURES = (*(f"{PEAK_PREFIX}{d}" for d in PEAK_DTYPES), "memory_gib", "memory_gb", "memory_bandwidth_gb_s",
-               "memory_bandwidth_tb_s", "efficiency", "bandwidth_efficiency", "default_precision", "flash_attention")
+               "memory_bandwidth_tb_s", "efficiency", "bandwidth_efficiency", "default_precision", "flash_attention",
+               "kernels_of")
 _FIX = "see docs/planning.md#your-own-cluster"
 
 
@@ -111,6 +114,8 @@ def system_fields(data: Any, where: str, link_names: Iterable[str]) -> dict[str,
     for key in ("efficiency", "bandwidth_efficiency"):
         if key in data:
             device[key] = _fraction(data, key, where)
+    if "kernels_of" in data:
+        device["kernels_of"] = data["kernels_of"]
     price = data.get("price_per_device_hour")
     if price is not None:
         price = _positive(data, "price_per_device_hour", where)

@@ -26,7 +26,8 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from sim.catalog.hardware import CATALOG_FILES, LINKS, SYSTEMS, System, build_system, fitted_device_named, get_system, place
+from sim.catalog.hardware import (CATALOG_FILES, LINKS, SYSTEMS, System, build_system, fitted_device_named, fitted_devices,
+                                  get_system, place)
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.catalog.system_schema import DEVICE_FIGURES, KEYS, ONE_OF, check_keys, system_fields
 from sim.errors import GpipeInputError, did_you_mean
@@ -84,7 +85,7 @@ def fractions_from(ref: Any) -> str | None:
     if named:
         return named
     base = SYSTEMS.get(catalog_name(ref))
-    return base.device.name if base is not None and base.device.kernels is not None else None
+    return base.device.fitted_as if base is not None and base.device.kernels is not None else None
 
 
 def run_system(ref: Any, nodes: Any, gpus: Any, kernels: KernelEfficiency | None, where: str) -> System:
@@ -134,12 +135,19 @@ def _from_object(data: Any, nodes: int, kernels: KernelEfficiency | None, fitted
         if base not in CATALOG_FILES:
             raise GpipeInputError(f"{where}: base {base!r} is not a catalog system{did_you_mean(base, CATALOG_FILES)}; "
                                   f"choose one of {', '.join(CATALOG_FILES)}")
-        fitted_as = SYSTEMS[base].device.name
-        data = _over_base(CATALOG_FILES[base], data, fitted_as, where)
+        fitted_as = SYSTEMS[base].device.fitted_as
+        data = _over_base(CATALOG_FILES[base], data, SYSTEMS[base].device.name, where)
         if kernels is not None:  # the fractions being fitted for this variant (gpipe fit-gpu)
             fitted_as = data["name"]
         elif fitted_device_named(data["name"]):  # a variant fitted on its own rows, however its name is spelt
             fitted_as = fitted_device_named(data["name"])
+    borrowed = data.get("kernels_of")
+    if borrowed is not None and borrowed not in fitted_devices():
+        raise GpipeInputError(f"{where}: kernels_of {borrowed!r} names no device with fitted kernel fractions"
+                              f"{did_you_mean(str(borrowed), fitted_devices())}; choose one of "
+                              f"{', '.join(sorted(fitted_devices()))}, or leave it out")
+    if borrowed is not None and base is None:
+        fitted_as = borrowed
     system = build_system(system_fields(data, where, LINKS), LINKS)
     return place(system, nodes, kernels, fitted, fitted_as)
 

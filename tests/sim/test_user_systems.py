@@ -178,3 +178,23 @@ def test_a_runs_gpus_place_the_layout_on_a_partial_rack():
     assert full.modelled and partial.modelled
     assert not replay({**RUN, "hardware": "gb200-nvl72", "gpus": 4}, resolve).modelled  # D x K x T = 8 > 4
     assert asdict(partial)["layout"]["replicas"] == 2
+
+
+def test_a_device_of_the_same_silicon_is_priced_at_the_fractions_it_names():
+    """The H200 is the H100 SXM's compute with more, faster memory (its catalog file's kernels_of):
+    priced at the H100's fitted fractions against its own peaks and bandwidth, and a run on it says so;
+    an object over it keeps them, one of its own names them, and a name that is no fitted device is one line."""
+    h100, h200 = get_system("h100-nvlink").device, get_system("h200-nvlink").device
+    assert h200.kernels == h100.kernels is not None and h200.name != h100.name
+    assert h200.memory_bandwidth_bytes_per_s > h100.memory_bandwidth_bytes_per_s
+    run = replay({**RUN, "hardware": "h200-nvlink"}, resolve)
+    assert any(line.startswith("H200-SXM-141GB: kernels timed by kind at the fractions fitted for H100-SXM-80GB")
+               for line in run.assumed)
+    assert resolve_system({"base": "h200-nvlink", "memory_gib": 120}).device.kernels == h100.kernels
+    own = {"name": "mine", "device": "X", "peak_tflops_bf16": 900, "memory_gib": 80, "memory_bandwidth_tb_s": 3,
+           "gpus_per_node": 8, "intra_link": "NVLink4", "nic_gbit_s": 400}
+    assert resolve_system({**own, "kernels_of": "H100-SXM-80GB"}).device.kernels == h100.kernels
+    assert resolve_system(own).device.kernels is None
+    with pytest.raises(GpipeInputError, match="kernels_of 'H100-SXM-80' names no device with fitted kernel "
+                                              "fractions .did you mean H100-SXM-80GB"):
+        resolve_system({**own, "kernels_of": "H100-SXM-80"})
