@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from sim.catalog.efficiency_note import efficiency_kind
+from sim.catalog.efficiency_note import efficiency_kind, efficiency_text
 from sim.catalog.hardware import (CATALOG_FILES, DEFAULT_EFFICIENCY, GB, LINKS, LINKS_FILE, SYSTEMS, SYSTEMS_DIR, TERA,
                                   get_system)
 from sim.engine.allreduce import ring_allreduce_s
@@ -134,7 +134,11 @@ def test_tpu_ici_per_link_from_the_chips_total():
 
 def test_only_the_development_sets_devices_are_fitted():
     fitted = {name for name in SYSTEMS if efficiency_kind(get_system(name)) == "fitted"}
-    assert fitted == {"a100-nvlink", "h100-nvlink", "b200-nvlink", "gb200-nvl72"}
+    # the H200 at the H100's fractions (its file's kernels_of: the same compute), and said so
+    assert fitted == {"a100-nvlink", "h100-nvlink", "b200-nvlink", "gb200-nvl72", "h200-nvlink"}
+    h200 = get_system("h200-nvlink")
+    assert h200.device.kernels == get_system("h100-nvlink").device.kernels
+    assert "published runs of the H100-SXM-80GB" in efficiency_text(h200, "fitted")
     assumed = [name for name in NEW_2026 if name not in fitted]  # no published run of them in the development set
     assert assumed and all(SYSTEMS[name].device.efficiency == DEFAULT_EFFICIENCY for name in assumed)
     assert all(efficiency_kind(get_system(name)) == "assumed" for name in assumed)  # and said so
