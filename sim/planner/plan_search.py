@@ -8,9 +8,11 @@ processes. A mixture of experts is searched once more per (E, ETP) inside each T
 (:func:`sim.planner.space.expert_values`), on its workload with the experts split
 (:mod:`sim.workloads.moe.expert_parallel`), with D restricted to those E x ETP divides T x C x D (ZeRO-2/3
 sharding the routed experts over their expert-data-parallel group, :mod:`sim.engine.fsdp`; no HSDP shard
-groups with E > 1), and an overlapping schedule (``dualpipev``) apart from the others; these searches share the
-``top``-th best score found so far as a ceiling, so one ends as soon as none of its bounds can beat it.
-Each part's ranking is exact, so the merged ranking's top is exact too.
+groups with E > 1), and an overlapping schedule (``dualpipev``) apart from the others. The searches of one
+system, every T and (E, ETP), share the ``top``-th best score found so far as a ceiling, so one ends as soon
+as none of its bounds can beat it; each part's ranking is exact above it, so the system's top is exact too.
+Each system keeps its own ranking (the output gives every system's best); the second search for the
+fastest or the cheapest plan of all (:func:`fastest_and_cheapest`) shares its best so far across systems.
 
 With days and dollars (:class:`sim.planner.training_cost.Costing`) every ranked plan is priced;
 ranked by cost, each candidate's step is weighed by its devices and their price inside the search,
@@ -96,8 +98,11 @@ def search_plans(space: SearchSpace, costing: Costing = Costing(), top: int = 10
     return PlanSearch(planned, sorted((o for p in fitting for o in p.result.ranked), key=ranking_key))
 
 
-def plan_on(target: Target, space: SearchSpace, costing: Costing, top: int, progress: Progress | None) -> Planned:
-    """The search on one system, its ranked plans costed (:mod:`sim.planner.training_cost`)."""
+def plan_on(target: Target, space: SearchSpace, costing: Costing, top: int, progress: Progress | None,
+            ceiling: float = float("inf")) -> Planned:
+    """The search on one system, its ranked plans costed (:mod:`sim.planner.training_cost`); ``ceiling``:
+    a score other systems' searches reached (none of this one's above it is ranked: for a search of the
+    best plan of all, not of each system's)."""
     system, workload = target.system, target.workload
     degrees = on_system(space, system)
     checkpoints = policies_for(space, workload)
@@ -111,7 +116,8 @@ def plan_on(target: Target, space: SearchSpace, costing: Costing, top: int, prog
                                   "analytic models; drop --costs (use --efficiency-from COSTS for its fit)")
         check_context_parallel(space.context_parallel, workload, system)
     result = _search_each_tensor_parallel(target, space, degrees, tensor_parallel_values(space, workload, system),
-                                          stage_options, checkpoints, top, progress, None if measured else costing)
+                                          stage_options, checkpoints, top, progress, None if measured else costing,
+                                          ceiling)
     for option in result.ranked:
         option.hardware = system.name
         option.cost = (plan_cost(option, workload, system, target.batch, target.precision, costing)
@@ -122,14 +128,14 @@ def plan_on(target: Target, space: SearchSpace, costing: Costing, top: int, prog
 
 def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: SystemSpace, tensor_options: list[int],
                                  stage_options: list[int], checkpoints: list[str], top: int,
-                                 progress: Progress | None, costing: Costing | None) -> SearchResult:
+                                 progress: Progress | None, costing: Costing | None,
+                                 ceiling: float = float("inf")) -> SearchResult:
     """Search T by T, each on its split workload and its system of T-device groups, then merge the
     rankings. Ranked by cost, each candidate's step is weighed by its devices and their price;
     ``--max-devices`` bounds D x K x T x C. Measured costs are searched K by K and D by D inside each T."""
     workload, system, batch = target.workload, target.system, target.batch
     parts: list[SearchResult] = []
     price = price_of(system, costing) if costing is not None else None
-    shares_ceiling = workload.has_experts  # the searches of several E end at the best found so far
     for t in tensor_options:
         devices_per_group = t * space.context_parallel
         weight = None
@@ -170,7 +176,7 @@ def _search_each_tensor_parallel(target: Target, space: SearchSpace, degrees: Sy
                               escalate_zero=space.zero_escalates,
                               shard_group_options=space.shard_groups if e == 1 else (),  # HSDP of experts: not modelled
                               gradient_sync_options=space.gradient_syncs,
-                              ceiling_score=_ceiling(parts, top) if shares_ceiling else float("inf"))
+                              ceiling_score=min(ceiling, _ceiling(parts, top)))
                 _label(part, t, sequence_parallel, space.context_parallel, e, etp)
                 parts.append(part)
     return _merged(parts, top)
@@ -246,8 +252,10 @@ def fastest_and_cheapest(space: SearchSpace, costing: Costing,
     if costing.train_tokens is None or not priced:
         return (ranked[0], None) if costing.rank_by == "time" else (None, ranked[0])
     flipped = replace(costing, rank_by="cost" if costing.rank_by == "time" else "time")
-    again = [o for target in (priced if flipped.rank_by == "cost" else space.hardware)
-             for o in plan_on(target, space, flipped, 1, None).result.ranked]
+    again: list[PlanOption] = []
+    for target in priced if flipped.rank_by == "cost" else space.hardware:
+        ceiling = min((o.score for o in again), default=float("inf"))  # the best so far: only a better one counts
+        again += plan_on(target, space, flipped, 1, None, ceiling).result.ranked
     other = min(again, key=lambda o: o.score) if again else None
     return (ranked[0], other) if costing.rank_by == "time" else (other, ranked[0])
 
