@@ -139,3 +139,27 @@ def test_zb_h1_is_searched_when_named_with_sound_bounds():
     assert [o.step_time_s for o in result.ranked] == pytest.approx(expected[:5], rel=1e-12)
     assert any(o.candidate.schedule == "zb-h1" for o in result.ranked)
     assert not any(o.candidate.schedule == "zb-h1" and o.candidate.checkpoint == "full" for o in result.ranked)
+
+
+def test_the_searches_of_each_t_sharing_a_ceiling_rank_as_searches_without_it(monkeypatch):
+    """`gpipe plan` over several T (and several systems for the cheapest plan of all): each search ends once
+    none of its bounds beats the best found so far; the ranking, the fastest and the cheapest are those of
+    searches that run to their own ends, with fewer plans simulated."""
+    import json
+
+    import sim.planner.plan_search as plan_search
+    from tests.helpers.in_process import gpipe
+
+    command = ("plan", "--model", "transformer", "--layers", "8", "--d-model", "1024", "--ff", "4096", "--heads", "16",
+               "--seq", "1024", "--hardware", "h100-nvlink,a100-nvlink", "--nodes", "2", "--batch", "64",
+               "--train-tokens", "1B", "--top", "5", "--json", "--quiet")
+    shared = gpipe(*command)
+    assert shared.returncode == 0, shared.stderr
+    monkeypatch.setattr(plan_search, "_ceiling", lambda parts, top: float("inf"))
+    monkeypatch.setattr(plan_search, "_best_score", lambda options: float("inf"))
+    alone = gpipe(*command)
+    assert alone.returncode == 0, alone.stderr
+    with_ceiling, without = json.loads(shared.stdout), json.loads(alone.stdout)
+    for key in ("ranked", "fastest", "cheapest"):
+        assert with_ceiling[key] == without[key]
+    assert with_ceiling["simulated"] <= without["simulated"]
