@@ -63,7 +63,10 @@ def ask(command: list[str]) -> dict:
     result = {"command": "gpipe " + " ".join(command), "one_core": bool(pin), "wall_s": wall_s,
               "candidates": report["candidates"], "simulated": report["simulated"],
               "fastest": row(report["fastest"]), "cheapest": row(report["cheapest"]),
-              "ranked": [row(o) for o in report["ranked"]], "hardware": report["hardware"],
+              "ranked": [row(o) for o in report["ranked"]],
+              # each system's entry with its best plan as a row (not its devices' figures, megabytes of them)
+              "hardware": {name: {**entry, "best": row(entry["best"]) if entry.get("best") else None}
+                           for name, entry in report["hardware"].items()},
               "limits": report["limits"]}
     print(result["command"])
     for label in ("fastest", "cheapest"):
