@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -365,6 +366,11 @@ def test_a_token_reaches_each_other_domain_unless_all_its_experts_are_elsewhere(
     # many experts, top-8 over 2 domains: almost always both, so one copy crosses in place of the 4 an
     # all-to-all sends (8 assignments, half of them in the other domain)
     assert 0.99 < remote_domains_per_token(128, 8, 2) < 1.0
+    # DeepSeek-V3's group-limited routing (8 groups, a token's experts in its best 4) over 8 nodes: a node is
+    # missed when its group is, C(7, 4) / C(8, 4) = 1/2, so 3.5 other nodes, not the 4.6 of plain top-8
+    assert remote_domains_per_token(256, 8, 8, 8, 4) == pytest.approx(7 * 0.5)
+    assert remote_domains_per_token(256, 8, 8) == pytest.approx(7 * (1 - math.comb(224, 8) / math.comb(256, 8)))
+    assert remote_domains_per_token(256, 8, 16, 8, 4) == remote_domains_per_token(256, 8, 16)  # groups span nodes
 
 
 def test_a_deduplicated_dispatch_sends_less_across_domains_and_the_rest_inside():

@@ -128,7 +128,8 @@ def moe_options(config: dict[str, Any], seq: int, name: str) -> dict[str, Any]:
         o.update({"q_lora_rank": int(config.get("q_lora_rank") or 0), "kv_lora_rank": int(config["kv_lora_rank"]),
                   "qk_nope_head_dim": int(config["qk_nope_head_dim"]),
                   "qk_rope_head_dim": int(config["qk_rope_head_dim"]), "v_head_dim": int(config["v_head_dim"]),
-                  "mtp_layers": int(_get(config, "num_nextn_predict_layers", default=0))})
+                  "mtp_layers": int(_get(config, "num_nextn_predict_layers", default=0)),
+                  "expert_groups": int(config.get("n_group") or 0), "routed_groups": int(config.get("topk_group") or 0)})
     return o
 
 
@@ -138,8 +139,9 @@ def assumed_lines(config: dict[str, Any]) -> list[str]:
     lines = ["routed experts dropless (every token reaches its top-k experts) unless --option capacity_factor=C; "
              "each stage holds all its layers' experts unless --expert-parallel E splits them"]
     if model_type == "deepseek_v3":
-        lines.append("DeepSeek's group-limited routing and score-correction bias priced as plain top-k over sigmoid "
-                     "scores; multi-token prediction modules share the embedding and the head")
+        lines.append("DeepSeek's group-limited routing counted in the nodes a deduplicating dispatcher reaches, its "
+                     "experts' load and its score-correction bias priced as plain top-k over sigmoid scores; "
+                     "multi-token prediction modules share the embedding and the head")
     if model_type == "llama4_text":
         lines.append("Llama 4's chunked attention and layers without rotary positions priced as full causal "
                      "attention with rotary positions")

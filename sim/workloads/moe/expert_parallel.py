@@ -124,15 +124,22 @@ class ExpertSplit:
         return shown * forward_a2a_s / total, shown * backward_a2a_s / total
 
 
-def remote_domains_per_token(experts: int, top_k: int, domains: int) -> float:
+def remote_domains_per_token(experts: int, top_k: int, domains: int, groups: int = 0,
+                             routed_groups: int = 0) -> float:
     """Expected scale-up domains other than its own a token's top-k experts fall in, experts spread evenly
     over ``domains`` and a router balanced in expectation (k distinct experts drawn uniformly): each other
     domain is reached unless all k experts are elsewhere, C(n - n/N, k) / C(n, k). DeepEP and HybridEP
     send a token once to each such domain and fan it out to the experts' ranks inside it (DeepSeek-V3
     technical report, Section 3.2.2; Megatron-Core's ``flex`` dispatcher); an all-to-all sends one copy
-    per assignment."""
+    per assignment. With group-limited routing (``groups`` of experts, a token's top-k drawn from its best
+    ``routed_groups``: DeepSeek-V3's 8 and 4) and the groups laid whole on the domains (``groups`` a
+    multiple of them), a domain is reached when one of its groups is chosen, each group taken to receive at
+    least one of the token's experts: C(G - G/N, g) / C(G, g) missed."""
     if domains < 2:
         return 0.0
+    if groups and routed_groups and groups % domains == 0:
+        missed = math.comb(groups - groups // domains, routed_groups) / math.comb(groups, routed_groups)
+        return (domains - 1) * (1.0 - missed)
     per_domain = experts / domains
     missed = math.comb(experts - round(per_domain), top_k) / math.comb(experts, top_k)
     return (domains - 1) * (1.0 - missed)

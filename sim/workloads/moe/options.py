@@ -13,6 +13,9 @@ latent attention's and multi-token prediction's, each converted and checked, one
   copy per assignment), ``deepep`` or ``hybridep`` (Megatron-Core's ``flex`` dispatcher with DeepEP or
   HybridEP: one copy per destination scale-up domain across the network, fanned out inside it;
   :func:`sim.workloads.moe.expert_parallel.remote_domains_per_token`).
+- ``expert_groups``, ``routed_groups``: DeepSeek's group-limited routing (its config's ``n_group`` and
+  ``topk_group``): the routed experts in that many groups, each token's top-k drawn from its best
+  ``routed_groups`` of them (0: no limit); what a deduplicating dispatcher sends across nodes counts it.
 - ``cuda_graphs``: the trainer captures the layers in CUDA graphs, which removes each MoE layer's fixed
   per-pass time (:data:`sim.workloads.moe.workload.MOE_LAYER_FIXED_S`).
 - ``expert_biases``, ``router_bias``: gpt-oss's biases on the experts' matmuls and the router.
@@ -31,7 +34,7 @@ from sim.workloads.model_options import resolve_options
 
 MOE_DEFAULTS: dict[str, Any] = {
     "experts": 8, "top_k": 2, "expert_ff": 0, "shared_ff": 0, "moe_layers": "none", "capacity_factor": 0.0,
-    "expert_imbalance": 0.0, "dispatcher": "alltoall", "cuda_graphs": False, "expert_biases": False, "router_bias": False, "q_lora_rank": 0, "kv_lora_rank": 0,
+    "expert_imbalance": 0.0, "dispatcher": "alltoall", "cuda_graphs": False, "expert_groups": 0, "routed_groups": 0, "expert_biases": False, "router_bias": False, "q_lora_rank": 0, "kv_lora_rank": 0,
     "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0, "mtp_layers": 0,
 }
 # the knobs of the pricing a user may set on any MoE model (--option capacity_factor=1.25)
@@ -79,6 +82,11 @@ def resolve_moe_options(options: dict[str, Any], model: str = "moe transformer")
     moe = {**MOE_DEFAULTS, **{k: v for k, v in options.items() if k in MOE_DEFAULTS}}
     merged = resolve_options("transformer", {k: v for k, v in options.items() if k not in MOE_DEFAULTS})
     moe = {key: _check(key, value, model) for key, value in moe.items()}
+    groups, routed = moe["expert_groups"], moe["routed_groups"]
+    if groups and (moe["experts"] % groups or not 0 < routed <= groups):
+        raise GpipeInputError(f"expert_groups={groups}, routed_groups={routed} for model {model}: the groups must "
+                              f"divide experts={moe['experts']} and each token use 1 to {groups} of them (n_group, "
+                              "topk_group of a DeepSeek config); or give expert_groups=0")
     if moe["top_k"] > moe["experts"]:
         raise GpipeInputError(f"top_k={moe['top_k']} (a config's num_experts_per_tok) is above experts="
                               f"{moe['experts']} for model {model}; each token is routed to at most every expert: "
