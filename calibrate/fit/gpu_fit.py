@@ -47,6 +47,7 @@ from sim.catalog.hardware import SYSTEMS, get_system
 from sim.catalog.user_systems import fitted_name, resolve_system
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.errors import GpipeInputError
+from sim.engine.stage_costs import rerun_in_backward_s
 from sim.evidence.replay import Resolve, replay
 from sim.formats.timeline import read_json
 from sim.workloads.tensor_parallel import with_tensor_parallel
@@ -93,12 +94,7 @@ def layer_seconds(row: dict[str, Any], kernels: KernelEfficiency) -> tuple[float
     workload, groups = with_tensor_parallel(workload, system, int(row["tensor_parallel"]),
                                             bool(row["sequence_parallel"]))
     block = workload.layer_costs(int(row["microbatch_size"]), groups.device)[1]
-    backward_s = block.backward_s
-    if row["checkpoint"] == "full":
-        backward_s += block.recompute_s
-    elif row["checkpoint"] == "selective":
-        backward_s += block.core_recompute_s
-    return block.forward_s, backward_s
+    return block.forward_s, block.backward_s + rerun_in_backward_s(block, row["checkpoint"])
 
 
 def targets(runs: Sequence[dict[str, Any]], layers: Sequence[dict[str, Any]], resolve: Resolve) -> list[Target]:

@@ -1,12 +1,12 @@
 """What a prediction's device efficiency rests on, said beside the figures it moves.
 
-A prediction's layer times are *measured* (``--costs``), or come from a device's achieved fraction
-of its peak FLOP/s, *given* (``--efficiency``), *calibrated* on a real machine
-(``--efficiency-from COSTS``), *fitted* on published runs (the A100, H100, B200 and GB200:
-``sim/catalog/gpu_efficiency.json``; the H200 at the H100's, its file's ``kernels_of``) or *assumed* (the catalog's 50% for every other accelerator). An
+A prediction's layer times are *measured* (``--costs``), or come from a device's achieved fraction of its peak FLOP/s,
+*given* (``--efficiency``), *calibrated* on a real machine (``--efficiency-from COSTS``), *fitted* on
+published runs (the A100, H100, B200 and GB200: ``sim/catalog/gpu_efficiency.json``; the H200 at the
+H100's, its file's ``kernels_of``) or *assumed* (the catalog's 50% for every other accelerator). An
 assumed fraction comes with a range, :data:`ASSUMED_EFFICIENCY_RANGE`, at whose ends
-:mod:`sim.planner.efficiency_range` prices a plan again. The ``cpu`` entry's figures are nominal, not this
-machine's: without a costs file a CPU prediction can be several times off, so it is called
+:mod:`sim.planner.efficiency_range` prices a plan again. The ``cpu`` entry's figures are nominal, not
+this machine's: without a costs file a CPU prediction can be several times off, so it is called
 *uncalibrated*, with the ``gpipe calibrate`` command that measures it.
 """
 
@@ -54,7 +54,8 @@ def efficiency_text(system: System, kind: str, calibrated_from: str | None = Non
         return f"efficiency calibrated ({share}, fitted by gpipe calibrate in {calibrated_from})"
     if kind == "fitted":
         if system.device.fitted_as != system.device.name:
-            return f"efficiency fitted on published runs of the {system.device.fitted_as} (the same silicon: kernels_of)"
+            return (f"efficiency fitted on published runs of the {system.device.fitted_as} "
+                    "(the same silicon: kernels_of)")
         return "efficiency fitted on published runs"
     if kind == "uncalibrated":
         return f"efficiency uncalibrated (the catalog's nominal {share} for a CPU, not measured here)"

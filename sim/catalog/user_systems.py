@@ -26,8 +26,8 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from sim.catalog.hardware import (CATALOG_FILES, LINKS, SYSTEMS, System, build_system, fitted_device_named, fitted_devices,
-                                  get_system, place)
+from sim.catalog.hardware import (CATALOG_FILES, LINKS, SYSTEMS, System, build_system, fitted_device_named,
+                                  fitted_devices, get_system, place)
 from sim.catalog.kernel_model import KernelEfficiency
 from sim.catalog.system_schema import DEVICE_FIGURES, KEYS, ONE_OF, check_keys, system_fields
 from sim.errors import GpipeInputError, did_you_mean
@@ -146,8 +146,6 @@ def _from_object(data: Any, nodes: int, kernels: KernelEfficiency | None, fitted
         raise GpipeInputError(f"{where}: kernels_of {borrowed!r} names no device with fitted kernel fractions"
                               f"{did_you_mean(str(borrowed), fitted_devices())}; choose one of "
                               f"{', '.join(sorted(fitted_devices()))}, or leave it out")
-    if borrowed is not None and base is None:
-        fitted_as = borrowed
     system = build_system(system_fields(data, where, LINKS), LINKS)
     return place(system, nodes, kernels, fitted, fitted_as)
 

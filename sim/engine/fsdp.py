@@ -81,10 +81,9 @@ from sim.catalog.hardware import Link, System
 from sim.engine.allreduce import group_allreduce_s, ring_allreduce_s
 from sim.engine.memory import expert_share, sharding_of
 from sim.engine.placement import device_of
-from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, stage_bounds
+from sim.engine.stage_costs import CostTable, StageCost, backward_time_s, rerun_in_backward_s, stage_bounds
 from sim.errors import GpipeInputError
 from sim.workloads.moe.expert_parallel import expert_data_ranks, expert_replica_stride
-from sim.schedules.schedule import recomputes_attention_core, recomputes_ops, recomputes_per_layer
 from sim.workloads.workload import LayerCost
 
 if TYPE_CHECKING:
@@ -251,13 +250,7 @@ def sharded_bytes(nbytes: int, ranks: int) -> int:
 
 def layer_backward_s(layer: LayerCost, checkpoint: str) -> float:
     """One layer's backward as :func:`sim.engine.stage_costs.backward_time_s` times a stage's."""
-    if recomputes_per_layer(checkpoint):
-        return layer.backward_s + layer.recompute_s
-    if recomputes_attention_core(checkpoint):
-        return layer.backward_s + layer.core_recompute_s
-    if recomputes_ops(checkpoint):
-        return layer.backward_s + layer.op_recompute_s
-    return layer.backward_s
+    return layer.backward_s + rerun_in_backward_s(layer, checkpoint)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from typing import Sequence
 import numpy as np
 
 from sim.engine.memory import Sharding, sharded_static_bytes
-from sim.engine.stage_costs import held_input_bytes, layer_alone_bytes
-from sim.schedules.schedule import recomputes_attention_core, recomputes_ops, recomputes_per_layer
+from sim.engine.stage_costs import dropped_bytes, held_input_bytes, layer_alone_bytes
+from sim.schedules.schedule import recomputes_per_layer
 from sim.workloads.workload import LayerCost, SharedParameter
 
 
@@ -98,10 +98,9 @@ class RangeMemory:
         else:
             held = np.array([held_input_bytes(c) for c in layers], dtype=np.int64)
             saved = _range(_prefix([c.saved_bytes for c in layers])) + held[:, None]
-            if recomputes_attention_core(checkpoint):
-                saved = saved - _range(_prefix([c.core_saved_bytes for c in layers]))
-            if recomputes_ops(checkpoint):
-                saved = saved - _range(_prefix([c.op_dropped_bytes for c in layers]))
+            dropped = [dropped_bytes(c, checkpoint) for c in layers]  # selective's and selective_op's
+            if any(dropped):
+                saved = saved - _range(_prefix(dropped))
             self.stash = np.broadcast_to(inputs[:, None], (n, n + 1))
             self.saved = saved
             self.transient = zeros

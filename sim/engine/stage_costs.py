@@ -165,16 +165,34 @@ def layer_alone_bytes(cost: LayerCost) -> int:
     return cost.saved_bytes + held_input_bytes(cost)
 
 
-def backward_time_s(cost: StageCost, checkpoint: str) -> float:
-    """A backward action's time: with ``--checkpoint full`` it recomputes every layer first (with the
-    time per layer calibration measured for it, where it did), with ``selective`` every attention core."""
+def rerun_in_backward_s(cost: StageCost | LayerCost, checkpoint: str) -> float:
+    """What ``checkpoint`` reruns inside a backward of ``cost`` (a stage's or one layer's): every layer
+    (``full``), the attention cores (``selective``), what ``selective_op`` dropped; 0 otherwise."""
     if recomputes_per_layer(checkpoint):
-        return cost.backward_s + cost.recompute_s if cost.full_backward_s is None else cost.full_backward_s
+        return cost.recompute_s
     if recomputes_attention_core(checkpoint):
-        return cost.backward_s + cost.core_recompute_s
+        return cost.core_recompute_s
     if recomputes_ops(checkpoint):
-        return cost.backward_s + cost.op_recompute_s
-    return cost.backward_s
+        return cost.op_recompute_s
+    return 0.0
+
+
+def dropped_bytes(cost: StageCost | LayerCost, checkpoint: str) -> int:
+    """Of ``cost``'s saved bytes, those ``selective`` (the attention cores') or ``selective_op`` does not
+    keep until the backward; 0 for the other policies, whose held bytes are counted apart."""
+    if recomputes_attention_core(checkpoint):
+        return cost.core_saved_bytes
+    if recomputes_ops(checkpoint):
+        return cost.op_dropped_bytes
+    return 0
+
+
+def backward_time_s(cost: StageCost, checkpoint: str) -> float:
+    """A backward action's time: with what its policy reruns inside it (:func:`rerun_in_backward_s`), under
+    ``--checkpoint full`` the time per layer calibration measured for it, where it did."""
+    if recomputes_per_layer(checkpoint) and cost.full_backward_s is not None:
+        return cost.full_backward_s
+    return cost.backward_s + rerun_in_backward_s(cost, checkpoint)
 
 
 def held_sizes(cost: StageCost, checkpoint: str) -> tuple[int, int, int]:
@@ -183,11 +201,7 @@ def held_sizes(cost: StageCost, checkpoint: str) -> tuple[int, int, int]:
     backward adds while it runs (``full`` only)."""
     if recomputes_per_layer(checkpoint):
         return 0, cost.layer_inputs_bytes, cost.layer_transient_bytes
-    if recomputes_attention_core(checkpoint):
-        return cost.stash_bytes, cost.saved_bytes - cost.core_saved_bytes, 0
-    if recomputes_ops(checkpoint):
-        return cost.stash_bytes, cost.saved_bytes - cost.op_dropped_bytes, 0
-    return cost.stash_bytes, cost.saved_bytes, 0
+    return cost.stash_bytes, cost.saved_bytes - dropped_bytes(cost, checkpoint), 0
 
 
 def sum_stage(layers: Sequence[LayerCost]) -> StageCost:
@@ -231,7 +245,7 @@ class CostTable:
         self.device = device
         self._layers: dict[int, tuple[LayerCost, ...]] = {}
         self._stages: dict[tuple[int, int, int], StageCost] = {}
-        self._prefix: dict[int, list[tuple[float, float, float, int, int, float, int, float, float, int, float]]] = {}
+        self._prefix: dict[int, list[tuple[float, ...]]] = {}  # rows -> _prefix_sums
         self._exact = workload.stage_cost
         self._shared = shared_parameters(workload)
         self._state_bytes: dict[tuple[int, int], tuple[int, int]] = {}
@@ -242,7 +256,7 @@ class CostTable:
             self._layers[rows] = tuple(self.workload.layer_costs(rows, self.device))
         return self._layers[rows]
 
-    def _prefix_sums(self, rows: int) -> list[tuple[float, float, float, int, int, float, int, float, float, int, float]]:
+    def _prefix_sums(self, rows: int) -> list[tuple[float, ...]]:
         """Running sums of (forward, backward, recompute, saved, static, optimizer, core saved, core
         recompute, weight gradients, selective_op's dropped bytes, its recompute) over layers."""
         if rows not in self._prefix:

@@ -99,7 +99,8 @@ REQUIRED = ("id", "hardware", "nodes", "model", "options", "tensor_parallel", "p
             "sequence_parallel", "precision", "measured_step_s")
 # keys a run may leave out, which then mean null
 OPTIONAL = ("attention", "compile", "zero", "shard_group", "gradient_sync", "use_megatron_fsdp", "expert_parallel",
-            "expert_tensor_parallel", "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap", "moe_dispatcher", "cuda_graphs")
+            "expert_tensor_parallel", "pipeline_split", "moe_capacity_factor", "moe_a2a_overlap", "moe_dispatcher",
+            "cuda_graphs")
 # Every run: what the simulator takes that the source's trainer does differently
 ALWAYS_ASSUMED = ("data-parallel all-reduce bucketed inside each stage's last backward, as Megatron-LM runs it; "
                   "a distributed optimizer taken as ZeRO-1",)
@@ -230,12 +231,13 @@ def chooses_kernels(model: str) -> bool:
 def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str, Any]:
     """The run's model options with its precision, attention kernel and compilation as its trainer
     meant them (see the module); what a null took is said in ``out.assumed``."""
+    from sim.workloads.moe.config import names_experts
+
     options = {**run["options"], "precision": trainers_precision(run["precision"])}
+    experts = names_experts(str(run["model"]), run["options"])
     capacity = run.get("moe_capacity_factor")
     if capacity is not None:
-        from sim.workloads.moe.config import names_experts
-
-        if not names_experts(str(run["model"]), run["options"]):
+        if not experts:
             raise GpipeInputError(f"moe_capacity_factor {capacity!r} for {run['model']}, which has no experts; "
                                   "leave it out (or null)")
         given = options.get("capacity_factor")
@@ -243,8 +245,8 @@ def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str,
             raise GpipeInputError(f"moe_capacity_factor is {capacity!r} but the options' capacity_factor {given!r}; "
                                   "give one")
         options["capacity_factor"] = capacity  # the MoE pricing's option
-    options.update(_dispatcher_option(run, out))
-    if run.get("cuda_graphs") and names_experts_of(run):
+    options.update(_dispatcher_option(run, experts, out))
+    if run.get("cuda_graphs") and experts:
         options["cuda_graphs"] = True  # the MoE layers' host-side fixed time gone (sim.workloads.moe.options)
     model = run["model"]
     attention = _one_of(run, "attention")
@@ -265,26 +267,19 @@ def _model_options(run: dict[str, Any], device: Any, out: Replayed) -> dict[str,
     return {**options, "attention": attention, "compile": False if compiled is None else compiled}
 
 
-def names_experts_of(run: dict[str, Any]) -> bool:
-    """Whether a run's model is a mixture of experts."""
-    from sim.workloads.moe.config import names_experts
-
-    return names_experts(str(run["model"]), run["options"])
-
-
-def _dispatcher_option(run: dict[str, Any], out: Replayed) -> dict[str, str]:
-    """A mixture of experts' ``moe_dispatcher`` as the model's ``dispatcher`` option (none for a dense model)."""
-    from sim.workloads.moe.config import names_experts
+def _dispatcher_option(run: dict[str, Any], experts: bool, out: Replayed) -> dict[str, str]:
+    """A mixture of experts' (``experts``) ``moe_dispatcher`` as the model's ``dispatcher`` option (none for a
+    dense model)."""
     from sim.workloads.moe.options import DISPATCHERS
 
     given = run.get("moe_dispatcher")
-    if not names_experts(str(run["model"]), run["options"]):
+    if not experts:
         if given is not None:
             raise GpipeInputError(f"moe_dispatcher {given!r} for {run['model']}, which has no experts; leave it out "
                                   "(or null)")
         return {}
     if given is None:
-        if (count_of_experts := run.get("expert_parallel")) is None or count_of_experts > 1:
+        if (expert_parallel := run.get("expert_parallel")) is None or expert_parallel > 1:
             out.assumed.append("moe_dispatcher null: alltoall, one copy of a token per assignment "
                                "(Megatron-Core's default)")
         return {}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from functools import lru_cache
 from typing import Callable, Sequence
 
@@ -159,7 +158,7 @@ def min_max_partition(costs: Sequence[float], stages: int, fits: Fits | None = N
     longest: dict[int, int] = {}  # the most layers each memory-ends list lets one stage take
     for ends in memory_ends:
         if id(ends) not in longest:
-            longest[id(ends)] = max(map(operator.sub, ends, range(n)))
+            longest[id(ends)] = max(end - first for first, end in enumerate(ends))
     if sum(longest[id(ends)] for ends in memory_ends) < n:  # the stages cannot hold every layer
         return None
     low, high = _lowest_limit(tuple(costs), stages), len(candidates) - 1

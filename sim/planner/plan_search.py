@@ -189,11 +189,6 @@ def _near_a_domain_first(pairs: list[tuple[int, int | None]], t: int, per_domain
     return sorted(pairs, key=lambda p: abs(math.log2(p[0] * (p[1] or t)) - math.log2(per_domain)))
 
 
-def _best_score(options: list[PlanOption]) -> float:
-    """The best score among ``options``: a search for the best plan of all need rank nothing above it."""
-    return min((o.score for o in options), default=float("inf"))
-
-
 def _ceiling(parts: list[SearchResult], top: int) -> float:
     """The ``top``-th best score of the searches so far: no plan above it enters the merged ranking."""
     scores = sorted(o.score for part in parts for o in part.ranked)
@@ -257,9 +252,10 @@ def fastest_and_cheapest(space: SearchSpace, costing: Costing,
     if costing.train_tokens is None or not priced:
         return (ranked[0], None) if costing.rank_by == "time" else (None, ranked[0])
     flipped = replace(costing, rank_by="cost" if costing.rank_by == "time" else "time")
-    again: list[PlanOption] = []
-    for target in priced if flipped.rank_by == "cost" else space.hardware:
-        again += plan_on(target, space, flipped, 1, None, _best_score(again)).result.ranked
+    results: list[SearchResult] = []
+    for target in priced if flipped.rank_by == "cost" else space.hardware:  # only a plan better than the best so far
+        results.append(plan_on(target, space, flipped, 1, None, _ceiling(results, 1)).result)
+    again = [o for result in results for o in result.ranked]
     other = min(again, key=lambda o: o.score) if again else None
     return (ranked[0], other) if costing.rank_by == "time" else (other, ranked[0])
 

@@ -156,7 +156,6 @@ def test_the_searches_of_each_t_sharing_a_ceiling_rank_as_searches_without_it(mo
     shared = gpipe(*command)
     assert shared.returncode == 0, shared.stderr
     monkeypatch.setattr(plan_search, "_ceiling", lambda parts, top: float("inf"))
-    monkeypatch.setattr(plan_search, "_best_score", lambda options: float("inf"))
     alone = gpipe(*command)
     assert alone.returncode == 0, alone.stderr
     with_ceiling, without = json.loads(shared.stdout), json.loads(alone.stdout)

@@ -129,7 +129,8 @@ def moe_options(config: dict[str, Any], seq: int, name: str) -> dict[str, Any]:
                   "qk_nope_head_dim": int(config["qk_nope_head_dim"]),
                   "qk_rope_head_dim": int(config["qk_rope_head_dim"]), "v_head_dim": int(config["v_head_dim"]),
                   "mtp_layers": int(_get(config, "num_nextn_predict_layers", default=0)),
-                  "expert_groups": int(config.get("n_group") or 0), "routed_groups": int(config.get("topk_group") or 0)})
+                  "expert_groups": int(config.get("n_group") or 0),
+                  "routed_groups": int(config.get("topk_group") or 0)})
     return o
 
 

@@ -34,7 +34,8 @@ from sim.workloads.model_options import resolve_options
 
 MOE_DEFAULTS: dict[str, Any] = {
     "experts": 8, "top_k": 2, "expert_ff": 0, "shared_ff": 0, "moe_layers": "none", "capacity_factor": 0.0,
-    "expert_imbalance": 0.0, "dispatcher": "alltoall", "cuda_graphs": False, "expert_groups": 0, "routed_groups": 0, "expert_biases": False, "router_bias": False, "q_lora_rank": 0, "kv_lora_rank": 0,
+    "expert_imbalance": 0.0, "dispatcher": "alltoall", "cuda_graphs": False, "expert_groups": 0, "routed_groups": 0,
+    "expert_biases": False, "router_bias": False, "q_lora_rank": 0, "kv_lora_rank": 0,
     "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0, "mtp_layers": 0,
 }
 # the knobs of the pricing a user may set on any MoE model (--option capacity_factor=1.25)

@@ -163,8 +163,9 @@ class MoEWorkload(AnalyticWorkload):
         across = None
         if o.get("dispatcher", "alltoall") != "alltoall":  # one copy per destination domain (DeepEP, HybridEP)
             copies = assignments_per_token(o) / o["top_k"]  # padded to capacity: as many more copies
-            across = tokens * token_bytes * copies * remote_domains_per_token(o["experts"], o["top_k"], ep.domains,
-                                                                                   o["expert_groups"], o["routed_groups"])
+            domains = remote_domains_per_token(o["experts"], o["top_k"], ep.domains, o["expert_groups"],
+                                               o["routed_groups"])
+            across = tokens * token_bytes * copies * domains
         exchange_s = 2 * ep.exchange_s(payload, across)  # dispatch and combine
         forward_s, backward_s = ep.exposed_s(exchange_s, exchange_s, cost.forward_s, cost.backward_s)
         experts = expert_parameters(o, self.tensor_parallel, ep.expert_parallel, ep.expert_tensor_parallel)
