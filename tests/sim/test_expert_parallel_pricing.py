@@ -387,3 +387,6 @@ def test_the_dispatcher_option_is_checked_in_one_line():
     with pytest.raises(GpipeInputError, match="dispatcher='nccl' for model moe; use one of alltoall, deepep, hybridep"):
         resolve_moe_options({"d_model": 64, "heads": 4, "dispatcher": "nccl"}, "moe")
     assert resolve_moe_options({"d_model": 64, "heads": 4, "dispatcher": "deepep"}, "moe")["dispatcher"] == "deepep"
+    for groups, routed in ((3, 1), (4, 5), (4, 0)):  # 3 does not divide 8 experts; 5 of 4 groups; none of 4
+        with pytest.raises(GpipeInputError, match=f"expert_groups={groups}, routed_groups={routed} for model moe"):
+            resolve_moe_options({"d_model": 64, "heads": 4, "expert_groups": groups, "routed_groups": routed}, "moe")

@@ -87,7 +87,7 @@ def resolve_moe_options(options: dict[str, Any], model: str = "moe transformer")
     if groups and (moe["experts"] % groups or not 0 < routed <= groups):
         raise GpipeInputError(f"expert_groups={groups}, routed_groups={routed} for model {model}: the groups must "
                               f"divide experts={moe['experts']} and each token use 1 to {groups} of them (n_group, "
-                              "topk_group of a DeepSeek config); or give expert_groups=0")
+                              "topk_group of a DeepSeek config); or no group limit: n_group=0 (expert_groups=0)")
     if moe["top_k"] > moe["experts"]:
         raise GpipeInputError(f"top_k={moe['top_k']} (a config's num_experts_per_tok) is above experts="
                               f"{moe['experts']} for model {model}; each token is routed to at most every expert: "
